@@ -1,0 +1,1 @@
+//! GGML quantization formats.

@@ -1,0 +1,3 @@
+fn main() {
+    println!("ember {}", env!("CARGO_PKG_VERSION"));
+}
