@@ -1,1 +1,28 @@
-fn main() {}
+//! `cargo xtask`: ember's build-and-release toolchain. One command, one module; `main` is a flat
+//! match over the flags declared in `flags.rs`.
+
+mod docker;
+mod flags;
+mod smoke;
+
+use anyhow::Result;
+use clap::Parser;
+use xshell::Shell;
+
+fn main() -> Result<()> {
+    let flags = flags::Xtask::parse();
+    let sh = Shell::new()?;
+    sh.change_dir(project_root());
+    match flags.command {
+        flags::Command::Docker(cmd) => cmd.run(&sh),
+        flags::Command::Smoke(cmd) => cmd.run(&sh),
+    }
+}
+
+/// The workspace root (the folder holding `targets.toml`).
+pub fn project_root() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives one level below the workspace root")
+        .to_path_buf()
+}
