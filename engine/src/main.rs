@@ -1,3 +1,5 @@
-fn main() {
-    println!("ember {}", env!("CARGO_PKG_VERSION"));
+//! The `ember` command line; everything lives in the library's `cli` module.
+
+fn main() -> std::process::ExitCode {
+    ember::cli::main()
 }

@@ -1,10 +1,500 @@
-//! `cargo xtask docker`: container images per target.
+//! `cargo xtask docker`: one container image per target, from `docker/Dockerfile` on the base
+//! image that `targets.toml` pins for the target (the official ROCm runtime image for AMD GPU
+//! targets, a plain Debian image for the CPU target). `--base` swaps the base, which is how CI
+//! builds the real Dockerfile on a local debootstrapped image where the official images cannot be
+//! pulled.
+//!
+//! The build context is a folder of its own holding only the Dockerfile and the packaged artifact,
+//! so nothing else of the checkout is sent to the daemon or can end up in the image.
+//!
+//! This module also reads what `targets.toml` implies for a target's build manifest (features with
+//! state and reason) and compares a package's `manifest.json` with it; `cargo xtask smoke` uses both.
 
-use anyhow::{bail, Result};
-use xshell::Shell;
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use xshell::{cmd, Shell};
+
+#[cfg(test)]
+use crate::targets::FeatureState;
+use crate::targets::{self, Feature, Target};
+
+/// Image labels the Dockerfile sets and the smoke test reads back.
+pub const LABEL_TARGET: &str = "io.ember.target";
+pub const LABEL_VERSION: &str = "org.opencontainers.image.version";
+pub const LABEL_RUN: &str = "io.ember.run";
+
+/// What a ROCm container needs to reach the GPU: the compute and render device nodes, the group
+/// that owns them, and no seccomp filter (the ROCm runtime makes calls the default profile blocks).
+/// The Dockerfile's `io.ember.run` label and docker/README.md document the same.
+pub const GPU_RUN_ARGS: [&str; 8] = [
+    "--device",
+    "/dev/kfd",
+    "--device",
+    "/dev/dri",
+    "--group-add",
+    "video",
+    "--security-opt",
+    "seccomp=unconfined",
+];
 
 impl crate::flags::Docker {
-    pub fn run(self, _sh: &Shell) -> Result<()> {
-        bail!("xtask docker is not implemented yet (target {})", self.target)
+    pub fn run(self, sh: &Shell) -> Result<()> {
+        let root = crate::project_root();
+        let started = Instant::now();
+        // Fails on a target name targets.toml does not know, before anything is built.
+        let targets = targets::load()?;
+        let target = targets.target(&self.target)?;
+        let version = workspace_version(&root)?;
+        let artifact = root
+            .join("target")
+            .join("dist")
+            .join(artifact_file_name(&version, &target.name));
+        if !artifact.is_file() {
+            bail!(
+                "expected the Linux artifact {} for target {}, found none; run `cargo xtask build --target {}` first",
+                artifact.display(),
+                target.name,
+                target.name
+            );
+        }
+        let base = match self.base {
+            Some(base) => base,
+            None => {
+                let image = targets.default_base_image(target)?;
+                if !image.is_pinned() {
+                    eprintln!(
+                        "warning: base image {} is not pinned by digest in targets.toml; a release build refuses it",
+                        image.tag
+                    );
+                }
+                image.reference()
+            }
+        };
+
+        let context_dir = root
+            .join("target")
+            .join("docker-context")
+            .join(&self.target);
+        if context_dir.exists() {
+            std::fs::remove_dir_all(&context_dir).with_context(|| {
+                format!(
+                    "removing the previous build context {}",
+                    context_dir.display()
+                )
+            })?;
+        }
+        std::fs::create_dir_all(&context_dir)?;
+        std::fs::copy(
+            root.join("docker").join("Dockerfile"),
+            context_dir.join("Dockerfile"),
+        )
+        .context("copying docker/Dockerfile into the build context")?;
+        // A hard link costs nothing; a copy covers a target dir on another filesystem.
+        let context_artifact = context_dir.join("ember.tar.gz");
+        if std::fs::hard_link(&artifact, &context_artifact).is_err() {
+            std::fs::copy(&artifact, &context_artifact).with_context(|| {
+                format!("copying {} into the build context", artifact.display())
+            })?;
+        }
+
+        let tag = image_tag(&version, &target.name);
+        let target = &target.name;
+        let source = workspace_repository(&root)?;
+        println!("docker: building {tag} on {base}");
+        cmd!(
+            sh,
+            "docker build --build-arg BASE_IMAGE={base} --build-arg EMBER_VERSION={version} --build-arg EMBER_TARGET={target} --build-arg EMBER_SOURCE={source} --tag {tag} {context_dir}"
+        )
+        .run()
+        .with_context(|| format!("building image {tag} (is dockerd running? .ci/setup-docker.sh starts one)"))?;
+        std::fs::remove_dir_all(&context_dir)?;
+        println!(
+            "docker: built {tag} in {:.1} s",
+            started.elapsed().as_secs_f64()
+        );
+        println!("docker: smoke-test it with `cargo xtask smoke --image {tag}`");
+        Ok(())
+    }
+}
+
+/// `ember:<version>-<target>`.
+pub fn image_tag(version: &str, target: &str) -> String {
+    format!("ember:{version}-{target}")
+}
+
+/// The Linux archive `cargo xtask build` packages for a target.
+pub fn artifact_file_name(version: &str, target: &str) -> String {
+    format!("ember-{version}-linux-{target}-x64.tar.gz")
+}
+
+/// The workspace version (`[workspace.package] version` of the root Cargo.toml).
+fn workspace_version(root: &Path) -> Result<String> {
+    workspace_package_field(root, "version")
+}
+
+/// The repository URL, for the image's source label.
+fn workspace_repository(root: &Path) -> Result<String> {
+    workspace_package_field(root, "repository")
+}
+
+fn workspace_package_field(root: &Path, field: &str) -> Result<String> {
+    let path = root.join("Cargo.toml");
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let manifest: toml::Value =
+        toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    manifest
+        .get("workspace")
+        .and_then(|workspace| workspace.get("package"))
+        .and_then(|package| package.get(field))
+        .and_then(toml::Value::as_str)
+        .map(str::to_string)
+        .with_context(|| {
+            format!(
+                "expected [workspace.package] {field} in {}, found none",
+                path.display()
+            )
+        })
+}
+
+// ---------------------------------------------------------------------------------------------
+// What targets.toml implies for one target's build manifest.
+
+/// The part of a build manifest that targets.toml decides: the target and its feature gates
+/// (after family inheritance, sorted by name).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExpectedManifest {
+    pub target: String,
+    pub features: Vec<Feature>,
+}
+
+impl ExpectedManifest {
+    pub fn of(target: &Target) -> ExpectedManifest {
+        ExpectedManifest {
+            target: target.name.clone(),
+            features: target.features.clone(),
+        }
+    }
+}
+
+/// Every way a package's `manifest.json` disagrees with what targets.toml implies. The features may
+/// be an object keyed by name or an array of objects with a `name`; each has `state`, and `reason`
+/// and `tracking` where targets.toml has them. Features targets.toml does not name are an error
+/// too: a manifest that claims more than the gate table is as wrong as one that claims less.
+pub fn compare_manifest_json(
+    expected: &ExpectedManifest,
+    manifest: &serde_json::Value,
+) -> Vec<String> {
+    let mut problems = Vec::new();
+    match manifest.get("target").and_then(serde_json::Value::as_str) {
+        Some(target) if target == expected.target => {}
+        Some(target) => problems.push(format!(
+            "expected target {}, found {target}",
+            expected.target
+        )),
+        None => problems.push(format!(
+            "expected \"target\": \"{}\", found none",
+            expected.target
+        )),
+    }
+    let mut found: BTreeMap<String, &serde_json::Value> = BTreeMap::new();
+    match manifest.get("features") {
+        Some(serde_json::Value::Object(map)) => {
+            found.extend(map.iter().map(|(name, value)| (name.clone(), value)))
+        }
+        Some(serde_json::Value::Array(items)) => {
+            for item in items {
+                match item.get("name").and_then(serde_json::Value::as_str) {
+                    Some(name) => {
+                        found.insert(name.to_string(), item);
+                    }
+                    None => problems.push(format!("expected a name in each feature, found {item}")),
+                }
+            }
+        }
+        Some(other) => problems.push(format!(
+            "expected \"features\" as an object or array, found {other}"
+        )),
+        None => problems.push("expected \"features\", found none".to_string()),
+    }
+    for feature in &expected.features {
+        let Some(value) = found.remove(&feature.name) else {
+            problems.push(format!(
+                "expected feature {} ({}), found none",
+                feature.name,
+                feature.state.name()
+            ));
+            continue;
+        };
+        let state = value.get("state").and_then(serde_json::Value::as_str);
+        if state != Some(feature.state.name()) {
+            problems.push(format!(
+                "expected feature {} to be {}, found {}",
+                feature.name,
+                feature.state.name(),
+                state.unwrap_or("no state")
+            ));
+        }
+        let reason = value.get("reason").and_then(serde_json::Value::as_str);
+        if reason != feature.reason.as_deref() {
+            problems.push(format!(
+                "expected the reason of feature {} to be {:?}, found {reason:?}",
+                feature.name, feature.reason
+            ));
+        }
+        let tracking: Vec<&str> = value
+            .get("tracking")
+            .and_then(serde_json::Value::as_array)
+            .map(|links| links.iter().filter_map(serde_json::Value::as_str).collect())
+            .unwrap_or_default();
+        if tracking != feature.tracking {
+            problems.push(format!(
+                "expected the tracking links of feature {} to be {:?}, found {tracking:?}",
+                feature.name, feature.tracking
+            ));
+        }
+    }
+    for name in found.keys() {
+        problems.push(format!(
+            "expected only the features of targets.toml, found {name} as well"
+        ));
+    }
+    problems
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn committed(target: &str) -> ExpectedManifest {
+        ExpectedManifest::of(targets::load().unwrap().target(target).unwrap())
+    }
+
+    #[test]
+    fn gfx1201_has_vmm_off_with_its_reason_and_links_and_gfx1151_on() {
+        let gfx1201 = committed("gfx1201");
+        let vmm = gfx1201
+            .features
+            .iter()
+            .find(|feature| feature.name == "vmm")
+            .unwrap();
+        assert_eq!(vmm.state, FeatureState::Off);
+        assert!(vmm.reason.as_deref().unwrap().contains("hipMemSetAccess"));
+        assert!(vmm
+            .tracking
+            .iter()
+            .any(|link| link.ends_with("ROCm/rocm-systems/issues/2516")));
+        let gfx1151 = committed("gfx1151");
+        let vmm = gfx1151
+            .features
+            .iter()
+            .find(|feature| feature.name == "vmm")
+            .unwrap();
+        assert_eq!((vmm.state, vmm.reason.as_ref()), (FeatureState::On, None));
+    }
+
+    fn feature(
+        name: &str,
+        state: FeatureState,
+        reason: Option<&str>,
+        tracking: &[&str],
+    ) -> Feature {
+        Feature {
+            name: name.to_string(),
+            state,
+            reason: reason.map(str::to_string),
+            tracking: tracking.iter().map(|link| link.to_string()).collect(),
+        }
+    }
+
+    fn gfx1201() -> ExpectedManifest {
+        ExpectedManifest {
+            target: "gfx1201".to_string(),
+            features: vec![
+                feature("peer_copy", FeatureState::On, None, &[]),
+                feature(
+                    "vmm",
+                    FeatureState::Off,
+                    Some("faults"),
+                    &["https://example.org/1"],
+                ),
+            ],
+        }
+    }
+
+    fn check_manifest(json: &str, problems: &[&str]) {
+        let found = compare_manifest_json(&gfx1201(), &serde_json::from_str(json).unwrap());
+        assert_eq!(
+            found,
+            problems
+                .iter()
+                .map(|problem| problem.to_string())
+                .collect::<Vec<_>>()
+        );
+    }
+
+    #[test]
+    fn manifest_json_against_targets() {
+        let good = r#"{"target":"gfx1201","rocm":"7.0","features":{"vmm":{"state":"off","reason":"faults","tracking":["https://example.org/1"]},"peer_copy":{"state":"on"}}}"#;
+        check_manifest(good, &[]);
+        check_manifest(
+            r#"{"target":"gfx1201","features":[{"name":"vmm","state":"off","reason":"faults","tracking":["https://example.org/1"]},{"name":"peer_copy","state":"on"}]}"#,
+            &[],
+        );
+        check_manifest(
+            &good.replace("\"gfx1201\"", "\"gfx1151\""),
+            &["expected target gfx1201, found gfx1151"],
+        );
+        check_manifest(
+            &good.replace(r#""state":"off","reason":"faults","#, r#""state":"on","#),
+            &[
+                "expected feature vmm to be off, found on",
+                "expected the reason of feature vmm to be Some(\"faults\"), found None",
+            ],
+        );
+        check_manifest(
+            &good.replace(r#","tracking":["https://example.org/1"]"#, ""),
+            &["expected the tracking links of feature vmm to be [\"https://example.org/1\"], found []"],
+        );
+        check_manifest(
+            &good.replace(r#","peer_copy":{"state":"on"}"#, ""),
+            &["expected feature peer_copy (on), found none"],
+        );
+        check_manifest(
+            &good.replace(
+                r#""peer_copy":{"state":"on"}"#,
+                r#""peer_copy":{"state":"on"},"xnack":{"state":"on"}"#,
+            ),
+            &["expected only the features of targets.toml, found xnack as well"],
+        );
+        check_manifest(
+            r#"{"features":{}}"#,
+            &[
+                "expected \"target\": \"gfx1201\", found none",
+                "expected feature peer_copy (on), found none",
+                "expected feature vmm (off), found none",
+            ],
+        );
+    }
+
+    #[test]
+    fn names() {
+        assert_eq!(image_tag("0.1.0", "gfx1201"), "ember:0.1.0-gfx1201");
+        assert_eq!(
+            artifact_file_name("0.1.0", "cpu"),
+            "ember-0.1.0-linux-cpu-x64.tar.gz"
+        );
+    }
+
+    /// Lint-like checks of docker/Dockerfile: what the image promises users and the smoke test.
+    #[test]
+    fn dockerfile_promises() {
+        let text =
+            std::fs::read_to_string(crate::project_root().join("docker/Dockerfile")).unwrap();
+        let instructions = dockerfile_instructions(&text);
+        let find = |keyword: &str| -> Vec<&str> {
+            instructions
+                .iter()
+                .filter(|(k, _)| k == keyword)
+                .map(|(_, rest)| rest.as_str())
+                .collect()
+        };
+        // The base is a build argument declared before FROM and used by it, with no default: the
+        // pinned default lives in targets.toml.
+        let first_from = instructions
+            .iter()
+            .position(|(k, _)| k == "FROM")
+            .expect("a FROM");
+        assert!(instructions[..first_from]
+            .iter()
+            .any(|(k, rest)| k == "ARG" && rest == "BASE_IMAGE"));
+        assert_eq!(find("FROM"), vec!["${BASE_IMAGE}"]);
+        // A non-root user is the last USER, so everything at run time is unprivileged.
+        let user = *find("USER").last().expect("a USER instruction");
+        assert!(!["root", "0", "0:0"].contains(&user), "USER {user}");
+        let healthcheck = find("HEALTHCHECK");
+        assert_eq!(healthcheck.len(), 1);
+        assert!(
+            healthcheck[0].contains("CMD [\"/opt/ember/ember\""),
+            "{healthcheck:?}"
+        );
+        assert_eq!(find("ENTRYPOINT"), vec!["[\"/opt/ember/ember\"]"]);
+        assert_eq!(find("ENV"), vec!["EMBER_MODELS_DIR=/models"]);
+        assert_eq!(find("VOLUME"), vec!["[\"/models\"]"]);
+        let labels = find("LABEL").join(" ");
+        for label in [
+            LABEL_TARGET,
+            LABEL_VERSION,
+            LABEL_RUN,
+            "org.opencontainers.image.source",
+        ] {
+            assert!(
+                labels.contains(&format!("{label}=")),
+                "label {label} missing"
+            );
+        }
+        for pair in GPU_RUN_ARGS.chunks(2) {
+            assert!(
+                labels.contains(&pair.join(" ")),
+                "run label lacks {}",
+                pair.join(" ")
+            );
+        }
+        // The artifact is the only context input the Dockerfile reads.
+        let inputs: Vec<&str> = find("ADD").into_iter().chain(find("COPY")).collect();
+        assert_eq!(inputs, vec!["ember.tar.gz /opt/ember-dist/"]);
+        let readme =
+            std::fs::read_to_string(crate::project_root().join("docker/README.md")).unwrap();
+        for pair in GPU_RUN_ARGS.chunks(2) {
+            assert!(
+                readme.contains(&pair.join(" ")),
+                "docker/README.md lacks {}",
+                pair.join(" ")
+            );
+        }
+    }
+
+    /// (KEYWORD, arguments) per instruction, with comments dropped and continuation lines joined.
+    fn dockerfile_instructions(text: &str) -> Vec<(String, String)> {
+        let mut instructions = Vec::new();
+        let mut current = String::new();
+        for line in text.lines() {
+            let trimmed = line.trim();
+            if trimmed.starts_with('#') || (trimmed.is_empty() && current.is_empty()) {
+                continue;
+            }
+            if let Some(continued) = trimmed.strip_suffix('\\') {
+                current.push_str(continued);
+                current.push(' ');
+                continue;
+            }
+            current.push_str(trimmed);
+            let (keyword, rest) = current
+                .split_once(char::is_whitespace)
+                .unwrap_or((current.as_str(), ""));
+            instructions.push((
+                keyword.to_uppercase(),
+                rest.split_whitespace().collect::<Vec<_>>().join(" "),
+            ));
+            current.clear();
+        }
+        instructions
+    }
+
+    #[test]
+    fn dockerfile_parser_joins_continuations() {
+        let parsed =
+            dockerfile_instructions("# c\nARG A\nRUN a \\\n    # inner\n    b\n\nUSER x\n");
+        assert_eq!(
+            parsed,
+            vec![
+                ("ARG".into(), "A".into()),
+                ("RUN".into(), "a b".into()),
+                ("USER".into(), "x".into())
+            ]
+        );
     }
 }

@@ -4,6 +4,8 @@ use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
 
+use crate::targets::{Os, Selection};
+
 #[derive(Debug, Parser)]
 #[command(name = "cargo xtask", about = "ember's build-and-release toolchain")]
 pub struct Xtask {
@@ -13,10 +15,109 @@ pub struct Xtask {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Compile kernels/*.hip into verified code objects under target/kernels/<target>/.
+    Kernels(Kernels),
+    /// Build one target: its kernels, the engine with the target's build manifest, and the package.
+    Build(Build),
+    /// Package an already built engine and kernels into target/dist/.
+    Package(Package),
+    /// Print the release matrix generated from targets.toml and write it into the release
+    /// workflow; with --check, fail instead of writing when the workflow has drifted.
+    Matrix(Matrix),
+    /// Run every test of the project: models, cargo tests, then the toolchain checks.
+    Test(Test),
     /// Build the container image for one target from docker/Dockerfile.
     Docker(Docker),
     /// Run an artifact or an image against a real model and check what it reports.
     Smoke(Smoke),
+}
+
+/// Which targets to act on: exactly one of --target, --family, --all.
+#[derive(Debug, clap::Args)]
+#[group(required = true, multiple = false)]
+pub struct TargetSelection {
+    /// One target from targets.toml (gfx1201, sm_90, cpu, ...).
+    #[arg(long)]
+    pub target: Option<String>,
+    /// Every target of one family from targets.toml (gfx120X, cdna, ...).
+    #[arg(long)]
+    pub family: Option<String>,
+    /// Every target in targets.toml.
+    #[arg(long)]
+    pub all: bool,
+}
+
+impl TargetSelection {
+    pub fn selection(&self) -> Selection {
+        match (&self.target, &self.family) {
+            (Some(target), _) => Selection::Target(target.clone()),
+            (None, Some(family)) => Selection::Family(family.clone()),
+            (None, None) => Selection::All,
+        }
+    }
+}
+
+#[derive(Debug, clap::Args)]
+pub struct Kernels {
+    #[command(flatten)]
+    pub selection: TargetSelection,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct Build {
+    /// The target (from targets.toml) to build.
+    #[arg(long)]
+    pub target: String,
+    /// The operating system the artifact is for; windows cross-compiles ember.exe.
+    #[arg(long, value_enum, default_value_t = Os::Linux)]
+    pub os: Os,
+    /// The version in the artifact's name and manifest; defaults to the workspace version.
+    #[arg(long)]
+    pub release_version: Option<String>,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct Package {
+    /// The target (from targets.toml) whose built engine and kernels to package.
+    #[arg(long)]
+    pub target: String,
+    /// The operating system the artifact is for.
+    #[arg(long, value_enum, default_value_t = Os::Linux)]
+    pub os: Os,
+    /// The version in the artifact's name and manifest; defaults to the workspace version.
+    #[arg(long)]
+    pub release_version: Option<String>,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct Matrix {
+    /// Fail when the committed release workflow differs from what targets.toml generates,
+    /// instead of rewriting it.
+    #[arg(long)]
+    pub check: bool,
+    /// Also fail when an image the release builds on is not pinned by digest.
+    #[arg(long)]
+    pub require_pinned: bool,
+    /// The targets file to generate from (default: targets.toml at the workspace root).
+    #[arg(long)]
+    pub targets: Option<PathBuf>,
+    /// The workflow to write or check (default: .github/workflows/release.yml).
+    #[arg(long)]
+    pub workflow: Option<PathBuf>,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct Test {
+    /// Run only the model fetch and the cargo tests, not the toolchain checks (kernels, builds,
+    /// wine, matrix, actionlint, docker).
+    #[arg(long)]
+    pub skip_toolchain: bool,
+    /// The base image for the container check (built by .ci/setup-docker.sh).
+    #[arg(long, default_value = "ember-test-base:bookworm")]
+    pub base: String,
+    /// The model (a name from models.toml) the artifact checks run.
+    #[arg(long, default_value = "smollm2-135m-instruct-q4_1")]
+    pub model: String,
 }
 
 #[derive(Debug, clap::Args)]

@@ -1,10 +1,1785 @@
-//! `cargo xtask smoke`: runs an artifact or image against a real model.
+//! `cargo xtask smoke`: runs a packaged artifact or a container image against a real model and
+//! checks what it reports, so a release is only cut from builds that were seen to work.
+//!
+//! The subject is one of: a Linux `.tar.gz` artifact (unpacked and run natively), a Windows `.zip`
+//! artifact (run under wine with a private prefix in `target/`), or a container image (run with the
+//! model cache mounted read-only at `/models`). Every subject goes through the same checks:
+//!
+//! - the package is intact (`SHA256SUMS`) and, for images, the image is built as documented
+//!   (non-root user, health check, labels);
+//! - `ember --version` names the version the artifact or image says it carries;
+//! - `ember info` shows the build manifest that `targets.toml` implies for the target: each
+//!   feature's state, and the reason of every feature that is off;
+//! - `ember devices` lists devices; where the target's GPU is absent it says so and the GPU checks
+//!   are skipped, never silently;
+//! - a real model from `models.toml` answers "The capital of France is" greedily with the ids of
+//!   `tests/data/golden/greedy.jsonl`, by the rule of `tests/data/golden/README.md`.
+//!
+//! All checks run even when one fails, so one run shows everything that is wrong.
 
-use anyhow::{bail, Result};
+use std::collections::BTreeMap;
+use std::fmt;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
 use xshell::Shell;
 
+use crate::docker::{self, ExpectedManifest};
+use crate::targets::{self, Feature, FeatureState};
+
+/// The prompt every smoke run answers; its reference output is in `greedy.jsonl`.
+const SMOKE_PROMPT: &str = "The capital of France is";
+/// How many tokens the smoke run generates and compares.
+const SMOKE_TOKENS: usize = 16;
+/// Where the image mounts the model cache (the Dockerfile's `EMBER_MODELS_DIR`).
+const CONTAINER_MODELS_DIR: &str = "/models";
+/// Where the Dockerfile puts the package.
+const CONTAINER_EMBER_DIR: &str = "/opt/ember";
+
 impl crate::flags::Smoke {
-    pub fn run(self, _sh: &Shell) -> Result<()> {
-        bail!("xtask smoke is not implemented yet (model {})", self.model)
+    pub fn run(self, sh: &Shell) -> Result<()> {
+        let root = crate::project_root();
+        let started = Instant::now();
+        let subject = match (&self.artifact, &self.image) {
+            (Some(artifact), None) => Subject::from_artifact(&root, artifact)?,
+            (None, Some(image)) => Subject::from_image(sh, image)?,
+            _ => bail!("expected exactly one of --artifact PATH or --image TAG, found neither"),
+        };
+        println!(
+            "smoke: {} (target {}, version {})",
+            subject.description, subject.target, subject.version
+        );
+
+        let mut report = Report::default();
+        for problem in &subject.package_problems {
+            report.fail("package", problem);
+        }
+        if subject.package_problems.is_empty() {
+            report.pass("package", &subject.package_summary);
+        }
+
+        let targets = targets::load()?;
+        let expected = ExpectedManifest::of(targets.target(&subject.target)?);
+        check_manifest_file(&mut report, &subject, &expected);
+        check_version(&mut report, &subject);
+
+        let model = ModelFile::find(&root, &self.model)?;
+        check_info(&mut report, &subject, &expected, &model);
+        check_devices(&mut report, &subject);
+        check_generation(&mut report, &subject, &root, &model)?;
+
+        println!(
+            "smoke: {} checks in {:.1} s",
+            report.checks,
+            started.elapsed().as_secs_f64()
+        );
+        if report.failures.is_empty() {
+            println!("smoke: {} passed", subject.description);
+            Ok(())
+        } else {
+            bail!(
+                "smoke test of {} failed {} of {} checks:\n  {}",
+                subject.description,
+                report.failures.len(),
+                report.checks,
+                report.failures.join("\n  ")
+            )
+        }
+    }
+}
+
+/// Results of the checks so far; printed as they come so a slow step shows where it is.
+#[derive(Default)]
+struct Report {
+    checks: usize,
+    failures: Vec<String>,
+}
+
+impl Report {
+    fn pass(&mut self, check: &str, detail: &str) {
+        self.checks += 1;
+        println!("  ok    {check}: {detail}");
+    }
+
+    fn fail(&mut self, check: &str, detail: &str) {
+        self.checks += 1;
+        println!("  FAIL  {check}: {detail}");
+        self.failures.push(format!("{check}: {detail}"));
+    }
+
+    /// A check that cannot run here (no such GPU); said out loud, never counted as passed.
+    fn skip(&mut self, check: &str, detail: &str) {
+        println!("  skip  {check}: {detail}");
+    }
+}
+
+/// What is being smoke-tested and how to run its `ember`.
+struct Subject {
+    description: String,
+    target: String,
+    version: String,
+    runner: Runner,
+    /// `manifest.json` of the package, as text, when it could be read.
+    manifest_json: Option<String>,
+    package_summary: String,
+    package_problems: Vec<String>,
+    /// `info` takes the model on Windows (`ember.exe info -m <model>`), so that the wine run also
+    /// proves the model file opens through wine's path mapping.
+    info_takes_model: bool,
+}
+
+impl Subject {
+    fn from_artifact(root: &Path, artifact: &Path) -> Result<Subject> {
+        let file_name = artifact
+            .file_name()
+            .and_then(|name| name.to_str())
+            .with_context(|| {
+                format!(
+                    "expected an artifact file path, found {}",
+                    artifact.display()
+                )
+            })?;
+        let name = ArtifactName::parse(file_name)?;
+        let unpack_dir = root
+            .join("target")
+            .join("smoke")
+            .join(file_name.trim_end_matches(name.extension()));
+        if unpack_dir.exists() {
+            std::fs::remove_dir_all(&unpack_dir).with_context(|| {
+                format!("removing the previous unpack at {}", unpack_dir.display())
+            })?;
+        }
+        std::fs::create_dir_all(&unpack_dir)?;
+        match name.os {
+            ArtifactOs::Linux => unpack_tar_gz(artifact, &unpack_dir)?,
+            ArtifactOs::Windows => unpack_zip(artifact, &unpack_dir)?,
+        }
+        let binary_name = match name.os {
+            ArtifactOs::Linux => "ember",
+            ArtifactOs::Windows => "ember.exe",
+        };
+        let binary = find_file(&unpack_dir, binary_name, 3)?.with_context(|| {
+            format!(
+                "expected {binary_name} in {file_name}, found none (unpacked at {})",
+                unpack_dir.display()
+            )
+        })?;
+        let package_dir = binary
+            .parent()
+            .expect("a found file has a parent")
+            .to_path_buf();
+        let (package_summary, package_problems) = match verify_sha256sums(&package_dir) {
+            Ok(count) => (format!("SHA256SUMS verified ({count} files)"), Vec::new()),
+            Err(problems) => (String::new(), problems),
+        };
+        let manifest_json = std::fs::read_to_string(package_dir.join("manifest.json")).ok();
+        let runner = match name.os {
+            ArtifactOs::Linux => Runner::Native { binary },
+            ArtifactOs::Windows => Runner::Wine {
+                wine: find_wine()?,
+                binary,
+                prefix: root.join("target").join("wine-prefix"),
+            },
+        };
+        Ok(Subject {
+            description: file_name.to_string(),
+            target: name.target,
+            version: name.version,
+            runner,
+            manifest_json,
+            package_summary,
+            package_problems,
+            info_takes_model: name.os == ArtifactOs::Windows,
+        })
+    }
+
+    fn from_image(sh: &Shell, image: &str) -> Result<Subject> {
+        let format = "{{json .Config}}";
+        let config_json = xshell::cmd!(sh, "docker image inspect --format {format} {image}")
+            .quiet()
+            .read()
+            .with_context(|| {
+                format!("inspecting image {image} (is it built, and is dockerd running?)")
+            })?;
+        let config: ImageConfig = serde_json::from_str(&config_json)
+            .with_context(|| format!("parsing `docker image inspect` of {image}"))?;
+        let label = |key: &str| {
+            config
+                .labels
+                .as_ref()
+                .and_then(|labels| labels.get(key))
+                .cloned()
+        };
+        let target = label(docker::LABEL_TARGET).with_context(|| {
+            format!(
+                "expected label {} on image {image}, found none",
+                docker::LABEL_TARGET
+            )
+        })?;
+        let version = label(docker::LABEL_VERSION).with_context(|| {
+            format!(
+                "expected label {} on image {image}, found none",
+                docker::LABEL_VERSION
+            )
+        })?;
+        let package_problems = check_image_config(&config);
+        let runner = Runner::Container {
+            image: image.to_string(),
+            models_dir: models_dir()?,
+        };
+        let manifest_json = run_capture(
+            docker_run_base(&runner).args([
+                "--entrypoint",
+                "cat",
+                image,
+                &format!("{CONTAINER_EMBER_DIR}/manifest.json"),
+            ]),
+            Duration::from_secs(120),
+        )
+        .ok()
+        .filter(|output| output.success())
+        .map(|output| output.stdout);
+        Ok(Subject {
+            description: format!("image {image}"),
+            target,
+            version,
+            runner,
+            manifest_json,
+            package_summary: "non-root user, HEALTHCHECK, entrypoint and labels as documented"
+                .to_string(),
+            package_problems,
+            info_takes_model: false,
+        })
+    }
+}
+
+/// How to start the subject's `ember` with some arguments.
+enum Runner {
+    Native {
+        binary: PathBuf,
+    },
+    Wine {
+        wine: PathBuf,
+        binary: PathBuf,
+        prefix: PathBuf,
+    },
+    Container {
+        image: String,
+        models_dir: PathBuf,
+    },
+}
+
+impl Runner {
+    fn ember(&self, args: &[String]) -> Command {
+        match self {
+            Runner::Native { binary } => Command::new(binary.as_os_str()).args(args),
+            Runner::Wine {
+                wine,
+                binary,
+                prefix,
+            } => Command::new(wine.as_os_str())
+                .arg(binary.as_os_str())
+                .args(args)
+                .env("WINEPREFIX", prefix.as_os_str())
+                .env("WINEDEBUG", "-all")
+                // No Mono or Gecko: ember.exe needs neither, and their installers would stall
+                // the first run on a fresh prefix.
+                .env("WINEDLLOVERRIDES", "mscoree,mshtml="),
+            Runner::Container { image, .. } => docker_run_base(self).arg(image.as_str()).args(args),
+        }
+    }
+
+    /// The model's path as the subject's `ember` sees it.
+    fn model_path(&self, model: &ModelFile) -> String {
+        match self {
+            Runner::Native { .. } => model.path.display().to_string(),
+            // Wine maps the Unix root to drive Z:.
+            Runner::Wine { .. } => format!("Z:{}", model.path.display()).replace('/', "\\"),
+            Runner::Container { .. } => format!("{CONTAINER_MODELS_DIR}/{}", model.file),
+        }
+    }
+
+    /// Slow first starts: wine creates its prefix on first use.
+    fn timeout(&self, base: Duration) -> Duration {
+        match self {
+            Runner::Wine { .. } => base * 3,
+            _ => base,
+        }
+    }
+}
+
+/// `docker run --rm` with the model cache mounted and, where this host has an AMD GPU stack, the
+/// devices and options the image's run label documents.
+fn docker_run_base(runner: &Runner) -> Command {
+    let mut command = Command::new("docker").args(["run", "--rm"]);
+    if let Runner::Container { models_dir, .. } = runner {
+        command = command.args([
+            "-v".to_string(),
+            format!("{}:{CONTAINER_MODELS_DIR}:ro", models_dir.display()),
+        ]);
+    }
+    if Path::new("/dev/kfd").exists() && Path::new("/dev/dri").exists() {
+        command = command.args(docker::GPU_RUN_ARGS);
+    }
+    command
+}
+
+/// A program with arguments and environment, run through duct so xtask holds the child and can
+/// kill it when it hangs (a hung GPU must fail the smoke test, not stall CI).
+struct Command {
+    program: std::ffi::OsString,
+    args: Vec<std::ffi::OsString>,
+    env: Vec<(String, std::ffi::OsString)>,
+}
+
+impl Command {
+    fn new(program: impl Into<std::ffi::OsString>) -> Command {
+        Command {
+            program: program.into(),
+            args: Vec::new(),
+            env: Vec::new(),
+        }
+    }
+
+    fn arg(mut self, arg: impl Into<std::ffi::OsString>) -> Command {
+        self.args.push(arg.into());
+        self
+    }
+
+    fn args<I: IntoIterator<Item = S>, S: Into<std::ffi::OsString>>(mut self, args: I) -> Command {
+        self.args.extend(args.into_iter().map(Into::into));
+        self
+    }
+
+    fn env(mut self, key: &str, value: impl Into<std::ffi::OsString>) -> Command {
+        self.env.push((key.to_string(), value.into()));
+        self
+    }
+
+    fn display(&self) -> String {
+        std::iter::once(&self.program)
+            .chain(&self.args)
+            .map(|part| {
+                let part = part.to_string_lossy();
+                if part.contains(' ') || part.is_empty() {
+                    format!("{part:?}")
+                } else {
+                    part.into_owned()
+                }
+            })
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+}
+
+struct CapturedOutput {
+    status: Option<i32>,
+    stdout: String,
+    stderr: String,
+}
+
+impl CapturedOutput {
+    fn success(&self) -> bool {
+        self.status == Some(0)
+    }
+
+    /// The last lines of stderr, for failure messages.
+    fn stderr_tail(&self) -> String {
+        let lines: Vec<&str> = self
+            .stderr
+            .lines()
+            .filter(|line| !line.trim().is_empty())
+            .collect();
+        let tail = &lines[lines.len().saturating_sub(6)..];
+        if tail.is_empty() {
+            "no stderr".to_string()
+        } else {
+            format!("stderr: {}", tail.join(" | "))
+        }
+    }
+}
+
+fn run_capture(command: Command, timeout: Duration) -> Result<CapturedOutput> {
+    let display = command.display();
+    let mut expression = duct::cmd(&command.program, &command.args);
+    for (key, value) in &command.env {
+        expression = expression.env(key, value);
+    }
+    let handle = expression
+        .stdin_null()
+        .stdout_capture()
+        .stderr_capture()
+        .unchecked()
+        .start()
+        .with_context(|| format!("starting {display}"))?;
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(output) = handle
+            .try_wait()
+            .with_context(|| format!("waiting for {display}"))?
+        {
+            return Ok(CapturedOutput {
+                status: output.status.code(),
+                stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
+                stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
+            });
+        }
+        if Instant::now() >= deadline {
+            handle
+                .kill()
+                .with_context(|| format!("killing {display} after its timeout"))?;
+            bail!(
+                "expected {display} to finish within {} s, it was still running",
+                timeout.as_secs()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Runs the subject's `ember` with `args`, printing the command line first.
+fn run_ember(subject: &Subject, args: &[String], timeout: Duration) -> Result<CapturedOutput> {
+    let command = subject.runner.ember(args);
+    println!("  $ {}", command.display());
+    run_capture(command, subject.runner.timeout(timeout))
+}
+
+// ---------------------------------------------------------------------------------------------
+// The checks.
+
+fn check_manifest_file(report: &mut Report, subject: &Subject, expected: &ExpectedManifest) {
+    let Some(text) = &subject.manifest_json else {
+        report.fail(
+            "manifest.json",
+            "expected manifest.json in the package, found none",
+        );
+        return;
+    };
+    match serde_json::from_str::<serde_json::Value>(text) {
+        Ok(manifest) => {
+            let problems = docker::compare_manifest_json(expected, &manifest);
+            if problems.is_empty() {
+                report.pass(
+                    "manifest.json",
+                    &format!("matches targets.toml for {}", expected.target),
+                );
+            } else {
+                report.fail("manifest.json", &problems.join("; "));
+            }
+        }
+        Err(error) => report.fail(
+            "manifest.json",
+            &format!("expected JSON, found a parse error: {error}"),
+        ),
+    }
+}
+
+fn check_version(report: &mut Report, subject: &Subject) {
+    match run_ember(subject, &["--version".to_string()], Duration::from_secs(60)) {
+        Ok(output) if output.success() && output.stdout.contains(&subject.version) => {
+            report.pass("--version", output.stdout.trim())
+        }
+        Ok(output) if output.success() => report.fail(
+            "--version",
+            &format!(
+                "expected the version {}, found {:?}",
+                subject.version,
+                output.stdout.trim()
+            ),
+        ),
+        Ok(output) => report.fail(
+            "--version",
+            &format!(
+                "expected exit status 0, found {:?}; {}",
+                output.status,
+                output.stderr_tail()
+            ),
+        ),
+        Err(error) => report.fail("--version", &format!("{error:#}")),
+    }
+}
+
+fn check_info(
+    report: &mut Report,
+    subject: &Subject,
+    expected: &ExpectedManifest,
+    model: &ModelFile,
+) {
+    let mut args = vec!["info".to_string()];
+    if subject.info_takes_model {
+        args.extend(["-m".to_string(), subject.runner.model_path(model)]);
+    }
+    match run_ember(subject, &args, Duration::from_secs(60)) {
+        Ok(output) if output.success() => {
+            let problems = check_info_text(expected, &output.stdout);
+            if problems.is_empty() {
+                let off: Vec<String> = expected
+                    .features
+                    .iter()
+                    .filter(|feature| feature.state != FeatureState::On)
+                    .map(|feature| format!("{} {}", feature.name, feature.state.name()))
+                    .collect();
+                report.pass(
+                    "info",
+                    &format!(
+                        "shows target {} and its {} features as targets.toml says (not on: {})",
+                        expected.target,
+                        expected.features.len(),
+                        if off.is_empty() {
+                            "none".to_string()
+                        } else {
+                            off.join(", ")
+                        }
+                    ),
+                );
+            } else {
+                report.fail("info", &problems.join("; "));
+            }
+        }
+        Ok(output) => report.fail(
+            "info",
+            &format!(
+                "expected exit status 0, found {:?}; {}",
+                output.status,
+                output.stderr_tail()
+            ),
+        ),
+        Err(error) => report.fail("info", &format!("{error:#}")),
+    }
+}
+
+fn check_devices(report: &mut Report, subject: &Subject) {
+    let output = match run_ember(subject, &["devices".to_string()], Duration::from_secs(60)) {
+        Ok(output) => output,
+        Err(error) => return report.fail("devices", &format!("{error:#}")),
+    };
+    if !output.success() {
+        return report.fail(
+            "devices",
+            &format!(
+                "expected `ember devices` to list devices, found exit status {:?}; {}",
+                output.status,
+                output.stderr_tail()
+            ),
+        );
+    }
+    match devices_verdict(&subject.target, &output.stdout) {
+        DevicesVerdict::Listed(summary) => report.pass("devices", &summary),
+        DevicesVerdict::GpuAbsent(arch) => {
+            report.pass("devices", "CPU device listed");
+            report.skip("gpu", &format!("no {arch} GPU here: GPU checks skipped"));
+        }
+        DevicesVerdict::Empty => report.fail(
+            "devices",
+            "expected at least one device, found empty output",
+        ),
+    }
+}
+
+fn check_generation(
+    report: &mut Report,
+    subject: &Subject,
+    root: &Path,
+    model: &ModelFile,
+) -> Result<()> {
+    if !model.path.is_file() {
+        report.fail(
+            "generate",
+            &format!(
+                "expected the model file {} (model {} of models.toml), found none; fetch the pinned models first",
+                model.path.display(),
+                model.name
+            ),
+        );
+        return Ok(());
+    }
+    let golden = GoldenRun::find(
+        &root.join("tests/data/golden/greedy.jsonl"),
+        &model.name,
+        SMOKE_PROMPT,
+    )?;
+    let args: Vec<String> = [
+        "run",
+        "-m",
+        &subject.runner.model_path(model),
+        "-p",
+        SMOKE_PROMPT,
+        "-n",
+        &SMOKE_TOKENS.to_string(),
+        "--temp",
+        "0",
+        "--format",
+        "json",
+    ]
+    .iter()
+    .map(|arg| arg.to_string())
+    .collect();
+    let output = match run_ember(subject, &args, Duration::from_secs(300)) {
+        Ok(output) => output,
+        Err(error) => {
+            report.fail("generate", &format!("{error:#}"));
+            return Ok(());
+        }
+    };
+    if !output.success() {
+        report.fail(
+            "generate",
+            &format!(
+                "expected exit status 0, found {:?}; {}",
+                output.status,
+                output.stderr_tail()
+            ),
+        );
+        return Ok(());
+    }
+    let generation = match RunJson::parse(&output.stdout) {
+        Ok(generation) => generation,
+        Err(error) => {
+            report.fail("generate", &format!("{error:#}"));
+            return Ok(());
+        }
+    };
+    if generation.prompt_ids != golden.prompt_ids {
+        report.fail(
+            "generate",
+            &format!(
+                "expected prompt ids {:?}, found {:?}",
+                golden.prompt_ids, generation.prompt_ids
+            ),
+        );
+    }
+    match compare_with_golden(&golden, &generation.tokens, SMOKE_TOKENS) {
+        Ok(verdict) => report.pass(
+            "generate",
+            &format!("{verdict}; text {:?}", generation.text),
+        ),
+        Err(failure) => report.fail("generate", &failure.to_string()),
+    }
+    Ok(())
+}
+
+/// Image settings the Dockerfile promises, read back from `docker image inspect`.
+#[derive(Debug, Deserialize)]
+struct ImageConfig {
+    #[serde(rename = "User", default)]
+    user: String,
+    #[serde(rename = "Healthcheck", default)]
+    healthcheck: Option<serde_json::Value>,
+    #[serde(rename = "Entrypoint", default)]
+    entrypoint: Option<Vec<String>>,
+    #[serde(rename = "Labels", default)]
+    labels: Option<BTreeMap<String, String>>,
+    #[serde(rename = "Env", default)]
+    env: Option<Vec<String>>,
+}
+
+fn check_image_config(config: &ImageConfig) -> Vec<String> {
+    let mut problems = Vec::new();
+    let user = config.user.split(':').next().unwrap_or_default();
+    if user.is_empty() || user == "root" || user == "0" {
+        problems.push(format!("expected a non-root USER, found {:?}", config.user));
+    }
+    if config
+        .healthcheck
+        .as_ref()
+        .is_none_or(|healthcheck| healthcheck.is_null())
+    {
+        problems.push("expected a HEALTHCHECK, found none".to_string());
+    }
+    let expected_entrypoint = vec![format!("{CONTAINER_EMBER_DIR}/ember")];
+    if config.entrypoint.as_ref() != Some(&expected_entrypoint) {
+        problems.push(format!(
+            "expected entrypoint {expected_entrypoint:?}, found {:?}",
+            config.entrypoint
+        ));
+    }
+    let models_env = format!("EMBER_MODELS_DIR={CONTAINER_MODELS_DIR}");
+    if !config
+        .env
+        .iter()
+        .flatten()
+        .any(|entry| *entry == models_env)
+    {
+        problems.push(format!(
+            "expected {models_env} in the image environment, found {:?}",
+            config.env
+        ));
+    }
+    let run_label = config
+        .labels
+        .as_ref()
+        .and_then(|labels| labels.get(docker::LABEL_RUN));
+    match run_label {
+        Some(run) => {
+            for arg in docker::GPU_RUN_ARGS.chunks(2) {
+                let option = arg.join(" ");
+                if !run.contains(&option) {
+                    problems.push(format!(
+                        "expected {option:?} in label {}, found {run:?}",
+                        docker::LABEL_RUN
+                    ));
+                }
+            }
+        }
+        None => problems.push(format!("expected label {}, found none", docker::LABEL_RUN)),
+    }
+    problems
+}
+
+// ---------------------------------------------------------------------------------------------
+// Artifacts: names, unpacking, checksums.
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ArtifactOs {
+    Linux,
+    Windows,
+}
+
+/// `ember-<version>-<os>-<target>-x64.{tar.gz,zip}`, as `cargo xtask package` names archives.
+#[derive(Debug, PartialEq, Eq)]
+struct ArtifactName {
+    version: String,
+    os: ArtifactOs,
+    target: String,
+}
+
+impl ArtifactName {
+    fn parse(file_name: &str) -> Result<ArtifactName> {
+        let expected = "expected an artifact named ember-<version>-<os>-<target>-x64.tar.gz (linux) or .zip (windows)";
+        let (stem, extension_os) = if let Some(stem) = file_name.strip_suffix("-x64.tar.gz") {
+            (stem, ArtifactOs::Linux)
+        } else if let Some(stem) = file_name.strip_suffix("-x64.zip") {
+            (stem, ArtifactOs::Windows)
+        } else {
+            bail!("{expected}, found {file_name}");
+        };
+        let rest = stem
+            .strip_prefix("ember-")
+            .with_context(|| format!("{expected}, found {file_name}"))?;
+        // Versions may carry '-' (0.2.0-rc.1); targets and OS names do not, so split from the right.
+        let mut parts = rest.rsplitn(3, '-');
+        let (Some(target), Some(os), Some(version)) = (parts.next(), parts.next(), parts.next())
+        else {
+            bail!("{expected}, found {file_name}");
+        };
+        let os = match os {
+            "linux" => ArtifactOs::Linux,
+            "windows" => ArtifactOs::Windows,
+            other => bail!("{expected}, found OS {other:?} in {file_name}"),
+        };
+        if os != extension_os {
+            bail!("{expected}, found a {os:?} artifact with the other OS's extension: {file_name}");
+        }
+        if version.is_empty() || target.is_empty() {
+            bail!("{expected}, found {file_name}");
+        }
+        Ok(ArtifactName {
+            version: version.to_string(),
+            os,
+            target: target.to_string(),
+        })
+    }
+
+    fn extension(&self) -> &'static str {
+        match self.os {
+            ArtifactOs::Linux => ".tar.gz",
+            ArtifactOs::Windows => ".zip",
+        }
+    }
+}
+
+fn unpack_tar_gz(archive: &Path, into: &Path) -> Result<()> {
+    let file =
+        std::fs::File::open(archive).with_context(|| format!("opening {}", archive.display()))?;
+    // `unpack` refuses entries that would land outside `into` (absolute paths, `..`).
+    tar::Archive::new(flate2::read::GzDecoder::new(file))
+        .unpack(into)
+        .with_context(|| format!("unpacking {} into {}", archive.display(), into.display()))
+}
+
+fn unpack_zip(archive: &Path, into: &Path) -> Result<()> {
+    let file =
+        std::fs::File::open(archive).with_context(|| format!("opening {}", archive.display()))?;
+    let mut zip = zip::ZipArchive::new(file)
+        .with_context(|| format!("reading {} as a zip", archive.display()))?;
+    // `extract` skips nothing silently: names escaping `into` are an error.
+    zip.extract(into)
+        .with_context(|| format!("unpacking {} into {}", archive.display(), into.display()))
+}
+
+/// The first file called `name` at most `max_depth` folders below `dir`, breadth first.
+fn find_file(dir: &Path, name: &str, max_depth: usize) -> Result<Option<PathBuf>> {
+    let mut level = vec![dir.to_path_buf()];
+    for _ in 0..=max_depth {
+        let mut next = Vec::new();
+        for folder in level {
+            let mut entries: Vec<_> = std::fs::read_dir(&folder)
+                .with_context(|| format!("listing {}", folder.display()))?
+                .collect::<std::io::Result<_>>()?;
+            entries.sort_by_key(|entry| entry.file_name());
+            for entry in entries {
+                let file_type = entry.file_type()?;
+                if file_type.is_file() && entry.file_name() == name {
+                    return Ok(Some(entry.path()));
+                }
+                if file_type.is_dir() {
+                    next.push(entry.path());
+                }
+            }
+        }
+        level = next;
+    }
+    Ok(None)
+}
+
+/// One line of a `SHA256SUMS` file as `sha256sum` writes it: 64 hex digits, a space, a space or
+/// `*` (binary mode), then the path.
+fn parse_sha256sums(text: &str) -> Result<Vec<(String, String)>, String> {
+    text.lines()
+        .enumerate()
+        .filter(|(_, line)| !line.trim().is_empty())
+        .map(|(index, line)| {
+            let bad = || {
+                format!(
+                    "SHA256SUMS line {}: expected `<64 hex digits>  <path>`, found {line:?}",
+                    index + 1
+                )
+            };
+            let (digest, rest) = line.split_at_checked(64).ok_or_else(bad)?;
+            if !digest.bytes().all(|byte| byte.is_ascii_hexdigit()) {
+                return Err(bad());
+            }
+            let path = rest
+                .strip_prefix("  ")
+                .or_else(|| rest.strip_prefix(" *"))
+                .ok_or_else(bad)?;
+            if path.is_empty() {
+                return Err(bad());
+            }
+            Ok((digest.to_ascii_lowercase(), path.to_string()))
+        })
+        .collect()
+}
+
+/// Checks every file that `dir/SHA256SUMS` lists; returns how many, or every problem found.
+fn verify_sha256sums(dir: &Path) -> Result<usize, Vec<String>> {
+    let text = std::fs::read_to_string(dir.join("SHA256SUMS")).map_err(|error| {
+        vec![format!(
+            "expected SHA256SUMS next to the binary, found an error: {error}"
+        )]
+    })?;
+    let entries = parse_sha256sums(&text).map_err(|problem| vec![problem])?;
+    if entries.is_empty() {
+        return Err(vec![
+            "expected SHA256SUMS to list files, found it empty".to_string()
+        ]);
+    }
+    let mut problems = Vec::new();
+    for (digest, path) in &entries {
+        if Path::new(path).is_absolute() || path.split('/').any(|part| part == "..") {
+            problems.push(format!(
+                "expected a path inside the package in SHA256SUMS, found {path:?}"
+            ));
+            continue;
+        }
+        match sha256_file(&dir.join(path)) {
+            Ok(actual) if actual == *digest => {}
+            Ok(actual) => {
+                problems.push(format!("{path}: expected SHA-256 {digest}, found {actual}"))
+            }
+            Err(error) => problems.push(format!(
+                "{path}: listed in SHA256SUMS but unreadable: {error}"
+            )),
+        }
+    }
+    if problems.is_empty() {
+        Ok(entries.len())
+    } else {
+        Err(problems)
+    }
+}
+
+fn sha256_file(path: &Path) -> std::io::Result<String> {
+    let mut file = std::fs::File::open(path)?;
+    let mut hasher = Sha256::new();
+    let mut buffer = vec![0u8; 1 << 16];
+    loop {
+        let read = file.read(&mut buffer)?;
+        if read == 0 {
+            return Ok(hex::encode(hasher.finalize()));
+        }
+        hasher.update(&buffer[..read]);
+    }
+}
+
+/// Wine's 64-bit loader: the `wine` launcher where installed, else Debian's `wine64` paths.
+fn find_wine() -> Result<PathBuf> {
+    let on_path = |name: &str| {
+        std::env::var_os("PATH").and_then(|path| {
+            std::env::split_paths(&path)
+                .map(|dir| dir.join(name))
+                .find(|candidate| candidate.is_file())
+        })
+    };
+    on_path("wine")
+        .or_else(|| on_path("wine64"))
+        .or_else(|| Some(PathBuf::from("/usr/lib/wine/wine64")).filter(|path| path.is_file()))
+        .context("expected wine (wine, wine64 or /usr/lib/wine/wine64) to run the Windows artifact, found none; run .ci/setup-wine.sh")
+}
+
+// ---------------------------------------------------------------------------------------------
+// Models.
+
+struct ModelFile {
+    name: String,
+    file: String,
+    path: PathBuf,
+}
+
+impl ModelFile {
+    fn find(root: &Path, name: &str) -> Result<ModelFile> {
+        #[derive(Deserialize)]
+        struct ModelsToml {
+            model: Vec<ModelEntry>,
+        }
+        #[derive(Deserialize)]
+        struct ModelEntry {
+            name: String,
+            file: String,
+        }
+        let path = root.join("models.toml");
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("reading {}", path.display()))?;
+        let models: ModelsToml =
+            toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+        let known: Vec<&str> = models
+            .model
+            .iter()
+            .map(|model| model.name.as_str())
+            .collect();
+        let entry = models
+            .model
+            .iter()
+            .find(|model| model.name == name)
+            .with_context(|| {
+                format!(
+                    "expected a model name from models.toml ({}), found {name:?}",
+                    known.join(", ")
+                )
+            })?;
+        if entry.file.contains('/') || entry.file.contains('\\') {
+            bail!(
+                "expected a bare file name for model {name} in models.toml, found {:?}",
+                entry.file
+            );
+        }
+        Ok(ModelFile {
+            name: entry.name.clone(),
+            file: entry.file.clone(),
+            path: models_dir()?.join(&entry.file),
+        })
+    }
+}
+
+/// `EMBER_MODELS_DIR`, else `~/.cache/ember/models`: where the pinned models are fetched to.
+fn models_dir() -> Result<PathBuf> {
+    if let Some(dir) = std::env::var_os("EMBER_MODELS_DIR").filter(|dir| !dir.is_empty()) {
+        return Ok(PathBuf::from(dir));
+    }
+    let home = std::env::var_os("HOME")
+        .filter(|home| !home.is_empty())
+        .context("expected EMBER_MODELS_DIR or HOME to locate the model cache, found neither")?;
+    Ok(PathBuf::from(home).join(".cache/ember/models"))
+}
+
+// ---------------------------------------------------------------------------------------------
+// `ember info` against the expected manifest.
+
+/// Words that state a boolean feature in `ember info` output.
+const ON_WORDS: &[&str] = &["on", "enabled", "yes", "true"];
+const OFF_WORDS: &[&str] = &["off", "disabled", "no", "false"];
+
+/// Every way `info` output disagrees with `expected`: the target is named, each feature is on a
+/// line with its state (the first state word after the feature's name decides), and the reason of
+/// each feature that is off or unsupported appears (whitespace may differ, as long lines wrap).
+fn check_info_text(expected: &ExpectedManifest, info: &str) -> Vec<String> {
+    let mut problems = Vec::new();
+    let lower = info.to_lowercase();
+    if !words(&lower).any(|word| word == expected.target.to_lowercase()) {
+        problems.push(format!(
+            "expected target {} in `ember info`, found no such word",
+            expected.target
+        ));
+    }
+    for feature in &expected.features {
+        match feature_state_in(&lower, feature) {
+            Ok(()) => {}
+            Err(problem) => problems.push(problem),
+        }
+        if let (Some(reason), false) = (&feature.reason, feature.state == FeatureState::On) {
+            if !collapse_whitespace(&lower).contains(&collapse_whitespace(&reason.to_lowercase())) {
+                problems.push(format!(
+                    "expected the reason {} is {} (\"{reason}\") in `ember info`, found it missing",
+                    feature.name,
+                    feature.state.name()
+                ));
+            }
+        }
+    }
+    problems
+}
+
+fn feature_state_in(info_lower: &str, feature: &Feature) -> Result<(), String> {
+    let name = feature.name.to_lowercase();
+    let state = feature.state.name();
+    let boolean = ON_WORDS.contains(&state) || OFF_WORDS.contains(&state);
+    let mut found_states = Vec::new();
+    for line in info_lower.lines() {
+        let line_words: Vec<&str> = words(line).collect();
+        let Some(at) = line_words.iter().position(|word| *word == name) else {
+            continue;
+        };
+        let after = &line_words[at + 1..];
+        let shown = if boolean {
+            after
+                .iter()
+                .find(|word| ON_WORDS.contains(word) || OFF_WORDS.contains(word))
+                .copied()
+        } else {
+            after.iter().find(|word| **word == state).copied()
+        };
+        match shown {
+            Some(word) if word == state || (boolean && same_boolean(word, state)) => return Ok(()),
+            Some(word) => found_states.push(word.to_string()),
+            None => found_states.push(line.trim().to_string()),
+        }
+    }
+    if found_states.is_empty() {
+        Err(format!(
+            "expected feature {} ({}) in `ember info`, found no line naming it",
+            feature.name, state
+        ))
+    } else {
+        Err(format!(
+            "expected feature {} to be {state}, found {}",
+            feature.name,
+            found_states.join(", ")
+        ))
+    }
+}
+
+fn same_boolean(a: &str, b: &str) -> bool {
+    (ON_WORDS.contains(&a) && ON_WORDS.contains(&b))
+        || (OFF_WORDS.contains(&a) && OFF_WORDS.contains(&b))
+}
+
+/// Words as `info` output separates them; `_`, `-` and `.` stay inside words so feature names
+/// such as `peer_copy` or `flash-attention` are one word.
+fn words(text: &str) -> impl Iterator<Item = &str> {
+    text.split(|c: char| !(c.is_alphanumeric() || c == '_' || c == '-' || c == '.'))
+        .map(|word| word.trim_matches('.'))
+        .filter(|word| !word.is_empty())
+}
+
+fn collapse_whitespace(text: &str) -> String {
+    text.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+// ---------------------------------------------------------------------------------------------
+// Devices.
+
+#[derive(Debug, PartialEq, Eq)]
+enum DevicesVerdict {
+    /// The devices the target needs are there.
+    Listed(String),
+    /// A GPU target on a host without that GPU: the CPU checks still run.
+    GpuAbsent(String),
+    Empty,
+}
+
+/// What `ember devices` output means for `target`: the CPU target needs any device listed; a GPU
+/// target (`gfx*`, `sm_*`) needs a device naming its architecture.
+fn devices_verdict(target: &str, devices: &str) -> DevicesVerdict {
+    let lines: Vec<&str> = devices
+        .lines()
+        .map(str::trim)
+        .filter(|line| !line.is_empty())
+        .collect();
+    if lines.is_empty() {
+        return DevicesVerdict::Empty;
+    }
+    let arch = target.to_lowercase();
+    let is_gpu_target = arch.starts_with("gfx") || arch.starts_with("sm_");
+    if !is_gpu_target {
+        return DevicesVerdict::Listed(format!(
+            "{} device line(s): {}",
+            lines.len(),
+            lines.join(" | ")
+        ));
+    }
+    let gpu_lines: Vec<&str> = lines
+        .iter()
+        .copied()
+        .filter(|line| words(&line.to_lowercase()).any(|word| word == arch))
+        .collect();
+    if gpu_lines.is_empty() {
+        DevicesVerdict::GpuAbsent(target.to_string())
+    } else {
+        DevicesVerdict::Listed(format!("{target} GPU listed: {}", gpu_lines.join(" | ")))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Greedy output against the llama.cpp reference.
+
+/// One line of `tests/data/golden/greedy.jsonl`.
+#[derive(Debug, Deserialize)]
+struct GoldenRun {
+    model: String,
+    prompt: String,
+    prompt_ids: Vec<u32>,
+    tokens: Vec<u32>,
+    steps: Vec<GoldenStep>,
+}
+
+/// llama.cpp re-evaluating one step alone: its choice and the two most likely ids with their
+/// log-probabilities.
+#[derive(Debug, Deserialize)]
+struct GoldenStep {
+    id: u32,
+    top: Vec<(u32, f64)>,
+}
+
+impl GoldenRun {
+    fn find(path: &Path, model: &str, prompt: &str) -> Result<GoldenRun> {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        for (index, line) in text
+            .lines()
+            .enumerate()
+            .filter(|(_, line)| !line.trim().is_empty())
+        {
+            let run: GoldenRun = serde_json::from_str(line)
+                .with_context(|| format!("parsing {} line {}", path.display(), index + 1))?;
+            if run.model == model && run.prompt == prompt {
+                return Ok(run);
+            }
+        }
+        bail!(
+            "expected a reference for model {model} and prompt {prompt:?} in {}, found none",
+            path.display()
+        )
+    }
+}
+
+/// What `ember run --format json` prints.
+#[derive(Debug, Deserialize)]
+struct RunJson {
+    prompt_ids: Vec<u32>,
+    tokens: Vec<u32>,
+    #[serde(default)]
+    text: String,
+}
+
+impl RunJson {
+    /// The last stdout line that is a JSON object: progress or log lines before it are allowed.
+    fn parse(stdout: &str) -> Result<RunJson> {
+        let line = stdout
+            .lines()
+            .rev()
+            .map(str::trim)
+            .find(|line| line.starts_with('{'))
+            .with_context(|| {
+                format!(
+                    "expected a JSON object from `run --format json`, found {:?}",
+                    truncate(stdout, 200)
+                )
+            })?;
+        serde_json::from_str(line).with_context(|| {
+            format!("expected {{\"prompt_ids\":[...],\"tokens\":[...],\"text\":\"...\"}} from `run --format json`, found {:?}", truncate(line, 200))
+        })
+    }
+}
+
+fn truncate(text: &str, max_chars: usize) -> String {
+    if text.chars().count() <= max_chars {
+        text.to_string()
+    } else {
+        format!("{}...", text.chars().take(max_chars).collect::<String>())
+    }
+}
+
+/// How a generation matched the reference.
+#[derive(Debug, PartialEq)]
+enum GoldenMatch {
+    /// Every compared id equals the reference.
+    Equal { compared: usize },
+    /// The ids part at `step`, which the golden rule accepts for `why`; later ids are not compared.
+    PartedAtUnstableStep { step: usize, why: UnstableWhy },
+}
+
+#[derive(Debug, PartialEq)]
+enum UnstableWhy {
+    /// llama.cpp's batched and one-token paths disagree at this step.
+    ReferenceDisagreesWithItself,
+    /// The implementation chose what llama.cpp's one-token path chose.
+    ChoseSingleStepId,
+    /// The top two probabilities are within 2% of each other.
+    NearTie { ratio: f64 },
+}
+
+impl fmt::Display for GoldenMatch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            GoldenMatch::Equal { compared } => write!(f, "all {compared} ids equal the reference"),
+            GoldenMatch::PartedAtUnstableStep { step, why } => {
+                write!(f, "equal to the reference up to step {step}, where it parts at an unstable step (")?;
+                match why {
+                    UnstableWhy::ReferenceDisagreesWithItself => {
+                        write!(f, "llama.cpp disagrees with itself there")?
+                    }
+                    UnstableWhy::ChoseSingleStepId => {
+                        write!(f, "chose llama.cpp's one-token choice")?
+                    }
+                    UnstableWhy::NearTie { ratio } => {
+                        write!(f, "top two probabilities within 2%: ratio {ratio:.4}")?
+                    }
+                }
+                write!(f, ")")
+            }
+        }
+    }
+}
+
+#[derive(Debug, PartialEq)]
+enum GoldenFailure {
+    /// Parted from the reference at a step where llama.cpp is stable and the choice is clear.
+    PartedAtStableStep {
+        step: usize,
+        expected: u32,
+        found: u32,
+        top: Vec<(u32, f64)>,
+    },
+    /// A different number of ids than requested (an early stop is a parting the rule cannot judge).
+    WrongLength { expected: usize, found: usize },
+    /// The reference has no step data where the ids part, so the rule cannot accept the parting.
+    NoStepData { step: usize },
+}
+
+impl fmt::Display for GoldenFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            GoldenFailure::PartedAtStableStep { step, expected, found, top } => write!(
+                f,
+                "expected id {expected} at step {step} (a stable step: llama.cpp agrees with itself and its top two are {top:?}), found {found}"
+            ),
+            GoldenFailure::WrongLength { expected, found } => {
+                write!(f, "expected {expected} generated ids, found {found}")
+            }
+            GoldenFailure::NoStepData { step } => {
+                write!(f, "ids part from the reference at step {step}, where the reference has no step data to judge it")
+            }
+        }
+    }
+}
+
+/// The golden rule of `tests/data/golden/README.md`: the generated ids equal the reference up to
+/// the first step k where they part, and at k either llama.cpp disagrees with itself, or the
+/// generation chose llama.cpp's one-token id, or the top two probabilities are within 2% of each
+/// other. Nothing after k is compared. `requested` is the `-n` the generation ran with.
+fn compare_with_golden(
+    golden: &GoldenRun,
+    generated: &[u32],
+    requested: usize,
+) -> Result<GoldenMatch, GoldenFailure> {
+    let compared = requested.min(golden.tokens.len());
+    let parting = golden.tokens[..compared]
+        .iter()
+        .zip(generated)
+        .position(|(expected, found)| expected != found);
+    let Some(step) = parting else {
+        // No parting within what both have: the lengths must agree too.
+        if generated.len() != requested {
+            return Err(GoldenFailure::WrongLength {
+                expected: requested,
+                found: generated.len(),
+            });
+        }
+        return Ok(GoldenMatch::Equal { compared });
+    };
+    let found = generated[step];
+    let expected = golden.tokens[step];
+    let Some(reference_step) = golden.steps.get(step) else {
+        return Err(GoldenFailure::NoStepData { step });
+    };
+    let why = if reference_step.id != expected {
+        UnstableWhy::ReferenceDisagreesWithItself
+    } else if found == reference_step.id {
+        UnstableWhy::ChoseSingleStepId
+    } else if let [(_, first), (_, second), ..] = reference_step.top.as_slice() {
+        // Log-probabilities in, probabilities compared: within 2% means the smaller is at least
+        // 98% of the larger.
+        let (p1, p2) = (first.exp(), second.exp());
+        let ratio = p1.min(p2) / p1.max(p2);
+        if ratio >= 0.98 {
+            UnstableWhy::NearTie { ratio }
+        } else {
+            return Err(GoldenFailure::PartedAtStableStep {
+                step,
+                expected,
+                found,
+                top: reference_step.top.clone(),
+            });
+        }
+    } else {
+        return Err(GoldenFailure::PartedAtStableStep {
+            step,
+            expected,
+            found,
+            top: reference_step.top.clone(),
+        });
+    };
+    Ok(GoldenMatch::PartedAtUnstableStep { step, why })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn golden_runs() -> Vec<GoldenRun> {
+        let path = crate::project_root().join("tests/data/golden/greedy.jsonl");
+        let text = std::fs::read_to_string(&path).expect("the golden data is committed");
+        text.lines()
+            .filter(|line| !line.trim().is_empty())
+            .map(|line| serde_json::from_str(line).unwrap())
+            .collect()
+    }
+
+    fn golden(model: &str, id_prefix: &str) -> GoldenRun {
+        let path = crate::project_root().join("tests/data/golden/greedy.jsonl");
+        let text = std::fs::read_to_string(&path).unwrap();
+        let line = text
+            .lines()
+            .find(|line| {
+                let value: serde_json::Value = serde_json::from_str(line).unwrap();
+                value["model"] == model && value["id"] == id_prefix
+            })
+            .unwrap_or_else(|| panic!("no golden entry {model}/{id_prefix}"));
+        serde_json::from_str(line).unwrap()
+    }
+
+    /// The reference ids with `step` replaced by `id`, and the ids after it scrambled: nothing
+    /// after a parting may matter.
+    fn parted(golden: &GoldenRun, step: usize, id: u32, len: usize) -> Vec<u32> {
+        let mut ids = golden.tokens[..len].to_vec();
+        ids[step] = id;
+        for later in ids.iter_mut().skip(step + 1) {
+            *later = 99_999;
+        }
+        ids
+    }
+
+    fn check(golden: &GoldenRun, generated: &[u32], requested: usize, expected: &str) {
+        let found = match compare_with_golden(golden, generated, requested) {
+            Ok(GoldenMatch::Equal { compared }) => format!("equal {compared}"),
+            Ok(GoldenMatch::PartedAtUnstableStep {
+                step,
+                why: UnstableWhy::ReferenceDisagreesWithItself,
+            }) => {
+                format!("pass at {step}: reference disagrees")
+            }
+            Ok(GoldenMatch::PartedAtUnstableStep {
+                step,
+                why: UnstableWhy::ChoseSingleStepId,
+            }) => {
+                format!("pass at {step}: single-step id")
+            }
+            Ok(GoldenMatch::PartedAtUnstableStep {
+                step,
+                why: UnstableWhy::NearTie { .. },
+            }) => {
+                format!("pass at {step}: near tie")
+            }
+            Err(GoldenFailure::PartedAtStableStep { step, .. }) => {
+                format!("fail at {step}: stable")
+            }
+            Err(GoldenFailure::WrongLength { expected, found }) => {
+                format!("fail: length {found} for {expected}")
+            }
+            Err(GoldenFailure::NoStepData { step }) => format!("fail at {step}: no step data"),
+        };
+        assert_eq!(found, expected, "generated {generated:?}");
+    }
+
+    #[test]
+    fn golden_rule_on_the_committed_reference() {
+        let smol = golden("smollm2-135m-instruct-q4_1", "capital");
+        // Step 14 of this run is a near tie: [33, -1.104383] against [34, -1.109165].
+        let gemma_story = golden("gemma3-270m-q4_k_m", "story");
+        let unstable_step = (0..gemma_story.tokens.len())
+            .find(|&step| gemma_story.steps[step].id != gemma_story.tokens[step])
+            .expect("the gemma story reference has a step where llama.cpp disagrees with itself");
+        let single_step_id = gemma_story.steps[unstable_step].id;
+
+        check(&smol, &smol.tokens[..16], 16, "equal 16");
+        check(&smol, &smol.tokens, 32, "equal 32");
+        // Asking for more than the reference holds compares what it holds.
+        check(&smol, &smol.tokens, 40, "fail: length 32 for 40");
+        check(&smol, &smol.tokens[..10], 16, "fail: length 10 for 16");
+        check(
+            &smol,
+            &[smol.tokens.clone(), vec![1]].concat(),
+            32,
+            "fail: length 33 for 32",
+        );
+        check(&smol, &parted(&smol, 0, 260, 16), 16, "fail at 0: stable");
+        check(&smol, &parted(&smol, 5, 2988, 16), 16, "fail at 5: stable");
+        check(
+            &smol,
+            &parted(&smol, 14, 34, 16),
+            16,
+            "pass at 14: near tie",
+        );
+        check(
+            &smol,
+            &parted(&smol, 14, 34, 32),
+            32,
+            "pass at 14: near tie",
+        );
+        check(
+            &gemma_story,
+            &parted(&gemma_story, unstable_step, single_step_id, 32),
+            32,
+            &format!("pass at {unstable_step}: reference disagrees"),
+        );
+        check(
+            &gemma_story,
+            &parted(&gemma_story, unstable_step, 7, 32),
+            32,
+            &format!("pass at {unstable_step}: reference disagrees"),
+        );
+    }
+
+    #[test]
+    fn golden_rule_on_synthetic_steps() {
+        let line = |steps: &str| {
+            serde_json::from_str::<GoldenRun>(&format!(
+                r#"{{"model":"m","prompt":"p","prompt_ids":[1],"tokens":[10,11,12],"steps":{steps}}}"#
+            ))
+            .unwrap()
+        };
+        let stable = line(
+            r#"[{"id":10,"top":[[10,-0.1],[5,-3.0]]},{"id":11,"top":[[11,-0.5],[6,-1.0]]},{"id":12,"top":[]}]"#,
+        );
+        check(&stable, &[10, 11, 12], 3, "equal 3");
+        check(&stable, &[10, 6, 0], 3, "fail at 1: stable");
+        // No top data: the rule has nothing to accept a parting with.
+        check(&stable, &[10, 11, 13], 3, "fail at 2: stable");
+        // A ratio of exactly exp(-0.0202) = 0.98000 is the edge; just inside and just outside.
+        let edge = line(
+            r#"[{"id":10,"top":[[10,-1.0],[5,-1.0201]]},{"id":11,"top":[[11,-1.0],[6,-1.0203]]},{"id":12,"top":[]}]"#,
+        );
+        check(&edge, &[5, 0, 0], 3, "pass at 0: near tie");
+        check(&edge, &[10, 6, 0], 3, "fail at 1: stable");
+        let missing_steps = line(r#"[{"id":10,"top":[]}]"#);
+        check(&missing_steps, &[10, 9, 9], 3, "fail at 1: no step data");
+        // llama.cpp's one-token path chose 7 at step 0, unlike its batched run.
+        let unstable =
+            line(r#"[{"id":7,"top":[[7,-0.6],[10,-0.8]]},{"id":11,"top":[]},{"id":12,"top":[]}]"#);
+        check(&unstable, &[7, 1, 1], 3, "pass at 0: reference disagrees");
+    }
+
+    #[test]
+    fn every_committed_reference_parses_and_matches_itself() {
+        let runs = golden_runs();
+        assert_eq!(runs.len(), 14);
+        for run in &runs {
+            assert_eq!(
+                run.steps.len(),
+                run.tokens.len(),
+                "{} {:?}",
+                run.model,
+                run.prompt
+            );
+            assert_eq!(
+                compare_with_golden(run, &run.tokens, run.tokens.len()),
+                Ok(GoldenMatch::Equal {
+                    compared: run.tokens.len()
+                })
+            );
+        }
+    }
+
+    #[test]
+    fn run_json_is_the_last_object_line() {
+        let parsed = RunJson::parse(
+            "loading model\n{\"prompt_ids\":[1,2],\"tokens\":[3],\"text\":\" Paris\"}\n",
+        )
+        .unwrap();
+        assert_eq!(
+            (parsed.prompt_ids, parsed.tokens, parsed.text.as_str()),
+            (vec![1, 2], vec![3], " Paris")
+        );
+        let error = RunJson::parse("Paris is the capital")
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("expected a JSON object"), "{error}");
+        let error = RunJson::parse("{\"tokens\":[1]}").unwrap_err().to_string();
+        assert!(error.contains("prompt_ids"), "{error}");
+    }
+
+    fn manifest(target: &str, features: &[(&str, &str, Option<&str>)]) -> ExpectedManifest {
+        ExpectedManifest {
+            target: target.to_string(),
+            features: features
+                .iter()
+                .map(|(name, state, reason)| Feature {
+                    name: name.to_string(),
+                    state: match *state {
+                        "on" => FeatureState::On,
+                        "off" => FeatureState::Off,
+                        _ => FeatureState::Unsupported,
+                    },
+                    reason: reason.map(str::to_string),
+                    tracking: Vec::new(),
+                })
+                .collect(),
+        }
+    }
+
+    fn check_info(expected: &ExpectedManifest, info: &str, problems: &[&str]) {
+        let found = check_info_text(expected, info);
+        assert_eq!(found.len(), problems.len(), "problems {found:#?}");
+        for (found, expected) in found.iter().zip(problems) {
+            assert!(
+                found.contains(expected),
+                "expected a problem containing {expected:?}, found {found:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn info_text_against_the_expected_manifest() {
+        let gfx1201 = manifest(
+            "gfx1201",
+            &[
+                ("vmm", "off", Some("hipMemSetAccess fails when a mapping is grown while several reservations exist")),
+                ("peer_copy", "on", None),
+                ("xnack", "unsupported", Some("RDNA has no XNACK")),
+            ],
+        );
+        let good = "ember 0.1.0\ntarget: gfx1201\nfeatures:\n  vmm             off  hipMemSetAccess fails when a mapping is grown\n                       while several reservations exist\n  peer_copy       on\n  xnack           unsupported  RDNA has no XNACK\n";
+        check_info(&gfx1201, good, &[]);
+        check_info(
+            &gfx1201,
+            &good.replace("off  hip", "enabled  hip"),
+            &["expected feature vmm to be off, found enabled"],
+        );
+        check_info(
+            &gfx1201,
+            &good.replace("several reservations", "many reservations"),
+            &["expected the reason vmm is off"],
+        );
+        check_info(
+            &gfx1201,
+            &good.replace("peer_copy       on", "peer_copy       disabled"),
+            &["expected feature peer_copy to be on, found disabled"],
+        );
+        check_info(
+            &gfx1201,
+            &good.replace("  xnack           unsupported  RDNA has no XNACK\n", ""),
+            &[
+                "expected feature xnack (unsupported) in `ember info`, found no line naming it",
+                "expected the reason xnack is unsupported",
+            ],
+        );
+        check_info(
+            &gfx1201,
+            &good.replace("xnack           unsupported", "xnack           on"),
+            &["expected feature xnack to be unsupported, found"],
+        );
+        // A note on an enabled feature is not required to be shown.
+        let noted = manifest("cpu", &[("vmm", "on", Some("a note"))]);
+        check_info(&noted, "target cpu\nvmm on\n", &[]);
+        check_info(
+            &gfx1201,
+            &good.replace("gfx1201", "gfx1200"),
+            &["expected target gfx1201"],
+        );
+        // The first state word after the name decides; a "no" inside a reason does not.
+        let on_with_words = manifest("cpu", &[("vmm", "on", None)]);
+        check_info(
+            &on_with_words,
+            "target cpu\nvmm: on (no GPU: not used)\n",
+            &[],
+        );
+        check_info(
+            &on_with_words,
+            "target cpu\nvmm: disabled (no GPU)\n",
+            &["expected feature vmm to be on, found disabled"],
+        );
+        // A target name inside a longer word is not the target.
+        check_info(
+            &manifest("gfx120", &[]),
+            "target: gfx1201\n",
+            &["expected target gfx120"],
+        );
+    }
+
+    #[test]
+    fn devices_against_the_target() {
+        assert_eq!(
+            devices_verdict("cpu", "cpu0  x86_64  avx2 fma  8 threads\n"),
+            DevicesVerdict::Listed(
+                "1 device line(s): cpu0  x86_64  avx2 fma  8 threads".to_string()
+            )
+        );
+        assert_eq!(
+            devices_verdict("gfx1201", "cpu0  x86_64\n"),
+            DevicesVerdict::GpuAbsent("gfx1201".to_string())
+        );
+        assert_eq!(
+            devices_verdict(
+                "gfx1201",
+                "cpu0 x86_64\ngpu0 gfx1201 Radeon AI PRO R9700 32 GiB\n"
+            ),
+            DevicesVerdict::Listed(
+                "gfx1201 GPU listed: gpu0 gfx1201 Radeon AI PRO R9700 32 GiB".to_string()
+            )
+        );
+        // gfx1200 is not gfx1201: a code object for one does not run on the other.
+        assert_eq!(
+            devices_verdict("gfx1201", "gpu0 gfx1200\n"),
+            DevicesVerdict::GpuAbsent("gfx1201".to_string())
+        );
+        assert_eq!(
+            devices_verdict("sm_90", "gpu0 sm_90 NVIDIA H200\n"),
+            DevicesVerdict::Listed("sm_90 GPU listed: gpu0 sm_90 NVIDIA H200".to_string())
+        );
+        assert_eq!(devices_verdict("cpu", "\n  \n"), DevicesVerdict::Empty);
+    }
+
+    #[test]
+    fn artifact_names() {
+        let check = |name: &str, expected: Result<(&str, ArtifactOs, &str), &str>| {
+            let found = ArtifactName::parse(name);
+            match (found, expected) {
+                (Ok(found), Ok((version, os, target))) => {
+                    assert_eq!(
+                        found,
+                        ArtifactName {
+                            version: version.to_string(),
+                            os,
+                            target: target.to_string()
+                        }
+                    )
+                }
+                (Err(error), Err(message)) => {
+                    assert!(error.to_string().contains(message), "{name}: {error}")
+                }
+                (found, expected) => panic!("{name}: expected {expected:?}, found {found:?}"),
+            }
+        };
+        check(
+            "ember-0.1.0-linux-gfx1201-x64.tar.gz",
+            Ok(("0.1.0", ArtifactOs::Linux, "gfx1201")),
+        );
+        check(
+            "ember-0.1.0-windows-cpu-x64.zip",
+            Ok(("0.1.0", ArtifactOs::Windows, "cpu")),
+        );
+        check(
+            "ember-0.2.0-rc.1-linux-sm_90-x64.tar.gz",
+            Ok(("0.2.0-rc.1", ArtifactOs::Linux, "sm_90")),
+        );
+        check(
+            "ember-0.1.0-windows-cpu-x64.tar.gz",
+            Err("other OS's extension"),
+        );
+        check(
+            "ember-0.1.0-macos-cpu-x64.tar.gz",
+            Err("found OS \"macos\""),
+        );
+        check(
+            "ember-linux-cpu-x64.tar.gz",
+            Err("found ember-linux-cpu-x64.tar.gz"),
+        );
+        check("llama-0.1.0-linux-cpu-x64.tar.gz", Err("found llama-0.1.0"));
+        check(
+            "ember-0.1.0-linux-cpu.tar.gz",
+            Err("found ember-0.1.0-linux-cpu.tar.gz"),
+        );
+    }
+
+    #[test]
+    fn sha256sums_lines() {
+        let digest = "a".repeat(64);
+        assert_eq!(
+            parse_sha256sums(&format!("{digest}  ember\n{digest} *lib/x.co\n")),
+            Ok(vec![
+                (digest.clone(), "ember".to_string()),
+                (digest.clone(), "lib/x.co".to_string())
+            ])
+        );
+        assert!(parse_sha256sums(&format!("{digest} ember"))
+            .unwrap_err()
+            .contains("line 1"));
+        assert!(parse_sha256sums(&format!("{}  ember", "g".repeat(64)))
+            .unwrap_err()
+            .contains("expected `<64 hex digits>  <path>`"));
+        assert!(parse_sha256sums("abc  ember").is_err());
+        assert!(parse_sha256sums(&format!("{digest}  ")).is_err());
+    }
+
+    #[test]
+    fn sha256sums_against_files() {
+        let dir = crate::project_root()
+            .join("target")
+            .join("xtask-test-sha256sums");
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("ember"), b"binary").unwrap();
+        let good = hex::encode(Sha256::digest(b"binary"));
+        std::fs::write(dir.join("SHA256SUMS"), format!("{good}  ember\n")).unwrap();
+        assert_eq!(verify_sha256sums(&dir), Ok(1));
+        std::fs::write(dir.join("ember"), b"changed").unwrap();
+        let problems = verify_sha256sums(&dir).unwrap_err();
+        assert!(
+            problems[0].starts_with(&format!("ember: expected SHA-256 {good}, found")),
+            "{problems:?}"
+        );
+        std::fs::write(dir.join("SHA256SUMS"), format!("{good}  ../ember\n")).unwrap();
+        assert!(verify_sha256sums(&dir).unwrap_err()[0].contains("inside the package"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn image_config_checks() {
+        let config = |json: &str| serde_json::from_str::<ImageConfig>(json).unwrap();
+        let run = docker::GPU_RUN_ARGS.join(" ");
+        let good = format!(
+            r#"{{"User":"ember","Healthcheck":{{"Test":["CMD","/opt/ember/ember","info"]}},"Entrypoint":["/opt/ember/ember"],"Env":["PATH=/usr/bin","EMBER_MODELS_DIR=/models"],"Labels":{{"{}":"docker run {run} IMAGE"}}}}"#,
+            docker::LABEL_RUN
+        );
+        assert_eq!(check_image_config(&config(&good)), Vec::<String>::new());
+        let root = good.replace(r#""User":"ember""#, r#""User":"0:0""#);
+        assert_eq!(
+            check_image_config(&config(&root)),
+            vec![r#"expected a non-root USER, found "0:0""#.to_string()]
+        );
+        let no_health = good.replace(
+            r#""Healthcheck":{"Test":["CMD","/opt/ember/ember","info"]}"#,
+            r#""Healthcheck":null"#,
+        );
+        assert_eq!(
+            check_image_config(&config(&no_health)),
+            vec!["expected a HEALTHCHECK, found none".to_string()]
+        );
+        let no_kfd = good.replace("--device /dev/kfd", "");
+        assert!(check_image_config(&config(&no_kfd))[0].contains("--device /dev/kfd"));
     }
 }

@@ -89,8 +89,8 @@ impl GgmlType {
         match self {
             F32 | F16 | BF16 | I8 | I16 | I32 | I64 | F64 => 1,
             Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q8_1 | IQ4_NL | MXFP4 => 32,
-            Q2_K | Q3_K | Q4_K | Q5_K | Q6_K | Q8_K | IQ2_XXS | IQ2_XS | IQ3_XXS | IQ1_S | IQ3_S
-            | IQ2_S | IQ4_XS | IQ1_M | TQ1_0 | TQ2_0 => 256,
+            Q2_K | Q3_K | Q4_K | Q5_K | Q6_K | Q8_K | IQ2_XXS | IQ2_XS | IQ3_XXS | IQ1_S
+            | IQ3_S | IQ2_S | IQ4_XS | IQ1_M | TQ1_0 | TQ2_0 => 256,
         }
     }
 
@@ -182,7 +182,10 @@ impl GgmlType {
 
     /// Parses a name as printed by [`GgmlType::name`], case-insensitively.
     pub fn from_name(name: &str) -> Option<GgmlType> {
-        GgmlType::ALL.iter().copied().find(|t| t.name().eq_ignore_ascii_case(name))
+        GgmlType::ALL
+            .iter()
+            .copied()
+            .find(|t| t.name().eq_ignore_ascii_case(name))
     }
 
     /// Whether the type packs several elements per block.

@@ -1,0 +1,490 @@
+//! GPU kernel modules: named by an enum and a const table, loaded lazily and cached per device.
+//!
+//! `cargo xtask kernels --target T` compiles every `kernels/<stem>.hip` into
+//! `kernels/<arch>/<stem>.hsaco` (AMD), `.cubin` or `.ptx` (NVIDIA) beside the binary, or under
+//! `EMBER_KERNELS_DIR`. At run time the device's architecture name picks the code object; a device
+//! with none gets an error naming its architecture, what this build has, and which build would
+//! serve it. The layout follows candle's `candle-kernels` (a module table, functions looked up on
+//! first use and cached).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use thiserror::Error;
+
+use crate::driver::{DeviceOrdinal, DevicePtr, Driver, DriverError, FunctionHandle, KernelArg, KernelArgs, LaunchConfig, ModuleHandle, StreamHandle};
+
+/// Environment variable naming the kernels directory (overrides "beside the binary").
+pub const KERNELS_DIR_ENV: &str = "EMBER_KERNELS_DIR";
+
+/// A kernel source file in `kernels/`, compiled to one code object per architecture.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KernelModule {
+    Memory,
+    Elementwise,
+    Norm,
+    Rope,
+    Softmax,
+    Embedding,
+    Argmax,
+    MatVec,
+    Attention,
+}
+
+/// A module's file stem and the functions it exports.
+#[derive(Debug)]
+pub struct ModuleSpec {
+    pub module: KernelModule,
+    pub stem: &'static str,
+    pub functions: &'static [&'static str],
+}
+
+/// Every kernel module and its functions; `kernels/*.hip` must export exactly these names.
+pub const KERNEL_MODULES: &[ModuleSpec] = &[
+    ModuleSpec {
+        module: KernelModule::Memory,
+        stem: "memory",
+        functions: &["ember_fill_u32"],
+    },
+    ModuleSpec {
+        module: KernelModule::Elementwise,
+        stem: "elementwise",
+        functions: &["ember_add_f32", "ember_mul_f32", "ember_scale_f32", "ember_silu_mul_f32", "ember_gelu_mul_f32"],
+    },
+    ModuleSpec {
+        module: KernelModule::Norm,
+        stem: "norm",
+        functions: &["ember_rms_norm_f32"],
+    },
+    ModuleSpec {
+        module: KernelModule::Rope,
+        stem: "rope",
+        functions: &["ember_rope_norm_f32", "ember_rope_neox_f32"],
+    },
+    ModuleSpec {
+        module: KernelModule::Softmax,
+        stem: "softmax",
+        functions: &["ember_softmax_f32"],
+    },
+    ModuleSpec {
+        module: KernelModule::Embedding,
+        stem: "embedding",
+        functions: &[
+            "ember_get_rows_f32",
+            "ember_get_rows_f16",
+            "ember_get_rows_q4_0",
+            "ember_get_rows_q4_1",
+            "ember_get_rows_q8_0",
+            "ember_get_rows_q4_k",
+            "ember_get_rows_q6_k",
+        ],
+    },
+    ModuleSpec {
+        module: KernelModule::Argmax,
+        stem: "argmax",
+        functions: &["ember_argmax_f32"],
+    },
+    ModuleSpec {
+        module: KernelModule::MatVec,
+        stem: "matvec",
+        functions: &[
+            "ember_matvec_f32",
+            "ember_matvec_f16",
+            "ember_matvec_q4_0",
+            "ember_matvec_q4_1",
+            "ember_matvec_q8_0",
+            "ember_matvec_q4_k",
+            "ember_matvec_q6_k",
+        ],
+    },
+    ModuleSpec {
+        module: KernelModule::Attention,
+        stem: "attention",
+        functions: &[
+            "ember_paged_attention_decode_partial_f16kv",
+            "ember_paged_attention_decode_partial_f32kv",
+            "ember_paged_attention_decode_reduce",
+        ],
+    },
+];
+
+impl KernelModule {
+    pub fn spec(self) -> &'static ModuleSpec {
+        KERNEL_MODULES
+            .iter()
+            .find(|spec| spec.module == self)
+            .expect("KERNEL_MODULES lists every KernelModule (checked by a test)")
+    }
+
+    pub fn stem(self) -> &'static str {
+        self.spec().stem
+    }
+}
+
+/// Kinds of code object, by file extension.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CodeObjectKind {
+    Hsaco,
+    Cubin,
+    Ptx,
+}
+
+impl CodeObjectKind {
+    pub fn extension(self) -> &'static str {
+        match self {
+            CodeObjectKind::Hsaco => "hsaco",
+            CodeObjectKind::Cubin => "cubin",
+            CodeObjectKind::Ptx => "ptx",
+        }
+    }
+}
+
+#[derive(Debug, Error)]
+pub enum KernelError {
+    #[error("no {module} kernels for architecture {arch} in {dir}: this build has {}; a build for {} would serve it (cargo xtask build --target {arch})", list_or_none(.available), .would_serve.join(" or "))]
+    NoCodeObject {
+        arch: String,
+        module: &'static str,
+        dir: PathBuf,
+        available: Vec<String>,
+        would_serve: Vec<String>,
+    },
+    #[error("reading code object {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("module {module} has no function {name}: expected one of {}", .expected.join(", "))]
+    UnknownFunction {
+        module: &'static str,
+        name: String,
+        expected: Vec<&'static str>,
+    },
+    #[error("loading {what} on device {device}: {source}")]
+    Driver {
+        device: DeviceOrdinal,
+        what: String,
+        source: DriverError,
+    },
+}
+
+fn list_or_none(items: &[String]) -> String {
+    if items.is_empty() {
+        "no kernels at all".to_string()
+    } else {
+        items.join(", ")
+    }
+}
+
+/// The architecture name code objects are selected by: `gfx1201` from
+/// `gfx1201:sramecc-:xnack-`, `sm_90` from `sm_90` or `SM_90`.
+pub fn normalize_arch(raw: &str) -> String {
+    let base = raw.trim().split(':').next().unwrap_or("").trim().to_ascii_lowercase();
+    if let Some(digits) = base.strip_prefix("sm") {
+        let digits = digits.trim_start_matches('_');
+        return format!("sm_{digits}");
+    }
+    base
+}
+
+/// The architecture name of an NVIDIA device with compute capability `major.minor`.
+pub fn cuda_arch(major: i32, minor: i32) -> String {
+    format!("sm_{major}{minor}")
+}
+
+/// Parses `sm_XY` (or `sm_XYa`) into (major, minor).
+fn parse_sm(arch: &str) -> Option<(u32, u32)> {
+    let digits = arch.strip_prefix("sm_")?.trim_end_matches(|c: char| c.is_ascii_alphabetic());
+    if digits.len() < 2 {
+        return None;
+    }
+    let (major, minor) = digits.split_at(digits.len() - 1);
+    Some((major.parse().ok()?, minor.parse().ok()?))
+}
+
+/// The build targets whose code objects would run on `arch`, best first.
+pub fn serving_builds(arch: &str) -> Vec<String> {
+    // gfx code objects run only on their own target. On NVIDIA a build for the exact sm_XY is
+    // the one to make (older cubins of the same major and older PTX are found by
+    // `find_code_object` when present).
+    vec![arch.to_string()]
+}
+
+/// Architectures present in a kernels directory (its subdirectory names), sorted.
+pub fn available_archs(dir: &Path) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut archs: Vec<String> = entries
+        .filter_map(Result::ok)
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+        .filter_map(|e| e.file_name().to_str().map(str::to_string))
+        .filter(|name| name.starts_with("gfx") || name.starts_with("sm_"))
+        .collect();
+    archs.sort();
+    archs
+}
+
+/// Finds the code object of `module` for `arch` in `dir`.
+///
+/// AMD: `<arch>/<stem>.hsaco` exactly (gfx code objects are not portable across targets).
+/// NVIDIA: `<arch>/<stem>.cubin`, else `<arch>/<stem>.ptx`, else a cubin of the same major
+/// version and a lower minor, else the PTX of the highest earlier architecture.
+pub fn find_code_object(dir: &Path, arch: &str, module: KernelModule) -> Result<(PathBuf, CodeObjectKind), KernelError> {
+    let stem = module.stem();
+    let candidate = |a: &str, kind: CodeObjectKind| {
+        let path = dir.join(a).join(format!("{stem}.{}", kind.extension()));
+        path.is_file().then_some((path, kind))
+    };
+    if let Some((major, minor)) = parse_sm(arch) {
+        if let Some(found) = candidate(arch, CodeObjectKind::Cubin).or_else(|| candidate(arch, CodeObjectKind::Ptx)) {
+            return Ok(found);
+        }
+        let mut others: Vec<(u32, u32, String)> = available_archs(dir)
+            .into_iter()
+            .filter_map(|a| parse_sm(&a).map(|(ma, mi)| (ma, mi, a)))
+            .filter(|&(ma, mi, _)| (ma, mi) <= (major, minor))
+            .collect();
+        others.sort();
+        for (ma, _, other) in others.iter().rev() {
+            if *ma == major {
+                if let Some(found) = candidate(other, CodeObjectKind::Cubin) {
+                    return Ok(found);
+                }
+            }
+        }
+        for (_, _, other) in others.iter().rev() {
+            if let Some(found) = candidate(other, CodeObjectKind::Ptx) {
+                return Ok(found);
+            }
+        }
+    } else if let Some(found) = candidate(arch, CodeObjectKind::Hsaco) {
+        return Ok(found);
+    }
+    Err(KernelError::NoCodeObject {
+        arch: arch.to_string(),
+        module: stem,
+        dir: dir.to_path_buf(),
+        available: available_archs(dir),
+        would_serve: serving_builds(arch),
+    })
+}
+
+/// The kernels directory: `EMBER_KERNELS_DIR`, else `kernels/` beside the running binary.
+pub fn default_kernels_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os(KERNELS_DIR_ENV) {
+        return PathBuf::from(dir);
+    }
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.parent().map(|p| p.join("kernels")))
+        .unwrap_or_else(|| PathBuf::from("kernels"))
+}
+
+/// Loads kernel modules on first use and caches modules and functions per device.
+#[derive(Debug)]
+pub struct KernelLibrary {
+    dir: PathBuf,
+    modules: Mutex<HashMap<(DeviceOrdinal, KernelModule), ModuleHandle>>,
+    functions: Mutex<HashMap<(DeviceOrdinal, &'static str), FunctionHandle>>,
+}
+
+impl KernelLibrary {
+    pub fn new(dir: PathBuf) -> KernelLibrary {
+        KernelLibrary {
+            dir,
+            modules: Mutex::new(HashMap::new()),
+            functions: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The function `name` of `module` on `device` (of architecture `arch`), loading the module
+    /// on first use.
+    pub fn function(&self, driver: &dyn Driver, device: DeviceOrdinal, arch: &str, module: KernelModule, name: &str) -> Result<FunctionHandle, KernelError> {
+        let spec = module.spec();
+        let Some(&name) = spec.functions.iter().find(|&&f| f == name) else {
+            return Err(KernelError::UnknownFunction {
+                module: spec.stem,
+                name: name.to_string(),
+                expected: spec.functions.to_vec(),
+            });
+        };
+        let mut functions = self.functions.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(&function) = functions.get(&(device, name)) {
+            return Ok(function);
+        }
+        let module_handle = self.module(driver, device, arch, module)?;
+        let function = driver.module_function(device, module_handle, name).map_err(|source| KernelError::Driver {
+            device,
+            what: format!("function {name} of module {}", spec.stem),
+            source,
+        })?;
+        functions.insert((device, name), function);
+        Ok(function)
+    }
+
+    fn module(&self, driver: &dyn Driver, device: DeviceOrdinal, arch: &str, module: KernelModule) -> Result<ModuleHandle, KernelError> {
+        let mut modules = self.modules.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(&handle) = modules.get(&(device, module)) {
+            return Ok(handle);
+        }
+        let (path, kind) = find_code_object(&self.dir, arch, module)?;
+        let mut image = std::fs::read(&path).map_err(|source| KernelError::Read { path: path.clone(), source })?;
+        if kind == CodeObjectKind::Ptx {
+            // PTX is loaded as a NUL-terminated string.
+            image.push(0);
+        }
+        let handle = driver.module_load(device, &image).map_err(|source| KernelError::Driver {
+            device,
+            what: format!("code object {}", path.display()),
+            source,
+        })?;
+        tracing::debug!(device, path = %path.display(), "loaded kernel module");
+        modules.insert((device, module), handle);
+        Ok(handle)
+    }
+
+    /// Fills `count` u32 words at `ptr` with `value` using `ember_fill_u32` (the VMM probe's touch).
+    pub fn fill_u32(&self, driver: &dyn Driver, device: DeviceOrdinal, arch: &str, ptr: DevicePtr, count: u64, value: u32, stream: StreamHandle) -> Result<(), KernelError> {
+        let function = self.function(driver, device, arch, KernelModule::Memory, "ember_fill_u32")?;
+        let args = KernelArgs::new().arg(KernelArg::Ptr(ptr)).arg(KernelArg::U32(value)).arg(KernelArg::U64(count));
+        let threads = 256u64;
+        let blocks = count.div_ceil(threads).clamp(1, 65_535) as u32;
+        // SAFETY: ember_fill_u32(uint32_t*, uint32_t, uint64_t) matches the arguments, and the
+        // kernel only writes `count` words from `ptr` (grid-stride loop), which the caller owns.
+        unsafe { driver.launch(device, function, &LaunchConfig::linear(blocks, threads as u32), stream, &args) }.map_err(|source| KernelError::Driver {
+            device,
+            what: "launching ember_fill_u32".to_string(),
+            source,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check_normalize(raw: &str, expected: &str) {
+        assert_eq!(normalize_arch(raw), expected, "normalising {raw:?}");
+    }
+
+    #[test]
+    fn architecture_names_are_normalised() {
+        check_normalize("gfx1201:sramecc-:xnack-", "gfx1201");
+        check_normalize("gfx90a:sramecc+:xnack-", "gfx90a");
+        check_normalize(" gfx1151 ", "gfx1151");
+        check_normalize("GFX1100", "gfx1100");
+        check_normalize("sm_90", "sm_90");
+        check_normalize("SM90", "sm_90");
+        assert_eq!(cuda_arch(9, 0), "sm_90");
+        assert_eq!(cuda_arch(12, 0), "sm_120");
+        assert_eq!(parse_sm("sm_120"), Some((12, 0)));
+        assert_eq!(parse_sm("sm_90a"), Some((9, 0)));
+    }
+
+    #[test]
+    fn every_module_has_a_spec_and_unique_functions() {
+        let mut seen = std::collections::HashSet::new();
+        for module in [
+            KernelModule::Memory,
+            KernelModule::Elementwise,
+            KernelModule::Norm,
+            KernelModule::Rope,
+            KernelModule::Softmax,
+            KernelModule::Embedding,
+            KernelModule::Argmax,
+            KernelModule::MatVec,
+            KernelModule::Attention,
+        ] {
+            for f in module.spec().functions {
+                assert!(seen.insert(*f), "{f} listed twice");
+            }
+        }
+    }
+
+    #[test]
+    fn kernel_sources_export_every_listed_function() {
+        let kernels = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../kernels");
+        for spec in KERNEL_MODULES {
+            let path = kernels.join(format!("{}.hip", spec.stem));
+            let source = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+            for f in spec.functions {
+                assert!(source.contains(&format!("{f}(")), "{} does not define {f}", path.display());
+            }
+        }
+    }
+
+    fn touch(path: &Path) {
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, b"code").unwrap();
+    }
+
+    #[test]
+    fn code_objects_are_selected_by_architecture() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        touch(&root.join("gfx1100/norm.hsaco"));
+        touch(&root.join("gfx90a/norm.hsaco"));
+        touch(&root.join("sm_80/norm.cubin"));
+        touch(&root.join("sm_80/norm.ptx"));
+        touch(&root.join("sm_90/rope.cubin"));
+
+        let (path, kind) = find_code_object(root, "gfx1100", KernelModule::Norm).unwrap();
+        assert_eq!((path, kind), (root.join("gfx1100/norm.hsaco"), CodeObjectKind::Hsaco));
+        // sm_86 runs the sm_80 cubin (same major, lower minor).
+        assert_eq!(find_code_object(root, "sm_86", KernelModule::Norm).unwrap().0, root.join("sm_80/norm.cubin"));
+        // sm_90 has no norm cubin of its own and a different major: the sm_80 PTX is JIT-compiled.
+        assert_eq!(find_code_object(root, "sm_90", KernelModule::Norm).unwrap(), (root.join("sm_80/norm.ptx"), CodeObjectKind::Ptx));
+        assert_eq!(find_code_object(root, "sm_90", KernelModule::Rope).unwrap().1, CodeObjectKind::Cubin);
+    }
+
+    #[test]
+    fn missing_architecture_error_names_it_and_the_builds_present() {
+        let dir = tempfile::tempdir().unwrap();
+        touch(&dir.path().join("gfx1100/norm.hsaco"));
+        touch(&dir.path().join("gfx90a/norm.hsaco"));
+        let error = find_code_object(dir.path(), "gfx1201", KernelModule::Norm).unwrap_err();
+        let text = error.to_string();
+        assert!(text.contains("architecture gfx1201"), "{text}");
+        assert!(text.contains("this build has gfx1100, gfx90a"), "{text}");
+        assert!(text.contains("cargo xtask build --target gfx1201"), "{text}");
+        // gfx code objects never substitute for one another, even within a family.
+        assert!(find_code_object(dir.path(), "gfx1101", KernelModule::Norm).is_err());
+        let empty = tempfile::tempdir().unwrap();
+        let text = find_code_object(empty.path(), "sm_90", KernelModule::Norm).unwrap_err().to_string();
+        assert!(text.contains("this build has no kernels at all"), "{text}");
+    }
+
+    #[test]
+    fn library_loads_a_module_once_per_device_and_rejects_unknown_functions() {
+        use crate::host::{HostDriver, HostDriverConfig};
+        let dir = tempfile::tempdir().unwrap();
+        touch(&dir.path().join("gfx1100/memory.hsaco"));
+        let driver = HostDriver::new(HostDriverConfig::default());
+        driver.register_kernel("ember_fill_u32", |launch| {
+            let ptr = launch.ptr_arg(0)?;
+            let value = launch.u32_arg(1)?;
+            let count = match launch.args().get(2) {
+                Some(KernelArg::U64(c)) => *c as usize,
+                other => return Err(format!("argument 2: expected a u64, found {other:?}")),
+            };
+            let bytes: Vec<u8> = std::iter::repeat_n(value.to_le_bytes(), count).flatten().collect();
+            launch.write(ptr, &bytes)
+        });
+        let library = KernelLibrary::new(dir.path().to_path_buf());
+        let a = library.function(&driver, 0, "gfx1100", KernelModule::Memory, "ember_fill_u32").unwrap();
+        let b = library.function(&driver, 0, "gfx1100", KernelModule::Memory, "ember_fill_u32").unwrap();
+        assert_eq!(a, b);
+        assert_eq!(library.modules.lock().unwrap().len(), 1);
+        let error = library.function(&driver, 0, "gfx1100", KernelModule::Memory, "ember_nope").unwrap_err();
+        assert!(error.to_string().contains("expected one of ember_fill_u32"), "{error}");
+
+        let ptr = driver.alloc(0, 64).unwrap();
+        library.fill_u32(&driver, 0, "gfx1100", ptr, 16, 0xdead_beef, StreamHandle::DEFAULT).unwrap();
+        let mut back = [0u8; 64];
+        driver.download(0, &mut back, ptr, StreamHandle::DEFAULT).unwrap();
+        assert!(back.chunks_exact(4).all(|w| w == 0xdead_beefu32.to_le_bytes()));
+    }
+}

@@ -1,0 +1,459 @@
+//! Matrix products of quantized weights with quantized activations, threaded with rayon's
+//! current pool.
+//!
+//! Two strategies:
+//! - **row-wise**, for one or a few tokens (decode): each output is one `vec_dot`, rows split
+//!   over threads. This streams the weights once and is bound by memory bandwidth.
+//! - **tiled**, for many tokens (prefill): a panel of `R` weight rows is unpacked once into
+//!   bytes plus per-16-element float scales and offsets (one layout for every format), and a
+//!   register-tiled integer kernel multiplies it with `T` tokens at a time, so each loaded
+//!   weight chunk serves `T` tokens and each activation chunk `R` rows. The idea is the
+//!   classic GEMM micro-kernel (Goto/BLIS) with GGML's per-block scales folded in.
+//!
+//! In the tiled layout a weight value is `dv * q + mv4 * 4` with `q` an unsigned byte (signed
+//! for Q8_0), and a 32-element chunk's dot product with activation chunk `(a, d, sv)` is
+//! `Σ_lanes dv·d·isum_lane + Σ_lanes mv·sv`, where `sv` holds `d·Σa` of each 16-element half
+//! in four lanes each; that is why `mv` is stored divided by four.
+
+use std::sync::OnceLock;
+
+use rayon::prelude::*;
+
+use crate::blocks::{
+    q2_k, q3_k, q4_0, q4_1, q4_k, q5_0, q5_1, q5_k, q6_k, q8_0, q8_1, q8_k, q8k_bsum, read_f16,
+    read_f32, read_u32, QK, QK_K,
+};
+use crate::scalar::{kquants, legacy};
+use crate::simd::{self, Level};
+use crate::{bytes_for, check_len, vec_dot_type, GgmlType, QMatrix, QuantError};
+
+/// Activations of `n_tokens` rows of `cols` elements, quantized once to a vec_dot_type and
+/// reusable for several matrices (Q, K and V share their input).
+pub struct QuantizedActivations {
+    ty: GgmlType,
+    n_tokens: usize,
+    cols: usize,
+    row_bytes: usize,
+    data: Vec<u8>,
+    tiles: OnceLock<TileActs>,
+}
+
+impl QuantizedActivations {
+    /// The activation type (Q8_0, Q8_1, Q8_K, F16, BF16 or F32).
+    pub fn ty(&self) -> GgmlType {
+        self.ty
+    }
+
+    pub fn n_tokens(&self) -> usize {
+        self.n_tokens
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// All rows in GGML layout.
+    pub fn data(&self) -> &[u8] {
+        &self.data
+    }
+
+    /// Token `t`'s row in GGML layout. Panics when `t >= n_tokens`, like slice indexing.
+    pub fn row(&self, t: usize) -> &[u8] {
+        &self.data[t * self.row_bytes..(t + 1) * self.row_bytes]
+    }
+
+    fn tiles(&self) -> &TileActs {
+        self.tiles.get_or_init(|| TileActs::build(self))
+    }
+}
+
+/// Whether `ty` is what some weight type is dotted against.
+fn is_activation_type(ty: GgmlType) -> bool {
+    use GgmlType::*;
+    matches!(ty, F32 | F16 | BF16 | Q8_0 | Q8_1 | Q8_K)
+}
+
+/// Quantizes `x` (`n_tokens` rows of `cols`) to `ty`, a vec_dot_type, in parallel over tokens.
+pub fn quantize_activations(
+    ty: GgmlType,
+    x: &[f32],
+    n_tokens: usize,
+    cols: usize,
+) -> Result<QuantizedActivations, QuantError> {
+    if !is_activation_type(ty) {
+        return Err(QuantError::ActivationType { expected: vec_dot_type(ty), found: ty });
+    }
+    let row_bytes = bytes_for("activation row", ty, cols)?;
+    let total = n_tokens
+        .checked_mul(cols)
+        .ok_or(QuantError::Overflow { ty, rows: n_tokens, cols })?;
+    check_len("activations", "elements", total, x.len())?;
+    let mut data = vec![0u8; row_bytes * n_tokens];
+    if row_bytes > 0 {
+        data.par_chunks_mut(row_bytes)
+            .zip(x.par_chunks(cols))
+            .for_each(|(dst, src)| crate::scalar::quantize(ty, src, dst));
+    }
+    Ok(QuantizedActivations { ty, n_tokens, cols, row_bytes, data, tiles: OnceLock::new() })
+}
+
+/// How a matmul is computed; `Auto` picks by the number of tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Strategy {
+    Auto,
+    RowWise,
+    Tiled,
+}
+
+/// From this many tokens on, the tiled kernel beats one `vec_dot` per output.
+const TILE_MIN_TOKENS: usize = 4;
+
+/// out[t*rows + r] = dot(w.row(r), x.row(t)). Parallel with rayon's current pool.
+pub fn matmul(w: &QMatrix, x: &QuantizedActivations, out: &mut [f32]) -> Result<(), QuantError> {
+    matmul_with(simd::level(), Strategy::Auto, w, x, out)
+}
+
+/// Convenience: quantizes `x` to `vec_dot_type(w.ty)`, then [`matmul`].
+pub fn matmul_f32(w: &QMatrix, x: &[f32], n_tokens: usize, out: &mut [f32]) -> Result<(), QuantError> {
+    let act = quantize_activations(vec_dot_type(w.ty), x, n_tokens, w.cols)?;
+    matmul(w, &act, out)
+}
+
+/// [`matmul`] on a given SIMD level and strategy: for tests and benchmarks that compare paths.
+/// `level` must be one of [`simd::available_levels`]; a level the CPU lacks runs as scalar.
+pub fn matmul_with(
+    level: Level,
+    strategy: Strategy,
+    w: &QMatrix,
+    x: &QuantizedActivations,
+    out: &mut [f32],
+) -> Result<(), QuantError> {
+    let expected = vec_dot_type(w.ty);
+    if x.ty != expected {
+        return Err(QuantError::ActivationType { expected, found: x.ty });
+    }
+    check_len("activation columns", "columns", w.cols, x.cols)?;
+    let total = x
+        .n_tokens
+        .checked_mul(w.rows)
+        .ok_or(QuantError::Overflow { ty: w.ty, rows: w.rows, cols: x.n_tokens })?;
+    check_len("matmul output", "elements", total, out.len())?;
+    if total == 0 {
+        return Ok(());
+    }
+    let level = if simd::available_levels().contains(&level) { level } else { Level::Scalar };
+    let tiled = match strategy {
+        Strategy::Auto => x.n_tokens >= TILE_MIN_TOKENS && has_tiles(level, w.ty),
+        Strategy::RowWise => false,
+        Strategy::Tiled => has_tiles(level, w.ty),
+    };
+    if tiled {
+        matmul_tiled(level, w, x, out);
+    } else {
+        matmul_rowwise(level, w, x, out);
+    }
+    Ok(())
+}
+
+/// Rows per parallel job: enough jobs for load balance, each big enough to pay for itself.
+fn rows_per_job(rows: usize, align: usize) -> usize {
+    let threads = rayon::current_num_threads().max(1);
+    let per = rows.div_ceil(threads * 4).max(16);
+    per.div_ceil(align) * align
+}
+
+fn matmul_rowwise(level: Level, w: &QMatrix, x: &QuantizedActivations, out: &mut [f32]) {
+    let chunk = rows_per_job(w.rows, 1);
+    out.par_chunks_mut(w.rows).enumerate().for_each(|(t, out_t)| {
+        let act = x.row(t);
+        out_t.par_chunks_mut(chunk).enumerate().for_each(|(job, o)| {
+            let r0 = job * chunk;
+            for (i, v) in o.iter_mut().enumerate() {
+                *v = simd::vec_dot(level, w.ty, w.row(r0 + i), act, w.cols);
+            }
+        });
+    });
+}
+
+/// Whether `level` has a tile kernel for weights of `ty`.
+fn has_tiles(level: Level, ty: GgmlType) -> bool {
+    use GgmlType::*;
+    let quantized = matches!(ty, Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q2_K | Q3_K | Q4_K | Q5_K | Q6_K);
+    quantized && matches!(level, Level::Avx2 | Level::Avx512Vnni)
+}
+
+/// Activations in the tile layout: per token, per 32-element chunk `c`, the 32 quants, the
+/// chunk's scale `d`, and `sv`: 8 lanes of `d·Σa` per 16-element half (see the module docs).
+pub(crate) struct TileActs {
+    pub cols: usize,
+    pub n_chunks: usize,
+    pub qs: Vec<u8>,
+    pub d: Vec<f32>,
+    pub sv: Vec<f32>,
+}
+
+fn half_sums(qs: &[u8]) -> (i32, i32) {
+    let s = |h: &[u8]| h.iter().map(|&q| q as i8 as i32).sum::<i32>();
+    (s(&qs[..16]), s(&qs[16..32]))
+}
+
+impl TileActs {
+    fn build(x: &QuantizedActivations) -> TileActs {
+        let n_chunks = x.cols / QK;
+        let n = x.n_tokens;
+        let mut qs = vec![0u8; n * x.cols];
+        let mut d = vec![0.0f32; n * n_chunks];
+        let mut sv = vec![0.0f32; n * n_chunks * 8];
+        if n_chunks > 0 {
+            qs.par_chunks_mut(x.cols)
+                .zip(d.par_chunks_mut(n_chunks))
+                .zip(sv.par_chunks_mut(n_chunks * 8))
+                .enumerate()
+                .for_each(|(t, ((qs, d), sv))| Self::build_row(x.ty, x.row(t), qs, d, sv));
+        }
+        TileActs { cols: x.cols, n_chunks, qs, d, sv }
+    }
+
+    fn build_row(ty: GgmlType, row: &[u8], qs: &mut [u8], d: &mut [f32], sv: &mut [f32]) {
+        let mut set = |c: usize, dc: f32, s0: f32, s1: f32| {
+            d[c] = dc;
+            sv[8 * c..8 * c + 4].fill(s0);
+            sv[8 * c + 4..8 * c + 8].fill(s1);
+        };
+        match ty {
+            GgmlType::Q8_0 => {
+                for (c, y) in row.chunks_exact(q8_0::SIZE).enumerate() {
+                    let q = &y[q8_0::QS..q8_0::QS + QK];
+                    qs[QK * c..QK * c + QK].copy_from_slice(q);
+                    let dc = read_f16(y, q8_0::D);
+                    let (h0, h1) = half_sums(q);
+                    set(c, dc, dc * h0 as f32, dc * h1 as f32);
+                }
+            }
+            GgmlType::Q8_1 => {
+                for (c, y) in row.chunks_exact(q8_1::SIZE).enumerate() {
+                    qs[QK * c..QK * c + QK].copy_from_slice(&y[q8_1::QS..q8_1::QS + QK]);
+                    // GGML uses the stored f16 `s` for the whole block; halving it is exact.
+                    let s = read_f16(y, q8_1::S) * 0.5;
+                    set(c, read_f16(y, q8_1::D), s, s);
+                }
+            }
+            GgmlType::Q8_K => {
+                for (b, y) in row.chunks_exact(q8_k::SIZE).enumerate() {
+                    let base = b * QK_K;
+                    qs[base..base + QK_K].copy_from_slice(&y[q8_k::QS..q8_k::QS + QK_K]);
+                    let dc = read_f32(y, q8_k::D);
+                    for c in 0..QK_K / QK {
+                        let s0 = dc * q8k_bsum(y, 2 * c) as f32;
+                        let s1 = dc * q8k_bsum(y, 2 * c + 1) as f32;
+                        set(b * (QK_K / QK) + c, dc, s0, s1);
+                    }
+                }
+            }
+            _ => unreachable!("tiles are only built for quantized activations"),
+        }
+    }
+}
+
+/// `R` weight rows unpacked for the tile kernel: `q` row-major (`R * cols` bytes), `dv` and
+/// `mv` as 8 lanes per 32-element chunk per row.
+pub(crate) struct Panel {
+    pub q: Vec<u8>,
+    pub dv: Vec<f32>,
+    pub mv: Vec<f32>,
+}
+
+impl Panel {
+    fn new(rows: usize, cols: usize) -> Panel {
+        let n_chunks = cols / QK;
+        Panel {
+            q: vec![0; rows * cols],
+            dv: vec![0.0; rows * n_chunks * 8],
+            mv: vec![0.0; rows * n_chunks * 8],
+        }
+    }
+}
+
+/// Writes chunk `c`'s lanes: scales `s0`, `s1` and offsets `m0`, `m1` of its two halves.
+#[inline(always)]
+fn set_lanes(dv: &mut [f32], mv: &mut [f32], c: usize, s: [f32; 2], m: [f32; 2]) {
+    dv[8 * c..8 * c + 4].fill(s[0]);
+    dv[8 * c + 4..8 * c + 8].fill(s[1]);
+    mv[8 * c..8 * c + 4].fill(m[0] * 0.25);
+    mv[8 * c + 4..8 * c + 8].fill(m[1] * 0.25);
+}
+
+/// Unpacks one weight row of `ty` into tile layout.
+pub(crate) fn unpack_row(ty: GgmlType, row: &[u8], q: &mut [u8], dv: &mut [f32], mv: &mut [f32]) {
+    use GgmlType::*;
+    match ty {
+        Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 => {
+            for (c, x) in row.chunks_exact(ty.type_size()).enumerate() {
+                let qc = &mut q[QK * c..QK * c + QK];
+                let (d, m) = match ty {
+                    Q4_0 | Q4_1 => {
+                        let qs = if ty == Q4_0 { q4_0::QS } else { q4_1::QS };
+                        for j in 0..16 {
+                            qc[j] = x[qs + j] & 0xF;
+                            qc[j + 16] = x[qs + j] >> 4;
+                        }
+                        let d = read_f16(x, q4_0::D);
+                        (d, if ty == Q4_0 { -8.0 * d } else { read_f16(x, q4_1::M) })
+                    }
+                    Q5_0 => {
+                        let v = legacy::q5_values(&x[q5_0::QS..q5_0::QS + 16], read_u32(x, q5_0::QH));
+                        qc.copy_from_slice(&v);
+                        let d = read_f16(x, q5_0::D);
+                        (d, -16.0 * d)
+                    }
+                    Q5_1 => {
+                        let v = legacy::q5_values(&x[q5_1::QS..q5_1::QS + 16], read_u32(x, q5_1::QH));
+                        qc.copy_from_slice(&v);
+                        (read_f16(x, q5_1::D), read_f16(x, q5_1::M))
+                    }
+                    _ => {
+                        qc.copy_from_slice(&x[q8_0::QS..q8_0::QS + QK]);
+                        (read_f16(x, q8_0::D), 0.0)
+                    }
+                };
+                set_lanes(dv, mv, c, [d, d], [m, m]);
+            }
+        }
+        Q2_K | Q3_K | Q4_K | Q5_K | Q6_K => {
+            for (b, x) in row.chunks_exact(ty.type_size()).enumerate() {
+                let base = b * QK_K;
+                let qb = &mut q[base..base + QK_K];
+                // Per 16-element sub-block: scale and offset of the unsigned value.
+                let mut s16 = [0.0f32; 16];
+                let mut m16 = [0.0f32; 16];
+                match ty {
+                    Q2_K => {
+                        qb.copy_from_slice(&kquants::q2k_values(x));
+                        let d = read_f16(x, q2_k::D);
+                        let dmin = read_f16(x, q2_k::DMIN);
+                        for j in 0..16 {
+                            let sc = x[q2_k::SCALES + j];
+                            s16[j] = d * (sc & 0xF) as f32;
+                            m16[j] = -dmin * (sc >> 4) as f32;
+                        }
+                    }
+                    Q3_K => {
+                        for (o, v) in qb.iter_mut().zip(kquants::q3k_values(x)) {
+                            *o = (v + 4) as u8;
+                        }
+                        let d = read_f16(x, q3_k::D);
+                        let sc = crate::blocks::q3k_scales(&x[q3_k::SCALES..q3_k::SCALES + 12]);
+                        for j in 0..16 {
+                            s16[j] = d * sc[j] as f32;
+                            m16[j] = -4.0 * s16[j];
+                        }
+                    }
+                    Q4_K | Q5_K => {
+                        let v = if ty == Q4_K {
+                            kquants::k4_values(x, q4_k::QS, None)
+                        } else {
+                            kquants::k4_values(x, q5_k::QS, Some(q5_k::QH))
+                        };
+                        qb.copy_from_slice(&v);
+                        let d = read_f16(x, q4_k::D);
+                        let dmin = read_f16(x, q4_k::DMIN);
+                        let (sc, mn) =
+                            crate::blocks::k4_scales_mins(&x[q4_k::SCALES..q4_k::SCALES + 12]);
+                        for j in 0..16 {
+                            s16[j] = d * sc[j / 2] as f32;
+                            m16[j] = -dmin * mn[j / 2] as f32;
+                        }
+                    }
+                    _ => {
+                        for (o, v) in qb.iter_mut().zip(kquants::q6k_values(x)) {
+                            *o = (v + 32) as u8;
+                        }
+                        let d = read_f16(x, q6_k::D);
+                        for j in 0..16 {
+                            s16[j] = d * (x[q6_k::SCALES + j] as i8) as f32;
+                            m16[j] = -32.0 * s16[j];
+                        }
+                    }
+                }
+                for c in 0..QK_K / QK {
+                    let cc = b * (QK_K / QK) + c;
+                    set_lanes(dv, mv, cc, [s16[2 * c], s16[2 * c + 1]], [m16[2 * c], m16[2 * c + 1]]);
+                }
+            }
+        }
+        _ => unreachable!("tiles are only built for quantized weights"),
+    }
+}
+
+/// Rows of a weight panel and tokens per tile of the micro-kernel.
+pub(crate) const TILE_ROWS: usize = 4;
+pub(crate) const TILE_TOKENS: usize = 2;
+/// Tokens per cache block: the activations of one block stay in L2 while a panel sweeps them.
+const TOKEN_BLOCK: usize = 256;
+
+fn matmul_tiled(level: Level, w: &QMatrix, x: &QuantizedActivations, out: &mut [f32]) {
+    let acts = x.tiles();
+    let n_tokens = x.n_tokens;
+    let rows = w.rows;
+    let job_rows = rows_per_job(rows, TILE_ROWS);
+    // Each job owns `job_rows` consecutive rows of a transposed result (row-major by weight
+    // row), so jobs write disjoint slices; the transpose into `out` follows.
+    let mut transposed = vec![0.0f32; rows * n_tokens];
+    transposed.par_chunks_mut(job_rows * n_tokens).enumerate().for_each(|(job, res)| {
+        let r0 = job * job_rows;
+        let job_n = res.len() / n_tokens;
+        let mut panel = Panel::new(TILE_ROWS, w.cols);
+        for tb in (0..n_tokens).step_by(TOKEN_BLOCK) {
+            let tb_end = (tb + TOKEN_BLOCK).min(n_tokens);
+            for pr in (0..job_n).step_by(TILE_ROWS) {
+                let pr_n = TILE_ROWS.min(job_n - pr);
+                let n_chunks = w.cols / QK;
+                for i in 0..pr_n {
+                    unpack_row(
+                        w.ty,
+                        w.row(r0 + pr + i),
+                        &mut panel.q[i * w.cols..(i + 1) * w.cols],
+                        &mut panel.dv[i * n_chunks * 8..(i + 1) * n_chunks * 8],
+                        &mut panel.mv[i * n_chunks * 8..(i + 1) * n_chunks * 8],
+                    );
+                }
+                for t in (tb..tb_end).step_by(TILE_TOKENS) {
+                    let t_n = TILE_TOKENS.min(tb_end - t);
+                    let mut tile = [[0.0f32; TILE_TOKENS]; TILE_ROWS];
+                    run_tile(level, w.ty, &panel, pr_n, acts, t, t_n, &mut tile);
+                    for (i, tile_row) in tile.iter().enumerate().take(pr_n) {
+                        let dst = &mut res[(pr + i) * n_tokens + t..(pr + i) * n_tokens + t + t_n];
+                        dst.copy_from_slice(&tile_row[..t_n]);
+                    }
+                }
+            }
+        }
+    });
+    out.par_chunks_mut(rows).enumerate().for_each(|(t, o)| {
+        for (r, v) in o.iter_mut().enumerate() {
+            *v = transposed[r * n_tokens + t];
+        }
+    });
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_tile(
+    level: Level,
+    ty: GgmlType,
+    panel: &Panel,
+    rows: usize,
+    acts: &TileActs,
+    t0: usize,
+    tokens: usize,
+    out: &mut [[f32; TILE_TOKENS]; TILE_ROWS],
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if matches!(level, Level::Avx2 | Level::Avx512Vnni) {
+            crate::x86::tile::run(level, ty, panel, rows, acts, t0, tokens, out);
+            return;
+        }
+    }
+    let _ = (level, ty, panel, rows, acts, t0, tokens, out);
+    unreachable!("has_tiles admits only levels with a tile kernel")
+}

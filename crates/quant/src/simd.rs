@@ -1,0 +1,108 @@
+//! Run-time choice of the SIMD path. The CPU is probed once (`is_x86_feature_detected!`, or
+//! NEON, which every aarch64 Linux CPU has) and the answer cached; binaries are never built for
+//! the builder's CPU (`-C target-cpu=native`), since release artifacts run elsewhere.
+//!
+//! AVX-512 is used only for what this crate has AVX-512 kernels for; everything else falls
+//! through to the AVX2 kernels, then to the scalar reference.
+
+use std::sync::OnceLock;
+
+use crate::{scalar, GgmlType};
+
+/// A SIMD instruction set level, best first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Level {
+    /// The plain reference code.
+    Scalar,
+    /// aarch64 Advanced SIMD.
+    Neon,
+    /// x86-64 AVX2 with FMA and F16C.
+    Avx2,
+    /// x86-64 AVX-512 F/BW/VL with VNNI (`vpdpbusd`), on top of AVX2.
+    Avx512Vnni,
+}
+
+impl Level {
+    /// The name shown by `ember info` and the benchmarks.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Level::Scalar => "scalar",
+            Level::Neon => "neon",
+            Level::Avx2 => "avx2",
+            Level::Avx512Vnni => "avx512vnni",
+        }
+    }
+}
+
+fn detect() -> Level {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let avx2 = is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c");
+        let avx512 = avx2
+            && is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512vnni");
+        if avx512 {
+            return Level::Avx512Vnni;
+        }
+        if avx2 {
+            return Level::Avx2;
+        }
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        if std::arch::is_aarch64_feature_detected!("neon") {
+            return Level::Neon;
+        }
+    }
+    Level::Scalar
+}
+
+/// The best level this CPU supports (probed once).
+pub fn level() -> Level {
+    static LEVEL: OnceLock<Level> = OnceLock::new();
+    *LEVEL.get_or_init(detect)
+}
+
+/// Every level this CPU can run, scalar first: the set the tests compare against each other.
+pub fn available_levels() -> Vec<Level> {
+    let best = level();
+    [Level::Scalar, Level::Neon, Level::Avx2, Level::Avx512Vnni]
+        .into_iter()
+        .filter(|l| match l {
+            Level::Scalar => true,
+            Level::Neon => best == Level::Neon,
+            Level::Avx2 | Level::Avx512Vnni => {
+                *l <= best && matches!(best, Level::Avx2 | Level::Avx512Vnni)
+            }
+        })
+        .collect()
+}
+
+/// The name of the SIMD path in use, e.g. "avx512vnni", "avx2", "neon" or "scalar".
+pub fn detected() -> &'static str {
+    level().name()
+}
+
+/// One row's dot product on `level` (which the CPU must support); arguments already checked.
+pub(crate) fn vec_dot(level: Level, ty: GgmlType, w: &[u8], a: &[u8], n: usize) -> f32 {
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 | Level::Avx512Vnni => {
+            if let Some(v) = crate::x86::vec_dot(level, ty, w, a, n) {
+                return v;
+            }
+        }
+        #[cfg(target_arch = "aarch64")]
+        Level::Neon => {
+            if let Some(v) = crate::aarch64::vec_dot(ty, w, a) {
+                return v;
+            }
+        }
+        _ => {}
+    }
+    scalar::vec_dot(ty, w, a, n)
+}

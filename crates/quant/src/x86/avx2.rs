@@ -1,0 +1,386 @@
+//! AVX2 (+FMA, F16C) dot products, one per weight format: the SIMD twins of
+//! `scalar::legacy` and `scalar::kquants`.
+//!
+//! Integer parts are computed exactly as the scalar reference computes them (same per-block
+//! integer sums); only the order of the float accumulation differs. Signed-by-signed byte
+//! products use `maddubs` on |x| and sign(y, x), the usual AVX2 idiom; unsigned weights go
+//! straight into `maddubs`, whose i16 pair sums cannot saturate for values below 129.
+//!
+//! Every function here is `#[target_feature(enable = "avx2,fma,f16c")]`; callers must have
+//! checked the CPU (see `simd::level`).
+
+use std::arch::x86_64::*;
+
+use crate::blocks::{
+    k4_scales_mins, q2_k, q3_k, q3k_scales, q4_0, q4_1, q4_k, q5_0, q5_1, q5_k, q6_k, q8_0, q8_1,
+    q8_k, read_u32,
+};
+
+/// Loads 32 bytes from the start of `b`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn load32(b: &[u8]) -> __m256i {
+    let b = &b[..32];
+    // SAFETY: `b` holds 32 readable bytes; the load has no alignment requirement.
+    unsafe { _mm256_loadu_si256(b.as_ptr().cast()) }
+}
+
+/// Loads 16 bytes from the start of `b`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn load16(b: &[u8]) -> __m128i {
+    let b = &b[..16];
+    // SAFETY: `b` holds 16 readable bytes; the load has no alignment requirement.
+    unsafe { _mm_loadu_si128(b.as_ptr().cast()) }
+}
+
+/// Loads 8 f32 from the start of `v`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn load_ps(v: &[f32]) -> __m256 {
+    let v = &v[..8];
+    // SAFETY: `v` holds 8 readable floats; the load has no alignment requirement.
+    unsafe { _mm256_loadu_ps(v.as_ptr()) }
+}
+
+/// Reads a little-endian f16 at `offset` as f32 with F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn f16_at(b: &[u8], offset: usize) -> f32 {
+    let bits = u16::from_le_bytes([b[offset], b[offset + 1]]);
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn hsum_ps(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn hsum_epi32(v: __m256i) -> i32 {
+    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+    let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
+    _mm_cvtsi128_si32(s)
+}
+
+/// 16 packed bytes to 32 nibbles: low nibbles (elements 0..16) then high ones (16..32).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn nibbles32(qs: &[u8]) -> __m256i {
+    let t = load16(qs);
+    let both = _mm256_set_m128i(_mm_srli_epi16::<4>(t), t);
+    _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
+}
+
+/// Bit j of `bits` to byte j: 0xFF where set, 0 where clear.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn bytes_from_bits(bits: u32) -> __m256i {
+    let v = _mm256_set1_epi32(bits as i32);
+    let spread = _mm256_setr_epi8(
+        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3,
+        3,
+    );
+    let v = _mm256_shuffle_epi8(v, spread);
+    let select = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    _mm256_cmpeq_epi8(_mm256_and_si256(v, select), select)
+}
+
+/// Σ x·y over 32 signed bytes, as 8 i32 partial sums.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn dot_i8(x: __m256i, y: __m256i) -> __m256i {
+    let ax = _mm256_sign_epi8(x, x);
+    let sy = _mm256_sign_epi8(y, x);
+    _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), _mm256_set1_epi16(1))
+}
+
+/// Σ x·y over 32 bytes, x unsigned below 129 and y signed, as 8 i32 partial sums.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn dot_u8i8(x: __m256i, y: __m256i) -> __m256i {
+    _mm256_madd_epi16(_mm256_maddubs_epi16(x, y), _mm256_set1_epi16(1))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub fn vec_dot_q4_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
+    let mut acc = [_mm256_setzero_ps(); 2];
+    for (i, (x, y)) in w.chunks_exact(q4_0::SIZE).zip(a.chunks_exact(q8_0::SIZE)).enumerate() {
+        let d = _mm256_set1_ps(f16_at(x, q4_0::D) * f16_at(y, q8_0::D));
+        let qx = _mm256_sub_epi8(nibbles32(&x[q4_0::QS..]), _mm256_set1_epi8(8));
+        let p = _mm256_cvtepi32_ps(dot_i8(qx, load32(&y[q8_0::QS..])));
+        acc[i & 1] = _mm256_fmadd_ps(d, p, acc[i & 1]);
+    }
+    hsum_ps(_mm256_add_ps(acc[0], acc[1]))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub fn vec_dot_q4_1_q8_1(w: &[u8], a: &[u8]) -> f32 {
+    let mut acc = [_mm256_setzero_ps(); 2];
+    let mut summs = 0.0f32;
+    for (i, (x, y)) in w.chunks_exact(q4_1::SIZE).zip(a.chunks_exact(q8_1::SIZE)).enumerate() {
+        let d = _mm256_set1_ps(f16_at(x, q4_1::D) * f16_at(y, q8_1::D));
+        summs += f16_at(x, q4_1::M) * f16_at(y, q8_1::S);
+        let qx = nibbles32(&x[q4_1::QS..]);
+        let p = _mm256_cvtepi32_ps(dot_u8i8(qx, load32(&y[q8_1::QS..])));
+        acc[i & 1] = _mm256_fmadd_ps(d, p, acc[i & 1]);
+    }
+    hsum_ps(_mm256_add_ps(acc[0], acc[1])) + summs
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub fn vec_dot_q5_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
+    let mut acc = [_mm256_setzero_ps(); 2];
+    for (i, (x, y)) in w.chunks_exact(q5_0::SIZE).zip(a.chunks_exact(q8_0::SIZE)).enumerate() {
+        let d = _mm256_set1_ps(f16_at(x, q5_0::D) * f16_at(y, q8_0::D));
+        let high = _mm256_and_si256(bytes_from_bits(read_u32(x, q5_0::QH)), _mm256_set1_epi8(0x10));
+        let qx = _mm256_or_si256(nibbles32(&x[q5_0::QS..]), high);
+        let qx = _mm256_sub_epi8(qx, _mm256_set1_epi8(16));
+        let p = _mm256_cvtepi32_ps(dot_i8(qx, load32(&y[q8_0::QS..])));
+        acc[i & 1] = _mm256_fmadd_ps(d, p, acc[i & 1]);
+    }
+    hsum_ps(_mm256_add_ps(acc[0], acc[1]))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub fn vec_dot_q5_1_q8_1(w: &[u8], a: &[u8]) -> f32 {
+    let mut acc = [_mm256_setzero_ps(); 2];
+    let mut summs = 0.0f32;
+    for (i, (x, y)) in w.chunks_exact(q5_1::SIZE).zip(a.chunks_exact(q8_1::SIZE)).enumerate() {
+        let d = _mm256_set1_ps(f16_at(x, q5_1::D) * f16_at(y, q8_1::D));
+        summs += f16_at(x, q5_1::M) * f16_at(y, q8_1::S);
+        let high = _mm256_and_si256(bytes_from_bits(read_u32(x, q5_1::QH)), _mm256_set1_epi8(0x10));
+        let qx = _mm256_or_si256(nibbles32(&x[q5_1::QS..]), high);
+        let p = _mm256_cvtepi32_ps(dot_u8i8(qx, load32(&y[q8_1::QS..])));
+        acc[i & 1] = _mm256_fmadd_ps(d, p, acc[i & 1]);
+    }
+    hsum_ps(_mm256_add_ps(acc[0], acc[1])) + summs
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub fn vec_dot_q8_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
+    let mut acc = [_mm256_setzero_ps(); 2];
+    for (i, (x, y)) in w.chunks_exact(q8_0::SIZE).zip(a.chunks_exact(q8_0::SIZE)).enumerate() {
+        let d = _mm256_set1_ps(f16_at(x, q8_0::D) * f16_at(y, q8_0::D));
+        let p = _mm256_cvtepi32_ps(dot_i8(load32(&x[q8_0::QS..]), load32(&y[q8_0::QS..])));
+        acc[i & 1] = _mm256_fmadd_ps(d, p, acc[i & 1]);
+    }
+    hsum_ps(_mm256_add_ps(acc[0], acc[1]))
+}
+
+/// The 16 i16 block sums of a Q8_K block.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q8k_bsums(y: &[u8]) -> __m256i {
+    load32(&y[q8_k::BSUMS..])
+}
+
+/// i16 vector with `lo` in elements 0..8 and `hi` in 8..16: the scales of two 16-element
+/// sub-blocks after `maddubs` of 32 bytes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn scale_pair(lo: i16, hi: i16) -> __m256i {
+    _mm256_set_m128i(_mm_set1_epi16(hi), _mm_set1_epi16(lo))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub fn vec_dot_q2_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
+    let mut sumf = 0.0f32;
+    let mask3 = _mm256_set1_epi8(3);
+    for (x, y) in w.chunks_exact(q2_k::SIZE).zip(a.chunks_exact(q8_k::SIZE)) {
+        let sc = &x[q2_k::SCALES..q2_k::SCALES + 16];
+        let mins: [i16; 16] = std::array::from_fn(|j| (sc[j] >> 4) as i16);
+        // SAFETY: `mins` is 16 i16 = 32 readable bytes; unaligned load.
+        let mins_v = unsafe { _mm256_loadu_si256(mins.as_ptr().cast()) };
+        let msum = hsum_epi32(_mm256_madd_epi16(mins_v, q8k_bsums(y)));
+        let mut isum = _mm256_setzero_si256();
+        for half in 0..2 {
+            let q = load32(&x[q2_k::QS + 32 * half..]);
+            for shift in 0..4 {
+                let v = match shift {
+                    0 => q,
+                    1 => _mm256_srli_epi16::<2>(q),
+                    2 => _mm256_srli_epi16::<4>(q),
+                    _ => _mm256_srli_epi16::<6>(q),
+                };
+                let v = _mm256_and_si256(v, mask3);
+                let e = 128 * half + 32 * shift;
+                let yv = load32(&y[q8_k::QS + e..]);
+                let s = e / 16;
+                let scales = scale_pair((sc[s] & 0xF) as i16, (sc[s + 1] & 0xF) as i16);
+                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(v, yv), scales);
+                isum = _mm256_add_epi32(isum, p);
+            }
+        }
+        let d8 = f32::from_le_bytes([y[0], y[1], y[2], y[3]]);
+        let d = f16_at(x, q2_k::D);
+        let dmin = f16_at(x, q2_k::DMIN);
+        sumf += d8 * d * hsum_epi32(isum) as f32 - d8 * dmin * msum as f32;
+    }
+    sumf
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub fn vec_dot_q3_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
+    let mut sumf = 0.0f32;
+    let mask3 = _mm256_set1_epi8(3);
+    let four = _mm256_set1_epi8(4);
+    for (x, y) in w.chunks_exact(q3_k::SIZE).zip(a.chunks_exact(q8_k::SIZE)) {
+        let sc = q3k_scales(&x[q3_k::SCALES..q3_k::SCALES + 12]);
+        let hm = load32(&x[q3_k::HMASK..]);
+        let mut isum = _mm256_setzero_si256();
+        for half in 0..2 {
+            let q = load32(&x[q3_k::QS + 32 * half..]);
+            for shift in 0..4 {
+                let v = match shift {
+                    0 => q,
+                    1 => _mm256_srli_epi16::<2>(q),
+                    2 => _mm256_srli_epi16::<4>(q),
+                    _ => _mm256_srli_epi16::<6>(q),
+                };
+                let low = _mm256_and_si256(v, mask3);
+                // High bit set means the value is low, clear means low - 4; store value + 4,
+                // which is low + 4·bit, as an unsigned byte.
+                let bit = _mm256_set1_epi8((1u8 << (4 * half + shift)) as i8);
+                let set = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
+                let value4 = _mm256_or_si256(low, _mm256_and_si256(set, four));
+                let e = 128 * half + 32 * shift;
+                let yv = load32(&y[q8_k::QS + e..]);
+                let p = _mm256_sub_epi16(
+                    _mm256_maddubs_epi16(value4, yv),
+                    _mm256_maddubs_epi16(four, yv),
+                );
+                let s = e / 16;
+                let p = _mm256_madd_epi16(p, scale_pair(sc[s] as i16, sc[s + 1] as i16));
+                isum = _mm256_add_epi32(isum, p);
+            }
+        }
+        let d8 = f32::from_le_bytes([y[0], y[1], y[2], y[3]]);
+        sumf += d8 * f16_at(x, q3_k::D) * hsum_epi32(isum) as f32;
+    }
+    sumf
+}
+
+/// Q4_K and Q5_K share everything but the fifth bit.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn vec_dot_k4<const FIVE: bool>(w: &[u8], a: &[u8]) -> f32 {
+    let size = if FIVE { q5_k::SIZE } else { q4_k::SIZE };
+    let qs_off = if FIVE { q5_k::QS } else { q4_k::QS };
+    let mut sumf = 0.0f32;
+    let low = _mm256_set1_epi8(0x0F);
+    let one = _mm256_set1_epi8(1);
+    for (x, y) in w.chunks_exact(size).zip(a.chunks_exact(q8_k::SIZE)) {
+        let (sc, mn) = k4_scales_mins(&x[q4_k::SCALES..q4_k::SCALES + 12]);
+        let mins: [i16; 16] = std::array::from_fn(|j| mn[j / 2] as i16);
+        // SAFETY: `mins` is 16 i16 = 32 readable bytes; unaligned load.
+        let mins_v = unsafe { _mm256_loadu_si256(mins.as_ptr().cast()) };
+        let msum = hsum_epi32(_mm256_madd_epi16(mins_v, q8k_bsums(y)));
+        let qh = if FIVE { load32(&x[q5_k::QH..]) } else { _mm256_setzero_si256() };
+        let mut isum = _mm256_setzero_si256();
+        for c in 0..4 {
+            let q = load32(&x[qs_off + 32 * c..]);
+            let mut lo = _mm256_and_si256(q, low);
+            let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), low);
+            if FIVE {
+                let hbits = _mm256_srlv_epi32(qh, _mm256_set1_epi32(2 * c as i32));
+                let h_lo = _mm256_and_si256(hbits, one);
+                let h_hi = _mm256_and_si256(_mm256_srli_epi16::<1>(hbits), one);
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16::<4>(h_lo));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16::<4>(h_hi));
+            }
+            let y0 = load32(&y[q8_k::QS + 64 * c..]);
+            let y1 = load32(&y[q8_k::QS + 64 * c + 32..]);
+            let p0 = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(lo, y0),
+                _mm256_set1_epi16(sc[2 * c] as i16),
+            );
+            let p1 = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(hi, y1),
+                _mm256_set1_epi16(sc[2 * c + 1] as i16),
+            );
+            isum = _mm256_add_epi32(isum, _mm256_add_epi32(p0, p1));
+        }
+        let d8 = f32::from_le_bytes([y[0], y[1], y[2], y[3]]);
+        let d = f16_at(x, q4_k::D);
+        let dmin = f16_at(x, q4_k::DMIN);
+        sumf += d8 * d * hsum_epi32(isum) as f32 - d8 * dmin * msum as f32;
+    }
+    sumf
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub fn vec_dot_q4_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
+    vec_dot_k4::<false>(w, a)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub fn vec_dot_q5_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
+    vec_dot_k4::<true>(w, a)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub fn vec_dot_q6_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
+    let mut sumf = 0.0f32;
+    let low = _mm256_set1_epi8(0x0F);
+    let mask2 = _mm256_set1_epi8(3);
+    let m32 = _mm256_set1_epi8(32);
+    for (x, y) in w.chunks_exact(q6_k::SIZE).zip(a.chunks_exact(q8_k::SIZE)) {
+        let sc = &x[q6_k::SCALES..q6_k::SCALES + 16];
+        let mut isum = _mm256_setzero_si256();
+        for c in 0..2 {
+            let ql0 = load32(&x[q6_k::QL + 64 * c..]);
+            let ql1 = load32(&x[q6_k::QL + 64 * c + 32..]);
+            let qh = load32(&x[q6_k::QH + 32 * c..]);
+            let h = |shift: i32| -> __m256i {
+                let v = match shift {
+                    0 => qh,
+                    2 => _mm256_srli_epi16::<2>(qh),
+                    4 => _mm256_srli_epi16::<4>(qh),
+                    _ => _mm256_srli_epi16::<6>(qh),
+                };
+                _mm256_slli_epi16::<4>(_mm256_and_si256(v, mask2))
+            };
+            let quarters = [
+                _mm256_or_si256(_mm256_and_si256(ql0, low), h(0)),
+                _mm256_or_si256(_mm256_and_si256(ql1, low), h(2)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(ql0), low), h(4)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(ql1), low), h(6)),
+            ];
+            for (k, q) in quarters.into_iter().enumerate() {
+                let e = 128 * c + 32 * k;
+                let yv = load32(&y[q8_k::QS + e..]);
+                let p = _mm256_sub_epi16(_mm256_maddubs_epi16(q, yv), _mm256_maddubs_epi16(m32, yv));
+                let s = e / 16;
+                let p = _mm256_madd_epi16(p, scale_pair(sc[s] as i8 as i16, sc[s + 1] as i8 as i16));
+                isum = _mm256_add_epi32(isum, p);
+            }
+        }
+        let d8 = f32::from_le_bytes([y[0], y[1], y[2], y[3]]);
+        sumf += d8 * f16_at(x, q6_k::D) * hsum_epi32(isum) as f32;
+    }
+    sumf
+}
+
+/// F16 weights against F16 activations, products and sums in f32 (as GGML's F16C path).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub fn vec_dot_f16(w: &[u8], a: &[u8], n: usize) -> f32 {
+    let mut acc = [_mm256_setzero_ps(); 2];
+    let full = n / 8 * 8;
+    for (i, base) in (0..full).step_by(8).enumerate() {
+        let x = _mm256_cvtph_ps(load16(&w[2 * base..]));
+        let y = _mm256_cvtph_ps(load16(&a[2 * base..]));
+        acc[i & 1] = _mm256_fmadd_ps(x, y, acc[i & 1]);
+    }
+    let mut sum = hsum_ps(_mm256_add_ps(acc[0], acc[1]));
+    for i in full..n {
+        sum += f16_at(w, 2 * i) * f16_at(a, 2 * i);
+    }
+    sum
+}

@@ -1,0 +1,35 @@
+//! x86-64 SIMD kernels. `avx2` holds the dot products of every weight format and the tiled
+//! integer matmul kernel; `avx512` the VNNI tile kernel where the CPU has it.
+
+pub mod avx2;
+pub mod tile;
+
+use crate::simd::Level;
+use crate::GgmlType;
+
+/// One row's dot product on an x86 SIMD `level`, or `None` when that level has no kernel for
+/// `ty` (the caller then uses the scalar reference).
+pub fn vec_dot(level: Level, ty: GgmlType, w: &[u8], a: &[u8], n: usize) -> Option<f32> {
+    if !matches!(level, Level::Avx2 | Level::Avx512Vnni) {
+        return None;
+    }
+    use GgmlType::*;
+    // SAFETY: `level` is at least AVX2, which `simd::level` only reports after checking AVX2,
+    // FMA and F16C on this CPU; every kernel below needs exactly those.
+    unsafe {
+        Some(match ty {
+            Q4_0 => avx2::vec_dot_q4_0_q8_0(w, a),
+            Q4_1 => avx2::vec_dot_q4_1_q8_1(w, a),
+            Q5_0 => avx2::vec_dot_q5_0_q8_0(w, a),
+            Q5_1 => avx2::vec_dot_q5_1_q8_1(w, a),
+            Q8_0 => avx2::vec_dot_q8_0_q8_0(w, a),
+            Q2_K => avx2::vec_dot_q2_k_q8_k(w, a),
+            Q3_K => avx2::vec_dot_q3_k_q8_k(w, a),
+            Q4_K => avx2::vec_dot_q4_k_q8_k(w, a),
+            Q5_K => avx2::vec_dot_q5_k_q8_k(w, a),
+            Q6_K => avx2::vec_dot_q6_k_q8_k(w, a),
+            F16 => avx2::vec_dot_f16(w, a, n),
+            _ => return None,
+        })
+    }
+}

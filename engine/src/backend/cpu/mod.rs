@@ -1,0 +1,388 @@
+//! The CPU backend: weights read in place from the GGUF memory map, ops on a rayon thread pool.
+//!
+//! Matrix products go through `ember-quant` (activations quantized to the weight's dot-product
+//! type, as GGML's CPU path does); element-wise ops, normalisation, rotary embedding and attention
+//! live here. Work is split across the pool's threads only when there is enough of it to pay for
+//! the split, so single-token decoding does not drown in scheduling overhead.
+
+mod attention;
+mod ops;
+pub mod vec;
+
+use std::sync::Arc;
+
+use ember_gguf::{GgmlType, Gguf, TensorInfo};
+use half::f16;
+use rayon::prelude::*;
+
+use super::{Backend, BackendError, RopeMode, RopeParams};
+use crate::kv_cache::AttentionPlan;
+
+/// Rows per rayon task for the cheap row-wise ops; below this a single thread does the work.
+const ROWS_PER_TASK: usize = 8;
+
+/// The CPU backend: a rayon thread pool of a chosen size.
+pub struct CpuBackend {
+    pool: rayon::ThreadPool,
+    n_threads: usize,
+}
+
+impl std::fmt::Debug for CpuBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CpuBackend").field("n_threads", &self.n_threads).finish()
+    }
+}
+
+/// The machine's physical core count (hyper-threads share a core's vector units, so llama.cpp
+/// also defaults to physical cores), falling back to the logical count.
+pub fn physical_cores() -> usize {
+    let logical = std::thread::available_parallelism().map_or(1, |n| n.get());
+    physical_cores_from_cpuinfo().map_or(logical, |p| p.clamp(1, logical))
+}
+
+fn physical_cores_from_cpuinfo() -> Option<usize> {
+    let text = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+    let mut cores = std::collections::BTreeSet::new();
+    let mut physical_id = None;
+    for line in text.lines() {
+        let mut parts = line.splitn(2, ':');
+        let key = parts.next()?.trim();
+        let value = parts.next().map(str::trim);
+        match key {
+            "physical id" => physical_id = value.and_then(|v| v.parse::<u32>().ok()),
+            "core id" => {
+                if let Some(core) = value.and_then(|v| v.parse::<u32>().ok()) {
+                    cores.insert((physical_id.unwrap_or(0), core));
+                }
+            }
+            _ => {}
+        }
+    }
+    (!cores.is_empty()).then_some(cores.len())
+}
+
+impl CpuBackend {
+    /// A backend with `n_threads` worker threads (0 means [`physical_cores`]).
+    pub fn new(n_threads: usize) -> Result<CpuBackend, rayon::ThreadPoolBuildError> {
+        let n_threads = if n_threads == 0 { physical_cores() } else { n_threads };
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(n_threads)
+            .thread_name(|i| format!("ember-cpu-{i}"))
+            .build()?;
+        Ok(CpuBackend { pool, n_threads })
+    }
+
+    /// Worker threads.
+    pub fn n_threads(&self) -> usize {
+        self.n_threads
+    }
+}
+
+/// A weight matrix read in place from the file mapping.
+pub struct CpuMatrix {
+    gguf: Arc<Gguf>,
+    info: TensorInfo,
+    rows: usize,
+    cols: usize,
+}
+
+impl CpuMatrix {
+    fn data(&self) -> &[u8] {
+        self.gguf.tensor_data(&self.info)
+    }
+
+    fn qmatrix(&self) -> ember_quant::QMatrix<'_> {
+        ember_quant::QMatrix::new(self.info.ty, self.rows, self.cols, self.data())
+            .expect("the matrix's shape and size were checked when it was placed")
+    }
+}
+
+/// Cosine and sine of every rotated pair of every token: `table[t * n_dims + 2 * i]` is the cosine
+/// of pair `i` of token `t`, the next value its sine.
+pub struct CpuRopeTable {
+    n_dims: usize,
+    values: Vec<f32>,
+}
+
+/// One layer's K and V blocks. Within a block values are head-major (`[head][slot][dim]`) so one
+/// head's keys of a block are one contiguous run for the attention loops.
+pub struct CpuKvLayer {
+    block_size: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    k: Vec<Vec<f16>>,
+    v: Vec<Vec<f16>>,
+}
+
+impl CpuKvLayer {
+    fn block_len(&self) -> usize {
+        self.block_size * self.n_kv_heads * self.head_dim
+    }
+
+    /// Index, inside a block, of head `head`'s row at `slot_in_block`.
+    #[inline]
+    fn row_offset(&self, head: usize, slot_in_block: usize) -> usize {
+        (head * self.block_size + slot_in_block) * self.head_dim
+    }
+}
+
+fn check_matrix(info: &TensorInfo) -> Result<(usize, usize), BackendError> {
+    if !ember_quant::is_supported(info.ty) {
+        return Err(BackendError::UnsupportedType {
+            tensor: info.name.clone(),
+            ty: info.ty.name().to_string(),
+            backend: "cpu",
+            supported: supported_types(),
+        });
+    }
+    if info.dims.len() > 2 || info.dims.is_empty() {
+        return Err(BackendError::BadTensor {
+            tensor: info.name.clone(),
+            expected: "a matrix (1 or 2 dimensions)".into(),
+            found: format!("dims {:?}", info.dims),
+        });
+    }
+    let cols = info.dims[0] as usize;
+    let rows = info.dims.get(1).copied().unwrap_or(1) as usize;
+    Ok((rows, cols))
+}
+
+fn supported_types() -> String {
+    GgmlType::ALL
+        .iter()
+        .filter(|t| ember_quant::is_supported(**t))
+        .map(|t| t.name())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+impl Backend for CpuBackend {
+    type Buf = Vec<f32>;
+    type Matrix = CpuMatrix;
+    type Vector = Vec<f32>;
+    type RopeTable = CpuRopeTable;
+    type KvLayer = CpuKvLayer;
+
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        self.pool.install(f)
+    }
+
+    fn matrix(&self, gguf: &Arc<Gguf>, info: &TensorInfo) -> Result<CpuMatrix, BackendError> {
+        let (rows, cols) = check_matrix(info)?;
+        let matrix = CpuMatrix { gguf: Arc::clone(gguf), info: info.clone(), rows, cols };
+        ember_quant::QMatrix::new(info.ty, rows, cols, matrix.data()).map_err(|e| BackendError::BadTensor {
+            tensor: info.name.clone(),
+            expected: format!("{rows} rows of {cols} {} values", info.ty.name()),
+            found: e.to_string(),
+        })?;
+        Ok(matrix)
+    }
+
+    fn vector(&self, gguf: &Arc<Gguf>, info: &TensorInfo) -> Result<Vec<f32>, BackendError> {
+        let (rows, cols) = check_matrix(info)?;
+        let mut out = vec![0f32; rows * cols];
+        ember_quant::dequantize(info.ty, gguf.tensor_data(info), &mut out).map_err(|e| BackendError::BadTensor {
+            tensor: info.name.clone(),
+            expected: format!("{} {} values", rows * cols, info.ty.name()),
+            found: e.to_string(),
+        })?;
+        Ok(out)
+    }
+
+    fn matrix_private_bytes(&self, _matrix: &CpuMatrix) -> usize {
+        0
+    }
+
+    fn alloc(&self, len: usize) -> Vec<f32> {
+        vec![0.0; len]
+    }
+
+    fn ensure_len(&self, buf: &mut Vec<f32>, len: usize) {
+        if buf.len() < len {
+            buf.resize(len, 0.0);
+        }
+    }
+
+    fn gather_rows(&self, src: &Vec<f32>, dim: usize, rows: &[usize], out: &mut Vec<f32>) {
+        for (i, &r) in rows.iter().enumerate() {
+            out[i * dim..(i + 1) * dim].copy_from_slice(&src[r * dim..(r + 1) * dim]);
+        }
+    }
+
+    fn read(&self, buf: &Vec<f32>, len: usize, out: &mut Vec<f32>) {
+        out.clear();
+        out.extend_from_slice(&buf[..len]);
+    }
+
+    fn get_rows(&self, table: &CpuMatrix, ids: &[u32], scale: f32, out: &mut Vec<f32>) {
+        let cols = table.cols;
+        let q = table.qmatrix();
+        out[..ids.len() * cols].par_chunks_mut(cols).with_min_len(ROWS_PER_TASK).zip(ids).for_each(|(row, &id)| {
+            q.dequantize_row(id as usize, row).expect("token ids are checked against the vocabulary before the forward pass");
+            if scale != 1.0 {
+                row.iter_mut().for_each(|x| *x *= scale);
+            }
+        });
+    }
+
+    fn matmul(&self, w: &CpuMatrix, x: &Vec<f32>, n_tokens: usize, out: &mut Vec<f32>) {
+        let q = w.qmatrix();
+        let x = &x[..n_tokens * w.cols];
+        let out = &mut out[..n_tokens * w.rows];
+        let vdt = ember_quant::vec_dot_type(w.info.ty);
+        let acts = ember_quant::quantize_activations(vdt, x, n_tokens, w.cols);
+        ember_quant::matmul(&q, &acts, out);
+    }
+
+    fn rms_norm(&self, x: &Vec<f32>, weight: &Vec<f32>, n_rows: usize, dim: usize, eps: f32, out: &mut Vec<f32>) {
+        out[..n_rows * dim]
+            .par_chunks_mut(dim)
+            .with_min_len(ROWS_PER_TASK)
+            .zip(x[..n_rows * dim].par_chunks(dim))
+            .for_each(|(o, r)| ops::rms_norm_row(r, weight, eps, o));
+    }
+
+    fn rms_norm_inplace(&self, x: &mut Vec<f32>, weight: &Vec<f32>, n_rows: usize, dim: usize, eps: f32) {
+        x[..n_rows * dim]
+            .par_chunks_mut(dim)
+            .with_min_len(ROWS_PER_TASK)
+            .for_each(|r| ops::rms_norm_row_inplace(r, weight, eps));
+    }
+
+    fn add_inplace(&self, dst: &mut Vec<f32>, src: &Vec<f32>, len: usize) {
+        ops::par_zip(&mut dst[..len], &src[..len], |d, s| *d += s);
+    }
+
+    fn add_bias(&self, x: &mut Vec<f32>, bias: &Vec<f32>, n_rows: usize, dim: usize) {
+        x[..n_rows * dim].chunks_mut(dim).for_each(|r| r.iter_mut().zip(bias).for_each(|(v, b)| *v += b));
+    }
+
+    fn scale(&self, x: &mut Vec<f32>, len: usize, scale: f32) {
+        x[..len].iter_mut().for_each(|v| *v *= scale);
+    }
+
+    fn swiglu(&self, gate: &mut Vec<f32>, up: &Vec<f32>, len: usize) {
+        ops::par_zip(&mut gate[..len], &up[..len], |g, u| *g = ops::silu(*g) * u);
+    }
+
+    fn geglu(&self, gate: &mut Vec<f32>, up: &Vec<f32>, len: usize) {
+        let table = ops::gelu_table();
+        ops::par_zip(&mut gate[..len], &up[..len], |g, u| *g = ops::gelu_ggml(table, *g) * u);
+    }
+
+    fn softcap(&self, x: &mut Vec<f32>, len: usize, cap: f32) {
+        x[..len].iter_mut().for_each(|v| *v = cap * (*v / cap).tanh());
+    }
+
+    fn rope_table_new(&self) -> CpuRopeTable {
+        CpuRopeTable { n_dims: 0, values: Vec::new() }
+    }
+
+    fn rope_table(&self, positions: &[u32], params: &RopeParams<'_>, table: &mut CpuRopeTable) {
+        let n_dims = params.n_dims;
+        table.n_dims = n_dims;
+        table.values.clear();
+        table.values.resize(positions.len() * n_dims, 0.0);
+        let values = &mut table.values;
+        let theta_scale = params.freq_base.powf(-2.0 / n_dims as f32);
+        for (t, &pos) in positions.iter().enumerate() {
+            let row = &mut values[t * n_dims..(t + 1) * n_dims];
+            // As GGML: the angle of pair i is pos * base^(-2i/n_dims), built by repeated
+            // multiplication in f32 so rounding matches its tables.
+            let mut theta_base = pos as f32;
+            for i in 0..n_dims / 2 {
+                let factor = params.freq_factors.map_or(1.0, |f| f[i]);
+                let theta = params.freq_scale * (theta_base / factor);
+                row[2 * i] = theta.cos();
+                row[2 * i + 1] = theta.sin();
+                theta_base *= theta_scale;
+            }
+        }
+    }
+
+    fn rope(&self, x: &mut Vec<f32>, table: &CpuRopeTable, n_tokens: usize, n_heads: usize, head_dim: usize, mode: RopeMode) {
+        let row_len = n_heads * head_dim;
+        let n_dims = table.n_dims;
+        x[..n_tokens * row_len]
+            .par_chunks_mut(row_len)
+            .with_min_len(ROWS_PER_TASK)
+            .zip(table.values.par_chunks(n_dims))
+            .for_each(|(row, cs)| {
+                for head in row.chunks_mut(head_dim) {
+                    ops::rope_head(head, cs, n_dims, mode);
+                }
+            });
+    }
+
+    fn kv_layer(&self, max_blocks: usize, block_size: usize, n_kv_heads: usize, head_dim: usize) -> CpuKvLayer {
+        CpuKvLayer {
+            block_size,
+            n_kv_heads,
+            head_dim,
+            k: (0..max_blocks).map(|_| Vec::new()).collect(),
+            v: (0..max_blocks).map(|_| Vec::new()).collect(),
+        }
+    }
+
+    fn kv_materialize(&self, layer: &mut CpuKvLayer, blocks: &[u32]) {
+        let len = layer.block_len();
+        for &b in blocks {
+            for store in [&mut layer.k, &mut layer.v] {
+                let block = &mut store[b as usize];
+                if block.len() != len {
+                    *block = vec![f16::ZERO; len];
+                }
+            }
+        }
+    }
+
+    fn kv_release(&self, layer: &mut CpuKvLayer, blocks: &[u32]) {
+        for &b in blocks {
+            layer.k[b as usize] = Vec::new();
+            layer.v[b as usize] = Vec::new();
+        }
+    }
+
+    fn kv_bytes(&self, layer: &CpuKvLayer) -> usize {
+        layer.k.iter().chain(&layer.v).map(|b| b.len() * 2).sum()
+    }
+
+    fn kv_store(&self, layer: &mut CpuKvLayer, k: &Vec<f32>, v: &Vec<f32>, plan: &AttentionPlan) {
+        let (n_heads, head_dim, block_size) = (layer.n_kv_heads, layer.head_dim, layer.block_size);
+        let row_len = n_heads * head_dim;
+        for (t, &slot) in plan.slots.iter().enumerate() {
+            let (block, in_block) = (slot as usize / block_size, slot as usize % block_size);
+            for h in 0..n_heads {
+                let off = layer.row_offset(h, in_block);
+                let src = t * row_len + h * head_dim;
+                half::slice::HalfFloatSliceExt::convert_from_f32_slice(
+                    &mut layer.k[block][off..off + head_dim],
+                    &k[src..src + head_dim],
+                );
+                half::slice::HalfFloatSliceExt::convert_from_f32_slice(
+                    &mut layer.v[block][off..off + head_dim],
+                    &v[src..src + head_dim],
+                );
+            }
+        }
+    }
+
+    fn attention(
+        &self,
+        q: &Vec<f32>,
+        layer: &CpuKvLayer,
+        plan: &AttentionPlan,
+        n_heads: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+        kq_scale: f32,
+        window: Option<usize>,
+        out: &mut Vec<f32>,
+    ) {
+        attention::attention(q, layer, plan, n_heads, n_kv_heads, head_dim, kq_scale, window, out);
+    }
+}

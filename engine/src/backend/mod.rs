@@ -1,0 +1,155 @@
+//! The compute backend interface: the ops the model code is written in.
+//!
+//! Model code (`crate::model`) never touches memory directly: it asks a [`Backend`] to place
+//! weights, allocate activation buffers and K/V blocks, and run ops on them. The CPU backend
+//! ([`cpu::CpuBackend`]) borrows weights from the GGUF memory map and runs the ops on a rayon
+//! thread pool; a GPU backend (HIP/CUDA) implements the same trait with device buffers, so the
+//! model code does not change. Shapes are passed explicitly (row counts and row lengths) because a
+//! device buffer carries no shape of its own.
+//!
+//! Layout conventions shared by every implementation:
+//! - An activation buffer holding `n_tokens` rows of `dim` values is token-major:
+//!   `buf[t * dim + i]`.
+//! - Matrices follow GGUF: a weight with `rows` output features and `cols` input features maps a
+//!   row of `cols` values to a row of `rows` values.
+//! - K/V blocks hold `block_size` token slots; see [`crate::kv_cache`] for the addressing.
+
+pub mod cpu;
+
+use std::sync::Arc;
+
+use ember_gguf::{Gguf, TensorInfo};
+
+use crate::kv_cache::AttentionPlan;
+
+/// An error raised by a backend while placing weights or allocating memory.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    /// The tensor's element type has no kernels in this backend.
+    #[error("tensor {tensor}: type {ty} is not supported by the {backend} backend (supported: {supported})")]
+    UnsupportedType { tensor: String, ty: String, backend: &'static str, supported: String },
+    /// The tensor is not a matrix or vector of the expected size.
+    #[error("tensor {tensor}: expected {expected}, found {found}")]
+    BadTensor { tensor: String, expected: String, found: String },
+}
+
+/// How rotary position embedding pairs up the elements of a head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeMode {
+    /// GGML's "normal" mode (Llama): pairs are adjacent elements `(2i, 2i + 1)`.
+    Normal,
+    /// GGML's NeoX mode (Qwen, Gemma): pairs are `(i, i + n_dims / 2)`.
+    Neox,
+}
+
+/// The frequencies of one rotary embedding, as GGML's `rope_ext` takes them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RopeParams<'a> {
+    /// How many leading elements of each head are rotated (even, at most the head size).
+    pub n_dims: usize,
+    /// Base of the geometric frequency sequence.
+    pub freq_base: f32,
+    /// Linear position scaling (1 / rope scaling factor).
+    pub freq_scale: f32,
+    /// Per-pair frequency divisors (Llama 3's `rope_freqs.weight`), `n_dims / 2` values.
+    pub freq_factors: Option<&'a [f32]>,
+}
+
+/// Compute primitives over device-resident buffers.
+///
+/// Every op takes the shapes it works on; buffers must be at least as long as those shapes say
+/// (the model code sizes them, and implementations may panic on a violated precondition since that
+/// is a bug in the model code, not bad input).
+pub trait Backend: Send + Sync + Sized + 'static {
+    /// An f32 activation buffer.
+    type Buf: Send;
+    /// A weight matrix in its stored (possibly quantized) format.
+    type Matrix: Send + Sync;
+    /// A small f32 vector (norm weights, biases).
+    type Vector: Send + Sync;
+    /// A table of per-token cosines and sines for one [`RopeParams`] and one batch of positions.
+    type RopeTable: Send;
+    /// The K and V storage of one layer: a growable array of fixed-size blocks.
+    type KvLayer: Send;
+
+    /// A short name for messages (`cpu`, `hip`, `cuda`).
+    fn name(&self) -> &'static str;
+    /// Runs `f` in the backend's execution context (the CPU thread pool); model code wraps each
+    /// forward pass in it.
+    fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R;
+
+    /// Places a weight matrix (`info.dims[0]` columns, `info.dims[1]` rows).
+    fn matrix(&self, gguf: &Arc<Gguf>, info: &TensorInfo) -> Result<Self::Matrix, BackendError>;
+    /// Places a vector, converting it to f32.
+    fn vector(&self, gguf: &Arc<Gguf>, info: &TensorInfo) -> Result<Self::Vector, BackendError>;
+    /// Bytes of weight memory a matrix takes on this backend that are not shared with the file
+    /// mapping (0 for the CPU backend, which reads weights in place).
+    fn matrix_private_bytes(&self, matrix: &Self::Matrix) -> usize;
+
+    /// A zeroed buffer of `len` values.
+    fn alloc(&self, len: usize) -> Self::Buf;
+    /// Makes sure `buf` holds at least `len` values, keeping its allocation when it already does.
+    fn ensure_len(&self, buf: &mut Self::Buf, len: usize);
+    /// Copies rows `rows` of `src` (rows of `dim` values) to the first rows of `out`, in order.
+    fn gather_rows(&self, src: &Self::Buf, dim: usize, rows: &[usize], out: &mut Self::Buf);
+    /// Copies the first `len` values of `buf` to host memory (replacing the contents of `out`).
+    fn read(&self, buf: &Self::Buf, len: usize, out: &mut Vec<f32>);
+
+    /// `out[t] = table.row(ids[t]) * scale`, each row dequantized to f32.
+    fn get_rows(&self, table: &Self::Matrix, ids: &[u32], scale: f32, out: &mut Self::Buf);
+    /// `out[t] = w * x[t]` for `n_tokens` rows of `x`, activations quantized to the weight's
+    /// dot-product type first, as GGML does.
+    fn matmul(&self, w: &Self::Matrix, x: &Self::Buf, n_tokens: usize, out: &mut Self::Buf);
+    /// RMS normalisation of `n_rows` rows of `dim` values, times `weight` (length `dim`).
+    fn rms_norm(&self, x: &Self::Buf, weight: &Self::Vector, n_rows: usize, dim: usize, eps: f32, out: &mut Self::Buf);
+    /// In-place [`Backend::rms_norm`].
+    fn rms_norm_inplace(&self, x: &mut Self::Buf, weight: &Self::Vector, n_rows: usize, dim: usize, eps: f32);
+    /// `dst[i] += src[i]` for `len` values.
+    fn add_inplace(&self, dst: &mut Self::Buf, src: &Self::Buf, len: usize);
+    /// `x[r * dim + i] += bias[i]` for `n_rows` rows.
+    fn add_bias(&self, x: &mut Self::Buf, bias: &Self::Vector, n_rows: usize, dim: usize);
+    /// `x[i] *= scale` for `len` values.
+    fn scale(&self, x: &mut Self::Buf, len: usize, scale: f32);
+    /// `gate[i] = silu(gate[i]) * up[i]` for `len` values (SwiGLU).
+    fn swiglu(&self, gate: &mut Self::Buf, up: &Self::Buf, len: usize);
+    /// `gate[i] = gelu(gate[i]) * up[i]` with GELU's tanh approximation (GeGLU).
+    fn geglu(&self, gate: &mut Self::Buf, up: &Self::Buf, len: usize);
+    /// `x[i] = cap * tanh(x[i] / cap)` for `len` values (Gemma's logit soft-capping).
+    fn softcap(&self, x: &mut Self::Buf, len: usize, cap: f32);
+
+    /// An empty rotary table.
+    fn rope_table_new(&self) -> Self::RopeTable;
+    /// Fills `table` with the cosines and sines of every token of a batch, reusing its memory.
+    fn rope_table(&self, positions: &[u32], params: &RopeParams<'_>, table: &mut Self::RopeTable);
+    /// Rotates `n_heads` heads of `head_dim` values in each of `n_tokens` rows.
+    fn rope(&self, x: &mut Self::Buf, table: &Self::RopeTable, n_tokens: usize, n_heads: usize, head_dim: usize, mode: RopeMode);
+
+    /// K/V storage for one layer with room for `max_blocks` blocks of `block_size` tokens of
+    /// `n_kv_heads` heads of `head_dim` values; no block has memory yet.
+    fn kv_layer(&self, max_blocks: usize, block_size: usize, n_kv_heads: usize, head_dim: usize) -> Self::KvLayer;
+    /// Gives memory to `blocks` (those that have none); their contents are unspecified.
+    fn kv_materialize(&self, layer: &mut Self::KvLayer, blocks: &[u32]);
+    /// Takes the memory of `blocks` back (they are free; they are materialized again before reuse).
+    fn kv_release(&self, layer: &mut Self::KvLayer, blocks: &[u32]);
+    /// Bytes of K/V memory the layer holds now.
+    fn kv_bytes(&self, layer: &Self::KvLayer) -> usize;
+    /// Writes the K and V rows of a batch into their slots (`plan.slots[t]` for token `t`).
+    fn kv_store(&self, layer: &mut Self::KvLayer, k: &Self::Buf, v: &Self::Buf, plan: &AttentionPlan);
+    /// Causal multi-head attention of the batch's queries over the cache, through the block tables
+    /// of `plan`. `q` has `n_heads * head_dim` values per token; the layer has `n_kv_heads` heads
+    /// (grouped-query attention when fewer). Keys older than `window` positions are masked when a
+    /// window is given. Scores are multiplied by `kq_scale` before the softmax.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        q: &Self::Buf,
+        layer: &Self::KvLayer,
+        plan: &AttentionPlan,
+        n_heads: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+        kq_scale: f32,
+        window: Option<usize>,
+        out: &mut Self::Buf,
+    );
+}

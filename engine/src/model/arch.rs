@@ -1,0 +1,110 @@
+//! The architecture registry: what each `general.architecture` value means to the model code.
+//!
+//! One forward pass serves every architecture here (they are all pre-norm decoder-only
+//! transformers); an [`Architecture`] only answers the questions where they differ: how rotary
+//! embedding pairs elements, which optional tensors exist, which activation the FFN uses, and so
+//! on. Adding an architecture means adding a variant and answering those questions.
+
+use crate::backend::RopeMode;
+
+/// A supported model architecture.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Architecture {
+    /// Llama 1/2/3 and models converted as `llama` (SmolLM2, Mistral 7B, ...).
+    Llama,
+    /// Qwen2 and Qwen2.5: biases on Q, K and V.
+    Qwen2,
+    /// Qwen3: RMS norm on each Q and K head, no biases.
+    Qwen3,
+    /// Gemma 3: sliding-window layers, GeGLU, QK-norm, pre and post norms, scaled embeddings.
+    Gemma3,
+}
+
+/// The activation of the feed-forward network's gate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FfnActivation {
+    /// `silu(gate) * up`.
+    SwiGlu,
+    /// `gelu_tanh(gate) * up`.
+    GeGlu,
+}
+
+impl Architecture {
+    /// Every supported architecture.
+    pub const ALL: [Architecture; 4] = [Architecture::Llama, Architecture::Qwen2, Architecture::Qwen3, Architecture::Gemma3];
+
+    /// The `general.architecture` value, which is also the prefix of its metadata keys.
+    pub fn name(self) -> &'static str {
+        match self {
+            Architecture::Llama => "llama",
+            Architecture::Qwen2 => "qwen2",
+            Architecture::Qwen3 => "qwen3",
+            Architecture::Gemma3 => "gemma3",
+        }
+    }
+
+    /// The architecture called `name`, if supported.
+    pub fn from_name(name: &str) -> Option<Architecture> {
+        Architecture::ALL.into_iter().find(|a| a.name() == name)
+    }
+
+    /// The supported names, comma-separated, for error messages.
+    pub fn supported_list() -> String {
+        Architecture::ALL.map(|a| a.name()).join(", ")
+    }
+
+    /// How rotary embedding pairs elements (llama.cpp's `llama_model_rope_type`).
+    pub fn rope_mode(self) -> RopeMode {
+        match self {
+            Architecture::Llama => RopeMode::Normal,
+            Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Gemma3 => RopeMode::Neox,
+        }
+    }
+
+    /// Whether Q, K and V carry biases: required for Qwen2; optional (loaded when present) for
+    /// Llama, as some Llama conversions have them; absent otherwise.
+    pub fn qkv_bias(self) -> Presence {
+        match self {
+            Architecture::Qwen2 => Presence::Required,
+            Architecture::Llama => Presence::Optional,
+            Architecture::Qwen3 | Architecture::Gemma3 => Presence::Absent,
+        }
+    }
+
+    /// Whether each Q and K head is RMS-normalised before rotary embedding.
+    pub fn qk_norm(self) -> bool {
+        matches!(self, Architecture::Qwen3 | Architecture::Gemma3)
+    }
+
+    /// Whether the attention and FFN outputs are RMS-normalised before the residual add.
+    pub fn post_norms(self) -> bool {
+        matches!(self, Architecture::Gemma3)
+    }
+
+    /// The FFN's activation.
+    pub fn ffn_activation(self) -> FfnActivation {
+        match self {
+            Architecture::Gemma3 => FfnActivation::GeGlu,
+            _ => FfnActivation::SwiGlu,
+        }
+    }
+
+    /// Whether token embeddings are multiplied by `sqrt(n_embd)`.
+    pub fn scales_embeddings(self) -> bool {
+        matches!(self, Architecture::Gemma3)
+    }
+
+    /// Whether the queries, rather than the scores, are multiplied by the attention scale
+    /// (llama.cpp's Gemma code does this; the result differs only in rounding).
+    pub fn scales_queries(self) -> bool {
+        matches!(self, Architecture::Gemma3)
+    }
+}
+
+/// Whether an optional group of tensors is expected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Presence {
+    Required,
+    Optional,
+    Absent,
+}

@@ -1,0 +1,259 @@
+//! The forward pass shared by every architecture: a pre-norm decoder-only transformer, following
+//! llama.cpp's graphs (`build_llama`, `build_qwen2`, `build_qwen3`, `build_gemma3`) op for op so
+//! the numbers agree with it.
+//!
+//! A [`Context`] owns the paged KV cache and every scratch buffer; buffers grow to the largest
+//! batch seen and are then reused, so decoding allocates nothing per token in the layer loop.
+
+use super::arch::FfnActivation;
+use super::{ContextParams, ForwardError, Model};
+use crate::backend::{Backend, RopeParams};
+use crate::batch::{Batch, SeqId};
+use crate::kv_cache::{AttentionPlan, KvCache, PoolStats};
+
+/// Activation buffers of one forward pass.
+struct Buffers<B: Backend> {
+    /// The residual stream.
+    x: B::Buf,
+    /// Normalised input of the attention or FFN block.
+    xn: B::Buf,
+    q: B::Buf,
+    k: B::Buf,
+    v: B::Buf,
+    attn: B::Buf,
+    /// Output of an attention or FFN block before the residual add.
+    proj: B::Buf,
+    gate: B::Buf,
+    up: B::Buf,
+    logits: B::Buf,
+    rope_global: B::RopeTable,
+    rope_local: B::RopeTable,
+}
+
+/// The state of one model instance: its KV cache and scratch buffers.
+pub struct Context<B: Backend> {
+    params: ContextParams,
+    kv: KvCache<B>,
+    plan: AttentionPlan,
+    bufs: Buffers<B>,
+    out_rows: Vec<usize>,
+    logits: Vec<f32>,
+}
+
+impl<B: Backend> Context<B> {
+    pub(super) fn new(model: &Model<B>, params: ContextParams) -> Self {
+        let hp = &model.hparams;
+        let b = &model.backend;
+        let block_size = params.kv_block_size.max(1);
+        let capacity_blocks = params.kv_capacity_tokens.max(1).div_ceil(block_size);
+        let shapes: Vec<(usize, usize)> = hp.layers.iter().map(|l| (l.n_head_kv, hp.head_dim_k)).collect();
+        let kv = KvCache::new(b, &shapes, block_size, params.n_ctx, capacity_blocks);
+        let bufs = Buffers {
+            x: b.alloc(0),
+            xn: b.alloc(0),
+            q: b.alloc(0),
+            k: b.alloc(0),
+            v: b.alloc(0),
+            attn: b.alloc(0),
+            proj: b.alloc(0),
+            gate: b.alloc(0),
+            up: b.alloc(0),
+            logits: b.alloc(0),
+            rope_global: b.rope_table_new(),
+            rope_local: b.rope_table_new(),
+        };
+        Context { params, kv, plan: AttentionPlan::default(), bufs, out_rows: Vec::new(), logits: Vec::new() }
+    }
+
+    /// The sizes this context was made with.
+    pub fn params(&self) -> ContextParams {
+        self.params
+    }
+
+    /// The KV cache.
+    pub fn kv(&self) -> &KvCache<B> {
+        &self.kv
+    }
+
+    /// Tokens cached for a sequence.
+    pub fn seq_len(&self, seq_id: SeqId) -> usize {
+        self.kv.seq_len(seq_id)
+    }
+
+    /// Ends a sequence, returning its KV blocks to the pool.
+    pub fn free_sequence(&mut self, seq_id: SeqId) {
+        self.kv.free_sequence(seq_id);
+    }
+
+    /// Drops the tokens of `seq_id` from position `len` on.
+    pub fn truncate_sequence(&mut self, seq_id: SeqId, len: usize) {
+        self.kv.truncate_sequence(seq_id, len);
+    }
+
+    /// Ends every sequence.
+    pub fn clear(&mut self) {
+        self.kv.clear();
+    }
+
+    /// KV block pool counts.
+    pub fn kv_stats(&self) -> PoolStats {
+        self.kv.stats()
+    }
+
+    /// Logits of the last forward pass.
+    pub fn logits(&self) -> &[f32] {
+        &self.logits
+    }
+}
+
+pub(super) fn forward<'c, B: Backend>(
+    model: &Model<B>,
+    ctx: &'c mut Context<B>,
+    batch: &Batch,
+) -> Result<&'c [f32], ForwardError> {
+    if batch.is_empty() {
+        return Err(ForwardError::EmptyBatch);
+    }
+    let n_vocab = model.n_vocab();
+    if let Some((index, &token)) = batch.tokens.iter().enumerate().find(|(_, &t)| t as usize >= n_vocab) {
+        return Err(ForwardError::TokenOutOfRange { token, index, n_vocab });
+    }
+    ctx.kv.plan(&model.backend, batch, &mut ctx.plan)?;
+    ctx.out_rows.clear();
+    ctx.out_rows.extend(batch.output_rows());
+    model.backend.install(|| run_layers(model, ctx, batch));
+    Ok(&ctx.logits)
+}
+
+fn run_layers<B: Backend>(model: &Model<B>, ctx: &mut Context<B>, batch: &Batch) {
+    let hp = &model.hparams;
+    let w = &model.weights;
+    let b = &model.backend;
+    let arch = hp.architecture;
+    let n = batch.len();
+    let n_embd = hp.n_embd;
+    let hd = hp.head_dim_k;
+    let eps = hp.rms_eps;
+    let n_vocab = w.n_vocab;
+    let Context { kv, plan, bufs, out_rows, logits, .. } = ctx;
+    let n_out = out_rows.len();
+
+    let max_q = hp.layers.iter().map(|l| l.n_head * hd).max().unwrap_or(0);
+    let max_kv = hp.layers.iter().map(|l| l.n_head_kv * hd).max().unwrap_or(0);
+    let max_ff = hp.layers.iter().map(|l| l.n_ff).max().unwrap_or(0);
+    b.ensure_len(&mut bufs.x, n * n_embd);
+    b.ensure_len(&mut bufs.xn, n * n_embd);
+    b.ensure_len(&mut bufs.proj, n * n_embd);
+    b.ensure_len(&mut bufs.q, n * max_q);
+    b.ensure_len(&mut bufs.attn, n * max_q);
+    b.ensure_len(&mut bufs.k, n * max_kv);
+    b.ensure_len(&mut bufs.v, n * max_kv);
+    b.ensure_len(&mut bufs.gate, n * max_ff);
+    b.ensure_len(&mut bufs.up, n * max_ff);
+    b.ensure_len(&mut bufs.logits, n_out * n_vocab);
+
+    let embed_scale = if arch.scales_embeddings() { (n_embd as f32).sqrt() } else { 1.0 };
+    b.get_rows(&w.token_embd, &batch.tokens, embed_scale, &mut bufs.x);
+
+    let global = RopeParams {
+        n_dims: hp.rope_n_dims,
+        freq_base: hp.rope_freq_base,
+        freq_scale: hp.rope_scaling.freq_scale(),
+        freq_factors: w.rope_freqs.as_deref(),
+    };
+    b.rope_table(&batch.positions, &global, &mut bufs.rope_global);
+    let any_local = hp.layers.iter().any(|l| l.sliding_window);
+    if any_local {
+        let local = RopeParams { n_dims: hp.rope_n_dims, freq_base: hp.rope_freq_base_swa, freq_scale: 1.0, freq_factors: None };
+        b.rope_table(&batch.positions, &local, &mut bufs.rope_local);
+    }
+    let mode = arch.rope_mode();
+    let attn_scale = hp.attention_scale();
+
+    // Rows still flowing through the network: every token, until the last layer drops the ones
+    // whose logits nobody asked for (as llama.cpp does with `inp_out_ids`).
+    let mut n_rows = n;
+    for (il, (lw, shape)) in w.layers.iter().zip(&hp.layers).enumerate() {
+        let (n_head, n_head_kv) = (shape.n_head, shape.n_head_kv);
+        let (q_len, kv_len) = (n_head * hd, n_head_kv * hd);
+
+        // Attention block.
+        b.rms_norm(&bufs.x, &lw.attn_norm, n, n_embd, eps, &mut bufs.xn);
+        b.matmul(&lw.wq, &bufs.xn, n, &mut bufs.q);
+        b.matmul(&lw.wk, &bufs.xn, n, &mut bufs.k);
+        b.matmul(&lw.wv, &bufs.xn, n, &mut bufs.v);
+        if let Some(bias) = &lw.bq {
+            b.add_bias(&mut bufs.q, bias, n, q_len);
+        }
+        if let Some(bias) = &lw.bk {
+            b.add_bias(&mut bufs.k, bias, n, kv_len);
+        }
+        if let Some(bias) = &lw.bv {
+            b.add_bias(&mut bufs.v, bias, n, kv_len);
+        }
+        if let Some(norm) = &lw.q_norm {
+            b.rms_norm_inplace(&mut bufs.q, norm, n * n_head, hd, eps);
+        }
+        if let Some(norm) = &lw.k_norm {
+            b.rms_norm_inplace(&mut bufs.k, norm, n * n_head_kv, hd, eps);
+        }
+        let rope = if shape.sliding_window { &bufs.rope_local } else { &bufs.rope_global };
+        b.rope(&mut bufs.q, rope, n, n_head, hd, mode);
+        b.rope(&mut bufs.k, rope, n, n_head_kv, hd, mode);
+        let kq_scale = if arch.scales_queries() {
+            b.scale(&mut bufs.q, n * q_len, attn_scale);
+            1.0
+        } else {
+            attn_scale
+        };
+        b.kv_store(kv.layer_mut(il), &bufs.k, &bufs.v, plan);
+        let window = if shape.sliding_window { hp.sliding_window } else { None };
+        b.attention(&bufs.q, kv.layer(il), plan, n_head, n_head_kv, hd, kq_scale, window, &mut bufs.attn);
+        b.matmul(&lw.wo, &bufs.attn, n, &mut bufs.proj);
+        if let Some(bias) = &lw.bo {
+            b.add_bias(&mut bufs.proj, bias, n, n_embd);
+        }
+        if let Some(norm) = &lw.post_attn_norm {
+            b.rms_norm_inplace(&mut bufs.proj, norm, n, n_embd, eps);
+        }
+        b.add_inplace(&mut bufs.x, &bufs.proj, n * n_embd);
+
+        if il + 1 == hp.n_layer && n_out < n {
+            b.gather_rows(&bufs.x, n_embd, out_rows, &mut bufs.xn);
+            std::mem::swap(&mut bufs.x, &mut bufs.xn);
+            n_rows = n_out;
+        }
+
+        // Feed-forward block.
+        let n_ff = shape.n_ff;
+        b.rms_norm(&bufs.x, &lw.ffn_norm, n_rows, n_embd, eps, &mut bufs.xn);
+        b.matmul(&lw.ffn_gate, &bufs.xn, n_rows, &mut bufs.gate);
+        b.matmul(&lw.ffn_up, &bufs.xn, n_rows, &mut bufs.up);
+        match arch.ffn_activation() {
+            FfnActivation::SwiGlu => b.swiglu(&mut bufs.gate, &bufs.up, n_rows * n_ff),
+            FfnActivation::GeGlu => b.geglu(&mut bufs.gate, &bufs.up, n_rows * n_ff),
+        }
+        b.matmul(&lw.ffn_down, &bufs.gate, n_rows, &mut bufs.proj);
+        if let Some(norm) = &lw.post_ffn_norm {
+            b.rms_norm_inplace(&mut bufs.proj, norm, n_rows, n_embd, eps);
+        }
+        b.add_inplace(&mut bufs.x, &bufs.proj, n_rows * n_embd);
+    }
+
+    // Output rows: after the last layer `x` holds exactly them when some were dropped.
+    if n_rows != n_out {
+        b.gather_rows(&bufs.x, n_embd, out_rows, &mut bufs.xn);
+        std::mem::swap(&mut bufs.x, &mut bufs.xn);
+    }
+    logits.clear();
+    if n_out == 0 {
+        return;
+    }
+    b.rms_norm_inplace(&mut bufs.x, &w.output_norm, n_out, n_embd, eps);
+    let output = w.output.as_ref().unwrap_or(&w.token_embd);
+    b.matmul(output, &bufs.x, n_out, &mut bufs.logits);
+    if let Some(cap) = hp.final_logit_softcap {
+        b.softcap(&mut bufs.logits, n_out * n_vocab, cap);
+    }
+    b.read(&bufs.logits, n_out * n_vocab, logits);
+}

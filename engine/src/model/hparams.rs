@@ -1,0 +1,284 @@
+//! Typed, validated hyperparameters read from GGUF metadata (`<arch>.embedding_length`, ...).
+//!
+//! Everything the forward pass relies on is checked here once, so the model code can index
+//! without re-checking: counts positive and bounded, heads divisible into KV groups, rotary
+//! dimensions even and within a head. Each error names the metadata key at fault.
+
+use ember_gguf::Metadata;
+
+use super::arch::Architecture;
+use super::ModelError;
+
+/// Upper bounds on sizes, far above any real model, so a hostile file cannot make the loader
+/// allocate or loop without end.
+const MAX_LAYERS: usize = 4096;
+const MAX_HEADS: usize = 4096;
+const MAX_DIM: usize = 1 << 20;
+
+/// How positions are stretched for contexts longer than the training one.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RopeScaling {
+    /// Positions as they are.
+    None,
+    /// Positions divided by `factor` (`rope.scaling.type = linear`).
+    Linear { factor: f32 },
+}
+
+/// Per-layer shape; most models use one value for every layer, some vary KV heads or FFN size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerShape {
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub n_ff: usize,
+    /// Whether the layer uses sliding-window attention (and the local rotary base).
+    pub sliding_window: bool,
+}
+
+/// The hyperparameters of a model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HParams {
+    pub architecture: Architecture,
+    /// Context length the model was trained with.
+    pub n_ctx_train: usize,
+    pub n_embd: usize,
+    pub n_layer: usize,
+    /// Size of each Q and K head.
+    pub head_dim_k: usize,
+    /// Size of each V head.
+    pub head_dim_v: usize,
+    pub layers: Vec<LayerShape>,
+    pub rms_eps: f32,
+    /// Rotated elements per head.
+    pub rope_n_dims: usize,
+    pub rope_freq_base: f32,
+    pub rope_scaling: RopeScaling,
+    /// Rotary base of sliding-window layers (Gemma 3 uses 10000 there).
+    pub rope_freq_base_swa: f32,
+    /// Window of sliding-window layers, in tokens (a token sees itself and the `n - 1` before).
+    pub sliding_window: Option<usize>,
+    /// `cap * tanh(logits / cap)` on the output, when set.
+    pub final_logit_softcap: Option<f32>,
+    /// Vocabulary size from metadata when present (else the embedding table decides).
+    pub n_vocab_metadata: Option<usize>,
+}
+
+/// Gemma 3 alternates five sliding-window layers with one global layer (llama.cpp's
+/// `set_swa_pattern(6)`).
+const GEMMA3_SWA_PERIOD: usize = 6;
+
+struct Keys<'a> {
+    arch: &'a str,
+    md: &'a Metadata,
+}
+
+impl Keys<'_> {
+    fn key(&self, suffix: &str) -> String {
+        format!("{}.{}", self.arch, suffix)
+    }
+
+    fn usize_req(&self, suffix: &str, max: usize) -> Result<usize, ModelError> {
+        let key = self.key(suffix);
+        let v = self.md.get_u32(&key)? as usize;
+        check_range(&key, v, 1, max)
+    }
+
+    fn usize_opt(&self, suffix: &str, max: usize) -> Result<Option<usize>, ModelError> {
+        let key = self.key(suffix);
+        match self.md.get_u32_opt(&key)? {
+            Some(v) => Ok(Some(check_range(&key, v as usize, 1, max)?)),
+            None => Ok(None),
+        }
+    }
+
+    fn per_layer(&self, suffix: &str, n_layer: usize, min: usize, max: usize) -> Result<Vec<usize>, ModelError> {
+        let key = self.key(suffix);
+        self.md
+            .get_u32_per_layer(&key, n_layer)?
+            .into_iter()
+            .map(|v| check_range(&key, v as usize, min, max))
+            .collect()
+    }
+
+    fn f32_opt(&self, suffix: &str) -> Result<Option<f32>, ModelError> {
+        let key = self.key(suffix);
+        match self.md.get_f32_opt(&key)? {
+            Some(v) if !v.is_finite() => Err(ModelError::BadHyperparameter {
+                key,
+                expected: "a finite number".into(),
+                found: v.to_string(),
+            }),
+            other => Ok(other),
+        }
+    }
+
+    fn positive_f32_opt(&self, suffix: &str) -> Result<Option<f32>, ModelError> {
+        match self.f32_opt(suffix)? {
+            Some(v) if v <= 0.0 => Err(ModelError::BadHyperparameter {
+                key: self.key(suffix),
+                expected: "a positive number".into(),
+                found: v.to_string(),
+            }),
+            other => Ok(other),
+        }
+    }
+}
+
+fn check_range(key: &str, v: usize, min: usize, max: usize) -> Result<usize, ModelError> {
+    if v < min || v > max {
+        return Err(ModelError::BadHyperparameter {
+            key: key.to_string(),
+            expected: format!("a value from {min} to {max}"),
+            found: v.to_string(),
+        });
+    }
+    Ok(v)
+}
+
+impl HParams {
+    /// Reads and validates the hyperparameters of `architecture` from `md`.
+    pub fn from_metadata(architecture: Architecture, md: &Metadata) -> Result<HParams, ModelError> {
+        let k = Keys { arch: architecture.name(), md };
+        let n_ctx_train = k.usize_req("context_length", u32::MAX as usize)?;
+        let n_embd = k.usize_req("embedding_length", MAX_DIM)?;
+        let n_layer = k.usize_req("block_count", MAX_LAYERS)?;
+        let n_head = k.per_layer("attention.head_count", n_layer, 1, MAX_HEADS)?;
+        let n_head_kv = if md.contains_key(&k.key("attention.head_count_kv")) {
+            k.per_layer("attention.head_count_kv", n_layer, 1, MAX_HEADS)?
+        } else {
+            n_head.clone()
+        };
+        let n_ff = k.per_layer("feed_forward_length", n_layer, 1, MAX_DIM)?;
+        let default_head_dim = n_embd / n_head[0];
+        let head_dim_k = k.usize_opt("attention.key_length", MAX_DIM)?.unwrap_or(default_head_dim);
+        let head_dim_v = k.usize_opt("attention.value_length", MAX_DIM)?.unwrap_or(default_head_dim);
+        if head_dim_k != head_dim_v {
+            return Err(ModelError::BadHyperparameter {
+                key: k.key("attention.value_length"),
+                expected: format!("the key length {head_dim_k} (different K and V head sizes are not supported)"),
+                found: head_dim_v.to_string(),
+            });
+        }
+        if head_dim_k == 0 || head_dim_k % 2 != 0 {
+            return Err(ModelError::BadHyperparameter {
+                key: k.key("attention.key_length"),
+                expected: "an even head size".into(),
+                found: head_dim_k.to_string(),
+            });
+        }
+        for (layer, (&h, &hkv)) in n_head.iter().zip(&n_head_kv).enumerate() {
+            if h % hkv != 0 {
+                return Err(ModelError::BadHyperparameter {
+                    key: k.key("attention.head_count_kv"),
+                    expected: format!("a divisor of the {h} attention heads of layer {layer}"),
+                    found: hkv.to_string(),
+                });
+            }
+        }
+
+        let rms_eps_key = k.key("attention.layer_norm_rms_epsilon");
+        let rms_eps = md.get_f32(&rms_eps_key)?;
+        if !(rms_eps.is_finite() && rms_eps > 0.0) {
+            return Err(ModelError::BadHyperparameter {
+                key: rms_eps_key,
+                expected: "a positive number".into(),
+                found: rms_eps.to_string(),
+            });
+        }
+        let rope_n_dims = k.usize_opt("rope.dimension_count", MAX_DIM)?.unwrap_or(head_dim_k);
+        if rope_n_dims % 2 != 0 || rope_n_dims > head_dim_k {
+            return Err(ModelError::BadHyperparameter {
+                key: k.key("rope.dimension_count"),
+                expected: format!("an even number of at most the head size {head_dim_k}"),
+                found: rope_n_dims.to_string(),
+            });
+        }
+        let rope_freq_base = k.positive_f32_opt("rope.freq_base")?.unwrap_or(10_000.0);
+        let rope_scaling = read_rope_scaling(&k)?;
+
+        let (sliding_window, swa_period) = match architecture {
+            Architecture::Gemma3 => {
+                (Some(k.usize_req("attention.sliding_window", u32::MAX as usize)?), Some(GEMMA3_SWA_PERIOD))
+            }
+            _ => (None, None),
+        };
+        let layers = (0..n_layer)
+            .map(|il| LayerShape {
+                n_head: n_head[il],
+                n_head_kv: n_head_kv[il],
+                n_ff: n_ff[il],
+                sliding_window: swa_period.is_some_and(|p| il % p < p - 1),
+            })
+            .collect();
+        let final_logit_softcap = k.positive_f32_opt("final_logit_softcapping")?;
+        let n_vocab_metadata = k.usize_opt("vocab_size", u32::MAX as usize)?;
+
+        Ok(HParams {
+            architecture,
+            n_ctx_train,
+            n_embd,
+            n_layer,
+            head_dim_k,
+            head_dim_v,
+            layers,
+            rms_eps,
+            rope_n_dims,
+            rope_freq_base,
+            rope_scaling,
+            rope_freq_base_swa: 10_000.0,
+            sliding_window,
+            final_logit_softcap,
+            n_vocab_metadata,
+        })
+    }
+
+    /// Bytes of K and V cache per token (f16 storage), summed over layers.
+    pub fn kv_bytes_per_token(&self) -> usize {
+        self.layers.iter().map(|l| 2 * l.n_head_kv * self.head_dim_k * 2).sum()
+    }
+
+    /// The attention scale: `1 / sqrt(head size)`.
+    pub fn attention_scale(&self) -> f32 {
+        1.0 / (self.head_dim_k as f32).sqrt()
+    }
+}
+
+fn read_rope_scaling(k: &Keys<'_>) -> Result<RopeScaling, ModelError> {
+    let type_key = k.key("rope.scaling.type");
+    let factor = k.positive_f32_opt("rope.scaling.factor")?;
+    match k.md.get_str_opt(&type_key)? {
+        None => {
+            // Older conversions write only `rope.scale_linear`.
+            match k.positive_f32_opt("rope.scale_linear")? {
+                Some(f) if f != 1.0 => Ok(RopeScaling::Linear { factor: f }),
+                _ => Ok(RopeScaling::None),
+            }
+        }
+        Some("none") => Ok(RopeScaling::None),
+        Some("linear") => match factor {
+            Some(f) => Ok(RopeScaling::Linear { factor: f }),
+            None => Err(ModelError::BadHyperparameter {
+                key: k.key("rope.scaling.factor"),
+                expected: "a positive factor for linear rope scaling".into(),
+                found: "no value".into(),
+            }),
+        },
+        // Llama 3's frequency-dependent scaling is carried by the `rope_freqs.weight` tensor;
+        // converters label it `llama3` when they label it at all.
+        Some("llama3") => Ok(RopeScaling::None),
+        Some(other) => Err(ModelError::BadHyperparameter {
+            key: type_key,
+            expected: "none, linear or llama3".into(),
+            found: other.to_string(),
+        }),
+    }
+}
+
+impl RopeScaling {
+    /// GGML's `freq_scale`: the factor applied to positions.
+    pub fn freq_scale(self) -> f32 {
+        match self {
+            RopeScaling::None => 1.0,
+            RopeScaling::Linear { factor } => 1.0 / factor,
+        }
+    }
+}

@@ -1,0 +1,193 @@
+//! The model's tensors, looked up by their GGUF names, checked and placed on the backend.
+//!
+//! Every tensor is checked for its exact shape (the error names the tensor, the expected and the
+//! found dims) and for a type the quantization kernels support before the backend sees it.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use ember_gguf::{GgmlType, Gguf, TensorInfo};
+
+use super::arch::Presence;
+use super::hparams::HParams;
+use super::ModelError;
+use crate::backend::Backend;
+
+/// The weights of one transformer block.
+pub struct LayerWeights<B: Backend> {
+    pub attn_norm: B::Vector,
+    pub wq: B::Matrix,
+    pub wk: B::Matrix,
+    pub wv: B::Matrix,
+    pub wo: B::Matrix,
+    pub bq: Option<B::Vector>,
+    pub bk: Option<B::Vector>,
+    pub bv: Option<B::Vector>,
+    pub bo: Option<B::Vector>,
+    pub q_norm: Option<B::Vector>,
+    pub k_norm: Option<B::Vector>,
+    pub post_attn_norm: Option<B::Vector>,
+    pub ffn_norm: B::Vector,
+    pub ffn_gate: B::Matrix,
+    pub ffn_up: B::Matrix,
+    pub ffn_down: B::Matrix,
+    pub post_ffn_norm: Option<B::Vector>,
+}
+
+/// All weights of a model.
+pub struct Weights<B: Backend> {
+    pub token_embd: B::Matrix,
+    pub layers: Vec<LayerWeights<B>>,
+    pub output_norm: B::Vector,
+    /// The output projection; `None` when it is tied to the token embeddings.
+    pub output: Option<B::Matrix>,
+    /// Llama 3's per-pair rotary frequency divisors.
+    pub rope_freqs: Option<Vec<f32>>,
+    pub n_vocab: usize,
+}
+
+struct Loader<'a, B: Backend> {
+    gguf: &'a Arc<Gguf>,
+    backend: &'a B,
+    used: HashSet<String>,
+    progress: &'a mut dyn FnMut(usize, usize),
+    total: usize,
+}
+
+impl<B: Backend> Loader<'_, B> {
+    fn find(&mut self, name: &str, dims: &[usize]) -> Result<TensorInfo, ModelError> {
+        let info = self.gguf.tensor(name).ok_or_else(|| ModelError::MissingTensor {
+            name: name.to_string(),
+            expected: format!("{dims:?}"),
+        })?;
+        let found: Vec<usize> = info.dims.iter().map(|&d| d as usize).collect();
+        if found != dims {
+            return Err(ModelError::WrongShape { name: name.to_string(), expected: dims.to_vec(), found });
+        }
+        if !ember_quant::is_supported(info.ty) || matches!(info.ty, GgmlType::Q8_1 | GgmlType::Q8_K) {
+            return Err(ModelError::UnsupportedType {
+                name: name.to_string(),
+                ty: info.ty.name().to_string(),
+                supported: "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K".into(),
+            });
+        }
+        self.used.insert(name.to_string());
+        (self.progress)(self.used.len(), self.total);
+        Ok(info.clone())
+    }
+
+    fn matrix(&mut self, name: &str, cols: usize, rows: usize) -> Result<B::Matrix, ModelError> {
+        let info = self.find(name, &[cols, rows])?;
+        Ok(self.backend.matrix(self.gguf, &info)?)
+    }
+
+    fn vector(&mut self, name: &str, len: usize) -> Result<B::Vector, ModelError> {
+        let info = self.find(name, &[len])?;
+        Ok(self.backend.vector(self.gguf, &info)?)
+    }
+
+    fn vector_opt(&mut self, name: &str, len: usize) -> Result<Option<B::Vector>, ModelError> {
+        if self.gguf.tensor(name).is_none() {
+            return Ok(None);
+        }
+        self.vector(name, len).map(Some)
+    }
+
+    fn vector_if(&mut self, presence: Presence, name: &str, len: usize) -> Result<Option<B::Vector>, ModelError> {
+        match presence {
+            Presence::Required => self.vector(name, len).map(Some),
+            Presence::Optional => self.vector_opt(name, len),
+            Presence::Absent => Ok(None),
+        }
+    }
+}
+
+impl<B: Backend> Weights<B> {
+    /// Finds, checks and places every tensor the model needs. `progress(done, total)` is called
+    /// after each tensor.
+    pub fn load(
+        gguf: &Arc<Gguf>,
+        hp: &HParams,
+        backend: &B,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Weights<B>, ModelError> {
+        let arch = hp.architecture;
+        let n_embd = hp.n_embd;
+        let token_embd_info = gguf.tensor("token_embd.weight").ok_or_else(|| ModelError::MissingTensor {
+            name: "token_embd.weight".into(),
+            expected: format!("[{n_embd}, n_vocab]"),
+        })?;
+        let n_vocab = token_embd_info.dims.get(1).copied().unwrap_or(0) as usize;
+        if let Some(n) = hp.n_vocab_metadata {
+            if n != n_vocab {
+                return Err(ModelError::WrongShape {
+                    name: "token_embd.weight".into(),
+                    expected: vec![n_embd, n],
+                    found: token_embd_info.dims.iter().map(|&d| d as usize).collect(),
+                });
+            }
+        }
+        let mut loader =
+            Loader { gguf, backend, used: HashSet::new(), progress, total: gguf.tensors().len() };
+        let token_embd = loader.matrix("token_embd.weight", n_embd, n_vocab)?;
+        let output_norm = loader.vector("output_norm.weight", n_embd)?;
+        let output = if gguf.tensor("output.weight").is_some() {
+            Some(loader.matrix("output.weight", n_embd, n_vocab)?)
+        } else {
+            None
+        };
+        let rope_freqs = match gguf.tensor("rope_freqs.weight") {
+            Some(_) => {
+                let info = loader.find("rope_freqs.weight", &[hp.rope_n_dims / 2])?;
+                let mut v = vec![0f32; hp.rope_n_dims / 2];
+                ember_quant::dequantize(info.ty, gguf.tensor_data(&info), &mut v).map_err(|e| {
+                    ModelError::UnsupportedType {
+                        name: info.name.clone(),
+                        ty: info.ty.name().to_string(),
+                        supported: e.to_string(),
+                    }
+                })?;
+                Some(v)
+            }
+            None => None,
+        };
+
+        let hd = hp.head_dim_k;
+        let mut layers = Vec::with_capacity(hp.n_layer);
+        for (il, shape) in hp.layers.iter().enumerate() {
+            let name = |suffix: &str| format!("blk.{il}.{suffix}");
+            let (q_out, kv_out) = (shape.n_head * hd, shape.n_head_kv * hd);
+            layers.push(LayerWeights {
+                attn_norm: loader.vector(&name("attn_norm.weight"), n_embd)?,
+                wq: loader.matrix(&name("attn_q.weight"), n_embd, q_out)?,
+                wk: loader.matrix(&name("attn_k.weight"), n_embd, kv_out)?,
+                wv: loader.matrix(&name("attn_v.weight"), n_embd, kv_out)?,
+                wo: loader.matrix(&name("attn_output.weight"), q_out, n_embd)?,
+                bq: loader.vector_if(arch.qkv_bias(), &name("attn_q.bias"), q_out)?,
+                bk: loader.vector_if(arch.qkv_bias(), &name("attn_k.bias"), kv_out)?,
+                bv: loader.vector_if(arch.qkv_bias(), &name("attn_v.bias"), kv_out)?,
+                bo: match arch.qkv_bias() {
+                    Presence::Absent => None,
+                    _ => loader.vector_opt(&name("attn_output.bias"), n_embd)?,
+                },
+                q_norm: if arch.qk_norm() { Some(loader.vector(&name("attn_q_norm.weight"), hd)?) } else { None },
+                k_norm: if arch.qk_norm() { Some(loader.vector(&name("attn_k_norm.weight"), hd)?) } else { None },
+                post_attn_norm: if arch.post_norms() {
+                    Some(loader.vector(&name("post_attention_norm.weight"), n_embd)?)
+                } else {
+                    None
+                },
+                ffn_norm: loader.vector(&name("ffn_norm.weight"), n_embd)?,
+                ffn_gate: loader.matrix(&name("ffn_gate.weight"), n_embd, shape.n_ff)?,
+                ffn_up: loader.matrix(&name("ffn_up.weight"), n_embd, shape.n_ff)?,
+                ffn_down: loader.matrix(&name("ffn_down.weight"), shape.n_ff, n_embd)?,
+                post_ffn_norm: if arch.post_norms() {
+                    Some(loader.vector(&name("post_ffw_norm.weight"), n_embd)?)
+                } else {
+                    None
+                },
+            });
+        }
+        Ok(Weights { token_embd, layers, output_norm, output, rope_freqs, n_vocab })
+    }
+}

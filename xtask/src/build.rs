@@ -1,0 +1,117 @@
+//! `cargo xtask build --target T [--os linux|windows]`: one target's artifact, end to end:
+//! kernels for T, the engine built with T's build manifest embedded (`EMBER_BUILD_MANIFEST`, read
+//! by engine/build.rs), then the package in `target/dist/`.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use xshell::{cmd, Shell};
+
+use crate::kernels::{self, KernelOutcome, Toolchains};
+use crate::manifest::{self, BuildInfo, BuildManifest};
+use crate::package;
+use crate::targets::{Os, Target, Targets};
+use crate::toolchain;
+
+/// The script that installs the Windows cross-compilation toolchain.
+pub const SETUP_WINDOWS: &str = ".ci/setup-windows.sh";
+
+impl crate::flags::Build {
+    pub fn run(self, sh: &Shell) -> Result<()> {
+        let root = crate::project_root();
+        let targets = crate::targets::load()?;
+        let version = match self.release_version {
+            Some(version) => version,
+            None => manifest::workspace_version(&root)?,
+        };
+        let archive = build(sh, &root, &targets, &self.target, self.os, &version)?;
+        println!("build: wrote {}", archive.display());
+        Ok(())
+    }
+}
+
+/// Builds and packages `target` for `os`; returns the archive's path.
+pub fn build(sh: &Shell, root: &Path, targets: &Targets, target: &str, os: Os, version: &str) -> Result<PathBuf> {
+    let target = targets.target(target)?;
+    if !target.supports(os) {
+        bail!(
+            "target {} is not built for {os}: targets.toml gives it platforms {:?}",
+            target.name,
+            target.platforms.iter().map(|o| o.name()).collect::<Vec<_>>()
+        );
+    }
+    let platform = targets.platform(os)?;
+    check_rust_target(os, &platform.rust_target)?;
+
+    println!("build: kernels for {}", target.name);
+    let mut toolchains = Toolchains::default();
+    let modules = match kernels::compile_target(sh, root, target, &mut toolchains)? {
+        KernelOutcome::Compiled { objects } => {
+            objects.iter().filter_map(|p| p.file_name()?.to_str().map(str::to_string)).collect()
+        }
+        KernelOutcome::NoKernels => Vec::new(),
+        KernelOutcome::NotCompiled { reason } => {
+            bail!("cannot build {}: its kernels are not compiled: {reason}", target.name)
+        }
+    };
+
+    let manifest = build_manifest(root, targets, target, os, version, modules, &mut toolchains)?;
+    let manifest_path = manifest::manifest_path(root, os, &target.name);
+    std::fs::create_dir_all(manifest_path.parent().context("manifest path has a parent")?)?;
+    std::fs::write(&manifest_path, manifest.to_json())
+        .with_context(|| format!("writing {}", manifest_path.display()))?;
+
+    println!("build: engine for {} ({os}) with manifest {}", target.name, manifest_path.display());
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
+    let cross: Vec<String> = match os {
+        Os::Linux => Vec::new(),
+        Os::Windows => vec!["--target".to_string(), platform.rust_target.clone()],
+    };
+    cmd!(sh, "{cargo} build --release -p ember --bin ember {cross...}")
+        .env("EMBER_BUILD_MANIFEST", &manifest_path)
+        .run()
+        .with_context(|| format!("building the engine for {} ({os})", target.name))?;
+
+    package::package(root, target, os, version, manifest)
+}
+
+/// The manifest of this build: targets.toml's view of `target` plus the build environment.
+pub fn build_manifest(
+    root: &Path,
+    targets: &Targets,
+    target: &Target,
+    os: Os,
+    version: &str,
+    kernel_modules: Vec<String>,
+    toolchains: &mut Toolchains,
+) -> Result<BuildManifest> {
+    let (commit, dirty) = manifest::git_state(root);
+    let toolchain_rocm = match target.kind {
+        crate::targets::Kind::Amdgpu => toolchains.amdgpu().ok().and_then(|c| c.rocm_version()),
+        _ => None,
+    };
+    let info = BuildInfo {
+        version: version.to_string(),
+        commit,
+        dirty,
+        rustc: toolchain::rustc_version()?,
+        kernel_compiler: toolchains.describe(target),
+        toolchain_rocm,
+        kernel_modules,
+    };
+    BuildManifest::new(targets, target, os, info)
+}
+
+/// A Windows build needs the Rust standard library for the target and MinGW's linker.
+fn check_rust_target(os: Os, rust_target: &str) -> Result<()> {
+    if os == Os::Linux {
+        return Ok(());
+    }
+    if !toolchain::rust_target_installed(rust_target)? {
+        bail!("the Rust target {rust_target} is not installed (rustup target add {rust_target}): run {SETUP_WINDOWS}");
+    }
+    if toolchain::which("x86_64-w64-mingw32-gcc").is_none() {
+        bail!("x86_64-w64-mingw32-gcc (Debian's gcc-mingw-w64-x86-64) not found on PATH: run {SETUP_WINDOWS}");
+    }
+    Ok(())
+}
