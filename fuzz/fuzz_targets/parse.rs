@@ -31,7 +31,7 @@ fuzz_target!(|data: &[u8]| {
         let _ = (md.get_u32_array_lossless(key), md.get_u32_array_lossless_opt(key));
         let _ = md.get_u32_per_layer(key, 4);
         if let Value::Array(a) = value {
-            let _ = (a.len(), a.is_empty(), a.integers());
+            let _ = (a.len(), a.is_empty(), a.integers().map(|i| i.sum::<i128>()));
         }
     }
     let keys: Vec<&str> = md.iter().map(|(k, _)| k).collect();

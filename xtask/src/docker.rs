@@ -8,7 +8,8 @@
 //! so nothing else of the checkout is sent to the daemon or can end up in the image.
 //!
 //! This module also reads what `targets.toml` implies for a target's build manifest (features with
-//! state and reason) and compares a package's `manifest.json` with it; `cargo xtask smoke` uses both.
+//! state and reason) and compares a package's `manifest.json` with it; `cargo xtask smoke` uses
+//! both.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -17,9 +18,8 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use xshell::{cmd, Shell};
 
-#[cfg(test)]
-use crate::targets::FeatureState;
-use crate::targets::{self, Feature, Target};
+use crate::targets::{self, Feature, FeatureState, Os, Target};
+use crate::{build, manifest, package};
 
 /// Image labels the Dockerfile sets and the smoke test reads back.
 pub const LABEL_TARGET: &str = "io.ember.target";
@@ -47,18 +47,20 @@ impl crate::flags::Docker {
         // Fails on a target name targets.toml does not know, before anything is built.
         let targets = targets::load()?;
         let target = targets.target(&self.target)?;
-        let version = workspace_version(&root)?;
-        let artifact = root
-            .join("target")
-            .join("dist")
-            .join(artifact_file_name(&version, &target.name));
-        if !artifact.is_file() {
-            bail!(
-                "expected the Linux artifact {} for target {}, found none; run `cargo xtask build --target {}` first",
-                artifact.display(),
-                target.name,
-                target.name
-            );
+        let version = manifest::workspace_version(&root)?;
+        let artifact = package::archive_path(&root, &version, Os::Linux, &target.name);
+        if artifact.is_file() {
+            println!("docker: using {}", artifact.display());
+        } else {
+            println!("docker: {} is missing; building it", artifact.display());
+            let built = build::build(sh, &root, &targets, &target.name, Os::Linux, &version)?;
+            if built != artifact {
+                bail!(
+                    "expected `cargo xtask build` to write {}, found {}",
+                    artifact.display(),
+                    built.display()
+                );
+            }
         }
         let base = match self.base {
             Some(base) => base,
@@ -125,36 +127,22 @@ pub fn image_tag(version: &str, target: &str) -> String {
     format!("ember:{version}-{target}")
 }
 
-/// The Linux archive `cargo xtask build` packages for a target.
-pub fn artifact_file_name(version: &str, target: &str) -> String {
-    format!("ember-{version}-linux-{target}-x64.tar.gz")
-}
-
-/// The workspace version (`[workspace.package] version` of the root Cargo.toml).
-fn workspace_version(root: &Path) -> Result<String> {
-    workspace_package_field(root, "version")
-}
-
-/// The repository URL, for the image's source label.
+/// The repository URL (`[workspace.package] repository`), for the image's source label.
 fn workspace_repository(root: &Path) -> Result<String> {
-    workspace_package_field(root, "repository")
-}
-
-fn workspace_package_field(root: &Path, field: &str) -> Result<String> {
     let path = root.join("Cargo.toml");
     let text =
         std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    let manifest: toml::Value =
+    let cargo_toml: toml::Table =
         toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
-    manifest
+    cargo_toml
         .get("workspace")
         .and_then(|workspace| workspace.get("package"))
-        .and_then(|package| package.get(field))
+        .and_then(|package| package.get("repository"))
         .and_then(toml::Value::as_str)
         .map(str::to_string)
         .with_context(|| {
             format!(
-                "expected [workspace.package] {field} in {}, found none",
+                "expected [workspace.package] repository in {}, found none",
                 path.display()
             )
         })
@@ -237,6 +225,16 @@ pub fn compare_manifest_json(
                 feature.state.name(),
                 state.unwrap_or("no state")
             ));
+        }
+        // The engine reads `enabled` as the run-time default; it must agree with `state`.
+        if let Some(enabled) = value.get("enabled") {
+            let expected_enabled = feature.state == FeatureState::On;
+            if enabled.as_bool() != Some(expected_enabled) {
+                problems.push(format!(
+                    "expected feature {} to have \"enabled\": {expected_enabled}, found {enabled}",
+                    feature.name
+                ));
+            }
         }
         let reason = value.get("reason").and_then(serde_json::Value::as_str);
         if reason != feature.reason.as_deref() {
@@ -356,6 +354,14 @@ mod tests {
             ],
         );
         check_manifest(
+            &good.replace(r#""peer_copy":{"state":"on"}"#, r#""peer_copy":{"state":"on","enabled":false}"#),
+            &["expected feature peer_copy to have \"enabled\": true, found false"],
+        );
+        check_manifest(
+            &good.replace(r#""peer_copy":{"state":"on"}"#, r#""peer_copy":{"state":"on","enabled":true}"#),
+            &[],
+        );
+        check_manifest(
             &good.replace(r#","tracking":["https://example.org/1"]"#, ""),
             &["expected the tracking links of feature vmm to be [\"https://example.org/1\"], found []"],
         );
@@ -381,12 +387,8 @@ mod tests {
     }
 
     #[test]
-    fn names() {
+    fn image_tags() {
         assert_eq!(image_tag("0.1.0", "gfx1201"), "ember:0.1.0-gfx1201");
-        assert_eq!(
-            artifact_file_name("0.1.0", "cpu"),
-            "ember-0.1.0-linux-cpu-x64.tar.gz"
-        );
     }
 
     /// Lint-like checks of docker/Dockerfile: what the image promises users and the smoke test.

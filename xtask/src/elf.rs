@@ -81,7 +81,8 @@ impl fmt::Display for ElfError {
                 write!(f, "expected an ELF header of 64 bytes, found a file of {len} bytes")
             }
             ElfError::NotElf { found } => {
-                write!(f, "expected the ELF magic 7f 45 4c 46, found {}", hex::encode(found))
+                let found: Vec<String> = found.iter().map(|b| format!("{b:02x}")).collect();
+                write!(f, "expected the ELF magic 7f 45 4c 46, found {}", found.join(" "))
             }
             ElfError::OffloadBundle => f.write_str(
                 "expected a bare ELF code object, found a clang offload bundle (compile with --no-gpu-bundle-output)",
@@ -138,7 +139,7 @@ pub fn code_object_arch(bytes: &[u8]) -> Result<CodeObjectArch, ElfError> {
                 .iter()
                 .find(|(_, value)| *value == mach)
                 .map(|(name, _)| name.to_string())
-                .unwrap_or_else(|| format!("unknown EF_AMDGPU_MACH {mach:#05x}"));
+                .unwrap_or_else(|| format!("unknown EF_AMDGPU_MACH {mach:#04x}"));
             Ok(CodeObjectArch::Amdgpu(name))
         }
         EM_CUDA => {
@@ -162,7 +163,8 @@ pub fn verify_code_object(bytes: &[u8], target: &str) -> Result<CodeObjectArch, 
     }
 }
 
-/// The EF_AMDGPU_MACH value of a processor, for tests and for crafting headers.
+/// The EF_AMDGPU_MACH value of a processor, for crafting headers in tests.
+#[cfg(test)]
 pub fn amdgpu_mach(target: &str) -> Option<u32> {
     AMDGPU_MACH.iter().find(|(name, _)| *name == target).map(|(_, value)| *value)
 }
@@ -242,7 +244,7 @@ mod tests {
             assert_eq!(code_object_arch(bytes).unwrap_err().to_string(), expected);
         };
         check(b"\x7fELF", "expected an ELF header of 64 bytes, found a file of 4 bytes");
-        check(&[0u8; 64], "expected the ELF magic 7f 45 4c 46, found 00000000");
+        check(&[0u8; 64], "expected the ELF magic 7f 45 4c 46, found 00 00 00 00");
         check(
             b"__CLANG_OFFLOAD_BUNDLE__\x02\0\0\0",
             "expected a bare ELF code object, found a clang offload bundle (compile with --no-gpu-bundle-output)",

@@ -12,7 +12,7 @@ use anyhow::{bail, Context, Result};
 use xshell::{cmd, Shell};
 
 use crate::elf;
-use crate::targets::{Kind, Selection, Target, Targets};
+use crate::targets::{Kind, Selection, Target};
 use crate::toolchain::{AmdgpuCompiler, Nvcc};
 
 /// What happened to one target.
@@ -172,6 +172,7 @@ pub fn compile_target(sh: &Shell, root: &Path, target: &Target, toolchains: &mut
         let object = out_dir.join(format!("{module}.{extension}"));
         let partial = out_dir.join(format!("{module}.{extension}.partial"));
         let name = &target.name;
+        let defines_ref = &defines;
         match &compiler {
             Compiler::Amdgpu(compiler) => {
                 let clang = &compiler.clang;
@@ -183,7 +184,7 @@ pub fn compile_target(sh: &Shell, root: &Path, target: &Target, toolchains: &mut
                 };
                 cmd!(
                     sh,
-                    "{clang} -x hip --offload-arch={name} --cuda-device-only --no-gpu-bundle-output -O3 -std=c++17 {location...} {wave...} {include_arg} {defines...} -o {partial} {source}"
+                    "{clang} -x hip --offload-arch={name} --cuda-device-only --no-gpu-bundle-output -O3 -std=c++17 {location...} {wave...} {include_arg} {defines_ref...} -o {partial} {source}"
                 )
                 .run()
                 .with_context(|| format!("compiling {} for {name}", source.display()))?;
@@ -191,7 +192,7 @@ pub fn compile_target(sh: &Shell, root: &Path, target: &Target, toolchains: &mut
             Compiler::Nvcc(nvcc) => {
                 let nvcc = &nvcc.path;
                 let arch = format!("-arch={name}");
-                cmd!(sh, "{nvcc} -cubin {arch} -O3 -std=c++17 -x cu {include_arg} {defines...} -o {partial} {source}")
+                cmd!(sh, "{nvcc} -cubin {arch} -O3 -std=c++17 -x cu {include_arg} {defines_ref...} -o {partial} {source}")
                     .run()
                     .with_context(|| format!("compiling {} for {name}", source.display()))?;
             }
@@ -242,7 +243,7 @@ pub fn built_objects(root: &Path, target: &Target) -> Result<Vec<PathBuf>> {
 
 /// Used by tests: the selection a flag set resolves to must exist in `targets`.
 #[cfg(test)]
-fn resolve(targets: &Targets, selection: Selection) -> Result<Vec<String>> {
+fn resolve(targets: &crate::targets::Targets, selection: Selection) -> Result<Vec<String>> {
     Ok(targets.select(&selection)?.into_iter().map(|t| t.name.clone()).collect())
 }
 

@@ -45,6 +45,8 @@ pub struct WindowsBuild {
     pub runner: String,
     /// The HIP SDK version to install; empty for the CPU target, which needs none.
     pub hip_sdk: String,
+    /// The HIP SDK installer's file name; empty when `hip_sdk` is.
+    pub hip_sdk_installer: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -70,9 +72,9 @@ impl Matrix {
         // Windows builds use the newest release that has a HIP SDK for Windows: the default one
         // if it has, else the last listed.
         let windows_sdk = if rocm.windows_hip_sdk.is_some() {
-            rocm.windows_hip_sdk.clone()
+            Some(rocm)
         } else {
-            targets.rocm.iter().rev().find_map(|r| r.windows_hip_sdk.clone())
+            targets.rocm.iter().rev().find(|r| r.windows_hip_sdk.is_some())
         };
         let mut matrix = Matrix { linux: Vec::new(), windows: Vec::new(), image: Vec::new(), smoke: Vec::new() };
         for target in &targets.targets {
@@ -106,17 +108,24 @@ impl Matrix {
                 });
             }
             if target.supports(Os::Windows) {
-                let hip_sdk = match target.kind {
-                    Kind::Cpu => String::new(),
-                    _ => windows_sdk.clone().with_context(|| {
-                        format!("target {} is built for Windows but no [[rocm]] release names a windows_hip_sdk", target.name)
-                    })?,
+                let (hip_sdk, hip_sdk_installer) = match target.kind {
+                    Kind::Cpu => (String::new(), String::new()),
+                    _ => {
+                        let release = windows_sdk.with_context(|| {
+                            format!("target {} is built for Windows but no [[rocm]] release names a windows_hip_sdk", target.name)
+                        })?;
+                        (
+                            release.windows_hip_sdk.clone().unwrap_or_default(),
+                            release.windows_hip_sdk_installer.clone().unwrap_or_default(),
+                        )
+                    }
                 };
                 matrix.windows.push(WindowsBuild {
                     target: target.name.clone(),
                     family: target.family.clone(),
                     runner: windows_platform.runner.clone(),
                     hip_sdk,
+                    hip_sdk_installer,
                 });
                 if target.kind == Kind::Cpu {
                     matrix.smoke.push(SmokeJob {
@@ -140,11 +149,16 @@ impl Matrix {
     /// multi-line step output per job kind to `$GITHUB_OUTPUT`, one job per line.
     pub fn render_block(&self) -> Vec<String> {
         let mut lines = vec![BEGIN_MARKER.to_string(), format!("cat >> \"$GITHUB_OUTPUT\" <<'{OUTPUTS_DELIMITER}'")];
-        let value = serde_json::to_value(self).unwrap_or_default();
-        for key in ["linux", "windows", "image", "smoke"] {
+        // One job per line, fields in declaration order (target first), for readable diffs.
+        let lists = [
+            ("linux", json_lines(&self.linux)),
+            ("windows", json_lines(&self.windows)),
+            ("image", json_lines(&self.image)),
+            ("smoke", json_lines(&self.smoke)),
+        ];
+        for (key, jobs) in lists {
             lines.push(format!("{key}<<{JSON_DELIMITER}"));
             lines.push("[".to_string());
-            let jobs = value[key].as_array().cloned().unwrap_or_default();
             for (index, job) in jobs.iter().enumerate() {
                 let comma = if index + 1 < jobs.len() { "," } else { "" };
                 lines.push(format!("  {job}{comma}"));
@@ -172,6 +186,11 @@ impl Matrix {
         }
         images.into_iter().filter(|i| !i.is_pinned()).map(|i| i.tag.clone()).collect()
     }
+}
+
+fn json_lines<T: Serialize>(items: &[T]) -> Vec<String> {
+    // Serialising these plain structs cannot fail.
+    items.iter().map(|item| serde_json::to_string(item).unwrap_or_default()).collect()
 }
 
 /// Replaces the generated block of `workflow` (keeping its indentation) with `block`.
@@ -297,6 +316,22 @@ impl crate::flags::Matrix {
         }
         Ok(())
     }
+}
+
+/// The workflow files, relative to the root, sorted.
+pub fn workflow_files(root: &Path) -> Vec<String> {
+    let mut files: Vec<String> = std::fs::read_dir(root.join(".github").join("workflows"))
+        .map(|entries| {
+            entries
+                .filter_map(|e| e.ok())
+                .map(|e| e.path())
+                .filter(|p| p.extension().is_some_and(|ext| ext == "yml" || ext == "yaml"))
+                .filter_map(|p| p.strip_prefix(root).ok().map(|p| p.to_string_lossy().into_owned()))
+                .collect()
+        })
+        .unwrap_or_default();
+    files.sort();
+    files
 }
 
 #[cfg(test)]

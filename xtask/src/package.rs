@@ -377,7 +377,7 @@ mod tests {
     #[test]
     fn zip_times_convert_from_the_epoch() {
         // 2026-11-30 06:39:25 UTC.
-        let time = zip_time(1_795_934_365);
+        let time = zip_time(1_796_020_765);
         assert_eq!((time.year(), time.month(), time.day()), (2026, 11, 30));
         assert_eq!((time.hour(), time.minute(), time.second()), (6, 39, 24)); // DOS time has 2 s steps
         assert_eq!(zip_time(0).year(), 1980);
@@ -410,7 +410,7 @@ mod tests {
             kernel_objects: vec![dir.join("kernels").join("matmul.hsaco")],
             licenses: vec![dir.join("LICENSE-MIT"), dir.join("LICENSE-APACHE")],
             manifest,
-            mtime: 1_795_934_365,
+            mtime: 1_796_020_765,
         };
         (dir, input)
     }

@@ -29,7 +29,7 @@ use sha2::{Digest, Sha256};
 use xshell::Shell;
 
 use crate::docker::{self, ExpectedManifest};
-use crate::targets::{self, Feature, FeatureState};
+use crate::targets::{self, Feature, FeatureState, Os};
 
 /// The prompt every smoke run answers; its reference output is in `greedy.jsonl`.
 const SMOKE_PROMPT: &str = "The capital of France is";
@@ -155,13 +155,10 @@ impl Subject {
         }
         std::fs::create_dir_all(&unpack_dir)?;
         match name.os {
-            ArtifactOs::Linux => unpack_tar_gz(artifact, &unpack_dir)?,
-            ArtifactOs::Windows => unpack_zip(artifact, &unpack_dir)?,
+            Os::Linux => unpack_tar_gz(artifact, &unpack_dir)?,
+            Os::Windows => unpack_zip(artifact, &unpack_dir)?,
         }
-        let binary_name = match name.os {
-            ArtifactOs::Linux => "ember",
-            ArtifactOs::Windows => "ember.exe",
-        };
+        let binary_name = name.os.exe_name();
         let binary = find_file(&unpack_dir, binary_name, 3)?.with_context(|| {
             format!(
                 "expected {binary_name} in {file_name}, found none (unpacked at {})",
@@ -178,8 +175,8 @@ impl Subject {
         };
         let manifest_json = std::fs::read_to_string(package_dir.join("manifest.json")).ok();
         let runner = match name.os {
-            ArtifactOs::Linux => Runner::Native { binary },
-            ArtifactOs::Windows => Runner::Wine {
+            Os::Linux => Runner::Native { binary },
+            Os::Windows => Runner::Wine {
                 wine: find_wine()?,
                 binary,
                 prefix: root.join("target").join("wine-prefix"),
@@ -193,7 +190,7 @@ impl Subject {
             manifest_json,
             package_summary,
             package_problems,
-            info_takes_model: name.os == ArtifactOs::Windows,
+            info_takes_model: name.os == Os::Windows,
         })
     }
 
@@ -733,17 +730,11 @@ fn check_image_config(config: &ImageConfig) -> Vec<String> {
 // ---------------------------------------------------------------------------------------------
 // Artifacts: names, unpacking, checksums.
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum ArtifactOs {
-    Linux,
-    Windows,
-}
-
 /// `ember-<version>-<os>-<target>-x64.{tar.gz,zip}`, as `cargo xtask package` names archives.
 #[derive(Debug, PartialEq, Eq)]
 struct ArtifactName {
     version: String,
-    os: ArtifactOs,
+    os: Os,
     target: String,
 }
 
@@ -751,9 +742,9 @@ impl ArtifactName {
     fn parse(file_name: &str) -> Result<ArtifactName> {
         let expected = "expected an artifact named ember-<version>-<os>-<target>-x64.tar.gz (linux) or .zip (windows)";
         let (stem, extension_os) = if let Some(stem) = file_name.strip_suffix("-x64.tar.gz") {
-            (stem, ArtifactOs::Linux)
+            (stem, Os::Linux)
         } else if let Some(stem) = file_name.strip_suffix("-x64.zip") {
-            (stem, ArtifactOs::Windows)
+            (stem, Os::Windows)
         } else {
             bail!("{expected}, found {file_name}");
         };
@@ -767,12 +758,12 @@ impl ArtifactName {
             bail!("{expected}, found {file_name}");
         };
         let os = match os {
-            "linux" => ArtifactOs::Linux,
-            "windows" => ArtifactOs::Windows,
+            "linux" => Os::Linux,
+            "windows" => Os::Windows,
             other => bail!("{expected}, found OS {other:?} in {file_name}"),
         };
         if os != extension_os {
-            bail!("{expected}, found a {os:?} artifact with the other OS's extension: {file_name}");
+            bail!("{expected}, found a {os} artifact with the other OS's extension: {file_name}");
         }
         if version.is_empty() || target.is_empty() {
             bail!("{expected}, found {file_name}");
@@ -786,8 +777,8 @@ impl ArtifactName {
 
     fn extension(&self) -> &'static str {
         match self.os {
-            ArtifactOs::Linux => ".tar.gz",
-            ArtifactOs::Windows => ".zip",
+            Os::Linux => ".tar.gz",
+            Os::Windows => ".zip",
         }
     }
 }
@@ -1665,7 +1656,7 @@ mod tests {
 
     #[test]
     fn artifact_names() {
-        let check = |name: &str, expected: Result<(&str, ArtifactOs, &str), &str>| {
+        let check = |name: &str, expected: Result<(&str, Os, &str), &str>| {
             let found = ArtifactName::parse(name);
             match (found, expected) {
                 (Ok(found), Ok((version, os, target))) => {
@@ -1686,15 +1677,15 @@ mod tests {
         };
         check(
             "ember-0.1.0-linux-gfx1201-x64.tar.gz",
-            Ok(("0.1.0", ArtifactOs::Linux, "gfx1201")),
+            Ok(("0.1.0", Os::Linux, "gfx1201")),
         );
         check(
             "ember-0.1.0-windows-cpu-x64.zip",
-            Ok(("0.1.0", ArtifactOs::Windows, "cpu")),
+            Ok(("0.1.0", Os::Windows, "cpu")),
         );
         check(
             "ember-0.2.0-rc.1-linux-sm_90-x64.tar.gz",
-            Ok(("0.2.0-rc.1", ArtifactOs::Linux, "sm_90")),
+            Ok(("0.2.0-rc.1", Os::Linux, "sm_90")),
         );
         check(
             "ember-0.1.0-windows-cpu-x64.tar.gz",
@@ -1713,6 +1704,27 @@ mod tests {
             "ember-0.1.0-linux-cpu.tar.gz",
             Err("found ember-0.1.0-linux-cpu.tar.gz"),
         );
+    }
+
+    /// The smoke test reads back the names `cargo xtask package` writes.
+    #[test]
+    fn artifact_names_round_trip_through_package() {
+        for (version, os, target) in [
+            ("0.1.0", Os::Linux, "gfx1201"),
+            ("1.2.3-rc.1", Os::Windows, "cpu"),
+            ("0.1.0", Os::Linux, "sm_90"),
+        ] {
+            let parsed =
+                ArtifactName::parse(&crate::package::archive_name(version, os, target)).unwrap();
+            assert_eq!(
+                parsed,
+                ArtifactName {
+                    version: version.to_string(),
+                    os,
+                    target: target.to_string()
+                }
+            );
+        }
     }
 
     #[test]

@@ -216,6 +216,7 @@ pub struct RocmRelease {
     pub build_image: Image,
     pub runtime_image: Image,
     pub windows_hip_sdk: Option<String>,
+    pub windows_hip_sdk_installer: Option<String>,
     pub hip_runtime_dll: Option<String>,
 }
 
@@ -266,6 +267,7 @@ pub struct Target {
 }
 
 impl Target {
+    #[cfg(test)]
     pub fn feature(&self, name: &str) -> Option<&Feature> {
         self.features.iter().find(|feature| feature.name == name)
     }
@@ -431,6 +433,7 @@ struct RawRocm {
     #[serde(default)]
     runtime_image_digest: String,
     windows_hip_sdk: Option<String>,
+    windows_hip_sdk_installer: Option<String>,
     hip_runtime_dll: Option<String>,
 }
 
@@ -563,6 +566,15 @@ impl Validator<'_> {
                     );
                 }
             }
+            if release.windows_hip_sdk.is_some() != release.windows_hip_sdk_installer.is_some() {
+                self.problem(
+                    entry.span(),
+                    format!(
+                        "ROCm release `{}` must give windows_hip_sdk and windows_hip_sdk_installer together",
+                        release.version
+                    ),
+                );
+            }
             releases.push(RocmRelease {
                 version: release.version.clone(),
                 default: release.default,
@@ -572,6 +584,7 @@ impl Validator<'_> {
                     release.runtime_image_digest.clone(),
                 ),
                 windows_hip_sdk: release.windows_hip_sdk.clone(),
+                windows_hip_sdk_installer: release.windows_hip_sdk_installer.clone(),
                 hip_runtime_dll: release.hip_runtime_dll.clone(),
             });
         }
@@ -1156,13 +1169,13 @@ family = "gfx120X"
     #[test]
     fn duplicate_target_names_both_lines() {
         let text = format!("{MINIMAL}\n[[target]]\nname = \"gfx1201\"\nfamily = \"gfx120X\"\n");
-        check_problem(&text, "36: duplicate target `gfx1201` (first defined at line 32)");
+        check_problem(&text, "32: duplicate target `gfx1201` (first defined at line 28)");
     }
 
     #[test]
     fn unknown_family_is_reported_at_its_line() {
         let text = format!("{MINIMAL}\n[[target]]\nname = \"gfx1200\"\nfamily = \"gfx12X\"\n");
-        check_problem(&text, "37: unknown family `gfx12X` for target `gfx1200`: expected one of gfx120X");
+        check_problem(&text, "33: unknown family `gfx12X` for target `gfx1200`: expected one of gfx120X");
     }
 
     #[test]
@@ -1170,28 +1183,28 @@ family = "gfx120X"
         let text = MINIMAL.replace("wave_size = 32", "wave_size = 32\nwavesize = 64");
         let found = problems(&text);
         assert_eq!(found.len(), 1, "{found:?}");
-        assert!(found[0].starts_with("24: unknown field `wavesize`"), "{found:?}");
+        assert!(found[0].starts_with("23: unknown field `wavesize`"), "{found:?}");
 
         let text = MINIMAL.replace("features.vmm = { state = \"on\" }", "features.vmm = { state = \"maybe\" }");
         let found = problems(&text);
-        assert!(found[0].starts_with("26: unknown variant `maybe`"), "{found:?}");
+        assert!(found[0].starts_with("25: unknown variant `maybe`"), "{found:?}");
 
         let text = MINIMAL.replace("features.vmm", "features.vmn");
-        check_problem(&text, "26: unknown feature `vmn` in family `gfx120X`: expected one of peer_copy, vmm");
+        check_problem(&text, "25: unknown feature `vmn` in family `gfx120X`: expected one of peer_copy, vmm");
     }
 
     #[test]
     fn off_features_need_a_reason_and_a_tracking_link() {
         let text = MINIMAL.replace("{ state = \"on\" }", "{ state = \"off\" }");
-        check_problem(&text, "26: feature `vmm` of family `gfx120X` is off but gives no reason");
-        check_problem(&text, "26: feature `vmm` of family `gfx120X` is off but has no tracking link");
+        check_problem(&text, "25: feature `vmm` of family `gfx120X` is off but gives no reason");
+        check_problem(&text, "25: feature `vmm` of family `gfx120X` is off but has no tracking link");
         let text = MINIMAL.replace(
             "{ state = \"on\" }",
             "{ state = \"off\", reason = \"faults\", tracking = [\"github.com/x/y/issues/1\"] }",
         );
         check_problem(
             &text,
-            "26: expected a https:// tracking link for feature `vmm` of family `gfx120X`, found `github.com/x/y/issues/1`",
+            "25: expected a https:// tracking link for feature `vmm` of family `gfx120X`, found `github.com/x/y/issues/1`",
         );
     }
 
@@ -1203,7 +1216,7 @@ family = "gfx120X"
         );
         check_problem(
             &text,
-            "38: target `gfx942` (wave_size = 64) asks for flash_attention = \"wmma\", but WMMA exists on RDNA3/RDNA4 (gfx11, gfx12) only",
+            "35: target `gfx942` (wave_size = 64) asks for flash_attention = \"wmma\", but WMMA exists on RDNA3/RDNA4 (gfx11, gfx12) only",
         );
         // Wave32 on a wave64-only architecture, set on the target itself.
         let text = format!(
@@ -1211,7 +1224,7 @@ family = "gfx120X"
         );
         check_problem(
             &text,
-            "44: target `gfx90a` is GCN/CDNA (gfx9), which runs wave64 only, but wave_size = 32",
+            "41: target `gfx90a` is GCN/CDNA (gfx9), which runs wave64 only, but wave_size = 32",
         );
         // A Windows build of a Linux-only family.
         let text = format!(
@@ -1219,7 +1232,7 @@ family = "gfx120X"
         );
         check_problem(
             &text,
-            "42: target `gfx90a` lists platform `windows`, which its family `cdna` does not support",
+            "39: target `gfx90a` lists platform `windows`, which its family `cdna` does not support",
         );
         // A GPU feature switched on for the CPU.
         let text = format!(
@@ -1227,13 +1240,13 @@ family = "gfx120X"
         );
         check_problem(
             &text,
-            "38: feature `vmm` of family `cpu` is on, but CPU targets have no GPU features",
+            "35: feature `vmm` of family `cpu` is on, but CPU targets have no GPU features",
         );
         // A target name that does not fit its family's kind.
         let text = format!("{MINIMAL}\n[[target]]\nname = \"sm_90\"\nfamily = \"gfx120X\"\n");
         check_problem(
             &text,
-            "36: target `sm_90` is in a amdgpu family, so its name must be `gfx` followed by the architecture number (gfx1201)",
+            "32: target `sm_90` is in a amdgpu family, so its name must be `gfx` followed by the architecture number (gfx1201)",
         );
         // Two default ROCm releases.
         let text = MINIMAL.replace(
@@ -1261,7 +1274,7 @@ family = "gfx120X"
         let error = Targets::parse(&text, Path::new("targets.toml")).unwrap_err();
         assert_eq!(
             error.to_string(),
-            "invalid target matrix (1 problem):\n  targets.toml:36: duplicate target `gfx1201` (first defined at line 32)"
+            "invalid target matrix (1 problem):\n  targets.toml:32: duplicate target `gfx1201` (first defined at line 28)"
         );
     }
 

@@ -79,7 +79,8 @@ impl AmdgpuCompiler {
         let version = first_line(&output(Command::new(&clang).arg("--version"))?);
         let llvm_major = llvm_major(&version)
             .with_context(|| format!("expected `clang version N.M` from {} --version, found {version:?}", clang.display()))?;
-        let cpus = output(
+        // clang prints the processor list on stderr.
+        let cpus = output_and_errors(
             Command::new(&clang).args(["--target=amdgcn-amd-amdhsa", "-nogpulib", "--print-supported-cpus"]),
         )?;
         let supported = parse_supported_cpus(&cpus);
@@ -212,6 +213,17 @@ pub fn toolchain_cache_dir() -> Result<PathBuf> {
     Ok(cache.join("ember").join("toolchain"))
 }
 
+/// The script that installs actionlint.
+pub const SETUP_ACTIONLINT: &str = ".ci/setup-actionlint.sh";
+
+/// actionlint: on PATH, else where `.ci/setup-actionlint.sh` installs it.
+pub fn actionlint() -> Option<PathBuf> {
+    which("actionlint").or_else(|| {
+        let path = toolchain_cache_dir().ok()?.join("actionlint").join("bin").join(exe("actionlint"));
+        path.is_file().then_some(path)
+    })
+}
+
 /// `gfx1201` -> `oclc_isa_version_1201.bc`.
 pub fn isa_version_library(target: &str) -> String {
     format!("oclc_isa_version_{}.bc", target.trim_start_matches("gfx"))
@@ -248,6 +260,16 @@ fn output(command: &mut Command) -> Result<String> {
         );
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Like [`output`], but stdout and stderr together.
+fn output_and_errors(command: &mut Command) -> Result<String> {
+    let program = command.get_program().to_string_lossy().into_owned();
+    let out = command.output().with_context(|| format!("running {program}"))?;
+    if !out.status.success() {
+        bail!("{program} failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr).trim());
+    }
+    Ok(format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
 }
 
 fn first_line(text: &str) -> String {

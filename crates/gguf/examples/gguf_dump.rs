@@ -1,28 +1,21 @@
-//! Prints a GGUF file's header: version, alignment, metadata and tensor table.
+//! Prints a GGUF file's header: version, alignment, metadata and tensor table, and how long
+//! parsing took.
 //!
-//! `cargo run -p ember-gguf --example gguf_dump -- MODEL.gguf`
+//! `cargo run --release -p ember-gguf --example gguf_dump -- MODEL.gguf`
 
-use std::path::PathBuf;
+use std::io::{self, BufWriter, Write};
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
 use ember_gguf::Gguf;
 
-fn main() -> ExitCode {
-    let Some(path) = std::env::args_os().nth(1).map(PathBuf::from) else {
-        eprintln!("usage: gguf_dump FILE.gguf");
-        return ExitCode::FAILURE;
-    };
+fn dump(path: &Path, out: &mut impl Write) -> Result<(), Box<dyn std::error::Error>> {
     let start = Instant::now();
-    let gguf = match Gguf::open(&path) {
-        Ok(g) => g,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
+    let gguf = Gguf::open(path)?;
     let elapsed = start.elapsed();
-    println!(
+    writeln!(
+        out,
         "{}: GGUF v{}, {} bytes, alignment {}, data at {}, {} metadata entries, {} tensors, \
          parsed in {:.1} ms",
         path.display(),
@@ -33,15 +26,38 @@ fn main() -> ExitCode {
         gguf.metadata().len(),
         gguf.tensors().len(),
         elapsed.as_secs_f64() * 1e3
-    );
+    )?;
     for (key, value) in gguf.metadata().iter() {
-        println!("  {key} ({}) = {value}", value.type_name());
+        writeln!(out, "  {key} ({}) = {value}", value.type_name())?;
     }
     for t in gguf.tensors() {
-        println!(
+        writeln!(
+            out,
             "  {:<40} {:<8} {:?} offset {} bytes {}",
             t.name, t.ty, t.dims, t.offset, t.n_bytes
-        );
+        )?;
     }
-    ExitCode::SUCCESS
+    out.flush()?;
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let Some(path) = std::env::args_os().nth(1).map(PathBuf::from) else {
+        eprintln!("usage: gguf_dump FILE.gguf");
+        return ExitCode::FAILURE;
+    };
+    match dump(&path, &mut BufWriter::new(io::stdout().lock())) {
+        Ok(()) => ExitCode::SUCCESS,
+        // A closed pipe (`| head`) is the reader's choice, not a failure.
+        Err(e)
+            if e.downcast_ref::<io::Error>()
+                .is_some_and(|e| e.kind() == io::ErrorKind::BrokenPipe) =>
+        {
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }

@@ -10,11 +10,20 @@ use std::path::Path;
 
 use crate::{Array, GgmlType, Value, MAX_ALIGNMENT};
 
+/// Produces a tensor's data at write time into a zeroed buffer of the tensor's size.
+type Generator = Box<dyn Fn(&mut [u8])>;
+
+enum TensorData {
+    Bytes(Vec<u8>),
+    Generated(Generator),
+}
+
 struct PendingTensor {
     name: String,
     dims: Vec<u64>,
     ty: GgmlType,
-    data: Vec<u8>,
+    n_bytes: u64,
+    data: TensorData,
 }
 
 /// Builds a GGUF file in memory and writes it out.
@@ -86,10 +95,50 @@ impl GgufWriter {
             expected.map_or("an impossible number of".to_owned(), |n| n.to_string()),
             data.len()
         );
+        self.push_tensor(name, dims, ty, data.len() as u64, TensorData::Bytes(data))
+    }
+
+    /// Appends a tensor whose data `fill` writes at write time into a zeroed buffer of the
+    /// tensor's size. For synthetic models larger than memory: only one tensor's data exists at a
+    /// time, however many tensors the file holds.
+    ///
+    /// # Panics
+    ///
+    /// When `dims` is empty, a row of `ty` is not whole blocks, or the size overflows.
+    pub fn tensor_generated(
+        &mut self,
+        name: &str,
+        dims: &[u64],
+        ty: GgmlType,
+        fill: impl Fn(&mut [u8]) + 'static,
+    ) -> &mut Self {
+        let Some(n_bytes) = tensor_bytes(dims, ty) else {
+            panic!(
+                "GgufWriter::tensor_generated {name:?}: dims {dims:?} of {ty} have no valid size"
+            );
+        };
+        self.push_tensor(
+            name,
+            dims,
+            ty,
+            n_bytes,
+            TensorData::Generated(Box::new(fill)),
+        )
+    }
+
+    fn push_tensor(
+        &mut self,
+        name: &str,
+        dims: &[u64],
+        ty: GgmlType,
+        n_bytes: u64,
+        data: TensorData,
+    ) -> &mut Self {
         self.tensors.push(PendingTensor {
             name: name.to_owned(),
             dims: dims.to_vec(),
             ty,
+            n_bytes,
             data,
         });
         self
@@ -126,7 +175,7 @@ impl GgufWriter {
             header.extend_from_slice(&(t.ty as u32).to_le_bytes());
             put_u64(&mut header, offset);
             offsets.push(offset);
-            offset = align_up(offset + t.data.len() as u64, self.alignment);
+            offset = align_up(offset + t.n_bytes, self.alignment);
         }
         let header_len = header.len() as u64;
         header.resize(align_up(header_len, self.alignment) as usize, 0);
@@ -135,8 +184,24 @@ impl GgufWriter {
         let mut written = 0u64;
         for (t, &offset) in self.tensors.iter().zip(&offsets) {
             write_zeros(w, offset - written)?;
-            w.write_all(&t.data)?;
-            written = offset + t.data.len() as u64;
+            match &t.data {
+                TensorData::Bytes(bytes) => w.write_all(bytes)?,
+                TensorData::Generated(fill) => {
+                    let len = usize::try_from(t.n_bytes).map_err(|_| {
+                        io::Error::new(
+                            io::ErrorKind::OutOfMemory,
+                            format!(
+                                "tensor {:?} of {} bytes does not fit memory",
+                                t.name, t.n_bytes
+                            ),
+                        )
+                    })?;
+                    let mut buffer = vec![0u8; len];
+                    fill(&mut buffer);
+                    w.write_all(&buffer)?;
+                }
+            }
+            written = offset + t.n_bytes;
         }
         // Pad the last tensor too, as GGML's writer does, so the file is a whole number of
         // alignment units past the data section start.

@@ -723,3 +723,21 @@ fn values_display_for_humans() {
         "array of bool"
     );
 }
+
+#[test]
+fn generated_tensors_match_tensors_given_as_bytes() {
+    let fill = |buffer: &mut [u8]| buffer.copy_from_slice(&bytes(buffer.len(), 9));
+    let mut generated = GgufWriter::new();
+    generated
+        .tensor_generated("a", &[64, 3], GgmlType::Q4_0, fill)
+        .tensor("b", &[8], GgmlType::F32, bytes(32, 1))
+        .tensor_generated("c", &[256], GgmlType::Q6_K, fill);
+    let mut given = GgufWriter::new();
+    given
+        .tensor("a", &[64, 3], GgmlType::Q4_0, bytes(108, 9))
+        .tensor("b", &[8], GgmlType::F32, bytes(32, 1))
+        .tensor("c", &[256], GgmlType::Q6_K, bytes(210, 9));
+    assert_eq!(generated.to_bytes(), given.to_bytes());
+    let g = check_ok(generated.to_bytes());
+    assert_eq!(g.tensor_bytes("c"), Some(bytes(210, 9).as_slice()));
+}

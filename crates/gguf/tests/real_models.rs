@@ -82,6 +82,7 @@ fn smollm2_135m_q4_1() {
         common::exercise(&g),
         g.tensors().iter().map(|t| t.n_bytes).sum::<u64>()
     );
+    assert_zero_copy(&g);
 }
 
 #[test]
@@ -134,4 +135,20 @@ fn gemma3_270m_q4_k_m() {
         common::exercise(&g),
         g.tensors().iter().map(|t| t.n_bytes).sum::<u64>()
     );
+    assert_zero_copy(&g);
+}
+
+/// Tensor data is a view of the mapping, never a copy.
+fn assert_zero_copy(g: &Gguf) {
+    let file = g.bytes().as_ptr_range();
+    for t in g.tensors() {
+        let data = g.tensor_data(t).as_ptr_range();
+        assert!(
+            file.start <= data.start && data.end <= file.end,
+            "{}",
+            t.name
+        );
+        let offset = data.start as usize - file.start as usize;
+        assert_eq!(offset as u64, g.data_offset() + t.offset, "{}", t.name);
+    }
 }

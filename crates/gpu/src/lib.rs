@@ -6,9 +6,14 @@
 //! loaded at run time, and their absence is an error value that the engine turns into "running
 //! on the CPU", never a crash.
 
+pub mod cuda;
+pub mod devices;
 pub mod driver;
+pub mod hip;
+#[cfg(unix)]
 pub mod host;
 pub mod kernels;
+pub mod placement;
 pub mod pool;
 
 pub use driver::{Backend, DeviceInfo, DeviceOrdinal, DevicePtr, Driver, DriverError, MemInfo, MemoryType, PointerInfo, RuntimeInfo, StreamHandle};

@@ -201,7 +201,7 @@ impl fmt::Display for PlacementVerdict {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, unix))]
 mod tests {
     use super::*;
     use crate::driver::StreamHandle;

@@ -168,8 +168,10 @@ fn q8_1_sum_is_d_times_sum_of_quants() {
     let x = test_data(&mut rng, 64, 2.0);
     let mut b = vec![0u8; 72];
     quantize(GgmlType::Q8_1, &x, &mut b).unwrap();
-    for blk in b.chunks_exact(36) {
-        let d = f16::from_le_bytes([blk[0], blk[1]]).to_f32();
+    for (blk, xs) in b.chunks_exact(36).zip(x.chunks_exact(32)) {
+        // GGML multiplies by the f32 scale, before it is rounded to f16 for storage.
+        let d = xs.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 127.0;
+        assert_eq!(f16::from_le_bytes([blk[0], blk[1]]).to_f32(), f16::from_f32(d).to_f32());
         let s = f16::from_le_bytes([blk[2], blk[3]]).to_f32();
         let sum: i32 = blk[4..].iter().map(|&q| q as i8 as i32).sum();
         assert_eq!(s, f16::from_f32(sum as f32 * d).to_f32());

@@ -9,6 +9,7 @@ use anyhow::Context as _;
 use clap::{Args, ValueEnum};
 
 use super::load;
+use crate::backend::Backend;
 use crate::batch::Batch;
 use crate::model::ContextParams;
 use crate::sample::Pcg32;
@@ -78,7 +79,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let mut results = Vec::new();
     let mut batch = Batch::new();
 
-    let mut run_pp = |n: usize, rng: &mut Pcg32, ctx: &mut _| -> anyhow::Result<f64> {
+    let run_pp = |n: usize, rng: &mut Pcg32, ctx: &mut _| -> anyhow::Result<f64> {
         let tokens: Vec<u32> = (0..n).map(|_| rng.next_u32() % n_vocab).collect();
         let batch = Batch::for_sequence(0, 0, &tokens, false);
         crate::model::Context::clear(ctx);

@@ -104,7 +104,7 @@ impl CachingPool {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, unix))]
 mod tests {
     use super::*;
     use crate::host::{HostDriver, HostDriverConfig};

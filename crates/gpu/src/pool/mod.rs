@@ -712,5 +712,5 @@ impl fmt::Display for MemoryReport {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, unix))]
 mod tests;

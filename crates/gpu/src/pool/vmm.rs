@@ -206,7 +206,7 @@ impl VmmPool {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, unix))]
 mod tests {
     use super::*;
     use crate::host::{HostDriver, HostDriverConfig};

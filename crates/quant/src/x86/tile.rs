@@ -8,46 +8,59 @@
 
 use std::arch::x86_64::*;
 
-use super::avx2::{hsum_ps, load32, load_ps};
+use super::avx2::hsum_ps;
 use crate::blocks::QK;
 use crate::matmul::{Panel, TileActs, TILE_ROWS, TILE_TOKENS};
 use crate::simd::Level;
 use crate::GgmlType;
 
+/// Base pointers and strides of one tile's operands; built by [`run`] from checked slices.
+struct TilePtrs {
+    wq: *const u8,
+    wd: *const f32,
+    wm: *const f32,
+    aq: *const u8,
+    ad: *const f32,
+    asv: *const f32,
+    cols: usize,
+    n_chunks: usize,
+}
+
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C, and `p` must point at `R` panel rows and `T` token
+/// rows of `p.cols` bytes and `p.n_chunks` chunks each (as `run` checks).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn kernel<const R: usize, const T: usize, const SIGNED: bool>(
-    panel: &Panel,
-    acts: &TileActs,
-    t0: usize,
+unsafe fn kernel<const R: usize, const T: usize, const SIGNED: bool>(
+    p: &TilePtrs,
     out: &mut [[f32; TILE_TOKENS]; TILE_ROWS],
 ) {
-    let cols = acts.cols;
-    let n_chunks = acts.n_chunks;
+    let (cols, n_chunks) = (p.cols, p.n_chunks);
     let ones = _mm256_set1_epi16(1);
     let mut acc = [[_mm256_setzero_ps(); T]; R];
-    let wq: [&[u8]; R] = std::array::from_fn(|r| &panel.q[r * cols..(r + 1) * cols]);
-    let wd: [&[f32]; R] = std::array::from_fn(|r| &panel.dv[r * n_chunks * 8..(r + 1) * n_chunks * 8]);
-    let wm: [&[f32]; R] = std::array::from_fn(|r| &panel.mv[r * n_chunks * 8..(r + 1) * n_chunks * 8]);
-    let aq: [&[u8]; T] = std::array::from_fn(|t| &acts.qs[(t0 + t) * cols..(t0 + t + 1) * cols]);
-    let ad: [&[f32]; T] = std::array::from_fn(|t| &acts.d[(t0 + t) * n_chunks..(t0 + t + 1) * n_chunks]);
-    let asv: [&[f32]; T] =
-        std::array::from_fn(|t| &acts.sv[(t0 + t) * n_chunks * 8..(t0 + t + 1) * n_chunks * 8]);
     for c in 0..n_chunks {
-        let a: [__m256i; T] = std::array::from_fn(|t| load32(&aq[t][QK * c..]));
-        let da: [__m256; T] = std::array::from_fn(|t| _mm256_set1_ps(ad[t][c]));
-        for r in 0..R {
-            let wv = load32(&wq[r][QK * c..]);
-            let dv = load_ps(&wd[r][8 * c..]);
-            let wu = if SIGNED { _mm256_sign_epi8(wv, wv) } else { wv };
-            for t in 0..T {
-                let at = if SIGNED { _mm256_sign_epi8(a[t], wv) } else { a[t] };
-                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, at), ones);
-                let scale = _mm256_mul_ps(dv, da[t]);
-                acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[r][t]);
-                if !SIGNED {
-                    let mv = load_ps(&wm[r][8 * c..]);
-                    acc[r][t] = _mm256_fmadd_ps(mv, load_ps(&asv[t][8 * c..]), acc[r][t]);
+        // SAFETY: c < n_chunks, so every offset below stays inside the rows that the caller
+        // guarantees: 32 bytes at QK*c of each row, 8 floats at 8*c, 1 float at c.
+        unsafe {
+            let a: [__m256i; T] = std::array::from_fn(|t| {
+                _mm256_loadu_si256(p.aq.add(t * cols + QK * c).cast())
+            });
+            let da: [__m256; T] =
+                std::array::from_fn(|t| _mm256_broadcast_ss(&*p.ad.add(t * n_chunks + c)));
+            for r in 0..R {
+                let wv = _mm256_loadu_si256(p.wq.add(r * cols + QK * c).cast());
+                let dv = _mm256_loadu_ps(p.wd.add((r * n_chunks + c) * 8));
+                let wu = if SIGNED { _mm256_sign_epi8(wv, wv) } else { wv };
+                for t in 0..T {
+                    let at = if SIGNED { _mm256_sign_epi8(a[t], wv) } else { a[t] };
+                    let prod = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, at), ones);
+                    let scale = _mm256_mul_ps(dv, da[t]);
+                    acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(prod), scale, acc[r][t]);
+                    if !SIGNED {
+                        let mv = _mm256_loadu_ps(p.wm.add((r * n_chunks + c) * 8));
+                        let sv = _mm256_loadu_ps(p.asv.add((t * n_chunks + c) * 8));
+                        acc[r][t] = _mm256_fmadd_ps(mv, sv, acc[r][t]);
+                    }
                 }
             }
         }
@@ -72,17 +85,36 @@ pub fn run(
     tokens: usize,
     out: &mut [[f32; TILE_TOKENS]; TILE_ROWS],
 ) {
-    debug_assert!(matches!(level, Level::Avx2 | Level::Avx512Vnni));
+    assert!(matches!(level, Level::Avx2 | Level::Avx512Vnni));
+    let (cols, n_chunks) = (acts.cols, acts.n_chunks);
+    // The pointer arithmetic of `kernel` relies on these; they hold by construction in
+    // `matmul`, so a failure is a bug, not bad input.
+    assert!(rows <= TILE_ROWS && tokens <= TILE_TOKENS && n_chunks * QK == cols);
+    assert!(panel.q.len() >= rows * cols && panel.dv.len() >= rows * n_chunks * 8);
+    assert!(panel.mv.len() >= rows * n_chunks * 8);
+    assert!(acts.qs.len() >= (t0 + tokens) * cols && acts.d.len() >= (t0 + tokens) * n_chunks);
+    assert!(acts.sv.len() >= (t0 + tokens) * n_chunks * 8);
+    let p = TilePtrs {
+        wq: panel.q.as_ptr(),
+        wd: panel.dv.as_ptr(),
+        wm: panel.mv.as_ptr(),
+        aq: acts.qs[t0 * cols..].as_ptr(),
+        ad: acts.d[t0 * n_chunks..].as_ptr(),
+        asv: acts.sv[t0 * n_chunks * 8..].as_ptr(),
+        cols,
+        n_chunks,
+    };
     let signed = ty == GgmlType::Q8_0;
     macro_rules! go {
         ($r:literal, $t:literal) => {
             // SAFETY: `level` is AVX2 or better, which `simd::level` reports only after
-            // checking AVX2, FMA and F16C on this CPU.
+            // checking AVX2, FMA and F16C on this CPU; `p` covers $r rows and $t tokens
+            // (asserted above).
             unsafe {
                 if signed {
-                    kernel::<$r, $t, true>(panel, acts, t0, out)
+                    kernel::<$r, $t, true>(&p, out)
                 } else {
-                    kernel::<$r, $t, false>(panel, acts, t0, out)
+                    kernel::<$r, $t, false>(&p, out)
                 }
             }
         };

@@ -54,7 +54,7 @@ pub fn attention(
                 let block = table[block_idx] as usize;
                 let n = end - start;
                 let src = &layer.k[block][layer.row_offset(kv_head, start)..][..n * head_dim];
-                rows[..n * head_dim].convert_from_f16_slice(src);
+                src.convert_to_f32_slice(&mut rows[..n * head_dim]);
                 for (j, q_head) in q_group.chunks_exact(head_dim).enumerate() {
                     let dst = &mut scores[j * n_keys + key_index..][..n];
                     for (s, k_row) in dst.iter_mut().zip(rows[..n * head_dim].chunks_exact(head_dim)) {
@@ -90,7 +90,7 @@ pub fn attention(
                 let block = table[block_idx] as usize;
                 let n = end - start;
                 let src = &layer.v[block][layer.row_offset(kv_head, start)..][..n * head_dim];
-                rows[..n * head_dim].convert_from_f16_slice(src);
+                src.convert_to_f32_slice(&mut rows[..n * head_dim]);
                 for (j, out_head) in out_group.chunks_exact_mut(head_dim).enumerate() {
                     let w = &scores[j * n_keys + key_index..][..n];
                     for (&wi, v_row) in w.iter().zip(rows[..n * head_dim].chunks_exact(head_dim)) {

@@ -234,8 +234,10 @@ impl Backend for CpuBackend {
         let x = &x[..n_tokens * w.cols];
         let out = &mut out[..n_tokens * w.rows];
         let vdt = ember_quant::vec_dot_type(w.info.ty);
-        let acts = ember_quant::quantize_activations(vdt, x, n_tokens, w.cols);
-        ember_quant::matmul(&q, &acts, out);
+        // Shapes were checked when the matrix was placed and the buffers are sized by the model
+        // code from the same hyperparameters, so these cannot fail on any input file.
+        let acts = ember_quant::quantize_activations(vdt, x, n_tokens, w.cols).expect("activation shape matches the matrix");
+        ember_quant::matmul(&q, &acts, out).expect("matmul shapes match");
     }
 
     fn rms_norm(&self, x: &Vec<f32>, weight: &Vec<f32>, n_rows: usize, dim: usize, eps: f32, out: &mut Vec<f32>) {

@@ -1,0 +1,65 @@
+//! Measures matvec and 512-token matmul on the weight shapes of SmolLM2-135M (Q4_1 layers,
+//! Q8_0 tied embedding/output) and prints effective GFLOP/s and GB/s. Run with
+//! `cargo run --release -p ember-quant --example shapes [threads]`.
+
+use std::time::Instant;
+
+use ember_quant::{matmul, quantize, quantize_activations, vec_dot_type, GgmlType, QMatrix};
+
+fn weights(ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
+    let mut state = 0x1234_5678_9abc_def0u64;
+    let x: Vec<f32> = (0..rows * cols)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2
+        })
+        .collect();
+    let mut data = vec![0u8; ty.row_bytes((rows * cols) as u64).unwrap() as usize];
+    quantize(ty, &x, &mut data).unwrap();
+    data
+}
+
+fn measure(ty: GgmlType, rows: usize, cols: usize, n_tokens: usize) -> (f64, f64, f64) {
+    let data = weights(ty, rows, cols);
+    let w = QMatrix::new(ty, rows, cols, &data).unwrap();
+    let x: Vec<f32> = (0..n_tokens * cols).map(|i| ((i % 17) as f32 - 8.0) * 0.1).collect();
+    let act = quantize_activations(vec_dot_type(ty), &x, n_tokens, cols).unwrap();
+    let mut out = vec![0.0f32; rows * n_tokens];
+    matmul(&w, &act, &mut out).unwrap();
+    let start = Instant::now();
+    let mut iters = 0u32;
+    while start.elapsed().as_secs_f64() < 0.5 {
+        matmul(&w, &act, &mut out).unwrap();
+        iters += 1;
+    }
+    let secs = start.elapsed().as_secs_f64() / iters as f64;
+    let flops = 2.0 * rows as f64 * cols as f64 * n_tokens as f64;
+    (secs * 1e6, flops / secs / 1e9, data.len() as f64 / secs / 1e9)
+}
+
+fn main() {
+    let threads: usize = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(2);
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+    println!("simd: {}, threads: {threads}", ember_quant::simd::detected());
+    let shapes = [
+        (GgmlType::Q4_1, 576, 576, "attn q/o"),
+        (GgmlType::Q4_1, 192, 576, "attn k/v"),
+        (GgmlType::Q4_1, 1536, 576, "ffn gate/up"),
+        (GgmlType::Q4_1, 576, 1536, "ffn down"),
+        (GgmlType::Q8_0, 49152, 576, "output"),
+        (GgmlType::Q4_K, 2048, 2048, "q4_K square"),
+        (GgmlType::Q6_K, 2048, 2048, "q6_K square"),
+    ];
+    pool.install(|| {
+        for n_tokens in [1usize, 512] {
+            for &(ty, rows, cols, what) in &shapes {
+                let (us, gflops, gbs) = measure(ty, rows, cols, n_tokens);
+                println!(
+                    "{what:12} {ty:5} {rows:6}x{cols:<5} tokens {n_tokens:4}: {us:10.1} us  {gflops:7.1} GFLOP/s  {gbs:6.1} GB/s(weights)"
+                );
+            }
+        }
+    });
+}

@@ -1,0 +1,253 @@
+//! The build manifest this binary was built with: which target it is for, which features that
+//! target gates on or off and why, the ROCm release, the engine commit and the toolchain versions.
+//!
+//! `cargo xtask build` writes the manifest from `targets.toml` and `build.rs` embeds it; a plain
+//! `cargo build` embeds a development manifest (target `dev`, no gates). `ember info` prints
+//! [`render_text`]; the engine uses [`feature_enabled`] as the run-time default of a gated feature
+//! (flags override it, and a run-time probe can still turn an enabled feature off).
+
+use std::sync::OnceLock;
+
+use serde::Deserialize;
+
+/// The manifest schema this engine reads (xtask's `MANIFEST_SCHEMA`).
+pub const MANIFEST_SCHEMA: u32 = 1;
+
+const MANIFEST_JSON: &str = include_str!(concat!(env!("OUT_DIR"), "/build_manifest.json"));
+
+/// Why the embedded manifest cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BuildManifestError {
+    #[error("embedded build manifest is not valid JSON of the expected shape: {0}")]
+    Parse(String),
+    #[error("embedded build manifest has schema {found}, expected schema {expected}")]
+    Schema { expected: u32, found: u32 },
+}
+
+/// The embedded manifest, typed.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct BuildManifest {
+    pub schema: u32,
+    /// True for a plain `cargo build` (no target, no gates).
+    pub development_build: bool,
+    pub target: String,
+    /// `cpu`, `amdgpu`, `nvidia`, or `dev` for a development build.
+    pub kind: String,
+    pub family: String,
+    pub family_description: String,
+    pub os: String,
+    pub wave_size: Option<u32>,
+    pub flash_attention: Option<String>,
+    pub features: Vec<Feature>,
+    pub rocm: Rocm,
+    pub engine: Engine,
+    pub toolchain: Toolchain,
+    pub kernels: Kernels,
+}
+
+/// One feature gate.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct Feature {
+    pub name: String,
+    /// `on`, `off` or `unsupported`.
+    pub state: String,
+    pub enabled: bool,
+    pub reason: Option<String>,
+    pub tracking: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct Rocm {
+    /// The ROCm release the build is for (targets.toml).
+    pub release: Option<String>,
+    /// The ROCm install the kernels were compiled with, if any.
+    pub toolchain_rocm: Option<String>,
+    /// HIP runtime libraries to try, in order.
+    pub hip_runtime: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct Engine {
+    pub version: String,
+    pub commit: Option<String>,
+    pub dirty: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct Toolchain {
+    pub rustc: String,
+    pub rust_target: String,
+    pub kernel_compiler: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct Kernels {
+    /// Relative to the executable: `kernels/<target>`.
+    pub dir: Option<String>,
+    pub modules: Vec<String>,
+}
+
+/// The embedded manifest exactly as it was built in.
+pub fn manifest_json() -> &'static str {
+    MANIFEST_JSON
+}
+
+/// The embedded manifest, parsed once.
+pub fn manifest() -> Result<&'static BuildManifest, &'static BuildManifestError> {
+    static PARSED: OnceLock<Result<BuildManifest, BuildManifestError>> = OnceLock::new();
+    PARSED.get_or_init(|| parse(MANIFEST_JSON)).as_ref()
+}
+
+/// Parses and checks a manifest's JSON.
+pub fn parse(json: &str) -> Result<BuildManifest, BuildManifestError> {
+    let manifest: BuildManifest =
+        serde_json::from_str(json).map_err(|error| BuildManifestError::Parse(error.to_string()))?;
+    if manifest.schema != MANIFEST_SCHEMA {
+        return Err(BuildManifestError::Schema { expected: MANIFEST_SCHEMA, found: manifest.schema });
+    }
+    Ok(manifest)
+}
+
+/// Whether this build enables feature `name` by default: `None` when the build does not gate it
+/// (development builds, features the target does not list, an unreadable manifest).
+pub fn feature_enabled(name: &str) -> Option<bool> {
+    feature(name).map(|feature| feature.enabled)
+}
+
+/// Feature `name`'s gate, with its reason and tracking links.
+pub fn feature(name: &str) -> Option<&'static Feature> {
+    manifest().ok()?.features.iter().find(|feature| feature.name == name)
+}
+
+/// The human-readable form `ember info` prints.
+pub fn render_text() -> String {
+    match manifest() {
+        Ok(manifest) => render(manifest),
+        Err(error) => format!("build manifest: unreadable ({error})\n"),
+    }
+}
+
+/// Renders `manifest` (what [`render_text`] does for the embedded one).
+pub fn render(manifest: &BuildManifest) -> String {
+    let mut text = String::from("build manifest:\n");
+    let mut line = |s: String| {
+        text.push_str("  ");
+        text.push_str(&s);
+        text.push('\n');
+    };
+    if manifest.development_build {
+        line(format!(
+            "target: {} (development build: made by plain `cargo build`, not `cargo xtask build`; no target or feature gates recorded, features use their built-in defaults)",
+            manifest.target
+        ));
+    } else {
+        line(format!(
+            "target: {} (family {}: {}), {}",
+            manifest.target, manifest.family, manifest.family_description, manifest.os
+        ));
+    }
+    if let Some(wave_size) = manifest.wave_size {
+        line(format!("wave size: {wave_size}"));
+    }
+    if let Some(flavour) = &manifest.flash_attention {
+        line(format!("flash attention: {flavour}"));
+    }
+    if !manifest.features.is_empty() {
+        line("features:".to_string());
+        for feature in &manifest.features {
+            let mut entry = format!("  {}: {}", feature.name, feature.state);
+            if let Some(reason) = &feature.reason {
+                entry.push_str(&format!(" ({reason})"));
+            }
+            line(entry);
+            for link in &feature.tracking {
+                line(format!("    tracking: {link}"));
+            }
+        }
+    }
+    match (&manifest.rocm.release, &manifest.rocm.toolchain_rocm) {
+        (Some(release), Some(toolchain)) => line(format!("ROCm: built for {release} (kernels compiled with ROCm {toolchain})")),
+        (Some(release), None) => line(format!("ROCm: built for {release}")),
+        (None, _) => {}
+    }
+    if !manifest.rocm.hip_runtime.is_empty() {
+        line(format!("HIP runtime: {} (first found is loaded)", manifest.rocm.hip_runtime.join(", ")));
+    }
+    if let Some(dir) = &manifest.kernels.dir {
+        line(format!("kernels: {dir}/ beside the executable ({})", manifest.kernels.modules.join(", ")));
+    }
+    let commit = match &manifest.engine.commit {
+        Some(commit) => format!("commit {commit}{}", if manifest.engine.dirty { " (with uncommitted changes)" } else { "" }),
+        None => "commit not recorded".to_string(),
+    };
+    line(format!("engine: {}, {commit}", manifest.engine.version));
+    line(format!("rustc: {} ({})", manifest.toolchain.rustc, manifest.toolchain.rust_target));
+    if let Some(compiler) = &manifest.toolchain.kernel_compiler {
+        line(format!("kernel compiler: {compiler}"));
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GFX1201: &str = r#"{
+  "schema": 1,
+  "development_build": false,
+  "target": "gfx1201",
+  "kind": "amdgpu",
+  "family": "gfx120X",
+  "family_description": "RDNA4 (Radeon RX 9000, AI PRO R9700)",
+  "os": "linux",
+  "wave_size": 32,
+  "flash_attention": "wmma",
+  "features": [
+    { "name": "peer_copy", "state": "on", "enabled": true, "reason": null, "tracking": [] },
+    { "name": "vmm", "state": "off", "enabled": false,
+      "reason": "hipMemSetAccess fails when a mapping is grown while several reservations exist",
+      "tracking": ["https://github.com/ROCm/rocm-systems/issues/2516", "https://github.com/ggml-org/llama.cpp/issues/18650"] }
+  ],
+  "rocm": { "release": "7.0", "toolchain_rocm": null, "hip_runtime": ["libamdhip64.so.7", "libamdhip64.so.6"] },
+  "engine": { "version": "0.1.0", "commit": "0123abc", "dirty": true },
+  "toolchain": { "rustc": "rustc 1.90.0", "rust_target": "x86_64-unknown-linux-gnu", "kernel_compiler": "Debian clang version 19.1.7" },
+  "kernels": { "dir": "kernels/gfx1201", "modules": ["matmul.hsaco"] }
+}"#;
+
+    #[test]
+    fn embedded_manifest_parses() {
+        let manifest = manifest().expect("the embedded manifest parses");
+        assert_eq!(manifest.schema, MANIFEST_SCHEMA);
+        assert!(manifest_json().contains(&format!("\"target\": \"{}\"", manifest.target)));
+        if manifest.development_build {
+            assert_eq!(manifest.target, "dev");
+            assert!(manifest.features.is_empty());
+            assert_eq!(feature_enabled("vmm"), None);
+            assert!(render_text().contains("target: dev (development build"));
+        }
+    }
+
+    #[test]
+    fn gfx1201_renders_vmm_off_with_reason_and_links() {
+        let manifest = parse(GFX1201).unwrap();
+        let text = render(&manifest);
+        assert!(text.contains("  target: gfx1201 (family gfx120X: RDNA4 (Radeon RX 9000, AI PRO R9700)), linux\n"), "{text}");
+        assert!(text.contains("    vmm: off (hipMemSetAccess fails when a mapping is grown while several reservations exist)\n"), "{text}");
+        assert!(text.contains("      tracking: https://github.com/ROCm/rocm-systems/issues/2516\n"), "{text}");
+        assert!(text.contains("    peer_copy: on\n"), "{text}");
+        assert!(text.contains("  engine: 0.1.0, commit 0123abc (with uncommitted changes)\n"), "{text}");
+        assert!(text.contains("  HIP runtime: libamdhip64.so.7, libamdhip64.so.6"), "{text}");
+        assert!(!manifest.features[1].enabled);
+    }
+
+    #[test]
+    fn bad_manifests_are_errors_not_panics() {
+        assert!(matches!(parse("{}"), Err(BuildManifestError::Parse(_))));
+        assert!(matches!(parse("not json"), Err(BuildManifestError::Parse(_))));
+        let future = GFX1201.replace("\"schema\": 1", "\"schema\": 2");
+        assert_eq!(
+            parse(&future).unwrap_err().to_string(),
+            "embedded build manifest has schema 2, expected schema 1"
+        );
+    }
+}

@@ -1,0 +1,50 @@
+//! Tidy checks: properties of the repository itself, run as ordinary tests (rust-analyzer's
+//! `xtask/src/tidy.rs`): the committed release workflow matches targets.toml, the workflows pass
+//! actionlint where it is installed, and the CI scripts are executable shell that parses.
+
+use crate::matrix;
+use crate::toolchain;
+
+#[test]
+fn release_workflow_matrix_matches_targets_toml() {
+    let targets = crate::targets::load().unwrap();
+    let root = crate::project_root();
+    if let Err(error) = matrix::check_workflow(&targets, &matrix::default_workflow_path(&root)) {
+        panic!("{error:#}");
+    }
+}
+
+#[test]
+fn workflows_pass_actionlint_when_it_is_installed() {
+    // `cargo xtask test` runs actionlint unconditionally and fails without it; this test covers a
+    // plain `cargo test` on a machine where .ci/setup-actionlint.sh has run.
+    let Some(actionlint) = toolchain::actionlint() else {
+        eprintln!("actionlint not installed ({}): skipping the workflow lint here", toolchain::SETUP_ACTIONLINT);
+        return;
+    };
+    let root = crate::project_root();
+    let output = std::process::Command::new(&actionlint)
+        .args(matrix::workflow_files(&root))
+        .current_dir(&root)
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "actionlint found problems:\n{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+#[test]
+fn ci_scripts_are_executable_and_parse() {
+    use std::os::unix::fs::PermissionsExt;
+    let root = crate::project_root();
+    for script in [".ci/setup-kernels.sh", ".ci/setup-windows.sh", ".ci/setup-actionlint.sh"] {
+        let path = root.join(script);
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o111, 0o111, "{script} is not executable");
+        let status = std::process::Command::new("bash").arg("-n").arg(&path).status().unwrap();
+        assert!(status.success(), "{script} does not parse");
+    }
+}
