@@ -93,6 +93,86 @@ struct EmberQ6_K {
     }
 };
 
+// bf16: the top 16 bits of an f32.
+struct EmberBF16 {
+    static constexpr int BLOCK_VALUES = 1, BLOCK_BYTES = 2;
+    EMBER_DEVICE float get(const uint8_t* row, int g, int l) {
+        const uint8_t* p = row + 2 * (32 * g + l);
+        return __uint_as_float((uint32_t)(p[0] | (p[1] << 8)) << 16);
+    }
+};
+
+// The fifth bit of value v (0..31) of a q5_0/q5_1 block: bit v of the little-endian u32 qh.
+EMBER_DEVICE int ember_q5_high_bit(const uint8_t* qh, int v) { return (qh[v / 8] >> (v % 8)) & 1; }
+
+// block_q5_0: half d; uint8 qh[4]; uint8 qs[16]. Value v = ((nibble as in q4_0) | bit v of qh << 4) - 16, times d.
+struct EmberQ5_0 {
+    static constexpr int BLOCK_VALUES = 32, BLOCK_BYTES = 22;
+    EMBER_DEVICE float get(const uint8_t* row, int g, int l) {
+        const uint8_t* b = row + BLOCK_BYTES * g;
+        const int low = l < 16 ? (b[6 + l] & 15) : (b[6 + l - 16] >> 4);
+        return (float)((low | (ember_q5_high_bit(b + 2, l) << 4)) - 16) * ember_load_half(b);
+    }
+};
+
+// block_q5_1: half d; half m; uint8 qh[4]; uint8 qs[16]. Value = q * d + m, q in 0..31.
+struct EmberQ5_1 {
+    static constexpr int BLOCK_VALUES = 32, BLOCK_BYTES = 24;
+    EMBER_DEVICE float get(const uint8_t* row, int g, int l) {
+        const uint8_t* b = row + BLOCK_BYTES * g;
+        const int low = l < 16 ? (b[8 + l] & 15) : (b[8 + l - 16] >> 4);
+        return (float)(low | (ember_q5_high_bit(b + 4, l) << 4)) * ember_load_half(b) + ember_load_half(b + 2);
+    }
+};
+
+// block_q2_K (256 values): uint8 scales[16]; uint8 qs[64]; half d; half dmin.
+// Sub-block j = 4 n + k (half n, k 0..3): 2-bit q = (qs[32 n + l] >> 2k) & 3 with scale byte
+// scales[8 n + 2k + l / 16]: value = d * (scale & 15) * q - dmin * (scale >> 4).
+struct EmberQ2_K {
+    static constexpr int BLOCK_VALUES = 256, BLOCK_BYTES = 84;
+    EMBER_DEVICE float get(const uint8_t* row, int g, int l) {
+        const uint8_t* b = row + BLOCK_BYTES * (g / 8);
+        const int n = (g % 8) / 4, k = g % 4;
+        const int q = (b[16 + 32 * n + l] >> (2 * k)) & 3;
+        const uint8_t scale = b[8 * n + 2 * k + l / 16];
+        return ember_load_half(b + 80) * (float)(scale & 15) * (float)q - ember_load_half(b + 82) * (float)(scale >> 4);
+    }
+};
+
+// block_q3_K (256 values): uint8 hmask[32]; uint8 qs[64]; uint8 scales[12]; half d.
+// Sub-block j = 4 n + k: q = ((qs[32 n + l] >> 2k) & 3) - (hmask[l] bit (4 n + k) ? 0 : 4), scale
+// index i = 8 n + 2k + l / 16 with the 6-bit scale (low nibble of scales[i % 8], high nibble for
+// i >= 8; top two bits from scales[8 + i % 4] >> 2 (i / 4)) minus 32; value = d * scale * q.
+struct EmberQ3_K {
+    static constexpr int BLOCK_VALUES = 256, BLOCK_BYTES = 110;
+    EMBER_DEVICE float get(const uint8_t* row, int g, int l) {
+        const uint8_t* b = row + BLOCK_BYTES * (g / 8);
+        const int n = (g % 8) / 4, k = g % 4;
+        const int low = (b[32 + 32 * n + l] >> (2 * k)) & 3;
+        const int q = low - (((b[l] >> (4 * n + k)) & 1) ? 0 : 4);
+        const int i = 8 * n + 2 * k + l / 16;
+        const uint8_t* sc = b + 96;
+        const int low_nibble = i < 8 ? (sc[i] & 15) : (sc[i - 8] >> 4);
+        const int scale = (low_nibble | (((sc[8 + i % 4] >> (2 * (i / 4))) & 3) << 4)) - 32;
+        return ember_load_half(b + 108) * (float)scale * (float)q;
+    }
+};
+
+// block_q5_K (256 values): half d; half dmin; uint8 scales[12]; uint8 qh[32]; uint8 qs[128].
+// As q4_K, plus a fifth bit: bit j of qh[l] for sub-block j.
+struct EmberQ5_K {
+    static constexpr int BLOCK_VALUES = 256, BLOCK_BYTES = 176;
+    EMBER_DEVICE float get(const uint8_t* row, int g, int l) {
+        const uint8_t* b = row + BLOCK_BYTES * (g / 8);
+        const int j = g % 8;
+        int scale, min;
+        ember_scale_min_k4(j, b + 4, &scale, &min);
+        const uint8_t byte = b[48 + 32 * (j / 2) + l];
+        const int q = ((j & 1) ? (byte >> 4) : (byte & 15)) | (((b[16 + l] >> j) & 1) << 4);
+        return ember_load_half(b) * (float)scale * (float)q - ember_load_half(b + 2) * (float)min;
+    }
+};
+
 // Bytes of one row of n_cols values.
 template <typename F>
 EMBER_DEVICE size_t ember_row_bytes(uint32_t n_cols) {

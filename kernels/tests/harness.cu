@@ -52,7 +52,7 @@ struct DeviceBuffer {
     size_t n = 0;
     explicit DeviceBuffer(size_t count) : n(count) { CHECK_CUDA(cudaMalloc(&ptr, count * sizeof(T) + 16)); }
     DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size()) { upload(host); }
-    ~DeviceBuffer() { cudaFree(ptr); }
+    ~DeviceBuffer() { (void)cudaFree(ptr); }
     void upload(const std::vector<T>& host) { CHECK_CUDA(cudaMemcpy(ptr, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice)); }
     std::vector<T> download() const {
         std::vector<T> host(n);
@@ -103,17 +103,112 @@ static float get_half(const uint8_t* p) { return from_half_bits((uint16_t)(p[0] 
 
 // ---- reference dequantisation, block by block -----------------------------------------------
 
-enum Format { F32, F16, Q4_0, Q4_1, Q8_0, Q4_K, Q6_K };
+enum Format { F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K };
 struct FormatInfo {
     const char* name;
     int block_values, block_bytes;
 };
-static const FormatInfo FORMATS[] = {{"f32", 1, 4}, {"f16", 1, 2}, {"q4_0", 32, 18}, {"q4_1", 32, 20}, {"q8_0", 32, 34}, {"q4_k", 256, 144}, {"q6_k", 256, 210}};
+static const FormatInfo FORMATS[] = {{"f32", 1, 4},    {"f16", 1, 2},     {"bf16", 1, 2},    {"q4_0", 32, 18},  {"q4_1", 32, 20},
+                                      {"q5_0", 32, 22},  {"q5_1", 32, 24},  {"q8_0", 32, 34},  {"q2_k", 256, 84}, {"q3_k", 256, 110},
+                                      {"q4_k", 256, 144}, {"q5_k", 256, 176}, {"q6_k", 256, 210}};
 
 static void dequant_block(Format f, const uint8_t* b, float* y) {
     switch (f) {
         case F32: std::memcpy(y, b, 4); break;
         case F16: y[0] = get_half(b); break;
+        case BF16: {
+            const uint32_t bits = (uint32_t)(b[0] | (b[1] << 8)) << 16;
+            std::memcpy(y, &bits, 4);
+            break;
+        }
+        case Q5_0:
+        case Q5_1: {
+            const bool q5_1 = f == Q5_1;
+            const float d = get_half(b), m = q5_1 ? get_half(b + 2) : 0.0f;
+            uint32_t qh;
+            std::memcpy(&qh, b + (q5_1 ? 4 : 2), 4);
+            const uint8_t* qs = b + (q5_1 ? 8 : 6);
+            for (int j = 0; j < 16; ++j) {
+                const int xh_0 = ((qh >> j) << 4) & 0x10;
+                const int xh_1 = (qh >> (j + 12)) & 0x10;
+                const int x0 = ((qs[j] & 15) | xh_0) - (q5_1 ? 0 : 16);
+                const int x1 = ((qs[j] >> 4) | xh_1) - (q5_1 ? 0 : 16);
+                y[j] = q5_1 ? x0 * d + m : x0 * d;
+                y[j + 16] = q5_1 ? x1 * d + m : x1 * d;
+            }
+            break;
+        }
+        case Q2_K: {
+            const float d = get_half(b + 80), dmin = get_half(b + 82);
+            const uint8_t* q = b + 16;
+            int is = 0;
+            for (int n = 0; n < 256; n += 128) {
+                int shift = 0;
+                for (int j = 0; j < 4; ++j) {
+                    uint8_t sc = b[is++];
+                    for (int l = 0; l < 16; ++l) y[n + 32 * j + l] = d * (sc & 15) * ((q[l] >> shift) & 3) - dmin * (sc >> 4);
+                    sc = b[is++];
+                    for (int l = 0; l < 16; ++l) y[n + 32 * j + 16 + l] = d * (sc & 15) * ((q[l + 16] >> shift) & 3) - dmin * (sc >> 4);
+                    shift += 2;
+                }
+                q += 32;
+            }
+            break;
+        }
+        case Q3_K: {
+            const float d = get_half(b + 108);
+            const uint8_t* hm = b;
+            const uint8_t* q = b + 32;
+            uint32_t aux[4];
+            std::memcpy(aux, b + 96, 12);
+            const uint32_t kmask1 = 0x03030303, kmask2 = 0x0f0f0f0f, tmp = aux[2];
+            aux[2] = ((aux[0] >> 4) & kmask2) | (((tmp >> 4) & kmask1) << 4);
+            aux[3] = ((aux[1] >> 4) & kmask2) | (((tmp >> 6) & kmask1) << 4);
+            aux[0] = (aux[0] & kmask2) | (((tmp >> 0) & kmask1) << 4);
+            aux[1] = (aux[1] & kmask2) | (((tmp >> 2) & kmask1) << 4);
+            const int8_t* scales = (const int8_t*)aux;
+            int is = 0;
+            uint8_t m = 1;
+            for (int n = 0; n < 256; n += 128) {
+                int shift = 0;
+                for (int j = 0; j < 4; ++j) {
+                    float dl = d * (scales[is++] - 32);
+                    for (int l = 0; l < 16; ++l) y[n + 32 * j + l] = dl * ((int8_t)((q[l] >> shift) & 3) - ((hm[l] & m) ? 0 : 4));
+                    dl = d * (scales[is++] - 32);
+                    for (int l = 0; l < 16; ++l) y[n + 32 * j + 16 + l] = dl * ((int8_t)((q[l + 16] >> shift) & 3) - ((hm[l + 16] & m) ? 0 : 4));
+                    shift += 2;
+                    m <<= 1;
+                }
+                q += 32;
+            }
+            break;
+        }
+        case Q5_K: {
+            const float d = get_half(b), dmin = get_half(b + 2);
+            const uint8_t* scales = b + 4;
+            const uint8_t* qh = b + 16;
+            const uint8_t* ql = b + 48;
+            uint8_t u1 = 1, u2 = 2;
+            for (int chunk = 0; chunk < 4; ++chunk) {
+                int sc[2], mn[2];
+                for (int half = 0; half < 2; ++half) {
+                    const int j = 2 * chunk + half;
+                    if (j < 4) {
+                        sc[half] = scales[j] & 63;
+                        mn[half] = scales[j + 4] & 63;
+                    } else {
+                        sc[half] = (scales[j + 4] & 15) | ((scales[j - 4] >> 6) << 4);
+                        mn[half] = (scales[j + 4] >> 4) | ((scales[j] >> 6) << 4);
+                    }
+                }
+                for (int l = 0; l < 32; ++l) y[64 * chunk + l] = d * sc[0] * ((ql[l] & 15) + ((qh[l] & u1) ? 16 : 0)) - dmin * mn[0];
+                for (int l = 0; l < 32; ++l) y[64 * chunk + 32 + l] = d * sc[1] * ((ql[l] >> 4) + ((qh[l] & u2) ? 16 : 0)) - dmin * mn[1];
+                ql += 32;
+                u1 <<= 2;
+                u2 <<= 2;
+            }
+            break;
+        }
         case Q4_0: {
             const float d = get_half(b);
             for (int j = 0; j < 16; ++j) {
@@ -199,12 +294,28 @@ static std::vector<uint8_t> random_matrix(Format f, int n_rows, int n_cols) {
                 break;
             }
             case F16: put_half(b, uniform(-1, 1)); break;
+            case BF16: {
+                const float v = uniform(-1, 1);
+                uint32_t bits;
+                std::memcpy(&bits, &v, 4);
+                b[0] = (bits >> 16) & 0xff;
+                b[1] = bits >> 24;
+                break;
+            }
             case Q4_0:
+            case Q5_0:
             case Q8_0: put_half(b, uniform(0.001f, 0.05f)); break;
             case Q4_1:
+            case Q5_1:
                 put_half(b, uniform(0.001f, 0.05f));
                 put_half(b + 2, uniform(-0.2f, 0.2f));
                 break;
+            case Q2_K:
+                put_half(b + 80, uniform(0.0005f, 0.01f));
+                put_half(b + 82, uniform(0.0005f, 0.01f));
+                break;
+            case Q3_K: put_half(b + 108, uniform(0.0005f, 0.01f)); break;
+            case Q5_K:
             case Q4_K:
                 put_half(b, uniform(0.0005f, 0.01f));
                 put_half(b + 2, uniform(0.0005f, 0.01f));
@@ -224,8 +335,12 @@ static std::vector<float> dequant_row(Format f, const uint8_t* row, int n_cols) 
 
 typedef void (*MatvecKernel)(float*, const uint8_t*, const float*, uint32_t, uint32_t);
 typedef void (*GetRowsKernel)(float*, const uint8_t*, const int32_t*, uint32_t);
-static const MatvecKernel MATVEC[] = {ember_matvec_f32, ember_matvec_f16, ember_matvec_q4_0, ember_matvec_q4_1, ember_matvec_q8_0, ember_matvec_q4_k, ember_matvec_q6_k};
-static const GetRowsKernel GET_ROWS[] = {ember_get_rows_f32, ember_get_rows_f16, ember_get_rows_q4_0, ember_get_rows_q4_1, ember_get_rows_q8_0, ember_get_rows_q4_k, ember_get_rows_q6_k};
+static const MatvecKernel MATVEC[] = {ember_matvec_f32,  ember_matvec_f16,  ember_matvec_bf16, ember_matvec_q4_0, ember_matvec_q4_1,
+                                      ember_matvec_q5_0, ember_matvec_q5_1, ember_matvec_q8_0, ember_matvec_q2_k, ember_matvec_q3_k,
+                                      ember_matvec_q4_k, ember_matvec_q5_k, ember_matvec_q6_k};
+static const GetRowsKernel GET_ROWS[] = {ember_get_rows_f32,  ember_get_rows_f16,  ember_get_rows_bf16, ember_get_rows_q4_0, ember_get_rows_q4_1,
+                                         ember_get_rows_q5_0, ember_get_rows_q5_1, ember_get_rows_q8_0, ember_get_rows_q2_k, ember_get_rows_q3_k,
+                                         ember_get_rows_q4_k, ember_get_rows_q5_k, ember_get_rows_q6_k};
 
 static void test_quant_formats() {
     for (int fi = 0; fi <= Q6_K; ++fi) {
@@ -470,6 +585,8 @@ int main() {
     test_attention<float>("paged_attention f32 kv, d=80, softcap 50", 80, 0, 50.0f);
     benchmark_matvec(Q4_0, 14336, 4096);
     benchmark_matvec(Q4_K, 14336, 4096);
+    benchmark_matvec(Q6_K, 14336, 4096);
+    benchmark_matvec(Q8_0, 14336, 4096);
     benchmark_matvec(F16, 14336, 4096);
     std::printf("%s: %d failure(s)\n", g_failures ? "FAILED" : "ALL PASSED", g_failures);
     return g_failures ? 1 : 0;

@@ -31,13 +31,24 @@ impl crate::flags::Build {
 }
 
 /// Builds and packages `target` for `os`; returns the archive's path.
-pub fn build(sh: &Shell, root: &Path, targets: &Targets, target: &str, os: Os, version: &str) -> Result<PathBuf> {
+pub fn build(
+    sh: &Shell,
+    root: &Path,
+    targets: &Targets,
+    target: &str,
+    os: Os,
+    version: &str,
+) -> Result<PathBuf> {
     let target = targets.target(target)?;
     if !target.supports(os) {
         bail!(
             "target {} is not built for {os}: targets.toml gives it platforms {:?}",
             target.name,
-            target.platforms.iter().map(|o| o.name()).collect::<Vec<_>>()
+            target
+                .platforms
+                .iter()
+                .map(|o| o.name())
+                .collect::<Vec<_>>()
         );
     }
     let platform = targets.platform(os)?;
@@ -46,31 +57,46 @@ pub fn build(sh: &Shell, root: &Path, targets: &Targets, target: &str, os: Os, v
     println!("build: kernels for {}", target.name);
     let mut toolchains = Toolchains::default();
     let modules = match kernels::compile_target(sh, root, target, &mut toolchains)? {
-        KernelOutcome::Compiled { objects } => {
-            objects.iter().filter_map(|p| p.file_name()?.to_str().map(str::to_string)).collect()
-        }
+        KernelOutcome::Compiled { objects } => objects
+            .iter()
+            .filter_map(|p| p.file_name()?.to_str().map(str::to_string))
+            .collect(),
         KernelOutcome::NoKernels => Vec::new(),
         KernelOutcome::NotCompiled { reason } => {
-            bail!("cannot build {}: its kernels are not compiled: {reason}", target.name)
+            bail!(
+                "cannot build {}: its kernels are not compiled: {reason}",
+                target.name
+            )
         }
     };
 
     let manifest = build_manifest(root, targets, target, os, version, modules, &mut toolchains)?;
     let manifest_path = manifest::manifest_path(root, os, &target.name);
-    std::fs::create_dir_all(manifest_path.parent().context("manifest path has a parent")?)?;
+    std::fs::create_dir_all(
+        manifest_path
+            .parent()
+            .context("manifest path has a parent")?,
+    )?;
     std::fs::write(&manifest_path, manifest.to_json())
         .with_context(|| format!("writing {}", manifest_path.display()))?;
 
-    println!("build: engine for {} ({os}) with manifest {}", target.name, manifest_path.display());
+    println!(
+        "build: engine for {} ({os}) with manifest {}",
+        target.name,
+        manifest_path.display()
+    );
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
     let cross: Vec<String> = match os {
         Os::Linux => Vec::new(),
         Os::Windows => vec!["--target".to_string(), platform.rust_target.clone()],
     };
-    cmd!(sh, "{cargo} build --release -p ember --bin ember {cross...}")
-        .env("EMBER_BUILD_MANIFEST", &manifest_path)
-        .run()
-        .with_context(|| format!("building the engine for {} ({os})", target.name))?;
+    cmd!(
+        sh,
+        "{cargo} build --release -p ember --bin ember {cross...}"
+    )
+    .env("EMBER_BUILD_MANIFEST", &manifest_path)
+    .run()
+    .with_context(|| format!("building the engine for {} ({os})", target.name))?;
 
     package::package(root, target, os, version, manifest)
 }

@@ -354,11 +354,17 @@ mod tests {
             ],
         );
         check_manifest(
-            &good.replace(r#""peer_copy":{"state":"on"}"#, r#""peer_copy":{"state":"on","enabled":false}"#),
+            &good.replace(
+                r#""peer_copy":{"state":"on"}"#,
+                r#""peer_copy":{"state":"on","enabled":false}"#,
+            ),
             &["expected feature peer_copy to have \"enabled\": true, found false"],
         );
         check_manifest(
-            &good.replace(r#""peer_copy":{"state":"on"}"#, r#""peer_copy":{"state":"on","enabled":true}"#),
+            &good.replace(
+                r#""peer_copy":{"state":"on"}"#,
+                r#""peer_copy":{"state":"on","enabled":true}"#,
+            ),
             &[],
         );
         check_manifest(

@@ -65,13 +65,27 @@ impl fmt::Display for CodeObjectArch {
 /// Why a file is not a code object for the expected target.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ElfError {
-    TooShort { len: usize },
-    NotElf { found: [u8; 4] },
+    TooShort {
+        len: usize,
+    },
+    NotElf {
+        found: [u8; 4],
+    },
     OffloadBundle,
-    Not64BitLittleEndian { class: u8, data: u8 },
-    UnknownMachine { machine: u16 },
-    WrongOsAbi { os_abi: u8 },
-    WrongArch { expected: String, found: CodeObjectArch },
+    Not64BitLittleEndian {
+        class: u8,
+        data: u8,
+    },
+    UnknownMachine {
+        machine: u16,
+    },
+    WrongOsAbi {
+        os_abi: u8,
+    },
+    WrongArch {
+        expected: String,
+        found: CodeObjectArch,
+    },
 }
 
 impl fmt::Display for ElfError {
@@ -143,7 +157,11 @@ pub fn code_object_arch(bytes: &[u8]) -> Result<CodeObjectArch, ElfError> {
             Ok(CodeObjectArch::Amdgpu(name))
         }
         EM_CUDA => {
-            let sm = if abi_version == ELFABIVERSION_CUDA_V1 { flags & 0xff } else { (flags >> 8) & 0xff };
+            let sm = if abi_version == ELFABIVERSION_CUDA_V1 {
+                flags & 0xff
+            } else {
+                (flags >> 8) & 0xff
+            };
             Ok(CodeObjectArch::Cuda(format!("sm_{sm}")))
         }
         machine => Err(ElfError::UnknownMachine { machine }),
@@ -159,14 +177,20 @@ pub fn verify_code_object(bytes: &[u8], target: &str) -> Result<CodeObjectArch, 
     if matches {
         Ok(arch)
     } else {
-        Err(ElfError::WrongArch { expected: target.to_string(), found: arch })
+        Err(ElfError::WrongArch {
+            expected: target.to_string(),
+            found: arch,
+        })
     }
 }
 
 /// The EF_AMDGPU_MACH value of a processor, for crafting headers in tests.
 #[cfg(test)]
 pub fn amdgpu_mach(target: &str) -> Option<u32> {
-    AMDGPU_MACH.iter().find(|(name, _)| *name == target).map(|(_, value)| *value)
+    AMDGPU_MACH
+        .iter()
+        .find(|(name, _)| *name == target)
+        .map(|(_, value)| *value)
 }
 
 #[cfg(test)]
@@ -191,20 +215,35 @@ mod tests {
     fn amdgpu(target: &str) -> Vec<u8> {
         // 0x300 sets the xnack/sramecc "any" bits above the mach byte, as clang does: they must
         // not disturb the architecture.
-        header(EM_AMDGPU, ELFOSABI_AMDGPU_HSA, 3, amdgpu_mach(target).unwrap() | 0x300)
+        header(
+            EM_AMDGPU,
+            ELFOSABI_AMDGPU_HSA,
+            3,
+            amdgpu_mach(target).unwrap() | 0x300,
+        )
     }
 
     #[test]
     fn every_amdgpu_target_in_targets_toml_has_a_mach_value() {
         let targets = crate::targets::load().unwrap();
-        for target in targets.targets.iter().filter(|t| t.kind == crate::targets::Kind::Amdgpu) {
-            assert!(amdgpu_mach(&target.name).is_some(), "no EF_AMDGPU_MACH for {}", target.name);
+        for target in targets
+            .targets
+            .iter()
+            .filter(|t| t.kind == crate::targets::Kind::Amdgpu)
+        {
+            assert!(
+                amdgpu_mach(&target.name).is_some(),
+                "no EF_AMDGPU_MACH for {}",
+                target.name
+            );
         }
     }
 
     #[test]
     fn amdgpu_headers_name_their_processor() {
-        for target in ["gfx90a", "gfx942", "gfx1100", "gfx1151", "gfx1152", "gfx1200", "gfx1201"] {
+        for target in [
+            "gfx90a", "gfx942", "gfx1100", "gfx1151", "gfx1152", "gfx1200", "gfx1201",
+        ] {
             assert_eq!(
                 verify_code_object(&amdgpu(target), target),
                 Ok(CodeObjectArch::Amdgpu(target.to_string()))
@@ -215,12 +254,16 @@ mod tests {
     #[test]
     fn wrong_amdgpu_processor_is_rejected() {
         assert_eq!(
-            verify_code_object(&amdgpu("gfx1200"), "gfx1201").unwrap_err().to_string(),
+            verify_code_object(&amdgpu("gfx1200"), "gfx1201")
+                .unwrap_err()
+                .to_string(),
             "expected a code object for gfx1201, found one for gfx1200"
         );
         let unknown = header(EM_AMDGPU, ELFOSABI_AMDGPU_HSA, 3, 0x7e);
         assert_eq!(
-            verify_code_object(&unknown, "gfx1201").unwrap_err().to_string(),
+            verify_code_object(&unknown, "gfx1201")
+                .unwrap_err()
+                .to_string(),
             "expected a code object for gfx1201, found one for unknown EF_AMDGPU_MACH 0x7e"
         );
     }
@@ -229,9 +272,15 @@ mod tests {
     fn cuda_headers_in_both_abi_layouts() {
         // ABI 7: SM in the low byte (sm_90 = 0x5a); ABI 8: SM in bits 8..16.
         let old = header(EM_CUDA, 0x33, 7, 0x0050_0000 | 0x5a);
-        assert_eq!(verify_code_object(&old, "sm_90"), Ok(CodeObjectArch::Cuda("sm_90".into())));
+        assert_eq!(
+            verify_code_object(&old, "sm_90"),
+            Ok(CodeObjectArch::Cuda("sm_90".into()))
+        );
         let new = header(EM_CUDA, 0x41, 8, 0x0600_5a04);
-        assert_eq!(verify_code_object(&new, "sm_90"), Ok(CodeObjectArch::Cuda("sm_90".into())));
+        assert_eq!(
+            verify_code_object(&new, "sm_90"),
+            Ok(CodeObjectArch::Cuda("sm_90".into()))
+        );
         assert_eq!(
             verify_code_object(&new, "sm_80").unwrap_err().to_string(),
             "expected a code object for sm_80, found one for sm_90"
@@ -243,16 +292,28 @@ mod tests {
         let check = |bytes: &[u8], expected: &str| {
             assert_eq!(code_object_arch(bytes).unwrap_err().to_string(), expected);
         };
-        check(b"\x7fELF", "expected an ELF header of 64 bytes, found a file of 4 bytes");
-        check(&[0u8; 64], "expected the ELF magic 7f 45 4c 46, found 00 00 00 00");
+        check(
+            b"\x7fELF",
+            "expected an ELF header of 64 bytes, found a file of 4 bytes",
+        );
+        check(
+            &[0u8; 64],
+            "expected the ELF magic 7f 45 4c 46, found 00 00 00 00",
+        );
         check(
             b"__CLANG_OFFLOAD_BUNDLE__\x02\0\0\0",
             "expected a bare ELF code object, found a clang offload bundle (compile with --no-gpu-bundle-output)",
         );
         let mut elf32 = amdgpu("gfx1201");
         elf32[4] = 1;
-        check(&elf32, "expected a 64-bit little-endian ELF (class 2, data 1), found class 1, data 1");
-        check(&header(62, 0, 0, 0), "expected e_machine EM_AMDGPU (224) or EM_CUDA (190), found 62");
+        check(
+            &elf32,
+            "expected a 64-bit little-endian ELF (class 2, data 1), found class 1, data 1",
+        );
+        check(
+            &header(62, 0, 0, 0),
+            "expected e_machine EM_AMDGPU (224) or EM_CUDA (190), found 62",
+        );
         check(
             &header(EM_AMDGPU, 0, 0, 0x4e),
             "expected OS/ABI AMDGPU_HSA (64) in an AMDGPU code object, found 0",

@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use xshell::{cmd, Shell};
+use xshell::Shell;
 
 use crate::elf;
 use crate::targets::{Kind, Selection, Target};
@@ -69,16 +69,20 @@ impl crate::flags::Kernels {
         let mut rows = Vec::new();
         for target in &selected {
             match compile_target(sh, &root, target, &mut toolchains) {
-                Ok(KernelOutcome::Compiled { objects }) => {
-                    rows.push(format!("  {:<8} compiled {} code object(s), architecture verified", target.name, objects.len()))
-                }
+                Ok(KernelOutcome::Compiled { objects }) => rows.push(format!(
+                    "  {:<8} compiled {} code object(s), architecture verified",
+                    target.name,
+                    objects.len()
+                )),
                 Ok(KernelOutcome::NotCompiled { reason }) => {
                     rows.push(format!("  {:<8} not compiled: {reason}", target.name));
                     if matches!(selection, Selection::Target(_)) {
                         failures.push(format!("{}: not compiled: {reason}", target.name));
                     }
                 }
-                Ok(KernelOutcome::NoKernels) => rows.push(format!("  {:<8} no kernels (CPU target)", target.name)),
+                Ok(KernelOutcome::NoKernels) => {
+                    rows.push(format!("  {:<8} no kernels (CPU target)", target.name))
+                }
                 Err(error) => {
                     rows.push(format!("  {:<8} FAILED: {error:#}", target.name));
                     failures.push(format!("{}: {error:#}", target.name));
@@ -90,7 +94,11 @@ impl crate::flags::Kernels {
             println!("{row}");
         }
         if !failures.is_empty() {
-            bail!("kernels failed for {} target(s):\n  {}", failures.len(), failures.join("\n  "));
+            bail!(
+                "kernels failed for {} target(s):\n  {}",
+                failures.len(),
+                failures.join("\n  ")
+            );
         }
         Ok(())
     }
@@ -125,19 +133,31 @@ pub fn defines(target: &Target) -> Vec<String> {
         defines.push(format!("-DEMBER_FA_{}=1", flavour.name().to_uppercase()));
     }
     for feature in &target.features {
-        defines.push(format!("-DEMBER_FEATURE_{}={}", feature.name.to_uppercase(), u8::from(feature.enabled())));
+        defines.push(format!(
+            "-DEMBER_FEATURE_{}={}",
+            feature.name.to_uppercase(),
+            u8::from(feature.enabled())
+        ));
     }
     defines
 }
 
 /// Compiles every kernel module for `target` into [`kernel_out_dir`], replacing what was there.
-pub fn compile_target(sh: &Shell, root: &Path, target: &Target, toolchains: &mut Toolchains) -> Result<KernelOutcome> {
+pub fn compile_target(
+    sh: &Shell,
+    root: &Path,
+    target: &Target,
+    toolchains: &mut Toolchains,
+) -> Result<KernelOutcome> {
     if target.kind == Kind::Cpu {
         return Ok(KernelOutcome::NoKernels);
     }
     let sources = sources(root)?;
     if sources.is_empty() {
-        bail!("no kernel sources (kernels/*.hip) to compile for {}", target.name);
+        bail!(
+            "no kernel sources (kernels/*.hip) to compile for {}",
+            target.name
+        );
     }
     let out_dir = kernel_out_dir(root, &target.name);
     let extension = target.code_object_extension().unwrap_or("bin");
@@ -162,48 +182,146 @@ pub fn compile_target(sh: &Shell, root: &Path, target: &Target, toolchains: &mut
         Kind::Cpu => unreachable!("handled above"),
     };
     if out_dir.exists() {
-        std::fs::remove_dir_all(&out_dir).with_context(|| format!("removing {}", out_dir.display()))?;
+        std::fs::remove_dir_all(&out_dir)
+            .with_context(|| format!("removing {}", out_dir.display()))?;
     }
     std::fs::create_dir_all(&out_dir)?;
 
-    let mut objects = Vec::new();
+    // One compiler invocation per module.
+    let mut jobs = Vec::new();
     for source in &sources {
-        let module = source.file_stem().and_then(|s| s.to_str()).context("kernel file name is not UTF-8")?;
+        let module = source
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .context("kernel file name is not UTF-8")?;
         let object = out_dir.join(format!("{module}.{extension}"));
         let partial = out_dir.join(format!("{module}.{extension}.partial"));
         let name = &target.name;
-        let defines_ref = &defines;
-        match &compiler {
+        let (program, mut args): (PathBuf, Vec<String>) = match &compiler {
             Compiler::Amdgpu(compiler) => {
-                let clang = &compiler.clang;
-                let location = compiler.location_args();
-                let wave = if target.wave_size == Some(64) && !name.starts_with("gfx9") {
-                    vec!["-mwavefrontsize64".to_string()]
-                } else {
-                    Vec::new()
-                };
-                cmd!(
-                    sh,
-                    "{clang} -x hip --offload-arch={name} --cuda-device-only --no-gpu-bundle-output -O3 -std=c++17 {location...} {wave...} {include_arg} {defines_ref...} -o {partial} {source}"
-                )
-                .run()
-                .with_context(|| format!("compiling {} for {name}", source.display()))?;
+                let mut args: Vec<String> = [
+                    "-x",
+                    "hip",
+                    &format!("--offload-arch={name}"),
+                    "--cuda-device-only",
+                    "--no-gpu-bundle-output",
+                    "-O3",
+                    "-std=c++17",
+                ]
+                .iter()
+                .map(|s| s.to_string())
+                .collect();
+                args.extend(compiler.location_args());
+                // gfx9 is wave64 only; RDNA defaults to wave32 and needs asking for wave64.
+                if target.wave_size == Some(64) && !name.starts_with("gfx9") {
+                    args.push("-mwavefrontsize64".to_string());
+                }
+                (compiler.clang.clone(), args)
             }
-            Compiler::Nvcc(nvcc) => {
-                let nvcc = &nvcc.path;
-                let arch = format!("-arch={name}");
-                cmd!(sh, "{nvcc} -cubin {arch} -O3 -std=c++17 -x cu {include_arg} {defines_ref...} -o {partial} {source}")
-                    .run()
-                    .with_context(|| format!("compiling {} for {name}", source.display()))?;
-            }
-        }
-        let bytes = std::fs::read(&partial).with_context(|| format!("reading {}", partial.display()))?;
-        elf::verify_code_object(&bytes, name)
-            .with_context(|| format!("checking the architecture of {}", object.display()))?;
-        std::fs::rename(&partial, &object)?;
-        objects.push(object);
+            Compiler::Nvcc(nvcc) => (
+                nvcc.path.clone(),
+                [
+                    "-cubin",
+                    &format!("-arch={name}"),
+                    "-O3",
+                    "-std=c++17",
+                    "-x",
+                    "cu",
+                ]
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
+            ),
+        };
+        args.push(include_arg.clone());
+        args.extend(defines.iter().cloned());
+        args.extend([
+            "-o".to_string(),
+            partial.display().to_string(),
+            source.display().to_string(),
+        ]);
+        jobs.push(CompileJob {
+            program,
+            args,
+            source: source.clone(),
+            partial,
+            object,
+        });
+    }
+    run_jobs(sh, &jobs)?;
+
+    let mut objects = Vec::new();
+    for job in jobs {
+        let bytes = std::fs::read(&job.partial)
+            .with_context(|| format!("reading {}", job.partial.display()))?;
+        elf::verify_code_object(&bytes, &target.name)
+            .with_context(|| format!("checking the architecture of {}", job.object.display()))?;
+        std::fs::rename(&job.partial, &job.object)?;
+        objects.push(job.object);
     }
     Ok(KernelOutcome::Compiled { objects })
+}
+
+struct CompileJob {
+    program: PathBuf,
+    args: Vec<String>,
+    source: PathBuf,
+    partial: PathBuf,
+    object: PathBuf,
+}
+
+/// Runs the compile jobs on up to `$EMBER_KERNEL_JOBS` (default: the CPU count) threads; the
+/// first failure is returned with the compiler's output.
+fn run_jobs(sh: &Shell, jobs: &[CompileJob]) -> Result<()> {
+    let workers = std::env::var("EMBER_KERNEL_JOBS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or_else(|| {
+            std::thread::available_parallelism()
+                .map(usize::from)
+                .unwrap_or(1)
+        })
+        .clamp(1, jobs.len().max(1));
+    let cwd = sh.current_dir();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let errors = std::sync::Mutex::new(Vec::new());
+    std::thread::scope(|scope| {
+        for _ in 0..workers {
+            scope.spawn(|| loop {
+                let index = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(job) = jobs.get(index) else { break };
+                eprintln!("$ {} {}", job.program.display(), job.args.join(" "));
+                let result = std::process::Command::new(&job.program)
+                    .args(&job.args)
+                    .current_dir(&cwd)
+                    .output();
+                let error = match result {
+                    Ok(out) if out.status.success() => None,
+                    Ok(out) => Some(format!(
+                        "compiling {} failed ({}):\n{}{}",
+                        job.source.display(),
+                        out.status,
+                        String::from_utf8_lossy(&out.stdout),
+                        String::from_utf8_lossy(&out.stderr)
+                    )),
+                    Err(error) => Some(format!("running {}: {error}", job.program.display())),
+                };
+                if let Some(error) = error {
+                    errors
+                        .lock()
+                        .unwrap_or_else(|poisoned| poisoned.into_inner())
+                        .push(error);
+                }
+            });
+        }
+    });
+    let errors = errors
+        .into_inner()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    if let Some(first) = errors.first() {
+        bail!("{first}");
+    }
+    Ok(())
 }
 
 enum Compiler {
@@ -213,7 +331,8 @@ enum Compiler {
 
 fn not_compiled(out_dir: &Path, reason: String) -> Result<KernelOutcome> {
     if out_dir.exists() {
-        std::fs::remove_dir_all(out_dir).with_context(|| format!("removing stale {}", out_dir.display()))?;
+        std::fs::remove_dir_all(out_dir)
+            .with_context(|| format!("removing stale {}", out_dir.display()))?;
     }
     Ok(KernelOutcome::NotCompiled { reason })
 }
@@ -244,7 +363,11 @@ pub fn built_objects(root: &Path, target: &Target) -> Result<Vec<PathBuf>> {
 /// Used by tests: the selection a flag set resolves to must exist in `targets`.
 #[cfg(test)]
 fn resolve(targets: &crate::targets::Targets, selection: Selection) -> Result<Vec<String>> {
-    Ok(targets.select(&selection)?.into_iter().map(|t| t.name.clone()).collect())
+    Ok(targets
+        .select(&selection)?
+        .into_iter()
+        .map(|t| t.name.clone())
+        .collect())
 }
 
 #[cfg(test)]
@@ -279,16 +402,26 @@ mod tests {
     #[test]
     fn wrong_target_name_fails_with_the_name() {
         let targets = crate::targets::load().unwrap();
-        let error = resolve(&targets, Selection::Target("gfx9999".into())).unwrap_err().to_string();
+        let error = resolve(&targets, Selection::Target("gfx9999".into()))
+            .unwrap_err()
+            .to_string();
         assert!(error.contains("unknown target `gfx9999`"), "{error}");
-        assert_eq!(resolve(&targets, Selection::Family("gfx120X".into())).unwrap(), ["gfx1200", "gfx1201"]);
+        assert_eq!(
+            resolve(&targets, Selection::Family("gfx120X".into())).unwrap(),
+            ["gfx1200", "gfx1201"]
+        );
     }
 
     #[test]
     fn cpu_targets_have_no_kernels() {
         let targets = crate::targets::load().unwrap();
         let sh = Shell::new().unwrap();
-        let outcome = compile_target(&sh, &crate::project_root(), targets.target("cpu").unwrap(), &mut Toolchains::default());
+        let outcome = compile_target(
+            &sh,
+            &crate::project_root(),
+            targets.target("cpu").unwrap(),
+            &mut Toolchains::default(),
+        );
         assert_eq!(outcome.unwrap(), KernelOutcome::NoKernels);
     }
 }

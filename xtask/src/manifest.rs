@@ -107,10 +107,18 @@ impl FeatureRecord {
 
 impl BuildManifest {
     /// The manifest of `target` built for `os`.
-    pub fn new(targets: &Targets, target: &Target, os: Os, info: BuildInfo) -> Result<BuildManifest> {
+    pub fn new(
+        targets: &Targets,
+        target: &Target,
+        os: Os,
+        info: BuildInfo,
+    ) -> Result<BuildManifest> {
         let platform = targets.platform(os)?;
         let (release, hip_runtime) = match target.kind {
-            Kind::Amdgpu => (Some(targets.default_rocm().version.clone()), platform.hip_runtime_libs.clone()),
+            Kind::Amdgpu => (
+                Some(targets.default_rocm().version.clone()),
+                platform.hip_runtime_libs.clone(),
+            ),
             Kind::Cpu | Kind::Nvidia => (None, Vec::new()),
         };
         let kernels_dir = match target.kind {
@@ -127,15 +135,30 @@ impl BuildManifest {
             os,
             wave_size: target.wave_size,
             flash_attention: target.flash_attention.map(|f| f.name().to_string()),
-            features: target.features.iter().map(FeatureRecord::from_feature).collect(),
-            rocm: RocmRecord { release, toolchain_rocm: info.toolchain_rocm, hip_runtime },
-            engine: EngineRecord { version: info.version, commit: info.commit, dirty: info.dirty },
+            features: target
+                .features
+                .iter()
+                .map(FeatureRecord::from_feature)
+                .collect(),
+            rocm: RocmRecord {
+                release,
+                toolchain_rocm: info.toolchain_rocm,
+                hip_runtime,
+            },
+            engine: EngineRecord {
+                version: info.version,
+                commit: info.commit,
+                dirty: info.dirty,
+            },
             toolchain: ToolchainRecord {
                 rustc: info.rustc,
                 rust_target: platform.rust_target.clone(),
                 kernel_compiler: info.kernel_compiler,
             },
-            kernels: KernelsRecord { dir: kernels_dir, modules: info.kernel_modules },
+            kernels: KernelsRecord {
+                dir: kernels_dir,
+                modules: info.kernel_modules,
+            },
         })
     }
 
@@ -172,7 +195,9 @@ pub struct FileRecord {
 
 /// Where `cargo xtask build` writes a target's manifest for the engine build.
 pub fn manifest_path(root: &Path, os: Os, target: &str) -> PathBuf {
-    root.join("target").join("manifests").join(format!("{os}-{target}.json"))
+    root.join("target")
+        .join("manifests")
+        .join(format!("{os}-{target}.json"))
 }
 
 /// The current commit and whether the tree is dirty; `None` outside a git checkout.
@@ -187,22 +212,30 @@ pub fn git_state(root: &Path) -> (Option<String>, bool) {
             .map(|out| String::from_utf8_lossy(&out.stdout).trim().to_string())
     };
     let commit = run(&["rev-parse", "HEAD"]);
-    let dirty = run(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
+    let dirty =
+        run(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
     (commit, dirty)
 }
 
 /// The workspace version from the root Cargo.toml.
 pub fn workspace_version(root: &Path) -> Result<String> {
     let path = root.join("Cargo.toml");
-    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    let manifest: toml::Table = toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let manifest: toml::Table =
+        toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
     manifest
         .get("workspace")
         .and_then(|w| w.get("package"))
         .and_then(|p| p.get("version"))
         .and_then(toml::Value::as_str)
         .map(str::to_string)
-        .with_context(|| format!("expected [workspace.package] version in {}, found none", path.display()))
+        .with_context(|| {
+            format!(
+                "expected [workspace.package] version in {}, found none",
+                path.display()
+            )
+        })
 }
 
 #[cfg(test)]
@@ -236,10 +269,17 @@ mod tests {
         assert!(!manifest.development_build);
         let vmm = manifest.feature("vmm").unwrap();
         assert_eq!((vmm.state.as_str(), vmm.enabled), ("off", false));
-        assert!(vmm.reason.as_deref().unwrap().starts_with("hipMemSetAccess fails"));
+        assert!(vmm
+            .reason
+            .as_deref()
+            .unwrap()
+            .starts_with("hipMemSetAccess fails"));
         assert_eq!(vmm.tracking.len(), 2);
         assert_eq!(manifest.rocm.release.as_deref(), Some("7.0"));
-        assert_eq!(manifest.rocm.hip_runtime, ["libamdhip64.so.7", "libamdhip64.so.6"]);
+        assert_eq!(
+            manifest.rocm.hip_runtime,
+            ["libamdhip64.so.7", "libamdhip64.so.6"]
+        );
         assert_eq!(manifest.kernels.dir.as_deref(), Some("kernels/gfx1201"));
         assert_eq!(manifest.toolchain.rust_target, "x86_64-unknown-linux-gnu");
     }
@@ -249,8 +289,21 @@ mod tests {
         let a = serde_json::to_value(manifest("gfx1201", Os::Linux)).unwrap();
         let b = serde_json::to_value(manifest("gfx1151", Os::Linux)).unwrap();
         let (a, b) = (a.as_object().unwrap(), b.as_object().unwrap());
-        let differing: Vec<&str> = a.keys().filter(|k| a[*k] != b[*k]).map(String::as_str).collect();
-        assert_eq!(differing, ["family", "family_description", "features", "kernels", "target"]);
+        let differing: Vec<&str> = a
+            .keys()
+            .filter(|k| a[*k] != b[*k])
+            .map(String::as_str)
+            .collect();
+        assert_eq!(
+            differing,
+            [
+                "family",
+                "family_description",
+                "features",
+                "kernels",
+                "target"
+            ]
+        );
         let features = |m: &serde_json::Map<String, serde_json::Value>| m["features"].clone();
         assert_eq!(features(b)[1]["name"], "vmm");
         assert_eq!(features(b)[1]["enabled"], true);
@@ -263,7 +316,10 @@ mod tests {
     #[test]
     fn windows_manifest_records_the_hip_runtime_dlls() {
         let manifest = manifest("gfx1201", Os::Windows);
-        assert_eq!(manifest.rocm.hip_runtime, ["amdhip64_7.dll", "amdhip64_6.dll"]);
+        assert_eq!(
+            manifest.rocm.hip_runtime,
+            ["amdhip64_7.dll", "amdhip64_6.dll"]
+        );
         assert_eq!(manifest.toolchain.rust_target, "x86_64-pc-windows-gnu");
         let json = manifest.to_json();
         assert!(json.contains("\"amdhip64_6.dll\""), "{json}");
@@ -276,7 +332,10 @@ mod tests {
         assert_eq!(manifest.wave_size, None);
         assert_eq!(manifest.kernels.dir, None);
         assert_eq!(manifest.rocm.release, None);
-        assert!(manifest.features.iter().all(|f| f.state == "unsupported" && !f.enabled));
+        assert!(manifest
+            .features
+            .iter()
+            .all(|f| f.state == "unsupported" && !f.enabled));
     }
 
     #[test]

@@ -74,9 +74,18 @@ impl Matrix {
         let windows_sdk = if rocm.windows_hip_sdk.is_some() {
             Some(rocm)
         } else {
-            targets.rocm.iter().rev().find(|r| r.windows_hip_sdk.is_some())
+            targets
+                .rocm
+                .iter()
+                .rev()
+                .find(|r| r.windows_hip_sdk.is_some())
         };
-        let mut matrix = Matrix { linux: Vec::new(), windows: Vec::new(), image: Vec::new(), smoke: Vec::new() };
+        let mut matrix = Matrix {
+            linux: Vec::new(),
+            windows: Vec::new(),
+            image: Vec::new(),
+            smoke: Vec::new(),
+        };
         for target in &targets.targets {
             if target.supports(Os::Linux) {
                 let container = match target.kind {
@@ -103,7 +112,11 @@ impl Matrix {
                 matrix.smoke.push(SmokeJob {
                     target: target.name.clone(),
                     os: Os::Linux,
-                    runs_on: if gpu { target.runner.clone() } else { vec![linux_platform.runner.clone()] },
+                    runs_on: if gpu {
+                        target.runner.clone()
+                    } else {
+                        vec![linux_platform.runner.clone()]
+                    },
                     gpu,
                 });
             }
@@ -116,7 +129,10 @@ impl Matrix {
                         })?;
                         (
                             release.windows_hip_sdk.clone().unwrap_or_default(),
-                            release.windows_hip_sdk_installer.clone().unwrap_or_default(),
+                            release
+                                .windows_hip_sdk_installer
+                                .clone()
+                                .unwrap_or_default(),
                         )
                     }
                 };
@@ -148,7 +164,10 @@ impl Matrix {
     /// The generated block of the workflow, without indentation: a heredoc that appends one
     /// multi-line step output per job kind to `$GITHUB_OUTPUT`, one job per line.
     pub fn render_block(&self) -> Vec<String> {
-        let mut lines = vec![BEGIN_MARKER.to_string(), format!("cat >> \"$GITHUB_OUTPUT\" <<'{OUTPUTS_DELIMITER}'")];
+        let mut lines = vec![
+            BEGIN_MARKER.to_string(),
+            format!("cat >> \"$GITHUB_OUTPUT\" <<'{OUTPUTS_DELIMITER}'"),
+        ];
         // One job per line, fields in declaration order (target first), for readable diffs.
         let lists = [
             ("linux", json_lines(&self.linux)),
@@ -184,13 +203,20 @@ impl Matrix {
         if let Ok(platform) = targets.platform(Os::Linux) {
             images.extend(platform.cpu_runtime_image.iter());
         }
-        images.into_iter().filter(|i| !i.is_pinned()).map(|i| i.tag.clone()).collect()
+        images
+            .into_iter()
+            .filter(|i| !i.is_pinned())
+            .map(|i| i.tag.clone())
+            .collect()
     }
 }
 
 fn json_lines<T: Serialize>(items: &[T]) -> Vec<String> {
     // Serialising these plain structs cannot fail.
-    items.iter().map(|item| serde_json::to_string(item).unwrap_or_default()).collect()
+    items
+        .iter()
+        .map(|item| serde_json::to_string(item).unwrap_or_default())
+        .collect()
 }
 
 /// Replaces the generated block of `workflow` (keeping its indentation) with `block`.
@@ -199,12 +225,16 @@ pub fn update_workflow(workflow: &str, block: &[String]) -> Result<String> {
     let begin = lines
         .iter()
         .position(|l| l.trim() == BEGIN_MARKER)
-        .with_context(|| format!("expected the line `{BEGIN_MARKER}` in the workflow, found none"))?;
+        .with_context(|| {
+            format!("expected the line `{BEGIN_MARKER}` in the workflow, found none")
+        })?;
     let end = lines[begin..]
         .iter()
         .position(|l| l.trim() == END_MARKER)
         .map(|offset| begin + offset)
-        .with_context(|| format!("expected the line `{END_MARKER}` after the begin marker, found none"))?;
+        .with_context(|| {
+            format!("expected the line `{END_MARKER}` after the begin marker, found none")
+        })?;
     let indent: String = lines[begin].chars().take_while(|c| *c == ' ').collect();
     let mut out: Vec<String> = lines[..begin].iter().map(|l| l.to_string()).collect();
     out.extend(block.iter().map(|l| format!("{indent}{l}")));
@@ -217,7 +247,8 @@ pub fn update_workflow(workflow: &str, block: &[String]) -> Result<String> {
 /// The matrix embedded in a workflow, read back through the YAML: the `run` script of the step
 /// with `id: matrix` in job `matrix`, its heredoc outputs parsed as JSON.
 pub fn embedded_matrix(workflow: &str) -> Result<serde_json::Value> {
-    let yaml: serde_yaml::Value = serde_yaml::from_str(workflow).context("parsing the workflow as YAML")?;
+    let yaml: serde_yaml::Value =
+        serde_yaml::from_str(workflow).context("parsing the workflow as YAML")?;
     let steps = yaml["jobs"]["matrix"]["steps"]
         .as_sequence()
         .context("expected jobs.matrix.steps in the workflow, found none")?;
@@ -225,19 +256,26 @@ pub fn embedded_matrix(workflow: &str) -> Result<serde_json::Value> {
         .iter()
         .find(|step| step["id"].as_str() == Some("matrix"))
         .and_then(|step| step["run"].as_str())
-        .context("expected a step with `id: matrix` and a `run` script in jobs.matrix, found none")?;
+        .context(
+            "expected a step with `id: matrix` and a `run` script in jobs.matrix, found none",
+        )?;
     let mut object = serde_json::Map::new();
     let mut lines = run.lines();
     while let Some(line) = lines.next() {
         let Some(key) = line.strip_suffix(&format!("<<{JSON_DELIMITER}")) else {
             continue;
         };
-        let json: Vec<&str> = lines.by_ref().take_while(|l| *l != JSON_DELIMITER).collect();
+        let json: Vec<&str> = lines
+            .by_ref()
+            .take_while(|l| *l != JSON_DELIMITER)
+            .collect();
         let value: serde_json::Value = serde_json::from_str(&json.join("\n"))
             .with_context(|| format!("parsing the `{key}` output of the matrix step as JSON"))?;
         object.insert(key.to_string(), value);
     }
-    let outputs = yaml["jobs"]["matrix"]["outputs"].as_mapping().context("expected jobs.matrix.outputs, found none")?;
+    let outputs = yaml["jobs"]["matrix"]["outputs"]
+        .as_mapping()
+        .context("expected jobs.matrix.outputs, found none")?;
     for key in object.keys() {
         if !outputs.contains_key(key.as_str()) {
             bail!("the matrix step emits `{key}` but jobs.matrix.outputs does not expose it");
@@ -260,7 +298,10 @@ pub fn check_workflow(targets: &Targets, workflow_path: &Path) -> Result<()> {
             .enumerate()
             .find(|(_, (a, b))| a != b)
             .map(|(i, pair)| (i + 1, pair))
-            .unwrap_or((committed.lines().count().min(expected.lines().count()) + 1, ("<end of file>", "<more lines>")));
+            .unwrap_or((
+                committed.lines().count().min(expected.lines().count()) + 1,
+                ("<end of file>", "<more lines>"),
+            ));
         bail!(
             "{} has drifted from {}: at line {line} expected\n  {}\nfound\n  {}\nrun `cargo xtask matrix` and commit the result",
             workflow_path.display(),
@@ -272,7 +313,10 @@ pub fn check_workflow(targets: &Targets, workflow_path: &Path) -> Result<()> {
     let embedded = embedded_matrix(&committed)?;
     let generated = serde_json::to_value(&matrix)?;
     if embedded != generated {
-        bail!("the matrix embedded in {} does not parse back to the generated one", workflow_path.display());
+        bail!(
+            "the matrix embedded in {} does not parse back to the generated one",
+            workflow_path.display()
+        );
     }
     Ok(())
 }
@@ -288,7 +332,10 @@ impl crate::flags::Matrix {
             Some(path) => crate::targets::load_from(path)?,
             None => crate::targets::load()?,
         };
-        let workflow = self.workflow.clone().unwrap_or_else(|| default_workflow_path(&root));
+        let workflow = self
+            .workflow
+            .clone()
+            .unwrap_or_else(|| default_workflow_path(&root));
         if self.require_pinned {
             let unpinned = Matrix::unpinned_images(&targets);
             if !unpinned.is_empty() {
@@ -301,12 +348,17 @@ impl crate::flags::Matrix {
         }
         if self.check {
             check_workflow(&targets, &workflow)?;
-            println!("matrix: {} matches {}", workflow.display(), targets.path.display());
+            println!(
+                "matrix: {} matches {}",
+                workflow.display(),
+                targets.path.display()
+            );
             return Ok(());
         }
         let matrix = Matrix::generate(&targets)?;
         println!("{}", matrix.to_json());
-        let committed = std::fs::read_to_string(&workflow).with_context(|| format!("reading {}", workflow.display()))?;
+        let committed = std::fs::read_to_string(&workflow)
+            .with_context(|| format!("reading {}", workflow.display()))?;
         let updated = update_workflow(&committed, &matrix.render_block())?;
         if updated != committed {
             std::fs::write(&workflow, updated)?;
@@ -325,8 +377,15 @@ pub fn workflow_files(root: &Path) -> Vec<String> {
             entries
                 .filter_map(|e| e.ok())
                 .map(|e| e.path())
-                .filter(|p| p.extension().is_some_and(|ext| ext == "yml" || ext == "yaml"))
-                .filter_map(|p| p.strip_prefix(root).ok().map(|p| p.to_string_lossy().into_owned()))
+                .filter(|p| {
+                    p.extension()
+                        .is_some_and(|ext| ext == "yml" || ext == "yaml")
+                })
+                .filter_map(|p| {
+                    p.strip_prefix(root)
+                        .ok()
+                        .map(|p| p.to_string_lossy().into_owned())
+                })
                 .collect()
         })
         .unwrap_or_default();
@@ -347,13 +406,23 @@ mod tests {
         let linux: Vec<&str> = matrix.linux.iter().map(|j| j.target.as_str()).collect();
         assert_eq!(linux.len(), targets.targets.len());
         let windows: Vec<&str> = matrix.windows.iter().map(|j| j.target.as_str()).collect();
-        assert!(windows.contains(&"gfx1201") && windows.contains(&"cpu"), "{windows:?}");
-        assert!(!windows.contains(&"gfx942"), "CDNA is Linux-only: {windows:?}");
+        assert!(
+            windows.contains(&"gfx1201") && windows.contains(&"cpu"),
+            "{windows:?}"
+        );
+        assert!(
+            !windows.contains(&"gfx942"),
+            "CDNA is Linux-only: {windows:?}"
+        );
         let gfx1201 = matrix.smoke.iter().find(|j| j.target == "gfx1201").unwrap();
         assert_eq!(gfx1201.runs_on, ["self-hosted", "linux", "gpu-gfx1201"]);
         assert!(gfx1201.gpu);
         let sm_90 = matrix.linux.iter().find(|j| j.target == "sm_90").unwrap();
-        assert!(sm_90.container.starts_with("nvidia/cuda:"), "{}", sm_90.container);
+        assert!(
+            sm_90.container.starts_with("nvidia/cuda:"),
+            "{}",
+            sm_90.container
+        );
         assert!(matrix.image.iter().all(|j| !j.target.starts_with("sm_")));
         let cpu_image = matrix.image.iter().find(|j| j.target == "cpu").unwrap();
         assert_eq!(cpu_image.base, "debian:bookworm-slim");
@@ -365,28 +434,46 @@ mod tests {
         let matrix = Matrix::generate(&targets).unwrap();
         let updated = update_workflow(WORKFLOW, &matrix.render_block()).unwrap();
         assert!(updated.starts_with("jobs:\n  matrix:\n"));
-        assert!(updated.ends_with("          # END generated by `cargo xtask matrix`\n  other: {}\n"));
+        assert!(
+            updated.ends_with("          # END generated by `cargo xtask matrix`\n  other: {}\n")
+        );
         assert!(!updated.contains("stale"));
-        assert_eq!(embedded_matrix(&updated).unwrap(), serde_json::to_value(&matrix).unwrap());
+        assert_eq!(
+            embedded_matrix(&updated).unwrap(),
+            serde_json::to_value(&matrix).unwrap()
+        );
         // Regenerating is a no-op.
-        assert_eq!(update_workflow(&updated, &matrix.render_block()).unwrap(), updated);
+        assert_eq!(
+            update_workflow(&updated, &matrix.render_block()).unwrap(),
+            updated
+        );
     }
 
     #[test]
     fn missing_markers_are_an_error() {
         let error = update_workflow("jobs: {}\n", &[]).unwrap_err().to_string();
-        assert_eq!(error, format!("expected the line `{BEGIN_MARKER}` in the workflow, found none"));
+        assert_eq!(
+            error,
+            format!("expected the line `{BEGIN_MARKER}` in the workflow, found none")
+        );
     }
 
     #[test]
     fn drift_is_detected_when_a_target_is_added() {
         let root = crate::project_root();
         let text = std::fs::read_to_string(root.join("targets.toml")).unwrap();
-        let added = format!("{text}\n[[target]]\nname = \"gfx1036\"\nfamily = \"gfx103X\"\nmin_llvm = 15\n");
+        let added = format!(
+            "{text}\n[[target]]\nname = \"gfx1036\"\nfamily = \"gfx103X\"\nmin_llvm = 15\n"
+        );
         let path = Path::new("targets-with-gfx1036.toml");
         let targets = Targets::parse(&added, path).unwrap();
-        let error = check_workflow(&targets, &default_workflow_path(&root)).unwrap_err().to_string();
-        assert!(error.contains("has drifted from targets-with-gfx1036.toml"), "{error}");
+        let error = check_workflow(&targets, &default_workflow_path(&root))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("has drifted from targets-with-gfx1036.toml"),
+            "{error}"
+        );
     }
 
     #[test]
@@ -396,7 +483,13 @@ mod tests {
         for image in &unpinned {
             assert!(!image.contains('@'), "{image}");
         }
-        let pinned_everywhere = targets.rocm.iter().all(|r| r.build_image.is_pinned() && r.runtime_image.is_pinned());
-        assert_eq!(pinned_everywhere, unpinned.iter().all(|i| !i.starts_with("rocm/")));
+        let pinned_everywhere = targets
+            .rocm
+            .iter()
+            .all(|r| r.build_image.is_pinned() && r.runtime_image.is_pinned());
+        assert_eq!(
+            pinned_everywhere,
+            unpinned.iter().all(|i| !i.starts_with("rocm/"))
+        );
     }
 }

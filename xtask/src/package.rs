@@ -48,13 +48,20 @@ pub fn dist_dir(root: &Path) -> PathBuf {
 pub fn engine_binary(root: &Path, os: Os, rust_target: &str) -> PathBuf {
     match os {
         Os::Linux => root.join("target").join("release").join(os.exe_name()),
-        Os::Windows => root.join("target").join(rust_target).join("release").join(os.exe_name()),
+        Os::Windows => root
+            .join("target")
+            .join(rust_target)
+            .join("release")
+            .join(os.exe_name()),
     }
 }
 
 /// A `sha256sum`-compatible line: the hex digest, two spaces (text mode), the path.
 pub fn sha256sums(entries: &[(String, String)]) -> String {
-    entries.iter().map(|(path, digest)| format!("{digest}  {path}\n")).collect()
+    entries
+        .iter()
+        .map(|(path, digest)| format!("{digest}  {path}\n"))
+        .collect()
 }
 
 pub fn sha256_hex(bytes: &[u8]) -> String {
@@ -83,13 +90,21 @@ pub fn write_package(input: &PackageInput, dist: &Path) -> Result<PathBuf> {
         .with_context(|| format!("reading the engine binary {}", input.binary.display()))?;
     files.push((input.os.exe_name().to_string(), binary, true));
     for object in &input.kernel_objects {
-        let name = object.file_name().and_then(|n| n.to_str()).context("kernel object name is not UTF-8")?;
-        let bytes = std::fs::read(object).with_context(|| format!("reading {}", object.display()))?;
+        let name = object
+            .file_name()
+            .and_then(|n| n.to_str())
+            .context("kernel object name is not UTF-8")?;
+        let bytes =
+            std::fs::read(object).with_context(|| format!("reading {}", object.display()))?;
         files.push((format!("kernels/{}/{name}", input.target), bytes, false));
     }
     for license in &input.licenses {
-        let name = license.file_name().and_then(|n| n.to_str()).context("licence file name is not UTF-8")?;
-        let bytes = std::fs::read(license).with_context(|| format!("reading {}", license.display()))?;
+        let name = license
+            .file_name()
+            .and_then(|n| n.to_str())
+            .context("licence file name is not UTF-8")?;
+        let bytes =
+            std::fs::read(license).with_context(|| format!("reading {}", license.display()))?;
         files.push((name.to_string(), bytes, false));
     }
     files.push(("README.md".to_string(), readme(input).into_bytes(), false));
@@ -97,16 +112,35 @@ pub fn write_package(input: &PackageInput, dist: &Path) -> Result<PathBuf> {
 
     let records: Vec<FileRecord> = files
         .iter()
-        .map(|(path, bytes, _)| FileRecord { path: path.clone(), sha256: sha256_hex(bytes), bytes: bytes.len() as u64 })
+        .map(|(path, bytes, _)| FileRecord {
+            path: path.clone(),
+            sha256: sha256_hex(bytes),
+            bytes: bytes.len() as u64,
+        })
         .collect();
     let archive = archive_name(&input.version, input.os, &input.target);
-    let package_manifest = PackageManifest { build: input.manifest.clone(), archive: archive.clone(), files: records };
+    let package_manifest = PackageManifest {
+        build: input.manifest.clone(),
+        archive: archive.clone(),
+        files: records,
+    };
     let mut manifest_json = serde_json::to_string_pretty(&package_manifest)?;
     manifest_json.push('\n');
-    files.push(("manifest.json".to_string(), manifest_json.into_bytes(), false));
+    files.push((
+        "manifest.json".to_string(),
+        manifest_json.into_bytes(),
+        false,
+    ));
     files.sort_by(|a, b| a.0.cmp(&b.0));
-    let sums: Vec<(String, String)> = files.iter().map(|(path, bytes, _)| (path.clone(), sha256_hex(bytes))).collect();
-    files.push(("SHA256SUMS".to_string(), sha256sums(&sums).into_bytes(), false));
+    let sums: Vec<(String, String)> = files
+        .iter()
+        .map(|(path, bytes, _)| (path.clone(), sha256_hex(bytes)))
+        .collect();
+    files.push((
+        "SHA256SUMS".to_string(),
+        sha256sums(&sums).into_bytes(),
+        false,
+    ));
 
     std::fs::create_dir_all(dist)?;
     let archive_path = dist.join(&archive);
@@ -117,12 +151,21 @@ pub fn write_package(input: &PackageInput, dist: &Path) -> Result<PathBuf> {
     }
     std::fs::rename(&partial, &archive_path)?;
     let archive_sum = sha256_hex(&std::fs::read(&archive_path)?);
-    std::fs::write(dist.join(format!("{archive}.sha256")), sha256sums(&[(archive.clone(), archive_sum)]))?;
+    std::fs::write(
+        dist.join(format!("{archive}.sha256")),
+        sha256sums(&[(archive.clone(), archive_sum)]),
+    )?;
     Ok(archive_path)
 }
 
-fn write_tar_gz(path: &Path, stem: &str, files: &[(String, Vec<u8>, bool)], mtime: u64) -> Result<()> {
-    let file = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+fn write_tar_gz(
+    path: &Path,
+    stem: &str,
+    files: &[(String, Vec<u8>, bool)],
+    mtime: u64,
+) -> Result<()> {
+    let file =
+        std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
     let encoder = flate2::write::GzEncoder::new(file, flate2::Compression::best());
     let mut builder = tar::Builder::new(encoder);
     // Directory entries first, parents before children (BTreeSet order), so every extractor
@@ -156,7 +199,8 @@ fn write_tar_gz(path: &Path, stem: &str, files: &[(String, Vec<u8>, bool)], mtim
 }
 
 fn write_zip(path: &Path, stem: &str, files: &[(String, Vec<u8>, bool)], mtime: u64) -> Result<()> {
-    let file = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    let file =
+        std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
     let mut zip = zip::ZipWriter::new(file);
     let time = zip_time(mtime);
     for (name, bytes, executable) in files {
@@ -246,7 +290,13 @@ fn readme(input: &PackageInput) -> String {
 }
 
 /// Packages what `kernels` and the engine build left in `target/` for `target` and `os`.
-pub fn package(root: &Path, target: &Target, os: Os, version: &str, manifest: BuildManifest) -> Result<PathBuf> {
+pub fn package(
+    root: &Path,
+    target: &Target,
+    os: Os,
+    version: &str,
+    manifest: BuildManifest,
+) -> Result<PathBuf> {
     let targets = crate::targets::load()?;
     let platform = targets.platform(os)?;
     let binary = engine_binary(root, os, &platform.rust_target);
@@ -282,7 +332,10 @@ pub fn package(root: &Path, target: &Target, os: Os, version: &str, manifest: Bu
     for name in LICENSE_FILES {
         let path = root.join(name);
         if !path.is_file() {
-            bail!("expected the licence file {} at the workspace root, found none", path.display());
+            bail!(
+                "expected the licence file {} at the workspace root, found none",
+                path.display()
+            );
         }
         licenses.push(path);
     }
@@ -301,7 +354,10 @@ pub fn package(root: &Path, target: &Target, os: Os, version: &str, manifest: Bu
 
 /// `$SOURCE_DATE_EPOCH`, else the commit time, else now: every archive entry gets this time.
 pub fn source_date_epoch(root: &Path) -> u64 {
-    if let Some(epoch) = std::env::var("SOURCE_DATE_EPOCH").ok().and_then(|v| v.parse().ok()) {
+    if let Some(epoch) = std::env::var("SOURCE_DATE_EPOCH")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
         return epoch;
     }
     let commit_time = std::process::Command::new("git")
@@ -312,7 +368,10 @@ pub fn source_date_epoch(root: &Path) -> u64 {
         .and_then(|out| String::from_utf8(out.stdout).ok())
         .and_then(|s| s.trim().parse().ok());
     commit_time.unwrap_or_else(|| {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0)
     })
 }
 
@@ -330,9 +389,14 @@ impl crate::flags::Package {
         // something the binary does not embed.
         let path = manifest::manifest_path(&root, os, &target.name);
         let text = std::fs::read_to_string(&path).with_context(|| {
-            format!("reading {} (written by `cargo xtask build --target {} --os {os}`)", path.display(), target.name)
+            format!(
+                "reading {} (written by `cargo xtask build --target {} --os {os}`)",
+                path.display(),
+                target.name
+            )
         })?;
-        let manifest: BuildManifest = serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+        let manifest: BuildManifest =
+            serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
         if manifest.engine.version != version {
             bail!(
                 "expected the built engine to be version {version}, found {} in {}: rebuild with --release-version {version}",
@@ -353,11 +417,23 @@ mod tests {
 
     #[test]
     fn archive_names() {
-        assert_eq!(archive_name("0.1.0", Os::Linux, "gfx1201"), "ember-0.1.0-linux-gfx1201-x64.tar.gz");
-        assert_eq!(archive_name("0.1.0", Os::Windows, "cpu"), "ember-0.1.0-windows-cpu-x64.zip");
-        assert_eq!(archive_name("1.2.3-rc.1", Os::Linux, "sm_90"), "ember-1.2.3-rc.1-linux-sm_90-x64.tar.gz");
+        assert_eq!(
+            archive_name("0.1.0", Os::Linux, "gfx1201"),
+            "ember-0.1.0-linux-gfx1201-x64.tar.gz"
+        );
+        assert_eq!(
+            archive_name("0.1.0", Os::Windows, "cpu"),
+            "ember-0.1.0-windows-cpu-x64.zip"
+        );
+        assert_eq!(
+            archive_name("1.2.3-rc.1", Os::Linux, "sm_90"),
+            "ember-1.2.3-rc.1-linux-sm_90-x64.tar.gz"
+        );
         let root = Path::new("/w");
-        assert_eq!(engine_binary(root, Os::Linux, "x86_64-unknown-linux-gnu"), Path::new("/w/target/release/ember"));
+        assert_eq!(
+            engine_binary(root, Os::Linux, "x86_64-unknown-linux-gnu"),
+            Path::new("/w/target/release/ember")
+        );
         assert_eq!(
             engine_binary(root, Os::Windows, "x86_64-pc-windows-gnu"),
             Path::new("/w/target/x86_64-pc-windows-gnu/release/ember.exe")
@@ -367,9 +443,15 @@ mod tests {
     #[test]
     fn sha256sums_format_is_what_sha256sum_reads() {
         let digest = sha256_hex(b"abc");
-        assert_eq!(digest, "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
         assert_eq!(
-            sha256sums(&[("ember".into(), digest.clone()), ("kernels/gfx1201/a.hsaco".into(), digest.clone())]),
+            digest,
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+        assert_eq!(
+            sha256sums(&[
+                ("ember".into(), digest.clone()),
+                ("kernels/gfx1201/a.hsaco".into(), digest.clone())
+            ]),
             format!("{digest}  ember\n{digest}  kernels/gfx1201/a.hsaco\n")
         );
     }
@@ -384,7 +466,10 @@ mod tests {
     }
 
     fn fixture(os: Os, target: &str) -> (PathBuf, PackageInput) {
-        let dir = std::env::temp_dir().join(format!("ember-xtask-package-{}-{os}-{target}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!(
+            "ember-xtask-package-{}-{os}-{target}",
+            std::process::id()
+        ));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(dir.join("kernels")).unwrap();
         std::fs::write(dir.join("ember"), b"\x7fELF engine").unwrap();
@@ -401,7 +486,8 @@ mod tests {
             toolchain_rocm: None,
             kernel_modules: vec!["matmul.hsaco".into()],
         };
-        let manifest = BuildManifest::new(&targets, targets.target(target).unwrap(), os, info).unwrap();
+        let manifest =
+            BuildManifest::new(&targets, targets.target(target).unwrap(), os, info).unwrap();
         let input = PackageInput {
             version: "0.1.0".into(),
             os,
@@ -419,42 +505,99 @@ mod tests {
     fn linux_package_passes_sha256sum_and_lists_every_file() {
         let (dir, input) = fixture(Os::Linux, "gfx1201");
         let archive = write_package(&input, &dir.join("dist")).unwrap();
-        assert_eq!(archive.file_name().unwrap(), "ember-0.1.0-linux-gfx1201-x64.tar.gz");
+        assert_eq!(
+            archive.file_name().unwrap(),
+            "ember-0.1.0-linux-gfx1201-x64.tar.gz"
+        );
         let unpacked = dir.join("unpacked");
         std::fs::create_dir_all(&unpacked).unwrap();
         let file = std::fs::File::open(&archive).unwrap();
-        tar::Archive::new(flate2::read::GzDecoder::new(file)).unpack(&unpacked).unwrap();
+        tar::Archive::new(flate2::read::GzDecoder::new(file))
+            .unpack(&unpacked)
+            .unwrap();
         let root = unpacked.join("ember-0.1.0-linux-gfx1201-x64");
         let mut names: Vec<String> = Vec::new();
         for entry in walk(&root) {
-            names.push(entry.strip_prefix(&root).unwrap().to_string_lossy().into_owned());
+            names.push(
+                entry
+                    .strip_prefix(&root)
+                    .unwrap()
+                    .to_string_lossy()
+                    .into_owned(),
+            );
         }
         names.sort();
         assert_eq!(
             names,
-            ["LICENSE-APACHE", "LICENSE-MIT", "README.md", "SHA256SUMS", "ember", "kernels/gfx1201/matmul.hsaco", "manifest.json"]
+            [
+                "LICENSE-APACHE",
+                "LICENSE-MIT",
+                "README.md",
+                "SHA256SUMS",
+                "ember",
+                "kernels/gfx1201/matmul.hsaco",
+                "manifest.json"
+            ]
         );
         use std::os::unix::fs::PermissionsExt;
-        assert_eq!(std::fs::metadata(root.join("ember")).unwrap().permissions().mode() & 0o777, 0o755);
+        assert_eq!(
+            std::fs::metadata(root.join("ember"))
+                .unwrap()
+                .permissions()
+                .mode()
+                & 0o777,
+            0o755
+        );
 
         // The real sha256sum accepts both checksum files.
-        let status = std::process::Command::new("sha256sum").arg("-c").arg("--strict").arg("SHA256SUMS").current_dir(&root).output().unwrap();
-        assert!(status.status.success(), "{}", String::from_utf8_lossy(&status.stdout));
         let status = std::process::Command::new("sha256sum")
-            .args(["-c", "--strict", "ember-0.1.0-linux-gfx1201-x64.tar.gz.sha256"])
+            .arg("-c")
+            .arg("--strict")
+            .arg("SHA256SUMS")
+            .current_dir(&root)
+            .output()
+            .unwrap();
+        assert!(
+            status.status.success(),
+            "{}",
+            String::from_utf8_lossy(&status.stdout)
+        );
+        let status = std::process::Command::new("sha256sum")
+            .args([
+                "-c",
+                "--strict",
+                "ember-0.1.0-linux-gfx1201-x64.tar.gz.sha256",
+            ])
             .current_dir(dir.join("dist"))
             .output()
             .unwrap();
-        assert!(status.status.success(), "{}", String::from_utf8_lossy(&status.stdout));
+        assert!(
+            status.status.success(),
+            "{}",
+            String::from_utf8_lossy(&status.stdout)
+        );
 
-        let manifest: PackageManifest = serde_json::from_slice(&std::fs::read(root.join("manifest.json")).unwrap()).unwrap();
+        let manifest: PackageManifest =
+            serde_json::from_slice(&std::fs::read(root.join("manifest.json")).unwrap()).unwrap();
         assert_eq!(manifest.archive, "ember-0.1.0-linux-gfx1201-x64.tar.gz");
         let listed: Vec<&str> = manifest.files.iter().map(|f| f.path.as_str()).collect();
-        assert_eq!(listed, ["LICENSE-APACHE", "LICENSE-MIT", "README.md", "ember", "kernels/gfx1201/matmul.hsaco"]);
+        assert_eq!(
+            listed,
+            [
+                "LICENSE-APACHE",
+                "LICENSE-MIT",
+                "README.md",
+                "ember",
+                "kernels/gfx1201/matmul.hsaco"
+            ]
+        );
         assert_eq!(manifest.files[3].sha256, sha256_hex(b"\x7fELF engine"));
         assert_eq!(manifest.build.feature("vmm").unwrap().state, "off");
         let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
-        assert!(readme.contains("- `vmm`: off (hipMemSetAccess fails"), "{readme}");
+        assert!(
+            readme.contains("- `vmm`: off (hipMemSetAccess fails"),
+            "{readme}"
+        );
 
         // Packaging twice from the same inputs gives the same bytes.
         let first = std::fs::read(&archive).unwrap();
@@ -469,13 +612,28 @@ mod tests {
         input.kernel_objects.clear();
         input.manifest.kernels.modules.clear();
         let archive = write_package(&input, &dir.join("dist")).unwrap();
-        assert_eq!(archive.file_name().unwrap(), "ember-0.1.0-windows-gfx1151-x64.zip");
+        assert_eq!(
+            archive.file_name().unwrap(),
+            "ember-0.1.0-windows-gfx1151-x64.zip"
+        );
         let mut zip = zip::ZipArchive::new(std::fs::File::open(&archive).unwrap()).unwrap();
         let names: Vec<String> = zip.file_names().map(str::to_string).collect();
-        assert!(names.contains(&"ember-0.1.0-windows-gfx1151-x64/ember.exe".to_string()), "{names:?}");
+        assert!(
+            names.contains(&"ember-0.1.0-windows-gfx1151-x64/ember.exe".to_string()),
+            "{names:?}"
+        );
         let mut manifest = String::new();
-        std::io::Read::read_to_string(&mut zip.by_name("ember-0.1.0-windows-gfx1151-x64/manifest.json").unwrap(), &mut manifest).unwrap();
-        assert!(manifest.contains("amdhip64_6.dll") && manifest.contains("amdhip64_7.dll"), "{manifest}");
+        std::io::Read::read_to_string(
+            &mut zip
+                .by_name("ember-0.1.0-windows-gfx1151-x64/manifest.json")
+                .unwrap(),
+            &mut manifest,
+        )
+        .unwrap();
+        assert!(
+            manifest.contains("amdhip64_6.dll") && manifest.contains("amdhip64_7.dll"),
+            "{manifest}"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

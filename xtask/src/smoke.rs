@@ -21,6 +21,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::io::Read;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -123,8 +124,8 @@ struct Subject {
     target: String,
     version: String,
     runner: Runner,
-    /// `manifest.json` of the package, as text, when it could be read.
-    manifest_json: Option<String>,
+    /// `manifest.json` of the package, as text, or why it could not be read.
+    manifest_json: Result<String, String>,
     package_summary: String,
     package_problems: Vec<String>,
     /// `info` takes the model on Windows (`ember.exe info -m <model>`), so that the wine run also
@@ -165,15 +166,15 @@ impl Subject {
                 unpack_dir.display()
             )
         })?;
-        let package_dir = binary
-            .parent()
-            .expect("a found file has a parent")
-            .to_path_buf();
+        let package_dir = binary.parent().unwrap_or(&unpack_dir).to_path_buf();
         let (package_summary, package_problems) = match verify_sha256sums(&package_dir) {
             Ok(count) => (format!("SHA256SUMS verified ({count} files)"), Vec::new()),
             Err(problems) => (String::new(), problems),
         };
-        let manifest_json = std::fs::read_to_string(package_dir.join("manifest.json")).ok();
+        let manifest_json =
+            std::fs::read_to_string(package_dir.join("manifest.json")).map_err(|error| {
+                format!("expected manifest.json next to {binary_name}, found an error: {error}")
+            });
         let runner = match name.os {
             Os::Linux => Runner::Native { binary },
             Os::Windows => Runner::Wine {
@@ -228,18 +229,18 @@ impl Subject {
             image: image.to_string(),
             models_dir: models_dir()?,
         };
-        let manifest_json = run_capture(
-            docker_run_base(&runner).args([
-                "--entrypoint",
-                "cat",
-                image,
-                &format!("{CONTAINER_EMBER_DIR}/manifest.json"),
-            ]),
+        let manifest_path = format!("{CONTAINER_EMBER_DIR}/manifest.json");
+        let manifest_json = match run_capture(
+            docker_run_base(&runner).args(["--entrypoint", "cat", image, &manifest_path]),
             Duration::from_secs(120),
-        )
-        .ok()
-        .filter(|output| output.success())
-        .map(|output| output.stdout);
+        ) {
+            Ok(output) if output.success() => Ok(output.stdout),
+            Ok(output) => Err(format!(
+                "expected {manifest_path} in the image, found none ({})",
+                output.stderr_tail()
+            )),
+            Err(error) => Err(format!("{error:#}")),
+        };
         Ok(Subject {
             description: format!("image {image}"),
             target,
@@ -312,7 +313,14 @@ impl Runner {
 /// `docker run --rm` with the model cache mounted and, where this host has an AMD GPU stack, the
 /// devices and options the image's run label documents.
 fn docker_run_base(runner: &Runner) -> Command {
-    let mut command = Command::new("docker").args(["run", "--rm"]);
+    static RUNS: AtomicUsize = AtomicUsize::new(0);
+    let name = format!(
+        "ember-smoke-{}-{}",
+        std::process::id(),
+        RUNS.fetch_add(1, Ordering::Relaxed)
+    );
+    let mut command = Command::new("docker").args(["run", "--rm", "--name", &name]);
+    command.container = Some(name);
     if let Runner::Container { models_dir, .. } = runner {
         command = command.args([
             "-v".to_string(),
@@ -331,6 +339,9 @@ struct Command {
     program: std::ffi::OsString,
     args: Vec<std::ffi::OsString>,
     env: Vec<(String, std::ffi::OsString)>,
+    /// A container to kill when the command times out: killing the `docker run` client alone
+    /// leaves the container running.
+    container: Option<String>,
 }
 
 impl Command {
@@ -339,6 +350,7 @@ impl Command {
             program: program.into(),
             args: Vec::new(),
             env: Vec::new(),
+            container: None,
         }
     }
 
@@ -429,6 +441,14 @@ fn run_capture(command: Command, timeout: Duration) -> Result<CapturedOutput> {
             handle
                 .kill()
                 .with_context(|| format!("killing {display} after its timeout"))?;
+            if let Some(container) = &command.container {
+                // Best effort: the container may have exited between the check and the kill.
+                let _ = duct::cmd!("docker", "kill", container)
+                    .stdout_null()
+                    .stderr_null()
+                    .unchecked()
+                    .run();
+            }
             bail!(
                 "expected {display} to finish within {} s, it was still running",
                 timeout.as_secs()
@@ -449,12 +469,9 @@ fn run_ember(subject: &Subject, args: &[String], timeout: Duration) -> Result<Ca
 // The checks.
 
 fn check_manifest_file(report: &mut Report, subject: &Subject, expected: &ExpectedManifest) {
-    let Some(text) = &subject.manifest_json else {
-        report.fail(
-            "manifest.json",
-            "expected manifest.json in the package, found none",
-        );
-        return;
+    let text = match &subject.manifest_json {
+        Ok(text) => text,
+        Err(problem) => return report.fail("manifest.json", problem),
     };
     match serde_json::from_str::<serde_json::Value>(text) {
         Ok(manifest) => {
@@ -994,15 +1011,22 @@ fn models_dir() -> Result<PathBuf> {
 const ON_WORDS: &[&str] = &["on", "enabled", "yes", "true"];
 const OFF_WORDS: &[&str] = &["off", "disabled", "no", "false"];
 
-/// Every way `info` output disagrees with `expected`: the target is named, each feature is on a
+/// Every way `info` output disagrees with `expected`: a line names the target, each feature is on a
 /// line with its state (the first state word after the feature's name decides), and the reason of
 /// each feature that is off or unsupported appears (whitespace may differ, as long lines wrap).
 fn check_info_text(expected: &ExpectedManifest, info: &str) -> Vec<String> {
     let mut problems = Vec::new();
     let lower = info.to_lowercase();
-    if !words(&lower).any(|word| word == expected.target.to_lowercase()) {
+    // The target must be named as the target: on a line with the word `target`, so that a `cpu`
+    // elsewhere (the CPU features line) does not count.
+    let target = expected.target.to_lowercase();
+    let names_target = lower.lines().any(|line| {
+        let line_words: Vec<&str> = words(line).collect();
+        line_words.contains(&"target") && line_words.contains(&target.as_str())
+    });
+    if !names_target {
         problems.push(format!(
-            "expected target {} in `ember info`, found no such word",
+            "expected a line naming target {} in `ember info`, found none",
             expected.target
         ));
     }
@@ -1599,7 +1623,7 @@ mod tests {
         check_info(
             &gfx1201,
             &good.replace("gfx1201", "gfx1200"),
-            &["expected target gfx1201"],
+            &["expected a line naming target gfx1201"],
         );
         // The first state word after the name decides; a "no" inside a reason does not.
         let on_with_words = manifest("cpu", &[("vmm", "on", None)]);
@@ -1617,7 +1641,18 @@ mod tests {
         check_info(
             &manifest("gfx120", &[]),
             "target: gfx1201\n",
-            &["expected target gfx120"],
+            &["expected a line naming target gfx120"],
+        );
+        // `cpu` on the CPU features line is not the build target.
+        check_info(
+            &manifest("cpu", &[]),
+            "ember 0.1.0\ncpu: avx2 SIMD, 2 physical cores\n",
+            &["expected a line naming target cpu"],
+        );
+        check_info(
+            &manifest("cpu", &[]),
+            "ember 0.1.0\nbuild target: cpu (linux)\n",
+            &[],
         );
     }
 

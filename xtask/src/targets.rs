@@ -59,7 +59,11 @@ impl fmt::Display for Problem {
 impl fmt::Display for TargetsError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let count = self.problems.len();
-        writeln!(f, "invalid target matrix ({count} problem{}):", if count == 1 { "" } else { "s" })?;
+        writeln!(
+            f,
+            "invalid target matrix ({count} problem{}):",
+            if count == 1 { "" } else { "s" }
+        )?;
         for (index, problem) in self.problems.iter().enumerate() {
             if index > 0 {
                 writeln!(f)?;
@@ -93,7 +97,17 @@ impl fmt::Display for Kind {
 
 /// The operating systems artifacts are built for.
 #[derive(
-    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, clap::ValueEnum,
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Serialize,
+    Deserialize,
+    clap::ValueEnum,
 )]
 #[serde(rename_all = "lowercase")]
 pub enum Os {
@@ -309,13 +323,20 @@ pub struct Targets {
 impl Targets {
     /// Looks a target up by name; the error lists the known names.
     pub fn target(&self, name: &str) -> Result<&Target> {
-        self.targets.iter().find(|target| target.name == name).ok_or_else(|| {
-            anyhow::anyhow!(
-                "unknown target `{name}`: expected one of {} (from {})",
-                self.targets.iter().map(|t| t.name.as_str()).collect::<Vec<_>>().join(", "),
-                self.path.display()
-            )
-        })
+        self.targets
+            .iter()
+            .find(|target| target.name == name)
+            .ok_or_else(|| {
+                anyhow::anyhow!(
+                    "unknown target `{name}`: expected one of {} (from {})",
+                    self.targets
+                        .iter()
+                        .map(|t| t.name.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    self.path.display()
+                )
+            })
     }
 
     /// The targets of one family, in file order; the error lists the known families.
@@ -323,7 +344,11 @@ impl Targets {
         if !self.families.iter().any(|f| f.name == family) {
             anyhow::bail!(
                 "unknown family `{family}`: expected one of {} (from {})",
-                self.families.iter().map(|f| f.name.as_str()).collect::<Vec<_>>().join(", "),
+                self.families
+                    .iter()
+                    .map(|f| f.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "),
                 self.path.display()
             );
         }
@@ -341,7 +366,10 @@ impl Targets {
     /// The ROCm release builds use unless told otherwise.
     pub fn default_rocm(&self) -> &RocmRelease {
         // Validation guarantees exactly one default.
-        self.rocm.iter().find(|r| r.default).unwrap_or(&self.rocm[0])
+        self.rocm
+            .iter()
+            .find(|r| r.default)
+            .unwrap_or(&self.rocm[0])
     }
 
     pub fn platform(&self, os: Os) -> Result<&Platform> {
@@ -354,13 +382,17 @@ impl Targets {
     pub fn default_base_image(&self, target: &Target) -> Result<Image> {
         match target.kind {
             Kind::Amdgpu => Ok(self.default_rocm().runtime_image.clone()),
-            Kind::Cpu => self.platform(Os::Linux)?.cpu_runtime_image.clone().ok_or_else(|| {
-                anyhow::anyhow!(
-                    "{}: [platform.linux] has no cpu_runtime_image for target `{}`",
-                    self.path.display(),
-                    target.name
-                )
-            }),
+            Kind::Cpu => self
+                .platform(Os::Linux)?
+                .cpu_runtime_image
+                .clone()
+                .ok_or_else(|| {
+                    anyhow::anyhow!(
+                        "{}: [platform.linux] has no cpu_runtime_image for target `{}`",
+                        self.path.display(),
+                        target.name
+                    )
+                }),
             Kind::Nvidia => anyhow::bail!(
                 "target `{}` is an NVIDIA target: ember builds no container images for it yet",
                 target.name
@@ -378,12 +410,18 @@ impl Targets {
                 message: error.message().trim_end_matches('.').to_string(),
             }],
         })?;
-        let mut validator = Validator { path, lines: &lines, problems: Vec::new() };
+        let mut validator = Validator {
+            path,
+            lines: &lines,
+            problems: Vec::new(),
+        };
         let targets = validator.validate(raw);
         if validator.problems.is_empty() {
             Ok(targets)
         } else {
-            Err(TargetsError { problems: validator.problems })
+            Err(TargetsError {
+                problems: validator.problems,
+            })
         }
     }
 }
@@ -395,7 +433,9 @@ struct LineIndex {
 
 impl LineIndex {
     fn new(text: &str) -> LineIndex {
-        LineIndex { newlines: text.match_indices('\n').map(|(at, _)| at).collect() }
+        LineIndex {
+            newlines: text.match_indices('\n').map(|(at, _)| at).collect(),
+        }
     }
 
     fn line(&self, offset: usize) -> usize {
@@ -504,14 +544,21 @@ struct Validator<'a> {
 impl Validator<'_> {
     fn problem(&mut self, span: Range<usize>, message: String) {
         let line = Some(self.lines.line(span.start));
-        self.problems.push(Problem { path: self.path.to_path_buf(), line, message });
+        self.problems.push(Problem {
+            path: self.path.to_path_buf(),
+            line,
+            message,
+        });
     }
 
     fn validate(&mut self, raw: RawFile) -> Targets {
         if *raw.schema.get_ref() != SCHEMA {
             self.problem(
                 raw.schema.span(),
-                format!("expected schema = {SCHEMA}, found schema = {}", raw.schema.get_ref()),
+                format!(
+                    "expected schema = {SCHEMA}, found schema = {}",
+                    raw.schema.get_ref()
+                ),
             );
         }
         let rocm = self.validate_rocm(&raw.rocm);
@@ -529,11 +576,19 @@ impl Validator<'_> {
             self.problems.push(Problem {
                 path: self.path.to_path_buf(),
                 line: None,
-                message: "NVIDIA targets are listed but there is no [cuda] table to build them with"
-                    .to_string(),
+                message:
+                    "NVIDIA targets are listed but there is no [cuda] table to build them with"
+                        .to_string(),
             });
         }
-        Targets { path: self.path.to_path_buf(), rocm, cuda, platforms, families, targets }
+        Targets {
+            path: self.path.to_path_buf(),
+            rocm,
+            cuda,
+            platforms,
+            families,
+            targets,
+        }
     }
 
     fn validate_rocm(&mut self, raw: &[Spanned<RawRocm>]) -> Vec<RocmRelease> {
@@ -578,7 +633,10 @@ impl Validator<'_> {
             releases.push(RocmRelease {
                 version: release.version.clone(),
                 default: release.default,
-                build_image: image(release.build_image.clone(), release.build_image_digest.clone()),
+                build_image: image(
+                    release.build_image.clone(),
+                    release.build_image_digest.clone(),
+                ),
                 runtime_image: image(
                     release.runtime_image.clone(),
                     release.runtime_image_digest.clone(),
@@ -593,7 +651,9 @@ impl Validator<'_> {
             let span = raw[0].span();
             self.problem(
                 span,
-                format!("expected exactly one [[rocm]] release with `default = true`, found {defaults}"),
+                format!(
+                    "expected exactly one [[rocm]] release with `default = true`, found {defaults}"
+                ),
             );
         }
         releases
@@ -623,7 +683,8 @@ impl Validator<'_> {
                     ),
                 );
             }
-            if platform.cpu_runtime_image.is_none() && !platform.cpu_runtime_image_digest.is_empty() {
+            if platform.cpu_runtime_image.is_none() && !platform.cpu_runtime_image_digest.is_empty()
+            {
                 self.problem(
                     span,
                     format!("platform `{name}` pins cpu_runtime_image_digest but names no cpu_runtime_image"),
@@ -763,7 +824,9 @@ impl Validator<'_> {
                     if feature.tracking.is_empty() {
                         self.problem(
                             span.clone(),
-                            format!("feature `{name}` of {context} is off but has no tracking link"),
+                            format!(
+                                "feature `{name}` of {context} is off but has no tracking link"
+                            ),
                         );
                     }
                 }
@@ -771,7 +834,9 @@ impl Validator<'_> {
                     if reason.is_empty() {
                         self.problem(
                             span.clone(),
-                            format!("feature `{name}` of {context} is unsupported but gives no reason"),
+                            format!(
+                                "feature `{name}` of {context} is unsupported but gives no reason"
+                            ),
                         );
                     }
                     if !feature.tracking.is_empty() {
@@ -840,8 +905,10 @@ impl Validator<'_> {
             self.check_features(&raw_target.features, family.kind, &context);
 
             let wave_size = raw_target.wave_size.as_ref().or(family.wave_size.as_ref());
-            let flash_attention =
-                raw_target.flash_attention.as_ref().or(family.flash_attention.as_ref());
+            let flash_attention = raw_target
+                .flash_attention
+                .as_ref()
+                .or(family.flash_attention.as_ref());
             if family.kind == Kind::Cpu {
                 for (present, field) in [
                     (raw_target.wave_size.is_some(), "wave_size"),
@@ -859,7 +926,12 @@ impl Validator<'_> {
                 self.check_wave_size(&name, family.kind, wave_size);
             }
             if let (Some(flavour), Some(wave_size)) = (flash_attention, wave_size) {
-                self.check_flash_attention(&name, *flavour.get_ref(), *wave_size.get_ref(), flavour.span());
+                self.check_flash_attention(
+                    &name,
+                    *flavour.get_ref(),
+                    *wave_size.get_ref(),
+                    flavour.span(),
+                );
             }
             if let Some(min_llvm) = &raw_target.min_llvm {
                 if family.kind != Kind::Amdgpu {
@@ -869,7 +941,9 @@ impl Validator<'_> {
                     );
                 }
             }
-            if !raw_target.runner.is_empty() && !raw_target.runner.iter().any(|l| l == "self-hosted") {
+            if !raw_target.runner.is_empty()
+                && !raw_target.runner.iter().any(|l| l == "self-hosted")
+            {
                 self.problem(
                     name_span.clone(),
                     format!("{context} names runner labels {:?} without `self-hosted`: GPU smoke tests need a self-hosted runner", raw_target.runner),
@@ -897,7 +971,8 @@ impl Validator<'_> {
             }
 
             let mut features: BTreeMap<String, Feature> = BTreeMap::new();
-            for (feature_name, feature) in family.features.iter().chain(raw_target.features.iter()) {
+            for (feature_name, feature) in family.features.iter().chain(raw_target.features.iter())
+            {
                 let feature = feature.get_ref();
                 features.insert(
                     feature_name.clone(),
@@ -930,9 +1005,9 @@ impl Validator<'_> {
     fn check_name(&mut self, name: &str, kind: Kind, span: Range<usize>) {
         let valid = match kind {
             Kind::Cpu => name == "cpu",
-            Kind::Amdgpu => name
-                .strip_prefix("gfx")
-                .is_some_and(|rest| !rest.is_empty() && rest.chars().all(|c| c.is_ascii_hexdigit())),
+            Kind::Amdgpu => name.strip_prefix("gfx").is_some_and(|rest| {
+                !rest.is_empty() && rest.chars().all(|c| c.is_ascii_hexdigit())
+            }),
             Kind::Nvidia => sm_version(name).is_some(),
         };
         if !valid {
@@ -951,13 +1026,17 @@ impl Validator<'_> {
     fn check_wave_size(&mut self, name: &str, kind: Kind, wave_size: &Spanned<u32>) {
         let value = *wave_size.get_ref();
         let problem = if value != 32 && value != 64 {
-            Some(format!("expected wave_size = 32 or 64 for target `{name}`, found {value}"))
+            Some(format!(
+                "expected wave_size = 32 or 64 for target `{name}`, found {value}"
+            ))
         } else if kind == Kind::Amdgpu && is_gcn(name) && value != 64 {
             Some(format!(
                 "target `{name}` is GCN/CDNA (gfx9), which runs wave64 only, but wave_size = {value}"
             ))
         } else if kind == Kind::Nvidia && value != 32 {
-            Some(format!("target `{name}` is NVIDIA, whose warps are 32 wide, but wave_size = {value}"))
+            Some(format!(
+                "target `{name}` is NVIDIA, whose warps are 32 wide, but wave_size = {value}"
+            ))
         } else {
             None
         };
@@ -977,7 +1056,9 @@ impl Validator<'_> {
             FlashAttention::Wmma if !(name.starts_with("gfx11") || name.starts_with("gfx12")) => {
                 Some("WMMA exists on RDNA3/RDNA4 (gfx11, gfx12) only")
             }
-            FlashAttention::Wmma if wave_size != 32 => Some("ember's WMMA kernels are written for wave32"),
+            FlashAttention::Wmma if wave_size != 32 => {
+                Some("ember's WMMA kernels are written for wave32")
+            }
             FlashAttention::Mfma if !is_gcn(name) || name == "gfx900" || name == "gfx906" => {
                 Some("MFMA exists on CDNA (gfx908, gfx90a, gfx94x, gfx950) only")
             }
@@ -997,7 +1078,14 @@ impl Validator<'_> {
 }
 
 fn image(tag: String, digest: String) -> Image {
-    Image { tag, digest: if digest.is_empty() { None } else { Some(digest) } }
+    Image {
+        tag,
+        digest: if digest.is_empty() {
+            None
+        } else {
+            Some(digest)
+        },
+    }
 }
 
 fn is_sha256_digest(digest: &str) -> bool {
@@ -1016,7 +1104,8 @@ fn parse_os(name: &str) -> Option<Os> {
 
 /// gfx9 targets (GCN and CDNA) are wave64-only.
 fn is_gcn(name: &str) -> bool {
-    name.strip_prefix("gfx9").is_some_and(|rest| rest.len() == 2)
+    name.strip_prefix("gfx9")
+        .is_some_and(|rest| rest.len() == 2)
 }
 
 /// `sm_90` -> 90.
@@ -1102,8 +1191,8 @@ family = "gfx120X"
         let targets = committed();
         for name in [
             "cpu", "gfx908", "gfx90a", "gfx942", "gfx950", "gfx1030", "gfx1031", "gfx1032",
-            "gfx1100", "gfx1101", "gfx1102", "gfx1103", "gfx1150", "gfx1151", "gfx1152",
-            "gfx1200", "gfx1201", "sm_80", "sm_90",
+            "gfx1100", "gfx1101", "gfx1102", "gfx1103", "gfx1150", "gfx1151", "gfx1152", "gfx1200",
+            "gfx1201", "sm_80", "sm_90",
         ] {
             targets.target(name).unwrap();
         }
@@ -1114,23 +1203,40 @@ family = "gfx120X"
     fn family_expansion() {
         let targets = committed();
         let names = |family: &str| -> Vec<String> {
-            targets.family_members(family).unwrap().iter().map(|t| t.name.clone()).collect()
+            targets
+                .family_members(family)
+                .unwrap()
+                .iter()
+                .map(|t| t.name.clone())
+                .collect()
         };
         assert_eq!(names("gfx120X"), ["gfx1200", "gfx1201"]);
         assert_eq!(names("gfx115X"), ["gfx1150", "gfx1151", "gfx1152"]);
-        assert_eq!(names("gfx110X"), ["gfx1100", "gfx1101", "gfx1102", "gfx1103"]);
+        assert_eq!(
+            names("gfx110X"),
+            ["gfx1100", "gfx1101", "gfx1102", "gfx1103"]
+        );
         assert_eq!(names("gfx103X"), ["gfx1030", "gfx1031", "gfx1032"]);
         assert_eq!(names("cdna"), ["gfx908", "gfx90a", "gfx942", "gfx950"]);
         assert_eq!(names("sm"), ["sm_80", "sm_90"]);
         let error = targets.family_members("gfx130X").unwrap_err().to_string();
-        assert!(error.starts_with("unknown family `gfx130X`: expected one of "), "{error}");
-        assert_eq!(targets.select(&Selection::All).unwrap().len(), targets.targets.len());
+        assert!(
+            error.starts_with("unknown family `gfx130X`: expected one of "),
+            "{error}"
+        );
+        assert_eq!(
+            targets.select(&Selection::All).unwrap().len(),
+            targets.targets.len()
+        );
     }
 
     #[test]
     fn unknown_target_names_the_target() {
         let error = committed().target("gfx1250").unwrap_err().to_string();
-        assert!(error.starts_with("unknown target `gfx1250`: expected one of cpu, gfx908"), "{error}");
+        assert!(
+            error.starts_with("unknown target `gfx1250`: expected one of cpu, gfx908"),
+            "{error}"
+        );
     }
 
     #[test]
@@ -1139,7 +1245,10 @@ family = "gfx120X"
         for name in ["gfx1200", "gfx1201"] {
             let vmm = targets.target(name).unwrap().feature("vmm").unwrap();
             assert_eq!(vmm.state, FeatureState::Off, "{name}");
-            assert!(vmm.reason.as_deref().unwrap().contains("hipMemSetAccess"), "{name}");
+            assert!(
+                vmm.reason.as_deref().unwrap().contains("hipMemSetAccess"),
+                "{name}"
+            );
             assert_eq!(
                 vmm.tracking,
                 [
@@ -1169,13 +1278,19 @@ family = "gfx120X"
     #[test]
     fn duplicate_target_names_both_lines() {
         let text = format!("{MINIMAL}\n[[target]]\nname = \"gfx1201\"\nfamily = \"gfx120X\"\n");
-        check_problem(&text, "32: duplicate target `gfx1201` (first defined at line 28)");
+        check_problem(
+            &text,
+            "32: duplicate target `gfx1201` (first defined at line 28)",
+        );
     }
 
     #[test]
     fn unknown_family_is_reported_at_its_line() {
         let text = format!("{MINIMAL}\n[[target]]\nname = \"gfx1200\"\nfamily = \"gfx12X\"\n");
-        check_problem(&text, "33: unknown family `gfx12X` for target `gfx1200`: expected one of gfx120X");
+        check_problem(
+            &text,
+            "33: unknown family `gfx12X` for target `gfx1200`: expected one of gfx120X",
+        );
     }
 
     #[test]
@@ -1183,21 +1298,39 @@ family = "gfx120X"
         let text = MINIMAL.replace("wave_size = 32", "wave_size = 32\nwavesize = 64");
         let found = problems(&text);
         assert_eq!(found.len(), 1, "{found:?}");
-        assert!(found[0].starts_with("23: unknown field `wavesize`"), "{found:?}");
+        assert!(
+            found[0].starts_with("23: unknown field `wavesize`"),
+            "{found:?}"
+        );
 
-        let text = MINIMAL.replace("features.vmm = { state = \"on\" }", "features.vmm = { state = \"maybe\" }");
+        let text = MINIMAL.replace(
+            "features.vmm = { state = \"on\" }",
+            "features.vmm = { state = \"maybe\" }",
+        );
         let found = problems(&text);
-        assert!(found[0].starts_with("25: unknown variant `maybe`"), "{found:?}");
+        assert!(
+            found[0].starts_with("25: unknown variant `maybe`"),
+            "{found:?}"
+        );
 
         let text = MINIMAL.replace("features.vmm", "features.vmn");
-        check_problem(&text, "25: unknown feature `vmn` in family `gfx120X`: expected one of peer_copy, vmm");
+        check_problem(
+            &text,
+            "25: unknown feature `vmn` in family `gfx120X`: expected one of peer_copy, vmm",
+        );
     }
 
     #[test]
     fn off_features_need_a_reason_and_a_tracking_link() {
         let text = MINIMAL.replace("{ state = \"on\" }", "{ state = \"off\" }");
-        check_problem(&text, "25: feature `vmm` of family `gfx120X` is off but gives no reason");
-        check_problem(&text, "25: feature `vmm` of family `gfx120X` is off but has no tracking link");
+        check_problem(
+            &text,
+            "25: feature `vmm` of family `gfx120X` is off but gives no reason",
+        );
+        check_problem(
+            &text,
+            "25: feature `vmm` of family `gfx120X` is off but has no tracking link",
+        );
         let text = MINIMAL.replace(
             "{ state = \"on\" }",
             "{ state = \"off\", reason = \"faults\", tracking = [\"github.com/x/y/issues/1\"] }",
@@ -1253,7 +1386,10 @@ family = "gfx120X"
             "[platform.linux]",
             "[[rocm]]\nversion = \"6.4.1\"\ndefault = true\nbuild_image = \"a\"\nruntime_image = \"b\"\n\n[platform.linux]",
         );
-        check_problem(&text, "3: expected exactly one [[rocm]] release with `default = true`, found 2");
+        check_problem(
+            &text,
+            "3: expected exactly one [[rocm]] release with `default = true`, found 2",
+        );
     }
 
     #[test]
@@ -1262,7 +1398,12 @@ family = "gfx120X"
             "{MINIMAL}\n[[target]]\nname = \"gfx1200\"\nfamily = \"gfx120X\"\nfeatures.vmm = {{ state = \"off\", reason = \"faults\", tracking = [\"https://example.org/1\"] }}\n"
         );
         let targets = Targets::parse(&text, Path::new("t.toml")).unwrap();
-        assert!(targets.target("gfx1201").unwrap().feature("vmm").unwrap().enabled());
+        assert!(targets
+            .target("gfx1201")
+            .unwrap()
+            .feature("vmm")
+            .unwrap()
+            .enabled());
         let vmm = targets.target("gfx1200").unwrap().feature("vmm").unwrap();
         assert_eq!(vmm.state, FeatureState::Off);
         assert_eq!(vmm.reason.as_deref(), Some("faults"));
@@ -1281,13 +1422,22 @@ family = "gfx120X"
     #[test]
     fn images_resolve_to_digest_references_when_pinned() {
         let pinned = image("rocm/x:1".into(), format!("sha256:{}", "a".repeat(64)));
-        assert_eq!(pinned.reference(), format!("rocm/x:1@sha256:{}", "a".repeat(64)));
-        assert_eq!(image("rocm/x:1".into(), String::new()).reference(), "rocm/x:1");
+        assert_eq!(
+            pinned.reference(),
+            format!("rocm/x:1@sha256:{}", "a".repeat(64))
+        );
+        assert_eq!(
+            image("rocm/x:1".into(), String::new()).reference(),
+            "rocm/x:1"
+        );
         let text = MINIMAL.replace(
             "runtime_image = \"rocm/dev-ubuntu-24.04:7.0\"",
             "runtime_image = \"rocm/dev-ubuntu-24.04:7.0\"\nruntime_image_digest = \"sha256:abc\"",
         );
-        check_problem(&text, "3: expected an image digest like `sha256:<64 hex digits>`, found `sha256:abc`");
+        check_problem(
+            &text,
+            "3: expected an image digest like `sha256:<64 hex digits>`, found `sha256:abc`",
+        );
     }
 
     #[test]

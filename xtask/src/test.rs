@@ -44,21 +44,38 @@ impl Steps {
             Ok(()) => println!("<== {name}: ok ({seconds:.1} s)"),
             Err(error) => println!("<== {name}: FAILED ({seconds:.1} s)\n{error}"),
         }
-        self.outcomes.push(Outcome { name: name.to_string(), result, seconds });
+        self.outcomes.push(Outcome {
+            name: name.to_string(),
+            result,
+            seconds,
+        });
     }
 
     fn finish(self) -> Result<()> {
         println!("\n==> summary");
         for outcome in &self.outcomes {
-            let status = if outcome.result.is_ok() { "ok    " } else { "FAILED" };
+            let status = if outcome.result.is_ok() {
+                "ok    "
+            } else {
+                "FAILED"
+            };
             println!("  {status} {:>7.1} s  {}", outcome.seconds, outcome.name);
         }
         let failed: Vec<&Outcome> = self.outcomes.iter().filter(|o| o.result.is_err()).collect();
-        println!("{} passed, {} failed", self.outcomes.len() - failed.len(), failed.len());
+        println!(
+            "{} passed, {} failed",
+            self.outcomes.len() - failed.len(),
+            failed.len()
+        );
         if !failed.is_empty() {
             let mut message = String::from("cargo xtask test failed:");
             for outcome in failed {
-                let first_line = outcome.result.as_ref().err().and_then(|e| e.lines().next()).unwrap_or("");
+                let first_line = outcome
+                    .result
+                    .as_ref()
+                    .err()
+                    .and_then(|e| e.lines().next())
+                    .unwrap_or("");
                 message.push_str(&format!("\n  {}: {first_line}", outcome.name));
             }
             bail!(message);
@@ -71,7 +88,10 @@ impl crate::flags::Test {
     pub fn run(self, sh: &Shell) -> Result<()> {
         let root = crate::project_root();
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
-        let mut steps = Steps { total: if self.skip_toolchain { 3 } else { 13 }, outcomes: Vec::new() };
+        let mut steps = Steps {
+            total: if self.skip_toolchain { 3 } else { 13 },
+            outcomes: Vec::new(),
+        };
 
         steps.run("fetch the pinned models (ember pull --all)", || {
             cmd!(sh, "{cargo} run --release -p ember -- pull --all").run()?;
@@ -93,33 +113,43 @@ impl crate::flags::Test {
         let version = manifest::workspace_version(&root)?;
         let model = model_path(&root, &self.model)?;
 
-        steps.run("kernels for every target (xtask kernels --all)", || all_kernels(sh, &root, &targets));
+        steps.run("kernels for every target (xtask kernels --all)", || {
+            all_kernels(sh, &root, &targets)
+        });
         steps.run("a wrong target name fails", || wrong_target_fails(sh));
         for target in ["gfx1201", "gfx1151"] {
             steps.run(&format!("build --target {target}"), || {
                 build::build(sh, &root, &targets, target, Os::Linux, &version).map(drop)
             });
         }
-        steps.run("gfx1201 and gfx1151: manifest.json and `ember info` match targets.toml", || {
-            compare_gpu_artifacts(sh, &root, &targets, &version)
-        });
-        steps.run("build --target cpu --os windows, run ember.exe under wine", || {
-            windows_under_wine(sh, &root, &targets, &version, &model)
-        });
+        steps.run(
+            "gfx1201 and gfx1151: manifest.json and `ember info` match targets.toml",
+            || compare_gpu_artifacts(sh, &root, &targets, &version),
+        );
+        steps.run(
+            "build --target cpu --os windows, run ember.exe under wine",
+            || windows_under_wine(sh, &root, &targets, &version, &model),
+        );
         steps.run("matrix --check", || {
             matrix::check_workflow(&targets, &matrix::default_workflow_path(&root))?;
             println!("matrix: the release workflow matches targets.toml");
             Ok(())
         });
-        steps.run("matrix --check fails after a target is added", || matrix_drift_fails(sh, &root));
+        steps.run("matrix --check fails after a target is added", || {
+            matrix_drift_fails(sh, &root)
+        });
         steps.run("actionlint", || actionlint(sh, &root));
         steps.run("build --target cpu (for the image)", || {
             build::build(sh, &root, &targets, "cpu", Os::Linux, &version).map(drop)
         });
         let image = format!("ember:{version}-cpu");
-        steps.run(&format!("docker --target cpu --base {}, smoke --image {image}", self.base), || {
-            docker_and_smoke(sh, &self.base, &image, &self.model)
-        });
+        steps.run(
+            &format!(
+                "docker --target cpu --base {}, smoke --image {image}",
+                self.base
+            ),
+            || docker_and_smoke(sh, &self.base, &image, &self.model),
+        );
         steps.finish()
     }
 }
@@ -134,7 +164,10 @@ fn all_kernels(sh: &Shell, root: &Path, targets: &Targets) -> Result<()> {
         && std::env::var_os("ROCM_PATH").is_none()
         && !Path::new("/opt/rocm").is_dir()
     {
-        bail!("no AMDGPU kernel compiler (clang++-19 or ROCm) found: run {}", toolchain::SETUP_KERNELS);
+        bail!(
+            "no AMDGPU kernel compiler (clang++-19 or ROCm) found: run {}",
+            toolchain::SETUP_KERNELS
+        );
     }
     let mut toolchains = Toolchains::default();
     let compiler = toolchains.amdgpu().map_err(anyhow::Error::msg)?.clone();
@@ -144,9 +177,15 @@ fn all_kernels(sh: &Shell, root: &Path, targets: &Targets) -> Result<()> {
         let outcome = kernels::compile_target(sh, root, target, &mut toolchains);
         match (&outcome, target.kind) {
             (Ok(KernelOutcome::Compiled { objects }), _) => {
-                println!("  {:<8} {} code object(s), architecture verified", target.name, objects.len())
+                println!(
+                    "  {:<8} {} code object(s), architecture verified",
+                    target.name,
+                    objects.len()
+                )
             }
-            (Ok(KernelOutcome::NoKernels), _) => println!("  {:<8} no kernels (CPU target)", target.name),
+            (Ok(KernelOutcome::NoKernels), _) => {
+                println!("  {:<8} no kernels (CPU target)", target.name)
+            }
             (Ok(KernelOutcome::NotCompiled { reason }), kind) => {
                 println!("  {:<8} not compiled: {reason}", target.name);
                 // Only a target newer than the compiler may be left out; anything else this
@@ -163,40 +202,60 @@ fn all_kernels(sh: &Shell, root: &Path, targets: &Targets) -> Result<()> {
             (Err(error), _) => problems.push(format!("{}: {error:#}", target.name)),
         }
     }
-    ensure!(problems.is_empty(), "kernels failed:\n  {}", problems.join("\n  "));
+    ensure!(
+        problems.is_empty(),
+        "kernels failed:\n  {}",
+        problems.join("\n  ")
+    );
     Ok(())
 }
 
 fn wrong_target_fails(sh: &Shell) -> Result<()> {
     let xtask = xtask_exe()?;
-    let output = cmd!(sh, "{xtask} kernels --target gfx9999").ignore_status().output()?;
+    let output = cmd!(sh, "{xtask} kernels --target gfx9999")
+        .ignore_status()
+        .output()?;
     let stderr = String::from_utf8_lossy(&output.stderr);
-    ensure!(!output.status.success(), "`xtask kernels --target gfx9999` succeeded; expected it to fail");
+    ensure!(
+        !output.status.success(),
+        "`xtask kernels --target gfx9999` succeeded; expected it to fail"
+    );
     ensure!(
         stderr.contains("unknown target `gfx9999`"),
         "`xtask kernels --target gfx9999` failed without naming the target:\n{stderr}"
     );
-    println!("wrong target: failed as expected: {}", stderr.lines().find(|l| l.contains("gfx9999")).unwrap_or(""));
+    println!(
+        "wrong target: failed as expected: {}",
+        stderr.lines().find(|l| l.contains("gfx9999")).unwrap_or("")
+    );
     Ok(())
 }
 
 /// Unpacks an archive into `target/xtask-test/<stem>/` and returns the package folder.
 fn unpack(root: &Path, archive: &Path) -> Result<PathBuf> {
     let dest = root.join("target").join("xtask-test");
-    let name = archive.file_name().and_then(|n| n.to_str()).context("archive name is not UTF-8")?;
+    let name = archive
+        .file_name()
+        .and_then(|n| n.to_str())
+        .context("archive name is not UTF-8")?;
     let stem = name.trim_end_matches(".tar.gz").trim_end_matches(".zip");
     let folder = dest.join(stem);
     if folder.exists() {
         std::fs::remove_dir_all(&folder)?;
     }
     std::fs::create_dir_all(&dest)?;
-    let file = std::fs::File::open(archive).with_context(|| format!("opening {}", archive.display()))?;
+    let file =
+        std::fs::File::open(archive).with_context(|| format!("opening {}", archive.display()))?;
     if name.ends_with(".zip") {
         zip::ZipArchive::new(file)?.extract(&dest)?;
     } else {
         tar::Archive::new(flate2::read::GzDecoder::new(file)).unpack(&dest)?;
     }
-    ensure!(folder.is_dir(), "expected {} to hold the folder {stem}, found none", archive.display());
+    ensure!(
+        folder.is_dir(),
+        "expected {} to hold the folder {stem}, found none",
+        archive.display()
+    );
     Ok(folder)
 }
 
@@ -206,31 +265,71 @@ fn compare_gpu_artifacts(sh: &Shell, root: &Path, targets: &Targets, version: &s
         let archive = package::archive_path(root, version, Os::Linux, name);
         let folder = unpack(root, &archive)?;
         sh.change_dir(&folder);
-        let sums = cmd!(sh, "sha256sum -c --strict --quiet SHA256SUMS").ignore_status().output()?;
+        let sums = cmd!(sh, "sha256sum -c --strict --quiet SHA256SUMS")
+            .ignore_status()
+            .output()?;
         sh.change_dir(crate::project_root());
-        ensure!(sums.status.success(), "sha256sum -c SHA256SUMS failed in {}:\n{}", folder.display(), String::from_utf8_lossy(&sums.stdout));
+        ensure!(
+            sums.status.success(),
+            "sha256sum -c SHA256SUMS failed in {}:\n{}",
+            folder.display(),
+            String::from_utf8_lossy(&sums.stdout)
+        );
         let text = std::fs::read_to_string(folder.join("manifest.json"))?;
-        let manifest: PackageManifest = serde_json::from_str(&text).context("parsing manifest.json")?;
+        let manifest: PackageManifest =
+            serde_json::from_str(&text).context("parsing manifest.json")?;
         let target = targets.target(name)?;
-        let expected: Vec<FeatureRecord> = target.features.iter().map(FeatureRecord::from_feature).collect();
-        ensure!(manifest.build.target == name, "{name}: manifest.json names target {}", manifest.build.target);
-        ensure!(manifest.build.features == expected, "{name}: manifest.json features {:?} differ from targets.toml's {:?}", manifest.build.features, expected);
+        let expected: Vec<FeatureRecord> = target
+            .features
+            .iter()
+            .map(FeatureRecord::from_feature)
+            .collect();
+        ensure!(
+            manifest.build.target == name,
+            "{name}: manifest.json names target {}",
+            manifest.build.target
+        );
+        ensure!(
+            manifest.build.features == expected,
+            "{name}: manifest.json features {:?} differ from targets.toml's {:?}",
+            manifest.build.features,
+            expected
+        );
         check_ember_info(sh, &folder, &manifest.build)?;
         manifests.push(manifest.build);
     }
     // Apart from what targets.toml says differs, the two builds record the same things.
     let a = serde_json::to_value(&manifests[0])?;
     let b = serde_json::to_value(&manifests[1])?;
-    let (a, b) = (a.as_object().context("manifest is an object")?, b.as_object().context("manifest is an object")?);
-    let differing: Vec<&str> = a.keys().filter(|k| a[*k] != b[*k]).map(String::as_str).collect();
+    let (a, b) = (
+        a.as_object().context("manifest is an object")?,
+        b.as_object().context("manifest is an object")?,
+    );
+    let differing: Vec<&str> = a
+        .keys()
+        .filter(|k| a[*k] != b[*k])
+        .map(String::as_str)
+        .collect();
     ensure!(
         differing == ["family", "family_description", "features", "kernels", "target"],
         "gfx1201 and gfx1151 manifests differ in {differing:?}; expected only family, family_description, features, kernels, target"
     );
     let vmm = |m: &BuildManifest| m.feature("vmm").map(|f| f.state.clone());
-    ensure!(vmm(&manifests[0]).as_deref() == Some("off"), "gfx1201: expected vmm off");
-    ensure!(vmm(&manifests[1]).as_deref() == Some("on"), "gfx1151: expected vmm on");
-    println!("artifacts: gfx1201 says vmm off ({}), gfx1151 says vmm on", manifests[0].feature("vmm").and_then(|f| f.reason.clone()).unwrap_or_default());
+    ensure!(
+        vmm(&manifests[0]).as_deref() == Some("off"),
+        "gfx1201: expected vmm off"
+    );
+    ensure!(
+        vmm(&manifests[1]).as_deref() == Some("on"),
+        "gfx1151: expected vmm on"
+    );
+    println!(
+        "artifacts: gfx1201 says vmm off ({}), gfx1151 says vmm on",
+        manifests[0]
+            .feature("vmm")
+            .and_then(|f| f.reason.clone())
+            .unwrap_or_default()
+    );
     Ok(())
 }
 
@@ -240,27 +339,50 @@ fn check_ember_info(sh: &Shell, folder: &Path, manifest: &BuildManifest) -> Resu
     let exe = folder.join("ember");
     let output = cmd!(sh, "{exe} info").ignore_status().output()?;
     let stdout = String::from_utf8_lossy(&output.stdout);
-    ensure!(output.status.success(), "`{} info` failed ({}):\n{}{}", exe.display(), output.status, stdout, String::from_utf8_lossy(&output.stderr));
+    ensure!(
+        output.status.success(),
+        "`{} info` failed ({}):\n{}{}",
+        exe.display(),
+        output.status,
+        stdout,
+        String::from_utf8_lossy(&output.stderr)
+    );
     let mut expected = vec![format!("target: {}", manifest.target)];
     for feature in &manifest.features {
         expected.push(feature_line(feature));
     }
     for line in &expected {
-        ensure!(stdout.contains(line.as_str()), "`ember info` of the {} artifact does not print `{line}`:\n{stdout}", manifest.target);
+        ensure!(
+            stdout.contains(line.as_str()),
+            "`ember info` of the {} artifact does not print `{line}`:\n{stdout}",
+            manifest.target
+        );
     }
-    println!("ember info ({}): prints {}", manifest.target, expected.join(" | "));
+    println!(
+        "ember info ({}): prints {}",
+        manifest.target,
+        expected.join(" | ")
+    );
     Ok(())
 }
 
 /// How `render_text` prints one feature: `vmm: off (reason)` or `peer_copy: on`.
 pub fn feature_line(feature: &FeatureRecord) -> String {
     match &feature.reason {
-        Some(reason) if feature.state != "on" => format!("{}: {} ({reason})", feature.name, feature.state),
+        Some(reason) if feature.state != "on" => {
+            format!("{}: {} ({reason})", feature.name, feature.state)
+        }
         _ => format!("{}: {}", feature.name, feature.state),
     }
 }
 
-fn windows_under_wine(sh: &Shell, root: &Path, targets: &Targets, version: &str, model: &Path) -> Result<()> {
+fn windows_under_wine(
+    sh: &Shell,
+    root: &Path,
+    targets: &Targets,
+    version: &str,
+    model: &Path,
+) -> Result<()> {
     let wine = toolchain::which("wine")
         .or_else(|| toolchain::which("wine64"))
         .context("wine not found: run .ci/setup-wine.sh")?;
@@ -270,17 +392,43 @@ fn windows_under_wine(sh: &Shell, root: &Path, targets: &Targets, version: &str,
     let prefix = root.join("target").join("wine-prefix");
     std::fs::create_dir_all(&prefix)?;
     let model_arg = format!("Z:{}", model.display()).replace('/', "\\");
-    let _env = (sh.push_env("WINEPREFIX", &prefix), sh.push_env("WINEDEBUG", "-all"));
-    let output = cmd!(sh, "{wine} {exe} --version").ignore_status().output()?;
+    let _env = (
+        sh.push_env("WINEPREFIX", &prefix),
+        sh.push_env("WINEDEBUG", "-all"),
+    );
+    let output = cmd!(sh, "{wine} {exe} --version")
+        .ignore_status()
+        .output()?;
     let stdout = String::from_utf8_lossy(&output.stdout);
-    ensure!(output.status.success(), "`ember.exe --version` under wine failed ({}):\n{stdout}{}", output.status, String::from_utf8_lossy(&output.stderr));
-    ensure!(stdout.contains(version), "`ember.exe --version` printed {stdout:?}; expected the version {version}");
+    ensure!(
+        output.status.success(),
+        "`ember.exe --version` under wine failed ({}):\n{stdout}{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    ensure!(
+        stdout.contains(version),
+        "`ember.exe --version` printed {stdout:?}; expected the version {version}"
+    );
     println!("wine: {}", stdout.trim());
-    let output = cmd!(sh, "{wine} {exe} info -m {model_arg}").ignore_status().output()?;
+    let output = cmd!(sh, "{wine} {exe} info -m {model_arg}")
+        .ignore_status()
+        .output()?;
     let stdout = String::from_utf8_lossy(&output.stdout);
-    ensure!(output.status.success(), "`ember.exe info -m {model_arg}` under wine failed ({}):\n{stdout}{}", output.status, String::from_utf8_lossy(&output.stderr));
-    ensure!(stdout.contains("target: cpu"), "`ember.exe info` under wine does not print `target: cpu`:\n{stdout}");
-    println!("wine: ember.exe info -m {model_arg}: ok ({} lines)", stdout.lines().count());
+    ensure!(
+        output.status.success(),
+        "`ember.exe info -m {model_arg}` under wine failed ({}):\n{stdout}{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    ensure!(
+        stdout.contains("target: cpu"),
+        "`ember.exe info` under wine does not print `target: cpu`:\n{stdout}"
+    );
+    println!(
+        "wine: ember.exe info -m {model_arg}: ok ({} lines)",
+        stdout.lines().count()
+    );
     Ok(())
 }
 
@@ -289,18 +437,30 @@ fn matrix_drift_fails(sh: &Shell, root: &Path) -> Result<()> {
     std::fs::create_dir_all(&dir)?;
     let copy = dir.join("targets-with-added-target.toml");
     let text = std::fs::read_to_string(root.join("targets.toml"))?;
-    std::fs::write(&copy, format!("{text}\n[[target]]\nname = \"gfx1036\"\nfamily = \"gfx103X\"\nmin_llvm = 15\n"))?;
+    std::fs::write(
+        &copy,
+        format!("{text}\n[[target]]\nname = \"gfx1036\"\nfamily = \"gfx103X\"\nmin_llvm = 15\n"),
+    )?;
     let xtask = xtask_exe()?;
-    let output = cmd!(sh, "{xtask} matrix --check --targets {copy}").ignore_status().output()?;
+    let output = cmd!(sh, "{xtask} matrix --check --targets {copy}")
+        .ignore_status()
+        .output()?;
     let stderr = String::from_utf8_lossy(&output.stderr);
-    ensure!(!output.status.success(), "`xtask matrix --check` passed with a target added to targets.toml; expected drift");
-    ensure!(stderr.contains("has drifted"), "`xtask matrix --check` failed for another reason:\n{stderr}");
+    ensure!(
+        !output.status.success(),
+        "`xtask matrix --check` passed with a target added to targets.toml; expected drift"
+    );
+    ensure!(
+        stderr.contains("has drifted"),
+        "`xtask matrix --check` failed for another reason:\n{stderr}"
+    );
     println!("matrix: drift detected as expected");
     Ok(())
 }
 
 fn actionlint(sh: &Shell, root: &Path) -> Result<()> {
-    let actionlint = toolchain::actionlint().with_context(|| format!("actionlint not found: run {}", toolchain::SETUP_ACTIONLINT))?;
+    let actionlint = toolchain::actionlint()
+        .with_context(|| format!("actionlint not found: run {}", toolchain::SETUP_ACTIONLINT))?;
     let files = matrix::workflow_files(root);
     ensure!(!files.is_empty(), "no workflows in .github/workflows");
     let files_ref = &files;
@@ -310,11 +470,27 @@ fn actionlint(sh: &Shell, root: &Path) -> Result<()> {
 }
 
 fn docker_and_smoke(sh: &Shell, base: &str, image: &str, model: &str) -> Result<()> {
-    if toolchain::which("docker").is_none() || !cmd!(sh, "docker info").quiet().ignore_stdout().ignore_stderr().run().is_ok() {
+    if toolchain::which("docker").is_none()
+        || cmd!(sh, "docker info")
+            .quiet()
+            .ignore_stdout()
+            .ignore_stderr()
+            .run()
+            .is_err()
+    {
         bail!("docker (with a running daemon) not found: run .ci/setup-docker.sh");
     }
-    crate::flags::Docker { target: "cpu".to_string(), base: Some(base.to_string()) }.run(sh)?;
-    crate::flags::Smoke { artifact: None, image: Some(image.to_string()), model: model.to_string() }.run(sh)
+    crate::flags::Docker {
+        target: "cpu".to_string(),
+        base: Some(base.to_string()),
+    }
+    .run(sh)?;
+    crate::flags::Smoke {
+        artifact: None,
+        image: Some(image.to_string()),
+        model: model.to_string(),
+    }
+    .run(sh)
 }
 
 /// The model file of `name` from models.toml, in `$EMBER_MODELS_DIR` or `~/.cache/ember/models`.
@@ -324,13 +500,17 @@ fn model_path(root: &Path, name: &str) -> Result<PathBuf> {
     let file = models
         .get("model")
         .and_then(toml::Value::as_array)
-        .and_then(|list| list.iter().find(|m| m.get("name").and_then(toml::Value::as_str) == Some(name)))
+        .and_then(|list| {
+            list.iter()
+                .find(|m| m.get("name").and_then(toml::Value::as_str) == Some(name))
+        })
         .and_then(|m| m.get("file"))
         .and_then(toml::Value::as_str)
         .with_context(|| format!("expected a model named {name:?} in models.toml, found none"))?;
     let dir = match std::env::var_os("EMBER_MODELS_DIR") {
         Some(dir) => PathBuf::from(dir),
-        None => PathBuf::from(std::env::var_os("HOME").context("expected $HOME to be set")?).join(".cache/ember/models"),
+        None => PathBuf::from(std::env::var_os("HOME").context("expected $HOME to be set")?)
+            .join(".cache/ember/models"),
     };
     Ok(dir.join(file))
 }
@@ -341,7 +521,13 @@ mod tests {
 
     #[test]
     fn feature_lines_match_render_text() {
-        let on = FeatureRecord { name: "vmm".into(), state: "on".into(), enabled: true, reason: None, tracking: vec![] };
+        let on = FeatureRecord {
+            name: "vmm".into(),
+            state: "on".into(),
+            enabled: true,
+            reason: None,
+            tracking: vec![],
+        };
         assert_eq!(feature_line(&on), "vmm: on");
         let off = FeatureRecord {
             name: "vmm".into(),
@@ -356,8 +542,17 @@ mod tests {
     #[test]
     fn model_paths_come_from_models_toml() {
         let path = model_path(&crate::project_root(), "smollm2-135m-instruct-q4_1").unwrap();
-        assert!(path.ends_with("SmolLM2-135M-Instruct.Q4_1.gguf"), "{}", path.display());
-        let error = model_path(&crate::project_root(), "nope").unwrap_err().to_string();
-        assert_eq!(error, "expected a model named \"nope\" in models.toml, found none");
+        assert!(
+            path.ends_with("SmolLM2-135M-Instruct.Q4_1.gguf"),
+            "{}",
+            path.display()
+        );
+        let error = model_path(&crate::project_root(), "nope")
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            error,
+            "expected a model named \"nope\" in models.toml, found none"
+        );
     }
 }

@@ -19,7 +19,10 @@ fn workflows_pass_actionlint_when_it_is_installed() {
     // `cargo xtask test` runs actionlint unconditionally and fails without it; this test covers a
     // plain `cargo test` on a machine where .ci/setup-actionlint.sh has run.
     let Some(actionlint) = toolchain::actionlint() else {
-        eprintln!("actionlint not installed ({}): skipping the workflow lint here", toolchain::SETUP_ACTIONLINT);
+        eprintln!(
+            "actionlint not installed ({}): skipping the workflow lint here",
+            toolchain::SETUP_ACTIONLINT
+        );
         return;
     };
     let root = crate::project_root();
@@ -40,11 +43,19 @@ fn workflows_pass_actionlint_when_it_is_installed() {
 fn ci_scripts_are_executable_and_parse() {
     use std::os::unix::fs::PermissionsExt;
     let root = crate::project_root();
-    for script in [".ci/setup-kernels.sh", ".ci/setup-windows.sh", ".ci/setup-actionlint.sh"] {
+    for script in [
+        ".ci/setup-kernels.sh",
+        ".ci/setup-windows.sh",
+        ".ci/setup-actionlint.sh",
+    ] {
         let path = root.join(script);
         let mode = std::fs::metadata(&path).unwrap().permissions().mode();
         assert_eq!(mode & 0o111, 0o111, "{script} is not executable");
-        let status = std::process::Command::new("bash").arg("-n").arg(&path).status().unwrap();
+        let status = std::process::Command::new("bash")
+            .arg("-n")
+            .arg(&path)
+            .status()
+            .unwrap();
         assert!(status.success(), "{script} does not parse");
     }
 }

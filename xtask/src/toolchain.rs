@@ -21,9 +21,15 @@ pub const SETUP_KERNELS: &str = ".ci/setup-kernels.sh";
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum AmdgpuSource {
     /// A ROCm install (`$ROCM_PATH`, `/opt/rocm`) or the Windows HIP SDK (`$HIP_PATH`).
-    Rocm { rocm_path: PathBuf, rocm_version: Option<String> },
+    Rocm {
+        rocm_path: PathBuf,
+        rocm_version: Option<String>,
+    },
     /// Debian's clang with the HIP headers under `hip_root` and device libraries in `device_libs`.
-    Debian { hip_root: PathBuf, device_libs: PathBuf },
+    Debian {
+        hip_root: PathBuf,
+        device_libs: PathBuf,
+    },
 }
 
 /// A clang that can compile HIP for AMDGPU targets.
@@ -43,20 +49,36 @@ impl AmdgpuCompiler {
     /// then Debian's clang-19 (or `$EMBER_CLANG`) with HIP headers and device libraries.
     pub fn discover() -> Result<AmdgpuCompiler> {
         let mut looked = Vec::new();
-        let rocm_roots = [std::env::var_os("ROCM_PATH"), Some("/opt/rocm".into()), std::env::var_os("HIP_PATH")];
+        let rocm_roots = [
+            std::env::var_os("ROCM_PATH"),
+            Some("/opt/rocm".into()),
+            std::env::var_os("HIP_PATH"),
+        ];
         for root in rocm_roots.into_iter().flatten() {
             let root = PathBuf::from(root);
             let clang = root.join("llvm").join("bin").join(exe("clang++"));
-            let clang = if clang.is_file() { clang } else { root.join("bin").join(exe("clang++")) };
+            let clang = if clang.is_file() {
+                clang
+            } else {
+                root.join("bin").join(exe("clang++"))
+            };
             looked.push(clang.display().to_string());
             if clang.is_file() {
                 let rocm_version = std::fs::read_to_string(root.join(".info").join("version"))
                     .ok()
                     .map(|v| v.trim().to_string());
-                return AmdgpuCompiler::probe(clang, AmdgpuSource::Rocm { rocm_path: root, rocm_version });
+                return AmdgpuCompiler::probe(
+                    clang,
+                    AmdgpuSource::Rocm {
+                        rocm_path: root,
+                        rocm_version,
+                    },
+                );
             }
         }
-        let clang = std::env::var_os("EMBER_CLANG").map(PathBuf::from).or_else(|| which("clang++-19"));
+        let clang = std::env::var_os("EMBER_CLANG")
+            .map(PathBuf::from)
+            .or_else(|| which("clang++-19"));
         looked.push("clang++-19 on PATH (or $EMBER_CLANG)".to_string());
         let Some(clang) = clang else {
             bail!(
@@ -72,19 +94,37 @@ impl AmdgpuCompiler {
             );
         }
         let device_libs = device_libs_dir()?;
-        AmdgpuCompiler::probe(clang, AmdgpuSource::Debian { hip_root, device_libs })
+        AmdgpuCompiler::probe(
+            clang,
+            AmdgpuSource::Debian {
+                hip_root,
+                device_libs,
+            },
+        )
     }
 
     fn probe(clang: PathBuf, source: AmdgpuSource) -> Result<AmdgpuCompiler> {
         let version = first_line(&output(Command::new(&clang).arg("--version"))?);
-        let llvm_major = llvm_major(&version)
-            .with_context(|| format!("expected `clang version N.M` from {} --version, found {version:?}", clang.display()))?;
+        let llvm_major = llvm_major(&version).with_context(|| {
+            format!(
+                "expected `clang version N.M` from {} --version, found {version:?}",
+                clang.display()
+            )
+        })?;
         // clang prints the processor list on stderr.
-        let cpus = output_and_errors(
-            Command::new(&clang).args(["--target=amdgcn-amd-amdhsa", "-nogpulib", "--print-supported-cpus"]),
-        )?;
+        let cpus = output_and_errors(Command::new(&clang).args([
+            "--target=amdgcn-amd-amdhsa",
+            "-nogpulib",
+            "--print-supported-cpus",
+        ]))?;
         let supported = parse_supported_cpus(&cpus);
-        Ok(AmdgpuCompiler { clang, source, version, llvm_major, supported })
+        Ok(AmdgpuCompiler {
+            clang,
+            source,
+            version,
+            llvm_major,
+            supported,
+        })
     }
 
     /// `Ok` when this compiler can build `target`, else the reason it cannot.
@@ -113,8 +153,13 @@ impl AmdgpuCompiler {
     /// The compiler's arguments that locate HIP headers and device libraries.
     pub fn location_args(&self) -> Vec<String> {
         match &self.source {
-            AmdgpuSource::Rocm { rocm_path, .. } => vec![format!("--rocm-path={}", rocm_path.display())],
-            AmdgpuSource::Debian { hip_root, device_libs } => vec![
+            AmdgpuSource::Rocm { rocm_path, .. } => {
+                vec![format!("--rocm-path={}", rocm_path.display())]
+            }
+            AmdgpuSource::Debian {
+                hip_root,
+                device_libs,
+            } => vec![
                 format!("--rocm-path={}", hip_root.display()),
                 format!("--rocm-device-lib-path={}", device_libs.display()),
             ],
@@ -132,14 +177,18 @@ impl AmdgpuCompiler {
     /// One line for logs and the manifest.
     pub fn describe(&self) -> String {
         match &self.source {
-            AmdgpuSource::Rocm { rocm_path, rocm_version } => format!(
+            AmdgpuSource::Rocm {
+                rocm_path,
+                rocm_version,
+            } => format!(
                 "{} (ROCm {} at {})",
                 self.version,
                 rocm_version.as_deref().unwrap_or("of unknown version"),
                 rocm_path.display()
             ),
             AmdgpuSource::Debian { device_libs, .. } => {
-                let source = std::fs::read_to_string(device_libs.join(".source")).unwrap_or_default();
+                let source =
+                    std::fs::read_to_string(device_libs.join(".source")).unwrap_or_default();
                 format!(
                     "{} with Debian's HIP headers and device libraries {}",
                     self.version,
@@ -186,7 +235,10 @@ pub fn device_libs_dir() -> Result<PathBuf> {
     if let Some(dir) = std::env::var_os("EMBER_DEVICE_LIBS") {
         let dir = PathBuf::from(dir);
         if !dir.join("ocml.bc").is_file() {
-            bail!("EMBER_DEVICE_LIBS={} holds no ocml.bc: expected a ROCm device-library directory", dir.display());
+            bail!(
+                "EMBER_DEVICE_LIBS={} holds no ocml.bc: expected a ROCm device-library directory",
+                dir.display()
+            );
         }
         return Ok(dir);
     }
@@ -207,8 +259,10 @@ pub fn toolchain_cache_dir() -> Result<PathBuf> {
     }
     let cache = match std::env::var_os("XDG_CACHE_HOME") {
         Some(dir) => PathBuf::from(dir),
-        None => PathBuf::from(std::env::var_os("HOME").context("expected $HOME to be set, found nothing")?)
-            .join(".cache"),
+        None => PathBuf::from(
+            std::env::var_os("HOME").context("expected $HOME to be set, found nothing")?,
+        )
+        .join(".cache"),
     };
     Ok(cache.join("ember").join("toolchain"))
 }
@@ -219,7 +273,11 @@ pub const SETUP_ACTIONLINT: &str = ".ci/setup-actionlint.sh";
 /// actionlint: on PATH, else where `.ci/setup-actionlint.sh` installs it.
 pub fn actionlint() -> Option<PathBuf> {
     which("actionlint").or_else(|| {
-        let path = toolchain_cache_dir().ok()?.join("actionlint").join("bin").join(exe("actionlint"));
+        let path = toolchain_cache_dir()
+            .ok()?
+            .join("actionlint")
+            .join("bin")
+            .join(exe("actionlint"));
         path.is_file().then_some(path)
     })
 }
@@ -238,7 +296,9 @@ pub fn rustc_version() -> Result<String> {
 /// Finds an executable on PATH.
 pub fn which(name: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path).map(|dir| dir.join(exe(name))).find(|candidate| candidate.is_file())
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(exe(name)))
+        .find(|candidate| candidate.is_file())
 }
 
 fn exe(name: &str) -> String {
@@ -251,7 +311,9 @@ fn exe(name: &str) -> String {
 
 fn output(command: &mut Command) -> Result<String> {
     let program = command.get_program().to_string_lossy().into_owned();
-    let out = command.output().with_context(|| format!("running {program}"))?;
+    let out = command
+        .output()
+        .with_context(|| format!("running {program}"))?;
     if !out.status.success() {
         bail!(
             "{program} failed ({}): {}",
@@ -265,11 +327,21 @@ fn output(command: &mut Command) -> Result<String> {
 /// Like [`output`], but stdout and stderr together.
 fn output_and_errors(command: &mut Command) -> Result<String> {
     let program = command.get_program().to_string_lossy().into_owned();
-    let out = command.output().with_context(|| format!("running {program}"))?;
+    let out = command
+        .output()
+        .with_context(|| format!("running {program}"))?;
     if !out.status.success() {
-        bail!("{program} failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr).trim());
+        bail!(
+            "{program} failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
     }
-    Ok(format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+    Ok(format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    ))
 }
 
 fn first_line(text: &str) -> String {
@@ -279,13 +351,20 @@ fn first_line(text: &str) -> String {
 /// `Debian clang version 19.1.7 (3~deb12u1)` -> 19; ROCm's `AMD clang version 19.0.0git` -> 19.
 pub fn llvm_major(version_line: &str) -> Option<u32> {
     let rest = &version_line[version_line.find("clang version ")? + "clang version ".len()..];
-    rest.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
+    rest.split(|c: char| !c.is_ascii_digit())
+        .next()?
+        .parse()
+        .ok()
 }
 
 /// The gfx processor names in `clang --print-supported-cpus` output.
 pub fn parse_supported_cpus(text: &str) -> BTreeSet<String> {
     text.split_whitespace()
-        .filter(|word| word.starts_with("gfx") && word[3..].chars().all(|c| c.is_ascii_hexdigit()) && word.len() > 3)
+        .filter(|word| {
+            word.starts_with("gfx")
+                && word[3..].chars().all(|c| c.is_ascii_hexdigit())
+                && word.len() > 3
+        })
         .map(str::to_string)
         .collect()
 }
@@ -295,7 +374,12 @@ pub fn parse_supported_cpus(text: &str) -> BTreeSet<String> {
 pub fn rust_target_installed(rust_target: &str) -> Result<bool> {
     let rustc = std::env::var_os("RUSTC").unwrap_or_else(|| "rustc".into());
     let sysroot = output(Command::new(rustc).args(["--print", "sysroot"]))?;
-    Ok(Path::new(sysroot.trim()).join("lib").join("rustlib").join(rust_target).join("lib").is_dir())
+    Ok(Path::new(sysroot.trim())
+        .join("lib")
+        .join("rustlib")
+        .join(rust_target)
+        .join("lib")
+        .is_dir())
 }
 
 #[cfg(test)]
@@ -304,7 +388,10 @@ mod tests {
 
     #[test]
     fn llvm_major_from_version_lines() {
-        assert_eq!(llvm_major("Debian clang version 19.1.7 (3~deb12u1)"), Some(19));
+        assert_eq!(
+            llvm_major("Debian clang version 19.1.7 (3~deb12u1)"),
+            Some(19)
+        );
         assert_eq!(llvm_major("AMD clang version 20.0.0git (https://github.com/RadeonOpenCompute/llvm-project roc-7.0.0)"), Some(20));
         assert_eq!(llvm_major("gcc (Debian 12.2.0-14) 12.2.0"), None);
     }
@@ -313,7 +400,10 @@ mod tests {
     fn supported_cpus_keep_concrete_processors_only() {
         let text = "Available CPUs for this target:\n\n\tgfx10\n\tgfx1030\n\tgfx11\n\tgfx1201\n\tgfx90a\n\tgfx942\n\ttahiti\n\nUse -mcpu or -mtune";
         let cpus = parse_supported_cpus(text);
-        assert_eq!(cpus.into_iter().collect::<Vec<_>>(), ["gfx10", "gfx1030", "gfx11", "gfx1201", "gfx90a", "gfx942"]);
+        assert_eq!(
+            cpus.into_iter().collect::<Vec<_>>(),
+            ["gfx10", "gfx1030", "gfx11", "gfx1201", "gfx90a", "gfx942"]
+        );
     }
 
     #[test]
@@ -324,12 +414,21 @@ mod tests {
         std::fs::write(dir.join("oclc_isa_version_1151.bc"), b"").unwrap();
         let compiler = AmdgpuCompiler {
             clang: PathBuf::from("clang++-19"),
-            source: AmdgpuSource::Debian { hip_root: "/usr".into(), device_libs: dir.clone() },
+            source: AmdgpuSource::Debian {
+                hip_root: "/usr".into(),
+                device_libs: dir.clone(),
+            },
             version: "Debian clang version 19.1.7".into(),
             llvm_major: 19,
-            supported: ["gfx1151", "gfx1201"].iter().map(|s| s.to_string()).collect(),
+            supported: ["gfx1151", "gfx1201"]
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
         };
-        assert_eq!(compiler.can_compile(targets.target("gfx1151").unwrap()), Ok(()));
+        assert_eq!(
+            compiler.can_compile(targets.target("gfx1151").unwrap()),
+            Ok(())
+        );
         assert_eq!(
             compiler.can_compile(targets.target("gfx950").unwrap()),
             Err("needs LLVM >= 20 (found clang 19)".to_string())

@@ -79,6 +79,9 @@ pub struct Gguf {
 
 impl Gguf {
     /// Maps `path` read-only and parses it. Tensor data is not read until it is touched.
+    ///
+    /// The file must not be truncated or rewritten while the returned value lives: the tensor
+    /// slices are views of the file's pages.
     pub fn open(path: &Path) -> Result<Gguf, GgufError> {
         let io_error = |source| GgufError::Io {
             path: path.to_owned(),
@@ -127,7 +130,8 @@ impl Gguf {
         self.alignment
     }
 
-    /// The absolute file offset where the tensor data section starts.
+    /// The absolute file offset where the tensor data section starts: the end of the header,
+    /// rounded up to the alignment. A file without tensors may end before it.
     pub fn data_offset(&self) -> u64 {
         self.data_offset
     }

@@ -23,10 +23,12 @@ impl Metadata {
         Metadata::default()
     }
 
-    /// Appends `key`, or returns the value back when the key is already present.
-    pub(crate) fn insert(&mut self, key: String, value: Value) -> Result<(), (String, Value)> {
+    /// Appends an entry; a key that is already present is a [`GgufError::DuplicateKey`], as it
+    /// is in a file. Lets tests build metadata without writing a file.
+    pub fn insert(&mut self, key: impl Into<String>, value: Value) -> Result<(), GgufError> {
+        let key = key.into();
         if self.index.contains_key(&key) {
-            return Err((key, value));
+            return Err(GgufError::DuplicateKey { key });
         }
         self.index.insert(key.clone(), self.entries.len());
         self.entries.push((key, value));

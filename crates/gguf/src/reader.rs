@@ -110,7 +110,7 @@ pub(crate) fn parse(bytes: &[u8]) -> Result<Header, GgufError> {
     if &magic != b"GGUF" {
         // A byte-swapped magic means a big-endian writer from before the magic was fixed to bytes.
         if &magic == b"FUGG" {
-            let version = cur.u32().map(u32::swap_bytes).unwrap_or(0);
+            let version = cur.u32().map_err(|s| s.context("version"))?.swap_bytes();
             return Err(GgufError::BigEndian { version });
         }
         return Err(GgufError::BadMagic { found: magic });
@@ -193,9 +193,9 @@ fn read_string(
     let raw = cur.take(len).map_err(|s| s.context(context()))?;
     match std::str::from_utf8(raw) {
         Ok(s) => Ok(s.to_owned()),
-        Err(_) => Err(GgufError::InvalidUtf8 {
+        Err(e) => Err(GgufError::InvalidUtf8 {
             context: context(),
-            offset: data_offset,
+            offset: data_offset + e.valid_up_to() as u64,
         }),
     }
 }
@@ -227,9 +227,7 @@ fn read_metadata(cur: &mut Cursor<'_>, n_kv: u64) -> Result<Metadata, GgufError>
                 offset: type_offset,
             })?;
         let value = read_value(cur, &key, value_type)?;
-        if let Err((key, _)) = metadata.insert(key, value) {
-            return Err(GgufError::DuplicateKey { key });
-        }
+        metadata.insert(key, value)?;
     }
     Ok(metadata)
 }

@@ -221,6 +221,10 @@ fn rejects_big_endian_files() {
     check_err(cat(&[b"GGUF", &3u32.to_be_bytes(), &[0; 16]]), big_endian);
     // Early big-endian writers also swapped the magic.
     check_err(cat(&[b"FUGG", &3u32.to_be_bytes(), &[0; 16]]), big_endian);
+    check_err(
+        b"FUGG\0".to_vec(),
+        "version: file truncated at offset 4: expected 4 more bytes, found 1",
+    );
 }
 
 #[test]
@@ -376,8 +380,11 @@ fn rejects_empty_and_non_utf8_names_and_strings() {
         "key of metadata entry 0: expected a UTF-8 string at offset 32, found invalid UTF-8",
     );
     check_err(
-        Raw::new(0, 1).kv("k", 8, &le64(2)).bytes(&[0xc3, 0x28]).0,
-        "metadata key \"k\": expected a UTF-8 string at offset 45, found invalid UTF-8",
+        Raw::new(0, 1)
+            .kv("k", 8, &le64(3))
+            .bytes(&[b'a', 0xc3, 0x28])
+            .0,
+        "metadata key \"k\": expected a UTF-8 string at offset 46, found invalid UTF-8",
     );
     check_err(
         Raw::new(1, 0).tensor("", &[1], 0, 0).data(32, 32),
@@ -740,4 +747,20 @@ fn generated_tensors_match_tensors_given_as_bytes() {
     assert_eq!(generated.to_bytes(), given.to_bytes());
     let g = check_ok(generated.to_bytes());
     assert_eq!(g.tensor_bytes("c"), Some(bytes(210, 9).as_slice()));
+}
+
+#[test]
+fn metadata_built_in_memory_keeps_order_and_refuses_duplicates() {
+    let mut md = ember_gguf::Metadata::new();
+    md.insert("b", Value::U32(1)).unwrap();
+    md.insert("a".to_owned(), Value::Bool(true)).unwrap();
+    assert_eq!(
+        md.insert("b", Value::U8(2)).unwrap_err().to_string(),
+        "metadata key \"b\" appears twice: expected unique keys"
+    );
+    let keys: Vec<&str> = md.iter().map(|(k, _)| k).collect();
+    assert_eq!(
+        (keys, md.len(), md.get_u32("b").unwrap()),
+        (vec!["b", "a"], 2, 1)
+    );
 }

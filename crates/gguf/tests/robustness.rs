@@ -1,13 +1,13 @@
 //! Hostile input: every truncation of a valid file, random mutations, and the inputs the fuzzer
 //! once crashed on. Parsing must return `Ok` or `Err`, never panic, and whatever it accepts must
-//! be safe to use.
+//! be safe to use. Also random valid files, which must read back exactly as written.
 
 mod common;
 
 use std::path::Path;
 
 use common::{exercise, sample_bytes};
-use ember_gguf::Gguf;
+use ember_gguf::{Array, GgmlType, Gguf, GgufWriter, Value};
 use proptest::prelude::*;
 
 /// Parses `bytes`; when accepted, calls every accessor (which asserts the invariants a consumer
@@ -166,4 +166,105 @@ fn fuzz_failures_are_handled() {
         "replayed {n_files} fuzz failure inputs from {}",
         dir.display()
     );
+}
+
+fn finite_f32() -> impl Strategy<Value = f32> {
+    any::<f32>().prop_filter("NaN never equals itself", |x| !x.is_nan())
+}
+
+fn finite_f64() -> impl Strategy<Value = f64> {
+    any::<f64>().prop_filter("NaN never equals itself", |x| !x.is_nan())
+}
+
+fn array() -> impl Strategy<Value = Array> {
+    use prop::collection::vec;
+    let n = 0..6usize;
+    prop_oneof![
+        vec(any::<u8>(), n.clone()).prop_map(Array::U8),
+        vec(any::<i8>(), n.clone()).prop_map(Array::I8),
+        vec(any::<u16>(), n.clone()).prop_map(Array::U16),
+        vec(any::<i16>(), n.clone()).prop_map(Array::I16),
+        vec(any::<u32>(), n.clone()).prop_map(Array::U32),
+        vec(any::<i32>(), n.clone()).prop_map(Array::I32),
+        vec(any::<u64>(), n.clone()).prop_map(Array::U64),
+        vec(any::<i64>(), n.clone()).prop_map(Array::I64),
+        vec(finite_f32(), n.clone()).prop_map(Array::F32),
+        vec(finite_f64(), n.clone()).prop_map(Array::F64),
+        vec(any::<bool>(), n.clone()).prop_map(Array::Bool),
+        vec(any::<String>(), n).prop_map(Array::String),
+    ]
+}
+
+fn value() -> impl Strategy<Value = Value> {
+    prop_oneof![
+        any::<u8>().prop_map(Value::U8),
+        any::<i8>().prop_map(Value::I8),
+        any::<u16>().prop_map(Value::U16),
+        any::<i16>().prop_map(Value::I16),
+        any::<u32>().prop_map(Value::U32),
+        any::<i32>().prop_map(Value::I32),
+        any::<u64>().prop_map(Value::U64),
+        any::<i64>().prop_map(Value::I64),
+        finite_f32().prop_map(Value::F32),
+        finite_f64().prop_map(Value::F64),
+        any::<bool>().prop_map(Value::Bool),
+        any::<String>().prop_map(Value::String),
+        array().prop_map(Value::Array),
+    ]
+}
+
+/// A tensor: type, dims (row length in whole blocks) and a data seed.
+fn tensor() -> impl Strategy<Value = (GgmlType, Vec<u64>, u64)> {
+    (
+        prop::sample::select(GgmlType::ALL.to_vec()),
+        1u64..3,
+        prop::collection::vec(1u64..4, 0..4),
+        any::<u64>(),
+    )
+        .prop_map(|(ty, blocks, rest, seed)| {
+            let mut dims = vec![blocks * ty.block_size() as u64];
+            dims.extend(rest);
+            (ty, dims, seed)
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_files_round_trip(
+        values in prop::collection::vec(value(), 0..12),
+        tensors in prop::collection::vec(tensor(), 0..5),
+        alignment_log2 in 0u32..8,
+        version in 2u32..4,
+    ) {
+        let mut w = GgufWriter::new();
+        w.version(version).alignment(1 << alignment_log2);
+        for (i, value) in values.iter().enumerate() {
+            w.metadata(&format!("key.{i}"), value.clone());
+        }
+        let mut expected_data = Vec::new();
+        for (i, (ty, dims, seed)) in tensors.iter().enumerate() {
+            let n_rows: u64 = dims[1..].iter().product();
+            let n_bytes = ty.row_bytes(dims[0]).unwrap() * n_rows;
+            let data = common::bytes(n_bytes as usize, *seed);
+            w.tensor(&format!("tensor.{i}"), dims, *ty, data.clone());
+            expected_data.push(data);
+        }
+        let g = Gguf::from_bytes(w.to_bytes()).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        prop_assert_eq!((g.version(), g.alignment()), (version, 1 << alignment_log2));
+        let parsed: Vec<&Value> = g
+            .metadata()
+            .iter()
+            .filter(|(k, _)| *k != "general.alignment")
+            .map(|(_, v)| v)
+            .collect();
+        prop_assert_eq!(parsed, values.iter().collect::<Vec<_>>());
+        prop_assert_eq!(g.tensors().len(), tensors.len());
+        for ((t, (ty, dims, _)), data) in g.tensors().iter().zip(&tensors).zip(&expected_data) {
+            prop_assert_eq!((t.ty, &t.dims), (*ty, dims));
+            prop_assert_eq!(g.tensor_data(t), data.as_slice());
+        }
+        exercise(&g);
+    }
 }

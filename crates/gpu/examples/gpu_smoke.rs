@@ -15,7 +15,9 @@ use ember_gpu::driver::{DeviceOrdinal, DevicePtr, Driver, DriverError, StreamHan
 use ember_gpu::hip::{HipDriver, HipLoadOptions};
 use ember_gpu::kernels::KernelLibrary;
 use ember_gpu::placement::{evaluate, observe, PlacementPolicy};
-use ember_gpu::pool::{format_bytes, DevicePool, MemoryReport, PoolConfig, PoolSelectOptions, Purpose, TrimOutcome};
+use ember_gpu::pool::{
+    format_bytes, DevicePool, MemoryReport, PoolConfig, PoolSelectOptions, Purpose, TrimOutcome,
+};
 
 const MIB: u64 = 1 << 20;
 
@@ -30,7 +32,10 @@ fn main() -> ExitCode {
 }
 
 fn run() -> Result<(), String> {
-    let kernels_dir = std::env::args().nth(1).map(std::path::PathBuf::from).unwrap_or_else(ember_gpu::kernels::default_kernels_dir);
+    let kernels_dir = std::env::args()
+        .nth(1)
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(ember_gpu::kernels::default_kernels_dir);
     let options = PoolSelectOptions::from_env(true, None);
     let listing = devices::list(&ListOptions {
         kernels_dir: Some(kernels_dir.clone()),
@@ -49,33 +54,65 @@ fn run() -> Result<(), String> {
     };
     let device: DeviceOrdinal = 0;
     let info = driver.device_info(device).map_err(|e| e.to_string())?;
+    println!(
+        "using {} {} ({}, runtime {})",
+        driver.backend(),
+        info.name,
+        info.arch,
+        driver.runtime_info()
+    );
     let library = KernelLibrary::new(kernels_dir);
-    let arch = info.arch.clone();
-    let touch = |d: &dyn Driver, dev: DeviceOrdinal, ptr: DevicePtr, words: u64, value: u32, stream: StreamHandle| -> Result<(), DriverError> {
-        library.fill_u32(d, dev, &arch, ptr, words, value, stream).map_err(|e| DriverError::KernelFailed {
-            name: "ember_fill_u32".to_string(),
-            reason: e.to_string(),
-        })
+    let touch = |d: &dyn Driver,
+                 dev: DeviceOrdinal,
+                 ptr: DevicePtr,
+                 words: u64,
+                 value: u32,
+                 stream: StreamHandle|
+     -> Result<(), DriverError> {
+        library
+            .fill_u32(d, dev, ptr, words, value, stream)
+            .map_err(|e| DriverError::KernelFailed {
+                name: "ember_fill_u32".to_string(),
+                reason: e.to_string(),
+            })
     };
     let config = PoolConfig {
         idle_after: Duration::from_millis(200),
         ..PoolConfig::default()
     };
     let free_start = driver.mem_info(device).map_err(|e| e.to_string())?.free;
-    let pool = DevicePool::new(driver.clone(), device, &options, config, Some(&touch)).map_err(|e| e.to_string())?;
+    let pool = DevicePool::new(driver.clone(), device, &options, config, Some(&touch))
+        .map_err(|e| e.to_string())?;
     println!("pool: {} ({})", pool.kind(), pool.reason());
 
     // "Weights": 2 GiB in 8 tensors, written by the kernel so the memory is really touched.
     let mut weights = Vec::new();
     for _ in 0..8 {
-        let buffer = pool.alloc(Purpose::Weights, 256 * MIB).map_err(|e| e.to_string())?;
-        library.fill_u32(&*driver, device, &info.arch, buffer.ptr(), buffer.len() / 4, 0x3f80_0000, StreamHandle::DEFAULT).map_err(|e| e.to_string())?;
+        let buffer = pool
+            .alloc(Purpose::Weights, 256 * MIB)
+            .map_err(|e| e.to_string())?;
+        library
+            .fill_u32(
+                &*driver,
+                device,
+                buffer.ptr(),
+                buffer.len() / 4,
+                0x3f80_0000,
+                StreamHandle::DEFAULT,
+            )
+            .map_err(|e| e.to_string())?;
         weights.push(buffer);
     }
     driver.synchronize(device).map_err(|e| e.to_string())?;
     pool.mark_loaded();
-    let names: Vec<String> = (0..weights.len()).map(|i| format!("blk.{i}.ffn_up.weight")).collect();
-    let listed: Vec<(&str, DevicePtr, u64)> = weights.iter().zip(&names).map(|(b, n)| (n.as_str(), b.ptr(), b.len())).collect();
+    let names: Vec<String> = (0..weights.len())
+        .map(|i| format!("blk.{i}.ffn_up.weight"))
+        .collect();
+    let listed: Vec<(&str, DevicePtr, u64)> = weights
+        .iter()
+        .zip(&names)
+        .map(|(b, n)| (n.as_str(), b.ptr(), b.len()))
+        .collect();
     let observation = observe(&*driver, device, &listed, free_start).map_err(|e| e.to_string())?;
     match evaluate(&observation, &PlacementPolicy::default()) {
         Ok(verdict) => println!("placement: {verdict}"),
@@ -88,9 +125,22 @@ fn run() -> Result<(), String> {
     let mut burst = Vec::new();
     for i in 0..24u64 {
         let bytes = (i % 7 + 1) * 96 * MIB + i * 4096;
-        let purpose = if i % 3 == 0 { Purpose::Kv } else { Purpose::Scratch };
+        let purpose = if i % 3 == 0 {
+            Purpose::Kv
+        } else {
+            Purpose::Scratch
+        };
         let buffer = pool.alloc(purpose, bytes).map_err(|e| e.to_string())?;
-        library.fill_u32(&*driver, device, &info.arch, buffer.ptr(), buffer.len() / 4, i as u32, StreamHandle::DEFAULT).map_err(|e| e.to_string())?;
+        library
+            .fill_u32(
+                &*driver,
+                device,
+                buffer.ptr(),
+                buffer.len() / 4,
+                i as u32,
+                StreamHandle::DEFAULT,
+            )
+            .map_err(|e| e.to_string())?;
         burst.push(buffer);
         if i % 5 == 4 {
             burst.drain(..2);
@@ -113,17 +163,24 @@ fn run() -> Result<(), String> {
         },
     )
     .map_err(|e| e.to_string())?;
-    let kept = budget_pool.alloc(Purpose::Kv, 400 * MIB).map_err(|e| e.to_string())?;
+    let kept = budget_pool
+        .alloc(Purpose::Kv, 400 * MIB)
+        .map_err(|e| e.to_string())?;
     match budget_pool.alloc(Purpose::Scratch, 200 * MIB) {
         Err(error) => println!("over-budget request failed alone: {error}"),
         Ok(_) => return Err("an over-budget request succeeded".to_string()),
     }
-    let small = budget_pool.alloc(Purpose::Scratch, 64 * MIB).map_err(|e| e.to_string())?;
+    let small = budget_pool
+        .alloc(Purpose::Scratch, 64 * MIB)
+        .map_err(|e| e.to_string())?;
     drop((kept, small, budget_pool));
 
     let idle_start = Instant::now();
     let outcome = loop {
-        match pool.trim_if_idle(Instant::now()).map_err(|e| e.to_string())? {
+        match pool
+            .trim_if_idle(Instant::now())
+            .map_err(|e| e.to_string())?
+        {
             TrimOutcome::NotIdle { remaining } => std::thread::sleep(remaining),
             other => break other,
         }

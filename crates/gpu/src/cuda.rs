@@ -13,8 +13,9 @@ use std::sync::Mutex;
 use cudarc::driver::sys;
 
 use crate::driver::{
-    AttemptOutcome, Backend, DeviceInfo, DeviceOrdinal, DevicePtr, Driver, DriverError, EventHandle, FunctionHandle, KernelArgs, LaunchConfig,
-    LibraryAttempt, MemInfo, MemoryType, ModuleHandle, PhysicalHandle, PointerInfo, RuntimeInfo, StreamHandle,
+    AttemptOutcome, Backend, DeviceInfo, DeviceOrdinal, DevicePtr, Driver, DriverError,
+    EventHandle, FunctionHandle, KernelArgs, LaunchConfig, LibraryAttempt, MemInfo, MemoryType,
+    ModuleHandle, PhysicalHandle, PointerInfo, RuntimeInfo, StreamHandle,
 };
 use crate::kernels::cuda_arch;
 
@@ -28,18 +29,26 @@ fn guarded<T>(call: &'static str, f: impl FnOnce() -> T) -> Result<T, DriverErro
             .cloned()
             .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
             .unwrap_or_else(|| "unknown panic".to_string());
-        DriverError::RuntimePanicked { runtime: "CUDA", call, message }
+        DriverError::RuntimePanicked {
+            runtime: "CUDA",
+            call,
+            message,
+        }
     })
 }
 
 fn error_name(result: sys::CUresult) -> String {
     let mut name: *const std::ffi::c_char = std::ptr::null();
     // SAFETY: cuGetErrorName writes a static string pointer (or leaves it null) for any code.
-    let ok = guarded("cuGetErrorName", || unsafe { sys::cuGetErrorName(result, &mut name) });
+    let ok = guarded("cuGetErrorName", || unsafe {
+        sys::cuGetErrorName(result, &mut name)
+    });
     match ok {
         Ok(sys::CUresult::CUDA_SUCCESS) if !name.is_null() => {
             // SAFETY: non-null names are static NUL-terminated strings.
-            unsafe { CStr::from_ptr(name) }.to_string_lossy().into_owned()
+            unsafe { CStr::from_ptr(name) }
+                .to_string_lossy()
+                .into_owned()
         }
         _ => format!("{result:?}"),
     }
@@ -73,7 +82,10 @@ macro_rules! cu {
 /// The candidate library names cudarc will try, and whether each loads.
 fn probe_library() -> (Option<(String, libloading::Library)>, Vec<LibraryAttempt>) {
     let mut attempts = Vec::new();
-    let names: Vec<String> = ["cuda", "nvcuda"].iter().flat_map(|n| cudarc::get_lib_name_candidates(n)).collect();
+    let names: Vec<String> = ["cuda", "nvcuda"]
+        .iter()
+        .flat_map(|n| cudarc::get_lib_name_candidates(n))
+        .collect();
     for name in names {
         // SAFETY: loading libcuda runs its initialisers; that is how the driver API is used.
         match unsafe { libloading::Library::new(&name) } {
@@ -96,7 +108,8 @@ fn probe_library() -> (Option<(String, libloading::Library)>, Vec<LibraryAttempt
 #[cfg(unix)]
 fn loaded_path(library: &libloading::Library) -> Option<PathBuf> {
     // SAFETY: looking up a symbol only reads the library's tables.
-    let symbol: libloading::Symbol<'_, unsafe extern "C" fn()> = unsafe { library.get(b"cuInit\0") }.ok()?;
+    let symbol: libloading::Symbol<'_, unsafe extern "C" fn()> =
+        unsafe { library.get(b"cuInit\0") }.ok()?;
     let address = *symbol as *const c_void;
     let mut info = std::mem::MaybeUninit::<libc::Dl_info>::zeroed();
     // SAFETY: dladdr only reads loader tables and writes `info`.
@@ -109,7 +122,11 @@ fn loaded_path(library: &libloading::Library) -> Option<PathBuf> {
         return None;
     }
     // SAFETY: dli_fname is a NUL-terminated string owned by the loader while the library is loaded.
-    let path = PathBuf::from(unsafe { CStr::from_ptr(info.dli_fname) }.to_string_lossy().into_owned());
+    let path = PathBuf::from(
+        unsafe { CStr::from_ptr(info.dli_fname) }
+            .to_string_lossy()
+            .into_owned(),
+    );
     Some(std::fs::canonicalize(&path).unwrap_or(path))
 }
 
@@ -129,7 +146,10 @@ pub struct CudaDriver {
 
 impl std::fmt::Debug for CudaDriver {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CudaDriver").field("runtime", &self.info).field("devices", &self.device_count).finish()
+        f.debug_struct("CudaDriver")
+            .field("runtime", &self.info)
+            .field("devices", &self.device_count)
+            .finish()
     }
 }
 
@@ -148,10 +168,14 @@ impl CudaDriver {
         cu!("cuInit", unsafe { sys::cuInit(0) })?;
         let mut version: c_int = 0;
         // SAFETY: the out-pointer is a live local.
-        cu!("cuDriverGetVersion", unsafe { sys::cuDriverGetVersion(&mut version) })?;
+        cu!("cuDriverGetVersion", unsafe {
+            sys::cuDriverGetVersion(&mut version)
+        })?;
         let mut count: c_int = 0;
         // SAFETY: as above.
-        cu!("cuDeviceGetCount", unsafe { sys::cuDeviceGetCount(&mut count) })?;
+        cu!("cuDeviceGetCount", unsafe {
+            sys::cuDeviceGetCount(&mut count)
+        })?;
         let count = count.max(0) as usize;
         let info = RuntimeInfo {
             backend: Backend::Cuda,
@@ -179,7 +203,9 @@ impl CudaDriver {
         }
         let mut cu_device: sys::CUdevice = 0;
         // SAFETY: the out-pointer is a live local and the ordinal is in range.
-        cu!("cuDeviceGet", unsafe { sys::cuDeviceGet(&mut cu_device, device as c_int) })?;
+        cu!("cuDeviceGet", unsafe {
+            sys::cuDeviceGet(&mut cu_device, device as c_int)
+        })?;
         Ok(cu_device)
     }
 
@@ -193,7 +219,9 @@ impl CudaDriver {
                 let mut context: sys::CUcontext = std::ptr::null_mut();
                 // SAFETY: the out-pointer is a live local; the primary context is retained once
                 // per device and kept for the life of the driver.
-                cu!("cuDevicePrimaryCtxRetain", unsafe { sys::cuDevicePrimaryCtxRetain(&mut context, cu_device) })?;
+                cu!("cuDevicePrimaryCtxRetain", unsafe {
+                    sys::cuDevicePrimaryCtxRetain(&mut context, cu_device)
+                })?;
                 contexts[device] = Some(context as usize);
                 context
             }
@@ -202,10 +230,16 @@ impl CudaDriver {
         cu!("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(context) })
     }
 
-    fn attribute(&self, cu_device: sys::CUdevice, attribute: sys::CUdevice_attribute) -> Result<c_int, DriverError> {
+    fn attribute(
+        &self,
+        cu_device: sys::CUdevice,
+        attribute: sys::CUdevice_attribute,
+    ) -> Result<c_int, DriverError> {
         let mut value: c_int = 0;
         // SAFETY: the out-pointer is a live local.
-        cu!("cuDeviceGetAttribute", unsafe { sys::cuDeviceGetAttribute(&mut value, attribute, cu_device) })?;
+        cu!("cuDeviceGetAttribute", unsafe {
+            sys::cuDeviceGetAttribute(&mut value, attribute, cu_device)
+        })?;
         Ok(value)
     }
 
@@ -241,14 +275,20 @@ impl Driver for CudaDriver {
         let cu_device = self.cu_device(device)?;
         let mut name = [0 as std::ffi::c_char; 256];
         // SAFETY: the buffer holds 256 bytes and its length is passed.
-        cu!("cuDeviceGetName", unsafe { sys::cuDeviceGetName(name.as_mut_ptr(), name.len() as c_int, cu_device) })?;
+        cu!("cuDeviceGetName", unsafe {
+            sys::cuDeviceGetName(name.as_mut_ptr(), name.len() as c_int, cu_device)
+        })?;
         // Force termination in case the driver filled the whole buffer.
         name[255] = 0;
         // SAFETY: the buffer is NUL-terminated (last byte set above).
-        let name = unsafe { CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned();
+        let name = unsafe { CStr::from_ptr(name.as_ptr()) }
+            .to_string_lossy()
+            .into_owned();
         let mut total: usize = 0;
         // SAFETY: the out-pointer is a live local.
-        cu!("cuDeviceTotalMem_v2", unsafe { sys::cuDeviceTotalMem_v2(&mut total, cu_device) })?;
+        cu!("cuDeviceTotalMem_v2", unsafe {
+            sys::cuDeviceTotalMem_v2(&mut total, cu_device)
+        })?;
         let major = self.attribute(cu_device, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
         let minor = self.attribute(cu_device, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
         let arch = cuda_arch(major, minor);
@@ -258,9 +298,16 @@ impl Driver for CudaDriver {
             arch_raw: arch.clone(),
             arch,
             total_memory: total as u64,
-            warp_size: self.attribute(cu_device, A::CU_DEVICE_ATTRIBUTE_WARP_SIZE)?.max(0) as u32,
-            multiprocessor_count: self.attribute(cu_device, A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(0) as u32,
-            vmm_supported: self.attribute(cu_device, A::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)? != 0,
+            warp_size: self
+                .attribute(cu_device, A::CU_DEVICE_ATTRIBUTE_WARP_SIZE)?
+                .max(0) as u32,
+            multiprocessor_count: self
+                .attribute(cu_device, A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
+                .max(0) as u32,
+            vmm_supported: self.attribute(
+                cu_device,
+                A::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+            )? != 0,
             integrated: self.attribute(cu_device, A::CU_DEVICE_ATTRIBUTE_INTEGRATED)? != 0,
         })
     }
@@ -269,7 +316,9 @@ impl Driver for CudaDriver {
         self.bind(device)?;
         let (mut free, mut total) = (0usize, 0usize);
         // SAFETY: both out-pointers are live locals.
-        cu!("cuMemGetInfo_v2", unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) })?;
+        cu!("cuMemGetInfo_v2", unsafe {
+            sys::cuMemGetInfo_v2(&mut free, &mut total)
+        })?;
         Ok(MemInfo {
             free: free as u64,
             total: total as u64,
@@ -280,7 +329,9 @@ impl Driver for CudaDriver {
         self.bind(device)?;
         let mut ptr: sys::CUdeviceptr = 0;
         // SAFETY: the out-pointer is a live local.
-        let result = guarded("cuMemAlloc_v2", || unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes as usize) })?;
+        let result = guarded("cuMemAlloc_v2", || unsafe {
+            sys::cuMemAlloc_v2(&mut ptr, bytes as usize)
+        })?;
         check_alloc("cuMemAlloc_v2", result, bytes)?;
         Ok(DevicePtr(ptr))
     }
@@ -291,98 +342,195 @@ impl Driver for CudaDriver {
         cu!("cuMemFree_v2", unsafe { sys::cuMemFree_v2(ptr.0) })
     }
 
-    unsafe fn copy_htod_async(&self, device: DeviceOrdinal, dst: DevicePtr, src: *const u8, bytes: u64, stream: StreamHandle) -> Result<(), DriverError> {
+    unsafe fn copy_htod_async(
+        &self,
+        device: DeviceOrdinal,
+        dst: DevicePtr,
+        src: *const u8,
+        bytes: u64,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
         self.bind(device)?;
         // SAFETY: the caller keeps `src` readable until the stream is synchronised.
-        cu!("cuMemcpyHtoDAsync_v2", unsafe { sys::cuMemcpyHtoDAsync_v2(dst.0, src as *const c_void, bytes as usize, Self::stream(stream)) })
+        cu!("cuMemcpyHtoDAsync_v2", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                dst.0,
+                src as *const c_void,
+                bytes as usize,
+                Self::stream(stream),
+            )
+        })
     }
 
-    unsafe fn copy_dtoh_async(&self, device: DeviceOrdinal, dst: *mut u8, src: DevicePtr, bytes: u64, stream: StreamHandle) -> Result<(), DriverError> {
+    unsafe fn copy_dtoh_async(
+        &self,
+        device: DeviceOrdinal,
+        dst: *mut u8,
+        src: DevicePtr,
+        bytes: u64,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
         self.bind(device)?;
         // SAFETY: the caller keeps `dst` writable and otherwise untouched until the stream is synchronised.
-        cu!("cuMemcpyDtoHAsync_v2", unsafe { sys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, src.0, bytes as usize, Self::stream(stream)) })
+        cu!("cuMemcpyDtoHAsync_v2", unsafe {
+            sys::cuMemcpyDtoHAsync_v2(
+                dst as *mut c_void,
+                src.0,
+                bytes as usize,
+                Self::stream(stream),
+            )
+        })
     }
 
-    fn copy_dtod_async(&self, device: DeviceOrdinal, dst: DevicePtr, src: DevicePtr, bytes: u64, stream: StreamHandle) -> Result<(), DriverError> {
+    fn copy_dtod_async(
+        &self,
+        device: DeviceOrdinal,
+        dst: DevicePtr,
+        src: DevicePtr,
+        bytes: u64,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
         self.bind(device)?;
         // SAFETY: both are device addresses, validated by the driver.
-        cu!("cuMemcpyDtoDAsync_v2", unsafe { sys::cuMemcpyDtoDAsync_v2(dst.0, src.0, bytes as usize, Self::stream(stream)) })
+        cu!("cuMemcpyDtoDAsync_v2", unsafe {
+            sys::cuMemcpyDtoDAsync_v2(dst.0, src.0, bytes as usize, Self::stream(stream))
+        })
     }
 
-    fn memset_d8_async(&self, device: DeviceOrdinal, dst: DevicePtr, value: u8, bytes: u64, stream: StreamHandle) -> Result<(), DriverError> {
+    fn memset_d8_async(
+        &self,
+        device: DeviceOrdinal,
+        dst: DevicePtr,
+        value: u8,
+        bytes: u64,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
         self.bind(device)?;
         // SAFETY: the destination is a device address, validated by the driver.
-        cu!("cuMemsetD8Async", unsafe { sys::cuMemsetD8Async(dst.0, value, bytes as usize, Self::stream(stream)) })
+        cu!("cuMemsetD8Async", unsafe {
+            sys::cuMemsetD8Async(dst.0, value, bytes as usize, Self::stream(stream))
+        })
     }
 
-    fn memset_d32_async(&self, device: DeviceOrdinal, dst: DevicePtr, value: u32, count: u64, stream: StreamHandle) -> Result<(), DriverError> {
+    fn memset_d32_async(
+        &self,
+        device: DeviceOrdinal,
+        dst: DevicePtr,
+        value: u32,
+        count: u64,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
         self.bind(device)?;
         // SAFETY: as above.
-        cu!("cuMemsetD32Async", unsafe { sys::cuMemsetD32Async(dst.0, value as c_uint, count as usize, Self::stream(stream)) })
+        cu!("cuMemsetD32Async", unsafe {
+            sys::cuMemsetD32Async(dst.0, value as c_uint, count as usize, Self::stream(stream))
+        })
     }
 
     fn stream_create(&self, device: DeviceOrdinal) -> Result<StreamHandle, DriverError> {
         self.bind(device)?;
         let mut stream: sys::CUstream = std::ptr::null_mut();
         // SAFETY: the out-pointer is a live local; flag 1 is CU_STREAM_NON_BLOCKING.
-        cu!("cuStreamCreate", unsafe { sys::cuStreamCreate(&mut stream, 1) })?;
+        cu!("cuStreamCreate", unsafe {
+            sys::cuStreamCreate(&mut stream, 1)
+        })?;
         Ok(StreamHandle(stream as usize as u64))
     }
 
-    fn stream_destroy(&self, device: DeviceOrdinal, stream: StreamHandle) -> Result<(), DriverError> {
+    fn stream_destroy(
+        &self,
+        device: DeviceOrdinal,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
         self.bind(device)?;
         // SAFETY: the handle came from stream_create.
-        cu!("cuStreamDestroy_v2", unsafe { sys::cuStreamDestroy_v2(Self::stream(stream)) })
+        cu!("cuStreamDestroy_v2", unsafe {
+            sys::cuStreamDestroy_v2(Self::stream(stream))
+        })
     }
 
-    fn stream_synchronize(&self, device: DeviceOrdinal, stream: StreamHandle) -> Result<(), DriverError> {
+    fn stream_synchronize(
+        &self,
+        device: DeviceOrdinal,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
         self.bind(device)?;
         // SAFETY: as above (0 is the default stream).
-        cu!("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(Self::stream(stream)) })
+        cu!("cuStreamSynchronize", unsafe {
+            sys::cuStreamSynchronize(Self::stream(stream))
+        })
     }
 
     fn event_create(&self, device: DeviceOrdinal) -> Result<EventHandle, DriverError> {
         self.bind(device)?;
         let mut event: sys::CUevent = std::ptr::null_mut();
         // SAFETY: the out-pointer is a live local; flag 0 is CU_EVENT_DEFAULT.
-        cu!("cuEventCreate", unsafe { sys::cuEventCreate(&mut event, 0) })?;
+        cu!("cuEventCreate", unsafe {
+            sys::cuEventCreate(&mut event, 0)
+        })?;
         Ok(EventHandle(event as usize as u64))
     }
 
     fn event_destroy(&self, device: DeviceOrdinal, event: EventHandle) -> Result<(), DriverError> {
         self.bind(device)?;
         // SAFETY: the handle came from event_create.
-        cu!("cuEventDestroy_v2", unsafe { sys::cuEventDestroy_v2(event.0 as usize as sys::CUevent) })
+        cu!("cuEventDestroy_v2", unsafe {
+            sys::cuEventDestroy_v2(event.0 as usize as sys::CUevent)
+        })
     }
 
-    fn event_record(&self, device: DeviceOrdinal, event: EventHandle, stream: StreamHandle) -> Result<(), DriverError> {
+    fn event_record(
+        &self,
+        device: DeviceOrdinal,
+        event: EventHandle,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
         self.bind(device)?;
         // SAFETY: as above.
-        cu!("cuEventRecord", unsafe { sys::cuEventRecord(event.0 as usize as sys::CUevent, Self::stream(stream)) })
+        cu!("cuEventRecord", unsafe {
+            sys::cuEventRecord(event.0 as usize as sys::CUevent, Self::stream(stream))
+        })
     }
 
-    fn event_synchronize(&self, device: DeviceOrdinal, event: EventHandle) -> Result<(), DriverError> {
+    fn event_synchronize(
+        &self,
+        device: DeviceOrdinal,
+        event: EventHandle,
+    ) -> Result<(), DriverError> {
         self.bind(device)?;
         // SAFETY: as above.
-        cu!("cuEventSynchronize", unsafe { sys::cuEventSynchronize(event.0 as usize as sys::CUevent) })
+        cu!("cuEventSynchronize", unsafe {
+            sys::cuEventSynchronize(event.0 as usize as sys::CUevent)
+        })
     }
 
     fn event_query(&self, device: DeviceOrdinal, event: EventHandle) -> Result<bool, DriverError> {
         self.bind(device)?;
         // SAFETY: as above.
-        match guarded("cuEventQuery", || unsafe { sys::cuEventQuery(event.0 as usize as sys::CUevent) })? {
+        match guarded("cuEventQuery", || unsafe {
+            sys::cuEventQuery(event.0 as usize as sys::CUevent)
+        })? {
             sys::CUresult::CUDA_SUCCESS => Ok(true),
             sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
             other => check("cuEventQuery", other).map(|()| false),
         }
     }
 
-    fn event_elapsed_ms(&self, device: DeviceOrdinal, start: EventHandle, end: EventHandle) -> Result<f32, DriverError> {
+    fn event_elapsed_ms(
+        &self,
+        device: DeviceOrdinal,
+        start: EventHandle,
+        end: EventHandle,
+    ) -> Result<f32, DriverError> {
         self.bind(device)?;
         let mut ms = 0f32;
         // SAFETY: the out-pointer is a live local; handles are validated by the driver.
         cu!("cuEventElapsedTime_v2", unsafe {
-            sys::cuEventElapsedTime_v2(&mut ms, start.0 as usize as sys::CUevent, end.0 as usize as sys::CUevent)
+            sys::cuEventElapsedTime_v2(
+                &mut ms,
+                start.0 as usize as sys::CUevent,
+                end.0 as usize as sys::CUevent,
+            )
         })?;
         Ok(ms)
     }
@@ -393,21 +541,38 @@ impl Driver for CudaDriver {
         cu!("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
     }
 
-    fn module_load(&self, device: DeviceOrdinal, image: &[u8]) -> Result<ModuleHandle, DriverError> {
+    fn module_load(
+        &self,
+        device: DeviceOrdinal,
+        image: &[u8],
+    ) -> Result<ModuleHandle, DriverError> {
         self.bind(device)?;
         let mut module: sys::CUmodule = std::ptr::null_mut();
         // SAFETY: the image is borrowed for the call (PTX images are NUL-terminated by the caller).
-        cu!("cuModuleLoadData", unsafe { sys::cuModuleLoadData(&mut module, image.as_ptr() as *const c_void) })?;
+        cu!("cuModuleLoadData", unsafe {
+            sys::cuModuleLoadData(&mut module, image.as_ptr() as *const c_void)
+        })?;
         Ok(ModuleHandle(module as usize as u64))
     }
 
-    fn module_unload(&self, device: DeviceOrdinal, module: ModuleHandle) -> Result<(), DriverError> {
+    fn module_unload(
+        &self,
+        device: DeviceOrdinal,
+        module: ModuleHandle,
+    ) -> Result<(), DriverError> {
         self.bind(device)?;
         // SAFETY: the handle came from module_load.
-        cu!("cuModuleUnload", unsafe { sys::cuModuleUnload(module.0 as usize as sys::CUmodule) })
+        cu!("cuModuleUnload", unsafe {
+            sys::cuModuleUnload(module.0 as usize as sys::CUmodule)
+        })
     }
 
-    fn module_function(&self, device: DeviceOrdinal, module: ModuleHandle, name: &str) -> Result<FunctionHandle, DriverError> {
+    fn module_function(
+        &self,
+        device: DeviceOrdinal,
+        module: ModuleHandle,
+        name: &str,
+    ) -> Result<FunctionHandle, DriverError> {
         self.bind(device)?;
         let c_name = std::ffi::CString::new(name).map_err(|_| DriverError::InvalidArgument {
             call: "cuModuleGetFunction",
@@ -415,11 +580,24 @@ impl Driver for CudaDriver {
         })?;
         let mut function: sys::CUfunction = std::ptr::null_mut();
         // SAFETY: the out-pointer is a live local and the name is NUL-terminated.
-        cu!("cuModuleGetFunction", unsafe { sys::cuModuleGetFunction(&mut function, module.0 as usize as sys::CUmodule, c_name.as_ptr()) })?;
+        cu!("cuModuleGetFunction", unsafe {
+            sys::cuModuleGetFunction(
+                &mut function,
+                module.0 as usize as sys::CUmodule,
+                c_name.as_ptr(),
+            )
+        })?;
         Ok(FunctionHandle(function as usize as u64))
     }
 
-    unsafe fn launch(&self, device: DeviceOrdinal, function: FunctionHandle, config: &LaunchConfig, stream: StreamHandle, args: &KernelArgs) -> Result<(), DriverError> {
+    unsafe fn launch(
+        &self,
+        device: DeviceOrdinal,
+        function: FunctionHandle,
+        config: &LaunchConfig,
+        stream: StreamHandle,
+        args: &KernelArgs,
+    ) -> Result<(), DriverError> {
         self.bind(device)?;
         let mut args = args.clone();
         let mut pointers = args.slot_pointers();
@@ -444,13 +622,21 @@ impl Driver for CudaDriver {
         })
     }
 
-    fn pointer_info(&self, device: DeviceOrdinal, ptr: DevicePtr) -> Result<PointerInfo, DriverError> {
+    fn pointer_info(
+        &self,
+        device: DeviceOrdinal,
+        ptr: DevicePtr,
+    ) -> Result<PointerInfo, DriverError> {
         use sys::CUpointer_attribute as P;
         self.bind(device)?;
         let mut memory_type: c_uint = 0;
         // SAFETY: MEMORY_TYPE writes one CUmemorytype (32-bit) into the live local.
         let result = guarded("cuPointerGetAttribute", || unsafe {
-            sys::cuPointerGetAttribute(&mut memory_type as *mut c_uint as *mut c_void, P::CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr.0)
+            sys::cuPointerGetAttribute(
+                &mut memory_type as *mut c_uint as *mut c_void,
+                P::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                ptr.0,
+            )
         })?;
         if result == sys::CUresult::CUDA_ERROR_INVALID_VALUE {
             // Memory the driver has never seen: plain pageable host memory.
@@ -463,13 +649,21 @@ impl Driver for CudaDriver {
         let mut is_managed: c_uint = 0;
         // SAFETY: IS_MANAGED writes a boolean (at most 4 bytes) into the zeroed live local.
         let managed = guarded("cuPointerGetAttribute", || unsafe {
-            sys::cuPointerGetAttribute(&mut is_managed as *mut c_uint as *mut c_void, P::CU_POINTER_ATTRIBUTE_IS_MANAGED, ptr.0)
+            sys::cuPointerGetAttribute(
+                &mut is_managed as *mut c_uint as *mut c_void,
+                P::CU_POINTER_ATTRIBUTE_IS_MANAGED,
+                ptr.0,
+            )
         })? == sys::CUresult::CUDA_SUCCESS
             && is_managed != 0;
         let mut ordinal: c_int = -1;
         // SAFETY: DEVICE_ORDINAL writes an int into the live local.
         let _ = guarded("cuPointerGetAttribute", || unsafe {
-            sys::cuPointerGetAttribute(&mut ordinal as *mut c_int as *mut c_void, P::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr.0)
+            sys::cuPointerGetAttribute(
+                &mut ordinal as *mut c_int as *mut c_void,
+                P::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                ptr.0,
+            )
         })?;
         let memory_type = match (managed, memory_type) {
             (true, _) => MemoryType::Managed,
@@ -490,7 +684,11 @@ impl Driver for CudaDriver {
         let mut granularity = 0usize;
         // SAFETY: both pointers are live locals.
         cu!("cuMemGetAllocationGranularity", unsafe {
-            sys::cuMemGetAllocationGranularity(&mut granularity, &prop, sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM)
+            sys::cuMemGetAllocationGranularity(
+                &mut granularity,
+                &prop,
+                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+            )
         })?;
         Ok(granularity as u64)
     }
@@ -499,15 +697,24 @@ impl Driver for CudaDriver {
         self.bind(device)?;
         let mut ptr: sys::CUdeviceptr = 0;
         // SAFETY: the out-pointer is a live local; no fixed address is requested.
-        let result = guarded("cuMemAddressReserve", || unsafe { sys::cuMemAddressReserve(&mut ptr, bytes as usize, 0, 0, 0) })?;
+        let result = guarded("cuMemAddressReserve", || unsafe {
+            sys::cuMemAddressReserve(&mut ptr, bytes as usize, 0, 0, 0)
+        })?;
         check_alloc("cuMemAddressReserve", result, bytes)?;
         Ok(DevicePtr(ptr))
     }
 
-    fn vmm_free_reserved(&self, device: DeviceOrdinal, ptr: DevicePtr, bytes: u64) -> Result<(), DriverError> {
+    fn vmm_free_reserved(
+        &self,
+        device: DeviceOrdinal,
+        ptr: DevicePtr,
+        bytes: u64,
+    ) -> Result<(), DriverError> {
         self.bind(device)?;
         // SAFETY: the driver validates the range.
-        cu!("cuMemAddressFree", unsafe { sys::cuMemAddressFree(ptr.0, bytes as usize) })
+        cu!("cuMemAddressFree", unsafe {
+            sys::cuMemAddressFree(ptr.0, bytes as usize)
+        })
     }
 
     fn vmm_create(&self, device: DeviceOrdinal, bytes: u64) -> Result<PhysicalHandle, DriverError> {
@@ -515,24 +722,43 @@ impl Driver for CudaDriver {
         let prop = Self::allocation_prop(device);
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: both pointers are live locals.
-        let result = guarded("cuMemCreate", || unsafe { sys::cuMemCreate(&mut handle, bytes as usize, &prop, 0) })?;
+        let result = guarded("cuMemCreate", || unsafe {
+            sys::cuMemCreate(&mut handle, bytes as usize, &prop, 0)
+        })?;
         check_alloc("cuMemCreate", result, bytes)?;
         Ok(PhysicalHandle(handle))
     }
 
-    fn vmm_release(&self, device: DeviceOrdinal, handle: PhysicalHandle) -> Result<(), DriverError> {
+    fn vmm_release(
+        &self,
+        device: DeviceOrdinal,
+        handle: PhysicalHandle,
+    ) -> Result<(), DriverError> {
         self.bind(device)?;
         // SAFETY: the handle came from vmm_create; the driver validates it.
         cu!("cuMemRelease", unsafe { sys::cuMemRelease(handle.0) })
     }
 
-    fn vmm_map(&self, device: DeviceOrdinal, ptr: DevicePtr, bytes: u64, handle: PhysicalHandle) -> Result<(), DriverError> {
+    fn vmm_map(
+        &self,
+        device: DeviceOrdinal,
+        ptr: DevicePtr,
+        bytes: u64,
+        handle: PhysicalHandle,
+    ) -> Result<(), DriverError> {
         self.bind(device)?;
         // SAFETY: the driver validates the range and the handle.
-        cu!("cuMemMap", unsafe { sys::cuMemMap(ptr.0, bytes as usize, 0, handle.0, 0) })
+        cu!("cuMemMap", unsafe {
+            sys::cuMemMap(ptr.0, bytes as usize, 0, handle.0, 0)
+        })
     }
 
-    fn vmm_set_access(&self, device: DeviceOrdinal, ptr: DevicePtr, bytes: u64) -> Result<(), DriverError> {
+    fn vmm_set_access(
+        &self,
+        device: DeviceOrdinal,
+        ptr: DevicePtr,
+        bytes: u64,
+    ) -> Result<(), DriverError> {
         self.bind(device)?;
         // SAFETY: plain C data for which all-zero is valid; the fields are set below.
         let mut desc: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
@@ -540,13 +766,22 @@ impl Driver for CudaDriver {
         desc.location.id = device as c_int;
         desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
         // SAFETY: one descriptor, passed with count 1; the driver validates the range.
-        cu!("cuMemSetAccess", unsafe { sys::cuMemSetAccess(ptr.0, bytes as usize, &desc, 1) })
+        cu!("cuMemSetAccess", unsafe {
+            sys::cuMemSetAccess(ptr.0, bytes as usize, &desc, 1)
+        })
     }
 
-    fn vmm_unmap(&self, device: DeviceOrdinal, ptr: DevicePtr, bytes: u64) -> Result<(), DriverError> {
+    fn vmm_unmap(
+        &self,
+        device: DeviceOrdinal,
+        ptr: DevicePtr,
+        bytes: u64,
+    ) -> Result<(), DriverError> {
         self.bind(device)?;
         // SAFETY: the driver validates the range.
-        cu!("cuMemUnmap", unsafe { sys::cuMemUnmap(ptr.0, bytes as usize) })
+        cu!("cuMemUnmap", unsafe {
+            sys::cuMemUnmap(ptr.0, bytes as usize)
+        })
     }
 }
 
@@ -563,8 +798,13 @@ mod tests {
             }
             Err(DriverError::LibraryNotFound { attempts, hint, .. }) => {
                 assert!(!attempts.is_empty());
-                assert!(attempts.iter().any(|a| a.candidate.contains("cuda")), "{attempts:?}");
-                assert!(attempts.iter().all(|a| matches!(a.outcome, AttemptOutcome::LoadFailed(_))));
+                assert!(
+                    attempts.iter().any(|a| a.candidate.contains("cuda")),
+                    "{attempts:?}"
+                );
+                assert!(attempts
+                    .iter()
+                    .all(|a| matches!(a.outcome, AttemptOutcome::LoadFailed(_))));
                 assert!(hint.contains("NVIDIA driver"));
             }
             Err(other) => {
@@ -576,7 +816,15 @@ mod tests {
 
     #[test]
     fn panics_inside_guarded_calls_become_errors() {
-        let error = guarded("cuInit", || -> u32 { panic!("Unable to dynamically load the \"cuda\" shared library") }).unwrap_err();
-        assert!(error.to_string().contains("panicked in cuInit: Unable to dynamically load"), "{error}");
+        let error = guarded("cuInit", || -> u32 {
+            panic!("Unable to dynamically load the \"cuda\" shared library")
+        })
+        .unwrap_err();
+        assert!(
+            error
+                .to_string()
+                .contains("panicked in cuInit: Unable to dynamically load"),
+            "{error}"
+        );
     }
 }

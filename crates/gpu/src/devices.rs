@@ -12,6 +12,9 @@ use crate::hip::{HipDriver, HipLoadOptions};
 use crate::kernels::{available_archs, default_kernels_dir, find_code_object, KERNEL_MODULES};
 use crate::pool::{format_bytes, select_pool, PoolKind, PoolSelectOptions};
 
+/// A runtime's load result, as `list_with` takes it.
+pub type DriverLoad = (Backend, Result<Arc<dyn Driver>, DriverError>);
+
 /// What to look for and how to judge it.
 #[derive(Clone, Debug, Default)]
 pub struct ListOptions {
@@ -86,8 +89,11 @@ pub fn list(options: &ListOptions) -> DeviceListing {
 }
 
 /// Lists devices of already-loaded (or failed) drivers.
-pub fn list_with(drivers: Vec<(Backend, Result<Arc<dyn Driver>, DriverError>)>, options: &ListOptions) -> DeviceListing {
-    let kernels_dir = options.kernels_dir.clone().unwrap_or_else(default_kernels_dir);
+pub fn list_with(drivers: Vec<DriverLoad>, options: &ListOptions) -> DeviceListing {
+    let kernels_dir = options
+        .kernels_dir
+        .clone()
+        .unwrap_or_else(default_kernels_dir);
     let mut listing = DeviceListing {
         runtimes: Vec::new(),
         devices: Vec::new(),
@@ -99,7 +105,10 @@ pub fn list_with(drivers: Vec<(Backend, Result<Arc<dyn Driver>, DriverError>)>, 
         let driver = match driver {
             Ok(driver) => driver,
             Err(error) => {
-                listing.runtimes.push(RuntimeReport { backend, outcome: Err(error) });
+                listing.runtimes.push(RuntimeReport {
+                    backend,
+                    outcome: Err(error),
+                });
                 continue;
             }
         };
@@ -110,33 +119,59 @@ pub fn list_with(drivers: Vec<(Backend, Result<Arc<dyn Driver>, DriverError>)>, 
         let count = match driver.device_count() {
             Ok(count) => count,
             Err(error) => {
-                listing.failures.push(DeviceFailure { backend, ordinal: 0, error });
+                listing.failures.push(DeviceFailure {
+                    backend,
+                    ordinal: 0,
+                    error,
+                });
                 continue;
             }
         };
         for ordinal in 0..count {
             match entry(&*driver, ordinal, options, &listing.kernels_dir) {
                 Ok(entry) => listing.devices.push(entry),
-                Err(error) => listing.failures.push(DeviceFailure { backend, ordinal, error }),
+                Err(error) => listing.failures.push(DeviceFailure {
+                    backend,
+                    ordinal,
+                    error,
+                }),
             }
         }
     }
     listing
 }
 
-fn entry(driver: &dyn Driver, ordinal: DeviceOrdinal, options: &ListOptions, kernels_dir: &std::path::Path) -> Result<DeviceEntry, DriverError> {
+fn entry(
+    driver: &dyn Driver,
+    ordinal: DeviceOrdinal,
+    options: &ListOptions,
+    kernels_dir: &std::path::Path,
+) -> Result<DeviceEntry, DriverError> {
     let info = driver.device_info(ordinal)?;
     let free_memory = driver.mem_info(ordinal).ok().map(|m| m.free);
     let (pool, pool_reason) = if options.probe {
         let selection = select_pool(driver, ordinal, &options.pool, None);
         (selection.kind, selection.reason)
     } else if !options.pool.vmm_gate {
-        let why = options.pool.vmm_gate_reason.as_deref().unwrap_or("no reason recorded");
-        (PoolKind::Caching, format!("caching pool: the build manifest gates VMM off for this target ({why})"))
+        let why = options
+            .pool
+            .vmm_gate_reason
+            .as_deref()
+            .unwrap_or("no reason recorded");
+        (
+            PoolKind::Caching,
+            format!("caching pool: the build manifest gates VMM off for this target ({why})"),
+        )
     } else if !info.vmm_supported {
-        (PoolKind::Caching, "caching pool: the device reports no virtual memory management support".to_string())
+        (
+            PoolKind::Caching,
+            "caching pool: the device reports no virtual memory management support".to_string(),
+        )
     } else {
-        (PoolKind::Vmm, "vmm pool if the start-up probe passes (not run for this listing)".to_string())
+        (
+            PoolKind::Vmm,
+            "vmm pool if the start-up probe passes (not run for this listing)".to_string(),
+        )
     };
     let mut present = Vec::new();
     let mut missing = None;
@@ -151,7 +186,10 @@ fn entry(driver: &dyn Driver, ordinal: DeviceOrdinal, options: &ListOptions, ker
     let kernels = match missing {
         None => Ok(present),
         Some(first_error) if present.is_empty() => Err(first_error),
-        Some(first_error) => Err(format!("only {} present; {first_error}", present.join(", "))),
+        Some(first_error) => Err(format!(
+            "only {} present; {first_error}",
+            present.join(", ")
+        )),
     };
     Ok(DeviceEntry {
         backend: driver.backend(),
@@ -182,25 +220,62 @@ impl fmt::Display for DeviceListing {
                 Err(error) => writeln!(f, "  {}: not available: {error}", runtime.backend)?,
             }
         }
-        let archs = if self.kernel_archs.is_empty() { "none".to_string() } else { self.kernel_archs.join(", ") };
-        writeln!(f, "kernels: {} (architectures: {archs})", self.kernels_dir.display())?;
+        let archs = if self.kernel_archs.is_empty() {
+            "none".to_string()
+        } else {
+            self.kernel_archs.join(", ")
+        };
+        writeln!(
+            f,
+            "kernels: {} (architectures: {archs})",
+            self.kernels_dir.display()
+        )?;
         if self.devices.is_empty() && self.failures.is_empty() {
             return writeln!(f, "devices: none; ember runs on the CPU");
         }
         writeln!(f, "devices:")?;
         for d in &self.devices {
-            let free = d.free_memory.map(format_bytes).unwrap_or_else(|| "unknown".to_string());
+            let free = d
+                .free_memory
+                .map(format_bytes)
+                .unwrap_or_else(|| "unknown".to_string());
             let kind = if d.integrated { ", integrated" } else { "" };
-            writeln!(f, "  {}:{} {} ({}{kind})", d.backend, d.ordinal, d.name, d.arch)?;
-            writeln!(f, "    vram: {} total, {free} free", format_bytes(d.total_memory))?;
-            writeln!(f, "    vmm: {}; {}", if d.vmm_supported { "supported" } else { "not supported" }, d.pool_reason)?;
+            writeln!(
+                f,
+                "  {}:{} {} ({}{kind})",
+                d.backend, d.ordinal, d.name, d.arch
+            )?;
+            writeln!(
+                f,
+                "    vram: {} total, {free} free",
+                format_bytes(d.total_memory)
+            )?;
+            writeln!(
+                f,
+                "    vmm: {}; {}",
+                if d.vmm_supported {
+                    "supported"
+                } else {
+                    "not supported"
+                },
+                d.pool_reason
+            )?;
             match &d.kernels {
-                Ok(modules) => writeln!(f, "    kernels: all {} modules ({})", modules.len(), modules.join(", "))?,
+                Ok(modules) => writeln!(
+                    f,
+                    "    kernels: all {} modules ({})",
+                    modules.len(),
+                    modules.join(", ")
+                )?,
                 Err(error) => writeln!(f, "    kernels: {error}")?,
             }
         }
         for failure in &self.failures {
-            writeln!(f, "  {}:{} could not be queried: {}", failure.backend, failure.ordinal, failure.error)?;
+            writeln!(
+                f,
+                "  {}:{} could not be queried: {}",
+                failure.backend, failure.ordinal, failure.error
+            )?;
         }
         Ok(())
     }
@@ -216,7 +291,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir_all(dir.path().join("gfx1100")).unwrap();
         for spec in KERNEL_MODULES {
-            std::fs::write(dir.path().join("gfx1100").join(format!("{}.hsaco", spec.stem)), b"x").unwrap();
+            std::fs::write(
+                dir.path()
+                    .join("gfx1100")
+                    .join(format!("{}.hsaco", spec.stem)),
+                b"x",
+            )
+            .unwrap();
         }
         let host = HostDriver::new(HostDriverConfig {
             device_name: "Radeon test".to_string(),
@@ -227,7 +308,9 @@ mod tests {
             runtime: "CUDA",
             attempts: vec![crate::driver::LibraryAttempt {
                 candidate: "libcuda.so".to_string(),
-                outcome: crate::driver::AttemptOutcome::LoadFailed("libcuda.so: cannot open shared object file".to_string()),
+                outcome: crate::driver::AttemptOutcome::LoadFailed(
+                    "libcuda.so: cannot open shared object file".to_string(),
+                ),
             }],
             hint: "install the NVIDIA driver".to_string(),
         };
@@ -240,7 +323,13 @@ mod tests {
             },
             ..ListOptions::default()
         };
-        let listing = list_with(vec![(Backend::Host, Ok(Arc::new(host) as Arc<dyn Driver>)), (Backend::Cuda, Err(missing))], &options);
+        let listing = list_with(
+            vec![
+                (Backend::Host, Ok(Arc::new(host) as Arc<dyn Driver>)),
+                (Backend::Cuda, Err(missing)),
+            ],
+            &options,
+        );
         let text = listing.to_string();
         for expected in [
             "cuda: not available: no CUDA runtime library could be loaded; tried: libcuda.so (load failed:",
@@ -272,14 +361,24 @@ mod tests {
             probe: true,
             ..ListOptions::default()
         };
-        let listing = list_with(vec![(Backend::Host, Ok(Arc::new(host) as Arc<dyn Driver>))], &options);
-        assert_eq!(listing.devices[0].pool, PoolKind::Vmm, "{}", listing.devices[0].pool_reason);
+        let listing = list_with(
+            vec![(Backend::Host, Ok(Arc::new(host) as Arc<dyn Driver>))],
+            &options,
+        );
+        assert_eq!(
+            listing.devices[0].pool,
+            PoolKind::Vmm,
+            "{}",
+            listing.devices[0].pool_reason
+        );
         assert!(listing.to_string().contains("probe passed"), "{listing}");
     }
 
     #[test]
     fn no_runtime_means_cpu() {
         let listing = list_with(vec![], &ListOptions::default());
-        assert!(listing.to_string().contains("devices: none; ember runs on the CPU"));
+        assert!(listing
+            .to_string()
+            .contains("devices: none; ember runs on the CPU"));
     }
 }

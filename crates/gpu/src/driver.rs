@@ -255,7 +255,9 @@ impl fmt::Display for LibraryAttempt {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.outcome {
             AttemptOutcome::Absent => write!(f, "{} (absent)", self.candidate),
-            AttemptOutcome::LoadFailed(reason) => write!(f, "{} (load failed: {reason})", self.candidate),
+            AttemptOutcome::LoadFailed(reason) => {
+                write!(f, "{} (load failed: {reason})", self.candidate)
+            }
             AttemptOutcome::Loaded => write!(f, "{} (loaded)", self.candidate),
         }
     }
@@ -288,7 +290,11 @@ impl fmt::Display for RuntimeInfo {
             write!(f, ", driver version {version}")?;
         }
         if !self.other_installs.is_empty() {
-            let others: Vec<String> = self.other_installs.iter().map(|p| p.display().to_string()).collect();
+            let others: Vec<String> = self
+                .other_installs
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect();
             write!(f, "; other installs found: {}", others.join(", "))?;
         }
         Ok(())
@@ -300,7 +306,11 @@ pub fn describe_attempts(attempts: &[LibraryAttempt]) -> String {
     if attempts.is_empty() {
         return "nothing".to_string();
     }
-    attempts.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
+    attempts
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 /// A failed driver call. Never a panic: callers fall back or report.
@@ -418,22 +428,51 @@ pub trait Driver: Send + Sync + fmt::Debug {
     ) -> Result<(), DriverError>;
 
     fn stream_create(&self, device: DeviceOrdinal) -> Result<StreamHandle, DriverError>;
-    fn stream_destroy(&self, device: DeviceOrdinal, stream: StreamHandle) -> Result<(), DriverError>;
-    fn stream_synchronize(&self, device: DeviceOrdinal, stream: StreamHandle) -> Result<(), DriverError>;
+    fn stream_destroy(
+        &self,
+        device: DeviceOrdinal,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError>;
+    fn stream_synchronize(
+        &self,
+        device: DeviceOrdinal,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError>;
     fn event_create(&self, device: DeviceOrdinal) -> Result<EventHandle, DriverError>;
     fn event_destroy(&self, device: DeviceOrdinal, event: EventHandle) -> Result<(), DriverError>;
-    fn event_record(&self, device: DeviceOrdinal, event: EventHandle, stream: StreamHandle) -> Result<(), DriverError>;
-    fn event_synchronize(&self, device: DeviceOrdinal, event: EventHandle) -> Result<(), DriverError>;
+    fn event_record(
+        &self,
+        device: DeviceOrdinal,
+        event: EventHandle,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError>;
+    fn event_synchronize(
+        &self,
+        device: DeviceOrdinal,
+        event: EventHandle,
+    ) -> Result<(), DriverError>;
     /// Whether all work before the event has completed.
     fn event_query(&self, device: DeviceOrdinal, event: EventHandle) -> Result<bool, DriverError>;
-    fn event_elapsed_ms(&self, device: DeviceOrdinal, start: EventHandle, end: EventHandle) -> Result<f32, DriverError>;
+    fn event_elapsed_ms(
+        &self,
+        device: DeviceOrdinal,
+        start: EventHandle,
+        end: EventHandle,
+    ) -> Result<f32, DriverError>;
     /// Waits for all work on the device.
     fn synchronize(&self, device: DeviceOrdinal) -> Result<(), DriverError>;
 
     /// Loads a code object (`.hsaco`, `.cubin` or `.ptx` bytes).
-    fn module_load(&self, device: DeviceOrdinal, image: &[u8]) -> Result<ModuleHandle, DriverError>;
-    fn module_unload(&self, device: DeviceOrdinal, module: ModuleHandle) -> Result<(), DriverError>;
-    fn module_function(&self, device: DeviceOrdinal, module: ModuleHandle, name: &str) -> Result<FunctionHandle, DriverError>;
+    fn module_load(&self, device: DeviceOrdinal, image: &[u8])
+        -> Result<ModuleHandle, DriverError>;
+    fn module_unload(&self, device: DeviceOrdinal, module: ModuleHandle)
+        -> Result<(), DriverError>;
+    fn module_function(
+        &self,
+        device: DeviceOrdinal,
+        module: ModuleHandle,
+        name: &str,
+    ) -> Result<FunctionHandle, DriverError>;
 
     /// Queues a kernel launch.
     ///
@@ -450,27 +489,59 @@ pub trait Driver: Send + Sync + fmt::Debug {
     ) -> Result<(), DriverError>;
 
     /// Where `ptr` lives, according to the runtime.
-    fn pointer_info(&self, device: DeviceOrdinal, ptr: DevicePtr) -> Result<PointerInfo, DriverError>;
+    fn pointer_info(
+        &self,
+        device: DeviceOrdinal,
+        ptr: DevicePtr,
+    ) -> Result<PointerInfo, DriverError>;
 
     /// The physical allocation granularity for the virtual memory API.
     fn vmm_granularity(&self, device: DeviceOrdinal) -> Result<u64, DriverError>;
     /// Reserves `bytes` of virtual address space (no memory behind it).
     fn vmm_reserve(&self, device: DeviceOrdinal, bytes: u64) -> Result<DevicePtr, DriverError>;
     /// Returns a reservation made by [`Driver::vmm_reserve`]; everything in it must be unmapped.
-    fn vmm_free_reserved(&self, device: DeviceOrdinal, ptr: DevicePtr, bytes: u64) -> Result<(), DriverError>;
+    fn vmm_free_reserved(
+        &self,
+        device: DeviceOrdinal,
+        ptr: DevicePtr,
+        bytes: u64,
+    ) -> Result<(), DriverError>;
     /// Creates a physical allocation of `bytes` (a multiple of the granularity).
     fn vmm_create(&self, device: DeviceOrdinal, bytes: u64) -> Result<PhysicalHandle, DriverError>;
     /// Releases a physical allocation; its memory returns once it is also unmapped.
-    fn vmm_release(&self, device: DeviceOrdinal, handle: PhysicalHandle) -> Result<(), DriverError>;
+    fn vmm_release(&self, device: DeviceOrdinal, handle: PhysicalHandle)
+        -> Result<(), DriverError>;
     /// Maps a whole physical allocation at `ptr`. The range is not accessible until
     /// [`Driver::vmm_set_access`].
-    fn vmm_map(&self, device: DeviceOrdinal, ptr: DevicePtr, bytes: u64, handle: PhysicalHandle) -> Result<(), DriverError>;
+    fn vmm_map(
+        &self,
+        device: DeviceOrdinal,
+        ptr: DevicePtr,
+        bytes: u64,
+        handle: PhysicalHandle,
+    ) -> Result<(), DriverError>;
     /// Grants the device read/write access to a mapped range.
-    fn vmm_set_access(&self, device: DeviceOrdinal, ptr: DevicePtr, bytes: u64) -> Result<(), DriverError>;
-    fn vmm_unmap(&self, device: DeviceOrdinal, ptr: DevicePtr, bytes: u64) -> Result<(), DriverError>;
+    fn vmm_set_access(
+        &self,
+        device: DeviceOrdinal,
+        ptr: DevicePtr,
+        bytes: u64,
+    ) -> Result<(), DriverError>;
+    fn vmm_unmap(
+        &self,
+        device: DeviceOrdinal,
+        ptr: DevicePtr,
+        bytes: u64,
+    ) -> Result<(), DriverError>;
 
     /// Copies `src` to device memory and waits for the copy to finish.
-    fn upload(&self, device: DeviceOrdinal, dst: DevicePtr, src: &[u8], stream: StreamHandle) -> Result<(), DriverError> {
+    fn upload(
+        &self,
+        device: DeviceOrdinal,
+        dst: DevicePtr,
+        src: &[u8],
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
         // SAFETY: `src` is borrowed for the whole call, and the stream is synchronised before
         // returning, so the copy never reads it after the borrow ends.
         unsafe { self.copy_htod_async(device, dst, src.as_ptr(), src.len() as u64, stream)? };
@@ -478,7 +549,13 @@ pub trait Driver: Send + Sync + fmt::Debug {
     }
 
     /// Copies device memory into `dst` and waits for the copy to finish.
-    fn download(&self, device: DeviceOrdinal, dst: &mut [u8], src: DevicePtr, stream: StreamHandle) -> Result<(), DriverError> {
+    fn download(
+        &self,
+        device: DeviceOrdinal,
+        dst: &mut [u8],
+        src: DevicePtr,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
         // SAFETY: `dst` is mutably borrowed for the whole call, and the stream is synchronised
         // before returning, so the copy never writes it after the borrow ends.
         unsafe { self.copy_dtoh_async(device, dst.as_mut_ptr(), src, dst.len() as u64, stream)? };
@@ -525,8 +602,14 @@ mod tests {
             hint: "install ROCm".into(),
         };
         let text = error.to_string();
-        assert!(text.contains("/opt/rocm/lib/libamdhip64.so.7 (absent)"), "{text}");
-        assert!(text.contains("libamdhip64.so.6 (load failed: cannot open shared object file)"), "{text}");
+        assert!(
+            text.contains("/opt/rocm/lib/libamdhip64.so.7 (absent)"),
+            "{text}"
+        );
+        assert!(
+            text.contains("libamdhip64.so.6 (load failed: cannot open shared object file)"),
+            "{text}"
+        );
         assert!(text.ends_with("install ROCm"), "{text}");
     }
 }

@@ -20,8 +20,9 @@ use std::path::{Path, PathBuf};
 use libloading::Library;
 
 use crate::driver::{
-    AttemptOutcome, Backend, DeviceInfo, DeviceOrdinal, DevicePtr, Driver, DriverError, EventHandle, FunctionHandle, KernelArgs, LaunchConfig,
-    LibraryAttempt, MemInfo, MemoryType, ModuleHandle, PhysicalHandle, PointerInfo, RuntimeInfo, StreamHandle,
+    AttemptOutcome, Backend, DeviceInfo, DeviceOrdinal, DevicePtr, Driver, DriverError,
+    EventHandle, FunctionHandle, KernelArgs, LaunchConfig, LibraryAttempt, MemInfo, MemoryType,
+    ModuleHandle, PhysicalHandle, PointerInfo, RuntimeInfo, StreamHandle,
 };
 use crate::kernels::normalize_arch;
 
@@ -107,10 +108,14 @@ pub fn other_installs(prefixes: &[PathBuf], loaded: Option<&Path>) -> Vec<PathBu
     }
     let mut found = BTreeSet::new();
     for dir in dirs {
-        let Ok(entries) = std::fs::read_dir(&dir) else { continue };
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
         for entry in entries.filter_map(Result::ok) {
             let name = entry.file_name().to_string_lossy().into_owned();
-            if LIBRARY_NAMES.iter().any(|n| name.starts_with(n.trim_end_matches(|c: char| c == '.' || c.is_ascii_digit()))) {
+            if LIBRARY_NAMES.iter().any(|n| {
+                name.starts_with(n.trim_end_matches(|c: char| c == '.' || c.is_ascii_digit()))
+            }) {
                 if let Ok(real) = std::fs::canonicalize(entry.path()) {
                     if Some(&real) != loaded.as_ref() {
                         found.insert(real);
@@ -143,6 +148,7 @@ const ATTR_VMM_SUPPORTED: c_int = 89;
 /// Size and `gcnArchName` offset of `hipDeviceProp_tR0600` (x86-64 and aarch64 layouts agree).
 const DEVICE_PROP_R0600_SIZE: usize = 1472;
 const GCN_ARCH_NAME_OFFSET: usize = 1160;
+const _: () = assert!(GCN_ARCH_NAME_OFFSET + 256 <= DEVICE_PROP_R0600_SIZE);
 
 const STREAM_NON_BLOCKING: c_uint = 1;
 const EVENT_DEFAULT: c_uint = 0;
@@ -228,9 +234,21 @@ struct HipApi {
     module_unload: unsafe extern "C" fn(Handle) -> HipStatus,
     module_get_function: unsafe extern "C" fn(*mut Handle, Handle, *const c_char) -> HipStatus,
     #[allow(clippy::type_complexity)]
-    module_launch_kernel:
-        unsafe extern "C" fn(Handle, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, Handle, *mut *mut c_void, *mut *mut c_void) -> HipStatus,
-    pointer_get_attributes: unsafe extern "C" fn(*mut HipPointerAttribute, *const c_void) -> HipStatus,
+    module_launch_kernel: unsafe extern "C" fn(
+        Handle,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        Handle,
+        *mut *mut c_void,
+        *mut *mut c_void,
+    ) -> HipStatus,
+    pointer_get_attributes:
+        unsafe extern "C" fn(*mut HipPointerAttribute, *const c_void) -> HipStatus,
     get_error_name: unsafe extern "C" fn(HipStatus) -> *const c_char,
     driver_get_version: unsafe extern "C" fn(*mut c_int) -> HipStatus,
     runtime_get_version: unsafe extern "C" fn(*mut c_int) -> HipStatus,
@@ -248,7 +266,10 @@ pub struct HipDriver {
 
 impl std::fmt::Debug for HipDriver {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HipDriver").field("runtime", &self.info).field("devices", &self.device_count).finish()
+        f.debug_struct("HipDriver")
+            .field("runtime", &self.info)
+            .field("devices", &self.device_count)
+            .finish()
     }
 }
 
@@ -257,11 +278,15 @@ fn env_prefix() -> Option<PathBuf> {
     let name = "ROCM_PATH";
     #[cfg(windows)]
     let name = "HIP_PATH";
-    std::env::var_os(name).filter(|v| !v.is_empty()).map(PathBuf::from)
+    std::env::var_os(name)
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
 }
 
 /// Opens the first loadable candidate, recording every attempt.
-pub fn open_library(options: &HipLoadOptions) -> Result<(Library, String, Vec<LibraryAttempt>), DriverError> {
+pub fn open_library(
+    options: &HipLoadOptions,
+) -> Result<(Library, String, Vec<LibraryAttempt>), DriverError> {
     let mut attempts = Vec::new();
     for candidate in candidates(options, env_prefix()) {
         let (name, exists) = match &candidate {
@@ -349,7 +374,9 @@ macro_rules! symbol {
 macro_rules! optional_symbol {
     ($library:expr, $name:literal) => {{
         // SAFETY: as for `symbol!`.
-        unsafe { $library.get(concat!($name, "\0").as_bytes()) }.ok().map(|symbol| *symbol)
+        unsafe { $library.get(concat!($name, "\0").as_bytes()) }
+            .ok()
+            .map(|symbol| *symbol)
     }};
 }
 
@@ -403,7 +430,8 @@ impl HipDriver {
             runtime_get_version: symbol!(library, name, "hipRuntimeGetVersion"),
             vmm,
         };
-        let loaded_path = library_path_of(api.init as *const c_void).or_else(|| Some(PathBuf::from(&name)));
+        let loaded_path =
+            library_path_of(api.init as *const c_void).or_else(|| Some(PathBuf::from(&name)));
         let mut prefixes: Vec<PathBuf> = options.rocm_path.iter().cloned().collect();
         prefixes.extend(env_prefix());
         let other = other_installs(&prefixes, loaded_path.as_deref());
@@ -433,7 +461,9 @@ impl HipDriver {
         }
         let mut count: c_int = 0;
         // SAFETY: as above.
-        driver.check("hipGetDeviceCount", unsafe { (driver.api.get_device_count)(&mut count) })?;
+        driver.check("hipGetDeviceCount", unsafe {
+            (driver.api.get_device_count)(&mut count)
+        })?;
         driver.device_count = count.max(0) as usize;
         tracing::info!(runtime = %driver.info, devices = driver.device_count, "HIP runtime loaded");
         Ok(driver)
@@ -446,7 +476,9 @@ impl HipDriver {
             return "unknown HIP error".to_string();
         }
         // SAFETY: non-null results are static NUL-terminated strings.
-        unsafe { CStr::from_ptr(name) }.to_string_lossy().into_owned()
+        unsafe { CStr::from_ptr(name) }
+            .to_string_lossy()
+            .into_owned()
     }
 
     fn check(&self, call: &'static str, status: HipStatus) -> Result<(), DriverError> {
@@ -461,7 +493,12 @@ impl HipDriver {
         }
     }
 
-    fn check_alloc(&self, call: &'static str, status: HipStatus, bytes: u64) -> Result<(), DriverError> {
+    fn check_alloc(
+        &self,
+        call: &'static str,
+        status: HipStatus,
+        bytes: u64,
+    ) -> Result<(), DriverError> {
         if status == HIP_ERROR_OUT_OF_MEMORY {
             return Err(DriverError::OutOfMemory { call, bytes });
         }
@@ -476,21 +513,29 @@ impl HipDriver {
             });
         }
         // SAFETY: the ordinal is in range.
-        self.check("hipSetDevice", unsafe { (self.api.set_device)(device as c_int) })
+        self.check("hipSetDevice", unsafe {
+            (self.api.set_device)(device as c_int)
+        })
     }
 
     fn attribute(&self, device: DeviceOrdinal, attribute: c_int) -> Result<c_int, DriverError> {
         let mut value: c_int = 0;
         // SAFETY: the out-pointer is a live local and the ordinal was checked by the caller.
-        self.check("hipDeviceGetAttribute", unsafe { (self.api.device_get_attribute)(&mut value, attribute, device as c_int) })?;
+        self.check("hipDeviceGetAttribute", unsafe {
+            (self.api.device_get_attribute)(&mut value, attribute, device as c_int)
+        })?;
         Ok(value)
     }
 
     fn vmm(&self) -> Result<&VmmApi, DriverError> {
-        self.api.vmm.as_ref().ok_or_else(|| DriverError::Unsupported {
-            backend: Backend::Hip,
-            what: "virtual memory management (this libamdhip64 lacks hipMemCreate/hipMemMap)".to_string(),
-        })
+        self.api
+            .vmm
+            .as_ref()
+            .ok_or_else(|| DriverError::Unsupported {
+                backend: Backend::Hip,
+                what: "virtual memory management (this libamdhip64 lacks hipMemCreate/hipMemMap)"
+                    .to_string(),
+            })
     }
 
     fn allocation_prop(device: DeviceOrdinal) -> HipMemAllocationProp {
@@ -548,28 +593,46 @@ impl Driver for HipDriver {
         self.set_device(device)?;
         let mut name = [0 as c_char; 256];
         // SAFETY: the buffer holds 256 bytes and its length is passed.
-        self.check("hipDeviceGetName", unsafe { (self.api.device_get_name)(name.as_mut_ptr(), name.len() as c_int, device as c_int) })?;
+        self.check("hipDeviceGetName", unsafe {
+            (self.api.device_get_name)(name.as_mut_ptr(), name.len() as c_int, device as c_int)
+        })?;
         // Force termination in case the runtime filled the whole buffer.
         name[255] = 0;
         // SAFETY: the buffer is NUL-terminated (last byte set above).
-        let name = unsafe { CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned();
+        let name = unsafe { CStr::from_ptr(name.as_ptr()) }
+            .to_string_lossy()
+            .into_owned();
         let mut total: usize = 0;
         // SAFETY: the out-pointer is a live local.
-        self.check("hipDeviceTotalMem", unsafe { (self.api.device_total_mem)(&mut total, device as c_int) })?;
-        let get_properties = self.api.get_device_properties_r0600.ok_or_else(|| DriverError::MissingSymbol {
-            runtime: "HIP",
-            library: self.info.library.as_ref().map(|p| p.display().to_string()).unwrap_or_default(),
-            symbol: "hipGetDevicePropertiesR0600",
-            reason: "ROCm 6 or newer is required to read the architecture name".to_string(),
+        self.check("hipDeviceTotalMem", unsafe {
+            (self.api.device_total_mem)(&mut total, device as c_int)
         })?;
+        let get_properties =
+            self.api
+                .get_device_properties_r0600
+                .ok_or_else(|| DriverError::MissingSymbol {
+                    runtime: "HIP",
+                    library: self
+                        .info
+                        .library
+                        .as_ref()
+                        .map(|p| p.display().to_string())
+                        .unwrap_or_default(),
+                    symbol: "hipGetDevicePropertiesR0600",
+                    reason: "ROCm 6 or newer is required to read the architecture name".to_string(),
+                })?;
         // Generous, 8-byte aligned room: later ROCm releases may append fields.
         let mut properties = vec![0u64; 4096 / 8];
         // SAFETY: the buffer is larger than hipDeviceProp_tR0600 (1472 bytes) and aligned for it.
-        self.check("hipGetDevicePropertiesR0600", unsafe { get_properties(properties.as_mut_ptr() as *mut c_void, device as c_int) })?;
+        self.check("hipGetDevicePropertiesR0600", unsafe {
+            get_properties(properties.as_mut_ptr() as *mut c_void, device as c_int)
+        })?;
         let bytes: Vec<u8> = properties.iter().flat_map(|w| w.to_ne_bytes()).collect();
         let arch_field = &bytes[GCN_ARCH_NAME_OFFSET..GCN_ARCH_NAME_OFFSET + 256];
-        debug_assert!(GCN_ARCH_NAME_OFFSET + 256 <= DEVICE_PROP_R0600_SIZE);
-        let end = arch_field.iter().position(|&b| b == 0).unwrap_or(arch_field.len());
+        let end = arch_field
+            .iter()
+            .position(|&b| b == 0)
+            .unwrap_or(arch_field.len());
         let arch_raw = String::from_utf8_lossy(&arch_field[..end]).into_owned();
         Ok(DeviceInfo {
             ordinal: device,
@@ -579,7 +642,8 @@ impl Driver for HipDriver {
             total_memory: total as u64,
             warp_size: self.attribute(device, ATTR_WARP_SIZE)?.max(0) as u32,
             multiprocessor_count: self.attribute(device, ATTR_MULTIPROCESSOR_COUNT)?.max(0) as u32,
-            vmm_supported: self.api.vmm.is_some() && self.attribute(device, ATTR_VMM_SUPPORTED).unwrap_or(0) != 0,
+            vmm_supported: self.api.vmm.is_some()
+                && self.attribute(device, ATTR_VMM_SUPPORTED).unwrap_or(0) != 0,
             integrated: self.attribute(device, ATTR_INTEGRATED)? != 0,
         })
     }
@@ -588,7 +652,9 @@ impl Driver for HipDriver {
         self.set_device(device)?;
         let (mut free, mut total) = (0usize, 0usize);
         // SAFETY: both out-pointers are live locals.
-        self.check("hipMemGetInfo", unsafe { (self.api.mem_get_info)(&mut free, &mut total) })?;
+        self.check("hipMemGetInfo", unsafe {
+            (self.api.mem_get_info)(&mut free, &mut total)
+        })?;
         Ok(MemInfo {
             free: free as u64,
             total: total as u64,
@@ -599,7 +665,8 @@ impl Driver for HipDriver {
         self.set_device(device)?;
         let mut ptr: Handle = std::ptr::null_mut();
         // SAFETY: the out-pointer is a live local.
-        self.check_alloc("hipMalloc", unsafe { (self.api.malloc)(&mut ptr, bytes as usize) }, bytes)?;
+        let status = unsafe { (self.api.malloc)(&mut ptr, bytes as usize) };
+        self.check_alloc("hipMalloc", status, bytes)?;
         Ok(DevicePtr(ptr as usize as u64))
     }
 
@@ -609,80 +676,179 @@ impl Driver for HipDriver {
         self.check("hipFree", unsafe { (self.api.free)(handle(ptr.0)) })
     }
 
-    unsafe fn copy_htod_async(&self, device: DeviceOrdinal, dst: DevicePtr, src: *const u8, bytes: u64, stream: StreamHandle) -> Result<(), DriverError> {
+    unsafe fn copy_htod_async(
+        &self,
+        device: DeviceOrdinal,
+        dst: DevicePtr,
+        src: *const u8,
+        bytes: u64,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
         self.set_device(device)?;
         // SAFETY: the caller keeps `src` readable until the stream is synchronised.
-        self.check("hipMemcpyAsync", unsafe { (self.api.memcpy_async)(handle(dst.0), src as *const c_void, bytes as usize, MEMCPY_HOST_TO_DEVICE, handle(stream.0)) })
+        self.check("hipMemcpyAsync", unsafe {
+            (self.api.memcpy_async)(
+                handle(dst.0),
+                src as *const c_void,
+                bytes as usize,
+                MEMCPY_HOST_TO_DEVICE,
+                handle(stream.0),
+            )
+        })
     }
 
-    unsafe fn copy_dtoh_async(&self, device: DeviceOrdinal, dst: *mut u8, src: DevicePtr, bytes: u64, stream: StreamHandle) -> Result<(), DriverError> {
+    unsafe fn copy_dtoh_async(
+        &self,
+        device: DeviceOrdinal,
+        dst: *mut u8,
+        src: DevicePtr,
+        bytes: u64,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
         self.set_device(device)?;
         // SAFETY: the caller keeps `dst` writable and otherwise untouched until the stream is synchronised.
-        self.check("hipMemcpyAsync", unsafe { (self.api.memcpy_async)(dst as Handle, handle(src.0) as *const c_void, bytes as usize, MEMCPY_DEVICE_TO_HOST, handle(stream.0)) })
+        self.check("hipMemcpyAsync", unsafe {
+            (self.api.memcpy_async)(
+                dst as Handle,
+                handle(src.0) as *const c_void,
+                bytes as usize,
+                MEMCPY_DEVICE_TO_HOST,
+                handle(stream.0),
+            )
+        })
     }
 
-    fn copy_dtod_async(&self, device: DeviceOrdinal, dst: DevicePtr, src: DevicePtr, bytes: u64, stream: StreamHandle) -> Result<(), DriverError> {
+    fn copy_dtod_async(
+        &self,
+        device: DeviceOrdinal,
+        dst: DevicePtr,
+        src: DevicePtr,
+        bytes: u64,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
         self.set_device(device)?;
         // SAFETY: both pointers are device addresses; the runtime validates them.
-        self.check("hipMemcpyAsync", unsafe { (self.api.memcpy_async)(handle(dst.0), handle(src.0) as *const c_void, bytes as usize, MEMCPY_DEVICE_TO_DEVICE, handle(stream.0)) })
+        self.check("hipMemcpyAsync", unsafe {
+            (self.api.memcpy_async)(
+                handle(dst.0),
+                handle(src.0) as *const c_void,
+                bytes as usize,
+                MEMCPY_DEVICE_TO_DEVICE,
+                handle(stream.0),
+            )
+        })
     }
 
-    fn memset_d8_async(&self, device: DeviceOrdinal, dst: DevicePtr, value: u8, bytes: u64, stream: StreamHandle) -> Result<(), DriverError> {
+    fn memset_d8_async(
+        &self,
+        device: DeviceOrdinal,
+        dst: DevicePtr,
+        value: u8,
+        bytes: u64,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
         self.set_device(device)?;
         // SAFETY: the destination is a device address; the runtime validates it.
-        self.check("hipMemsetD8Async", unsafe { (self.api.memset_d8_async)(handle(dst.0), value, bytes as usize, handle(stream.0)) })
+        self.check("hipMemsetD8Async", unsafe {
+            (self.api.memset_d8_async)(handle(dst.0), value, bytes as usize, handle(stream.0))
+        })
     }
 
-    fn memset_d32_async(&self, device: DeviceOrdinal, dst: DevicePtr, value: u32, count: u64, stream: StreamHandle) -> Result<(), DriverError> {
+    fn memset_d32_async(
+        &self,
+        device: DeviceOrdinal,
+        dst: DevicePtr,
+        value: u32,
+        count: u64,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
         self.set_device(device)?;
         // SAFETY: as above.
-        self.check("hipMemsetD32Async", unsafe { (self.api.memset_d32_async)(handle(dst.0), value as c_int, count as usize, handle(stream.0)) })
+        self.check("hipMemsetD32Async", unsafe {
+            (self.api.memset_d32_async)(
+                handle(dst.0),
+                value as c_int,
+                count as usize,
+                handle(stream.0),
+            )
+        })
     }
 
     fn stream_create(&self, device: DeviceOrdinal) -> Result<StreamHandle, DriverError> {
         self.set_device(device)?;
         let mut stream: Handle = std::ptr::null_mut();
         // SAFETY: the out-pointer is a live local.
-        self.check("hipStreamCreateWithFlags", unsafe { (self.api.stream_create_with_flags)(&mut stream, STREAM_NON_BLOCKING) })?;
+        self.check("hipStreamCreateWithFlags", unsafe {
+            (self.api.stream_create_with_flags)(&mut stream, STREAM_NON_BLOCKING)
+        })?;
         Ok(StreamHandle(stream as usize as u64))
     }
 
-    fn stream_destroy(&self, device: DeviceOrdinal, stream: StreamHandle) -> Result<(), DriverError> {
+    fn stream_destroy(
+        &self,
+        device: DeviceOrdinal,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
         self.set_device(device)?;
         // SAFETY: the handle came from stream_create; the runtime rejects unknown handles.
-        self.check("hipStreamDestroy", unsafe { (self.api.stream_destroy)(handle(stream.0)) })
+        self.check("hipStreamDestroy", unsafe {
+            (self.api.stream_destroy)(handle(stream.0))
+        })
     }
 
-    fn stream_synchronize(&self, device: DeviceOrdinal, stream: StreamHandle) -> Result<(), DriverError> {
+    fn stream_synchronize(
+        &self,
+        device: DeviceOrdinal,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
         self.set_device(device)?;
         // SAFETY: as above.
-        self.check("hipStreamSynchronize", unsafe { (self.api.stream_synchronize)(handle(stream.0)) })
+        self.check("hipStreamSynchronize", unsafe {
+            (self.api.stream_synchronize)(handle(stream.0))
+        })
     }
 
     fn event_create(&self, device: DeviceOrdinal) -> Result<EventHandle, DriverError> {
         self.set_device(device)?;
         let mut event: Handle = std::ptr::null_mut();
         // SAFETY: the out-pointer is a live local.
-        self.check("hipEventCreateWithFlags", unsafe { (self.api.event_create_with_flags)(&mut event, EVENT_DEFAULT) })?;
+        self.check("hipEventCreateWithFlags", unsafe {
+            (self.api.event_create_with_flags)(&mut event, EVENT_DEFAULT)
+        })?;
         Ok(EventHandle(event as usize as u64))
     }
 
     fn event_destroy(&self, device: DeviceOrdinal, event: EventHandle) -> Result<(), DriverError> {
         self.set_device(device)?;
         // SAFETY: the handle came from event_create; the runtime rejects unknown handles.
-        self.check("hipEventDestroy", unsafe { (self.api.event_destroy)(handle(event.0)) })
+        self.check("hipEventDestroy", unsafe {
+            (self.api.event_destroy)(handle(event.0))
+        })
     }
 
-    fn event_record(&self, device: DeviceOrdinal, event: EventHandle, stream: StreamHandle) -> Result<(), DriverError> {
+    fn event_record(
+        &self,
+        device: DeviceOrdinal,
+        event: EventHandle,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
         self.set_device(device)?;
         // SAFETY: as above.
-        self.check("hipEventRecord", unsafe { (self.api.event_record)(handle(event.0), handle(stream.0)) })
+        self.check("hipEventRecord", unsafe {
+            (self.api.event_record)(handle(event.0), handle(stream.0))
+        })
     }
 
-    fn event_synchronize(&self, device: DeviceOrdinal, event: EventHandle) -> Result<(), DriverError> {
+    fn event_synchronize(
+        &self,
+        device: DeviceOrdinal,
+        event: EventHandle,
+    ) -> Result<(), DriverError> {
         self.set_device(device)?;
         // SAFETY: as above.
-        self.check("hipEventSynchronize", unsafe { (self.api.event_synchronize)(handle(event.0)) })
+        self.check("hipEventSynchronize", unsafe {
+            (self.api.event_synchronize)(handle(event.0))
+        })
     }
 
     fn event_query(&self, device: DeviceOrdinal, event: EventHandle) -> Result<bool, DriverError> {
@@ -695,35 +861,61 @@ impl Driver for HipDriver {
         }
     }
 
-    fn event_elapsed_ms(&self, device: DeviceOrdinal, start: EventHandle, end: EventHandle) -> Result<f32, DriverError> {
+    fn event_elapsed_ms(
+        &self,
+        device: DeviceOrdinal,
+        start: EventHandle,
+        end: EventHandle,
+    ) -> Result<f32, DriverError> {
         self.set_device(device)?;
         let mut ms = 0f32;
         // SAFETY: the out-pointer is a live local; handles are validated by the runtime.
-        self.check("hipEventElapsedTime", unsafe { (self.api.event_elapsed_time)(&mut ms, handle(start.0), handle(end.0)) })?;
+        self.check("hipEventElapsedTime", unsafe {
+            (self.api.event_elapsed_time)(&mut ms, handle(start.0), handle(end.0))
+        })?;
         Ok(ms)
     }
 
     fn synchronize(&self, device: DeviceOrdinal) -> Result<(), DriverError> {
         self.set_device(device)?;
         // SAFETY: no arguments.
-        self.check("hipDeviceSynchronize", unsafe { (self.api.device_synchronize)() })
+        self.check("hipDeviceSynchronize", unsafe {
+            (self.api.device_synchronize)()
+        })
     }
 
-    fn module_load(&self, device: DeviceOrdinal, image: &[u8]) -> Result<ModuleHandle, DriverError> {
+    fn module_load(
+        &self,
+        device: DeviceOrdinal,
+        image: &[u8],
+    ) -> Result<ModuleHandle, DriverError> {
         self.set_device(device)?;
         let mut module: Handle = std::ptr::null_mut();
         // SAFETY: the image is borrowed for the call; hipModuleLoadData copies what it keeps.
-        self.check("hipModuleLoadData", unsafe { (self.api.module_load_data)(&mut module, image.as_ptr() as *const c_void) })?;
+        self.check("hipModuleLoadData", unsafe {
+            (self.api.module_load_data)(&mut module, image.as_ptr() as *const c_void)
+        })?;
         Ok(ModuleHandle(module as usize as u64))
     }
 
-    fn module_unload(&self, device: DeviceOrdinal, module: ModuleHandle) -> Result<(), DriverError> {
+    fn module_unload(
+        &self,
+        device: DeviceOrdinal,
+        module: ModuleHandle,
+    ) -> Result<(), DriverError> {
         self.set_device(device)?;
         // SAFETY: the handle came from module_load.
-        self.check("hipModuleUnload", unsafe { (self.api.module_unload)(handle(module.0)) })
+        self.check("hipModuleUnload", unsafe {
+            (self.api.module_unload)(handle(module.0))
+        })
     }
 
-    fn module_function(&self, device: DeviceOrdinal, module: ModuleHandle, name: &str) -> Result<FunctionHandle, DriverError> {
+    fn module_function(
+        &self,
+        device: DeviceOrdinal,
+        module: ModuleHandle,
+        name: &str,
+    ) -> Result<FunctionHandle, DriverError> {
         self.set_device(device)?;
         let c_name = std::ffi::CString::new(name).map_err(|_| DriverError::InvalidArgument {
             call: "hipModuleGetFunction",
@@ -731,11 +923,20 @@ impl Driver for HipDriver {
         })?;
         let mut function: Handle = std::ptr::null_mut();
         // SAFETY: the out-pointer is a live local and the name is NUL-terminated.
-        self.check("hipModuleGetFunction", unsafe { (self.api.module_get_function)(&mut function, handle(module.0), c_name.as_ptr()) })?;
+        self.check("hipModuleGetFunction", unsafe {
+            (self.api.module_get_function)(&mut function, handle(module.0), c_name.as_ptr())
+        })?;
         Ok(FunctionHandle(function as usize as u64))
     }
 
-    unsafe fn launch(&self, device: DeviceOrdinal, function: FunctionHandle, config: &LaunchConfig, stream: StreamHandle, args: &KernelArgs) -> Result<(), DriverError> {
+    unsafe fn launch(
+        &self,
+        device: DeviceOrdinal,
+        function: FunctionHandle,
+        config: &LaunchConfig,
+        stream: StreamHandle,
+        args: &KernelArgs,
+    ) -> Result<(), DriverError> {
         self.set_device(device)?;
         let mut args = args.clone();
         let mut pointers = args.slot_pointers();
@@ -760,7 +961,11 @@ impl Driver for HipDriver {
         })
     }
 
-    fn pointer_info(&self, device: DeviceOrdinal, ptr: DevicePtr) -> Result<PointerInfo, DriverError> {
+    fn pointer_info(
+        &self,
+        device: DeviceOrdinal,
+        ptr: DevicePtr,
+    ) -> Result<PointerInfo, DriverError> {
         self.set_device(device)?;
         let mut attributes = HipPointerAttribute {
             memory_type: 0,
@@ -772,7 +977,9 @@ impl Driver for HipDriver {
         };
         // SAFETY: the out-pointer is a live local of the ROCm 6 layout (unchanged from ROCm 5
         // apart from the enum values, which `memory_type` decodes by version).
-        let status = unsafe { (self.api.pointer_get_attributes)(&mut attributes, handle(ptr.0) as *const c_void) };
+        let status = unsafe {
+            (self.api.pointer_get_attributes)(&mut attributes, handle(ptr.0) as *const c_void)
+        };
         if status == HIP_ERROR_INVALID_VALUE {
             // Memory the runtime has never seen: plain pageable host memory.
             return Ok(PointerInfo {
@@ -793,7 +1000,9 @@ impl Driver for HipDriver {
         let prop = Self::allocation_prop(device);
         let mut granularity = 0usize;
         // SAFETY: both pointers are live locals of the declared layouts.
-        self.check("hipMemGetAllocationGranularity", unsafe { (vmm.granularity)(&mut granularity, &prop, MEM_GRANULARITY_MINIMUM) })?;
+        self.check("hipMemGetAllocationGranularity", unsafe {
+            (vmm.granularity)(&mut granularity, &prop, MEM_GRANULARITY_MINIMUM)
+        })?;
         Ok(granularity as u64)
     }
 
@@ -802,15 +1011,24 @@ impl Driver for HipDriver {
         self.set_device(device)?;
         let mut ptr: Handle = std::ptr::null_mut();
         // SAFETY: the out-pointer is a live local; no fixed address is requested.
-        self.check_alloc("hipMemAddressReserve", unsafe { (vmm.address_reserve)(&mut ptr, bytes as usize, 0, std::ptr::null_mut(), 0) }, bytes)?;
+        let status =
+            unsafe { (vmm.address_reserve)(&mut ptr, bytes as usize, 0, std::ptr::null_mut(), 0) };
+        self.check_alloc("hipMemAddressReserve", status, bytes)?;
         Ok(DevicePtr(ptr as usize as u64))
     }
 
-    fn vmm_free_reserved(&self, device: DeviceOrdinal, ptr: DevicePtr, bytes: u64) -> Result<(), DriverError> {
+    fn vmm_free_reserved(
+        &self,
+        device: DeviceOrdinal,
+        ptr: DevicePtr,
+        bytes: u64,
+    ) -> Result<(), DriverError> {
         let vmm = self.vmm()?;
         self.set_device(device)?;
         // SAFETY: the runtime validates the range.
-        self.check("hipMemAddressFree", unsafe { (vmm.address_free)(handle(ptr.0), bytes as usize) })
+        self.check("hipMemAddressFree", unsafe {
+            (vmm.address_free)(handle(ptr.0), bytes as usize)
+        })
     }
 
     fn vmm_create(&self, device: DeviceOrdinal, bytes: u64) -> Result<PhysicalHandle, DriverError> {
@@ -819,25 +1037,45 @@ impl Driver for HipDriver {
         let prop = Self::allocation_prop(device);
         let mut physical: Handle = std::ptr::null_mut();
         // SAFETY: both pointers are live locals of the declared layouts.
-        self.check_alloc("hipMemCreate", unsafe { (vmm.create)(&mut physical, bytes as usize, &prop, 0) }, bytes)?;
+        let status = unsafe { (vmm.create)(&mut physical, bytes as usize, &prop, 0) };
+        self.check_alloc("hipMemCreate", status, bytes)?;
         Ok(PhysicalHandle(physical as usize as u64))
     }
 
-    fn vmm_release(&self, device: DeviceOrdinal, physical: PhysicalHandle) -> Result<(), DriverError> {
+    fn vmm_release(
+        &self,
+        device: DeviceOrdinal,
+        physical: PhysicalHandle,
+    ) -> Result<(), DriverError> {
         let vmm = self.vmm()?;
         self.set_device(device)?;
         // SAFETY: the handle came from vmm_create; the runtime validates it.
-        self.check("hipMemRelease", unsafe { (vmm.release)(handle(physical.0)) })
+        self.check("hipMemRelease", unsafe {
+            (vmm.release)(handle(physical.0))
+        })
     }
 
-    fn vmm_map(&self, device: DeviceOrdinal, ptr: DevicePtr, bytes: u64, physical: PhysicalHandle) -> Result<(), DriverError> {
+    fn vmm_map(
+        &self,
+        device: DeviceOrdinal,
+        ptr: DevicePtr,
+        bytes: u64,
+        physical: PhysicalHandle,
+    ) -> Result<(), DriverError> {
         let vmm = self.vmm()?;
         self.set_device(device)?;
         // SAFETY: the runtime validates the range and the handle.
-        self.check("hipMemMap", unsafe { (vmm.map)(handle(ptr.0), bytes as usize, 0, handle(physical.0), 0) })
+        self.check("hipMemMap", unsafe {
+            (vmm.map)(handle(ptr.0), bytes as usize, 0, handle(physical.0), 0)
+        })
     }
 
-    fn vmm_set_access(&self, device: DeviceOrdinal, ptr: DevicePtr, bytes: u64) -> Result<(), DriverError> {
+    fn vmm_set_access(
+        &self,
+        device: DeviceOrdinal,
+        ptr: DevicePtr,
+        bytes: u64,
+    ) -> Result<(), DriverError> {
         let vmm = self.vmm()?;
         self.set_device(device)?;
         let desc = HipMemAccessDesc {
@@ -848,14 +1086,23 @@ impl Driver for HipDriver {
             flags: MEM_ACCESS_PROT_READ_WRITE,
         };
         // SAFETY: one descriptor, passed with count 1; the runtime validates the range.
-        self.check("hipMemSetAccess", unsafe { (vmm.set_access)(handle(ptr.0), bytes as usize, &desc, 1) })
+        self.check("hipMemSetAccess", unsafe {
+            (vmm.set_access)(handle(ptr.0), bytes as usize, &desc, 1)
+        })
     }
 
-    fn vmm_unmap(&self, device: DeviceOrdinal, ptr: DevicePtr, bytes: u64) -> Result<(), DriverError> {
+    fn vmm_unmap(
+        &self,
+        device: DeviceOrdinal,
+        ptr: DevicePtr,
+        bytes: u64,
+    ) -> Result<(), DriverError> {
         let vmm = self.vmm()?;
         self.set_device(device)?;
         // SAFETY: the runtime validates the range.
-        self.check("hipMemUnmap", unsafe { (vmm.unmap)(handle(ptr.0), bytes as usize) })
+        self.check("hipMemUnmap", unsafe {
+            (vmm.unmap)(handle(ptr.0), bytes as usize)
+        })
     }
 }
 
@@ -873,14 +1120,24 @@ mod tests {
         let first = &list[0];
         #[cfg(not(windows))]
         {
-            assert_eq!(first, &HipCandidate::Path(PathBuf::from("/custom/rocm/lib/libamdhip64.so.7")));
-            assert!(list.contains(&HipCandidate::Path(PathBuf::from("/env/rocm/lib/libamdhip64.so.6"))));
-            assert!(list.contains(&HipCandidate::Path(PathBuf::from("/opt/rocm/lib/libamdhip64.so"))));
+            assert_eq!(
+                first,
+                &HipCandidate::Path(PathBuf::from("/custom/rocm/lib/libamdhip64.so.7"))
+            );
+            assert!(list.contains(&HipCandidate::Path(PathBuf::from(
+                "/env/rocm/lib/libamdhip64.so.6"
+            ))));
+            assert!(list.contains(&HipCandidate::Path(PathBuf::from(
+                "/opt/rocm/lib/libamdhip64.so"
+            ))));
             assert_eq!(list.last(), Some(&HipCandidate::Name("libamdhip64.so")));
             assert_eq!(list.len(), 12);
         }
         #[cfg(windows)]
-        assert_eq!(first, &HipCandidate::Path(PathBuf::from("/custom/rocm/bin/amdhip64_7.dll")));
+        assert_eq!(
+            first,
+            &HipCandidate::Path(PathBuf::from("/custom/rocm/bin/amdhip64_7.dll"))
+        );
     }
 
     #[test]
@@ -899,7 +1156,10 @@ mod tests {
         let text = error.to_string();
         for name in LIBRARY_NAMES {
             let path = empty.path().join(LIBRARY_SUBDIR).join(name);
-            assert!(text.contains(&format!("{} (absent)", path.display())), "{text}");
+            assert!(
+                text.contains(&format!("{} (absent)", path.display())),
+                "{text}"
+            );
         }
         assert!(text.contains("ember runs on the CPU meanwhile"), "{text}");
     }
@@ -918,8 +1178,16 @@ mod tests {
         let DriverError::LibraryNotFound { attempts, .. } = &error else {
             panic!("expected LibraryNotFound, found {error}");
         };
-        assert!(matches!(attempts[1].outcome, AttemptOutcome::LoadFailed(_)), "{attempts:?}");
-        assert!(error.to_string().contains(&format!("{} (load failed:", broken.display())), "{error}");
+        assert!(
+            matches!(attempts[1].outcome, AttemptOutcome::LoadFailed(_)),
+            "{attempts:?}"
+        );
+        assert!(
+            error
+                .to_string()
+                .contains(&format!("{} (load failed:", broken.display())),
+            "{error}"
+        );
     }
 
     #[test]
@@ -929,7 +1197,10 @@ mod tests {
         match HipDriver::load(&HipLoadOptions::default()) {
             Ok(driver) => assert!(driver.runtime_info().library.is_some()),
             Err(DriverError::LibraryNotFound { attempts, .. }) => {
-                assert!(attempts.iter().any(|a| a.candidate == LIBRARY_NAMES[0]), "{attempts:?}");
+                assert!(
+                    attempts.iter().any(|a| a.candidate == LIBRARY_NAMES[0]),
+                    "{attempts:?}"
+                );
             }
             Err(other) => assert!(!other.to_string().is_empty()),
         }
@@ -946,8 +1217,12 @@ mod tests {
         }
         let loaded = a.join(LIBRARY_SUBDIR).join(LIBRARY_NAMES[0]);
         let others = other_installs(&[a.clone(), b.clone()], Some(&loaded));
-        let expected = std::fs::canonicalize(b.join(LIBRARY_SUBDIR).join(LIBRARY_NAMES[0])).unwrap();
+        let expected =
+            std::fs::canonicalize(b.join(LIBRARY_SUBDIR).join(LIBRARY_NAMES[0])).unwrap();
         assert!(others.contains(&expected), "{others:?}");
-        assert!(!others.contains(&std::fs::canonicalize(&loaded).unwrap()), "{others:?}");
+        assert!(
+            !others.contains(&std::fs::canonicalize(&loaded).unwrap()),
+            "{others:?}"
+        );
     }
 }

@@ -16,8 +16,9 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Instant;
 
 use crate::driver::{
-    Backend, DeviceInfo, DeviceOrdinal, DevicePtr, Driver, DriverError, EventHandle, FunctionHandle, KernelArg, KernelArgs,
-    LaunchConfig, MemInfo, MemoryType, ModuleHandle, PhysicalHandle, PointerInfo, RuntimeInfo, StreamHandle,
+    Backend, DeviceInfo, DeviceOrdinal, DevicePtr, Driver, DriverError, EventHandle,
+    FunctionHandle, KernelArg, KernelArgs, LaunchConfig, MemInfo, MemoryType, ModuleHandle,
+    PhysicalHandle, PointerInfo, RuntimeInfo, StreamHandle,
 };
 
 /// A virtual-memory step the host driver can be told to fail, to test fallbacks.
@@ -86,7 +87,9 @@ impl HostLaunch<'_> {
     pub fn ptr_arg(&self, index: usize) -> Result<DevicePtr, String> {
         match self.args().get(index) {
             Some(KernelArg::Ptr(ptr)) => Ok(*ptr),
-            other => Err(format!("argument {index}: expected a pointer, found {other:?}")),
+            other => Err(format!(
+                "argument {index}: expected a pointer, found {other:?}"
+            )),
         }
     }
 
@@ -100,14 +103,18 @@ impl HostLaunch<'_> {
     pub fn f32_arg(&self, index: usize) -> Result<f32, String> {
         match self.args().get(index) {
             Some(KernelArg::F32(v)) => Ok(*v),
-            other => Err(format!("argument {index}: expected an f32, found {other:?}")),
+            other => Err(format!(
+                "argument {index}: expected an f32, found {other:?}"
+            )),
         }
     }
 
     /// Reads device memory (checked).
     pub fn read(&self, src: DevicePtr, dst: &mut [u8]) -> Result<(), String> {
         let state = self.driver.lock();
-        state.check_accessible(src, dst.len() as u64).map_err(|e| e.to_string())?;
+        state
+            .check_accessible(src, dst.len() as u64)
+            .map_err(|e| e.to_string())?;
         // SAFETY: the range was just checked to be allocated and readable, and the state lock
         // keeps it mapped for the duration of the copy.
         unsafe { std::ptr::copy_nonoverlapping(src.0 as *const u8, dst.as_mut_ptr(), dst.len()) };
@@ -117,7 +124,9 @@ impl HostLaunch<'_> {
     /// Writes device memory (checked).
     pub fn write(&self, dst: DevicePtr, src: &[u8]) -> Result<(), String> {
         let state = self.driver.lock();
-        state.check_accessible(dst, src.len() as u64).map_err(|e| e.to_string())?;
+        state
+            .check_accessible(dst, src.len() as u64)
+            .map_err(|e| e.to_string())?;
         // SAFETY: the range was just checked to be allocated and writable, and the state lock
         // keeps it mapped for the duration of the copy.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.0 as *mut u8, src.len()) };
@@ -127,7 +136,10 @@ impl HostLaunch<'_> {
     pub fn read_f32(&self, src: DevicePtr, count: usize) -> Result<Vec<f32>, String> {
         let mut bytes = vec![0u8; count * 4];
         self.read(src, &mut bytes)?;
-        Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+        Ok(bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
     }
 
     pub fn write_f32(&self, dst: DevicePtr, values: &[f32]) -> Result<(), String> {
@@ -177,7 +189,9 @@ impl HostState {
             return Ok(());
         }
         let start = ptr.0;
-        let end = start.checked_add(len).ok_or_else(|| invalid("access", format!("range at {ptr} of {len} bytes overflows")))?;
+        let end = start
+            .checked_add(len)
+            .ok_or_else(|| invalid("access", format!("range at {ptr} of {len} bytes overflows")))?;
         if let Some((&addr, &bytes)) = self.blocks.range(..=start).next_back() {
             if end <= addr + bytes {
                 return Ok(());
@@ -189,14 +203,26 @@ impl HostState {
         let mut cursor = start;
         let first = self.mappings.range(..=start).next_back();
         let Some((&addr, mapping)) = first else {
-            return Err(invalid("access", format!("{ptr} is not device memory of this driver")));
+            return Err(invalid(
+                "access",
+                format!("{ptr} is not device memory of this driver"),
+            ));
         };
         if start >= addr + mapping.bytes {
-            return Err(invalid("access", format!("{ptr} is not device memory of this driver")));
+            return Err(invalid(
+                "access",
+                format!("{ptr} is not device memory of this driver"),
+            ));
         }
         for (&addr, mapping) in self.mappings.range(addr..) {
             if addr > cursor {
-                return Err(invalid("access", format!("{:#x} is not mapped (access of {len} bytes at {ptr})", cursor)));
+                return Err(invalid(
+                    "access",
+                    format!(
+                        "{:#x} is not mapped (access of {len} bytes at {ptr})",
+                        cursor
+                    ),
+                ));
             }
             if !mapping.accessible {
                 return Err(invalid("access", format!("{addr:#x} is mapped but access was never set (access of {len} bytes at {ptr})")));
@@ -206,12 +232,23 @@ impl HostState {
                 return Ok(());
             }
         }
-        Err(invalid("access", format!("{cursor:#x} is not mapped (access of {len} bytes at {ptr})")))
+        Err(invalid(
+            "access",
+            format!("{cursor:#x} is not mapped (access of {len} bytes at {ptr})"),
+        ))
     }
 
     fn owns(&self, ptr: DevicePtr) -> bool {
-        let in_block = self.blocks.range(..=ptr.0).next_back().is_some_and(|(&a, &b)| ptr.0 < a + b);
-        let in_mapping = self.mappings.range(..=ptr.0).next_back().is_some_and(|(&a, m)| ptr.0 < a + m.bytes);
+        let in_block = self
+            .blocks
+            .range(..=ptr.0)
+            .next_back()
+            .is_some_and(|(&a, &b)| ptr.0 < a + b);
+        let in_mapping = self
+            .mappings
+            .range(..=ptr.0)
+            .next_back()
+            .is_some_and(|(&a, m)| ptr.0 < a + m.bytes);
         in_block || in_mapping
     }
 }
@@ -260,7 +297,9 @@ pub struct HostDriver {
 
 impl std::fmt::Debug for HostDriver {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HostDriver").field("config", &self.config).finish_non_exhaustive()
+        f.debug_struct("HostDriver")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
     }
 }
 
@@ -365,7 +404,11 @@ impl Driver for HostDriver {
 
     fn mem_info(&self, device: DeviceOrdinal) -> Result<MemInfo, DriverError> {
         self.check_device(device)?;
-        let used = if self.config.free_memory_frozen { 0 } else { self.lock().used_bytes };
+        let used = if self.config.free_memory_frozen {
+            0
+        } else {
+            self.lock().used_bytes
+        };
         Ok(MemInfo {
             free: self.config.total_memory.saturating_sub(used),
             total: self.config.total_memory,
@@ -380,7 +423,10 @@ impl Driver for HostDriver {
         let length = round_up(bytes, page_size());
         let mut state = self.lock();
         if state.used_bytes + length > self.config.total_memory {
-            return Err(DriverError::OutOfMemory { call: "hostMalloc", bytes });
+            return Err(DriverError::OutOfMemory {
+                call: "hostMalloc",
+                bytes,
+            });
         }
         // SAFETY: an anonymous private mapping at an address of the kernel's choosing touches no
         // existing memory.
@@ -406,7 +452,10 @@ impl Driver for HostDriver {
         self.check_device(device)?;
         let mut state = self.lock();
         let Some(length) = state.blocks.remove(&ptr.0) else {
-            return Err(invalid("hostFree", format!("{ptr} is not the start of an allocation")));
+            return Err(invalid(
+                "hostFree",
+                format!("{ptr} is not the start of an allocation"),
+            ));
         };
         // SAFETY: the block was created by `alloc` with this address and length and has just been
         // removed from the table, so no checked access can reach it any more.
@@ -418,7 +467,14 @@ impl Driver for HostDriver {
         Ok(())
     }
 
-    unsafe fn copy_htod_async(&self, device: DeviceOrdinal, dst: DevicePtr, src: *const u8, bytes: u64, _stream: StreamHandle) -> Result<(), DriverError> {
+    unsafe fn copy_htod_async(
+        &self,
+        device: DeviceOrdinal,
+        dst: DevicePtr,
+        src: *const u8,
+        bytes: u64,
+        _stream: StreamHandle,
+    ) -> Result<(), DriverError> {
         self.check_device(device)?;
         let state = self.lock();
         state.check_accessible(dst, bytes)?;
@@ -428,7 +484,14 @@ impl Driver for HostDriver {
         Ok(())
     }
 
-    unsafe fn copy_dtoh_async(&self, device: DeviceOrdinal, dst: *mut u8, src: DevicePtr, bytes: u64, _stream: StreamHandle) -> Result<(), DriverError> {
+    unsafe fn copy_dtoh_async(
+        &self,
+        device: DeviceOrdinal,
+        dst: *mut u8,
+        src: DevicePtr,
+        bytes: u64,
+        _stream: StreamHandle,
+    ) -> Result<(), DriverError> {
         self.check_device(device)?;
         let state = self.lock();
         state.check_accessible(src, bytes)?;
@@ -438,7 +501,14 @@ impl Driver for HostDriver {
         Ok(())
     }
 
-    fn copy_dtod_async(&self, device: DeviceOrdinal, dst: DevicePtr, src: DevicePtr, bytes: u64, _stream: StreamHandle) -> Result<(), DriverError> {
+    fn copy_dtod_async(
+        &self,
+        device: DeviceOrdinal,
+        dst: DevicePtr,
+        src: DevicePtr,
+        bytes: u64,
+        _stream: StreamHandle,
+    ) -> Result<(), DriverError> {
         self.check_device(device)?;
         let state = self.lock();
         state.check_accessible(src, bytes)?;
@@ -448,7 +518,14 @@ impl Driver for HostDriver {
         Ok(())
     }
 
-    fn memset_d8_async(&self, device: DeviceOrdinal, dst: DevicePtr, value: u8, bytes: u64, _stream: StreamHandle) -> Result<(), DriverError> {
+    fn memset_d8_async(
+        &self,
+        device: DeviceOrdinal,
+        dst: DevicePtr,
+        value: u8,
+        bytes: u64,
+        _stream: StreamHandle,
+    ) -> Result<(), DriverError> {
         self.check_device(device)?;
         let state = self.lock();
         state.check_accessible(dst, bytes)?;
@@ -457,10 +534,20 @@ impl Driver for HostDriver {
         Ok(())
     }
 
-    fn memset_d32_async(&self, device: DeviceOrdinal, dst: DevicePtr, value: u32, count: u64, _stream: StreamHandle) -> Result<(), DriverError> {
+    fn memset_d32_async(
+        &self,
+        device: DeviceOrdinal,
+        dst: DevicePtr,
+        value: u32,
+        count: u64,
+        _stream: StreamHandle,
+    ) -> Result<(), DriverError> {
         self.check_device(device)?;
-        if dst.0 % 4 != 0 {
-            return Err(invalid("hostMemsetD32", format!("{dst} is not 4-byte aligned")));
+        if !dst.0.is_multiple_of(4) {
+            return Err(invalid(
+                "hostMemsetD32",
+                format!("{dst} is not 4-byte aligned"),
+            ));
         }
         let state = self.lock();
         state.check_accessible(dst, count * 4)?;
@@ -478,7 +565,11 @@ impl Driver for HostDriver {
         Ok(StreamHandle(handle))
     }
 
-    fn stream_destroy(&self, device: DeviceOrdinal, stream: StreamHandle) -> Result<(), DriverError> {
+    fn stream_destroy(
+        &self,
+        device: DeviceOrdinal,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
         self.check_device(device)?;
         self.lock()
             .streams
@@ -486,10 +577,17 @@ impl Driver for HostDriver {
             .ok_or_else(|| invalid("hostStreamDestroy", format!("unknown stream {}", stream.0)))
     }
 
-    fn stream_synchronize(&self, device: DeviceOrdinal, stream: StreamHandle) -> Result<(), DriverError> {
+    fn stream_synchronize(
+        &self,
+        device: DeviceOrdinal,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
         self.check_device(device)?;
         if stream != StreamHandle::DEFAULT && !self.lock().streams.contains_key(&stream.0) {
-            return Err(invalid("hostStreamSynchronize", format!("unknown stream {}", stream.0)));
+            return Err(invalid(
+                "hostStreamSynchronize",
+                format!("unknown stream {}", stream.0),
+            ));
         }
         Ok(())
     }
@@ -511,15 +609,27 @@ impl Driver for HostDriver {
             .ok_or_else(|| invalid("hostEventDestroy", format!("unknown event {}", event.0)))
     }
 
-    fn event_record(&self, device: DeviceOrdinal, event: EventHandle, _stream: StreamHandle) -> Result<(), DriverError> {
+    fn event_record(
+        &self,
+        device: DeviceOrdinal,
+        event: EventHandle,
+        _stream: StreamHandle,
+    ) -> Result<(), DriverError> {
         self.check_device(device)?;
         let mut state = self.lock();
-        let slot = state.events.get_mut(&event.0).ok_or_else(|| invalid("hostEventRecord", format!("unknown event {}", event.0)))?;
+        let slot = state
+            .events
+            .get_mut(&event.0)
+            .ok_or_else(|| invalid("hostEventRecord", format!("unknown event {}", event.0)))?;
         *slot = Some(Instant::now());
         Ok(())
     }
 
-    fn event_synchronize(&self, device: DeviceOrdinal, event: EventHandle) -> Result<(), DriverError> {
+    fn event_synchronize(
+        &self,
+        device: DeviceOrdinal,
+        event: EventHandle,
+    ) -> Result<(), DriverError> {
         self.event_query(device, event).map(|_| ())
     }
 
@@ -527,17 +637,31 @@ impl Driver for HostDriver {
         self.check_device(device)?;
         match self.lock().events.get(&event.0) {
             Some(_) => Ok(true),
-            None => Err(invalid("hostEventQuery", format!("unknown event {}", event.0))),
+            None => Err(invalid(
+                "hostEventQuery",
+                format!("unknown event {}", event.0),
+            )),
         }
     }
 
-    fn event_elapsed_ms(&self, device: DeviceOrdinal, start: EventHandle, end: EventHandle) -> Result<f32, DriverError> {
+    fn event_elapsed_ms(
+        &self,
+        device: DeviceOrdinal,
+        start: EventHandle,
+        end: EventHandle,
+    ) -> Result<f32, DriverError> {
         self.check_device(device)?;
         let state = self.lock();
         let time = |event: EventHandle| match state.events.get(&event.0) {
             Some(Some(t)) => Ok(*t),
-            Some(None) => Err(invalid("hostEventElapsedTime", format!("event {} was never recorded", event.0))),
-            None => Err(invalid("hostEventElapsedTime", format!("unknown event {}", event.0))),
+            Some(None) => Err(invalid(
+                "hostEventElapsedTime",
+                format!("event {} was never recorded", event.0),
+            )),
+            None => Err(invalid(
+                "hostEventElapsedTime",
+                format!("unknown event {}", event.0),
+            )),
         };
         let (t0, t1) = (time(start)?, time(end)?);
         Ok(t1.saturating_duration_since(t0).as_secs_f32() * 1000.0)
@@ -547,10 +671,17 @@ impl Driver for HostDriver {
         self.check_device(device)
     }
 
-    fn module_load(&self, device: DeviceOrdinal, image: &[u8]) -> Result<ModuleHandle, DriverError> {
+    fn module_load(
+        &self,
+        device: DeviceOrdinal,
+        image: &[u8],
+    ) -> Result<ModuleHandle, DriverError> {
         self.check_device(device)?;
         if image.is_empty() {
-            return Err(invalid("hostModuleLoadData", "empty code object".to_string()));
+            return Err(invalid(
+                "hostModuleLoadData",
+                "empty code object".to_string(),
+            ));
         }
         let mut state = self.lock();
         let handle = state.handle();
@@ -558,7 +689,11 @@ impl Driver for HostDriver {
         Ok(ModuleHandle(handle))
     }
 
-    fn module_unload(&self, device: DeviceOrdinal, module: ModuleHandle) -> Result<(), DriverError> {
+    fn module_unload(
+        &self,
+        device: DeviceOrdinal,
+        module: ModuleHandle,
+    ) -> Result<(), DriverError> {
         self.check_device(device)?;
         self.lock()
             .modules
@@ -566,12 +701,24 @@ impl Driver for HostDriver {
             .ok_or_else(|| invalid("hostModuleUnload", format!("unknown module {}", module.0)))
     }
 
-    fn module_function(&self, device: DeviceOrdinal, module: ModuleHandle, name: &str) -> Result<FunctionHandle, DriverError> {
+    fn module_function(
+        &self,
+        device: DeviceOrdinal,
+        module: ModuleHandle,
+        name: &str,
+    ) -> Result<FunctionHandle, DriverError> {
         self.check_device(device)?;
-        let registered = self.kernels.read().unwrap_or_else(|e| e.into_inner()).contains_key(name);
+        let registered = self
+            .kernels
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(name);
         let mut state = self.lock();
         if !state.modules.contains_key(&module.0) {
-            return Err(invalid("hostModuleGetFunction", format!("unknown module {}", module.0)));
+            return Err(invalid(
+                "hostModuleGetFunction",
+                format!("unknown module {}", module.0),
+            ));
         }
         if !registered {
             return Err(DriverError::Call {
@@ -585,21 +732,38 @@ impl Driver for HostDriver {
         Ok(FunctionHandle(handle))
     }
 
-    unsafe fn launch(&self, device: DeviceOrdinal, function: FunctionHandle, config: &LaunchConfig, _stream: StreamHandle, args: &KernelArgs) -> Result<(), DriverError> {
+    unsafe fn launch(
+        &self,
+        device: DeviceOrdinal,
+        function: FunctionHandle,
+        config: &LaunchConfig,
+        _stream: StreamHandle,
+        args: &KernelArgs,
+    ) -> Result<(), DriverError> {
         self.check_device(device)?;
         let name = self
             .lock()
             .functions
             .get(&function.0)
             .cloned()
-            .ok_or_else(|| invalid("hostModuleLaunchKernel", format!("unknown function {}", function.0)))?;
+            .ok_or_else(|| {
+                invalid(
+                    "hostModuleLaunchKernel",
+                    format!("unknown function {}", function.0),
+                )
+            })?;
         let kernel = self
             .kernels
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .get(&name)
             .cloned()
-            .ok_or_else(|| invalid("hostModuleLaunchKernel", format!("kernel {name} is no longer registered")))?;
+            .ok_or_else(|| {
+                invalid(
+                    "hostModuleLaunchKernel",
+                    format!("kernel {name} is no longer registered"),
+                )
+            })?;
         let launch = HostLaunch {
             driver: self,
             config: *config,
@@ -608,7 +772,11 @@ impl Driver for HostDriver {
         kernel(&launch).map_err(|reason| DriverError::KernelFailed { name, reason })
     }
 
-    fn pointer_info(&self, device: DeviceOrdinal, ptr: DevicePtr) -> Result<PointerInfo, DriverError> {
+    fn pointer_info(
+        &self,
+        device: DeviceOrdinal,
+        ptr: DevicePtr,
+    ) -> Result<PointerInfo, DriverError> {
         self.check_device(device)?;
         if self.lock().owns(ptr) {
             Ok(PointerInfo {
@@ -637,8 +805,14 @@ impl Driver for HostDriver {
     fn vmm_reserve(&self, device: DeviceOrdinal, bytes: u64) -> Result<DevicePtr, DriverError> {
         self.check_device(device)?;
         self.fail_if(HostVmmFailure::Reserve, "hostMemAddressReserve")?;
-        if bytes == 0 || bytes % self.config.granularity != 0 {
-            return Err(invalid("hostMemAddressReserve", format!("{bytes} bytes is not a positive multiple of the granularity {}", self.config.granularity)));
+        if bytes == 0 || !bytes.is_multiple_of(self.config.granularity) {
+            return Err(invalid(
+                "hostMemAddressReserve",
+                format!(
+                    "{bytes} bytes is not a positive multiple of the granularity {}",
+                    self.config.granularity
+                ),
+            ));
         }
         // SAFETY: an anonymous PROT_NONE reservation at an address of the kernel's choosing
         // touches no existing memory and commits none.
@@ -659,16 +833,34 @@ impl Driver for HostDriver {
         Ok(DevicePtr(addr as u64))
     }
 
-    fn vmm_free_reserved(&self, device: DeviceOrdinal, ptr: DevicePtr, bytes: u64) -> Result<(), DriverError> {
+    fn vmm_free_reserved(
+        &self,
+        device: DeviceOrdinal,
+        ptr: DevicePtr,
+        bytes: u64,
+    ) -> Result<(), DriverError> {
         self.check_device(device)?;
         let mut state = self.lock();
         match state.reservations.get(&ptr.0) {
             Some(&length) if length == bytes => {}
-            Some(&length) => return Err(invalid("hostMemAddressFree", format!("reservation at {ptr} is {length} bytes, not {bytes}"))),
-            None => return Err(invalid("hostMemAddressFree", format!("{ptr} is not a reservation"))),
+            Some(&length) => {
+                return Err(invalid(
+                    "hostMemAddressFree",
+                    format!("reservation at {ptr} is {length} bytes, not {bytes}"),
+                ))
+            }
+            None => {
+                return Err(invalid(
+                    "hostMemAddressFree",
+                    format!("{ptr} is not a reservation"),
+                ))
+            }
         }
         if state.mappings.range(ptr.0..ptr.0 + bytes).next().is_some() {
-            return Err(invalid("hostMemAddressFree", format!("reservation at {ptr} still has mapped memory")));
+            return Err(invalid(
+                "hostMemAddressFree",
+                format!("reservation at {ptr} still has mapped memory"),
+            ));
         }
         state.reservations.remove(&ptr.0);
         // SAFETY: the reservation was created by `vmm_reserve` with this address and length and
@@ -682,12 +874,21 @@ impl Driver for HostDriver {
     fn vmm_create(&self, device: DeviceOrdinal, bytes: u64) -> Result<PhysicalHandle, DriverError> {
         self.check_device(device)?;
         self.fail_if(HostVmmFailure::Create, "hostMemCreate")?;
-        if bytes == 0 || bytes % self.config.granularity != 0 {
-            return Err(invalid("hostMemCreate", format!("{bytes} bytes is not a positive multiple of the granularity {}", self.config.granularity)));
+        if bytes == 0 || !bytes.is_multiple_of(self.config.granularity) {
+            return Err(invalid(
+                "hostMemCreate",
+                format!(
+                    "{bytes} bytes is not a positive multiple of the granularity {}",
+                    self.config.granularity
+                ),
+            ));
         }
         let mut state = self.lock();
         if state.used_bytes + bytes > self.config.total_memory {
-            return Err(DriverError::OutOfMemory { call: "hostMemCreate", bytes });
+            return Err(DriverError::OutOfMemory {
+                call: "hostMemCreate",
+                bytes,
+            });
         }
         let handle = state.handle();
         state.physical.insert(
@@ -702,14 +903,23 @@ impl Driver for HostDriver {
         Ok(PhysicalHandle(handle))
     }
 
-    fn vmm_release(&self, device: DeviceOrdinal, handle: PhysicalHandle) -> Result<(), DriverError> {
+    fn vmm_release(
+        &self,
+        device: DeviceOrdinal,
+        handle: PhysicalHandle,
+    ) -> Result<(), DriverError> {
         self.check_device(device)?;
         let mut state = self.lock();
         let physical = state
             .physical
             .get_mut(&handle.0)
             .filter(|p| !p.released)
-            .ok_or_else(|| invalid("hostMemRelease", format!("unknown physical allocation {}", handle.0)))?;
+            .ok_or_else(|| {
+                invalid(
+                    "hostMemRelease",
+                    format!("unknown physical allocation {}", handle.0),
+                )
+            })?;
         physical.released = true;
         if physical.mapped_at.is_none() {
             let bytes = physical.bytes;
@@ -719,31 +929,71 @@ impl Driver for HostDriver {
         Ok(())
     }
 
-    fn vmm_map(&self, device: DeviceOrdinal, ptr: DevicePtr, bytes: u64, handle: PhysicalHandle) -> Result<(), DriverError> {
+    fn vmm_map(
+        &self,
+        device: DeviceOrdinal,
+        ptr: DevicePtr,
+        bytes: u64,
+        handle: PhysicalHandle,
+    ) -> Result<(), DriverError> {
         self.check_device(device)?;
         self.fail_if(HostVmmFailure::Map, "hostMemMap")?;
         let mut state = self.lock();
-        let inside = state.reservations.range(..=ptr.0).next_back().is_some_and(|(&a, &len)| ptr.0 + bytes <= a + len);
+        let inside = state
+            .reservations
+            .range(..=ptr.0)
+            .next_back()
+            .is_some_and(|(&a, &len)| ptr.0 + bytes <= a + len);
         if !inside {
-            return Err(invalid("hostMemMap", format!("{bytes} bytes at {ptr} are not inside a reservation")));
+            return Err(invalid(
+                "hostMemMap",
+                format!("{bytes} bytes at {ptr} are not inside a reservation"),
+            ));
         }
-        if ptr.0 % self.config.granularity != 0 {
-            return Err(invalid("hostMemMap", format!("{ptr} is not aligned to the granularity {}", self.config.granularity)));
+        if !ptr.0.is_multiple_of(self.config.granularity) {
+            return Err(invalid(
+                "hostMemMap",
+                format!(
+                    "{ptr} is not aligned to the granularity {}",
+                    self.config.granularity
+                ),
+            ));
         }
-        let overlaps = state.mappings.range(..ptr.0 + bytes).next_back().is_some_and(|(&a, m)| a + m.bytes > ptr.0);
+        let overlaps = state
+            .mappings
+            .range(..ptr.0 + bytes)
+            .next_back()
+            .is_some_and(|(&a, m)| a + m.bytes > ptr.0);
         if overlaps {
-            return Err(invalid("hostMemMap", format!("{bytes} bytes at {ptr} overlap an existing mapping")));
+            return Err(invalid(
+                "hostMemMap",
+                format!("{bytes} bytes at {ptr} overlap an existing mapping"),
+            ));
         }
         let physical = state
             .physical
             .get_mut(&handle.0)
             .filter(|p| !p.released)
-            .ok_or_else(|| invalid("hostMemMap", format!("unknown physical allocation {}", handle.0)))?;
+            .ok_or_else(|| {
+                invalid(
+                    "hostMemMap",
+                    format!("unknown physical allocation {}", handle.0),
+                )
+            })?;
         if physical.bytes != bytes {
-            return Err(invalid("hostMemMap", format!("physical allocation is {} bytes, mapping asks for {bytes}", physical.bytes)));
+            return Err(invalid(
+                "hostMemMap",
+                format!(
+                    "physical allocation is {} bytes, mapping asks for {bytes}",
+                    physical.bytes
+                ),
+            ));
         }
         if let Some(at) = physical.mapped_at {
-            return Err(invalid("hostMemMap", format!("physical allocation is already mapped at {at:#x}")));
+            return Err(invalid(
+                "hostMemMap",
+                format!("physical allocation is already mapped at {at:#x}"),
+            ));
         }
         physical.mapped_at = Some(ptr.0);
         state.mappings.insert(
@@ -757,7 +1007,12 @@ impl Driver for HostDriver {
         Ok(())
     }
 
-    fn vmm_set_access(&self, device: DeviceOrdinal, ptr: DevicePtr, bytes: u64) -> Result<(), DriverError> {
+    fn vmm_set_access(
+        &self,
+        device: DeviceOrdinal,
+        ptr: DevicePtr,
+        bytes: u64,
+    ) -> Result<(), DriverError> {
         self.check_device(device)?;
         self.fail_if(HostVmmFailure::SetAccess, "hostMemSetAccess")?;
         let mut state = self.lock();
@@ -766,15 +1021,28 @@ impl Driver for HostDriver {
         let keys: Vec<u64> = state.mappings.range(ptr.0..end).map(|(&a, _)| a).collect();
         for addr in &keys {
             if *addr != cursor {
-                return Err(invalid("hostMemSetAccess", format!("{cursor:#x} is not mapped (set access on {bytes} bytes at {ptr})")));
+                return Err(invalid(
+                    "hostMemSetAccess",
+                    format!("{cursor:#x} is not mapped (set access on {bytes} bytes at {ptr})"),
+                ));
             }
             cursor += state.mappings[addr].bytes;
         }
         if cursor != end {
-            return Err(invalid("hostMemSetAccess", format!("range of {bytes} bytes at {ptr} does not cover whole mappings")));
+            return Err(invalid(
+                "hostMemSetAccess",
+                format!("range of {bytes} bytes at {ptr} does not cover whole mappings"),
+            ));
         }
         // SAFETY: the range is exactly a set of mappings inside a reservation this driver owns.
-        if unsafe { libc::mprotect(ptr.0 as *mut libc::c_void, bytes as usize, libc::PROT_READ | libc::PROT_WRITE) } != 0 {
+        if unsafe {
+            libc::mprotect(
+                ptr.0 as *mut libc::c_void,
+                bytes as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+            )
+        } != 0
+        {
             return Err(os_error("mprotect"));
         }
         for addr in keys {
@@ -785,7 +1053,12 @@ impl Driver for HostDriver {
         Ok(())
     }
 
-    fn vmm_unmap(&self, device: DeviceOrdinal, ptr: DevicePtr, bytes: u64) -> Result<(), DriverError> {
+    fn vmm_unmap(
+        &self,
+        device: DeviceOrdinal,
+        ptr: DevicePtr,
+        bytes: u64,
+    ) -> Result<(), DriverError> {
         self.check_device(device)?;
         let mut state = self.lock();
         let end = ptr.0 + bytes;
@@ -793,17 +1066,28 @@ impl Driver for HostDriver {
         let keys: Vec<u64> = state.mappings.range(ptr.0..end).map(|(&a, _)| a).collect();
         for addr in &keys {
             if *addr != cursor {
-                return Err(invalid("hostMemUnmap", format!("{cursor:#x} is not mapped (unmap of {bytes} bytes at {ptr})")));
+                return Err(invalid(
+                    "hostMemUnmap",
+                    format!("{cursor:#x} is not mapped (unmap of {bytes} bytes at {ptr})"),
+                ));
             }
             cursor += state.mappings[addr].bytes;
         }
         if cursor != end || keys.is_empty() {
-            return Err(invalid("hostMemUnmap", format!("range of {bytes} bytes at {ptr} does not cover whole mappings")));
+            return Err(invalid(
+                "hostMemUnmap",
+                format!("range of {bytes} bytes at {ptr} does not cover whole mappings"),
+            ));
         }
         // SAFETY: the range is exactly a set of mappings inside a reservation this driver owns;
         // dropping the pages and revoking access is what unmapping means.
         unsafe {
-            if libc::madvise(ptr.0 as *mut libc::c_void, bytes as usize, libc::MADV_DONTNEED) != 0 {
+            if libc::madvise(
+                ptr.0 as *mut libc::c_void,
+                bytes as usize,
+                libc::MADV_DONTNEED,
+            ) != 0
+            {
                 return Err(os_error("madvise"));
             }
             if libc::mprotect(ptr.0 as *mut libc::c_void, bytes as usize, libc::PROT_NONE) != 0 {
@@ -839,14 +1123,20 @@ pub fn process_resident_bytes() -> Option<u64> {
 /// How many bytes of `[ptr, ptr+bytes)` are resident in RAM (`mincore`); `ptr` must be page aligned.
 pub fn resident_bytes_in(ptr: DevicePtr, bytes: u64) -> Result<u64, DriverError> {
     let page = page_size();
-    if ptr.0 % page != 0 {
+    if !ptr.0.is_multiple_of(page) {
         return Err(invalid("mincore", format!("{ptr} is not page aligned")));
     }
     let pages = bytes.div_ceil(page) as usize;
     let mut vector = vec![0u8; pages];
     // SAFETY: `vector` has one byte per page of the range, as mincore requires; mincore only
     // reads page tables and fails cleanly on unmapped ranges.
-    let rc = unsafe { libc::mincore(ptr.0 as *mut libc::c_void, bytes as usize, vector.as_mut_ptr()) };
+    let rc = unsafe {
+        libc::mincore(
+            ptr.0 as *mut libc::c_void,
+            bytes as usize,
+            vector.as_mut_ptr(),
+        )
+    };
     if rc != 0 {
         return Err(os_error("mincore"));
     }
@@ -869,10 +1159,13 @@ mod tests {
         let ptr = d.alloc(0, 1000).unwrap();
         d.upload(0, ptr, &[1, 2, 3], StreamHandle::DEFAULT).unwrap();
         let mut back = [0u8; 3];
-        d.download(0, &mut back, ptr, StreamHandle::DEFAULT).unwrap();
+        d.download(0, &mut back, ptr, StreamHandle::DEFAULT)
+            .unwrap();
         assert_eq!(back, [1, 2, 3]);
         // Past the end of the (page-rounded) block.
-        let error = d.upload(0, ptr.offset(4096), &[1], StreamHandle::DEFAULT).unwrap_err();
+        let error = d
+            .upload(0, ptr.offset(4096), &[1], StreamHandle::DEFAULT)
+            .unwrap_err();
         assert!(error.to_string().contains("not device memory"), "{error}");
         d.free(0, ptr).unwrap();
         assert!(d.free(0, ptr).is_err());
@@ -884,12 +1177,20 @@ mod tests {
         let base = d.vmm_reserve(0, 8 * MIB).unwrap();
         let phys = d.vmm_create(0, 2 * MIB).unwrap();
         d.vmm_map(0, base, 2 * MIB, phys).unwrap();
-        let error = d.memset_d8_async(0, base, 1, 16, StreamHandle::DEFAULT).unwrap_err();
-        assert!(error.to_string().contains("access was never set"), "{error}");
+        let error = d
+            .memset_d8_async(0, base, 1, 16, StreamHandle::DEFAULT)
+            .unwrap_err();
+        assert!(
+            error.to_string().contains("access was never set"),
+            "{error}"
+        );
         d.vmm_set_access(0, base, 2 * MIB).unwrap();
-        d.memset_d8_async(0, base, 1, 16, StreamHandle::DEFAULT).unwrap();
+        d.memset_d8_async(0, base, 1, 16, StreamHandle::DEFAULT)
+            .unwrap();
         // An access crossing into the unmapped next granule fails.
-        assert!(d.memset_d8_async(0, base.offset(2 * MIB - 8), 1, 16, StreamHandle::DEFAULT).is_err());
+        assert!(d
+            .memset_d8_async(0, base.offset(2 * MIB - 8), 1, 16, StreamHandle::DEFAULT)
+            .is_err());
         d.vmm_unmap(0, base, 2 * MIB).unwrap();
         d.vmm_release(0, phys).unwrap();
         assert_eq!(d.used_bytes(), 0);
@@ -903,7 +1204,8 @@ mod tests {
         let phys = d.vmm_create(0, 8 * MIB).unwrap();
         d.vmm_map(0, base, 8 * MIB, phys).unwrap();
         d.vmm_set_access(0, base, 8 * MIB).unwrap();
-        d.memset_d8_async(0, base, 0xab, 8 * MIB, StreamHandle::DEFAULT).unwrap();
+        d.memset_d8_async(0, base, 0xab, 8 * MIB, StreamHandle::DEFAULT)
+            .unwrap();
         assert_eq!(resident_bytes_in(base, 8 * MIB).unwrap(), 8 * MIB);
         d.vmm_unmap(0, base, 8 * MIB).unwrap();
         assert_eq!(resident_bytes_in(base, 8 * MIB).unwrap(), 0);
@@ -930,17 +1232,36 @@ mod tests {
             let ptr = launch.ptr_arg(0)?;
             let n = launch.u32_arg(1)? as usize;
             let factor = launch.f32_arg(2)?;
-            let values: Vec<f32> = launch.read_f32(ptr, n)?.into_iter().map(|v| v * factor).collect();
+            let values: Vec<f32> = launch
+                .read_f32(ptr, n)?
+                .into_iter()
+                .map(|v| v * factor)
+                .collect();
             launch.write_f32(ptr, &values)
         });
         let ptr = d.alloc(0, 16).unwrap();
-        let input: Vec<u8> = [1.0f32, 2.0, 3.0, 4.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let input: Vec<u8> = [1.0f32, 2.0, 3.0, 4.0]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
         d.upload(0, ptr, &input, StreamHandle::DEFAULT).unwrap();
         let module = d.module_load(0, b"host").unwrap();
         let function = d.module_function(0, module, "scale").unwrap();
-        let args = KernelArgs::new().arg(KernelArg::Ptr(ptr)).arg(KernelArg::U32(4)).arg(KernelArg::F32(2.0));
+        let args = KernelArgs::new()
+            .arg(KernelArg::Ptr(ptr))
+            .arg(KernelArg::U32(4))
+            .arg(KernelArg::F32(2.0));
         // SAFETY: the host driver checks every access the kernel makes.
-        unsafe { d.launch(0, function, &LaunchConfig::linear(1, 4), StreamHandle::DEFAULT, &args).unwrap() };
+        unsafe {
+            d.launch(
+                0,
+                function,
+                &LaunchConfig::linear(1, 4),
+                StreamHandle::DEFAULT,
+                &args,
+            )
+            .unwrap()
+        };
         let mut out = [0u8; 16];
         d.download(0, &mut out, ptr, StreamHandle::DEFAULT).unwrap();
         assert_eq!(out[12..16], 8.0f32.to_le_bytes());

@@ -13,7 +13,10 @@ use std::sync::Mutex;
 
 use thiserror::Error;
 
-use crate::driver::{DeviceOrdinal, DevicePtr, Driver, DriverError, FunctionHandle, KernelArg, KernelArgs, LaunchConfig, ModuleHandle, StreamHandle};
+use crate::driver::{
+    DeviceOrdinal, DevicePtr, Driver, DriverError, FunctionHandle, KernelArg, KernelArgs,
+    LaunchConfig, ModuleHandle, StreamHandle,
+};
 
 /// Environment variable naming the kernels directory (overrides "beside the binary").
 pub const KERNELS_DIR_ENV: &str = "EMBER_KERNELS_DIR";
@@ -50,7 +53,13 @@ pub const KERNEL_MODULES: &[ModuleSpec] = &[
     ModuleSpec {
         module: KernelModule::Elementwise,
         stem: "elementwise",
-        functions: &["ember_add_f32", "ember_mul_f32", "ember_scale_f32", "ember_silu_mul_f32", "ember_gelu_mul_f32"],
+        functions: &[
+            "ember_add_f32",
+            "ember_mul_f32",
+            "ember_scale_f32",
+            "ember_silu_mul_f32",
+            "ember_gelu_mul_f32",
+        ],
     },
     ModuleSpec {
         module: KernelModule::Norm,
@@ -73,10 +82,16 @@ pub const KERNEL_MODULES: &[ModuleSpec] = &[
         functions: &[
             "ember_get_rows_f32",
             "ember_get_rows_f16",
+            "ember_get_rows_bf16",
             "ember_get_rows_q4_0",
             "ember_get_rows_q4_1",
+            "ember_get_rows_q5_0",
+            "ember_get_rows_q5_1",
             "ember_get_rows_q8_0",
+            "ember_get_rows_q2_k",
+            "ember_get_rows_q3_k",
             "ember_get_rows_q4_k",
+            "ember_get_rows_q5_k",
             "ember_get_rows_q6_k",
         ],
     },
@@ -91,10 +106,16 @@ pub const KERNEL_MODULES: &[ModuleSpec] = &[
         functions: &[
             "ember_matvec_f32",
             "ember_matvec_f16",
+            "ember_matvec_bf16",
             "ember_matvec_q4_0",
             "ember_matvec_q4_1",
+            "ember_matvec_q5_0",
+            "ember_matvec_q5_1",
             "ember_matvec_q8_0",
+            "ember_matvec_q2_k",
+            "ember_matvec_q3_k",
             "ember_matvec_q4_k",
+            "ember_matvec_q5_k",
             "ember_matvec_q6_k",
         ],
     },
@@ -151,7 +172,10 @@ pub enum KernelError {
         would_serve: Vec<String>,
     },
     #[error("reading code object {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("module {module} has no function {name}: expected one of {}", .expected.join(", "))]
     UnknownFunction {
         module: &'static str,
@@ -177,7 +201,13 @@ fn list_or_none(items: &[String]) -> String {
 /// The architecture name code objects are selected by: `gfx1201` from
 /// `gfx1201:sramecc-:xnack-`, `sm_90` from `sm_90` or `SM_90`.
 pub fn normalize_arch(raw: &str) -> String {
-    let base = raw.trim().split(':').next().unwrap_or("").trim().to_ascii_lowercase();
+    let base = raw
+        .trim()
+        .split(':')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
     if let Some(digits) = base.strip_prefix("sm") {
         let digits = digits.trim_start_matches('_');
         return format!("sm_{digits}");
@@ -192,7 +222,9 @@ pub fn cuda_arch(major: i32, minor: i32) -> String {
 
 /// Parses `sm_XY` (or `sm_XYa`) into (major, minor).
 fn parse_sm(arch: &str) -> Option<(u32, u32)> {
-    let digits = arch.strip_prefix("sm_")?.trim_end_matches(|c: char| c.is_ascii_alphabetic());
+    let digits = arch
+        .strip_prefix("sm_")?
+        .trim_end_matches(|c: char| c.is_ascii_alphabetic());
     if digits.len() < 2 {
         return None;
     }
@@ -228,14 +260,20 @@ pub fn available_archs(dir: &Path) -> Vec<String> {
 /// AMD: `<arch>/<stem>.hsaco` exactly (gfx code objects are not portable across targets).
 /// NVIDIA: `<arch>/<stem>.cubin`, else `<arch>/<stem>.ptx`, else a cubin of the same major
 /// version and a lower minor, else the PTX of the highest earlier architecture.
-pub fn find_code_object(dir: &Path, arch: &str, module: KernelModule) -> Result<(PathBuf, CodeObjectKind), KernelError> {
+pub fn find_code_object(
+    dir: &Path,
+    arch: &str,
+    module: KernelModule,
+) -> Result<(PathBuf, CodeObjectKind), KernelError> {
     let stem = module.stem();
     let candidate = |a: &str, kind: CodeObjectKind| {
         let path = dir.join(a).join(format!("{stem}.{}", kind.extension()));
         path.is_file().then_some((path, kind))
     };
     if let Some((major, minor)) = parse_sm(arch) {
-        if let Some(found) = candidate(arch, CodeObjectKind::Cubin).or_else(|| candidate(arch, CodeObjectKind::Ptx)) {
+        if let Some(found) =
+            candidate(arch, CodeObjectKind::Cubin).or_else(|| candidate(arch, CodeObjectKind::Ptx))
+        {
             return Ok(found);
         }
         let mut others: Vec<(u32, u32, String)> = available_archs(dir)
@@ -279,10 +317,13 @@ pub fn default_kernels_dir() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("kernels"))
 }
 
-/// Loads kernel modules on first use and caches modules and functions per device.
+/// Loads kernel modules on first use and caches modules and functions per device. One library
+/// serves one driver (handles are only meaningful to the driver that made them).
 #[derive(Debug)]
 pub struct KernelLibrary {
     dir: PathBuf,
+    /// Each device's architecture name, asked of the driver once.
+    archs: Mutex<HashMap<DeviceOrdinal, String>>,
     modules: Mutex<HashMap<(DeviceOrdinal, KernelModule), ModuleHandle>>,
     functions: Mutex<HashMap<(DeviceOrdinal, &'static str), FunctionHandle>>,
 }
@@ -291,6 +332,7 @@ impl KernelLibrary {
     pub fn new(dir: PathBuf) -> KernelLibrary {
         KernelLibrary {
             dir,
+            archs: Mutex::new(HashMap::new()),
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
         }
@@ -300,9 +342,31 @@ impl KernelLibrary {
         &self.dir
     }
 
-    /// The function `name` of `module` on `device` (of architecture `arch`), loading the module
-    /// on first use.
-    pub fn function(&self, driver: &dyn Driver, device: DeviceOrdinal, arch: &str, module: KernelModule, name: &str) -> Result<FunctionHandle, KernelError> {
+    /// The architecture name code objects are selected by for `device`.
+    pub fn arch(&self, driver: &dyn Driver, device: DeviceOrdinal) -> Result<String, KernelError> {
+        let mut archs = self.archs.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(arch) = archs.get(&device) {
+            return Ok(arch.clone());
+        }
+        let info = driver
+            .device_info(device)
+            .map_err(|source| KernelError::Driver {
+                device,
+                what: "the device's architecture".to_string(),
+                source,
+            })?;
+        archs.insert(device, info.arch.clone());
+        Ok(info.arch)
+    }
+
+    /// The function `name` of `module` on `device`, loading the module on first use.
+    pub fn function(
+        &self,
+        driver: &dyn Driver,
+        device: DeviceOrdinal,
+        module: KernelModule,
+        name: &str,
+    ) -> Result<FunctionHandle, KernelError> {
         let spec = module.spec();
         let Some(&name) = spec.functions.iter().find(|&&f| f == name) else {
             return Err(KernelError::UnknownFunction {
@@ -315,46 +379,80 @@ impl KernelLibrary {
         if let Some(&function) = functions.get(&(device, name)) {
             return Ok(function);
         }
-        let module_handle = self.module(driver, device, arch, module)?;
-        let function = driver.module_function(device, module_handle, name).map_err(|source| KernelError::Driver {
-            device,
-            what: format!("function {name} of module {}", spec.stem),
-            source,
-        })?;
+        let module_handle = self.module(driver, device, module)?;
+        let function = driver
+            .module_function(device, module_handle, name)
+            .map_err(|source| KernelError::Driver {
+                device,
+                what: format!("function {name} of module {}", spec.stem),
+                source,
+            })?;
         functions.insert((device, name), function);
         Ok(function)
     }
 
-    fn module(&self, driver: &dyn Driver, device: DeviceOrdinal, arch: &str, module: KernelModule) -> Result<ModuleHandle, KernelError> {
+    fn module(
+        &self,
+        driver: &dyn Driver,
+        device: DeviceOrdinal,
+        module: KernelModule,
+    ) -> Result<ModuleHandle, KernelError> {
         let mut modules = self.modules.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(&handle) = modules.get(&(device, module)) {
             return Ok(handle);
         }
+        let arch = self.arch(driver, device)?;
+        let arch = arch.as_str();
         let (path, kind) = find_code_object(&self.dir, arch, module)?;
-        let mut image = std::fs::read(&path).map_err(|source| KernelError::Read { path: path.clone(), source })?;
+        let mut image = std::fs::read(&path).map_err(|source| KernelError::Read {
+            path: path.clone(),
+            source,
+        })?;
         if kind == CodeObjectKind::Ptx {
             // PTX is loaded as a NUL-terminated string.
             image.push(0);
         }
-        let handle = driver.module_load(device, &image).map_err(|source| KernelError::Driver {
-            device,
-            what: format!("code object {}", path.display()),
-            source,
-        })?;
+        let handle = driver
+            .module_load(device, &image)
+            .map_err(|source| KernelError::Driver {
+                device,
+                what: format!("code object {}", path.display()),
+                source,
+            })?;
         tracing::debug!(device, path = %path.display(), "loaded kernel module");
         modules.insert((device, module), handle);
         Ok(handle)
     }
 
     /// Fills `count` u32 words at `ptr` with `value` using `ember_fill_u32` (the VMM probe's touch).
-    pub fn fill_u32(&self, driver: &dyn Driver, device: DeviceOrdinal, arch: &str, ptr: DevicePtr, count: u64, value: u32, stream: StreamHandle) -> Result<(), KernelError> {
-        let function = self.function(driver, device, arch, KernelModule::Memory, "ember_fill_u32")?;
-        let args = KernelArgs::new().arg(KernelArg::Ptr(ptr)).arg(KernelArg::U32(value)).arg(KernelArg::U64(count));
+    pub fn fill_u32(
+        &self,
+        driver: &dyn Driver,
+        device: DeviceOrdinal,
+        ptr: DevicePtr,
+        count: u64,
+        value: u32,
+        stream: StreamHandle,
+    ) -> Result<(), KernelError> {
+        let function = self.function(driver, device, KernelModule::Memory, "ember_fill_u32")?;
+        let args = KernelArgs::new()
+            .arg(KernelArg::Ptr(ptr))
+            .arg(KernelArg::U32(value))
+            .arg(KernelArg::U64(count));
         let threads = 256u64;
         let blocks = count.div_ceil(threads).clamp(1, 65_535) as u32;
         // SAFETY: ember_fill_u32(uint32_t*, uint32_t, uint64_t) matches the arguments, and the
         // kernel only writes `count` words from `ptr` (grid-stride loop), which the caller owns.
-        unsafe { driver.launch(device, function, &LaunchConfig::linear(blocks, threads as u32), stream, &args) }.map_err(|source| KernelError::Driver {
+        unsafe {
+            driver.launch(
+                device,
+                function,
+                &LaunchConfig::linear(blocks, threads as u32),
+                stream,
+                &args,
+            )
+        }
+        .map_err(|source| KernelError::Driver {
             device,
             what: "launching ember_fill_u32".to_string(),
             source,
@@ -409,10 +507,12 @@ mod tests {
         let kernels = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../kernels");
         for spec in KERNEL_MODULES {
             let path = kernels.join(format!("{}.hip", spec.stem));
-            let source = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+            let source = std::fs::read_to_string(&path)
+                .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
             for f in spec.functions {
                 // Defined directly (`name(`) or through an instantiation macro (`MACRO(name, ...)`).
-                let defined = source.contains(&format!("{f}(")) || source.contains(&format!("({f},"));
+                let defined =
+                    source.contains(&format!("{f}(")) || source.contains(&format!("({f},"));
                 assert!(defined, "{} does not define {f}", path.display());
             }
         }
@@ -434,12 +534,28 @@ mod tests {
         touch(&root.join("sm_90/rope.cubin"));
 
         let (path, kind) = find_code_object(root, "gfx1100", KernelModule::Norm).unwrap();
-        assert_eq!((path, kind), (root.join("gfx1100/norm.hsaco"), CodeObjectKind::Hsaco));
+        assert_eq!(
+            (path, kind),
+            (root.join("gfx1100/norm.hsaco"), CodeObjectKind::Hsaco)
+        );
         // sm_86 runs the sm_80 cubin (same major, lower minor).
-        assert_eq!(find_code_object(root, "sm_86", KernelModule::Norm).unwrap().0, root.join("sm_80/norm.cubin"));
+        assert_eq!(
+            find_code_object(root, "sm_86", KernelModule::Norm)
+                .unwrap()
+                .0,
+            root.join("sm_80/norm.cubin")
+        );
         // sm_90 has no norm cubin of its own and a different major: the sm_80 PTX is JIT-compiled.
-        assert_eq!(find_code_object(root, "sm_90", KernelModule::Norm).unwrap(), (root.join("sm_80/norm.ptx"), CodeObjectKind::Ptx));
-        assert_eq!(find_code_object(root, "sm_90", KernelModule::Rope).unwrap().1, CodeObjectKind::Cubin);
+        assert_eq!(
+            find_code_object(root, "sm_90", KernelModule::Norm).unwrap(),
+            (root.join("sm_80/norm.ptx"), CodeObjectKind::Ptx)
+        );
+        assert_eq!(
+            find_code_object(root, "sm_90", KernelModule::Rope)
+                .unwrap()
+                .1,
+            CodeObjectKind::Cubin
+        );
     }
 
     #[test]
@@ -451,11 +567,16 @@ mod tests {
         let text = error.to_string();
         assert!(text.contains("architecture gfx1201"), "{text}");
         assert!(text.contains("this build has gfx1100, gfx90a"), "{text}");
-        assert!(text.contains("cargo xtask build --target gfx1201"), "{text}");
+        assert!(
+            text.contains("cargo xtask build --target gfx1201"),
+            "{text}"
+        );
         // gfx code objects never substitute for one another, even within a family.
         assert!(find_code_object(dir.path(), "gfx1101", KernelModule::Norm).is_err());
         let empty = tempfile::tempdir().unwrap();
-        let text = find_code_object(empty.path(), "sm_90", KernelModule::Norm).unwrap_err().to_string();
+        let text = find_code_object(empty.path(), "sm_90", KernelModule::Norm)
+            .unwrap_err()
+            .to_string();
         assert!(text.contains("this build has no kernels at all"), "{text}");
     }
 
@@ -465,7 +586,10 @@ mod tests {
         use crate::host::{HostDriver, HostDriverConfig};
         let dir = tempfile::tempdir().unwrap();
         touch(&dir.path().join("gfx1100/memory.hsaco"));
-        let driver = HostDriver::new(HostDriverConfig::default());
+        let driver = HostDriver::new(HostDriverConfig {
+            arch: "gfx1100:sramecc-:xnack-".to_string(),
+            ..HostDriverConfig::default()
+        });
         driver.register_kernel("ember_fill_u32", |launch| {
             let ptr = launch.ptr_arg(0)?;
             let value = launch.u32_arg(1)?;
@@ -473,21 +597,38 @@ mod tests {
                 Some(KernelArg::U64(c)) => *c as usize,
                 other => return Err(format!("argument 2: expected a u64, found {other:?}")),
             };
-            let bytes: Vec<u8> = std::iter::repeat_n(value.to_le_bytes(), count).flatten().collect();
+            let bytes: Vec<u8> = std::iter::repeat_n(value.to_le_bytes(), count)
+                .flatten()
+                .collect();
             launch.write(ptr, &bytes)
         });
         let library = KernelLibrary::new(dir.path().to_path_buf());
-        let a = library.function(&driver, 0, "gfx1100", KernelModule::Memory, "ember_fill_u32").unwrap();
-        let b = library.function(&driver, 0, "gfx1100", KernelModule::Memory, "ember_fill_u32").unwrap();
+        let a = library
+            .function(&driver, 0, KernelModule::Memory, "ember_fill_u32")
+            .unwrap();
+        let b = library
+            .function(&driver, 0, KernelModule::Memory, "ember_fill_u32")
+            .unwrap();
         assert_eq!(a, b);
         assert_eq!(library.modules.lock().unwrap().len(), 1);
-        let error = library.function(&driver, 0, "gfx1100", KernelModule::Memory, "ember_nope").unwrap_err();
-        assert!(error.to_string().contains("expected one of ember_fill_u32"), "{error}");
+        let error = library
+            .function(&driver, 0, KernelModule::Memory, "ember_nope")
+            .unwrap_err();
+        assert!(
+            error.to_string().contains("expected one of ember_fill_u32"),
+            "{error}"
+        );
 
         let ptr = driver.alloc(0, 64).unwrap();
-        library.fill_u32(&driver, 0, "gfx1100", ptr, 16, 0xdead_beef, StreamHandle::DEFAULT).unwrap();
+        library
+            .fill_u32(&driver, 0, ptr, 16, 0xdead_beef, StreamHandle::DEFAULT)
+            .unwrap();
         let mut back = [0u8; 64];
-        driver.download(0, &mut back, ptr, StreamHandle::DEFAULT).unwrap();
-        assert!(back.chunks_exact(4).all(|w| w == 0xdead_beefu32.to_le_bytes()));
+        driver
+            .download(0, &mut back, ptr, StreamHandle::DEFAULT)
+            .unwrap();
+        assert!(back
+            .chunks_exact(4)
+            .all(|w| w == 0xdead_beefu32.to_le_bytes()));
     }
 }

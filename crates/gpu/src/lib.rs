@@ -16,5 +16,8 @@ pub mod kernels;
 pub mod placement;
 pub mod pool;
 
-pub use driver::{Backend, DeviceInfo, DeviceOrdinal, DevicePtr, Driver, DriverError, MemInfo, MemoryType, PointerInfo, RuntimeInfo, StreamHandle};
+pub use driver::{
+    Backend, DeviceInfo, DeviceOrdinal, DevicePtr, Driver, DriverError, MemInfo, MemoryType,
+    PointerInfo, RuntimeInfo, StreamHandle,
+};
 pub use pool::{DevicePool, MemoryReport, PoolBuffer, PoolConfig, PoolError, PoolKind, Purpose};

@@ -77,12 +77,21 @@ pub struct PlacementError {
 }
 
 /// Applies the placement rules. See the module docs.
-pub fn evaluate(observation: &PlacementObservation, policy: &PlacementPolicy) -> Result<PlacementVerdict, PlacementError> {
+pub fn evaluate(
+    observation: &PlacementObservation,
+    policy: &PlacementPolicy,
+) -> Result<PlacementVerdict, PlacementError> {
     let placed_bytes: u64 = observation.buffers.iter().map(|b| b.bytes).sum();
-    let free_drop = observation.free_before.saturating_sub(observation.free_after);
+    let free_drop = observation
+        .free_before
+        .saturating_sub(observation.free_after);
     let mut problems = Vec::new();
 
-    let off_device: Vec<&BufferObservation> = observation.buffers.iter().filter(|b| b.memory_type != MemoryType::Device).collect();
+    let off_device: Vec<&BufferObservation> = observation
+        .buffers
+        .iter()
+        .filter(|b| b.memory_type != MemoryType::Device)
+        .collect();
     if let Some(first) = off_device.first() {
         let bytes: u64 = off_device.iter().map(|b| b.bytes).sum();
         problems.push(format!(
@@ -118,7 +127,12 @@ pub fn evaluate(observation: &PlacementObservation, policy: &PlacementPolicy) ->
         // figure that barely moves are normal there.
         let warnings = problems
             .into_iter()
-            .map(|p| format!("{p} (expected on {}, an integrated GPU sharing system memory)", observation.device_name))
+            .map(|p| {
+                format!(
+                    "{p} (expected on {}, an integrated GPU sharing system memory)",
+                    observation.device_name
+                )
+            })
             .collect();
         return Ok(PlacementVerdict {
             placed_bytes,
@@ -129,7 +143,10 @@ pub fn evaluate(observation: &PlacementObservation, policy: &PlacementPolicy) ->
 
     let likely_causes = likely_causes(observation);
     if policy.allow_host_weights {
-        let warnings = problems.into_iter().map(|p| format!("{p}; likely causes: {}", likely_causes.join("; "))).collect();
+        let warnings = problems
+            .into_iter()
+            .map(|p| format!("{p}; likely causes: {}", likely_causes.join("; ")))
+            .collect();
         return Ok(PlacementVerdict {
             placed_bytes,
             free_drop,
@@ -152,7 +169,11 @@ fn likely_causes(observation: &PlacementObservation) -> Vec<String> {
         .map(|p| p.display().to_string())
         .unwrap_or_else(|| format!("the {} runtime", observation.backend));
     if !observation.other_runtime_libraries.is_empty() {
-        let others: Vec<String> = observation.other_runtime_libraries.iter().map(|p| p.display().to_string()).collect();
+        let others: Vec<String> = observation
+            .other_runtime_libraries
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect();
         causes.push(format!(
             "several runtime installs on this host: loaded {loaded}, also found {} (a mismatch between the runtime and the kernel driver can place memory in RAM)",
             others.join(", ")
@@ -165,7 +186,12 @@ fn likely_causes(observation: &PlacementObservation) -> Vec<String> {
 
 /// Observes where `buffers` (name, pointer, bytes) live on `device`. `free_before` is the device's
 /// free memory before the weights were placed.
-pub fn observe(driver: &dyn Driver, device: DeviceOrdinal, buffers: &[(&str, DevicePtr, u64)], free_before: u64) -> Result<PlacementObservation, DriverError> {
+pub fn observe(
+    driver: &dyn Driver,
+    device: DeviceOrdinal,
+    buffers: &[(&str, DevicePtr, u64)],
+    free_before: u64,
+) -> Result<PlacementObservation, DriverError> {
     let info = driver.device_info(device)?;
     let runtime = driver.runtime_info();
     let free_after = driver.mem_info(device)?.free;
@@ -193,7 +219,12 @@ pub fn observe(driver: &dyn Driver, device: DeviceOrdinal, buffers: &[(&str, Dev
 
 impl fmt::Display for PlacementVerdict {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} of weights placed, device free memory dropped by {}", format_bytes(self.placed_bytes), format_bytes(self.free_drop))?;
+        write!(
+            f,
+            "{} of weights placed, device free memory dropped by {}",
+            format_bytes(self.placed_bytes),
+            format_bytes(self.free_drop)
+        )?;
         for warning in &self.warnings {
             write!(f, "\n  warning: {warning}")?;
         }
@@ -235,7 +266,11 @@ mod tests {
 
     #[test]
     fn device_memory_with_a_matching_drop_passes() {
-        let verdict = evaluate(&observation(&[MemoryType::Device; 4], 2048 * MIB), &PlacementPolicy::default()).unwrap();
+        let verdict = evaluate(
+            &observation(&[MemoryType::Device; 4], 2048 * MIB),
+            &PlacementPolicy::default(),
+        )
+        .unwrap();
         assert_eq!(verdict.placed_bytes, 2048 * MIB);
         assert!(verdict.warnings.is_empty());
     }
@@ -243,15 +278,35 @@ mod tests {
     #[test]
     fn a_drop_within_the_slack_passes_and_beyond_it_fails() {
         let policy = PlacementPolicy::default();
-        assert!(evaluate(&observation(&[MemoryType::Device; 4], 2048 * MIB - 60 * MIB), &policy).is_ok());
-        let error = evaluate(&observation(&[MemoryType::Device; 4], 2048 * MIB - 100 * MIB), &policy).unwrap_err();
+        assert!(evaluate(
+            &observation(&[MemoryType::Device; 4], 2048 * MIB - 60 * MIB),
+            &policy
+        )
+        .is_ok());
+        let error = evaluate(
+            &observation(&[MemoryType::Device; 4], 2048 * MIB - 100 * MIB),
+            &policy,
+        )
+        .unwrap_err();
         assert_eq!(error.problems.len(), 1);
-        assert!(error.problems[0].contains("dropped by 1.9 GiB while 2.0 GiB of weights were placed"), "{}", error.problems[0]);
+        assert!(
+            error.problems[0].contains("dropped by 1.9 GiB while 2.0 GiB of weights were placed"),
+            "{}",
+            error.problems[0]
+        );
     }
 
     #[test]
     fn host_memory_is_refused_with_likely_causes() {
-        let mut obs = observation(&[MemoryType::Device, MemoryType::Host, MemoryType::Host, MemoryType::Device], 1024 * MIB);
+        let mut obs = observation(
+            &[
+                MemoryType::Device,
+                MemoryType::Host,
+                MemoryType::Host,
+                MemoryType::Device,
+            ],
+            1024 * MIB,
+        );
         obs.other_runtime_libraries = vec![PathBuf::from("/opt/rocm-7.0.0/lib/libamdhip64.so.7")];
         let error = evaluate(&obs, &PlacementPolicy::default()).unwrap_err();
         let text = error.to_string();
@@ -269,7 +324,11 @@ mod tests {
         };
         let verdict = evaluate(&observation(&[MemoryType::Managed; 2], 0), &policy).unwrap();
         assert_eq!(verdict.warnings.len(), 2);
-        assert!(verdict.warnings[0].contains("managed memory"), "{}", verdict.warnings[0]);
+        assert!(
+            verdict.warnings[0].contains("managed memory"),
+            "{}",
+            verdict.warnings[0]
+        );
         assert!(verdict.to_string().contains("warning:"));
     }
 
@@ -279,19 +338,38 @@ mod tests {
         obs.integrated = true;
         let verdict = evaluate(&obs, &PlacementPolicy::default()).unwrap();
         assert_eq!(verdict.warnings.len(), 2);
-        assert!(verdict.warnings[0].contains("integrated GPU"), "{}", verdict.warnings[0]);
+        assert!(
+            verdict.warnings[0].contains("integrated GPU"),
+            "{}",
+            verdict.warnings[0]
+        );
     }
 
     fn place(config: HostDriverConfig) -> Result<PlacementVerdict, PlacementError> {
         let driver = Arc::new(HostDriver::new(config));
-        let pool = DevicePool::with_kind(driver.clone(), 0, PoolKind::Caching, "test".to_string(), PoolConfig::default()).unwrap();
+        let pool = DevicePool::with_kind(
+            driver.clone(),
+            0,
+            PoolKind::Caching,
+            "test".to_string(),
+            PoolConfig::default(),
+        )
+        .unwrap();
         let free_before = driver.mem_info(0).unwrap().free;
-        let buffers: Vec<_> = (0..3).map(|_| pool.alloc(Purpose::Weights, 48 * MIB).unwrap()).collect();
+        let buffers: Vec<_> = (0..3)
+            .map(|_| pool.alloc(Purpose::Weights, 48 * MIB).unwrap())
+            .collect();
         for b in &buffers {
-            driver.memset_d8_async(0, b.ptr(), 1, b.len(), StreamHandle::DEFAULT).unwrap();
+            driver
+                .memset_d8_async(0, b.ptr(), 1, b.len(), StreamHandle::DEFAULT)
+                .unwrap();
         }
         let names = ["token_embd.weight", "blk.0.ffn_up.weight", "output.weight"];
-        let listed: Vec<_> = buffers.iter().zip(names).map(|(b, n)| (n, b.ptr(), b.len())).collect();
+        let listed: Vec<_> = buffers
+            .iter()
+            .zip(names)
+            .map(|(b, n)| (n, b.ptr(), b.len()))
+            .collect();
         let observation = observe(&*driver, 0, &listed, free_before).unwrap();
         evaluate(
             &observation,
@@ -313,7 +391,10 @@ mod tests {
             ..HostDriverConfig::default()
         })
         .unwrap_err();
-        assert!(error.problems[0].contains("token_embd.weight is host memory"), "{error}");
+        assert!(
+            error.problems[0].contains("token_embd.weight is host memory"),
+            "{error}"
+        );
 
         let error = place(HostDriverConfig {
             free_memory_frozen: true,

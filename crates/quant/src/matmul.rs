@@ -10,10 +10,12 @@
 //!   weight chunk serves `T` tokens and each activation chunk `R` rows. The idea is the
 //!   classic GEMM micro-kernel (Goto/BLIS) with GGML's per-block scales folded in.
 //!
-//! In the tiled layout a weight value is `dv * q + mv4 * 4` with `q` an unsigned byte (signed
-//! for Q8_0), and a 32-element chunk's dot product with activation chunk `(a, d, sv)` is
-//! `Σ_lanes dv·d·isum_lane + Σ_lanes mv·sv`, where `sv` holds `d·Σa` of each 16-element half
-//! in four lanes each; that is why `mv` is stored divided by four.
+//! In the tiled layout a weight value is `s·q + m` with `q` an unsigned byte (signed for Q8_0)
+//! and `s`, `m` constant over each 16-element half. A row's dot product with a token is
+//! `Σ_chunks Σ_lanes dv·d·isum_lane + Σ_halves m·sh`, where `dv` holds the two halves' scales
+//! in four lanes each (matching the lanes of `madd`'s output), `d` is the activation chunk's
+//! scale and `sh` its `d·Σa` per half. The offset term is a plain dot product over halves,
+//! computed eight halves at a time.
 
 use std::sync::OnceLock;
 
@@ -182,14 +184,21 @@ fn has_tiles(level: Level, ty: GgmlType) -> bool {
     quantized && matches!(level, Level::Avx2 | Level::Avx512Vnni)
 }
 
-/// Activations in the tile layout: per token, per 32-element chunk `c`, the 32 quants, the
-/// chunk's scale `d`, and `sv`: 8 lanes of `d·Σa` per 16-element half (see the module docs).
+/// Activations in the tile layout: per token, per 32-element chunk `c`, the 32 quants and
+/// the chunk's scale `d`; and `sh`: `d·Σa` of each 16-element half, `n_halves` per token
+/// (padded with zeros to a multiple of 8 so the offset term is a whole-vector dot product).
 pub(crate) struct TileActs {
     pub cols: usize,
     pub n_chunks: usize,
+    pub n_halves: usize,
     pub qs: Vec<u8>,
     pub d: Vec<f32>,
-    pub sv: Vec<f32>,
+    pub sh: Vec<f32>,
+}
+
+/// Halves (16-element groups) of a row of `cols`, padded to a multiple of 8.
+pub(crate) fn padded_halves(cols: usize) -> usize {
+    (cols / 16).div_ceil(8) * 8
 }
 
 fn half_sums(qs: &[u8]) -> (i32, i32) {
@@ -200,25 +209,26 @@ fn half_sums(qs: &[u8]) -> (i32, i32) {
 impl TileActs {
     fn build(x: &QuantizedActivations) -> TileActs {
         let n_chunks = x.cols / QK;
+        let n_halves = padded_halves(x.cols);
         let n = x.n_tokens;
         let mut qs = vec![0u8; n * x.cols];
         let mut d = vec![0.0f32; n * n_chunks];
-        let mut sv = vec![0.0f32; n * n_chunks * 8];
+        let mut sh = vec![0.0f32; n * n_halves];
         if n_chunks > 0 {
             qs.par_chunks_mut(x.cols)
                 .zip(d.par_chunks_mut(n_chunks))
-                .zip(sv.par_chunks_mut(n_chunks * 8))
+                .zip(sh.par_chunks_mut(n_halves))
                 .enumerate()
-                .for_each(|(t, ((qs, d), sv))| Self::build_row(x.ty, x.row(t), qs, d, sv));
+                .for_each(|(t, ((qs, d), sh))| Self::build_row(x.ty, x.row(t), qs, d, sh));
         }
-        TileActs { cols: x.cols, n_chunks, qs, d, sv }
+        TileActs { cols: x.cols, n_chunks, n_halves, qs, d, sh }
     }
 
-    fn build_row(ty: GgmlType, row: &[u8], qs: &mut [u8], d: &mut [f32], sv: &mut [f32]) {
+    fn build_row(ty: GgmlType, row: &[u8], qs: &mut [u8], d: &mut [f32], sh: &mut [f32]) {
         let mut set = |c: usize, dc: f32, s0: f32, s1: f32| {
             d[c] = dc;
-            sv[8 * c..8 * c + 4].fill(s0);
-            sv[8 * c + 4..8 * c + 8].fill(s1);
+            sh[2 * c] = s0;
+            sh[2 * c + 1] = s1;
         };
         match ty {
             GgmlType::Q8_0 => {
@@ -255,12 +265,13 @@ impl TileActs {
     }
 }
 
-/// `R` weight rows unpacked for the tile kernel: `q` row-major (`R * cols` bytes), `dv` and
-/// `mv` as 8 lanes per 32-element chunk per row.
+/// `R` weight rows unpacked for the tile kernel: `q` row-major (`R * cols` bytes), `dv` as 8
+/// lanes per 32-element chunk per row, `mh` the offset of each 16-element half (padded like
+/// [`TileActs::sh`]).
 pub(crate) struct Panel {
     pub q: Vec<u8>,
     pub dv: Vec<f32>,
-    pub mv: Vec<f32>,
+    pub mh: Vec<f32>,
 }
 
 impl Panel {
@@ -269,22 +280,22 @@ impl Panel {
         Panel {
             q: vec![0; rows * cols],
             dv: vec![0.0; rows * n_chunks * 8],
-            mv: vec![0.0; rows * n_chunks * 8],
+            mh: vec![0.0; rows * padded_halves(cols)],
         }
     }
 }
 
-/// Writes chunk `c`'s lanes: scales `s0`, `s1` and offsets `m0`, `m1` of its two halves.
+/// Writes chunk `c`'s scales `s` and offsets `m` of its two halves.
 #[inline(always)]
-fn set_lanes(dv: &mut [f32], mv: &mut [f32], c: usize, s: [f32; 2], m: [f32; 2]) {
+fn set_lanes(dv: &mut [f32], mh: &mut [f32], c: usize, s: [f32; 2], m: [f32; 2]) {
     dv[8 * c..8 * c + 4].fill(s[0]);
     dv[8 * c + 4..8 * c + 8].fill(s[1]);
-    mv[8 * c..8 * c + 4].fill(m[0] * 0.25);
-    mv[8 * c + 4..8 * c + 8].fill(m[1] * 0.25);
+    mh[2 * c] = m[0];
+    mh[2 * c + 1] = m[1];
 }
 
 /// Unpacks one weight row of `ty` into tile layout.
-pub(crate) fn unpack_row(ty: GgmlType, row: &[u8], q: &mut [u8], dv: &mut [f32], mv: &mut [f32]) {
+pub(crate) fn unpack_row(ty: GgmlType, row: &[u8], q: &mut [u8], dv: &mut [f32], mh: &mut [f32]) {
     use GgmlType::*;
     match ty {
         Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 => {
@@ -316,7 +327,7 @@ pub(crate) fn unpack_row(ty: GgmlType, row: &[u8], q: &mut [u8], dv: &mut [f32],
                         (read_f16(x, q8_0::D), 0.0)
                     }
                 };
-                set_lanes(dv, mv, c, [d, d], [m, m]);
+                set_lanes(dv, mh, c, [d, d], [m, m]);
             }
         }
         Q2_K | Q3_K | Q4_K | Q5_K | Q6_K => {
@@ -377,7 +388,7 @@ pub(crate) fn unpack_row(ty: GgmlType, row: &[u8], q: &mut [u8], dv: &mut [f32],
                 }
                 for c in 0..QK_K / QK {
                     let cc = b * (QK_K / QK) + c;
-                    set_lanes(dv, mv, cc, [s16[2 * c], s16[2 * c + 1]], [m16[2 * c], m16[2 * c + 1]]);
+                    set_lanes(dv, mh, cc, [s16[2 * c], s16[2 * c + 1]], [m16[2 * c], m16[2 * c + 1]]);
                 }
             }
         }
@@ -408,13 +419,14 @@ fn matmul_tiled(level: Level, w: &QMatrix, x: &QuantizedActivations, out: &mut [
             for pr in (0..job_n).step_by(TILE_ROWS) {
                 let pr_n = TILE_ROWS.min(job_n - pr);
                 let n_chunks = w.cols / QK;
+                let n_halves = padded_halves(w.cols);
                 for i in 0..pr_n {
                     unpack_row(
                         w.ty,
                         w.row(r0 + pr + i),
                         &mut panel.q[i * w.cols..(i + 1) * w.cols],
                         &mut panel.dv[i * n_chunks * 8..(i + 1) * n_chunks * 8],
-                        &mut panel.mv[i * n_chunks * 8..(i + 1) * n_chunks * 8],
+                        &mut panel.mh[i * n_halves..(i + 1) * n_halves],
                     );
                 }
                 for t in (tb..tb_end).step_by(TILE_TOKENS) {

@@ -11,8 +11,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let repeats: usize = args.get(3).map(|r| r.parse()).transpose()?.unwrap_or(5);
     let started = Instant::now();
     let gguf = ember_gguf::Gguf::open(std::path::Path::new(model))?;
+    let opened = started.elapsed();
     let tokenizer = ember_tokenizer::Tokenizer::from_gguf(&gguf)?;
-    println!("load: {:.1} ms", started.elapsed().as_secs_f64() * 1e3);
+    println!(
+        "open: {:.1} ms, tokenizer: {:.1} ms",
+        opened.as_secs_f64() * 1e3,
+        (started.elapsed() - opened).as_secs_f64() * 1e3
+    );
     let text = std::fs::read_to_string(file)?;
     let mut best = f64::MAX;
     let mut n_tokens = 0;

@@ -43,7 +43,11 @@ impl Bpe {
             ranks.entry(key).or_insert(rank as u32);
         }
         let pre = PreTokenizer::new(spec).map_err(TokenizerError::PreTokenizer)?;
-        Ok(Bpe { ranks, pre, ignore_merges: spec.ignore_merges })
+        Ok(Bpe {
+            ranks,
+            pre,
+            ignore_merges: spec.ignore_merges,
+        })
     }
 
     fn rank(&self, key: &mut String, left: &str, right: &str) -> Option<u32> {
@@ -80,8 +84,14 @@ impl Bpe {
                     next: (start + c.len_utf8() < encoded.len()).then_some(index + 1),
                 });
             }
-            let add_pair = |queue: &mut BinaryHeap<_>, key: &mut String, symbols: &[Symbol], left: Option<usize>, right: Option<usize>| {
-                let (Some(l), Some(r)) = (left, right) else { return };
+            let add_pair = |queue: &mut BinaryHeap<_>,
+                            key: &mut String,
+                            symbols: &[Symbol],
+                            left: Option<usize>,
+                            right: Option<usize>| {
+                let (Some(l), Some(r)) = (left, right) else {
+                    return;
+                };
                 let (ls, rs) = (symbols[l], symbols[r]);
                 let left_text = &encoded[ls.start..ls.start + ls.len];
                 let right_text = &encoded[rs.start..rs.start + rs.len];
@@ -113,12 +123,9 @@ impl Bpe {
                     Some(id) => out.push(id),
                     // A merge result outside the vocabulary: llama.cpp looks up each byte of the
                     // encoded text alone, which only finds single ASCII characters.
-                    None => out.extend(
-                        piece
-                            .bytes()
-                            .filter(u8::is_ascii)
-                            .filter_map(|b| vocab.text_to_token(char::from(b).encode_utf8(&mut [0; 4]))),
-                    ),
+                    None => out.extend(piece.bytes().filter(u8::is_ascii).filter_map(|b| {
+                        vocab.text_to_token(char::from(b).encode_utf8(&mut [0; 4]))
+                    })),
                 }
             }
         }

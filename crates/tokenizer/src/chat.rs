@@ -15,9 +15,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::{Tokenizer, TokenizerError};
 
-/// Instructions one render may execute. A long conversation takes tens of thousands; this leaves
-/// a wide margin and still stops a runaway template within a second or two.
-const FUEL: u64 = 20_000_000;
+/// Instructions one render may execute by default. A long conversation takes tens of thousands;
+/// this leaves a wide margin and still stops a runaway template within about a second (release
+/// build).
+pub const DEFAULT_FUEL: u64 = 20_000_000;
 
 /// Largest rendered prompt, in bytes (far above any context window's worth of text).
 const MAX_OUTPUT_BYTES: usize = 64 << 20;
@@ -34,7 +35,10 @@ pub struct ChatMessage {
 
 impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> ChatMessage {
-        ChatMessage { role: role.into(), content: content.into() }
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        }
     }
 }
 
@@ -43,6 +47,7 @@ impl ChatMessage {
 pub struct ChatTemplate {
     env: Environment<'static>,
     source: String,
+    fuel: u64,
 }
 
 /// ChatML (`<|im_start|>role\ncontent<|im_end|>\n`), used by Qwen, SmolLM and many others.
@@ -77,8 +82,12 @@ impl ChatTemplate {
     }
 
     /// The template in GGUF metadata, if there is one.
-    pub fn from_metadata(md: &ember_gguf::Metadata) -> Result<Option<ChatTemplate>, TokenizerError> {
-        md.get_str_opt("tokenizer.chat_template")?.map(ChatTemplate::from_source).transpose()
+    pub fn from_metadata(
+        md: &ember_gguf::Metadata,
+    ) -> Result<Option<ChatTemplate>, TokenizerError> {
+        md.get_str_opt("tokenizer.chat_template")?
+            .map(ChatTemplate::from_source)
+            .transpose()
     }
 
     /// Compiles a template from its Jinja source (for `--chat-template-file`).
@@ -86,13 +95,24 @@ impl ChatTemplate {
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
-        env.set_fuel(Some(FUEL));
+        env.set_fuel(Some(DEFAULT_FUEL));
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_template_owned(TEMPLATE_NAME, src.to_owned())
-            .map_err(|e| TokenizerError::TemplateSyntax(describe(&e)))?;
-        Ok(ChatTemplate { env, source: src.to_owned() })
+            .map_err(|e| TokenizerError::TemplateSyntax(describe(&e, DEFAULT_FUEL)))?;
+        Ok(ChatTemplate {
+            env,
+            source: src.to_owned(),
+            fuel: DEFAULT_FUEL,
+        })
+    }
+
+    /// Sets how many instructions one render may execute (default [`DEFAULT_FUEL`]).
+    pub fn with_fuel(mut self, fuel: u64) -> ChatTemplate {
+        self.env.set_fuel(Some(fuel));
+        self.fuel = fuel;
+        self
     }
 
     /// A template this crate ships, by name: `chatml` or `gemma`. For models whose file has no
@@ -135,35 +155,37 @@ impl ChatTemplate {
         let template = self
             .env
             .get_template(TEMPLATE_NAME)
-            .map_err(|e| TokenizerError::TemplateRender(describe(&e)))?;
+            .map_err(|e| TokenizerError::TemplateRender(describe(&e, self.fuel)))?;
         let ctx = minijinja::context! {
             messages => Value::from_serialize(messages),
             add_generation_prompt => add_generation_prompt,
             bos_token => bos_token,
             eos_token => eos_token,
         };
-        let mut out = LimitedWriter { bytes: Vec::new(), overflowed: false };
+        let mut out = LimitedWriter {
+            bytes: Vec::new(),
+            overflowed: false,
+        };
         match template.render_captured_to(ctx, &mut out) {
-            Ok(_) => String::from_utf8(out.bytes).map_err(|e| {
-                TokenizerError::TemplateRender(format!("output is not UTF-8: {e}"))
-            }),
+            Ok(_) => String::from_utf8(out.bytes)
+                .map_err(|e| TokenizerError::TemplateRender(format!("output is not UTF-8: {e}"))),
             Err(_) if out.overflowed => Err(TokenizerError::TemplateRender(format!(
                 "output exceeds {MAX_OUTPUT_BYTES} bytes: expected a prompt below that size"
             ))),
-            Err(e) => Err(TokenizerError::TemplateRender(describe(&e))),
+            Err(e) => Err(TokenizerError::TemplateRender(describe(&e, self.fuel))),
         }
     }
 }
 
 /// The message of a minijinja error with its details and the template line.
-fn describe(e: &Error) -> String {
+fn describe(e: &Error, fuel: u64) -> String {
     let mut text = match e.kind() {
         // A template's own `raise_exception` message is the whole story.
         ErrorKind::InvalidOperation if e.name() == Some(TEMPLATE_NAME) && e.detail().is_some() => {
             format!("template error: {}", e.detail().unwrap_or_default())
         }
         ErrorKind::OutOfFuel => format!(
-            "template ran out of fuel after {FUEL} instructions: expected a template that ends"
+            "template ran out of fuel after {fuel} instructions: expected a template that ends"
         ),
         _ => e.to_string(),
     };
@@ -202,15 +224,35 @@ fn raise_exception(message: String) -> Result<String, Error> {
 /// `%m`, `%d`, `%H`, `%M`, `%S`, `%b`, `%B`, `%a`, `%A`, `%j`, `%y`, `%e`, `%I`, `%p`, `%%`).
 /// Templates use it to put today's date in a system prompt.
 fn strftime_now(format: String) -> Result<String, Error> {
-    let secs = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let secs = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
     Ok(format_utc(secs, &format))
 }
 
 const MONTHS: [&str; 12] = [
-    "January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
-    "November", "December",
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
 ];
-const WEEKDAYS: [&str; 7] = ["Thursday", "Friday", "Saturday", "Sunday", "Monday", "Tuesday", "Wednesday"];
+const WEEKDAYS: [&str; 7] = [
+    "Thursday",
+    "Friday",
+    "Saturday",
+    "Sunday",
+    "Monday",
+    "Tuesday",
+    "Wednesday",
+];
 
 /// Formats seconds since the Unix epoch (UTC) with `strftime` directives; unknown directives are
 /// kept as written.
@@ -263,11 +305,16 @@ fn civil_from_days(days: u64) -> (u64, u64, u64) {
     let z = days + 719_468;
     let era = z / 146_097;
     let day_of_era = z % 146_097;
-    let year_of_era = (day_of_era - day_of_era / 1460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
+    let year_of_era =
+        (day_of_era - day_of_era / 1460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
     let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
     let month_index = (5 * day_of_year + 2) / 153; // 0 = March
     let day = day_of_year - (153 * month_index + 2) / 5 + 1;
-    let month = if month_index < 10 { month_index + 3 } else { month_index - 9 };
+    let month = if month_index < 10 {
+        month_index + 3
+    } else {
+        month_index - 9
+    };
     let year = year_of_era + era * 400 + u64::from(month <= 2);
     (year, month, day)
 }
@@ -289,11 +336,20 @@ mod tests {
 
     #[test]
     fn dates_format_like_strftime() {
-        assert_eq!(format_utc(0, "%Y-%m-%d %H:%M:%S %a %A %b %B %j"), "1970-01-01 00:00:00 Thu Thursday Jan January 001");
+        assert_eq!(
+            format_utc(0, "%Y-%m-%d %H:%M:%S %a %A %b %B %j"),
+            "1970-01-01 00:00:00 Thu Thursday Jan January 001"
+        );
         // 2026-11-30 06:39:25 UTC, a Monday.
-        assert_eq!(format_utc(1_796_020_765, "%d %b %Y, %A %I %p %%"), "30 Nov 2026, Monday 06 AM %");
+        assert_eq!(
+            format_utc(1_796_020_765, "%d %b %Y, %A %I %p %%"),
+            "30 Nov 2026, Monday 06 AM %"
+        );
         // 2024-02-29, a leap day.
-        assert_eq!(format_utc(1_709_164_800, "%Y-%m-%d %j %e"), "2024-02-29 060 29");
+        assert_eq!(
+            format_utc(1_709_164_800, "%Y-%m-%d %j %e"),
+            "2024-02-29 060 29"
+        );
         assert_eq!(format_utc(0, "%Q and %"), "%Q and %");
     }
 

@@ -33,10 +33,16 @@ pub enum TokenizerError {
 
     /// Two tokens with the same text.
     #[error("duplicate token {text:?} in tokenizer.ggml.tokens at ids {first} and {second}: expected unique token texts")]
-    DuplicateToken { text: String, first: u32, second: u32 },
+    DuplicateToken {
+        text: String,
+        first: u32,
+        second: u32,
+    },
 
     /// A special token id (BOS, EOS, ...) outside the vocabulary.
-    #[error("{name} token id {id} is out of range: expected an id below the vocabulary size {n_tokens}")]
+    #[error(
+        "{name} token id {id} is out of range: expected an id below the vocabulary size {n_tokens}"
+    )]
     SpecialIdOutOfRange {
         name: &'static str,
         id: u32,
@@ -52,7 +58,9 @@ pub enum TokenizerError {
     },
 
     /// A BPE vocabulary without merges.
-    #[error("tokenizer.ggml.merges is missing: expected the merge list of a \"gpt2\" (BPE) tokenizer")]
+    #[error(
+        "tokenizer.ggml.merges is missing: expected the merge list of a \"gpt2\" (BPE) tokenizer"
+    )]
     MissingMerges,
 
     /// A pre-tokenizer regex failed to compile (a bug in this crate's pattern table).

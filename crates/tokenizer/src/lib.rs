@@ -22,6 +22,6 @@ mod tokenizer;
 mod unicode;
 mod vocab;
 
-pub use chat::{ChatMessage, ChatTemplate};
+pub use chat::{ChatMessage, ChatTemplate, DEFAULT_FUEL};
 pub use error::TokenizerError;
 pub use tokenizer::{StreamDecoder, Tokenizer, TokenizerKind, TokenizerSpec};

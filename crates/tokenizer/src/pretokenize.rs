@@ -46,7 +46,8 @@ const SEED_CODER: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[
 
 const BAILINGMOE: &str = r"'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+";
 
-const UFAKZEKA: &str = r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const UFAKZEKA: &str =
+    r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 const EXAONE_MOE: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?(?:\p{L}\p{M}*(?: \p{L}\p{M}*)*)+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]?|\s*[\r\n]|\s+(?!\S)|\s+";
 
@@ -68,7 +69,13 @@ pub(crate) struct PreSpec {
 }
 
 const fn spec(regexes: &'static [&'static str], clean_spaces: bool) -> PreSpec {
-    PreSpec { regexes, ignore_merges: false, add_bos: false, clean_spaces, no_bos: false }
+    PreSpec {
+        regexes,
+        ignore_merges: false,
+        add_bos: false,
+        clean_spaces,
+        no_bos: false,
+    }
 }
 
 const DEFAULT_REGEXES: &[&str] = &[r"[\p{P}\$\+<=>\^~\|]+", GPT2, r"\p{N}+", "[0-9][0-9][0-9]"];
@@ -78,13 +85,20 @@ pub(crate) const DEFAULT_SPEC: PreSpec = spec(DEFAULT_REGEXES, true);
 
 /// The pre-tokenizer llama.cpp selects for `name`, or `None` for a name it does not know.
 pub(crate) fn lookup(name: &str) -> Option<PreSpec> {
-    let llama3 = PreSpec { ignore_merges: true, add_bos: true, ..spec(&[LLAMA3], true) };
+    let llama3 = PreSpec {
+        ignore_merges: true,
+        add_bos: true,
+        ..spec(&[LLAMA3], true)
+    };
     Some(match name {
         "default" => DEFAULT_SPEC,
         "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "falcon-h1" | "pixtral" | "midm-2.0"
         | "lfm2" | "jina-v5-nano" => llama3,
         "dbrx" | "smaug-bpe" => spec(&[LLAMA3], true),
-        "glm4" | "chatglm-bpe" => PreSpec { no_bos: true, ..spec(&[LLAMA3], true) },
+        "glm4" | "chatglm-bpe" => PreSpec {
+            no_bos: true,
+            ..spec(&[LLAMA3], true)
+        },
         "jais-2" => spec(&[JAIS2], true),
         "deepseek-llm" => spec(
             &[
@@ -98,20 +112,19 @@ pub(crate) fn lookup(name: &str) -> Option<PreSpec> {
             false,
         ),
         "deepseek-coder" => spec(
-            &["[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[一-龥ࠀ-一가-퟿]+", r"\p{N}"],
+            &[
+                "[\r\n]",
+                r"\s?\p{L}+",
+                r"\s?\p{P}+",
+                "[一-龥ࠀ-一가-퟿]+",
+                r"\p{N}",
+            ],
             false,
         ),
         "deepseek-v3" | "hunyuan-dense" | "joyai-llm" | "hy_v4" => {
             spec(&[r"\p{N}{1,3}", "[一-龥぀-ゟ゠-ヿ]+", DEEPSEEK3_MAIN], false)
         }
-        "falcon" => spec(
-            &[
-                r"[\p{P}\$\+<=>\^~\|`]+",
-                GPT2,
-                "[0-9][0-9][0-9]",
-            ],
-            true,
-        ),
+        "falcon" => spec(&[r"[\p{P}\$\+<=>\^~\|`]+", GPT2, "[0-9][0-9][0-9]"], true),
         "starcoder" | "refact" | "codeshell" | "exaone" | "minerva-7b" | "mellum2" => {
             spec(&[r"\p{N}", GPT2], true)
         }
@@ -128,7 +141,11 @@ pub(crate) fn lookup(name: &str) -> Option<PreSpec> {
         "poro-chat" => spec(&[PORO], false),
         "bloom" | "gpt3-finnish" => spec(&[PORO], true),
         "viking" => spec(&[PORO, r"\p{N}"], false),
-        "tekken" => PreSpec { ignore_merges: true, add_bos: true, ..spec(&[TEKKEN], false) },
+        "tekken" => PreSpec {
+            ignore_merges: true,
+            add_bos: true,
+            ..spec(&[TEKKEN], false)
+        },
         "chameleon" => PreSpec {
             add_bos: true,
             ..spec(
@@ -150,7 +167,10 @@ pub(crate) fn lookup(name: &str) -> Option<PreSpec> {
         "ufakzeka" => spec(&[UFAKZEKA], false),
         "laguna" => spec(&["[^\\n]+|[\\n]+", QWEN2], false),
         "exaone-moe" => spec(&[EXAONE_MOE], false),
-        "minicpm5" => PreSpec { ignore_merges: true, ..spec(&[r"\p{N}{1,3}", MINICPM5_MAIN], true) },
+        "minicpm5" => PreSpec {
+            ignore_merges: true,
+            ..spec(&[r"\p{N}{1,3}", MINICPM5_MAIN], true)
+        },
         _ => return None,
     })
 }
@@ -205,7 +225,9 @@ fn collapse_char(c: char) -> char {
 }
 
 fn uses_categories(pattern: &str) -> bool {
-    COLLAPSED_CLASSES.iter().any(|(class, _)| pattern.contains(class))
+    COLLAPSED_CLASSES
+        .iter()
+        .any(|(class, _)| pattern.contains(class))
 }
 
 /// Rewrites `\p{..}` classes of `pattern` for the collapsed text, inside or outside brackets.
@@ -219,8 +241,9 @@ fn collapse_pattern(pattern: &str) -> String {
             inside_brackets = true;
         } else if c == ']' && inside_brackets && prev != Some('\\') {
             inside_brackets = false;
-        } else if let Some((class, body)) =
-            COLLAPSED_CLASSES.iter().find(|(class, _)| rest.starts_with(class))
+        } else if let Some((class, body)) = COLLAPSED_CLASSES
+            .iter()
+            .find(|(class, _)| rest.starts_with(class))
         {
             if inside_brackets {
                 out.push_str(body);
@@ -251,15 +274,34 @@ impl PreTokenizer {
                 Step::Llama3
             } else {
                 let collapsed = uses_categories(pattern);
-                let source = if collapsed { collapse_pattern(pattern) } else { pattern.to_owned() };
-                let regex = Regex::new(&source)
-                    .map_err(|e| format!("pre-tokenizer regex {pattern:?} does not compile: {e}"))?;
-                Step::Regex { regex: Box::new(regex), collapsed }
+                let source = if collapsed {
+                    collapse_pattern(pattern)
+                } else {
+                    pattern.to_owned()
+                };
+                let regex = Regex::new(&source).map_err(|e| {
+                    format!("pre-tokenizer regex {pattern:?} does not compile: {e}")
+                })?;
+                Step::Regex {
+                    regex: Box::new(regex),
+                    collapsed,
+                }
             };
             steps.push(step);
         }
-        let needs_collapse = steps.iter().any(|s| matches!(s, Step::Regex { collapsed: true, .. }));
-        Ok(PreTokenizer { steps, needs_collapse })
+        let needs_collapse = steps.iter().any(|s| {
+            matches!(
+                s,
+                Step::Regex {
+                    collapsed: true,
+                    ..
+                }
+            )
+        });
+        Ok(PreTokenizer {
+            steps,
+            needs_collapse,
+        })
     }
 
     /// Cuts `text` into words, returned as byte ranges of `text` in order.
@@ -268,15 +310,24 @@ impl PreTokenizer {
         if cpts.is_empty() {
             return Vec::new();
         }
-        let collapsed: Vec<char> =
-            if self.needs_collapse { cpts.iter().map(|&c| collapse_char(c)).collect() } else { Vec::new() };
+        let collapsed: Vec<char> = if self.needs_collapse {
+            cpts.iter().map(|&c| collapse_char(c)).collect()
+        } else {
+            Vec::new()
+        };
         let mut lengths = vec![cpts.len()];
         for step in &self.steps {
             lengths = match step {
                 Step::Gpt2 => split_gpt2(&cpts, &lengths),
                 Step::Llama3 => split_llama3(&cpts, &lengths),
-                Step::Regex { regex, collapsed: true } => split_regex(regex, &collapsed, &lengths),
-                Step::Regex { regex, collapsed: false } => {
+                Step::Regex {
+                    regex,
+                    collapsed: true,
+                } => split_regex(regex, &collapsed, &lengths),
+                Step::Regex {
+                    regex,
+                    collapsed: false,
+                } => {
                     // Without categories llama.cpp matches the code points themselves, with
                     // non-ASCII whitespace replaced by U+000B so that `\s` sees it.
                     let replaced: Vec<char> = cpts
@@ -352,7 +403,10 @@ fn split_gpt2(cpts: &[char], lengths: &[usize]) -> Vec<usize> {
     for &len in lengths {
         let end = start + len;
         let w = Window { cpts, end };
-        let mut pieces = Pieces { out: &mut out, prev_end: start };
+        let mut pieces = Pieces {
+            out: &mut out,
+            prev_end: start,
+        };
         let mut pos = start;
         while pos < end {
             let c = cpts[pos];
@@ -433,7 +487,10 @@ fn split_llama3(cpts: &[char], lengths: &[usize]) -> Vec<usize> {
     for &len in lengths {
         let end = start + len;
         let w = Window { cpts, end };
-        let mut pieces = Pieces { out: &mut out, prev_end: start };
+        let mut pieces = Pieces {
+            out: &mut out,
+            prev_end: start,
+        };
         let mut pos = start;
         while pos < end {
             let c = cpts[pos];
@@ -543,7 +600,10 @@ fn split_regex(regex: &Regex, chars: &[char], lengths: &[usize]) -> Vec<usize> {
             cursor_byte = byte;
             cursor_cp
         };
-        let mut pieces = Pieces { out: &mut out, prev_end: 0 };
+        let mut pieces = Pieces {
+            out: &mut out,
+            prev_end: 0,
+        };
         for found in regex.find_iter(&piece) {
             // A match that exhausts the backtracking limit leaves the rest of the piece whole,
             // which is what the gap handling below does.
@@ -566,20 +626,48 @@ mod tests {
     fn words(name: &str, text: &str) -> Vec<String> {
         let spec = lookup(name).expect("known pre-tokenizer");
         let pre = PreTokenizer::new(&spec).expect("regexes compile");
-        pre.split(text).into_iter().map(|r| text[r].to_owned()).collect()
+        pre.split(text)
+            .into_iter()
+            .map(|r| text[r].to_owned())
+            .collect()
     }
 
     #[test]
     fn every_known_pre_tokenizer_compiles() {
         for name in [
-            "default", "llama3", "dbrx", "glm4", "jais-2", "deepseek-llm", "deepseek-coder",
-            "deepseek-v3", "falcon", "starcoder", "smollm", "gpt-2", "qwen2", "qwen35", "poro-chat",
-            "viking", "tekken", "chameleon", "gpt-4o", "bailingmoe", "seed-coder", "grok-2",
-            "ufakzeka", "laguna", "exaone-moe", "minicpm5",
+            "default",
+            "llama3",
+            "dbrx",
+            "glm4",
+            "jais-2",
+            "deepseek-llm",
+            "deepseek-coder",
+            "deepseek-v3",
+            "falcon",
+            "starcoder",
+            "smollm",
+            "gpt-2",
+            "qwen2",
+            "qwen35",
+            "poro-chat",
+            "viking",
+            "tekken",
+            "chameleon",
+            "gpt-4o",
+            "bailingmoe",
+            "seed-coder",
+            "grok-2",
+            "ufakzeka",
+            "laguna",
+            "exaone-moe",
+            "minicpm5",
         ] {
             let spec = lookup(name).unwrap();
             let pre = PreTokenizer::new(&spec).unwrap_or_else(|e| panic!("{name}: {e}"));
-            assert_eq!(pre.split("Hello, world! 123 ü ").concat_len(), "Hello, world! 123 ü ".len());
+            assert_eq!(
+                pre.split("Hello, world! 123 ü ").concat_len(),
+                "Hello, world! 123 ü ".len()
+            );
         }
     }
 
@@ -608,7 +696,10 @@ mod tests {
 
     #[test]
     fn smollm_splits_every_digit() {
-        assert_eq!(words("smollm", "in 2024!"), ["in", " ", "2", "0", "2", "4", "!"]);
+        assert_eq!(
+            words("smollm", "in 2024!"),
+            ["in", " ", "2", "0", "2", "4", "!"]
+        );
     }
 
     #[test]
@@ -622,7 +713,10 @@ mod tests {
 
     #[test]
     fn qwen2_regex_on_collapsed_text() {
-        assert_eq!(words("qwen2", "naïve 12 über"), ["naïve", " ", "1", "2", " über"]);
+        assert_eq!(
+            words("qwen2", "naïve 12 über"),
+            ["naïve", " ", "1", "2", " über"]
+        );
         assert_eq!(words("qwen2", "a  \n b"), ["a", "  \n", " b"]);
     }
 

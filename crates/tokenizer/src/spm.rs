@@ -65,13 +65,23 @@ pub(crate) fn encode(vocab: &Vocab, text: &str, out: &mut Vec<u32>) {
         return;
     }
     let mut queue = BinaryHeap::new();
-    let try_add = |queue: &mut BinaryHeap<Pair>, symbols: &[Symbol], left: Option<usize>, right: Option<usize>| {
-        let (Some(l), Some(r)) = (left, right) else { return };
+    let try_add = |queue: &mut BinaryHeap<Pair>,
+                   symbols: &[Symbol],
+                   left: Option<usize>,
+                   right: Option<usize>| {
+        let (Some(l), Some(r)) = (left, right) else {
+            return;
+        };
         // Adjacent symbols are contiguous in the text, so their concatenation is a slice.
         let (ls, rs) = (symbols[l], symbols[r]);
         let joined = &text[ls.start..rs.start + rs.len];
         if let Some(id) = vocab.text_to_token(joined) {
-            queue.push(Pair { score: vocab.tokens[id as usize].score, left: l, right: r, size: joined.len() });
+            queue.push(Pair {
+                score: vocab.tokens[id as usize].score,
+                left: l,
+                right: r,
+                size: joined.len(),
+            });
         }
     };
     for i in 1..symbols.len() {
@@ -88,8 +98,18 @@ pub(crate) fn encode(vocab: &Vocab, text: &str, out: &mut Vec<u32>) {
         if let Some(n) = rs.next {
             symbols[n].prev = Some(pair.left);
         }
-        try_add(&mut queue, &symbols, symbols[pair.left].prev, Some(pair.left));
-        try_add(&mut queue, &symbols, Some(pair.left), symbols[pair.left].next);
+        try_add(
+            &mut queue,
+            &symbols,
+            symbols[pair.left].prev,
+            Some(pair.left),
+        );
+        try_add(
+            &mut queue,
+            &symbols,
+            Some(pair.left),
+            symbols[pair.left].next,
+        );
     }
     let mut index = Some(0);
     while let Some(i) = index {
@@ -113,10 +133,21 @@ pub(crate) fn encode(vocab: &Vocab, text: &str, out: &mut Vec<u32>) {
 /// token (llama.cpp aborts there; a vocabulary without byte fallback has nothing better).
 pub(crate) fn byte_token(vocab: &Vocab, byte: u8) -> Option<u32> {
     const HEX: &[u8; 16] = b"0123456789ABCDEF";
-    let name = [b'<', b'0', b'x', HEX[usize::from(byte >> 4)], HEX[usize::from(byte & 15)], b'>'];
+    let name = [
+        b'<',
+        b'0',
+        b'x',
+        HEX[usize::from(byte >> 4)],
+        HEX[usize::from(byte & 15)],
+        b'>',
+    ];
     let name = std::str::from_utf8(&name).unwrap_or_default();
     vocab
         .text_to_token(name)
-        .or_else(|| byte.is_ascii().then(|| vocab.text_to_token(char::from(byte).encode_utf8(&mut [0; 4]))).flatten())
+        .or_else(|| {
+            byte.is_ascii()
+                .then(|| vocab.text_to_token(char::from(byte).encode_utf8(&mut [0; 4])))
+                .flatten()
+        })
         .or(vocab.special.unk)
 }

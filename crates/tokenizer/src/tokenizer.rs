@@ -1,7 +1,9 @@
 //! [`Tokenizer`]: text to token ids and back, built from a GGUF file's `tokenizer.*` metadata, with
 //! the same results as llama.cpp's `llama_tokenize` and `llama_detokenize`.
 
-use ember_gguf::{GgufError, Metadata};
+use std::borrow::Cow;
+
+use ember_gguf::Metadata;
 
 use crate::bpe::Bpe;
 use crate::pretokenize::{self, PreSpec};
@@ -60,11 +62,34 @@ pub struct TokenizerSpec {
     pub add_space_prefix: Option<bool>,
 }
 
+/// [`TokenizerSpec`] borrowed, so that loading from a file copies the vocabulary only once.
+struct Parts<'a> {
+    model: &'a str,
+    pre: Option<&'a str>,
+    tokens: &'a [String],
+    scores: Option<&'a [f32]>,
+    token_types: Option<&'a [i32]>,
+    merges: Option<&'a [String]>,
+    bos: Option<u32>,
+    eos: Option<u32>,
+    eot: Option<u32>,
+    eom: Option<u32>,
+    unk: Option<u32>,
+    pad: Option<u32>,
+    add_bos: Option<bool>,
+    add_eos: Option<bool>,
+    add_space_prefix: Option<bool>,
+}
+
 const ESCAPED_SPACE: &str = "\u{2581}";
 
 /// Reads a token id key. Some converters write "no token" as -1; that reads as absent, with a
 /// warning, rather than as an out-of-range id.
-fn read_id(md: &Metadata, key: &str, warnings: &mut Vec<String>) -> Result<Option<u32>, TokenizerError> {
+fn read_id(
+    md: &Metadata,
+    key: &str,
+    warnings: &mut Vec<String>,
+) -> Result<Option<u32>, TokenizerError> {
     match md.get_u32_opt(key) {
         Ok(id) => Ok(id),
         Err(err) => match md.get_i32_opt(key) {
@@ -86,16 +111,21 @@ impl Tokenizer {
     /// Loads a tokenizer from GGUF metadata.
     pub fn from_metadata(md: &Metadata) -> Result<Tokenizer, TokenizerError> {
         let mut warnings = Vec::new();
-        let str_array = |key: &str| -> Result<Option<Vec<String>>, GgufError> {
-            Ok(md.get_str_array_opt(key)?.map(<[String]>::to_vec))
+        // llama.cpp also accepts integer scores.
+        let scores: Option<Cow<'_, [f32]>> = match md.get_f32_array_opt("tokenizer.ggml.scores") {
+            Ok(scores) => scores.map(Cow::Borrowed),
+            Err(err) => match md.get_i32_array_opt("tokenizer.ggml.scores") {
+                Ok(Some(ints)) => Some(Cow::Owned(ints.iter().map(|&i| i as f32).collect())),
+                _ => return Err(err.into()),
+            },
         };
-        let spec = TokenizerSpec {
-            model: md.get_str("tokenizer.ggml.model")?.to_owned(),
-            pre: md.get_str_opt("tokenizer.ggml.pre")?.map(str::to_owned),
-            tokens: md.get_str_array("tokenizer.ggml.tokens")?.to_vec(),
-            scores: md.get_f32_array_opt("tokenizer.ggml.scores")?.map(<[f32]>::to_vec),
-            token_types: md.get_i32_array_opt("tokenizer.ggml.token_type")?.map(<[i32]>::to_vec),
-            merges: str_array("tokenizer.ggml.merges")?,
+        let parts = Parts {
+            model: md.get_str("tokenizer.ggml.model")?,
+            pre: md.get_str_opt("tokenizer.ggml.pre")?,
+            tokens: md.get_str_array("tokenizer.ggml.tokens")?,
+            scores: scores.as_deref(),
+            token_types: md.get_i32_array_opt("tokenizer.ggml.token_type")?,
+            merges: md.get_str_array_opt("tokenizer.ggml.merges")?,
             bos: read_id(md, "tokenizer.ggml.bos_token_id", &mut warnings)?,
             eos: read_id(md, "tokenizer.ggml.eos_token_id", &mut warnings)?,
             eot: read_id(md, "tokenizer.ggml.eot_token_id", &mut warnings)?,
@@ -106,22 +136,39 @@ impl Tokenizer {
             add_eos: md.get_bool_opt("tokenizer.ggml.add_eos_token")?,
             add_space_prefix: md.get_bool_opt("tokenizer.ggml.add_space_prefix")?,
         };
-        let mut tokenizer = Tokenizer::from_spec(&spec)?;
-        warnings.append(&mut tokenizer.warnings);
-        tokenizer.warnings = warnings;
-        Ok(tokenizer)
+        Tokenizer::build(&parts, warnings)
     }
 
     /// Builds a tokenizer from its parts.
     pub fn from_spec(spec: &TokenizerSpec) -> Result<Tokenizer, TokenizerError> {
-        let mut warnings = Vec::new();
+        let parts = Parts {
+            model: &spec.model,
+            pre: spec.pre.as_deref(),
+            tokens: &spec.tokens,
+            scores: spec.scores.as_deref(),
+            token_types: spec.token_types.as_deref(),
+            merges: spec.merges.as_deref(),
+            bos: spec.bos,
+            eos: spec.eos,
+            eot: spec.eot,
+            eom: spec.eom,
+            unk: spec.unk,
+            pad: spec.pad,
+            add_bos: spec.add_bos,
+            add_eos: spec.add_eos,
+            add_space_prefix: spec.add_space_prefix,
+        };
+        Tokenizer::build(&parts, Vec::new())
+    }
+
+    fn build(spec: &Parts<'_>, mut warnings: Vec<String>) -> Result<Tokenizer, TokenizerError> {
         let n_tokens = spec.tokens.len();
         // Defaults of llama.cpp when the file names no id; a default outside the vocabulary is
         // dropped. (BPE's default of 11 for both is llama.cpp's, kept for old GPT-2 style files.)
         let default_id = |id: u32| ((id as usize) < n_tokens).then_some(id);
-        let (model, kind, pre_spec) = match spec.model.as_str() {
+        let (model, kind, pre_spec) = match spec.model {
             "gpt2" => {
-                let (name, pre_spec) = match spec.pre.as_deref() {
+                let (name, pre_spec) = match spec.pre {
                     None => {
                         warnings.push(
                             "tokenizer.ggml.pre is missing: using the default pre-tokenizer; \
@@ -141,15 +188,26 @@ impl Tokenizer {
                         }
                     },
                 };
-                let merges = spec.merges.as_deref().ok_or(TokenizerError::MissingMerges)?;
-                (Model::Bpe(Bpe::new(merges, &pre_spec)?), TokenizerKind::Bpe { pre: name }, Some(pre_spec))
+                let merges = spec.merges.ok_or(TokenizerError::MissingMerges)?;
+                (
+                    Model::Bpe(Bpe::new(merges, &pre_spec)?),
+                    TokenizerKind::Bpe { pre: name },
+                    Some(pre_spec),
+                )
             }
             "llama" => (Model::SentencePiece, TokenizerKind::SentencePiece, None),
-            other => return Err(TokenizerError::UnsupportedModel { model: other.to_owned() }),
+            other => {
+                return Err(TokenizerError::UnsupportedModel {
+                    model: other.to_owned(),
+                })
+            }
         };
         let is_spm = pre_spec.is_none();
-        let (default_bos, default_eos, default_unk) =
-            if is_spm { (default_id(1), default_id(2), default_id(0)) } else { (default_id(11), default_id(11), None) };
+        let (default_bos, default_eos, default_unk) = if is_spm {
+            (default_id(1), default_id(2), default_id(0))
+        } else {
+            (default_id(11), default_id(11), None)
+        };
         let mut special = SpecialIds {
             bos: spec.bos.or(default_bos),
             eos: spec.eos.or(default_eos),
@@ -162,9 +220,9 @@ impl Tokenizer {
             special.bos = None;
         }
         let vocab = Vocab::new(VocabInput {
-            tokens: &spec.tokens,
-            scores: spec.scores.as_deref(),
-            token_types: spec.token_types.as_deref(),
+            tokens: spec.tokens,
+            scores: spec.scores,
+            token_types: spec.token_types,
             special,
         })?;
         let add_bos = spec.add_bos.unwrap_or(match pre_spec {
@@ -256,7 +314,11 @@ impl Tokenizer {
         };
         let a = token.attr;
         if a & (attr::UNKNOWN | attr::CONTROL) != 0 {
-            return if render_special { token.text.as_bytes().to_vec() } else { Vec::new() };
+            return if render_special {
+                token.text.as_bytes().to_vec()
+            } else {
+                Vec::new()
+            };
         }
         if a & attr::USER_DEFINED != 0 {
             return token.text.as_bytes().to_vec();
@@ -268,7 +330,9 @@ impl Tokenizer {
             };
         }
         if a & attr::BYTE != 0 {
-            return parse_byte_token(&token.text).map(|b| vec![b]).unwrap_or_default();
+            return parse_byte_token(&token.text)
+                .map(|b| vec![b])
+                .unwrap_or_default();
         }
         // Unused and undefined tokens have no text.
         Vec::new()
@@ -468,7 +532,11 @@ pub struct StreamDecoder<'a> {
 impl<'a> StreamDecoder<'a> {
     /// A decoder that leaves control tokens out of the text.
     pub fn new(tokenizer: &'a Tokenizer) -> Self {
-        StreamDecoder { tokenizer, pending: Vec::new(), render_special: false }
+        StreamDecoder {
+            tokenizer,
+            pending: Vec::new(),
+            render_special: false,
+        }
     }
 
     /// Whether control tokens are written as their text.

@@ -33,9 +33,8 @@ const MAX_CODEPOINT: usize = 0x11_0000;
 
 /// Unicode's `White_Space` code points (the 25 of PropList.txt).
 const WHITESPACE_CODEPOINTS: [u32; 25] = [
-    0x09, 0x0A, 0x0B, 0x0C, 0x0D, 0x20, 0x85, 0xA0, 0x1680, 0x2000, 0x2001, 0x2002, 0x2003,
-    0x2004, 0x2005, 0x2006, 0x2007, 0x2008, 0x2009, 0x200A, 0x2028, 0x2029, 0x202F, 0x205F,
-    0x3000,
+    0x09, 0x0A, 0x0B, 0x0C, 0x0D, 0x20, 0x85, 0xA0, 0x1680, 0x2000, 0x2001, 0x2002, 0x2003, 0x2004,
+    0x2005, 0x2006, 0x2007, 0x2008, 0x2009, 0x200A, 0x2028, 0x2029, 0x202F, 0x205F, 0x3000,
 ];
 
 /// Category and whitespace flags of a code point. Flags of a position outside the text being
@@ -117,7 +116,9 @@ pub(crate) fn char_to_byte(c: char) -> Option<u8> {
 fn byte_tables() -> &'static ([char; 256], [i16; 0x180]) {
     static TABLES: OnceLock<([char; 256], [i16; 0x180])> = OnceLock::new();
     TABLES.get_or_init(|| {
-        let printable = |b: u32| (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+        let printable = |b: u32| {
+            (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b)
+        };
         let mut to_char = ['\0'; 256];
         let mut to_byte = [-1i16; 0x180];
         let mut next_extra = 0u32;
@@ -150,7 +151,11 @@ mod tests {
         assert_eq!(flags(' '), SEPARATOR | WHITESPACE);
         assert_eq!(flags('\n'), CONTROL | WHITESPACE);
         assert_eq!(flags('\u{A0}'), SEPARATOR | WHITESPACE);
-        assert_eq!(flags('\u{200B}'), CONTROL, "zero-width space is a format character");
+        assert_eq!(
+            flags('\u{200B}'),
+            CONTROL,
+            "zero-width space is a format character"
+        );
         assert_eq!(flags('\u{301}'), ACCENT_MARK);
         assert_eq!(flags('!'), PUNCTUATION);
         assert_eq!(flags('$'), SYMBOL);
@@ -164,7 +169,11 @@ mod tests {
     #[test]
     fn every_code_point_has_exactly_one_category() {
         for (cp, &f) in table().iter().enumerate() {
-            assert_eq!((f & CATEGORY_MASK).count_ones(), 1, "code point {cp:#x} has flags {f:#x}");
+            assert_eq!(
+                (f & CATEGORY_MASK).count_ones(),
+                1,
+                "code point {cp:#x} has flags {f:#x}"
+            );
         }
     }
 

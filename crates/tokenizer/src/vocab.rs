@@ -59,7 +59,7 @@ pub(crate) struct VocabInput<'a> {
 #[derive(Debug)]
 pub(crate) struct Vocab {
     pub tokens: Vec<TokenData>,
-    pub token_to_id: HashMap<String, u32>,
+    token_to_id: TextIndex,
     pub special: SpecialIds,
     /// Tokens that end generation.
     pub eog: BTreeSet<u32>,
@@ -114,7 +114,13 @@ const EOG_TEXTS: &[&str] = &[
 
 /// Fill-in-the-middle tokens that end generation when present (pad, repository, file separator).
 const FIM_PAD_TEXTS: &[&str] = &["<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"];
-const FIM_REP_TEXTS: &[&str] = &["<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"];
+const FIM_REP_TEXTS: &[&str] = &[
+    "<|fim_repo|>",
+    "<|repo_name|>",
+    "<fim-repo>",
+    "<REPO>",
+    "<reponame>",
+];
 const FIM_SEP_TEXTS: &[&str] = &["<|file_sep|>"];
 
 impl Vocab {
@@ -128,7 +134,10 @@ impl Vocab {
         }
         for (key, len) in [
             ("tokenizer.ggml.scores", input.scores.map(<[f32]>::len)),
-            ("tokenizer.ggml.token_type", input.token_types.map(<[i32]>::len)),
+            (
+                "tokenizer.ggml.token_type",
+                input.token_types.map(<[i32]>::len),
+            ),
         ] {
             if let Some(len) = len {
                 if len != n_tokens {
@@ -137,14 +146,23 @@ impl Vocab {
             }
         }
 
-        let mut tokens = Vec::with_capacity(n_tokens);
-        let mut token_to_id = HashMap::with_capacity(n_tokens);
+        let mut tokens: Vec<TokenData> = Vec::with_capacity(n_tokens);
+        let mut token_to_id = TextIndex::with_capacity(n_tokens);
         for (i, text) in input.tokens.iter().enumerate() {
             let id = i as u32;
             // llama.cpp renames empty tokens so that every text is unique and non-empty.
-            let text = if text.is_empty() { format!("[EMPTY_{i}]") } else { text.clone() };
-            if let Some(first) = token_to_id.insert(text.clone(), id) {
-                return Err(TokenizerError::DuplicateToken { text, first, second: id });
+            let text = if text.is_empty() {
+                format!("[EMPTY_{i}]")
+            } else {
+                text.clone()
+            };
+            // `id` is pushed right below; the index only reads texts of earlier ids.
+            if let Some(first) = token_to_id.insert(&tokens, &text, id) {
+                return Err(TokenizerError::DuplicateToken {
+                    text,
+                    first,
+                    second: id,
+                });
             }
             let attr = match input.token_types {
                 Some(types) => attr_of_type(types[i]),
@@ -165,7 +183,11 @@ impl Vocab {
         ] {
             if let Some(value) = *id {
                 if value as usize >= n_tokens {
-                    return Err(TokenizerError::SpecialIdOutOfRange { name, id: value, n_tokens });
+                    return Err(TokenizerError::SpecialIdOutOfRange {
+                        name,
+                        id: value,
+                        n_tokens,
+                    });
                 }
             }
         }
@@ -185,7 +207,7 @@ impl Vocab {
     }
 
     pub(crate) fn text_to_token(&self, text: &str) -> Option<u32> {
-        self.token_to_id.get(text).copied()
+        self.token_to_id.get(&self.tokens, text)
     }
 
     pub(crate) fn attr(&self, id: u32) -> u16 {
@@ -235,12 +257,18 @@ impl Vocab {
                 self.force_control(id);
             }
         }
-        for id in [self.special.eos, self.special.eot, self.special.eom].into_iter().flatten() {
+        for id in [self.special.eos, self.special.eot, self.special.eom]
+            .into_iter()
+            .flatten()
+        {
             self.eog.insert(id);
         }
         // Harmony-style vocabularies (<|return|> and <|call|>, or <|calls|> and <|flush|>) use
         // <|end|> between messages of one turn, so it must not stop generation there.
-        let has = |t: &str| self.text_to_token(t).is_some_and(|id| self.eog.contains(&id));
+        let has = |t: &str| {
+            self.text_to_token(t)
+                .is_some_and(|id| self.eog.contains(&id))
+        };
         let harmony = has("<|end|>")
             && (has("<|call|>") || has("<|calls|>"))
             && (has("<|return|>") || has("<|flush|>"));
@@ -269,14 +297,21 @@ impl Vocab {
         // Longest first, so that a token containing another is cut out before it. llama.cpp's
         // sort leaves ties in no defined order; ids break them here.
         order.sort_by(|&a, &b| {
-            let (la, lb) = (self.tokens[a as usize].text.len(), self.tokens[b as usize].text.len());
+            let (la, lb) = (
+                self.tokens[a as usize].text.len(),
+                self.tokens[b as usize].text.len(),
+            );
             lb.cmp(&la).then(a.cmp(&b))
         });
         let mut trie = Trie::default();
         for &id in &order {
             trie.insert(self.tokens[id as usize].text.as_bytes(), id);
         }
-        self.special_rank = order.iter().enumerate().map(|(rank, &id)| (id, rank)).collect();
+        self.special_rank = order
+            .iter()
+            .enumerate()
+            .map(|(rank, &id)| (id, rank))
+            .collect();
         self.special_order = order;
         self.special_trie = trie;
     }
@@ -329,6 +364,74 @@ impl Vocab {
             fragments = next;
         }
         fragments
+    }
+}
+
+/// Token id by text: an open-addressing table of ids that compares against the token texts
+/// themselves, so a 262k-token vocabulary is not stored a second time as hash map keys.
+#[derive(Debug, Default)]
+struct TextIndex {
+    /// Token ids, `u32::MAX` for an empty slot; the length is a power of two.
+    slots: Vec<u32>,
+}
+
+impl TextIndex {
+    const EMPTY: u32 = u32::MAX;
+
+    fn with_capacity(n: usize) -> TextIndex {
+        // At most half full, so that probe sequences stay short.
+        let len = (n * 2).next_power_of_two().max(16);
+        TextIndex {
+            slots: vec![Self::EMPTY; len],
+        }
+    }
+
+    fn hash(text: &[u8]) -> usize {
+        // FxHash-style mixing: fast on short keys, and token texts are not attacker-chosen
+        // after load (a hostile vocabulary can only slow its own loading).
+        let mut h: u64 = text.len() as u64;
+        let mut chunks = text.chunks_exact(8);
+        for chunk in &mut chunks {
+            let mut word = [0u8; 8];
+            word.copy_from_slice(chunk);
+            h = (h.rotate_left(5) ^ u64::from_le_bytes(word)).wrapping_mul(0x517c_c1b7_2722_0a95);
+        }
+        for &b in chunks.remainder() {
+            h = (h.rotate_left(5) ^ u64::from(b)).wrapping_mul(0x517c_c1b7_2722_0a95);
+        }
+        (h ^ (h >> 29)) as usize
+    }
+
+    /// Inserts `id` for `text` unless a token among `tokens` already has that text; returns the
+    /// existing id then.
+    fn insert(&mut self, tokens: &[TokenData], text: &str, id: u32) -> Option<u32> {
+        let mask = self.slots.len() - 1;
+        let mut slot = Self::hash(text.as_bytes()) & mask;
+        loop {
+            match self.slots[slot] {
+                Self::EMPTY => {
+                    self.slots[slot] = id;
+                    return None;
+                }
+                existing if tokens[existing as usize].text == text => return Some(existing),
+                _ => slot = (slot + 1) & mask,
+            }
+        }
+    }
+
+    fn get(&self, tokens: &[TokenData], text: &str) -> Option<u32> {
+        if self.slots.is_empty() {
+            return None;
+        }
+        let mask = self.slots.len() - 1;
+        let mut slot = Self::hash(text.as_bytes()) & mask;
+        loop {
+            match self.slots[slot] {
+                Self::EMPTY => return None,
+                existing if tokens[existing as usize].text == text => return Some(existing),
+                _ => slot = (slot + 1) & mask,
+            }
+        }
     }
 }
 
@@ -411,17 +514,36 @@ mod tests {
     fn partition_cuts_longest_special_tokens_first() {
         let v = vocab(&["<s>", "<s><s>", "a", "<u>"], &[3, 3, 1, 4]);
         use Fragment::*;
-        assert_eq!(v.partition("x<s><s>y<s>", true), [Text("x"), Token(1), Text("y"), Token(0)]);
+        assert_eq!(
+            v.partition("x<s><s>y<s>", true),
+            [Text("x"), Token(1), Text("y"), Token(0)]
+        );
         assert_eq!(v.partition("x<s><s>y<s>", false), [Text("x<s><s>y<s>")]);
-        assert_eq!(v.partition("<u>a<u>", false), [Token(3), Text("a"), Token(3)]);
+        assert_eq!(
+            v.partition("<u>a<u>", false),
+            [Token(3), Text("a"), Token(3)]
+        );
         assert_eq!(v.partition("", true), []);
     }
 
     #[test]
     fn end_of_generation_tokens_are_found_by_text() {
-        let v = vocab(&["<|endoftext|>", "<|im_start|>", "<|im_end|>", "hi", "<reponame>"], &[3, 3, 3, 1, 3]);
+        let v = vocab(
+            &[
+                "<|endoftext|>",
+                "<|im_start|>",
+                "<|im_end|>",
+                "hi",
+                "<reponame>",
+            ],
+            &[3, 3, 3, 1, 3],
+        );
         assert_eq!(v.eog.iter().copied().collect::<Vec<_>>(), [0, 2, 4]);
-        assert_eq!(v.special.eot, Some(2), "<|im_end|> comes first in llama.cpp's EOT list");
+        assert_eq!(
+            v.special.eot,
+            Some(2),
+            "<|im_end|> comes first in llama.cpp's EOT list"
+        );
     }
 
     #[test]
@@ -439,15 +561,23 @@ mod tests {
             "tokenizer.ggml.scores has 1 entries but tokenizer.ggml.tokens has 2: expected the same length"
         );
         let tokens = vec!["a".to_string(), "a".to_string()];
-        let err = Vocab::new(VocabInput { tokens: &tokens, scores: None, token_types: None, special: SpecialIds::default() })
-            .unwrap_err();
+        let err = Vocab::new(VocabInput {
+            tokens: &tokens,
+            scores: None,
+            token_types: None,
+            special: SpecialIds::default(),
+        })
+        .unwrap_err();
         assert!(err.to_string().contains("duplicate token \"a\""), "{err}");
         let tokens = vec!["a".to_string()];
         let err = Vocab::new(VocabInput {
             tokens: &tokens,
             scores: None,
             token_types: None,
-            special: SpecialIds { eos: Some(7), ..SpecialIds::default() },
+            special: SpecialIds {
+                eos: Some(7),
+                ..SpecialIds::default()
+            },
         })
         .unwrap_err();
         assert!(err.to_string().contains("eos token id 7"), "{err}");

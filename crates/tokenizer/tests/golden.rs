@@ -32,8 +32,7 @@ fn read_jsonl<T: for<'de> Deserialize<'de>>(name: &str) -> Vec<T> {
         .filter(|l| !l.trim().is_empty())
         .enumerate()
         .map(|(i, l)| {
-            serde_json::from_str(l)
-                .unwrap_or_else(|e| panic!("{}:{}: {e}", path.display(), i + 1))
+            serde_json::from_str(l).unwrap_or_else(|e| panic!("{}:{}: {e}", path.display(), i + 1))
         })
         .collect()
 }
@@ -62,10 +61,18 @@ fn tokenize_jsonl_matches_llama_cpp() {
         // Plain encoding reads special-token text as text, so decoding gives the input back.
         let decoded = t.decode(&case.ids_plain, false);
         if decoded != case.text {
-            failures.push(format!("{} decode of {:?} gave {:?}", case.model, case.text, decoded));
+            failures.push(format!(
+                "{} decode of {:?} gave {:?}",
+                case.model, case.text, decoded
+            ));
         }
     }
-    assert!(failures.is_empty(), "{} mismatches:\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} mismatches:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }
 
 #[test]
@@ -94,5 +101,10 @@ fn greedy_prompts_and_generations_match_llama_cpp() {
             ));
         }
     }
-    assert!(failures.is_empty(), "{} mismatches:\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} mismatches:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }

@@ -55,9 +55,18 @@ impl CachingPool {
     }
 
     /// Serves `bytes` from the cache (best fit) or a new driver allocation.
-    pub fn alloc(&mut self, driver: &dyn Driver, bytes: u64) -> Result<(DevicePtr, u64), DriverError> {
+    pub fn alloc(
+        &mut self,
+        driver: &dyn Driver,
+        bytes: u64,
+    ) -> Result<(DevicePtr, u64), DriverError> {
         let size = Self::rounded(bytes);
-        let best = self.cached.range((size, 0)..).next().copied().filter(|&(cached, _)| cached <= size.saturating_mul(2));
+        let best = self
+            .cached
+            .range((size, 0)..)
+            .next()
+            .copied()
+            .filter(|&(cached, _)| cached <= size.saturating_mul(2));
         if let Some(entry) = best {
             self.cached.remove(&entry);
             self.live.insert(entry.1, entry.0);
@@ -137,13 +146,19 @@ mod tests {
     fn trim_releases_cached_blocks_down_to_the_floor() {
         let driver = HostDriver::new(HostDriverConfig::default());
         let mut pool = CachingPool::new(0);
-        let blocks: Vec<_> = (0..4).map(|_| pool.alloc(&driver, 2 * MIB).unwrap().0).collect();
+        let blocks: Vec<_> = (0..4)
+            .map(|_| pool.alloc(&driver, 2 * MIB).unwrap().0)
+            .collect();
         for &b in &blocks[1..] {
             pool.free(b);
         }
         assert_eq!(pool.trim(&driver, 4 * MIB).unwrap(), 4 * MIB);
         assert_eq!(pool.held_bytes(), 4 * MIB);
-        assert_eq!(pool.trim(&driver, 0).unwrap(), 2 * MIB, "the live block stays");
+        assert_eq!(
+            pool.trim(&driver, 0).unwrap(),
+            2 * MIB,
+            "the live block stays"
+        );
         assert_eq!(driver.used_bytes(), 2 * MIB);
         pool.destroy(&driver).unwrap();
     }

@@ -29,7 +29,10 @@ use crate::driver::{DeviceOrdinal, DevicePtr, Driver, DriverError, StreamHandle}
 use caching::CachingPool;
 use vmm::VmmPool;
 
-pub use select::{probe_vmm, select_pool, PoolSelectOptions, PoolSelection, ProbeFailure, ProbeReport, ProbeStep, ProbeTouch, FORCE_PROBE_FAIL_ENV};
+pub use select::{
+    probe_vmm, select_pool, PoolSelectOptions, PoolSelection, ProbeFailure, ProbeReport, ProbeStep,
+    ProbeTouch, FORCE_PROBE_FAIL_ENV,
+};
 
 /// What an allocation is for; accounting and budget errors name it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -132,7 +135,10 @@ pub enum PoolError {
         source: DriverError,
     },
     #[error("device {device}: expected a non-zero allocation size for {purpose}, found 0 bytes")]
-    ZeroSized { device: DeviceOrdinal, purpose: Purpose },
+    ZeroSized {
+        device: DeviceOrdinal,
+        purpose: Purpose,
+    },
     #[error("device {device}: {operation} failed: {source}")]
     Driver {
         device: DeviceOrdinal,
@@ -187,10 +193,15 @@ impl PoolUsage {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TrimOutcome {
     /// Work happened too recently; try again after `remaining`.
-    NotIdle { remaining: Duration },
+    NotIdle {
+        remaining: Duration,
+    },
     /// Idle, and already trimmed since the last activity.
     AlreadyTrimmed,
-    Trimmed { released: u64, held_after: u64 },
+    Trimmed {
+        released: u64,
+        held_after: u64,
+    },
 }
 
 enum Strategy {
@@ -247,7 +258,9 @@ struct PoolState {
 
 impl PoolState {
     fn strategy(&mut self) -> &mut Strategy {
-        self.strategy.as_mut().expect("the strategy is only taken when the pool is dropped")
+        self.strategy
+            .as_mut()
+            .expect("the strategy is only taken when the pool is dropped")
     }
 
     fn snapshot(&self, device_free: Option<u64>) -> MemorySnapshot {
@@ -290,7 +303,11 @@ impl Drop for PoolShared {
     fn drop(&mut self) {
         let state = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
         if let Some(strategy) = state.strategy.take() {
-            if let Err(error) = self.driver.synchronize(self.device).and_then(|()| strategy.destroy(&*self.driver)) {
+            if let Err(error) = self
+                .driver
+                .synchronize(self.device)
+                .and_then(|()| strategy.destroy(&*self.driver))
+            {
                 tracing::warn!(device = self.device, %error, "device pool could not release its memory");
             }
         }
@@ -329,22 +346,40 @@ impl DevicePool {
     }
 
     /// Builds a pool of the given kind. If the VMM reservation fails, falls back to caching.
-    pub fn with_kind(driver: Arc<dyn Driver>, device: DeviceOrdinal, kind: PoolKind, reason: String, config: PoolConfig) -> Result<DevicePool, PoolError> {
-        let info = driver.device_info(device).map_err(|source| PoolError::Driver {
-            device,
-            operation: "querying the device",
-            source,
-        })?;
+    pub fn with_kind(
+        driver: Arc<dyn Driver>,
+        device: DeviceOrdinal,
+        kind: PoolKind,
+        reason: String,
+        config: PoolConfig,
+    ) -> Result<DevicePool, PoolError> {
+        let info = driver
+            .device_info(device)
+            .map_err(|source| PoolError::Driver {
+                device,
+                operation: "querying the device",
+                source,
+            })?;
         let (kind, reason, strategy) = match kind {
-            PoolKind::Caching => (PoolKind::Caching, reason, Strategy::Caching(CachingPool::new(device))),
+            PoolKind::Caching => (
+                PoolKind::Caching,
+                reason,
+                Strategy::Caching(CachingPool::new(device)),
+            ),
             PoolKind::Vmm => {
-                let reserve = config.vmm_reserve_bytes.unwrap_or(info.total_memory.saturating_mul(2).max(1 << 30));
+                let reserve = config
+                    .vmm_reserve_bytes
+                    .unwrap_or(info.total_memory.saturating_mul(2).max(1 << 30));
                 match VmmPool::new(&*driver, device, reserve, config.vmm_chunk_bytes) {
                     Ok(pool) => (PoolKind::Vmm, reason, Strategy::Vmm(pool)),
                     Err(error) => {
                         let reason = format!("{reason}; but reserving {reserve} bytes of virtual space failed ({error}), so the caching pool is used");
                         tracing::warn!(device, %reason, "VMM pool unavailable");
-                        (PoolKind::Caching, reason, Strategy::Caching(CachingPool::new(device)))
+                        (
+                            PoolKind::Caching,
+                            reason,
+                            Strategy::Caching(CachingPool::new(device)),
+                        )
                     }
                 }
             }
@@ -457,7 +492,9 @@ impl DevicePool {
         usage.peak_live = usage.peak_live.max(usage.live);
         usage.held = held;
         usage.allocations += 1;
-        if held > state.at_peak.held || (held == state.at_peak.held && state.usage.live > state.at_peak.live) {
+        if held > state.at_peak.held
+            || (held == state.at_peak.held && state.usage.live > state.at_peak.live)
+        {
             state.at_peak = state.snapshot(None);
         }
         state.usage.peak_held = state.usage.peak_held.max(held);
@@ -502,13 +539,20 @@ impl DevicePool {
         Self::trim_locked(shared, &mut state, shared.config.floor_bytes)
     }
 
-    fn trim_locked(shared: &PoolShared, state: &mut PoolState, floor: u64) -> Result<u64, PoolError> {
+    fn trim_locked(
+        shared: &PoolShared,
+        state: &mut PoolState,
+        floor: u64,
+    ) -> Result<u64, PoolError> {
         let device = shared.device;
-        shared.driver.synchronize(device).map_err(|source| PoolError::Driver {
-            device,
-            operation: "synchronising before a trim",
-            source,
-        })?;
+        shared
+            .driver
+            .synchronize(device)
+            .map_err(|source| PoolError::Driver {
+                device,
+                operation: "synchronising before a trim",
+                source,
+            })?;
         let driver = &*shared.driver;
         let result = state.strategy().trim(driver, floor);
         state.usage.held = state.strategy().held();
@@ -521,14 +565,24 @@ impl DevicePool {
 
     /// Records the "at load" snapshot (call once the weights are placed).
     pub fn mark_loaded(&self) {
-        let free = self.shared.driver.mem_info(self.shared.device).ok().map(|m| m.free);
+        let free = self
+            .shared
+            .driver
+            .mem_info(self.shared.device)
+            .ok()
+            .map(|m| m.free);
         let mut state = self.shared.lock();
         state.at_load = Some(state.snapshot(free));
     }
 
     /// The pool's memory report.
     pub fn report(&self) -> DeviceMemoryReport {
-        let free = self.shared.driver.mem_info(self.shared.device).ok().map(|m| m.free);
+        let free = self
+            .shared
+            .driver
+            .mem_info(self.shared.device)
+            .ok()
+            .map(|m| m.free);
         let state = self.shared.lock();
         DeviceMemoryReport {
             device: self.shared.device,
@@ -614,7 +668,8 @@ impl PoolBuffer {
 
 impl Drop for PoolBuffer {
     fn drop(&mut self) {
-        self.shared.release(self.ptr, self.size, self.bytes, self.purpose);
+        self.shared
+            .release(self.ptr, self.size, self.bytes, self.purpose);
     }
 }
 
@@ -666,25 +721,42 @@ pub fn format_bytes(bytes: u64) -> String {
 
 impl fmt::Display for DeviceMemoryReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let budget = self.budget.map(format_bytes).unwrap_or_else(|| "none".to_string());
-        writeln!(f, "device {} ({}): {} pool, budget {budget}, idle floor {}", self.device, self.device_name, self.pool_kind, format_bytes(self.floor_bytes))?;
+        let budget = self
+            .budget
+            .map(format_bytes)
+            .unwrap_or_else(|| "none".to_string());
+        writeln!(
+            f,
+            "device {} ({}): {} pool, budget {budget}, idle floor {}",
+            self.device,
+            self.device_name,
+            self.pool_kind,
+            format_bytes(self.floor_bytes)
+        )?;
         writeln!(f, "  pool choice: {}", self.pool_reason)?;
-        writeln!(f, "  {:<11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>12}", "stage", "weights", "kv cache", "scratch", "live", "held", "device free")?;
-        let row = |f: &mut fmt::Formatter<'_>, stage: &str, s: Option<&MemorySnapshot>| -> fmt::Result {
-            match s {
-                None => writeln!(f, "  {stage:<11} {:>11}", "not reached"),
-                Some(s) => writeln!(
-                    f,
-                    "  {stage:<11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>12}",
-                    format_bytes(s.live_by_purpose[0]),
-                    format_bytes(s.live_by_purpose[1]),
-                    format_bytes(s.live_by_purpose[2]),
-                    format_bytes(s.live),
-                    format_bytes(s.held),
-                    s.device_free.map(format_bytes).unwrap_or_else(|| "-".to_string()),
-                ),
-            }
-        };
+        writeln!(
+            f,
+            "  {:<11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>12}",
+            "stage", "weights", "kv cache", "scratch", "live", "held", "device free"
+        )?;
+        let row =
+            |f: &mut fmt::Formatter<'_>, stage: &str, s: Option<&MemorySnapshot>| -> fmt::Result {
+                match s {
+                    None => writeln!(f, "  {stage:<11} {:>11}", "not reached"),
+                    Some(s) => writeln!(
+                        f,
+                        "  {stage:<11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>12}",
+                        format_bytes(s.live_by_purpose[0]),
+                        format_bytes(s.live_by_purpose[1]),
+                        format_bytes(s.live_by_purpose[2]),
+                        format_bytes(s.live),
+                        format_bytes(s.held),
+                        s.device_free
+                            .map(format_bytes)
+                            .unwrap_or_else(|| "-".to_string()),
+                    ),
+                }
+            };
         row(f, "at load", self.at_load.as_ref())?;
         row(f, "at peak", Some(&self.at_peak))?;
         row(f, "after idle", self.after_idle.as_ref())?;

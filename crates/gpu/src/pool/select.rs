@@ -18,7 +18,14 @@ use crate::pool::PoolKind;
 pub const FORCE_PROBE_FAIL_ENV: &str = "EMBER_FORCE_VMM_PROBE_FAIL";
 
 /// Fills `count` 32-bit words at `ptr` with `pattern` from the device, queued on `stream`.
-pub type ProbeTouch<'a> = &'a dyn Fn(&dyn Driver, DeviceOrdinal, DevicePtr, u64, u32, StreamHandle) -> Result<(), DriverError>;
+pub type ProbeTouch<'a> = &'a dyn Fn(
+    &dyn Driver,
+    DeviceOrdinal,
+    DevicePtr,
+    u64,
+    u32,
+    StreamHandle,
+) -> Result<(), DriverError>;
 
 /// Inputs to pool selection.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -88,7 +95,11 @@ pub struct ProbeFailure {
 
 impl fmt::Display for ProbeFailure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "VMM probe failed at step '{}': {}", self.step, self.detail)
+        write!(
+            f,
+            "VMM probe failed at step '{}': {}",
+            self.step, self.detail
+        )
     }
 }
 
@@ -110,12 +121,22 @@ pub struct PoolSelection {
 }
 
 /// Picks the pool for `device`. See the module docs.
-pub fn select_pool(driver: &dyn Driver, device: DeviceOrdinal, options: &PoolSelectOptions, touch: Option<ProbeTouch<'_>>) -> PoolSelection {
+pub fn select_pool(
+    driver: &dyn Driver,
+    device: DeviceOrdinal,
+    options: &PoolSelectOptions,
+    touch: Option<ProbeTouch<'_>>,
+) -> PoolSelection {
     if !options.vmm_gate {
-        let why = options.vmm_gate_reason.as_deref().unwrap_or("no reason recorded");
+        let why = options
+            .vmm_gate_reason
+            .as_deref()
+            .unwrap_or("no reason recorded");
         return PoolSelection {
             kind: PoolKind::Caching,
-            reason: format!("caching pool: the build manifest gates VMM off for this target ({why})"),
+            reason: format!(
+                "caching pool: the build manifest gates VMM off for this target ({why})"
+            ),
             probe: None,
         };
     }
@@ -123,7 +144,10 @@ pub fn select_pool(driver: &dyn Driver, device: DeviceOrdinal, options: &PoolSel
         Ok(info) if !info.vmm_supported => {
             return PoolSelection {
                 kind: PoolKind::Caching,
-                reason: format!("caching pool: {} ({}) reports no virtual memory management support", info.name, info.arch),
+                reason: format!(
+                    "caching pool: {} ({}) reports no virtual memory management support",
+                    info.name, info.arch
+                ),
                 probe: None,
             }
         }
@@ -131,7 +155,9 @@ pub fn select_pool(driver: &dyn Driver, device: DeviceOrdinal, options: &PoolSel
         Err(error) => {
             return PoolSelection {
                 kind: PoolKind::Caching,
-                reason: format!("caching pool: querying the device for VMM support failed: {error}"),
+                reason: format!(
+                    "caching pool: querying the device for VMM support failed: {error}"
+                ),
                 probe: None,
             }
         }
@@ -165,16 +191,29 @@ pub fn select_pool(driver: &dyn Driver, device: DeviceOrdinal, options: &PoolSel
 }
 
 /// Runs the VMM probe on `device`. See the module docs.
-pub fn probe_vmm(driver: &dyn Driver, device: DeviceOrdinal, touch: Option<ProbeTouch<'_>>) -> Result<ProbeReport, ProbeFailure> {
-    let fail = |step: ProbeStep| move |error: DriverError| ProbeFailure { step, detail: error.to_string() };
-    let granularity = driver.vmm_granularity(device).map_err(fail(ProbeStep::Granularity))?;
+pub fn probe_vmm(
+    driver: &dyn Driver,
+    device: DeviceOrdinal,
+    touch: Option<ProbeTouch<'_>>,
+) -> Result<ProbeReport, ProbeFailure> {
+    let fail = |step: ProbeStep| {
+        move |error: DriverError| ProbeFailure {
+            step,
+            detail: error.to_string(),
+        }
+    };
+    let granularity = driver
+        .vmm_granularity(device)
+        .map_err(fail(ProbeStep::Granularity))?;
     if granularity == 0 || granularity % 4 != 0 {
         return Err(ProbeFailure {
             step: ProbeStep::Granularity,
             detail: format!("expected a positive multiple of 4 bytes, found {granularity}"),
         });
     }
-    let base = driver.vmm_reserve(device, 2 * granularity).map_err(fail(ProbeStep::Reserve))?;
+    let base = driver
+        .vmm_reserve(device, 2 * granularity)
+        .map_err(fail(ProbeStep::Reserve))?;
     let mut guard = ProbeGuard {
         driver,
         device,
@@ -202,43 +241,75 @@ struct ProbeGuard<'a> {
 
 impl ProbeGuard<'_> {
     fn run(&mut self, touch: Option<ProbeTouch<'_>>) -> Result<ProbeReport, ProbeFailure> {
-        let fail = |step: ProbeStep| move |error: DriverError| ProbeFailure { step, detail: error.to_string() };
+        let fail = |step: ProbeStep| {
+            move |error: DriverError| ProbeFailure {
+                step,
+                detail: error.to_string(),
+            }
+        };
         let (driver, device, g) = (self.driver, self.device, self.granularity);
-        let first = driver.vmm_create(device, g).map_err(fail(ProbeStep::CreateFirst))?;
+        let first = driver
+            .vmm_create(device, g)
+            .map_err(fail(ProbeStep::CreateFirst))?;
         self.handles.push(first);
-        driver.vmm_map(device, self.base, g, first).map_err(fail(ProbeStep::MapFirst))?;
+        driver
+            .vmm_map(device, self.base, g, first)
+            .map_err(fail(ProbeStep::MapFirst))?;
         self.mapped.push(self.base);
-        driver.vmm_set_access(device, self.base, g).map_err(fail(ProbeStep::SetAccessFirst))?;
-        let second = driver.vmm_create(device, g).map_err(fail(ProbeStep::CreateSecond))?;
+        driver
+            .vmm_set_access(device, self.base, g)
+            .map_err(fail(ProbeStep::SetAccessFirst))?;
+        let second = driver
+            .vmm_create(device, g)
+            .map_err(fail(ProbeStep::CreateSecond))?;
         self.handles.push(second);
         let second_ptr = self.base.offset(g);
-        driver.vmm_map(device, second_ptr, g, second).map_err(fail(ProbeStep::MapSecondAdjacent))?;
+        driver
+            .vmm_map(device, second_ptr, g, second)
+            .map_err(fail(ProbeStep::MapSecondAdjacent))?;
         self.mapped.push(second_ptr);
-        driver.vmm_set_access(device, self.base, 2 * g).map_err(fail(ProbeStep::SetAccessGrown))?;
+        driver
+            .vmm_set_access(device, self.base, 2 * g)
+            .map_err(fail(ProbeStep::SetAccessGrown))?;
 
         const PATTERN: u32 = 0x9e37_79b9;
         let words = 2 * g / 4;
         let stream = StreamHandle::DEFAULT;
         let touched_with = match touch {
             Some(touch) => {
-                touch(driver, device, self.base, words, PATTERN, stream).map_err(fail(ProbeStep::Touch))?;
+                touch(driver, device, self.base, words, PATTERN, stream)
+                    .map_err(fail(ProbeStep::Touch))?;
                 "kernel"
             }
             None => {
-                driver.memset_d32_async(device, self.base, PATTERN, words, stream).map_err(fail(ProbeStep::Touch))?;
+                driver
+                    .memset_d32_async(device, self.base, PATTERN, words, stream)
+                    .map_err(fail(ProbeStep::Touch))?;
                 "device memset"
             }
         };
-        driver.stream_synchronize(device, stream).map_err(fail(ProbeStep::Touch))?;
+        driver
+            .stream_synchronize(device, stream)
+            .map_err(fail(ProbeStep::Touch))?;
         let mut back = vec![0u8; (2 * g) as usize];
-        driver.download(device, &mut back, self.base, stream).map_err(fail(ProbeStep::ReadBack))?;
-        if let Some(index) = back.chunks_exact(4).position(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]) != PATTERN) {
+        driver
+            .download(device, &mut back, self.base, stream)
+            .map_err(fail(ProbeStep::ReadBack))?;
+        if let Some(index) = back
+            .chunks_exact(4)
+            .position(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]) != PATTERN)
+        {
             return Err(ProbeFailure {
                 step: ProbeStep::ReadBack,
-                detail: format!("word {index} of {words} does not hold the pattern written by the device"),
+                detail: format!(
+                    "word {index} of {words} does not hold the pattern written by the device"
+                ),
             });
         }
-        Ok(ProbeReport { granularity: g, touched_with })
+        Ok(ProbeReport {
+            granularity: g,
+            touched_with,
+        })
     }
 
     fn teardown(&mut self) -> Result<(), DriverError> {
@@ -253,7 +324,10 @@ impl ProbeGuard<'_> {
                 first_error.get_or_insert(error);
             }
         }
-        if let Err(error) = self.driver.vmm_free_reserved(self.device, self.base, 2 * self.granularity) {
+        if let Err(error) =
+            self.driver
+                .vmm_free_reserved(self.device, self.base, 2 * self.granularity)
+        {
             first_error.get_or_insert(error);
         }
         first_error.map_or(Ok(()), Err)

@@ -40,17 +40,25 @@ fn buffers_hold_data_and_freed_memory_is_reused() {
         let driver = host(HostDriverConfig::default());
         let pool = pool(kind, &driver, config());
         let a = pool.alloc(Purpose::Scratch, 3 * MIB).unwrap();
-        driver.upload(0, a.ptr(), &[7u8; 1024], StreamHandle::DEFAULT).unwrap();
+        driver
+            .upload(0, a.ptr(), &[7u8; 1024], StreamHandle::DEFAULT)
+            .unwrap();
         let copy = a.try_clone(StreamHandle::DEFAULT).unwrap();
         let mut back = [0u8; 1024];
-        driver.download(0, &mut back, copy.ptr(), StreamHandle::DEFAULT).unwrap();
+        driver
+            .download(0, &mut back, copy.ptr(), StreamHandle::DEFAULT)
+            .unwrap();
         assert_eq!(back, [7u8; 1024], "{kind}");
         let first = a.ptr();
         drop(a);
         let held = pool.usage().held;
         let b = pool.alloc(Purpose::Scratch, 3 * MIB).unwrap();
         assert_eq!(b.ptr(), first, "{kind}: the freed block is reused");
-        assert_eq!(pool.usage().held, held, "{kind}: reuse maps or allocates nothing new");
+        assert_eq!(
+            pool.usage().held,
+            held,
+            "{kind}: reuse maps or allocates nothing new"
+        );
     }
 }
 
@@ -60,7 +68,9 @@ fn accounting_tracks_each_purpose_and_peaks() {
     let pool = pool(PoolKind::Vmm, &driver, config());
     let weights = pool.alloc(Purpose::Weights, 10 * MIB).unwrap();
     let kv = pool.alloc(Purpose::Kv, 2 * MIB).unwrap();
-    let scratch: Vec<_> = (0..3).map(|_| pool.alloc(Purpose::Scratch, MIB).unwrap()).collect();
+    let scratch: Vec<_> = (0..3)
+        .map(|_| pool.alloc(Purpose::Scratch, MIB).unwrap())
+        .collect();
     let usage = pool.usage();
     assert_eq!(usage.purpose(Purpose::Weights).current, 10 * MIB);
     assert_eq!(usage.purpose(Purpose::Kv).current, 2 * MIB);
@@ -69,8 +79,20 @@ fn accounting_tracks_each_purpose_and_peaks() {
     drop(scratch);
     drop(kv);
     let usage = pool.usage();
-    assert_eq!(usage.purpose(Purpose::Scratch), PurposeUsage { current: 0, peak: 3 * MIB });
-    assert_eq!(usage.purpose(Purpose::Kv), PurposeUsage { current: 0, peak: 2 * MIB });
+    assert_eq!(
+        usage.purpose(Purpose::Scratch),
+        PurposeUsage {
+            current: 0,
+            peak: 3 * MIB
+        }
+    );
+    assert_eq!(
+        usage.purpose(Purpose::Kv),
+        PurposeUsage {
+            current: 0,
+            peak: 2 * MIB
+        }
+    );
     assert_eq!(usage.live, 10 * MIB);
     assert_eq!(usage.peak_live, 15 * MIB);
     assert_eq!(usage.allocations, 5);
@@ -90,26 +112,65 @@ fn idle_trim_returns_memory_to_the_floor() {
             },
         );
         let weights = pool.alloc(Purpose::Weights, 8 * MIB).unwrap();
-        let burst: Vec<_> = (0..8).map(|i| pool.alloc(Purpose::Scratch, (i + 1) * MIB).unwrap()).collect();
+        let burst: Vec<_> = (0..8)
+            .map(|i| pool.alloc(Purpose::Scratch, (i + 1) * MIB).unwrap())
+            .collect();
         let peak_used = driver.used_bytes();
         assert!(peak_used >= 44 * MIB, "{kind}: {peak_used}");
         drop(burst);
-        assert_eq!(driver.used_bytes(), peak_used, "{kind}: freed memory is cached until idle");
+        assert_eq!(
+            driver.used_bytes(),
+            peak_used,
+            "{kind}: freed memory is cached until idle"
+        );
 
         let start = Instant::now();
-        assert!(matches!(pool.trim_if_idle(start).unwrap(), TrimOutcome::NotIdle { .. }), "{kind}");
+        assert!(
+            matches!(
+                pool.trim_if_idle(start).unwrap(),
+                TrimOutcome::NotIdle { .. }
+            ),
+            "{kind}"
+        );
         let later = Instant::now() + Duration::from_millis(60);
-        let TrimOutcome::Trimmed { released, held_after } = pool.trim_if_idle(later).unwrap() else {
+        let TrimOutcome::Trimmed {
+            released,
+            held_after,
+        } = pool.trim_if_idle(later).unwrap()
+        else {
             panic!("{kind}: expected a trim after the idle period");
         };
-        assert!(released >= peak_used - 12 * MIB, "{kind}: released {released} of {peak_used}");
-        assert!(held_after <= 12 * MIB, "{kind}: held {held_after} after trim");
-        assert_eq!(driver.used_bytes(), held_after, "{kind}: the driver got the memory back");
-        assert_eq!(pool.trim_if_idle(later).unwrap(), TrimOutcome::AlreadyTrimmed, "{kind}");
+        assert!(
+            released >= peak_used - 12 * MIB,
+            "{kind}: released {released} of {peak_used}"
+        );
+        assert!(
+            held_after <= 12 * MIB,
+            "{kind}: held {held_after} after trim"
+        );
+        assert_eq!(
+            driver.used_bytes(),
+            held_after,
+            "{kind}: the driver got the memory back"
+        );
+        assert_eq!(
+            pool.trim_if_idle(later).unwrap(),
+            TrimOutcome::AlreadyTrimmed,
+            "{kind}"
+        );
         // The weights are untouched and the pool still serves requests.
-        driver.upload(0, weights.ptr().offset(8 * MIB - 4), &[1, 2, 3, 4], StreamHandle::DEFAULT).unwrap();
+        driver
+            .upload(
+                0,
+                weights.ptr().offset(8 * MIB - 4),
+                &[1, 2, 3, 4],
+                StreamHandle::DEFAULT,
+            )
+            .unwrap();
         let again = pool.alloc(Purpose::Scratch, 16 * MIB).unwrap();
-        driver.upload(0, again.ptr(), &[9; 16], StreamHandle::DEFAULT).unwrap();
+        driver
+            .upload(0, again.ptr(), &[9; 16], StreamHandle::DEFAULT)
+            .unwrap();
         let report = pool.report();
         assert_eq!(report.after_idle.unwrap().held, held_after, "{kind}");
         assert!(report.at_peak.held >= peak_used, "{kind}");
@@ -122,7 +183,9 @@ fn vmm_trim_gives_pages_back_to_the_os() {
     let pool = pool(PoolKind::Vmm, &driver, config());
     let buffer = pool.alloc(Purpose::Scratch, 32 * MIB).unwrap();
     let ptr = buffer.ptr();
-    driver.memset_d8_async(0, ptr, 0x5a, 32 * MIB, StreamHandle::DEFAULT).unwrap();
+    driver
+        .memset_d8_async(0, ptr, 0x5a, 32 * MIB, StreamHandle::DEFAULT)
+        .unwrap();
     assert_eq!(resident_bytes_in(ptr, 32 * MIB).unwrap(), 32 * MIB);
     drop(buffer);
     pool.trim_now().unwrap();
@@ -151,11 +214,19 @@ fn budget_failure_fails_one_request_and_the_pool_keeps_serving() {
                 budget,
                 in_use,
                 ..
-            } => assert_eq!((*purpose, *requested, *budget, *in_use), (Purpose::Kv, 30 * MIB, 64 * MIB, 40 * MIB)),
+            } => assert_eq!(
+                (*purpose, *requested, *budget, *in_use),
+                (Purpose::Kv, 30 * MIB, 64 * MIB, 40 * MIB)
+            ),
             other => panic!("{kind}: expected a budget error, found {other}"),
         }
         let text = error.to_string();
-        assert!(text.contains("kv cache") && text.contains("budget of 67108864 bytes") && text.contains("41943040 bytes in use"), "{text}");
+        assert!(
+            text.contains("kv cache")
+                && text.contains("budget of 67108864 bytes")
+                && text.contains("41943040 bytes in use"),
+            "{text}"
+        );
         let kv = pool.alloc(Purpose::Kv, 20 * MIB).unwrap();
         assert_eq!(pool.usage().live, 60 * MIB, "{kind}");
         drop(kv);
@@ -194,9 +265,20 @@ fn device_out_of_memory_fails_one_request_and_the_pool_keeps_serving() {
         drop(pool.alloc(Purpose::Scratch, 40 * MIB).unwrap());
         let big = pool.alloc(Purpose::Kv, 48 * MIB).unwrap();
         let error = pool.alloc(Purpose::Scratch, 32 * MIB).unwrap_err();
-        assert!(matches!(error, PoolError::OutOfMemory { purpose: Purpose::Scratch, .. }), "{kind}: {error}");
+        assert!(
+            matches!(
+                error,
+                PoolError::OutOfMemory {
+                    purpose: Purpose::Scratch,
+                    ..
+                }
+            ),
+            "{kind}: {error}"
+        );
         let small = pool.alloc(Purpose::Scratch, 8 * MIB).unwrap();
-        driver.upload(0, small.ptr(), &[1; 8], StreamHandle::DEFAULT).unwrap();
+        driver
+            .upload(0, small.ptr(), &[1; 8], StreamHandle::DEFAULT)
+            .unwrap();
         drop(big);
     }
 }
@@ -205,7 +287,10 @@ fn device_out_of_memory_fails_one_request_and_the_pool_keeps_serving() {
 fn zero_sized_requests_are_errors() {
     let driver = host(HostDriverConfig::default());
     let pool = pool(PoolKind::Caching, &driver, config());
-    assert!(matches!(pool.alloc(Purpose::Scratch, 0), Err(PoolError::ZeroSized { .. })));
+    assert!(matches!(
+        pool.alloc(Purpose::Scratch, 0),
+        Err(PoolError::ZeroSized { .. })
+    ));
 }
 
 #[test]
@@ -213,7 +298,11 @@ fn probe_passes_on_a_working_vmm_device() {
     let driver = host(HostDriverConfig::default());
     let selection = select_pool(&*driver, 0, &gate_on(), None);
     assert_eq!(selection.kind, PoolKind::Vmm, "{}", selection.reason);
-    assert!(selection.reason.contains("probe passed"), "{}", selection.reason);
+    assert!(
+        selection.reason.contains("probe passed"),
+        "{}",
+        selection.reason
+    );
     assert_eq!(driver.used_bytes(), 0, "the probe cleans up after itself");
 }
 
@@ -221,7 +310,12 @@ fn probe_passes_on_a_working_vmm_device() {
 fn probe_touches_with_a_kernel_when_given_one() {
     let driver = host(HostDriverConfig::default());
     let calls = std::sync::atomic::AtomicUsize::new(0);
-    let touch = |d: &dyn Driver, device: DeviceOrdinal, ptr: DevicePtr, words: u64, pattern: u32, stream: StreamHandle| {
+    let touch = |d: &dyn Driver,
+                 device: DeviceOrdinal,
+                 ptr: DevicePtr,
+                 words: u64,
+                 pattern: u32,
+                 stream: StreamHandle| {
         calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         d.memset_d32_async(device, ptr, pattern, words, stream)
     };
@@ -245,14 +339,33 @@ fn probe_failures_select_the_caching_pool_with_the_reason() {
         });
         let selection = select_pool(&*driver, 0, &gate_on(), None);
         assert_eq!(selection.kind, PoolKind::Caching);
-        assert_eq!(selection.probe.as_ref().unwrap().as_ref().unwrap_err().step, step);
-        assert!(selection.reason.contains(&format!("'{step}'")), "{}", selection.reason);
-        assert!(selection.reason.contains("failure injected"), "{}", selection.reason);
-        assert_eq!(driver.used_bytes(), 0, "{failure:?}: nothing leaks from a failed probe");
+        assert_eq!(
+            selection.probe.as_ref().unwrap().as_ref().unwrap_err().step,
+            step
+        );
+        assert!(
+            selection.reason.contains(&format!("'{step}'")),
+            "{}",
+            selection.reason
+        );
+        assert!(
+            selection.reason.contains("failure injected"),
+            "{}",
+            selection.reason
+        );
+        assert_eq!(
+            driver.used_bytes(),
+            0,
+            "{failure:?}: nothing leaks from a failed probe"
+        );
         // The engine still gets a working pool.
         let pool = DevicePool::new(driver.clone(), 0, &gate_on(), config(), None).unwrap();
         assert_eq!(pool.kind(), PoolKind::Caching);
-        assert!(pool.reason().contains("VMM probe failed"), "{}", pool.reason());
+        assert!(
+            pool.reason().contains("VMM probe failed"),
+            "{}",
+            pool.reason()
+        );
         drop(pool.alloc(Purpose::Scratch, MIB).unwrap());
     }
 }
@@ -260,7 +373,13 @@ fn probe_failures_select_the_caching_pool_with_the_reason() {
 #[test]
 fn a_touch_that_writes_the_wrong_data_fails_the_probe_at_read_back() {
     let driver = host(HostDriverConfig::default());
-    let touch = |d: &dyn Driver, device: DeviceOrdinal, ptr: DevicePtr, words: u64, _pattern: u32, stream: StreamHandle| d.memset_d32_async(device, ptr, 0, words, stream);
+    let touch =
+        |d: &dyn Driver,
+         device: DeviceOrdinal,
+         ptr: DevicePtr,
+         words: u64,
+         _pattern: u32,
+         stream: StreamHandle| d.memset_d32_async(device, ptr, 0, words, stream);
     let failure = probe_vmm(&*driver, 0, Some(&touch)).unwrap_err();
     assert_eq!(failure.step, ProbeStep::ReadBack);
     assert!(failure.detail.contains("word 0"), "{}", failure.detail);
@@ -275,7 +394,11 @@ fn forced_probe_failure_selects_the_caching_pool() {
     };
     let pool = DevicePool::new(driver.clone(), 0, &options, config(), None).unwrap();
     assert_eq!(pool.kind(), PoolKind::Caching);
-    assert!(pool.reason().contains(FORCE_PROBE_FAIL_ENV), "{}", pool.reason());
+    assert!(
+        pool.reason().contains(FORCE_PROBE_FAIL_ENV),
+        "{}",
+        pool.reason()
+    );
 }
 
 #[test]
@@ -292,7 +415,13 @@ fn gate_off_and_unsupported_devices_never_probe() {
     let selection = select_pool(&*driver, 0, &options, None);
     assert_eq!(selection.kind, PoolKind::Caching);
     assert!(selection.probe.is_none());
-    assert!(selection.reason.contains("gates VMM off for this target (hipMemSetAccess faults on gfx1201)"), "{}", selection.reason);
+    assert!(
+        selection
+            .reason
+            .contains("gates VMM off for this target (hipMemSetAccess faults on gfx1201)"),
+        "{}",
+        selection.reason
+    );
 
     let driver = host(HostDriverConfig {
         vmm_supported: false,
@@ -300,7 +429,13 @@ fn gate_off_and_unsupported_devices_never_probe() {
     });
     let selection = select_pool(&*driver, 0, &gate_on(), None);
     assert_eq!(selection.kind, PoolKind::Caching);
-    assert!(selection.reason.contains("reports no virtual memory management support"), "{}", selection.reason);
+    assert!(
+        selection
+            .reason
+            .contains("reports no virtual memory management support"),
+        "{}",
+        selection.reason
+    );
 }
 
 #[test]
@@ -311,10 +446,20 @@ fn memory_report_renders_every_stage() {
     pool.mark_loaded();
     let scratch = pool.alloc(Purpose::Scratch, 20 * MIB).unwrap();
     drop(scratch);
-    pool.trim_if_idle(Instant::now() + Duration::from_secs(1)).unwrap();
+    pool.trim_if_idle(Instant::now() + Duration::from_secs(1))
+        .unwrap();
     let report = MemoryReport::from_pools(std::slice::from_ref(&pool));
     let text = report.to_string();
-    for expected in ["memory report", "device 0 (ember host device): vmm pool", "at load", "at peak", "after idle", "12.0 MiB", "32.0 MiB", "peak by purpose: weights 12.0 MiB, kv cache 0 B, scratch 20.0 MiB"] {
+    for expected in [
+        "memory report",
+        "device 0 (ember host device): vmm pool",
+        "at load",
+        "at peak",
+        "after idle",
+        "12.0 MiB",
+        "32.0 MiB",
+        "peak by purpose: weights 12.0 MiB, kv cache 0 B, scratch 20.0 MiB",
+    ] {
         assert!(text.contains(expected), "missing {expected:?} in\n{text}");
     }
     let device = &report.devices[0];

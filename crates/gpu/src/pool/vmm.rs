@@ -37,7 +37,12 @@ pub struct VmmPool {
 impl VmmPool {
     /// Reserves `reserve_bytes` of virtual space (rounded up to whole chunks); `chunk_bytes` is
     /// rounded up to the device granularity.
-    pub fn new(driver: &dyn Driver, device: DeviceOrdinal, reserve_bytes: u64, chunk_bytes: u64) -> Result<VmmPool, DriverError> {
+    pub fn new(
+        driver: &dyn Driver,
+        device: DeviceOrdinal,
+        reserve_bytes: u64,
+        chunk_bytes: u64,
+    ) -> Result<VmmPool, DriverError> {
         let granularity = driver.vmm_granularity(device)?.max(1);
         let chunk_bytes = chunk_bytes.max(granularity).div_ceil(granularity) * granularity;
         let reserved = reserve_bytes.max(chunk_bytes).div_ceil(chunk_bytes) * chunk_bytes;
@@ -77,7 +82,11 @@ impl VmmPool {
     }
 
     /// Allocates `bytes`, mapping chunks as needed. Returns the pointer and the occupied size.
-    pub fn alloc(&mut self, driver: &dyn Driver, bytes: u64) -> Result<(DevicePtr, u64), DriverError> {
+    pub fn alloc(
+        &mut self,
+        driver: &dyn Driver,
+        bytes: u64,
+    ) -> Result<(DevicePtr, u64), DriverError> {
         let size = Self::rounded(bytes);
         let Some((&offset, &length)) = self.free.iter().find(|(_, &length)| length >= size) else {
             return Err(DriverError::OutOfMemory {
@@ -112,7 +121,13 @@ impl VmmPool {
     /// still uses would fault. Returns the bytes unmapped.
     pub fn trim(&mut self, driver: &dyn Driver, floor: u64) -> Result<u64, DriverError> {
         let mut released = 0;
-        let idle: Vec<u64> = self.chunks.iter().rev().filter(|(_, c)| c.live == 0).map(|(&i, _)| i).collect();
+        let idle: Vec<u64> = self
+            .chunks
+            .iter()
+            .rev()
+            .filter(|(_, c)| c.live == 0)
+            .map(|(&i, _)| i)
+            .collect();
         for index in idle {
             if self.mapped_bytes() <= floor {
                 break;
@@ -136,7 +151,12 @@ impl VmmPool {
         offset / self.chunk_bytes..(offset + size).div_ceil(self.chunk_bytes)
     }
 
-    fn map_range(&mut self, driver: &dyn Driver, offset: u64, size: u64) -> Result<(), DriverError> {
+    fn map_range(
+        &mut self,
+        driver: &dyn Driver,
+        offset: u64,
+        size: u64,
+    ) -> Result<(), DriverError> {
         let mut newly_mapped = Vec::new();
         for index in self.chunk_range(offset, size) {
             if self.chunks.contains_key(&index) {
@@ -244,7 +264,10 @@ mod tests {
         pool.free(blocks[1].0, blocks[1].1);
         pool.free(blocks[2].0, blocks[2].1);
         let (p, _) = pool.alloc(&driver, 2 * MIB).unwrap();
-        assert_eq!(p, blocks[1].0, "two adjacent freed ranges serve one larger request");
+        assert_eq!(
+            p, blocks[1].0,
+            "two adjacent freed ranges serve one larger request"
+        );
         pool.destroy(&driver).unwrap();
     }
 
@@ -258,7 +281,11 @@ mod tests {
         let (a, _) = pool.alloc(&driver, 4 * MIB).unwrap();
         let error = pool.alloc(&driver, 6 * MIB).unwrap_err();
         assert!(error.is_out_of_memory(), "{error}");
-        assert_eq!(pool.mapped_bytes(), 4 * MIB, "the failed request's chunks were rolled back");
+        assert_eq!(
+            pool.mapped_bytes(),
+            4 * MIB,
+            "the failed request's chunks were rolled back"
+        );
         let (b, _) = pool.alloc(&driver, 4 * MIB).unwrap();
         assert_eq!(b, a.offset(4 * MIB));
         pool.destroy(&driver).unwrap();

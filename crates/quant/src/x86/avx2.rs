@@ -13,7 +13,7 @@ use std::arch::x86_64::*;
 
 use crate::blocks::{
     k4_scales_mins, q2_k, q3_k, q3k_scales, q4_0, q4_1, q4_k, q5_0, q5_1, q5_k, q6_k, q8_0, q8_1,
-    q8_k, read_u32,
+    q8_k,
 };
 
 /// Loads 32 bytes from the start of `b`.
@@ -32,15 +32,6 @@ pub(crate) fn load16(b: &[u8]) -> __m128i {
     let b = &b[..16];
     // SAFETY: `b` holds 16 readable bytes; the load has no alignment requirement.
     unsafe { _mm_loadu_si128(b.as_ptr().cast()) }
-}
-
-/// Loads 8 f32 from the start of `v`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) fn load_ps(v: &[f32]) -> __m256 {
-    let v = &v[..8];
-    // SAFETY: `v` holds 8 readable floats; the load has no alignment requirement.
-    unsafe { _mm256_loadu_ps(v.as_ptr()) }
 }
 
 /// Reads a little-endian f16 at `offset` as f32 with F16C.
@@ -67,15 +58,6 @@ pub(crate) fn hsum_epi32(v: __m256i) -> i32 {
     let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
     let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
     _mm_cvtsi128_si32(s)
-}
-
-/// 16 packed bytes to 32 nibbles: low nibbles (elements 0..16) then high ones (16..32).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) fn nibbles32(qs: &[u8]) -> __m256i {
-    let t = load16(qs);
-    let both = _mm256_set_m128i(_mm_srli_epi16::<4>(t), t);
-    _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
 }
 
 /// Bit j of `bits` to byte j: 0xFF where set, 0 where clear.
@@ -108,70 +90,187 @@ pub(crate) fn dot_u8i8(x: __m256i, y: __m256i) -> __m256i {
     _mm256_madd_epi16(_mm256_maddubs_epi16(x, y), _mm256_set1_epi16(1))
 }
 
+/// Reads a little-endian f16 through a raw pointer.
+///
+/// # Safety
+/// `p` must point at 2 readable bytes; the CPU must have F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16_ptr(p: *const u8) -> f32 {
+    // SAFETY: the caller guarantees 2 readable bytes at `p`.
+    let bits = unsafe { p.cast::<u16>().read_unaligned() };
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+}
+
+/// Two adjacent little-endian f16 (a block's `d, m` or `d, s`) as lanes 0 and 1.
+///
+/// # Safety
+/// `p` must point at 4 readable bytes; the CPU must have F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16x2_ptr(p: *const u8) -> __m128 {
+    // SAFETY: the caller guarantees 4 readable bytes at `p`.
+    let bits = unsafe { p.cast::<i32>().read_unaligned() };
+    _mm_cvtph_ps(_mm_cvtsi32_si128(bits))
+}
+
+/// One legacy block's contribution: the block scale (broadcast), its 8 lane sums as f32, and
+/// for formats with a min the `m·s` product in lane 1 of the last value.
+type BlockTerms = (__m256, __m256, __m128);
+
+/// The dot product loop shared by the legacy formats: two independent accumulators, so that
+/// consecutive blocks' FMAs do not wait on each other.
+///
+/// # Safety
+/// `block` must be sound to call on every pair of block pointers of `w` and `a` (the slices
+/// hold `nb` blocks of `w_size` and `a_size` bytes, which is checked here) and the CPU must
+/// have AVX2, FMA and F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn legacy_loop(
+    w: &[u8],
+    a: &[u8],
+    w_size: usize,
+    a_size: usize,
+    block: unsafe fn(*const u8, *const u8) -> BlockTerms,
+) -> f32 {
+    let nb = (w.len() / w_size).min(a.len() / a_size);
+    let (wp, ap) = (w.as_ptr(), a.as_ptr());
+    let mut acc0 = _mm256_setzero_ps();
+    let mut acc1 = _mm256_setzero_ps();
+    let mut mins = _mm_setzero_ps();
+    let mut i = 0;
+    // SAFETY: i < nb, so each block pointer has a whole block behind it.
+    unsafe {
+        while i + 1 < nb {
+            let (s0, p0, m0) = block(wp.add(i * w_size), ap.add(i * a_size));
+            let (s1, p1, m1) = block(wp.add((i + 1) * w_size), ap.add((i + 1) * a_size));
+            acc0 = _mm256_fmadd_ps(s0, p0, acc0);
+            acc1 = _mm256_fmadd_ps(s1, p1, acc1);
+            mins = _mm_add_ps(mins, _mm_add_ps(m0, m1));
+            i += 2;
+        }
+        if i < nb {
+            let (s0, p0, m0) = block(wp.add(i * w_size), ap.add(i * a_size));
+            acc0 = _mm256_fmadd_ps(s0, p0, acc0);
+            mins = _mm_add_ps(mins, m0);
+        }
+    }
+    hsum_ps(_mm256_add_ps(acc0, acc1)) + _mm_cvtss_f32(_mm_movehdup_ps(mins))
+}
+
+/// # Safety
+/// `x` and `y` point at whole blocks; the CPU has AVX2, FMA and F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn block_q4_0(x: *const u8, y: *const u8) -> BlockTerms {
+    // SAFETY: whole blocks behind `x` (18 bytes) and `y` (34 bytes), per the contract.
+    unsafe {
+        let d = _mm256_set1_ps(f16_ptr(x) * f16_ptr(y));
+        let t = _mm_loadu_si128(x.add(q4_0::QS).cast());
+        let q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(t), t), _mm256_set1_epi8(0xF));
+        let q = _mm256_sub_epi8(q, _mm256_set1_epi8(8));
+        let yv = _mm256_loadu_si256(y.add(q8_0::QS).cast());
+        (d, _mm256_cvtepi32_ps(dot_i8(q, yv)), _mm_setzero_ps())
+    }
+}
+
+/// # Safety
+/// As [`block_q4_0`].
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn block_q4_1(x: *const u8, y: *const u8) -> BlockTerms {
+    // SAFETY: whole blocks behind `x` (20 bytes) and `y` (36 bytes), per the contract.
+    unsafe {
+        // [d·dy, m·s]: both products GGML forms, from two paired f16 loads.
+        let prod = _mm_mul_ps(f16x2_ptr(x), f16x2_ptr(y));
+        let d = _mm256_broadcastss_ps(prod);
+        let t = _mm_loadu_si128(x.add(q4_1::QS).cast());
+        let q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(t), t), _mm256_set1_epi8(0xF));
+        let yv = _mm256_loadu_si256(y.add(q8_1::QS).cast());
+        (d, _mm256_cvtepi32_ps(dot_u8i8(q, yv)), prod)
+    }
+}
+
+/// # Safety
+/// As [`block_q4_0`].
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn block_q5_0(x: *const u8, y: *const u8) -> BlockTerms {
+    // SAFETY: whole blocks behind `x` (22 bytes) and `y` (34 bytes), per the contract.
+    unsafe {
+        let d = _mm256_set1_ps(f16_ptr(x) * f16_ptr(y));
+        let qh = x.add(q5_0::QH).cast::<u32>().read_unaligned();
+        let high = _mm256_and_si256(bytes_from_bits(qh), _mm256_set1_epi8(0x10));
+        let t = _mm_loadu_si128(x.add(q5_0::QS).cast());
+        let q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(t), t), _mm256_set1_epi8(0xF));
+        let q = _mm256_sub_epi8(_mm256_or_si256(q, high), _mm256_set1_epi8(16));
+        let yv = _mm256_loadu_si256(y.add(q8_0::QS).cast());
+        (d, _mm256_cvtepi32_ps(dot_i8(q, yv)), _mm_setzero_ps())
+    }
+}
+
+/// # Safety
+/// As [`block_q4_0`].
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn block_q5_1(x: *const u8, y: *const u8) -> BlockTerms {
+    // SAFETY: whole blocks behind `x` (24 bytes) and `y` (36 bytes), per the contract.
+    unsafe {
+        let prod = _mm_mul_ps(f16x2_ptr(x), f16x2_ptr(y));
+        let d = _mm256_broadcastss_ps(prod);
+        let qh = x.add(q5_1::QH).cast::<u32>().read_unaligned();
+        let high = _mm256_and_si256(bytes_from_bits(qh), _mm256_set1_epi8(0x10));
+        let t = _mm_loadu_si128(x.add(q5_1::QS).cast());
+        let q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(t), t), _mm256_set1_epi8(0xF));
+        let q = _mm256_or_si256(q, high);
+        let yv = _mm256_loadu_si256(y.add(q8_1::QS).cast());
+        (d, _mm256_cvtepi32_ps(dot_u8i8(q, yv)), prod)
+    }
+}
+
+/// # Safety
+/// As [`block_q4_0`].
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn block_q8_0(x: *const u8, y: *const u8) -> BlockTerms {
+    // SAFETY: whole blocks behind `x` and `y` (34 bytes each), per the contract.
+    unsafe {
+        let d = _mm256_set1_ps(f16_ptr(x) * f16_ptr(y));
+        let xv = _mm256_loadu_si256(x.add(q8_0::QS).cast());
+        let yv = _mm256_loadu_si256(y.add(q8_0::QS).cast());
+        (d, _mm256_cvtepi32_ps(dot_i8(xv, yv)), _mm_setzero_ps())
+    }
+}
+
 #[target_feature(enable = "avx2,fma,f16c")]
 pub fn vec_dot_q4_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
-    let mut acc = [_mm256_setzero_ps(); 2];
-    for (i, (x, y)) in w.chunks_exact(q4_0::SIZE).zip(a.chunks_exact(q8_0::SIZE)).enumerate() {
-        let d = _mm256_set1_ps(f16_at(x, q4_0::D) * f16_at(y, q8_0::D));
-        let qx = _mm256_sub_epi8(nibbles32(&x[q4_0::QS..]), _mm256_set1_epi8(8));
-        let p = _mm256_cvtepi32_ps(dot_i8(qx, load32(&y[q8_0::QS..])));
-        acc[i & 1] = _mm256_fmadd_ps(d, p, acc[i & 1]);
-    }
-    hsum_ps(_mm256_add_ps(acc[0], acc[1]))
+    // SAFETY: `legacy_loop` passes whole blocks of these sizes; this CPU has the features.
+    unsafe { legacy_loop(w, a, q4_0::SIZE, q8_0::SIZE, block_q4_0) }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
 pub fn vec_dot_q4_1_q8_1(w: &[u8], a: &[u8]) -> f32 {
-    let mut acc = [_mm256_setzero_ps(); 2];
-    let mut summs = 0.0f32;
-    for (i, (x, y)) in w.chunks_exact(q4_1::SIZE).zip(a.chunks_exact(q8_1::SIZE)).enumerate() {
-        let d = _mm256_set1_ps(f16_at(x, q4_1::D) * f16_at(y, q8_1::D));
-        summs += f16_at(x, q4_1::M) * f16_at(y, q8_1::S);
-        let qx = nibbles32(&x[q4_1::QS..]);
-        let p = _mm256_cvtepi32_ps(dot_u8i8(qx, load32(&y[q8_1::QS..])));
-        acc[i & 1] = _mm256_fmadd_ps(d, p, acc[i & 1]);
-    }
-    hsum_ps(_mm256_add_ps(acc[0], acc[1])) + summs
+    // SAFETY: `legacy_loop` passes whole blocks of these sizes; this CPU has the features.
+    unsafe { legacy_loop(w, a, q4_1::SIZE, q8_1::SIZE, block_q4_1) }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
 pub fn vec_dot_q5_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
-    let mut acc = [_mm256_setzero_ps(); 2];
-    for (i, (x, y)) in w.chunks_exact(q5_0::SIZE).zip(a.chunks_exact(q8_0::SIZE)).enumerate() {
-        let d = _mm256_set1_ps(f16_at(x, q5_0::D) * f16_at(y, q8_0::D));
-        let high = _mm256_and_si256(bytes_from_bits(read_u32(x, q5_0::QH)), _mm256_set1_epi8(0x10));
-        let qx = _mm256_or_si256(nibbles32(&x[q5_0::QS..]), high);
-        let qx = _mm256_sub_epi8(qx, _mm256_set1_epi8(16));
-        let p = _mm256_cvtepi32_ps(dot_i8(qx, load32(&y[q8_0::QS..])));
-        acc[i & 1] = _mm256_fmadd_ps(d, p, acc[i & 1]);
-    }
-    hsum_ps(_mm256_add_ps(acc[0], acc[1]))
+    // SAFETY: `legacy_loop` passes whole blocks of these sizes; this CPU has the features.
+    unsafe { legacy_loop(w, a, q5_0::SIZE, q8_0::SIZE, block_q5_0) }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
 pub fn vec_dot_q5_1_q8_1(w: &[u8], a: &[u8]) -> f32 {
-    let mut acc = [_mm256_setzero_ps(); 2];
-    let mut summs = 0.0f32;
-    for (i, (x, y)) in w.chunks_exact(q5_1::SIZE).zip(a.chunks_exact(q8_1::SIZE)).enumerate() {
-        let d = _mm256_set1_ps(f16_at(x, q5_1::D) * f16_at(y, q8_1::D));
-        summs += f16_at(x, q5_1::M) * f16_at(y, q8_1::S);
-        let high = _mm256_and_si256(bytes_from_bits(read_u32(x, q5_1::QH)), _mm256_set1_epi8(0x10));
-        let qx = _mm256_or_si256(nibbles32(&x[q5_1::QS..]), high);
-        let p = _mm256_cvtepi32_ps(dot_u8i8(qx, load32(&y[q8_1::QS..])));
-        acc[i & 1] = _mm256_fmadd_ps(d, p, acc[i & 1]);
-    }
-    hsum_ps(_mm256_add_ps(acc[0], acc[1])) + summs
+    // SAFETY: `legacy_loop` passes whole blocks of these sizes; this CPU has the features.
+    unsafe { legacy_loop(w, a, q5_1::SIZE, q8_1::SIZE, block_q5_1) }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
 pub fn vec_dot_q8_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
-    let mut acc = [_mm256_setzero_ps(); 2];
-    for (i, (x, y)) in w.chunks_exact(q8_0::SIZE).zip(a.chunks_exact(q8_0::SIZE)).enumerate() {
-        let d = _mm256_set1_ps(f16_at(x, q8_0::D) * f16_at(y, q8_0::D));
-        let p = _mm256_cvtepi32_ps(dot_i8(load32(&x[q8_0::QS..]), load32(&y[q8_0::QS..])));
-        acc[i & 1] = _mm256_fmadd_ps(d, p, acc[i & 1]);
-    }
-    hsum_ps(_mm256_add_ps(acc[0], acc[1]))
+    // SAFETY: `legacy_loop` passes whole blocks of these sizes; this CPU has the features.
+    unsafe { legacy_loop(w, a, q8_0::SIZE, q8_0::SIZE, block_q8_0) }
 }
 
 /// The 16 i16 block sums of a Q8_K block.

@@ -3,8 +3,8 @@
 //! weight chunk used `T` times and each activation chunk `R` times.
 //!
 //! Per row, token and 32-element chunk: `maddubs` + `madd` (exact i32 sums of 8 lanes),
-//! conversion to f32, one FMA with the combined scale `dv·d`, and one FMA adding the offset
-//! term `mv·sv`.
+//! conversion to f32, and one FMA with the combined scale `dv·d`; the offset term adds one FMA
+//! per row, token and eight halves.
 
 use std::arch::x86_64::*;
 
@@ -21,14 +21,15 @@ struct TilePtrs {
     wm: *const f32,
     aq: *const u8,
     ad: *const f32,
-    asv: *const f32,
+    ash: *const f32,
     cols: usize,
     n_chunks: usize,
+    n_halves: usize,
 }
 
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C, and `p` must point at `R` panel rows and `T` token
-/// rows of `p.cols` bytes and `p.n_chunks` chunks each (as `run` checks).
+/// rows of `p.cols` bytes, `p.n_chunks` chunks and `p.n_halves` halves each (as `run` checks).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn kernel<const R: usize, const T: usize, const SIGNED: bool>(
@@ -56,10 +57,21 @@ unsafe fn kernel<const R: usize, const T: usize, const SIGNED: bool>(
                     let prod = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, at), ones);
                     let scale = _mm256_mul_ps(dv, da[t]);
                     acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(prod), scale, acc[r][t]);
-                    if !SIGNED {
-                        let mv = _mm256_loadu_ps(p.wm.add((r * n_chunks + c) * 8));
-                        let sv = _mm256_loadu_ps(p.asv.add((t * n_chunks + c) * 8));
-                        acc[r][t] = _mm256_fmadd_ps(mv, sv, acc[r][t]);
+                }
+            }
+        }
+    }
+    if !SIGNED {
+        let n_halves = p.n_halves;
+        for h in (0..n_halves).step_by(8) {
+            // SAFETY: h + 8 <= n_halves (a multiple of 8), inside every row's halves.
+            unsafe {
+                let sh: [__m256; T] =
+                    std::array::from_fn(|t| _mm256_loadu_ps(p.ash.add(t * n_halves + h)));
+                for r in 0..R {
+                    let mh = _mm256_loadu_ps(p.wm.add(r * n_halves + h));
+                    for t in 0..T {
+                        acc[r][t] = _mm256_fmadd_ps(mh, sh[t], acc[r][t]);
                     }
                 }
             }
@@ -86,23 +98,25 @@ pub fn run(
     out: &mut [[f32; TILE_TOKENS]; TILE_ROWS],
 ) {
     assert!(matches!(level, Level::Avx2 | Level::Avx512Vnni));
-    let (cols, n_chunks) = (acts.cols, acts.n_chunks);
+    let (cols, n_chunks, n_halves) = (acts.cols, acts.n_chunks, acts.n_halves);
     // The pointer arithmetic of `kernel` relies on these; they hold by construction in
     // `matmul`, so a failure is a bug, not bad input.
     assert!(rows <= TILE_ROWS && tokens <= TILE_TOKENS && n_chunks * QK == cols);
+    assert!(n_halves % 8 == 0 && n_halves >= 2 * n_chunks);
     assert!(panel.q.len() >= rows * cols && panel.dv.len() >= rows * n_chunks * 8);
-    assert!(panel.mv.len() >= rows * n_chunks * 8);
+    assert!(panel.mh.len() >= rows * n_halves);
     assert!(acts.qs.len() >= (t0 + tokens) * cols && acts.d.len() >= (t0 + tokens) * n_chunks);
-    assert!(acts.sv.len() >= (t0 + tokens) * n_chunks * 8);
+    assert!(acts.sh.len() >= (t0 + tokens) * n_halves);
     let p = TilePtrs {
         wq: panel.q.as_ptr(),
         wd: panel.dv.as_ptr(),
-        wm: panel.mv.as_ptr(),
+        wm: panel.mh.as_ptr(),
         aq: acts.qs[t0 * cols..].as_ptr(),
         ad: acts.d[t0 * n_chunks..].as_ptr(),
-        asv: acts.sv[t0 * n_chunks * 8..].as_ptr(),
+        ash: acts.sh[t0 * n_halves..].as_ptr(),
         cols,
         n_chunks,
+        n_halves,
     };
     let signed = ty == GgmlType::Q8_0;
     macro_rules! go {

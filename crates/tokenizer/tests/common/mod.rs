@@ -1,6 +1,9 @@
 //! Shared by the integration tests: where the reference models are, and loading their tokenizers
 //! once per test binary.
 
+// Each test binary uses a different part of this module.
+#![allow(dead_code)]
+
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
@@ -14,7 +17,9 @@ pub fn models_dir() -> PathBuf {
     if let Some(dir) = std::env::var_os("EMBER_MODELS_DIR") {
         return PathBuf::from(dir);
     }
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_default();
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_default();
     home.join(".cache").join("ember").join("models")
 }
 
@@ -23,7 +28,9 @@ pub fn model_file(model: &str) -> &'static str {
     match model {
         SMOLLM => "SmolLM2-135M-Instruct.Q4_1.gguf",
         GEMMA => "gemma-3-270m-q4_k_m.gguf",
-        other => panic!("golden data names an unknown model {other:?}: expected {SMOLLM} or {GEMMA}"),
+        other => {
+            panic!("golden data names an unknown model {other:?}: expected {SMOLLM} or {GEMMA}")
+        }
     }
 }
 
@@ -47,7 +54,10 @@ fn load(model: &str) -> Loaded {
         .unwrap_or_else(|e| panic!("cannot load the tokenizer of {}: {e}", path.display()));
     let template = ChatTemplate::from_gguf(&gguf)
         .unwrap_or_else(|e| panic!("cannot load the chat template of {}: {e}", path.display()));
-    Loaded { tokenizer, template }
+    Loaded {
+        tokenizer,
+        template,
+    }
 }
 
 /// The tokenizer (and chat template) of a golden model, loaded once.
@@ -63,5 +73,7 @@ pub fn model(model: &str) -> &'static Loaded {
 
 /// `tests/data/golden/NAME` of the workspace.
 pub fn golden_path(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/data/golden").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/data/golden")
+        .join(name)
 }

@@ -1,0 +1,27 @@
+//! Prints the most likely next tokens of a prompt with their log-probabilities, for comparing
+//! numerics with another implementation: `cargo run --release -p ember --example top_logprobs --
+//! MODEL PROMPT [K]`.
+
+use ember::backend::cpu::CpuBackend;
+use ember::generate::{eval_tokens, log_prob};
+use ember::model::{ContextParams, Model};
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    anyhow::ensure!(args.len() >= 3, "usage: top_logprobs MODEL PROMPT [K]");
+    let k: usize = args.get(3).map_or(Ok(5), |s| s.parse())?;
+    let path = ember::models::resolve(&args[1], &mut ember::models::NoProgress)?;
+    let model = Model::load(&path, CpuBackend::new(0)?, &mut |_, _| {})?;
+    let tokenizer = ember_tokenizer::Tokenizer::from_gguf(model.gguf())?;
+    let ids = tokenizer.encode(&args[2], true, true);
+    let mut ctx = model.new_context(ContextParams::with_ctx(ids.len() + 1));
+    let logits = eval_tokens(&model, &mut ctx, 0, &ids, 512)?.to_vec();
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+    println!("prompt ids: {ids:?}");
+    for &t in order.iter().take(k) {
+        let piece = String::from_utf8_lossy(&tokenizer.token_to_piece(t as u32, true)).into_owned();
+        println!("{t:8} {:>10.6} {piece:?}", log_prob(&logits, t));
+    }
+    Ok(())
+}
