@@ -24,6 +24,30 @@ EMBER_DEVICE float ember_kv_to_float(ember_half v) { return ember_half_to_float(
 
 EMBER_DEVICE int ember_attn_first_key(int seq_len, int window) { return window > 0 && seq_len > window ? seq_len - window : 0; }
 
+// Writes new keys or values into the paged cache. CPU op: for token t < n_tokens with
+// slots[t] >= 0, cache[slots[t], :] = (KV) src[t, :], where a row is n_kv_heads * head_dim values
+// and slot = physical block * block_size + offset in the block; slots[t] < 0 marks padding and is
+// skipped. Launch: grid = n_tokens, block = 256 (any size works).
+template <typename KV>
+EMBER_DEVICE void ember_kv_store(KV* cache, const float* src, const int32_t* slots, uint32_t row_values) {
+    const int32_t slot = slots[blockIdx.x];
+    if (slot < 0) return;
+    const float* in = src + (size_t)blockIdx.x * row_values;
+    KV* out = cache + (size_t)slot * row_values;
+    for (uint32_t i = threadIdx.x; i < row_values; i += blockDim.x) out[i] = (KV)in[i];
+}
+
+EMBER_KERNEL void ember_kv_store_f16(ember_half* cache, const float* src, const int32_t* slots, uint32_t row_values) {
+    ember_kv_store<ember_half>(cache, src, slots, row_values);
+}
+
+EMBER_KERNEL void ember_kv_store_f32(float* cache, const float* src, const int32_t* slots, uint32_t row_values) {
+    ember_kv_store<float>(cache, src, slots, row_values);
+}
+
+// Prefill uses the same kernels: give each query token its own "sequence" row whose block-table
+// row is its sequence's and whose length is its position + 1; that is causal attention.
+
 // Partial pass. Launch: grid = (max_partitions, n_heads, n_seqs), block = EMBER_ATTN_THREADS.
 // Partition p of sequence s writes partial_max/partial_sum [s, h, p] and partial_acc [s, h, p, :].
 template <typename KV>

@@ -21,14 +21,32 @@ fuzz_target!(|data: &[u8]| {
     for (key, value) in md.iter() {
         assert!(md.get(key).is_some_and(|v| std::ptr::eq(v, value)));
         let _ = (value.to_string(), value.type_name(), value.as_integer());
-        let _ = (md.get_u32(key), md.get_u32_opt(key), md.get_u64(key), md.get_u64_opt(key));
-        let _ = (md.get_i32(key), md.get_i32_opt(key), md.get_usize(key), md.get_usize_opt(key));
-        let _ = (md.get_bool(key), md.get_bool_opt(key), md.get_f32(key), md.get_f32_opt(key));
+        let _ = (
+            md.get_u32(key),
+            md.get_u32_opt(key),
+            md.get_u64(key),
+            md.get_u64_opt(key),
+        );
+        let _ = (
+            md.get_i32(key),
+            md.get_i32_opt(key),
+            md.get_usize(key),
+            md.get_usize_opt(key),
+        );
+        let _ = (
+            md.get_bool(key),
+            md.get_bool_opt(key),
+            md.get_f32(key),
+            md.get_f32_opt(key),
+        );
         let _ = (md.get_str(key), md.get_str_opt(key));
         let _ = (md.get_str_array(key), md.get_str_array_opt(key));
         let _ = (md.get_f32_array(key), md.get_f32_array_opt(key));
         let _ = (md.get_i32_array(key), md.get_i32_array_opt(key));
-        let _ = (md.get_u32_array_lossless(key), md.get_u32_array_lossless_opt(key));
+        let _ = (
+            md.get_u32_array_lossless(key),
+            md.get_u32_array_lossless_opt(key),
+        );
         let _ = md.get_u32_per_layer(key, 4);
         if let Value::Array(a) = value {
             let _ = (a.len(), a.is_empty(), a.integers().map(|i| i.sum::<i128>()));
@@ -43,7 +61,10 @@ fuzz_target!(|data: &[u8]| {
         assert_eq!(bytes.len() as u64, t.n_bytes);
         assert_eq!(t.offset % gguf.alignment(), 0);
         assert!(gguf.tensor(&t.name).is_some_and(|found| found == t));
-        assert_eq!(t.ty.row_bytes(t.row_len()).map(|r| r * t.n_rows()), Some(t.n_bytes));
+        assert_eq!(
+            t.ty.row_bytes(t.row_len()).map(|r| r * t.n_rows()),
+            Some(t.n_bytes)
+        );
         assert_eq!(t.n_elements(), t.row_len() * t.n_rows());
     }
 });

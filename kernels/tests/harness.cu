@@ -17,6 +17,7 @@
 #include "../argmax.hip"
 #include "../embedding.hip"
 #include "../matvec.hip"
+#include "../dequantize.hip"
 #include "../attention.hip"
 
 #include <cmath>
@@ -333,6 +334,73 @@ static std::vector<float> dequant_row(Format f, const uint8_t* row, int n_cols) 
     return y;
 }
 
+typedef void (*DequantizeKernel)(ember_half*, const uint8_t*, uint32_t);
+
+static void test_dequantize() {
+    // Indexed by Format; f32 and f16 weights need no expansion.
+    const DequantizeKernel kernels[] = {nullptr,
+                                        nullptr,
+                                        ember_dequantize_f16_bf16,
+                                        ember_dequantize_f16_q4_0,
+                                        ember_dequantize_f16_q4_1,
+                                        ember_dequantize_f16_q5_0,
+                                        ember_dequantize_f16_q5_1,
+                                        ember_dequantize_f16_q8_0,
+                                        ember_dequantize_f16_q2_k,
+                                        ember_dequantize_f16_q3_k,
+                                        ember_dequantize_f16_q4_k,
+                                        ember_dequantize_f16_q5_k,
+                                        ember_dequantize_f16_q6_k};
+    for (int fi = BF16; fi <= Q6_K; ++fi) {
+        const Format f = (Format)fi;
+        const int n_rows = 9, n_cols = 512;
+        const std::vector<uint8_t> w = random_matrix(f, n_rows, n_cols);
+        DeviceBuffer<uint8_t> dw(w);
+        DeviceBuffer<uint16_t> dout((size_t)n_rows * n_cols);
+        kernels[fi]<<<n_rows, 256>>>((ember_half*)dout.ptr, dw.ptr, n_cols);
+        sync();
+        const std::vector<uint16_t> out = dout.download();
+        const size_t row_bytes = (size_t)n_cols / FORMATS[f].block_values * FORMATS[f].block_bytes;
+        double worst = 0.0;
+        for (int r = 0; r < n_rows; ++r) {
+            const std::vector<float> row = dequant_row(f, w.data() + r * row_bytes, n_cols);
+            for (int c = 0; c < n_cols; ++c) {
+                // f16 rounding: half an ulp is 2^-11 of the value, plus the 2e-6 of multiply-add fusion.
+                const double error = std::fabs((double)from_half_bits(out[(size_t)r * n_cols + c]) - row[c]);
+                worst = std::fmax(worst, error / (std::fabs(row[c]) * std::ldexp(1.0, -11) + 2e-6));
+            }
+        }
+        report(std::string("dequantize_f16_") + FORMATS[f].name + " (in units of f16 rounding)", worst, 1.0);
+    }
+}
+
+static void test_kv_store() {
+    const uint32_t n_tokens = 6, row_values = 2 * 128, n_slots = 64;
+    const std::vector<float> src = random_floats(n_tokens * row_values);
+    const std::vector<int32_t> slots = {17, 3, -1, 40, 63, 0};
+    DeviceBuffer<float> dsrc(src), cache32(n_slots * row_values);
+    DeviceBuffer<uint16_t> cache16(n_slots * row_values);
+    DeviceBuffer<int32_t> dslots(slots);
+    CHECK_CUDA(cudaMemset(cache32.ptr, 0, n_slots * row_values * sizeof(float)));
+    CHECK_CUDA(cudaMemset(cache16.ptr, 0, n_slots * row_values * sizeof(uint16_t)));
+    ember_kv_store_f32<<<n_tokens, 256>>>(cache32.ptr, dsrc.ptr, dslots.ptr, row_values);
+    ember_kv_store_f16<<<n_tokens, 256>>>((ember_half*)cache16.ptr, dsrc.ptr, dslots.ptr, row_values);
+    sync();
+    std::vector<double> expected32(n_slots * row_values, 0.0), expected16(n_slots * row_values, 0.0);
+    for (uint32_t t = 0; t < n_tokens; ++t) {
+        if (slots[t] < 0) continue;
+        for (uint32_t i = 0; i < row_values; ++i) {
+            expected32[slots[t] * row_values + i] = src[t * row_values + i];
+            expected16[slots[t] * row_values + i] = from_half_bits(to_half_bits(src[t * row_values + i]));
+        }
+    }
+    report("kv_store_f32 (padding skipped)", max_abs_diff(cache32.download(), expected32), 0.0);
+    const std::vector<uint16_t> bits = cache16.download();
+    std::vector<float> values(bits.size());
+    for (size_t i = 0; i < bits.size(); ++i) values[i] = from_half_bits(bits[i]);
+    report("kv_store_f16 (padding skipped)", max_abs_diff(values, expected16), 0.0);
+}
+
 typedef void (*MatvecKernel)(float*, const uint8_t*, const float*, uint32_t, uint32_t);
 typedef void (*GetRowsKernel)(float*, const uint8_t*, const int32_t*, uint32_t);
 static const MatvecKernel MATVEC[] = {ember_matvec_f32,  ember_matvec_f16,  ember_matvec_bf16, ember_matvec_q4_0, ember_matvec_q4_1,
@@ -579,6 +647,8 @@ int main() {
     test_norm_softmax_argmax();
     test_rope();
     test_quant_formats();
+    test_dequantize();
+    test_kv_store();
     test_attention<float>("paged_attention f32 kv, d=128", 128, 0, 0.0f);
     test_attention<__half>("paged_attention f16 kv, d=256", 256, 0, 0.0f);
     test_attention<__half>("paged_attention f16 kv, d=64, window 100", 64, 100, 0.0f);

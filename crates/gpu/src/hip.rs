@@ -93,19 +93,34 @@ pub fn candidates(options: &HipLoadOptions, env_prefix: Option<PathBuf>) -> Vec<
     out
 }
 
+/// Library directories of the ROCm installs under `/opt` (`/opt/rocm`, `/opt/rocm-6.4.0`, ...).
+#[cfg(not(windows))]
+fn system_install_dirs() -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir("/opt") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(Result::ok)
+        .filter(|entry| entry.file_name().to_string_lossy().starts_with("rocm"))
+        .map(|entry| entry.path().join("lib"))
+        .collect()
+}
+
+/// The HIP SDK on Windows lives under HIP_PATH only, which the prefixes already cover.
+#[cfg(windows)]
+fn system_install_dirs() -> Vec<PathBuf> {
+    Vec::new()
+}
+
 /// Other HIP runtime files on this host (`/opt/rocm*/lib/libamdhip64.so*`, the prefixes tried),
 /// excluding `loaded`.
 pub fn other_installs(prefixes: &[PathBuf], loaded: Option<&Path>) -> Vec<PathBuf> {
     let loaded = loaded.and_then(|p| std::fs::canonicalize(p).ok());
-    let mut dirs: Vec<PathBuf> = prefixes.iter().map(|p| p.join(LIBRARY_SUBDIR)).collect();
-    #[cfg(not(windows))]
-    if let Ok(entries) = std::fs::read_dir("/opt") {
-        for entry in entries.filter_map(Result::ok) {
-            if entry.file_name().to_string_lossy().starts_with("rocm") {
-                dirs.push(entry.path().join("lib"));
-            }
-        }
-    }
+    let dirs: Vec<PathBuf> = prefixes
+        .iter()
+        .map(|p| p.join(LIBRARY_SUBDIR))
+        .chain(system_install_dirs())
+        .collect();
     let mut found = BTreeSet::new();
     for dir in dirs {
         let Ok(entries) = std::fs::read_dir(&dir) else {

@@ -32,6 +32,7 @@ pub enum KernelModule {
     Embedding,
     Argmax,
     MatVec,
+    Dequantize,
     Attention,
 }
 
@@ -120,9 +121,28 @@ pub const KERNEL_MODULES: &[ModuleSpec] = &[
         ],
     },
     ModuleSpec {
+        module: KernelModule::Dequantize,
+        stem: "dequantize",
+        functions: &[
+            "ember_dequantize_f16_bf16",
+            "ember_dequantize_f16_q4_0",
+            "ember_dequantize_f16_q4_1",
+            "ember_dequantize_f16_q5_0",
+            "ember_dequantize_f16_q5_1",
+            "ember_dequantize_f16_q8_0",
+            "ember_dequantize_f16_q2_k",
+            "ember_dequantize_f16_q3_k",
+            "ember_dequantize_f16_q4_k",
+            "ember_dequantize_f16_q5_k",
+            "ember_dequantize_f16_q6_k",
+        ],
+    },
+    ModuleSpec {
         module: KernelModule::Attention,
         stem: "attention",
         functions: &[
+            "ember_kv_store_f16",
+            "ember_kv_store_f32",
             "ember_paged_attention_decode_partial_f16kv",
             "ember_paged_attention_decode_partial_f32kv",
             "ember_paged_attention_decode_reduce",
@@ -494,6 +514,7 @@ mod tests {
             KernelModule::Embedding,
             KernelModule::Argmax,
             KernelModule::MatVec,
+            KernelModule::Dequantize,
             KernelModule::Attention,
         ] {
             for f in module.spec().functions {
@@ -515,6 +536,39 @@ mod tests {
                     source.contains(&format!("{f}(")) || source.contains(&format!("({f},"));
                 assert!(defined, "{} does not define {f}", path.display());
             }
+        }
+    }
+
+    #[test]
+    fn every_kernel_in_the_sources_is_in_the_table() {
+        let kernels = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../kernels");
+        for spec in KERNEL_MODULES {
+            let path = kernels.join(format!("{}.hip", spec.stem));
+            let source = std::fs::read_to_string(&path).unwrap();
+            // Exported names: `EMBER_KERNEL void name(` and instantiation macros `EMBER_X(name, ...)`.
+            let mut exported = Vec::new();
+            for line in source.lines() {
+                if let Some(rest) = line.strip_prefix("EMBER_KERNEL void ") {
+                    exported.push(rest.split('(').next().unwrap().trim().to_string());
+                } else if let Some((macro_name, args)) = line.split_once('(') {
+                    let is_macro = macro_name.starts_with("EMBER_")
+                        && macro_name
+                            .chars()
+                            .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_');
+                    if is_macro && args.starts_with("ember_") {
+                        exported.push(args.split(',').next().unwrap().trim().to_string());
+                    }
+                }
+            }
+            exported.sort();
+            let mut listed: Vec<String> = spec.functions.iter().map(|f| f.to_string()).collect();
+            listed.sort();
+            assert_eq!(
+                exported,
+                listed,
+                "{} exports differ from KERNEL_MODULES",
+                path.display()
+            );
         }
     }
 

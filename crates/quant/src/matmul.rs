@@ -165,13 +165,22 @@ fn rows_per_job(rows: usize, align: usize) -> usize {
 }
 
 fn matmul_rowwise(level: Level, w: &QMatrix, x: &QuantizedActivations, out: &mut [f32]) {
-    let chunk = rows_per_job(w.rows, 1);
+    let chunk = rows_per_job(w.rows, 4);
     out.par_chunks_mut(w.rows).enumerate().for_each(|(t, out_t)| {
         let act = x.row(t);
         out_t.par_chunks_mut(chunk).enumerate().for_each(|(job, o)| {
             let r0 = job * chunk;
-            for (i, v) in o.iter_mut().enumerate() {
-                *v = simd::vec_dot(level, w.ty, w.row(r0 + i), act, w.cols);
+            let mut i = 0;
+            while i + 4 <= o.len() {
+                let rows = std::array::from_fn(|k| w.row(r0 + i + k));
+                match simd::vec_dot_rows4(level, w.ty, rows, act) {
+                    Some(v) => o[i..i + 4].copy_from_slice(&v),
+                    None => break,
+                }
+                i += 4;
+            }
+            for (k, v) in o.iter_mut().enumerate().skip(i) {
+                *v = simd::vec_dot(level, w.ty, w.row(r0 + k), act, w.cols);
             }
         });
     });

@@ -602,6 +602,10 @@ impl DevicePool {
 
 /// A live allocation; returns to its pool when dropped. Never `Clone`: copying device memory can
 /// fail, so it is [`PoolBuffer::try_clone`].
+///
+/// Dropping makes the memory reusable at once, which is safe for work queued on one stream
+/// (a later kernel reusing it runs after the earlier ones); with several streams, synchronise
+/// the stream that used the buffer before dropping it. Trims always synchronise the device.
 pub struct PoolBuffer {
     shared: Arc<PoolShared>,
     ptr: DevicePtr,

@@ -483,3 +483,125 @@ pub fn vec_dot_f16(w: &[u8], a: &[u8], n: usize) -> f32 {
     }
     sum
 }
+
+/// Four rows against one activation row at a time, for the memory-bound matvec: the
+/// activation chunk, its rearrangement and its scales are loaded once for four rows, and two
+/// consecutive blocks are processed together so that one 256-bit register holds both
+/// blocks' nibbles and their scales are converted with one F16C instruction.
+///
+/// # Safety
+/// Each row of `rows` and `a` must hold `nb` whole blocks of `w_size` and `a_size` bytes (the
+/// callers check), and the CPU must have AVX2, FMA and F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows4_pairs<const Q8: bool>(rows: [&[u8]; 4], a: &[u8], nb: usize) -> [f32; 4] {
+    let (w_size, a_size) = if Q8 { (q8_0::SIZE, q8_0::SIZE) } else { (q4_1::SIZE, q8_1::SIZE) };
+    let ap = a.as_ptr();
+    let wp: [*const u8; 4] = std::array::from_fn(|r| rows[r].as_ptr());
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut mins = [_mm_setzero_ps(); 4];
+    let low = _mm256_set1_epi8(0xF);
+    let ones = _mm256_set1_epi16(1);
+    // Lanes 0..4 take the scale of the first block of the pair, 4..8 the second.
+    let spread = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2);
+    let mut c = 0;
+    while c + 1 < nb {
+        // SAFETY: blocks c and c + 1 exist in every row and in `a` (c + 1 < nb).
+        unsafe {
+            let ya = ap.add(c * a_size);
+            let yb = ap.add((c + 1) * a_size);
+            let qs_a = if Q8 { q8_0::QS } else { q8_1::QS };
+            let y0 = _mm256_loadu_si256(ya.add(qs_a).cast());
+            let y1 = _mm256_loadu_si256(yb.add(qs_a).cast());
+            // Activation scales of both blocks: [d_a, s_a, d_b, s_b] for Q8_1; for Q8_0 lanes
+            // 1 and 3 hold the first quants reinterpreted, which nothing reads.
+            let ads = _mm_cvtph_ps(_mm_setr_epi32(
+                ya.cast::<i32>().read_unaligned(),
+                yb.cast::<i32>().read_unaligned(),
+                0,
+                0,
+            ));
+            let (ylo, yhi) = if Q8 {
+                (y0, y1)
+            } else {
+                (
+                    _mm256_permute2x128_si256::<0x20>(y0, y1),
+                    _mm256_permute2x128_si256::<0x31>(y0, y1),
+                )
+            };
+            for r in 0..4 {
+                let xa = wp[r].add(c * w_size);
+                let xb = wp[r].add((c + 1) * w_size);
+                let dm = _mm_cvtph_ps(_mm_setr_epi32(
+                    xa.cast::<i32>().read_unaligned(),
+                    xb.cast::<i32>().read_unaligned(),
+                    0,
+                    0,
+                ));
+                let prod = _mm_mul_ps(dm, ads);
+                let scale = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(prod), spread);
+                if Q8 {
+                    let xa_q = _mm256_loadu_si256(xa.add(q8_0::QS).cast());
+                    let xb_q = _mm256_loadu_si256(xb.add(q8_0::QS).cast());
+                    let pa = dot_i8(xa_q, ylo);
+                    let pb = dot_i8(xb_q, yhi);
+                    // Lanes 0..4 from the first block, 4..8 from the second, to match `scale`.
+                    let folded = _mm256_add_epi32(
+                        _mm256_permute2x128_si256::<0x20>(pa, pb),
+                        _mm256_permute2x128_si256::<0x31>(pa, pb),
+                    );
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(folded), scale, acc[r]);
+                } else {
+                    let v = _mm256_set_m128i(
+                        _mm_loadu_si128(xb.add(q4_1::QS).cast()),
+                        _mm_loadu_si128(xa.add(q4_1::QS).cast()),
+                    );
+                    let lo = _mm256_and_si256(v, low);
+                    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
+                    // Pair sums of u4·i8 are below 3810 in magnitude: two fit in i16.
+                    let p = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(lo, ylo),
+                        _mm256_maddubs_epi16(hi, yhi),
+                    );
+                    let isum = _mm256_madd_epi16(p, ones);
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc[r]);
+                    mins[r] = _mm_add_ps(mins[r], prod);
+                }
+            }
+        }
+        c += 2;
+    }
+    let mut out = [0.0f32; 4];
+    for r in 0..4 {
+        let m = _mm_movehdup_ps(mins[r]);
+        let m = _mm_add_ss(m, _mm_movehl_ps(m, m));
+        out[r] = hsum_ps(acc[r]) + if Q8 { 0.0 } else { _mm_cvtss_f32(m) };
+    }
+    if c < nb {
+        // An odd last block: one block per row with the single-row kernels.
+        for (o, row) in out.iter_mut().zip(rows) {
+            let w_tail = &row[c * w_size..(c + 1) * w_size];
+            let a_tail = &a[c * a_size..(c + 1) * a_size];
+            *o += if Q8 { vec_dot_q8_0_q8_0(w_tail, a_tail) } else { vec_dot_q4_1_q8_1(w_tail, a_tail) };
+        }
+    }
+    out
+}
+
+/// Q4_1 rows against one Q8_1 activation row, four at a time (see [`rows4_pairs`]).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub fn vec_dot_q4_1_rows4(rows: [&[u8]; 4], a: &[u8]) -> [f32; 4] {
+    let nb = a.len() / q8_1::SIZE;
+    assert!(rows.iter().all(|r| r.len() >= nb * q4_1::SIZE));
+    // SAFETY: every row holds nb blocks (checked above); this CPU has the features.
+    unsafe { rows4_pairs::<false>(rows, a, nb) }
+}
+
+/// Q8_0 rows against one Q8_0 activation row, four at a time (see [`rows4_pairs`]).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub fn vec_dot_q8_0_rows4(rows: [&[u8]; 4], a: &[u8]) -> [f32; 4] {
+    let nb = a.len() / q8_0::SIZE;
+    assert!(rows.iter().all(|r| r.len() >= nb * q8_0::SIZE));
+    // SAFETY: every row holds nb blocks (checked above); this CPU has the features.
+    unsafe { rows4_pairs::<true>(rows, a, nb) }
+}

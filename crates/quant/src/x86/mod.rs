@@ -33,3 +33,20 @@ pub fn vec_dot(level: Level, ty: GgmlType, w: &[u8], a: &[u8], n: usize) -> Opti
         })
     }
 }
+
+/// Four rows' dot products with one activation row, where `level` has a four-row kernel for
+/// `ty` (the formats of the memory-bound matvecs that matter most), else `None`.
+pub fn vec_dot_rows4(level: Level, ty: GgmlType, rows: [&[u8]; 4], a: &[u8]) -> Option<[f32; 4]> {
+    if !matches!(level, Level::Avx2 | Level::Avx512Vnni) {
+        return None;
+    }
+    // SAFETY: `level` is at least AVX2, which `simd::level` only reports after checking AVX2,
+    // FMA and F16C on this CPU; the kernels need exactly those.
+    unsafe {
+        match ty {
+            GgmlType::Q4_1 => Some(avx2::vec_dot_q4_1_rows4(rows, a)),
+            GgmlType::Q8_0 => Some(avx2::vec_dot_q8_0_rows4(rows, a)),
+            _ => None,
+        }
+    }
+}
