@@ -1,6 +1,6 @@
 //! The two real models of `models.toml` parse, and known facts about them hold. The models are
-//! fetched once into the cache (`EMBER_MODELS_DIR`, default `~/.cache/ember/models`); a test whose
-//! model is absent prints a note and checks nothing.
+//! fetched once into the cache (`EMBER_MODELS_DIR`, default `~/.cache/ember/models`) by
+//! `cargo run --release -p ember -- pull --all`; a test whose model is absent fails and says so.
 
 mod common;
 
@@ -15,15 +15,12 @@ fn model_path(file_name: &str) -> Option<PathBuf> {
         None => PathBuf::from(std::env::var_os("HOME")?).join(".cache/ember/models"),
     };
     let path = dir.join(file_name);
-    if path.is_file() {
-        Some(path)
-    } else {
-        println!(
-            "note: {} is absent, skipping; fetch the test models first",
-            path.display()
-        );
-        None
-    }
+    assert!(
+        path.is_file(),
+        "{} is absent: fetch the test models first with `cargo run --release -p ember -- pull --all`",
+        path.display()
+    );
+    Some(path)
 }
 
 fn open(file_name: &str) -> Option<Gguf> {

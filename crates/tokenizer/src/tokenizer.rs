@@ -45,6 +45,8 @@ pub struct Tokenizer {
 pub struct TokenizerSpec {
     /// `tokenizer.ggml.model`: `"gpt2"` or `"llama"`.
     pub model: String,
+    /// `general.name`: llama.cpp changes special-token whitespace handling for Phi-3 by name.
+    pub model_name: Option<String>,
     /// `tokenizer.ggml.pre`.
     pub pre: Option<String>,
     pub tokens: Vec<String>,
@@ -65,6 +67,7 @@ pub struct TokenizerSpec {
 /// [`TokenizerSpec`] borrowed, so that loading from a file copies the vocabulary only once.
 struct Parts<'a> {
     model: &'a str,
+    model_name: Option<&'a str>,
     pre: Option<&'a str>,
     tokens: &'a [String],
     scores: Option<&'a [f32]>,
@@ -121,6 +124,7 @@ impl Tokenizer {
         };
         let parts = Parts {
             model: md.get_str("tokenizer.ggml.model")?,
+            model_name: md.get_str_opt("general.name")?,
             pre: md.get_str_opt("tokenizer.ggml.pre")?,
             tokens: md.get_str_array("tokenizer.ggml.tokens")?,
             scores: scores.as_deref(),
@@ -143,6 +147,7 @@ impl Tokenizer {
     pub fn from_spec(spec: &TokenizerSpec) -> Result<Tokenizer, TokenizerError> {
         let parts = Parts {
             model: &spec.model,
+            model_name: spec.model_name.as_deref(),
             pre: spec.pre.as_deref(),
             tokens: &spec.tokens,
             scores: spec.scores.as_deref(),
@@ -224,6 +229,9 @@ impl Tokenizer {
             scores: spec.scores,
             token_types: spec.token_types,
             special,
+            rstrip_special: spec.model_name.is_some_and(|n| {
+                n.to_lowercase().contains("phi-3") || n.to_lowercase().contains("phi3")
+            }),
         })?;
         let add_bos = spec.add_bos.unwrap_or(match pre_spec {
             Some(p) => p.add_bos,

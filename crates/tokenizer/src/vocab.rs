@@ -14,6 +14,10 @@ pub(crate) mod attr {
     pub const CONTROL: u16 = 1 << 3;
     pub const USER_DEFINED: u16 = 1 << 4;
     pub const BYTE: u16 = 1 << 5;
+    /// The partition strips whitespace before the token.
+    pub const LSTRIP: u16 = 1 << 7;
+    /// The partition strips whitespace after the token.
+    pub const RSTRIP: u16 = 1 << 8;
 }
 
 /// `tokenizer.ggml.token_type` values.
@@ -54,6 +58,9 @@ pub(crate) struct VocabInput<'a> {
     pub scores: Option<&'a [f32]>,
     pub token_types: Option<&'a [i32]>,
     pub special: SpecialIds,
+    /// Phi-3's rule (llama.cpp recognises the model by `general.name`): whitespace after special
+    /// tokens is dropped, except after `<unk>`, `<s>` and `<|endoftext|>`.
+    pub rstrip_special: bool,
 }
 
 #[derive(Debug)]
@@ -203,6 +210,20 @@ impl Vocab {
         };
         vocab.resolve_special_tokens();
         vocab.build_special_index();
+        if input.rstrip_special {
+            for i in 0..vocab.special_order.len() {
+                let id = vocab.special_order[i];
+                vocab.tokens[id as usize].attr |= attr::RSTRIP;
+            }
+            if let Some(id) = vocab.text_to_token("</s>") {
+                vocab.tokens[id as usize].attr |= attr::RSTRIP;
+            }
+            for text in ["<unk>", "<s>", "<|endoftext|>"] {
+                if let Some(id) = vocab.text_to_token(text) {
+                    vocab.tokens[id as usize].attr &= !attr::RSTRIP;
+                }
+            }
+        }
         Ok(vocab)
     }
 
@@ -350,12 +371,20 @@ impl Vocab {
                     next.push(fragment);
                     continue;
                 };
+                let is_space = |c: char| c.is_ascii_whitespace() || c == '\u{0B}';
                 while let Some(at) = rest.find(needle) {
-                    if at > 0 {
-                        next.push(Fragment::Text(&rest[..at]));
+                    let mut left = &rest[..at];
+                    if token.attr & attr::LSTRIP != 0 {
+                        left = left.trim_end_matches(is_space);
+                    }
+                    if !left.is_empty() {
+                        next.push(Fragment::Text(left));
                     }
                     next.push(Fragment::Token(id));
                     rest = &rest[at + needle.len()..];
+                    if token.attr & attr::RSTRIP != 0 {
+                        rest = rest.trim_start_matches(is_space);
+                    }
                 }
                 if !rest.is_empty() {
                     next.push(Fragment::Text(rest));
@@ -506,6 +535,7 @@ mod tests {
             scores: None,
             token_types: Some(types),
             special: SpecialIds::default(),
+            rstrip_special: false,
         })
         .unwrap()
     }
@@ -524,6 +554,27 @@ mod tests {
             [Token(3), Text("a"), Token(3)]
         );
         assert_eq!(v.partition("", true), []);
+    }
+
+    #[test]
+    fn phi3_special_tokens_swallow_the_whitespace_after_them() {
+        let tokens: Vec<String> = ["<s>", "<|user|>", "<|end|>", "a"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let v = Vocab::new(VocabInput {
+            tokens: &tokens,
+            scores: None,
+            token_types: Some(&[3, 3, 3, 1]),
+            special: SpecialIds::default(),
+            rstrip_special: true,
+        })
+        .unwrap();
+        use Fragment::*;
+        assert_eq!(
+            v.partition("<s> <|user|>\n a <|end|>\n", true),
+            [Token(0), Text(" "), Token(1), Text("a "), Token(2)]
+        );
     }
 
     #[test]
@@ -554,6 +605,7 @@ mod tests {
             scores: Some(&[0.0]),
             token_types: None,
             special: SpecialIds::default(),
+            rstrip_special: false,
         })
         .unwrap_err();
         assert_eq!(
@@ -566,6 +618,7 @@ mod tests {
             scores: None,
             token_types: None,
             special: SpecialIds::default(),
+            rstrip_special: false,
         })
         .unwrap_err();
         assert!(err.to_string().contains("duplicate token \"a\""), "{err}");
@@ -578,6 +631,7 @@ mod tests {
                 eos: Some(7),
                 ..SpecialIds::default()
             },
+            rstrip_special: false,
         })
         .unwrap_err();
         assert!(err.to_string().contains("eos token id 7"), "{err}");
