@@ -48,10 +48,14 @@ fn main() -> ExitCode {
 }
 
 fn read_manifest(path: &Path) -> Result<String, String> {
-    let text = fs::read_to_string(path).map_err(|error| format!("cannot read the build manifest: {error}"))?;
+    let text = fs::read_to_string(path)
+        .map_err(|error| format!("cannot read the build manifest: {error}"))?;
     let trimmed = text.trim();
     if !(trimmed.starts_with('{') && trimmed.ends_with('}')) {
-        return Err("expected a JSON object (a manifest written by `cargo xtask build`), found other text".to_string());
+        return Err(
+            "expected a JSON object (a manifest written by `cargo xtask build`), found other text"
+                .to_string(),
+        );
     }
     if !trimmed.contains("\"target\"") || !trimmed.contains("\"features\"") {
         return Err("expected a build manifest with \"target\" and \"features\", found a JSON object without them".to_string());

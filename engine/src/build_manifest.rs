@@ -103,7 +103,10 @@ pub fn parse(json: &str) -> Result<BuildManifest, BuildManifestError> {
     let manifest: BuildManifest =
         serde_json::from_str(json).map_err(|error| BuildManifestError::Parse(error.to_string()))?;
     if manifest.schema != MANIFEST_SCHEMA {
-        return Err(BuildManifestError::Schema { expected: MANIFEST_SCHEMA, found: manifest.schema });
+        return Err(BuildManifestError::Schema {
+            expected: MANIFEST_SCHEMA,
+            found: manifest.schema,
+        });
     }
     Ok(manifest)
 }
@@ -116,7 +119,11 @@ pub fn feature_enabled(name: &str) -> Option<bool> {
 
 /// Feature `name`'s gate, with its reason and tracking links.
 pub fn feature(name: &str) -> Option<&'static Feature> {
-    manifest().ok()?.features.iter().find(|feature| feature.name == name)
+    manifest()
+        .ok()?
+        .features
+        .iter()
+        .find(|feature| feature.name == name)
 }
 
 /// The human-readable form `ember info` prints.
@@ -166,22 +173,40 @@ pub fn render(manifest: &BuildManifest) -> String {
         }
     }
     match (&manifest.rocm.release, &manifest.rocm.toolchain_rocm) {
-        (Some(release), Some(toolchain)) => line(format!("ROCm: built for {release} (kernels compiled with ROCm {toolchain})")),
+        (Some(release), Some(toolchain)) => line(format!(
+            "ROCm: built for {release} (kernels compiled with ROCm {toolchain})"
+        )),
         (Some(release), None) => line(format!("ROCm: built for {release}")),
         (None, _) => {}
     }
     if !manifest.rocm.hip_runtime.is_empty() {
-        line(format!("HIP runtime: {} (first found is loaded)", manifest.rocm.hip_runtime.join(", ")));
+        line(format!(
+            "HIP runtime: {} (first found is loaded)",
+            manifest.rocm.hip_runtime.join(", ")
+        ));
     }
     if let Some(dir) = &manifest.kernels.dir {
-        line(format!("kernels: {dir}/ beside the executable ({})", manifest.kernels.modules.join(", ")));
+        line(format!(
+            "kernels: {dir}/ beside the executable ({})",
+            manifest.kernels.modules.join(", ")
+        ));
     }
     let commit = match &manifest.engine.commit {
-        Some(commit) => format!("commit {commit}{}", if manifest.engine.dirty { " (with uncommitted changes)" } else { "" }),
+        Some(commit) => format!(
+            "commit {commit}{}",
+            if manifest.engine.dirty {
+                " (with uncommitted changes)"
+            } else {
+                ""
+            }
+        ),
         None => "commit not recorded".to_string(),
     };
     line(format!("engine: {}, {commit}", manifest.engine.version));
-    line(format!("rustc: {} ({})", manifest.toolchain.rustc, manifest.toolchain.rust_target));
+    line(format!(
+        "rustc: {} ({})",
+        manifest.toolchain.rustc, manifest.toolchain.rust_target
+    ));
     if let Some(compiler) = &manifest.toolchain.kernel_compiler {
         line(format!("kernel compiler: {compiler}"));
     }
@@ -231,19 +256,36 @@ mod tests {
     fn gfx1201_renders_vmm_off_with_reason_and_links() {
         let manifest = parse(GFX1201).unwrap();
         let text = render(&manifest);
-        assert!(text.contains("  target: gfx1201 (family gfx120X: RDNA4 (Radeon RX 9000, AI PRO R9700)), linux\n"), "{text}");
+        assert!(
+            text.contains(
+                "  target: gfx1201 (family gfx120X: RDNA4 (Radeon RX 9000, AI PRO R9700)), linux\n"
+            ),
+            "{text}"
+        );
         assert!(text.contains("    vmm: off (hipMemSetAccess fails when a mapping is grown while several reservations exist)\n"), "{text}");
-        assert!(text.contains("      tracking: https://github.com/ROCm/rocm-systems/issues/2516\n"), "{text}");
+        assert!(
+            text.contains("      tracking: https://github.com/ROCm/rocm-systems/issues/2516\n"),
+            "{text}"
+        );
         assert!(text.contains("    peer_copy: on\n"), "{text}");
-        assert!(text.contains("  engine: 0.1.0, commit 0123abc (with uncommitted changes)\n"), "{text}");
-        assert!(text.contains("  HIP runtime: libamdhip64.so.7, libamdhip64.so.6"), "{text}");
+        assert!(
+            text.contains("  engine: 0.1.0, commit 0123abc (with uncommitted changes)\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("  HIP runtime: libamdhip64.so.7, libamdhip64.so.6"),
+            "{text}"
+        );
         assert!(!manifest.features[1].enabled);
     }
 
     #[test]
     fn bad_manifests_are_errors_not_panics() {
         assert!(matches!(parse("{}"), Err(BuildManifestError::Parse(_))));
-        assert!(matches!(parse("not json"), Err(BuildManifestError::Parse(_))));
+        assert!(matches!(
+            parse("not json"),
+            Err(BuildManifestError::Parse(_))
+        ));
         let future = GFX1201.replace("\"schema\": 1", "\"schema\": 2");
         assert_eq!(
             parse(&future).unwrap_err().to_string(),
