@@ -15,7 +15,8 @@ fn main() -> anyhow::Result<()> {
     let tokenizer = ember_tokenizer::Tokenizer::from_gguf(model.gguf())?;
     let ids = tokenizer.encode(&args[2], true, true);
     let mut ctx = model.new_context(ContextParams::with_ctx(ids.len() + 1));
-    let logits = eval_tokens(&model, &mut ctx, 0, &ids, 512)?.to_vec();
+    let n_batch: usize = std::env::var("NB").ok().and_then(|v| v.parse().ok()).unwrap_or(512);
+    let logits = eval_tokens(&model, &mut ctx, 0, &ids, n_batch)?.to_vec();
     let mut order: Vec<usize> = (0..logits.len()).collect();
     order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
     println!("prompt ids: {ids:?}");

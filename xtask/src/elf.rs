@@ -287,6 +287,22 @@ mod tests {
         );
     }
 
+    /// ELF headers of real code objects: nvcc 13.0 `-cubin -arch=sm_80` (ELF ABI 8) on the GPU
+    /// machine, Debian clang 19 `--offload-arch=gfx1201` and `gfx90a` (xnack/sramecc "any") here.
+    #[test]
+    fn real_code_object_headers() {
+        let check = |header: &str, target: &str| {
+            let bytes = hex::decode(header).unwrap();
+            assert_eq!(
+                verify_code_object(&bytes, target).map(|arch| arch.to_string()),
+                Ok(target.to_string())
+            );
+        };
+        check("7f454c460201014108000000000000000200be00010000000000000000000000401700000000000080130000000000000450000640003800040040000f000100", "sm_80");
+        check("7f454c460201014003000000000000000300e000010000000000000000000000400000000000000090130000000000004e00000040003800090040000f000d00", "gfx1201");
+        check("7f454c460201014003000000000000000300e0000100000000000000000000004000000000000000d0150000000000003f05000040003800090040000f000d00", "gfx90a");
+    }
+
     #[test]
     fn malformed_files_are_rejected_with_what_was_found() {
         let check = |bytes: &[u8], expected: &str| {

@@ -15,6 +15,7 @@ mod test;
 #[cfg(test)]
 mod tidy;
 mod toolchain;
+mod wine;
 
 use anyhow::Result;
 use clap::Parser;

@@ -31,6 +31,7 @@ use xshell::Shell;
 
 use crate::docker::{self, ExpectedManifest};
 use crate::targets::{self, Feature, FeatureState, Os};
+use crate::wine;
 
 /// The prompt every smoke run answers; its reference output is in `greedy.jsonl`.
 const SMOKE_PROMPT: &str = "The capital of France is";
@@ -46,7 +47,7 @@ impl crate::flags::Smoke {
         let root = crate::project_root();
         let started = Instant::now();
         let subject = match (&self.artifact, &self.image) {
-            (Some(artifact), None) => Subject::from_artifact(&root, artifact)?,
+            (Some(artifact), None) => Subject::from_artifact(sh, &root, artifact)?,
             (None, Some(image)) => Subject::from_image(sh, image)?,
             _ => bail!("expected exactly one of --artifact PATH or --image TAG, found neither"),
         };
@@ -134,7 +135,7 @@ struct Subject {
 }
 
 impl Subject {
-    fn from_artifact(root: &Path, artifact: &Path) -> Result<Subject> {
+    fn from_artifact(sh: &Shell, root: &Path, artifact: &Path) -> Result<Subject> {
         let file_name = artifact
             .file_name()
             .and_then(|name| name.to_str())
@@ -178,9 +179,9 @@ impl Subject {
         let runner = match name.os {
             Os::Linux => Runner::Native { binary },
             Os::Windows => Runner::Wine {
-                wine: find_wine()?,
+                wine: wine::find_wine()?,
                 binary,
-                prefix: root.join("target").join("wine-prefix"),
+                prefix: wine::prepare_prefix(sh, root)?,
             },
         };
         Ok(Subject {
@@ -462,7 +463,16 @@ fn run_capture(command: Command, timeout: Duration) -> Result<CapturedOutput> {
 fn run_ember(subject: &Subject, args: &[String], timeout: Duration) -> Result<CapturedOutput> {
     let command = subject.runner.ember(args);
     println!("  $ {}", command.display());
-    run_capture(command, subject.runner.timeout(timeout))
+    let mut output = run_capture(command, subject.runner.timeout(timeout))?;
+    // Wine exits with the low byte of the NTSTATUS when the loader fails, and prints nothing
+    // under WINEDEBUG=-all; c0000135 is "DLL not found".
+    if matches!(subject.runner, Runner::Wine { .. }) && output.status == Some(0x35) {
+        output.stderr.push_str(
+            "\nwine: ember.exe could not load a DLL it imports (status c0000135); \
+             WINEDEBUG=err+module names it",
+        );
+    }
+    Ok(output)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -924,21 +934,6 @@ fn sha256_file(path: &Path) -> std::io::Result<String> {
     }
 }
 
-/// Wine's 64-bit loader: the `wine` launcher where installed, else Debian's `wine64` paths.
-fn find_wine() -> Result<PathBuf> {
-    let on_path = |name: &str| {
-        std::env::var_os("PATH").and_then(|path| {
-            std::env::split_paths(&path)
-                .map(|dir| dir.join(name))
-                .find(|candidate| candidate.is_file())
-        })
-    };
-    on_path("wine")
-        .or_else(|| on_path("wine64"))
-        .or_else(|| Some(PathBuf::from("/usr/lib/wine/wine64")).filter(|path| path.is_file()))
-        .context("expected wine (wine, wine64 or /usr/lib/wine/wine64) to run the Windows artifact, found none; run .ci/setup-wine.sh")
-}
-
 // ---------------------------------------------------------------------------------------------
 // Models.
 
@@ -1013,7 +1008,8 @@ const OFF_WORDS: &[&str] = &["off", "disabled", "no", "false"];
 
 /// Every way `info` output disagrees with `expected`: a line names the target, each feature is on a
 /// line with its state (the first state word after the feature's name decides), and the reason of
-/// each feature that is off or unsupported appears (whitespace may differ, as long lines wrap).
+/// each feature that is off or unsupported appears (whitespace may differ, as long lines wrap),
+/// and so does each tracking link.
 fn check_info_text(expected: &ExpectedManifest, info: &str) -> Vec<String> {
     let mut problems = Vec::new();
     let lower = info.to_lowercase();
@@ -1043,6 +1039,17 @@ fn check_info_text(expected: &ExpectedManifest, info: &str) -> Vec<String> {
                     feature.state.name()
                 ));
             }
+        }
+        // Links are case-sensitive; compare them as printed.
+        for link in feature
+            .tracking
+            .iter()
+            .filter(|link| !info.contains(link.as_str()))
+        {
+            problems.push(format!(
+                "expected the tracking link {link} of feature {} in `ember info`, found it missing",
+                feature.name
+            ));
         }
     }
     problems
@@ -1575,6 +1582,44 @@ mod tests {
                 "expected a problem containing {expected:?}, found {found:?}"
             );
         }
+    }
+
+    /// The committed gate table, shown the way `ember info` renders a build manifest.
+    #[test]
+    fn info_text_for_the_committed_gfx1201_gates() {
+        let targets = targets::load().unwrap();
+        let gfx1201 = ExpectedManifest::of(targets.target("gfx1201").unwrap());
+        let mut info = String::from("ember 0.1.0\nbuild manifest:\n  target: gfx1201 (family gfx120X: RDNA4), linux\n  features:\n");
+        for feature in &gfx1201.features {
+            info.push_str(&format!("    {}: {}", feature.name, feature.state.name()));
+            if let Some(reason) = &feature.reason {
+                info.push_str(&format!(" ({reason})"));
+            }
+            info.push('\n');
+            for link in &feature.tracking {
+                info.push_str(&format!("      tracking: {link}\n"));
+            }
+        }
+        check_info(&gfx1201, &info, &[]);
+        check_info(
+            &gfx1201,
+            &info.replace("      tracking: https://github.com/ROCm/rocm-systems/issues/2516\n", ""),
+            &["expected the tracking link https://github.com/ROCm/rocm-systems/issues/2516 of feature vmm"],
+        );
+        check_info(
+            &gfx1201,
+            &info.replace("vmm: off", "vmm: on"),
+            &["expected feature vmm to be off, found on"],
+        );
+        // gfx1151 has VMM on: the gfx1201 text is wrong for it.
+        let gfx1151 = ExpectedManifest::of(targets.target("gfx1151").unwrap());
+        let problems = check_info_text(&gfx1151, &info);
+        assert!(
+            problems
+                .iter()
+                .any(|problem| problem == "expected feature vmm to be on, found off"),
+            "{problems:#?}"
+        );
     }
 
     #[test]

@@ -950,7 +950,12 @@ impl Validator<'_> {
                 );
             }
 
-            let family_platforms = self.check_platforms(&family.platforms, platforms, &context);
+            // The family's own list was checked (and any problem reported) with the family.
+            let family_platforms: Vec<Os> = family
+                .platforms
+                .iter()
+                .filter_map(|os| parse_os(os.get_ref()))
+                .collect();
             let target_platforms = match &raw_target.platforms {
                 Some(list) => {
                     let own = self.check_platforms(list, platforms, &context);
@@ -1317,6 +1322,15 @@ family = "gfx120X"
         check_problem(
             &text,
             "25: unknown feature `vmn` in family `gfx120X`: expected one of peer_copy, vmm",
+        );
+    }
+
+    #[test]
+    fn unknown_platform_is_reported_once() {
+        let text = MINIMAL.replace(r#"platforms = ["linux", "windows"]"#, r#"platforms = ["linux", "macos"]"#);
+        assert_eq!(
+            problems(&text),
+            ["24: unknown platform `macos` in family `gfx120X`: expected one of linux, windows"]
         );
     }
 

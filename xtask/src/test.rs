@@ -383,14 +383,11 @@ fn windows_under_wine(
     version: &str,
     model: &Path,
 ) -> Result<()> {
-    let wine = toolchain::which("wine")
-        .or_else(|| toolchain::which("wine64"))
-        .context("wine not found: run .ci/setup-wine.sh")?;
+    let wine = crate::wine::find_wine()?;
     let archive = build::build(sh, root, targets, "cpu", Os::Windows, version)?;
     let folder = unpack(root, &archive)?;
     let exe = folder.join("ember.exe");
-    let prefix = root.join("target").join("wine-prefix");
-    std::fs::create_dir_all(&prefix)?;
+    let prefix = crate::wine::prepare_prefix(sh, root)?;
     let model_arg = format!("Z:{}", model.display()).replace('/', "\\");
     let _env = (
         sh.push_env("WINEPREFIX", &prefix),

@@ -24,7 +24,9 @@ fn weights(ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
 fn measure(ty: GgmlType, rows: usize, cols: usize, n_tokens: usize) -> (f64, f64, f64) {
     let data = weights(ty, rows, cols);
     let w = QMatrix::new(ty, rows, cols, &data).unwrap();
-    let x: Vec<f32> = (0..n_tokens * cols).map(|i| ((i % 17) as f32 - 8.0) * 0.1).collect();
+    let x: Vec<f32> = (0..n_tokens * cols)
+        .map(|i| ((i % 17) as f32 - 8.0) * 0.1)
+        .collect();
     let act = quantize_activations(vec_dot_type(ty), &x, n_tokens, cols).unwrap();
     let mut out = vec![0.0f32; rows * n_tokens];
     matmul(&w, &act, &mut out).unwrap();
@@ -36,13 +38,26 @@ fn measure(ty: GgmlType, rows: usize, cols: usize, n_tokens: usize) -> (f64, f64
     }
     let secs = start.elapsed().as_secs_f64() / iters as f64;
     let flops = 2.0 * rows as f64 * cols as f64 * n_tokens as f64;
-    (secs * 1e6, flops / secs / 1e9, data.len() as f64 / secs / 1e9)
+    (
+        secs * 1e6,
+        flops / secs / 1e9,
+        data.len() as f64 / secs / 1e9,
+    )
 }
 
 fn main() {
-    let threads: usize = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(2);
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
-    println!("simd: {}, threads: {threads}", ember_quant::simd::detected());
+    let threads: usize = std::env::args()
+        .nth(1)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(2);
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .unwrap();
+    println!(
+        "simd: {}, threads: {threads}",
+        ember_quant::simd::detected()
+    );
     let shapes = [
         (GgmlType::Q4_1, 576, 576, "attn q/o"),
         (GgmlType::Q4_1, 192, 576, "attn k/v"),

@@ -5,7 +5,9 @@
 
 use std::arch::aarch64::*;
 
-use crate::blocks::{k4_scales_mins, q4_0, q4_1, q4_k, q6_k, q8_0, q8_1, q8_k, read_f16, read_f32, q8k_bsum};
+use crate::blocks::{
+    k4_scales_mins, q4_0, q4_1, q4_k, q6_k, q8_0, q8_1, q8_k, q8k_bsum, read_f16, read_f32,
+};
 use crate::GgmlType;
 
 /// Loads 16 bytes from the start of `b`.
@@ -71,7 +73,10 @@ fn vec_dot_q8_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
     let mut sumf = 0.0f32;
     for (x, y) in w.chunks_exact(q8_0::SIZE).zip(a.chunks_exact(q8_0::SIZE)) {
         let sumi = dot16(load16_s8(&x[q8_0::QS..]), load16_s8(&y[q8_0::QS..]))
-            + dot16(load16_s8(&x[q8_0::QS + 16..]), load16_s8(&y[q8_0::QS + 16..]));
+            + dot16(
+                load16_s8(&x[q8_0::QS + 16..]),
+                load16_s8(&y[q8_0::QS + 16..]),
+            );
         sumf += sumi as f32 * (read_f16(x, q8_0::D) * read_f16(y, q8_0::D));
     }
     sumf
@@ -82,8 +87,9 @@ fn vec_dot_q4_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
     let mut sumf = 0.0f32;
     for (x, y) in w.chunks_exact(q4_k::SIZE).zip(a.chunks_exact(q8_k::SIZE)) {
         let (sc, mn) = k4_scales_mins(&x[q4_k::SCALES..q4_k::SCALES + 12]);
-        let msum: i32 =
-            (0..8).map(|j| mn[j] as i32 * (q8k_bsum(y, 2 * j) as i32 + q8k_bsum(y, 2 * j + 1) as i32)).sum();
+        let msum: i32 = (0..8)
+            .map(|j| mn[j] as i32 * (q8k_bsum(y, 2 * j) as i32 + q8k_bsum(y, 2 * j + 1) as i32))
+            .sum();
         let mut isum = 0i32;
         for c in 0..4 {
             let (lo0, hi0) = nibbles(load16(&x[q4_k::QS + 32 * c..]));
@@ -94,7 +100,8 @@ fn vec_dot_q4_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
             isum += sc[2 * c] as i32 * s_lo + sc[2 * c + 1] as i32 * s_hi;
         }
         let d8 = read_f32(y, q8_k::D);
-        sumf += d8 * read_f16(x, q4_k::D) * isum as f32 - d8 * read_f16(x, q4_k::DMIN) * msum as f32;
+        sumf +=
+            d8 * read_f16(x, q4_k::D) * isum as f32 - d8 * read_f16(x, q4_k::DMIN) * msum as f32;
     }
     sumf
 }
@@ -116,8 +123,14 @@ fn vec_dot_q6_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
                 let qh = load16(&x[q6_k::QH + 32 * c + 16 * half..]);
                 let quarters = [
                     vorrq_u8(vandq_u8(ql0, low), vshlq_n_u8::<4>(vandq_u8(qh, three))),
-                    vorrq_u8(vandq_u8(ql1, low), vshlq_n_u8::<4>(vandq_u8(vshrq_n_u8::<2>(qh), three))),
-                    vorrq_u8(vshrq_n_u8::<4>(ql0), vshlq_n_u8::<4>(vandq_u8(vshrq_n_u8::<4>(qh), three))),
+                    vorrq_u8(
+                        vandq_u8(ql1, low),
+                        vshlq_n_u8::<4>(vandq_u8(vshrq_n_u8::<2>(qh), three)),
+                    ),
+                    vorrq_u8(
+                        vshrq_n_u8::<4>(ql0),
+                        vshlq_n_u8::<4>(vandq_u8(vshrq_n_u8::<4>(qh), three)),
+                    ),
                     vorrq_u8(vshrq_n_u8::<4>(ql1), vshlq_n_u8::<4>(vshrq_n_u8::<6>(qh))),
                 ];
                 for (k, q) in quarters.into_iter().enumerate() {

@@ -136,13 +136,23 @@ pub fn read_bf16(block: &[u8], offset: usize) -> f32 {
 /// Reads a little-endian f32 at `offset`.
 #[inline(always)]
 pub fn read_f32(block: &[u8], offset: usize) -> f32 {
-    f32::from_le_bytes([block[offset], block[offset + 1], block[offset + 2], block[offset + 3]])
+    f32::from_le_bytes([
+        block[offset],
+        block[offset + 1],
+        block[offset + 2],
+        block[offset + 3],
+    ])
 }
 
 /// Reads a little-endian u32 at `offset`.
 #[inline(always)]
 pub fn read_u32(block: &[u8], offset: usize) -> u32 {
-    u32::from_le_bytes([block[offset], block[offset + 1], block[offset + 2], block[offset + 3]])
+    u32::from_le_bytes([
+        block[offset],
+        block[offset + 1],
+        block[offset + 2],
+        block[offset + 3],
+    ])
 }
 
 /// Reads bsums[i] of a Q8_K block.
@@ -171,7 +181,11 @@ pub fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
 pub fn q3k_scales(scales: &[u8]) -> [i8; 16] {
     let mut out = [0i8; 16];
     for (j, o) in out.iter_mut().enumerate() {
-        let low = if j < 8 { scales[j] & 0xF } else { scales[j - 8] >> 4 };
+        let low = if j < 8 {
+            scales[j] & 0xF
+        } else {
+            scales[j - 8] >> 4
+        };
         let high = (scales[8 + j % 4] >> (2 * (j / 4))) & 3;
         *o = ((low | (high << 4)) as i8) - 32;
     }

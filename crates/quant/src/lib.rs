@@ -32,13 +32,27 @@ pub enum QuantError {
     #[error("type {0} has no dot product of its own (it is an activation format)")]
     NoDotProduct(GgmlType),
     #[error("{what}: expected a whole number of {ty} blocks of {block_size} elements, found {found} elements")]
-    NotWholeBlocks { what: &'static str, ty: GgmlType, block_size: usize, found: usize },
+    NotWholeBlocks {
+        what: &'static str,
+        ty: GgmlType,
+        block_size: usize,
+        found: usize,
+    },
     #[error("{what}: expected {expected} {unit}, found {found}")]
-    LengthMismatch { what: &'static str, unit: &'static str, expected: usize, found: usize },
+    LengthMismatch {
+        what: &'static str,
+        unit: &'static str,
+        expected: usize,
+        found: usize,
+    },
     #[error("activations are {found}, expected {expected} (the vec_dot_type of the weights)")]
     ActivationType { expected: GgmlType, found: GgmlType },
     #[error("matrix of {rows} x {cols} {ty}: size overflows usize")]
-    Overflow { ty: GgmlType, rows: usize, cols: usize },
+    Overflow {
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+    },
 }
 
 /// Whether this crate can quantize, dequantize and (for weight types) dot `ty`.
@@ -46,8 +60,20 @@ pub fn is_supported(ty: GgmlType) -> bool {
     use GgmlType::*;
     matches!(
         ty,
-        F32 | F16 | BF16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q8_1 | Q2_K | Q3_K | Q4_K | Q5_K
-            | Q6_K | Q8_K
+        F32 | F16
+            | BF16
+            | Q4_0
+            | Q4_1
+            | Q5_0
+            | Q5_1
+            | Q8_0
+            | Q8_1
+            | Q2_K
+            | Q3_K
+            | Q4_K
+            | Q5_K
+            | Q6_K
+            | Q8_K
     )
 }
 
@@ -74,19 +100,38 @@ fn check_supported(ty: GgmlType) -> Result<(), QuantError> {
 /// Bytes of `n` elements of `ty`, which must be whole blocks.
 pub(crate) fn bytes_for(what: &'static str, ty: GgmlType, n: usize) -> Result<usize, QuantError> {
     let block_size = ty.block_size();
-    if n % block_size != 0 {
-        return Err(QuantError::NotWholeBlocks { what, ty, block_size, found: n });
+    if !n.is_multiple_of(block_size) {
+        return Err(QuantError::NotWholeBlocks {
+            what,
+            ty,
+            block_size,
+            found: n,
+        });
     }
     (n / block_size)
         .checked_mul(ty.type_size())
-        .ok_or(QuantError::Overflow { ty, rows: 1, cols: n })
+        .ok_or(QuantError::Overflow {
+            ty,
+            rows: 1,
+            cols: n,
+        })
 }
 
-fn check_len(what: &'static str, unit: &'static str, expected: usize, found: usize) -> Result<(), QuantError> {
+fn check_len(
+    what: &'static str,
+    unit: &'static str,
+    expected: usize,
+    found: usize,
+) -> Result<(), QuantError> {
     if expected == found {
         Ok(())
     } else {
-        Err(QuantError::LengthMismatch { what, unit, expected, found })
+        Err(QuantError::LengthMismatch {
+            what,
+            unit,
+            expected,
+            found,
+        })
     }
 }
 
@@ -140,7 +185,11 @@ pub fn vec_dot_with(
     n: usize,
 ) -> Result<f32, QuantError> {
     check_vec_dot(ty, w, act, n)?;
-    let level = if simd::available_levels().contains(&level) { level } else { simd::Level::Scalar };
+    let level = if simd::available_levels().contains(&level) {
+        level
+    } else {
+        simd::Level::Scalar
+    };
     Ok(simd::vec_dot(level, ty, w, act, n))
 }
 
@@ -162,9 +211,16 @@ impl<'a> QMatrix<'a> {
             return Err(QuantError::NoDotProduct(ty));
         }
         let row_bytes = bytes_for("matrix row", ty, cols)?;
-        let total = row_bytes.checked_mul(rows).ok_or(QuantError::Overflow { ty, rows, cols })?;
+        let total = row_bytes
+            .checked_mul(rows)
+            .ok_or(QuantError::Overflow { ty, rows, cols })?;
         check_len("matrix data", "bytes", total, data.len())?;
-        Ok(QMatrix { ty, rows, cols, data })
+        Ok(QMatrix {
+            ty,
+            rows,
+            cols,
+            data,
+        })
     }
 
     /// Bytes per row.
@@ -188,7 +244,12 @@ impl<'a> QMatrix<'a> {
                 found: i + 1,
             });
         }
-        check_len("dequantize_row destination", "elements", self.cols, dst.len())?;
+        check_len(
+            "dequantize_row destination",
+            "elements",
+            self.cols,
+            dst.len(),
+        )?;
         scalar::dequantize(self.ty, self.row(i), dst);
         Ok(())
     }

@@ -83,12 +83,17 @@ pub fn quantize_activations(
     cols: usize,
 ) -> Result<QuantizedActivations, QuantError> {
     if !is_activation_type(ty) {
-        return Err(QuantError::ActivationType { expected: vec_dot_type(ty), found: ty });
+        return Err(QuantError::ActivationType {
+            expected: vec_dot_type(ty),
+            found: ty,
+        });
     }
     let row_bytes = bytes_for("activation row", ty, cols)?;
-    let total = n_tokens
-        .checked_mul(cols)
-        .ok_or(QuantError::Overflow { ty, rows: n_tokens, cols })?;
+    let total = n_tokens.checked_mul(cols).ok_or(QuantError::Overflow {
+        ty,
+        rows: n_tokens,
+        cols,
+    })?;
     check_len("activations", "elements", total, x.len())?;
     let mut data = vec![0u8; row_bytes * n_tokens];
     if row_bytes > 0 {
@@ -96,7 +101,14 @@ pub fn quantize_activations(
             .zip(x.par_chunks(cols))
             .for_each(|(dst, src)| crate::scalar::quantize(ty, src, dst));
     }
-    Ok(QuantizedActivations { ty, n_tokens, cols, row_bytes, data, tiles: OnceLock::new() })
+    Ok(QuantizedActivations {
+        ty,
+        n_tokens,
+        cols,
+        row_bytes,
+        data,
+        tiles: OnceLock::new(),
+    })
 }
 
 /// How a matmul is computed; `Auto` picks by the number of tokens.
@@ -116,7 +128,12 @@ pub fn matmul(w: &QMatrix, x: &QuantizedActivations, out: &mut [f32]) -> Result<
 }
 
 /// Convenience: quantizes `x` to `vec_dot_type(w.ty)`, then [`matmul`].
-pub fn matmul_f32(w: &QMatrix, x: &[f32], n_tokens: usize, out: &mut [f32]) -> Result<(), QuantError> {
+pub fn matmul_f32(
+    w: &QMatrix,
+    x: &[f32],
+    n_tokens: usize,
+    out: &mut [f32],
+) -> Result<(), QuantError> {
     let act = quantize_activations(vec_dot_type(w.ty), x, n_tokens, w.cols)?;
     matmul(w, &act, out)
 }
@@ -132,22 +149,30 @@ pub fn matmul_with(
 ) -> Result<(), QuantError> {
     let expected = vec_dot_type(w.ty);
     if x.ty != expected {
-        return Err(QuantError::ActivationType { expected, found: x.ty });
+        return Err(QuantError::ActivationType {
+            expected,
+            found: x.ty,
+        });
     }
     check_len("activation columns", "columns", w.cols, x.cols)?;
-    let total = x
-        .n_tokens
-        .checked_mul(w.rows)
-        .ok_or(QuantError::Overflow { ty: w.ty, rows: w.rows, cols: x.n_tokens })?;
+    let total = x.n_tokens.checked_mul(w.rows).ok_or(QuantError::Overflow {
+        ty: w.ty,
+        rows: w.rows,
+        cols: x.n_tokens,
+    })?;
     check_len("matmul output", "elements", total, out.len())?;
     if total == 0 {
         return Ok(());
     }
-    let level = if simd::available_levels().contains(&level) { level } else { Level::Scalar };
+    let level = if simd::available_levels().contains(&level) {
+        level
+    } else {
+        Level::Scalar
+    };
     let tiled = match strategy {
-        Strategy::Auto => x.n_tokens >= TILE_MIN_TOKENS && has_tiles(level, w.ty),
+        Strategy::Auto => x.n_tokens >= TILE_MIN_TOKENS && has_tiles(w.ty) && has_simd_tiles(level),
         Strategy::RowWise => false,
-        Strategy::Tiled => has_tiles(level, w.ty),
+        Strategy::Tiled => has_tiles(w.ty),
     };
     if tiled {
         matmul_tiled(level, w, x, out);
@@ -166,31 +191,44 @@ fn rows_per_job(rows: usize, align: usize) -> usize {
 
 fn matmul_rowwise(level: Level, w: &QMatrix, x: &QuantizedActivations, out: &mut [f32]) {
     let chunk = rows_per_job(w.rows, 4);
-    out.par_chunks_mut(w.rows).enumerate().for_each(|(t, out_t)| {
-        let act = x.row(t);
-        out_t.par_chunks_mut(chunk).enumerate().for_each(|(job, o)| {
-            let r0 = job * chunk;
-            let mut i = 0;
-            while i + 4 <= o.len() {
-                let rows = std::array::from_fn(|k| w.row(r0 + i + k));
-                match simd::vec_dot_rows4(level, w.ty, rows, act) {
-                    Some(v) => o[i..i + 4].copy_from_slice(&v),
-                    None => break,
-                }
-                i += 4;
-            }
-            for (k, v) in o.iter_mut().enumerate().skip(i) {
-                *v = simd::vec_dot(level, w.ty, w.row(r0 + k), act, w.cols);
-            }
+    out.par_chunks_mut(w.rows)
+        .enumerate()
+        .for_each(|(t, out_t)| {
+            let act = x.row(t);
+            out_t
+                .par_chunks_mut(chunk)
+                .enumerate()
+                .for_each(|(job, o)| {
+                    let r0 = job * chunk;
+                    let mut i = 0;
+                    while i + 4 <= o.len() {
+                        let rows = std::array::from_fn(|k| w.row(r0 + i + k));
+                        match simd::vec_dot_rows4(level, w.ty, rows, act) {
+                            Some(v) => o[i..i + 4].copy_from_slice(&v),
+                            None => break,
+                        }
+                        i += 4;
+                    }
+                    for (k, v) in o.iter_mut().enumerate().skip(i) {
+                        *v = simd::vec_dot(level, w.ty, w.row(r0 + k), act, w.cols);
+                    }
+                });
         });
-    });
 }
 
-/// Whether `level` has a tile kernel for weights of `ty`.
-fn has_tiles(level: Level, ty: GgmlType) -> bool {
+/// Whether the tiled path handles weights of `ty` (every quantized weight format; on levels
+/// without a SIMD tile kernel it runs the portable one).
+fn has_tiles(ty: GgmlType) -> bool {
     use GgmlType::*;
-    let quantized = matches!(ty, Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q2_K | Q3_K | Q4_K | Q5_K | Q6_K);
-    quantized && matches!(level, Level::Avx2 | Level::Avx512Vnni)
+    matches!(
+        ty,
+        Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q2_K | Q3_K | Q4_K | Q5_K | Q6_K
+    )
+}
+
+/// Whether `level` has a SIMD tile kernel, which beats one `vec_dot` per output.
+fn has_simd_tiles(level: Level) -> bool {
+    matches!(level, Level::Avx2 | Level::Avx512Vnni)
 }
 
 /// Activations in the tile layout: per token, per 32-element chunk `c`, the 32 quants and
@@ -230,7 +268,14 @@ impl TileActs {
                 .enumerate()
                 .for_each(|(t, ((qs, d), sh))| Self::build_row(x.ty, x.row(t), qs, d, sh));
         }
-        TileActs { cols: x.cols, n_chunks, n_halves, qs, d, sh }
+        TileActs {
+            cols: x.cols,
+            n_chunks,
+            n_halves,
+            qs,
+            d,
+            sh,
+        }
     }
 
     fn build_row(ty: GgmlType, row: &[u8], qs: &mut [u8], d: &mut [f32], sh: &mut [f32]) {
@@ -318,16 +363,25 @@ pub(crate) fn unpack_row(ty: GgmlType, row: &[u8], q: &mut [u8], dv: &mut [f32],
                             qc[j + 16] = x[qs + j] >> 4;
                         }
                         let d = read_f16(x, q4_0::D);
-                        (d, if ty == Q4_0 { -8.0 * d } else { read_f16(x, q4_1::M) })
+                        (
+                            d,
+                            if ty == Q4_0 {
+                                -8.0 * d
+                            } else {
+                                read_f16(x, q4_1::M)
+                            },
+                        )
                     }
                     Q5_0 => {
-                        let v = legacy::q5_values(&x[q5_0::QS..q5_0::QS + 16], read_u32(x, q5_0::QH));
+                        let v =
+                            legacy::q5_values(&x[q5_0::QS..q5_0::QS + 16], read_u32(x, q5_0::QH));
                         qc.copy_from_slice(&v);
                         let d = read_f16(x, q5_0::D);
                         (d, -16.0 * d)
                     }
                     Q5_1 => {
-                        let v = legacy::q5_values(&x[q5_1::QS..q5_1::QS + 16], read_u32(x, q5_1::QH));
+                        let v =
+                            legacy::q5_values(&x[q5_1::QS..q5_1::QS + 16], read_u32(x, q5_1::QH));
                         qc.copy_from_slice(&v);
                         (read_f16(x, q5_1::D), read_f16(x, q5_1::M))
                     }
@@ -397,7 +451,13 @@ pub(crate) fn unpack_row(ty: GgmlType, row: &[u8], q: &mut [u8], dv: &mut [f32],
                 }
                 for c in 0..QK_K / QK {
                     let cc = b * (QK_K / QK) + c;
-                    set_lanes(dv, mh, cc, [s16[2 * c], s16[2 * c + 1]], [m16[2 * c], m16[2 * c + 1]]);
+                    set_lanes(
+                        dv,
+                        mh,
+                        cc,
+                        [s16[2 * c], s16[2 * c + 1]],
+                        [m16[2 * c], m16[2 * c + 1]],
+                    );
                 }
             }
         }
@@ -419,37 +479,41 @@ fn matmul_tiled(level: Level, w: &QMatrix, x: &QuantizedActivations, out: &mut [
     // Each job owns `job_rows` consecutive rows of a transposed result (row-major by weight
     // row), so jobs write disjoint slices; the transpose into `out` follows.
     let mut transposed = vec![0.0f32; rows * n_tokens];
-    transposed.par_chunks_mut(job_rows * n_tokens).enumerate().for_each(|(job, res)| {
-        let r0 = job * job_rows;
-        let job_n = res.len() / n_tokens;
-        let mut panel = Panel::new(TILE_ROWS, w.cols);
-        for tb in (0..n_tokens).step_by(TOKEN_BLOCK) {
-            let tb_end = (tb + TOKEN_BLOCK).min(n_tokens);
-            for pr in (0..job_n).step_by(TILE_ROWS) {
-                let pr_n = TILE_ROWS.min(job_n - pr);
-                let n_chunks = w.cols / QK;
-                let n_halves = padded_halves(w.cols);
-                for i in 0..pr_n {
-                    unpack_row(
-                        w.ty,
-                        w.row(r0 + pr + i),
-                        &mut panel.q[i * w.cols..(i + 1) * w.cols],
-                        &mut panel.dv[i * n_chunks * 8..(i + 1) * n_chunks * 8],
-                        &mut panel.mh[i * n_halves..(i + 1) * n_halves],
-                    );
-                }
-                for t in (tb..tb_end).step_by(TILE_TOKENS) {
-                    let t_n = TILE_TOKENS.min(tb_end - t);
-                    let mut tile = [[0.0f32; TILE_TOKENS]; TILE_ROWS];
-                    run_tile(level, w.ty, &panel, pr_n, acts, t, t_n, &mut tile);
-                    for (i, tile_row) in tile.iter().enumerate().take(pr_n) {
-                        let dst = &mut res[(pr + i) * n_tokens + t..(pr + i) * n_tokens + t + t_n];
-                        dst.copy_from_slice(&tile_row[..t_n]);
+    transposed
+        .par_chunks_mut(job_rows * n_tokens)
+        .enumerate()
+        .for_each(|(job, res)| {
+            let r0 = job * job_rows;
+            let job_n = res.len() / n_tokens;
+            let mut panel = Panel::new(TILE_ROWS, w.cols);
+            for tb in (0..n_tokens).step_by(TOKEN_BLOCK) {
+                let tb_end = (tb + TOKEN_BLOCK).min(n_tokens);
+                for pr in (0..job_n).step_by(TILE_ROWS) {
+                    let pr_n = TILE_ROWS.min(job_n - pr);
+                    let n_chunks = w.cols / QK;
+                    let n_halves = padded_halves(w.cols);
+                    for i in 0..pr_n {
+                        unpack_row(
+                            w.ty,
+                            w.row(r0 + pr + i),
+                            &mut panel.q[i * w.cols..(i + 1) * w.cols],
+                            &mut panel.dv[i * n_chunks * 8..(i + 1) * n_chunks * 8],
+                            &mut panel.mh[i * n_halves..(i + 1) * n_halves],
+                        );
+                    }
+                    for t in (tb..tb_end).step_by(TILE_TOKENS) {
+                        let t_n = TILE_TOKENS.min(tb_end - t);
+                        let mut tile = [[0.0f32; TILE_TOKENS]; TILE_ROWS];
+                        run_tile(level, w.ty, &panel, pr_n, acts, t, t_n, &mut tile);
+                        for (i, tile_row) in tile.iter().enumerate().take(pr_n) {
+                            let dst =
+                                &mut res[(pr + i) * n_tokens + t..(pr + i) * n_tokens + t + t_n];
+                            dst.copy_from_slice(&tile_row[..t_n]);
+                        }
                     }
                 }
             }
-        }
-    });
+        });
     out.par_chunks_mut(rows).enumerate().for_each(|(t, o)| {
         for (r, v) in o.iter_mut().enumerate() {
             *v = transposed[r * n_tokens + t];
@@ -470,11 +534,59 @@ fn run_tile(
 ) {
     #[cfg(target_arch = "x86_64")]
     {
-        if matches!(level, Level::Avx2 | Level::Avx512Vnni) {
+        if has_simd_tiles(level) {
             crate::x86::tile::run(level, ty, panel, rows, acts, t0, tokens, out);
             return;
         }
     }
-    let _ = (level, ty, panel, rows, acts, t0, tokens, out);
-    unreachable!("has_tiles admits only levels with a tile kernel")
+    let _ = level;
+    portable_tile(ty == GgmlType::Q8_0, panel, rows, acts, t0, tokens, out);
+}
+
+/// The tile kernel in plain Rust, lane for lane the computation of the SIMD kernels: what the
+/// tiled path runs on levels without a SIMD tile kernel, and its reference in the tests.
+#[allow(clippy::too_many_arguments)]
+fn portable_tile(
+    signed: bool,
+    panel: &Panel,
+    rows: usize,
+    acts: &TileActs,
+    t0: usize,
+    tokens: usize,
+    out: &mut [[f32; TILE_TOKENS]; TILE_ROWS],
+) {
+    let (cols, n_chunks, n_halves) = (acts.cols, acts.n_chunks, acts.n_halves);
+    for (r, out_r) in out.iter_mut().enumerate().take(rows) {
+        let wq = &panel.q[r * cols..(r + 1) * cols];
+        let wd = &panel.dv[r * n_chunks * 8..(r + 1) * n_chunks * 8];
+        let wm = &panel.mh[r * n_halves..(r + 1) * n_halves];
+        for (ti, o) in out_r.iter_mut().enumerate().take(tokens) {
+            let t = t0 + ti;
+            let aq = &acts.qs[t * cols..(t + 1) * cols];
+            let mut lanes = [0.0f32; 8];
+            for c in 0..n_chunks {
+                let da = acts.d[t * n_chunks + c];
+                for (l, lane) in lanes.iter_mut().enumerate() {
+                    let mut isum = 0i32;
+                    for k in 0..4 {
+                        let i = QK * c + 4 * l + k;
+                        let w = if signed {
+                            wq[i] as i8 as i32
+                        } else {
+                            wq[i] as i32
+                        };
+                        isum += w * (aq[i] as i8 as i32);
+                    }
+                    *lane += isum as f32 * (wd[8 * c + l] * da);
+                }
+            }
+            if !signed {
+                let sh = &acts.sh[t * n_halves..(t + 1) * n_halves];
+                for (h, (m, s)) in wm.iter().zip(sh).enumerate() {
+                    lanes[h % 8] += m * s;
+                }
+            }
+            *o = lanes.iter().sum();
+        }
+    }
 }

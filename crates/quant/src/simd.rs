@@ -108,7 +108,12 @@ pub(crate) fn vec_dot(level: Level, ty: GgmlType, w: &[u8], a: &[u8], n: usize) 
 }
 
 /// Four rows' dot products with one activation row on `level`, where a four-row kernel exists.
-pub(crate) fn vec_dot_rows4(level: Level, ty: GgmlType, rows: [&[u8]; 4], a: &[u8]) -> Option<[f32; 4]> {
+pub(crate) fn vec_dot_rows4(
+    level: Level,
+    ty: GgmlType,
+    rows: [&[u8]; 4],
+    a: &[u8],
+) -> Option<[f32; 4]> {
     match level {
         #[cfg(target_arch = "x86_64")]
         Level::Avx2 | Level::Avx512Vnni => crate::x86::vec_dot_rows4(level, ty, rows, a),

@@ -147,7 +147,9 @@ fn q8_k_quantizer_matches_its_definition() {
     let mut b = vec![0u8; 2 * 292];
     quantize(GgmlType::Q8_K, &x, &mut b).unwrap();
     for (blk, xs) in b.chunks_exact(292).zip(x.chunks_exact(256)) {
-        let max = xs.iter().fold(0.0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+        let max = xs
+            .iter()
+            .fold(0.0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
         let iscale = -127.0 / max;
         let d = f32::from_le_bytes(blk[0..4].try_into().unwrap());
         assert_eq!(d, 1.0 / iscale);
@@ -156,8 +158,14 @@ fn q8_k_quantizer_matches_its_definition() {
             assert_eq!(q, ((iscale * xs[j]).round_ties_even() as i32).min(127));
         }
         for g in 0..16 {
-            let s: i32 = blk[4 + 16 * g..4 + 16 * g + 16].iter().map(|&q| q as i8 as i32).sum();
-            assert_eq!(i16::from_le_bytes([blk[260 + 2 * g], blk[261 + 2 * g]]) as i32, s);
+            let s: i32 = blk[4 + 16 * g..4 + 16 * g + 16]
+                .iter()
+                .map(|&q| q as i8 as i32)
+                .sum();
+            assert_eq!(
+                i16::from_le_bytes([blk[260 + 2 * g], blk[261 + 2 * g]]) as i32,
+                s
+            );
         }
     }
 }
@@ -171,7 +179,10 @@ fn q8_1_sum_is_d_times_sum_of_quants() {
     for (blk, xs) in b.chunks_exact(36).zip(x.chunks_exact(32)) {
         // GGML multiplies by the f32 scale, before it is rounded to f16 for storage.
         let d = xs.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 127.0;
-        assert_eq!(f16::from_le_bytes([blk[0], blk[1]]).to_f32(), f16::from_f32(d).to_f32());
+        assert_eq!(
+            f16::from_le_bytes([blk[0], blk[1]]).to_f32(),
+            f16::from_f32(d).to_f32()
+        );
         let s = f16::from_le_bytes([blk[2], blk[3]]).to_f32();
         let sum: i32 = blk[4..].iter().map(|&q| q as i8 as i32).sum();
         assert_eq!(s, f16::from_f32(sum as f32 * d).to_f32());
@@ -180,7 +191,10 @@ fn q8_1_sum_is_d_times_sum_of_quants() {
 
 #[test]
 fn zero_blocks_quantize_to_zero() {
-    for ty in WEIGHT_TYPES.into_iter().chain([GgmlType::Q8_1, GgmlType::Q8_K]) {
+    for ty in WEIGHT_TYPES
+        .into_iter()
+        .chain([GgmlType::Q8_1, GgmlType::Q8_K])
+    {
         let n = ty.block_size().max(32) * 2;
         let x = vec![0.0f32; n];
         let mut b = vec![0u8; ty.row_bytes(n as u64).unwrap() as usize];
@@ -193,7 +207,9 @@ fn zero_blocks_quantize_to_zero() {
 /// the legacy formats) — see each arm for the derivation. `None`: judged by RMS instead.
 fn element_bound(ty: GgmlType, group: &[f32]) -> Option<f32> {
     let amax = group.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    let (min, max) = group.iter().fold((f32::MAX, f32::MIN), |(a, b), &v| (a.min(v), b.max(v)));
+    let (min, max) = group
+        .iter()
+        .fold((f32::MAX, f32::MIN), |(a, b), &v| (a.min(v), b.max(v)));
     // f16 keeps 11 significant bits: a stored scale is off by at most 2^-11 relative.
     let f16_rel = 1.0 / 2048.0;
     Some(match ty {
@@ -232,7 +248,10 @@ fn rms_bound(ty: GgmlType) -> f64 {
 #[test]
 fn round_trip_error_is_within_the_format_bound() {
     let mut rng = Rng::new(11);
-    for ty in WEIGHT_TYPES.into_iter().chain([GgmlType::Q8_1, GgmlType::Q8_K]) {
+    for ty in WEIGHT_TYPES
+        .into_iter()
+        .chain([GgmlType::Q8_1, GgmlType::Q8_K])
+    {
         let n = 4096;
         let x = test_data(&mut rng, n, 0.7);
         let mut b = vec![0u8; ty.row_bytes(n as u64).unwrap() as usize];
@@ -255,7 +274,11 @@ fn round_trip_error_is_within_the_format_bound() {
                 }
             }
         } else {
-            let err: f64 = x.iter().zip(&y).map(|(a, b)| ((a - b) as f64).powi(2)).sum();
+            let err: f64 = x
+                .iter()
+                .zip(&y)
+                .map(|(a, b)| ((a - b) as f64).powi(2))
+                .sum();
             let sig: f64 = x.iter().map(|a| (*a as f64).powi(2)).sum();
             let rel = (err / sig).sqrt();
             assert!(rel < rms_bound(ty), "{ty}: relative RMS error {rel}");
@@ -276,7 +299,11 @@ fn scalar_vec_dot_matches_f32_dot_within_activation_error() {
         let mut a = vec![0u8; at.row_bytes(n as u64).unwrap() as usize];
         quantize(at, &a_f, &mut a).unwrap();
         let wd = dequant(ty, &w, n);
-        let exact: f64 = wd.iter().zip(&a_f).map(|(x, y)| *x as f64 * *y as f64).sum();
+        let exact: f64 = wd
+            .iter()
+            .zip(&a_f)
+            .map(|(x, y)| *x as f64 * *y as f64)
+            .sum();
         let got = vec_dot_with(Level::Scalar, ty, &w, &a, n).unwrap() as f64;
         // The activation's rounding error bounds the difference: per element at most the
         // element bound of its format (computed per activation block), times |w|; plus f32
@@ -295,7 +322,10 @@ fn scalar_vec_dot_matches_f32_dot_within_activation_error() {
             }
         }
         bound += common::abs_scale(&wd, &a_f) / (1u64 << 20) as f64;
-        assert!((got - exact).abs() <= bound, "{ty}: {got} vs {exact}, bound {bound}");
+        assert!(
+            (got - exact).abs() <= bound,
+            "{ty}: {got} vs {exact}, bound {bound}"
+        );
     }
 }
 
@@ -309,7 +339,11 @@ fn bad_input_is_an_error_not_a_panic() {
     let mut out = vec![0.0f32; 32];
     assert!(matches!(
         dequantize(GgmlType::Q4_0, &[0u8; 17], &mut out),
-        Err(QuantError::LengthMismatch { expected: 18, found: 17, .. })
+        Err(QuantError::LengthMismatch {
+            expected: 18,
+            found: 17,
+            ..
+        })
     ));
     assert!(matches!(
         dequantize(GgmlType::IQ2_XS, &[0u8; 74], &mut vec![0.0; 256]),
@@ -321,7 +355,11 @@ fn bad_input_is_an_error_not_a_panic() {
     ));
     assert!(matches!(
         ember_quant::vec_dot(GgmlType::Q4_1, &[0u8; 20], &[0u8; 34], 32),
-        Err(QuantError::LengthMismatch { expected: 36, found: 34, .. })
+        Err(QuantError::LengthMismatch {
+            expected: 36,
+            found: 34,
+            ..
+        })
     ));
     assert!(matches!(
         ember_quant::vec_dot(GgmlType::Q8_K, &[0u8; 292], &[0u8; 292], 256),
@@ -329,7 +367,13 @@ fn bad_input_is_an_error_not_a_panic() {
     ));
     assert!(ember_quant::QMatrix::new(GgmlType::Q4_0, 2, 32, &[0u8; 35]).is_err());
     assert!(ember_quant::QMatrix::new(GgmlType::Q4_0, usize::MAX, 32, &[]).is_err());
-    let msg = QuantError::LengthMismatch { what: "x", unit: "bytes", expected: 3, found: 4 }.to_string();
+    let msg = QuantError::LengthMismatch {
+        what: "x",
+        unit: "bytes",
+        expected: 3,
+        found: 4,
+    }
+    .to_string();
     assert_eq!(msg, "x: expected 3 bytes, found 4");
     assert!(!is_supported(GgmlType::IQ4_NL));
 }

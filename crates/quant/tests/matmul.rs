@@ -47,10 +47,9 @@ fn check(ty: GgmlType, rows: usize, cols: usize, n_tokens: usize, seed: u64) {
         for r in 0..rows {
             reference[t * rows + r] =
                 vec_dot_with(Level::Scalar, ty, w.row(r), act.row(t), cols).unwrap();
-            tolerance[t * rows + r] = abs_scale(
-                &wd[r * cols..(r + 1) * cols],
-                &ad[t * cols..(t + 1) * cols],
-            ) / (1u64 << 17) as f64;
+            tolerance[t * rows + r] =
+                abs_scale(&wd[r * cols..(r + 1) * cols], &ad[t * cols..(t + 1) * cols])
+                    / (1u64 << 17) as f64;
         }
     }
     for level in available_levels() {
@@ -72,7 +71,10 @@ fn check(ty: GgmlType, rows: usize, cols: usize, n_tokens: usize, seed: u64) {
     matmul_f32(&w, &x, n_tokens, &mut out).unwrap();
     let mut out2 = vec![0.0f32; rows * n_tokens];
     matmul(&w, &act, &mut out2).unwrap();
-    assert_eq!(out, out2, "matmul_f32 quantizes exactly as quantize_activations");
+    assert_eq!(
+        out, out2,
+        "matmul_f32 quantizes exactly as quantize_activations"
+    );
 }
 
 #[test]
@@ -100,7 +102,10 @@ fn results_do_not_depend_on_the_thread_count() {
     let w = QMatrix::new(GgmlType::Q4_1, rows, cols, &data).unwrap();
     let x = test_data(&mut rng, n_tokens * cols, 1.0);
     let run = |threads: usize| {
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
         pool.install(|| {
             let mut out = vec![0.0f32; rows * n_tokens];
             matmul_f32(&w, &x, n_tokens, &mut out).unwrap();
@@ -118,12 +123,19 @@ fn mismatched_arguments_are_errors() {
     let mut out = vec![0.0f32; 2];
     assert!(matches!(
         matmul(&w, &act, &mut out),
-        Err(QuantError::ActivationType { expected: GgmlType::Q8_1, found: GgmlType::Q8_0 })
+        Err(QuantError::ActivationType {
+            expected: GgmlType::Q8_1,
+            found: GgmlType::Q8_0
+        })
     ));
     let act = quantize_activations(GgmlType::Q8_1, &[0.0; 32], 1, 32).unwrap();
     assert!(matches!(
         matmul(&w, &act, &mut out[..1]),
-        Err(QuantError::LengthMismatch { expected: 2, found: 1, .. })
+        Err(QuantError::LengthMismatch {
+            expected: 2,
+            found: 1,
+            ..
+        })
     ));
     assert!(quantize_activations(GgmlType::Q4_0, &[0.0; 32], 1, 32).is_err());
     assert!(quantize_activations(GgmlType::Q8_0, &[0.0; 31], 1, 32).is_err());

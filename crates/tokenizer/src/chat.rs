@@ -43,7 +43,6 @@ impl ChatMessage {
 }
 
 /// A compiled chat template.
-#[derive(Debug)]
 pub struct ChatTemplate {
     env: Environment<'static>,
     source: String,
@@ -152,16 +151,55 @@ impl ChatTemplate {
         bos_token: &str,
         eos_token: &str,
     ) -> Result<String, TokenizerError> {
+        self.render_with(
+            Value::from_serialize(messages),
+            add_generation_prompt,
+            bos_token,
+            eos_token,
+            &serde_json::Map::new(),
+        )
+    }
+
+    /// Renders messages of any shape (OpenAI-style content parts, tool calls, ...) given as JSON,
+    /// with extra template variables such as `tools`; `extra` cannot override `messages`,
+    /// `add_generation_prompt`, `bos_token` or `eos_token`.
+    pub fn render_json(
+        &self,
+        messages: &serde_json::Value,
+        add_generation_prompt: bool,
+        bos_token: &str,
+        eos_token: &str,
+        extra: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, TokenizerError> {
+        self.render_with(
+            Value::from_serialize(messages),
+            add_generation_prompt,
+            bos_token,
+            eos_token,
+            extra,
+        )
+    }
+
+    fn render_with(
+        &self,
+        messages: Value,
+        add_generation_prompt: bool,
+        bos_token: &str,
+        eos_token: &str,
+        extra: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, TokenizerError> {
         let template = self
             .env
             .get_template(TEMPLATE_NAME)
             .map_err(|e| TokenizerError::TemplateRender(describe(&e, self.fuel)))?;
-        let ctx = minijinja::context! {
-            messages => Value::from_serialize(messages),
+        let fixed = minijinja::context! {
+            messages => messages,
             add_generation_prompt => add_generation_prompt,
             bos_token => bos_token,
             eos_token => eos_token,
         };
+        // Later contexts only fill in names the earlier ones lack.
+        let ctx = minijinja::context! { ..fixed, ..Value::from_serialize(extra) };
         let mut out = LimitedWriter {
             bytes: Vec::new(),
             overflowed: false,
@@ -174,6 +212,15 @@ impl ChatTemplate {
             ))),
             Err(e) => Err(TokenizerError::TemplateRender(describe(&e, self.fuel))),
         }
+    }
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate")
+            .field("source", &self.source)
+            .field("fuel", &self.fuel)
+            .finish_non_exhaustive()
     }
 }
 

@@ -632,36 +632,50 @@ mod tests {
             .collect()
     }
 
+    const ALL_NAMES: &[&str] = &[
+        "default",
+        "llama3",
+        "dbrx",
+        "glm4",
+        "jais-2",
+        "deepseek-llm",
+        "deepseek-coder",
+        "deepseek-v3",
+        "falcon",
+        "starcoder",
+        "smollm",
+        "gpt-2",
+        "qwen2",
+        "qwen35",
+        "poro-chat",
+        "viking",
+        "tekken",
+        "chameleon",
+        "gpt-4o",
+        "bailingmoe",
+        "seed-coder",
+        "grok-2",
+        "ufakzeka",
+        "laguna",
+        "exaone-moe",
+        "minicpm5",
+    ];
+
+    /// Every pre-tokenizer, compiled once (fancy-regex compiles slowly in debug builds).
+    fn compiled() -> &'static [(&'static str, PreTokenizer)] {
+        static ALL: std::sync::OnceLock<Vec<(&'static str, PreTokenizer)>> =
+            std::sync::OnceLock::new();
+        ALL.get_or_init(|| {
+            ALL_NAMES
+                .iter()
+                .map(|&name| (name, PreTokenizer::new(&lookup(name).unwrap()).unwrap()))
+                .collect()
+        })
+    }
+
     #[test]
     fn every_known_pre_tokenizer_compiles() {
-        for name in [
-            "default",
-            "llama3",
-            "dbrx",
-            "glm4",
-            "jais-2",
-            "deepseek-llm",
-            "deepseek-coder",
-            "deepseek-v3",
-            "falcon",
-            "starcoder",
-            "smollm",
-            "gpt-2",
-            "qwen2",
-            "qwen35",
-            "poro-chat",
-            "viking",
-            "tekken",
-            "chameleon",
-            "gpt-4o",
-            "bailingmoe",
-            "seed-coder",
-            "grok-2",
-            "ufakzeka",
-            "laguna",
-            "exaone-moe",
-            "minicpm5",
-        ] {
+        for name in ALL_NAMES {
             let spec = lookup(name).unwrap();
             let pre = PreTokenizer::new(&spec).unwrap_or_else(|e| panic!("{name}: {e}"));
             assert_eq!(
@@ -723,6 +737,20 @@ mod tests {
     #[test]
     fn tekken_splits_camel_case() {
         assert_eq!(words("tekken", "CamelCase"), ["Camel", "Case"]);
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+
+        /// Every pre-tokenizer cuts any text into non-empty pieces that tile it.
+        #[test]
+        fn pieces_tile_any_text(text in "\\PC{0,80}|[ a-zA-Z0-9'\\n\\r\\t.,!]{0,80}") {
+            for (name, pre) in compiled() {
+                let ranges = pre.split(&text);
+                proptest::prop_assert!(ranges.iter().all(|r| !r.is_empty()), "{}: empty piece", name);
+                proptest::prop_assert_eq!(ranges.concat_len(), text.len());
+            }
+        }
     }
 
     #[test]

@@ -27,7 +27,6 @@ enum Model {
 }
 
 /// A tokenizer loaded from GGUF metadata.
-#[derive(Debug)]
 pub struct Tokenizer {
     vocab: Vocab,
     model: Model,
@@ -442,6 +441,21 @@ impl Tokenizer {
     /// by the default one, a special id of -1); the caller decides how to report them.
     pub fn warnings(&self) -> &[String] {
         &self.warnings
+    }
+}
+
+impl std::fmt::Debug for Tokenizer {
+    // The derived form would print the whole vocabulary.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("kind", &self.kind)
+            .field("vocab_size", &self.vocab_size())
+            .field("bos", &self.bos())
+            .field("eos", &self.eos())
+            .field("add_bos", &self.add_bos)
+            .field("add_eos", &self.add_eos)
+            .field("add_space_prefix", &self.add_space_prefix)
+            .finish_non_exhaustive()
     }
 }
 

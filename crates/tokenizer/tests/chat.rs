@@ -197,6 +197,32 @@ fn python_string_methods_and_helpers_work() {
 }
 
 #[test]
+fn json_messages_with_content_parts_and_extra_variables() {
+    let messages = serde_json::json!([
+        {"role": "user", "content": [{"type": "text", "text": " Describe "}, {"type": "image"}]},
+        {"role": "assistant", "content": "A cat."},
+    ]);
+    let mut extra = serde_json::Map::new();
+    // `extra` cannot replace the fixed variables.
+    extra.insert("bos_token".into(), serde_json::json!("<not-bos>"));
+    let rendered = gemma3_template()
+        .render_json(&messages, true, "<bos>", "<eos>", &extra)
+        .unwrap();
+    assert_eq!(
+        rendered,
+        "<bos><start_of_turn>user\nDescribe<start_of_image><end_of_turn>\n\
+         <start_of_turn>model\nA cat.<end_of_turn>\n<start_of_turn>model\n"
+    );
+    let t = ChatTemplate::from_source("{{ tools | length }} {{ tools[0].name }}").unwrap();
+    extra.insert("tools".into(), serde_json::json!([{"name": "get_weather"}]));
+    assert_eq!(
+        t.render_json(&serde_json::json!([]), false, "", "", &extra)
+            .unwrap(),
+        "1 get_weather"
+    );
+}
+
+#[test]
 fn template_syntax_errors_are_reported() {
     let err = ChatTemplate::from_source("{% for %}").unwrap_err();
     assert!(matches!(err, TokenizerError::TemplateSyntax(_)), "{err:?}");

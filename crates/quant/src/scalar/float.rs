@@ -84,19 +84,33 @@ fn lanes_dot(n: usize, get: impl Fn(usize) -> (f32, f32)) -> f32 {
         let (x, y) = get(i);
         tail += x * y;
     }
-    let pairs = [acc[0] + acc[4], acc[1] + acc[5], acc[2] + acc[6], acc[3] + acc[7]];
+    let pairs = [
+        acc[0] + acc[4],
+        acc[1] + acc[5],
+        acc[2] + acc[6],
+        acc[3] + acc[7],
+    ];
     (pairs[0] + pairs[2]) + (pairs[1] + pairs[3]) + tail
 }
 
 pub fn vec_dot_f32(w: &[u8], a: &[u8], n: usize) -> f32 {
-    let rd = |s: &[u8], i: usize| f32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]]);
+    let rd = |s: &[u8], i: usize| {
+        f32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]])
+    };
     lanes_dot(n, |i| (rd(w, i), rd(a, i)))
 }
 
 pub fn vec_dot_f16(w: &[u8], a: &[u8], n: usize) -> f32 {
-    lanes_dot(n, |i| (f16_bits_to_f32(u16_at(w, i)), f16_bits_to_f32(u16_at(a, i))))
+    lanes_dot(n, |i| {
+        (f16_bits_to_f32(u16_at(w, i)), f16_bits_to_f32(u16_at(a, i)))
+    })
 }
 
 pub fn vec_dot_bf16(w: &[u8], a: &[u8], n: usize) -> f32 {
-    lanes_dot(n, |i| (bf16_bits_to_f32(u16_at(w, i)), bf16_bits_to_f32(u16_at(a, i))))
+    lanes_dot(n, |i| {
+        (
+            bf16_bits_to_f32(u16_at(w, i)),
+            bf16_bits_to_f32(u16_at(a, i)),
+        )
+    })
 }

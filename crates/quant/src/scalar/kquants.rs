@@ -276,8 +276,24 @@ pub fn quantize_q2_k(src: &[f32], dst: &mut [u8]) {
                 sc[j] |= (nearest_int(iscale * mins[j]) << 4) as u8;
             }
         }
-        write_f16(y, q2_k::D, if max_scale > 0.0 { max_scale / Q4SCALE } else { 0.0 });
-        write_f16(y, q2_k::DMIN, if max_min > 0.0 { max_min / Q4SCALE } else { 0.0 });
+        write_f16(
+            y,
+            q2_k::D,
+            if max_scale > 0.0 {
+                max_scale / Q4SCALE
+            } else {
+                0.0
+            },
+        );
+        write_f16(
+            y,
+            q2_k::DMIN,
+            if max_min > 0.0 {
+                max_min / Q4SCALE
+            } else {
+                0.0
+            },
+        );
         let d_all = read_f16(y, q2_k::D);
         let dmin_all = read_f16(y, q2_k::DMIN);
         for j in 0..16 {
@@ -303,8 +319,11 @@ pub fn quantize_q3_k(src: &[f32], dst: &mut [u8]) {
         let mut max_scale = 0.0f32;
         let mut amax = 0.0f32;
         for j in 0..16 {
-            scales[j] =
-                make_q3_quants(&x[16 * j..16 * j + 16], 4, &mut l_signed[16 * j..16 * j + 16]);
+            scales[j] = make_q3_quants(
+                &x[16 * j..16 * j + 16],
+                4,
+                &mut l_signed[16 * j..16 * j + 16],
+            );
             let scale = scales[j].abs();
             if scale > amax {
                 amax = scale;
@@ -397,7 +416,11 @@ fn quantize_k4_common(x: &[f32], nmax: i32, rmin: f32, nstep: i32, y: &mut [u8])
             max_min = min;
         }
     }
-    let inv_scale = if max_scale > 0.0 { 63.0 / max_scale } else { 0.0 };
+    let inv_scale = if max_scale > 0.0 {
+        63.0 / max_scale
+    } else {
+        0.0
+    };
     let inv_min = if max_min > 0.0 { 63.0 / max_min } else { 0.0 };
     let sc = &mut y[q4_k::SCALES..q4_k::SCALES + 12];
     sc.fill(0);
@@ -479,8 +502,11 @@ pub fn quantize_q6_k(src: &[f32], dst: &mut [u8]) {
         let mut max_scale = 0.0f32;
         let mut max_abs_scale = 0.0f32;
         for ib in 0..16 {
-            let scale =
-                make_qx_quants(&x[16 * ib..16 * ib + 16], 32, &mut l_signed[16 * ib..16 * ib + 16]);
+            let scale = make_qx_quants(
+                &x[16 * ib..16 * ib + 16],
+                32,
+                &mut l_signed[16 * ib..16 * ib + 16],
+            );
             scales[ib] = scale;
             if scale.abs() > max_abs_scale {
                 max_abs_scale = scale.abs();
@@ -549,8 +575,10 @@ pub fn quantize_q8_k(src: &[f32], dst: &mut [u8]) {
             *q = nearest_int(iscale * v).min(127) as i8 as u8;
         }
         for j in 0..16 {
-            let sum: i32 =
-                y[q8_k::QS + 16 * j..q8_k::QS + 16 * j + 16].iter().map(|&q| q as i8 as i32).sum();
+            let sum: i32 = y[q8_k::QS + 16 * j..q8_k::QS + 16 * j + 16]
+                .iter()
+                .map(|&q| q as i8 as i32)
+                .sum();
             let o = q8_k::BSUMS + 2 * j;
             y[o..o + 2].copy_from_slice(&(sum as i16).to_le_bytes());
         }
@@ -731,7 +759,9 @@ pub fn block_isums(ty: crate::GgmlType, x: &[u8], y: &[u8]) -> (i32, i32) {
             let v = q2k_values(x);
             let q: [i32; QK_K] = std::array::from_fn(|i| v[i] as i32);
             let sc: [i32; 16] = std::array::from_fn(|j| (x[q2_k::SCALES + j] & 0xF) as i32);
-            let msum = (0..16).map(|j| (x[q2_k::SCALES + j] >> 4) as i32 * bsum(j)).sum();
+            let msum = (0..16)
+                .map(|j| (x[q2_k::SCALES + j] >> 4) as i32 * bsum(j))
+                .sum();
             (scaled_isum::<16>(&q, a, &sc), msum)
         }
         GgmlType::Q3_K => {
@@ -750,7 +780,9 @@ pub fn block_isums(ty: crate::GgmlType, x: &[u8], y: &[u8]) -> (i32, i32) {
             let q: [i32; QK_K] = std::array::from_fn(|i| v[i] as i32);
             let (s, m) = k4_scales_mins(&x[q4_k::SCALES..q4_k::SCALES + 12]);
             let sc: [i32; 8] = std::array::from_fn(|j| s[j] as i32);
-            let msum = (0..8).map(|j| m[j] as i32 * (bsum(2 * j) + bsum(2 * j + 1))).sum();
+            let msum = (0..8)
+                .map(|j| m[j] as i32 * (bsum(2 * j) + bsum(2 * j + 1)))
+                .sum();
             (scaled_isum::<32>(&q, a, &sc), msum)
         }
         GgmlType::Q6_K => {

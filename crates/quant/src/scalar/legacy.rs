@@ -131,7 +131,10 @@ pub fn quantize_q8_0(src: &[f32], dst: &mut [u8]) {
 pub fn quantize_q8_1(src: &[f32], dst: &mut [u8]) {
     for (x, y) in src.chunks_exact(QK).zip(dst.chunks_exact_mut(q8_1::SIZE)) {
         let d = quantize_block_q8(x, &mut y[q8_1::QS..q8_1::QS + QK]);
-        let sum: i32 = y[q8_1::QS..q8_1::QS + QK].iter().map(|&q| q as i8 as i32).sum();
+        let sum: i32 = y[q8_1::QS..q8_1::QS + QK]
+            .iter()
+            .map(|&q| q as i8 as i32)
+            .sum();
         write_f16(y, q8_1::D, d);
         write_f16(y, q8_1::S, sum as f32 * d);
     }

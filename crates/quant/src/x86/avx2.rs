@@ -66,8 +66,8 @@ pub(crate) fn hsum_epi32(v: __m256i) -> i32 {
 pub(crate) fn bytes_from_bits(bits: u32) -> __m256i {
     let v = _mm256_set1_epi32(bits as i32);
     let spread = _mm256_setr_epi8(
-        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3,
-        3,
+        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3,
+        3, 3,
     );
     let v = _mm256_shuffle_epi8(v, spread);
     let select = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
@@ -168,7 +168,10 @@ unsafe fn block_q4_0(x: *const u8, y: *const u8) -> BlockTerms {
     unsafe {
         let d = _mm256_set1_ps(f16_ptr(x) * f16_ptr(y));
         let t = _mm_loadu_si128(x.add(q4_0::QS).cast());
-        let q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(t), t), _mm256_set1_epi8(0xF));
+        let q = _mm256_and_si256(
+            _mm256_set_m128i(_mm_srli_epi16::<4>(t), t),
+            _mm256_set1_epi8(0xF),
+        );
         let q = _mm256_sub_epi8(q, _mm256_set1_epi8(8));
         let yv = _mm256_loadu_si256(y.add(q8_0::QS).cast());
         (d, _mm256_cvtepi32_ps(dot_i8(q, yv)), _mm_setzero_ps())
@@ -186,7 +189,10 @@ unsafe fn block_q4_1(x: *const u8, y: *const u8) -> BlockTerms {
         let prod = _mm_mul_ps(f16x2_ptr(x), f16x2_ptr(y));
         let d = _mm256_broadcastss_ps(prod);
         let t = _mm_loadu_si128(x.add(q4_1::QS).cast());
-        let q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(t), t), _mm256_set1_epi8(0xF));
+        let q = _mm256_and_si256(
+            _mm256_set_m128i(_mm_srli_epi16::<4>(t), t),
+            _mm256_set1_epi8(0xF),
+        );
         let yv = _mm256_loadu_si256(y.add(q8_1::QS).cast());
         (d, _mm256_cvtepi32_ps(dot_u8i8(q, yv)), prod)
     }
@@ -203,7 +209,10 @@ unsafe fn block_q5_0(x: *const u8, y: *const u8) -> BlockTerms {
         let qh = x.add(q5_0::QH).cast::<u32>().read_unaligned();
         let high = _mm256_and_si256(bytes_from_bits(qh), _mm256_set1_epi8(0x10));
         let t = _mm_loadu_si128(x.add(q5_0::QS).cast());
-        let q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(t), t), _mm256_set1_epi8(0xF));
+        let q = _mm256_and_si256(
+            _mm256_set_m128i(_mm_srli_epi16::<4>(t), t),
+            _mm256_set1_epi8(0xF),
+        );
         let q = _mm256_sub_epi8(_mm256_or_si256(q, high), _mm256_set1_epi8(16));
         let yv = _mm256_loadu_si256(y.add(q8_0::QS).cast());
         (d, _mm256_cvtepi32_ps(dot_i8(q, yv)), _mm_setzero_ps())
@@ -222,7 +231,10 @@ unsafe fn block_q5_1(x: *const u8, y: *const u8) -> BlockTerms {
         let qh = x.add(q5_1::QH).cast::<u32>().read_unaligned();
         let high = _mm256_and_si256(bytes_from_bits(qh), _mm256_set1_epi8(0x10));
         let t = _mm_loadu_si128(x.add(q5_1::QS).cast());
-        let q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(t), t), _mm256_set1_epi8(0xF));
+        let q = _mm256_and_si256(
+            _mm256_set_m128i(_mm_srli_epi16::<4>(t), t),
+            _mm256_set1_epi8(0xF),
+        );
         let q = _mm256_or_si256(q, high);
         let yv = _mm256_loadu_si256(y.add(q8_1::QS).cast());
         (d, _mm256_cvtepi32_ps(dot_u8i8(q, yv)), prod)
@@ -381,7 +393,11 @@ fn vec_dot_k4<const FIVE: bool>(w: &[u8], a: &[u8]) -> f32 {
         // SAFETY: `mins` is 16 i16 = 32 readable bytes; unaligned load.
         let mins_v = unsafe { _mm256_loadu_si256(mins.as_ptr().cast()) };
         let msum = hsum_epi32(_mm256_madd_epi16(mins_v, q8k_bsums(y)));
-        let qh = if FIVE { load32(&x[q5_k::QH..]) } else { _mm256_setzero_si256() };
+        let qh = if FIVE {
+            load32(&x[q5_k::QH..])
+        } else {
+            _mm256_setzero_si256()
+        };
         let mut isum = _mm256_setzero_si256();
         for c in 0..4 {
             let q = load32(&x[qs_off + 32 * c..]);
@@ -455,9 +471,11 @@ pub fn vec_dot_q6_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
             for (k, q) in quarters.into_iter().enumerate() {
                 let e = 128 * c + 32 * k;
                 let yv = load32(&y[q8_k::QS + e..]);
-                let p = _mm256_sub_epi16(_mm256_maddubs_epi16(q, yv), _mm256_maddubs_epi16(m32, yv));
+                let p =
+                    _mm256_sub_epi16(_mm256_maddubs_epi16(q, yv), _mm256_maddubs_epi16(m32, yv));
                 let s = e / 16;
-                let p = _mm256_madd_epi16(p, scale_pair(sc[s] as i8 as i16, sc[s + 1] as i8 as i16));
+                let p =
+                    _mm256_madd_epi16(p, scale_pair(sc[s] as i8 as i16, sc[s + 1] as i8 as i16));
                 isum = _mm256_add_epi32(isum, p);
             }
         }
@@ -495,7 +513,11 @@ pub fn vec_dot_f16(w: &[u8], a: &[u8], n: usize) -> f32 {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn rows4_pairs<const Q8: bool>(rows: [&[u8]; 4], a: &[u8], nb: usize) -> [f32; 4] {
-    let (w_size, a_size) = if Q8 { (q8_0::SIZE, q8_0::SIZE) } else { (q4_1::SIZE, q8_1::SIZE) };
+    let (w_size, a_size) = if Q8 {
+        (q8_0::SIZE, q8_0::SIZE)
+    } else {
+        (q4_1::SIZE, q8_1::SIZE)
+    };
     let ap = a.as_ptr();
     let wp: [*const u8; 4] = std::array::from_fn(|r| rows[r].as_ptr());
     let mut acc = [_mm256_setzero_ps(); 4];
@@ -582,7 +604,11 @@ unsafe fn rows4_pairs<const Q8: bool>(rows: [&[u8]; 4], a: &[u8], nb: usize) -> 
         for (o, row) in out.iter_mut().zip(rows) {
             let w_tail = &row[c * w_size..(c + 1) * w_size];
             let a_tail = &a[c * a_size..(c + 1) * a_size];
-            *o += if Q8 { vec_dot_q8_0_q8_0(w_tail, a_tail) } else { vec_dot_q4_1_q8_1(w_tail, a_tail) };
+            *o += if Q8 {
+                vec_dot_q8_0_q8_0(w_tail, a_tail)
+            } else {
+                vec_dot_q4_1_q8_1(w_tail, a_tail)
+            };
         }
     }
     out

@@ -30,6 +30,9 @@ struct TilePtrs {
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C, and `p` must point at `R` panel rows and `T` token
 /// rows of `p.cols` bytes, `p.n_chunks` chunks and `p.n_halves` halves each (as `run` checks).
+// Row and token indices address several register arrays in lockstep; iterators would hide
+// that the loops are fully unrolled over constant bounds.
+#[allow(clippy::needless_range_loop)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn kernel<const R: usize, const T: usize, const SIGNED: bool>(
@@ -43,9 +46,8 @@ unsafe fn kernel<const R: usize, const T: usize, const SIGNED: bool>(
         // SAFETY: c < n_chunks, so every offset below stays inside the rows that the caller
         // guarantees: 32 bytes at QK*c of each row, 8 floats at 8*c, 1 float at c.
         unsafe {
-            let a: [__m256i; T] = std::array::from_fn(|t| {
-                _mm256_loadu_si256(p.aq.add(t * cols + QK * c).cast())
-            });
+            let a: [__m256i; T] =
+                std::array::from_fn(|t| _mm256_loadu_si256(p.aq.add(t * cols + QK * c).cast()));
             let da: [__m256; T] =
                 std::array::from_fn(|t| _mm256_broadcast_ss(&*p.ad.add(t * n_chunks + c)));
             for r in 0..R {
@@ -53,7 +55,11 @@ unsafe fn kernel<const R: usize, const T: usize, const SIGNED: bool>(
                 let dv = _mm256_loadu_ps(p.wd.add((r * n_chunks + c) * 8));
                 let wu = if SIGNED { _mm256_sign_epi8(wv, wv) } else { wv };
                 for t in 0..T {
-                    let at = if SIGNED { _mm256_sign_epi8(a[t], wv) } else { a[t] };
+                    let at = if SIGNED {
+                        _mm256_sign_epi8(a[t], wv)
+                    } else {
+                        a[t]
+                    };
                     let prod = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, at), ones);
                     let scale = _mm256_mul_ps(dv, da[t]);
                     acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(prod), scale, acc[r][t]);

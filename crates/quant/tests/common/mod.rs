@@ -83,12 +83,22 @@ pub fn random_weights(rng: &mut Rng, ty: GgmlType, n: usize, unit_scales: bool) 
         for v in b.iter_mut() {
             *v = rng.byte();
         }
-        let mut scale = |rng: &mut Rng| if unit_scales { 1.0 } else { rng.range(0.001, 0.05) };
+        let scale = |rng: &mut Rng| {
+            if unit_scales {
+                1.0
+            } else {
+                rng.range(0.001, 0.05)
+            }
+        };
         match ty {
             Q4_0 | Q5_0 => put_f16(b, 0, scale(rng)),
             Q4_1 | Q5_1 => {
                 put_f16(b, 0, scale(rng));
-                let m = if unit_scales { 0.0 } else { -rng.range(0.0, 0.5) };
+                let m = if unit_scales {
+                    0.0
+                } else {
+                    -rng.range(0.0, 0.5)
+                };
                 put_f16(b, 2, m);
             }
             Q8_0 => {
@@ -132,7 +142,11 @@ pub fn random_acts(rng: &mut Rng, ty: GgmlType, n: usize, unit_scales: bool) -> 
         return out;
     }
     for b in out.chunks_exact_mut(size) {
-        let d = if unit_scales { 1.0 } else { rng.range(0.001, 0.05) };
+        let d = if unit_scales {
+            1.0
+        } else {
+            rng.range(0.001, 0.05)
+        };
         match ty {
             Q8_0 => {
                 put_f16(b, 0, d);
@@ -145,7 +159,11 @@ pub fn random_acts(rng: &mut Rng, ty: GgmlType, n: usize, unit_scales: bool) -> 
                 for q in &mut b[4..36] {
                     *q = rng.i8_sym() as u8;
                 }
-                let s = if unit_scales { 0.0 } else { rng.range(-2.0, 2.0) };
+                let s = if unit_scales {
+                    0.0
+                } else {
+                    rng.range(-2.0, 2.0)
+                };
                 put_f16(b, 2, s);
             }
             Q8_K => {
@@ -154,7 +172,10 @@ pub fn random_acts(rng: &mut Rng, ty: GgmlType, n: usize, unit_scales: bool) -> 
                     *q = rng.i8_sym() as u8;
                 }
                 for j in 0..16 {
-                    let s: i32 = b[4 + 16 * j..4 + 16 * j + 16].iter().map(|&q| q as i8 as i32).sum();
+                    let s: i32 = b[4 + 16 * j..4 + 16 * j + 16]
+                        .iter()
+                        .map(|&q| q as i8 as i32)
+                        .sum();
                     let o = blocks::q8_k::BSUMS + 2 * j;
                     b[o..o + 2].copy_from_slice(&(s as i16).to_le_bytes());
                 }
@@ -266,14 +287,27 @@ impl Gguf {
             pos += 4;
             let offset = u64_at(&bytes, pos);
             pos += 8;
-            tensors.push(TensorInfo { name, dims, ty, offset });
+            tensors.push(TensorInfo {
+                name,
+                dims,
+                ty,
+                offset,
+            });
         }
         let data_start = (pos as u64).div_ceil(alignment) * alignment;
-        Gguf { bytes, tensors, data_start: data_start as usize }
+        Gguf {
+            bytes,
+            tensors,
+            data_start: data_start as usize,
+        }
     }
 
     pub fn tensor(&self, name: &str) -> (&TensorInfo, &[u8]) {
-        let t = self.tensors.iter().find(|t| t.name == name).unwrap_or_else(|| panic!("no tensor {name}"));
+        let t = self
+            .tensors
+            .iter()
+            .find(|t| t.name == name)
+            .unwrap_or_else(|| panic!("no tensor {name}"));
         let n: u64 = t.dims.iter().product();
         let size = t.ty.row_bytes(n).unwrap() as usize;
         let start = self.data_start + t.offset as usize;

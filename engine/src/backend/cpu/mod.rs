@@ -241,6 +241,13 @@ impl Backend for CpuBackend {
             return;
         }
         let vdt = ember_quant::vec_dot_type(w.info.ty);
+        if std::env::var_os("EMBER_DEBUG_ROWWISE").is_some() {
+            for t in 0..n_tokens {
+                let acts = ember_quant::quantize_activations(vdt, &x[t * w.cols..(t + 1) * w.cols], 1, w.cols).unwrap();
+                ember_quant::matmul(&q, &acts, &mut out[t * w.rows..(t + 1) * w.rows]).unwrap();
+            }
+            return;
+        }
         // Shapes were checked when the matrix was placed and the buffers are sized by the model
         // code from the same hyperparameters, so these cannot fail on any input file.
         let acts = ember_quant::quantize_activations(vdt, x, n_tokens, w.cols).expect("activation shape matches the matrix");
