@@ -73,6 +73,9 @@ impl crate::flags::Smoke {
         check_info(&mut report, &subject, &expected, &model);
         check_devices(&mut report, &subject);
         check_generation(&mut report, &subject, &root, &model)?;
+        if let Runner::Container { image, .. } = &subject.runner {
+            check_health(&mut report, image);
+        }
 
         println!(
             "smoke: {} checks in {:.1} s",
@@ -573,6 +576,93 @@ fn check_info(
             ),
         ),
         Err(error) => report.fail("info", &format!("{error:#}")),
+    }
+}
+
+/// Starts the image with a placeholder main process (the default command exits at once) and waits
+/// for Docker to run its HEALTHCHECK, with the interval shortened so the check takes seconds.
+fn check_health(report: &mut Report, image: &str) {
+    let name = format!("ember-smoke-health-{}", std::process::id());
+    let started = run_capture(
+        Command::new("docker").args([
+            "run",
+            "--detach",
+            "--name",
+            &name,
+            "--health-interval",
+            "1s",
+            "--health-start-period",
+            "0s",
+            "--health-retries",
+            "1",
+            "--entrypoint",
+            "sleep",
+            image,
+            "120",
+        ]),
+        Duration::from_secs(60),
+    );
+    let verdict = match started {
+        Ok(output) if output.success() => wait_for_health(&name, Duration::from_secs(60)),
+        Ok(output) => Err(format!(
+            "expected the container to start, found exit status {:?}; {}",
+            output.status,
+            output.stderr_tail()
+        )),
+        Err(error) => Err(format!("{error:#}")),
+    };
+    // Best effort: the container may not exist when `docker run` failed.
+    let _ = duct::cmd!("docker", "rm", "--force", &name)
+        .stdout_null()
+        .stderr_null()
+        .unchecked()
+        .run();
+    match verdict {
+        Ok(waited) => report.pass(
+            "healthcheck",
+            &format!("healthy after {:.1} s", waited.as_secs_f64()),
+        ),
+        Err(problem) => report.fail("healthcheck", &problem),
+    }
+}
+
+fn wait_for_health(container: &str, timeout: Duration) -> Result<Duration, String> {
+    let started = Instant::now();
+    let format = "{{if .State.Health}}{{.State.Health.Status}}{{else}}none{{end}}";
+    loop {
+        let status = run_capture(
+            Command::new("docker").args(["inspect", "--format", format, container]),
+            Duration::from_secs(30),
+        )
+        .map_err(|error| format!("{error:#}"))?;
+        match status.stdout.trim() {
+            "healthy" => return Ok(started.elapsed()),
+            "unhealthy" => {
+                let log = run_capture(
+                    Command::new("docker").args([
+                        "inspect",
+                        "--format",
+                        "{{json .State.Health.Log}}",
+                        container,
+                    ]),
+                    Duration::from_secs(30),
+                )
+                .map(|output| truncate(output.stdout.trim(), 400))
+                .unwrap_or_default();
+                return Err(format!(
+                    "expected healthy, found unhealthy; health log {log}"
+                ));
+            }
+            "none" => return Err("expected a HEALTHCHECK on the container, found none".to_string()),
+            _ if started.elapsed() > timeout => {
+                return Err(format!(
+                    "expected healthy within {} s, found {:?}",
+                    timeout.as_secs(),
+                    status.stdout.trim()
+                ))
+            }
+            _ => std::thread::sleep(Duration::from_millis(250)),
+        }
     }
 }
 

@@ -97,8 +97,8 @@ impl crate::flags::Test {
             cmd!(sh, "{cargo} run --release -p ember -- pull --all").run()?;
             Ok(())
         });
-        steps.run("cargo test --workspace --release", || {
-            cmd!(sh, "{cargo} test --workspace --release").run()?;
+        steps.run("cargo test --workspace --release --no-fail-fast", || {
+            cmd!(sh, "{cargo} test --workspace --release --no-fail-fast").run()?;
             Ok(())
         });
         steps.run("cargo test -p xtask", || {

@@ -232,7 +232,9 @@ fn has_simd_tiles(level: Level) -> bool {
 }
 
 /// Activations in the tile layout: per token, per 32-element chunk `c`, the 32 quants and
-/// the chunk's scale `d`; and `sh`: `d·Σa` of each 16-element half, `n_halves` per token
+/// the chunk's scale `d` (in 8 lanes, so the kernel multiplies by it straight from memory
+/// instead of holding a broadcast in a register: AVX2's 16 registers are all taken by the
+/// tile); and `sh`: `d·Σa` of each 16-element half, `n_halves` per token
 /// (padded with zeros to a multiple of 8 so the offset term is a whole-vector dot product).
 pub(crate) struct TileActs {
     pub cols: usize,
@@ -259,11 +261,11 @@ impl TileActs {
         let n_halves = padded_halves(x.cols);
         let n = x.n_tokens;
         let mut qs = vec![0u8; n * x.cols];
-        let mut d = vec![0.0f32; n * n_chunks];
+        let mut d = vec![0.0f32; n * n_chunks * 8];
         let mut sh = vec![0.0f32; n * n_halves];
         if n_chunks > 0 {
             qs.par_chunks_mut(x.cols)
-                .zip(d.par_chunks_mut(n_chunks))
+                .zip(d.par_chunks_mut(n_chunks * 8))
                 .zip(sh.par_chunks_mut(n_halves))
                 .enumerate()
                 .for_each(|(t, ((qs, d), sh))| Self::build_row(x.ty, x.row(t), qs, d, sh));
@@ -280,7 +282,7 @@ impl TileActs {
 
     fn build_row(ty: GgmlType, row: &[u8], qs: &mut [u8], d: &mut [f32], sh: &mut [f32]) {
         let mut set = |c: usize, dc: f32, s0: f32, s1: f32| {
-            d[c] = dc;
+            d[8 * c..8 * c + 8].fill(dc);
             sh[2 * c] = s0;
             sh[2 * c + 1] = s1;
         };
@@ -468,79 +470,128 @@ pub(crate) fn unpack_row(ty: GgmlType, row: &[u8], q: &mut [u8], dv: &mut [f32],
 /// Rows of a weight panel and tokens per tile of the micro-kernel.
 pub(crate) const TILE_ROWS: usize = 4;
 pub(crate) const TILE_TOKENS: usize = 2;
-/// Tokens per cache block: the activations of one block stay in L2 while a panel sweeps them.
-const TOKEN_BLOCK: usize = 256;
+/// Bytes of unpacked weights per job and of activations per token block. A job unpacks its
+/// rows once and sweeps them over each token block; both stay in a 512 KiB L2 together.
+const CACHE_BLOCK_BYTES: usize = 128 * 1024;
 
 fn matmul_tiled(level: Level, w: &QMatrix, x: &QuantizedActivations, out: &mut [f32]) {
     let acts = x.tiles();
     let n_tokens = x.n_tokens;
     let rows = w.rows;
-    let job_rows = rows_per_job(rows, TILE_ROWS);
-    // Each job owns `job_rows` consecutive rows of a transposed result (row-major by weight
-    // row), so jobs write disjoint slices; the transpose into `out` follows.
-    let mut transposed = vec![0.0f32; rows * n_tokens];
-    transposed
-        .par_chunks_mut(job_rows * n_tokens)
-        .enumerate()
-        .for_each(|(job, res)| {
+    let cols = w.cols;
+    let n_chunks = cols / QK;
+    let n_halves = padded_halves(cols);
+    // One weight row and one token take the same bytes in the tile layout.
+    let row_bytes = cols + 32 * n_chunks + 4 * n_halves;
+    let job_rows = (CACHE_BLOCK_BYTES / row_bytes / TILE_ROWS * TILE_ROWS)
+        .clamp(TILE_ROWS, rows_per_job(rows, TILE_ROWS));
+    let token_block = (CACHE_BLOCK_BYTES / row_bytes).max(8) / 2 * 2;
+    let out_ptr = OutPtr {
+        ptr: out.as_mut_ptr(),
+        len: out.len(),
+    };
+    (0..rows.div_ceil(job_rows))
+        .into_par_iter()
+        .for_each(|job| {
             let r0 = job * job_rows;
-            let job_n = res.len() / n_tokens;
-            let mut panel = Panel::new(TILE_ROWS, w.cols);
-            for tb in (0..n_tokens).step_by(TOKEN_BLOCK) {
-                let tb_end = (tb + TOKEN_BLOCK).min(n_tokens);
+            let job_n = job_rows.min(rows - r0);
+            let mut panel = Panel::new(job_n, cols);
+            for i in 0..job_n {
+                unpack_row(
+                    w.ty,
+                    w.row(r0 + i),
+                    &mut panel.q[i * cols..(i + 1) * cols],
+                    &mut panel.dv[i * n_chunks * 8..(i + 1) * n_chunks * 8],
+                    &mut panel.mh[i * n_halves..(i + 1) * n_halves],
+                );
+            }
+            for tb in (0..n_tokens).step_by(token_block) {
+                let tb_end = (tb + token_block).min(n_tokens);
                 for pr in (0..job_n).step_by(TILE_ROWS) {
                     let pr_n = TILE_ROWS.min(job_n - pr);
-                    let n_chunks = w.cols / QK;
-                    let n_halves = padded_halves(w.cols);
-                    for i in 0..pr_n {
-                        unpack_row(
-                            w.ty,
-                            w.row(r0 + pr + i),
-                            &mut panel.q[i * w.cols..(i + 1) * w.cols],
-                            &mut panel.dv[i * n_chunks * 8..(i + 1) * n_chunks * 8],
-                            &mut panel.mh[i * n_halves..(i + 1) * n_halves],
-                        );
-                    }
-                    for t in (tb..tb_end).step_by(TILE_TOKENS) {
-                        let t_n = TILE_TOKENS.min(tb_end - t);
-                        let mut tile = [[0.0f32; TILE_TOKENS]; TILE_ROWS];
-                        run_tile(level, w.ty, &panel, pr_n, acts, t, t_n, &mut tile);
-                        for (i, tile_row) in tile.iter().enumerate().take(pr_n) {
-                            let dst =
-                                &mut res[(pr + i) * n_tokens + t..(pr + i) * n_tokens + t + t_n];
-                            dst.copy_from_slice(&tile_row[..t_n]);
-                        }
-                    }
+                    let target = OutRows {
+                        out: out_ptr,
+                        row0: r0 + pr,
+                        stride: rows,
+                    };
+                    run_panel(level, w.ty, &panel, pr, pr_n, acts, tb, tb_end, target);
                 }
             }
         });
-    out.par_chunks_mut(rows).enumerate().for_each(|(t, o)| {
-        for (r, v) in o.iter_mut().enumerate() {
-            *v = transposed[r * n_tokens + t];
-        }
-    });
 }
 
+/// The output matrix (`n_tokens` rows of `stride` floats), shared by the jobs of a tiled
+/// matmul, each of which writes only its own weight rows (columns of the output).
+#[derive(Clone, Copy)]
+pub(crate) struct OutPtr {
+    ptr: *mut f32,
+    len: usize,
+}
+
+// SAFETY: jobs write disjoint elements through it (each job its own row range), and the
+// borrow of the output slice outlives the parallel loop that uses it.
+unsafe impl Send for OutPtr {}
+// SAFETY: as above; no element is read or written by two jobs.
+unsafe impl Sync for OutPtr {}
+
+/// Where a panel's results go: output column `row0 + i` for panel row i, token t at
+/// `t * stride + row0 + i`.
+#[derive(Clone, Copy)]
+pub(crate) struct OutRows {
+    out: OutPtr,
+    row0: usize,
+    stride: usize,
+}
+
+impl OutRows {
+    /// Pointer to the element of token `t`, row `row0`, after checking that `rows` rows of
+    /// tokens up to `t_end` are inside the output.
+    pub(crate) fn base(&self, rows: usize, t_end: usize) -> (*mut f32, usize) {
+        assert!(self.row0 + rows <= self.stride);
+        assert!(t_end == 0 || (t_end - 1) * self.stride + self.row0 + rows <= self.out.len);
+        // SAFETY: row0 < stride <= len (checked above, or nothing is written at all).
+        (
+            unsafe { self.out.ptr.add(self.row0.min(self.out.len)) },
+            self.stride,
+        )
+    }
+}
+
+/// Multiplies panel rows `row0..row0 + rows` with tokens `t_begin..t_end` into `out`.
 #[allow(clippy::too_many_arguments)]
-fn run_tile(
+fn run_panel(
     level: Level,
     ty: GgmlType,
     panel: &Panel,
+    row0: usize,
     rows: usize,
     acts: &TileActs,
-    t0: usize,
-    tokens: usize,
-    out: &mut [[f32; TILE_TOKENS]; TILE_ROWS],
+    t_begin: usize,
+    t_end: usize,
+    out: OutRows,
 ) {
     #[cfg(target_arch = "x86_64")]
     {
         if has_simd_tiles(level) {
-            crate::x86::tile::run(level, ty, panel, rows, acts, t0, tokens, out);
+            crate::x86::tile::run_panel(level, ty, panel, row0, rows, acts, t_begin, t_end, out);
             return;
         }
     }
     let _ = level;
-    portable_tile(ty == GgmlType::Q8_0, panel, rows, acts, t0, tokens, out);
+    let signed = ty == GgmlType::Q8_0;
+    for t in (t_begin..t_end).step_by(TILE_TOKENS) {
+        let tokens = TILE_TOKENS.min(t_end - t);
+        let mut tile = [[0.0f32; TILE_TOKENS]; TILE_ROWS];
+        portable_tile(signed, panel, row0, rows, acts, t, tokens, &mut tile);
+        let (base, stride) = out.base(rows, t + tokens);
+        for (i, tile_row) in tile.iter().enumerate().take(rows) {
+            for (k, v) in tile_row.iter().enumerate().take(tokens) {
+                // SAFETY: `base` checked rows `0..rows` of tokens up to `t + tokens`; this
+                // job is the only writer of these rows.
+                unsafe { *base.add((t + k) * stride + i) = *v };
+            }
+        }
+    }
 }
 
 /// The tile kernel in plain Rust, lane for lane the computation of the SIMD kernels: what the
@@ -549,6 +600,7 @@ fn run_tile(
 fn portable_tile(
     signed: bool,
     panel: &Panel,
+    row0: usize,
     rows: usize,
     acts: &TileActs,
     t0: usize,
@@ -556,7 +608,8 @@ fn portable_tile(
     out: &mut [[f32; TILE_TOKENS]; TILE_ROWS],
 ) {
     let (cols, n_chunks, n_halves) = (acts.cols, acts.n_chunks, acts.n_halves);
-    for (r, out_r) in out.iter_mut().enumerate().take(rows) {
+    for (i, out_r) in out.iter_mut().enumerate().take(rows) {
+        let r = row0 + i;
         let wq = &panel.q[r * cols..(r + 1) * cols];
         let wd = &panel.dv[r * n_chunks * 8..(r + 1) * n_chunks * 8];
         let wm = &panel.mh[r * n_halves..(r + 1) * n_halves];
@@ -565,7 +618,7 @@ fn portable_tile(
             let aq = &acts.qs[t * cols..(t + 1) * cols];
             let mut lanes = [0.0f32; 8];
             for c in 0..n_chunks {
-                let da = acts.d[t * n_chunks + c];
+                let da = acts.d[(t * n_chunks + c) * 8];
                 for (l, lane) in lanes.iter_mut().enumerate() {
                     let mut isum = 0i32;
                     for k in 0..4 {

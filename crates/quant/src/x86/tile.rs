@@ -4,17 +4,19 @@
 //!
 //! Per row, token and 32-element chunk: `maddubs` + `madd` (exact i32 sums of 8 lanes),
 //! conversion to f32, and one FMA with the combined scale `dv·d`; the offset term adds one FMA
-//! per row, token and eight halves.
+//! per row, token and eight halves. [`run_panel`] sweeps a panel over a range of tokens so
+//! that the per-call set-up is paid once per panel, not once per tile.
 
 use std::arch::x86_64::*;
 
 use super::avx2::hsum_ps;
 use crate::blocks::QK;
-use crate::matmul::{Panel, TileActs, TILE_ROWS, TILE_TOKENS};
+use crate::matmul::{OutRows, Panel, TileActs, TILE_ROWS, TILE_TOKENS};
 use crate::simd::Level;
 use crate::GgmlType;
 
-/// Base pointers and strides of one tile's operands; built by [`run`] from checked slices.
+/// Base pointers and strides of one tile's operands; built by [`run_panel`] from checked
+/// slices. `aq`, `ad` and `ash` point at the tile's first token.
 struct TilePtrs {
     wq: *const u8,
     wd: *const f32,
@@ -27,9 +29,29 @@ struct TilePtrs {
     n_halves: usize,
 }
 
+/// Sums each of 8 vectors: lane i of the result is the sum of `v[i]`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum8(v: [__m256; 8]) -> __m256 {
+    let h0 = _mm256_hadd_ps(v[0], v[1]);
+    let h1 = _mm256_hadd_ps(v[2], v[3]);
+    let h2 = _mm256_hadd_ps(v[4], v[5]);
+    let h3 = _mm256_hadd_ps(v[6], v[7]);
+    let g0 = _mm256_hadd_ps(h0, h1);
+    let g1 = _mm256_hadd_ps(h2, h3);
+    _mm256_add_ps(
+        _mm256_permute2f128_ps::<0x20>(g0, g1),
+        _mm256_permute2f128_ps::<0x31>(g0, g1),
+    )
+}
+
+/// Computes one `R`x`T` tile and stores row r, token t at `out[t * stride + r]`.
+///
 /// # Safety
-/// The CPU must have AVX2, FMA and F16C, and `p` must point at `R` panel rows and `T` token
-/// rows of `p.cols` bytes, `p.n_chunks` chunks and `p.n_halves` halves each (as `run` checks).
+/// The CPU must have AVX2, FMA and F16C; `p` must point at `R` panel rows and `T` token rows
+/// of `p.cols` bytes, `p.n_chunks` chunks and `p.n_halves` halves each, and `out` at `T`
+/// output rows of `stride` floats with `R` writable, written by no one else (as `run_panel`
+/// checks).
 // Row and token indices address several register arrays in lockstep; iterators would hide
 // that the loops are fully unrolled over constant bounds.
 #[allow(clippy::needless_range_loop)]
@@ -37,19 +59,18 @@ struct TilePtrs {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn kernel<const R: usize, const T: usize, const SIGNED: bool>(
     p: &TilePtrs,
-    out: &mut [[f32; TILE_TOKENS]; TILE_ROWS],
+    out: *mut f32,
+    stride: usize,
 ) {
     let (cols, n_chunks) = (p.cols, p.n_chunks);
     let ones = _mm256_set1_epi16(1);
     let mut acc = [[_mm256_setzero_ps(); T]; R];
     for c in 0..n_chunks {
         // SAFETY: c < n_chunks, so every offset below stays inside the rows that the caller
-        // guarantees: 32 bytes at QK*c of each row, 8 floats at 8*c, 1 float at c.
+        // guarantees: 32 bytes at QK*c of each row and 8 floats at 8*c.
         unsafe {
             let a: [__m256i; T] =
                 std::array::from_fn(|t| _mm256_loadu_si256(p.aq.add(t * cols + QK * c).cast()));
-            let da: [__m256; T] =
-                std::array::from_fn(|t| _mm256_broadcast_ss(&*p.ad.add(t * n_chunks + c)));
             for r in 0..R {
                 let wv = _mm256_loadu_si256(p.wq.add(r * cols + QK * c).cast());
                 let dv = _mm256_loadu_ps(p.wd.add((r * n_chunks + c) * 8));
@@ -61,7 +82,8 @@ unsafe fn kernel<const R: usize, const T: usize, const SIGNED: bool>(
                         a[t]
                     };
                     let prod = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, at), ones);
-                    let scale = _mm256_mul_ps(dv, da[t]);
+                    let scale =
+                        _mm256_mul_ps(dv, _mm256_loadu_ps(p.ad.add((t * n_chunks + c) * 8)));
                     acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(prod), scale, acc[r][t]);
                 }
             }
@@ -83,70 +105,95 @@ unsafe fn kernel<const R: usize, const T: usize, const SIGNED: bool>(
             }
         }
     }
-    for r in 0..R {
-        for t in 0..T {
-            out[r][t] = hsum_ps(acc[r][t]);
+    if R * T == 8 {
+        let sums = hsum8(std::array::from_fn(|i| acc[i / T][i % T]));
+        let mut lanes = [0.0f32; 8];
+        // SAFETY: `lanes` is 8 writable floats; unaligned store.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), sums) };
+        for r in 0..R {
+            for t in 0..T {
+                // SAFETY: r < R rows and t < T tokens are writable, per the contract.
+                unsafe { *out.add(t * stride + r) = lanes[r * T + t] };
+            }
+        }
+    } else {
+        for r in 0..R {
+            for t in 0..T {
+                // SAFETY: r < R rows and t < T tokens are writable, per the contract.
+                unsafe { *out.add(t * stride + r) = hsum_ps(acc[r][t]) };
+            }
         }
     }
 }
 
-/// Runs the kernel for `rows` (1..=TILE_ROWS) panel rows and `tokens` (1..=TILE_TOKENS)
-/// tokens from `t0`.
+/// Multiplies `rows` (1..=TILE_ROWS) rows of `panel` from `row0` with tokens
+/// `t_begin..t_end` into `out`.
 #[allow(clippy::too_many_arguments)]
-pub fn run(
+pub fn run_panel(
     level: Level,
     ty: GgmlType,
     panel: &Panel,
+    row0: usize,
     rows: usize,
     acts: &TileActs,
-    t0: usize,
-    tokens: usize,
-    out: &mut [[f32; TILE_TOKENS]; TILE_ROWS],
+    t_begin: usize,
+    t_end: usize,
+    out: OutRows,
 ) {
     assert!(matches!(level, Level::Avx2 | Level::Avx512Vnni));
     let (cols, n_chunks, n_halves) = (acts.cols, acts.n_chunks, acts.n_halves);
     // The pointer arithmetic of `kernel` relies on these; they hold by construction in
     // `matmul`, so a failure is a bug, not bad input.
-    assert!(rows <= TILE_ROWS && tokens <= TILE_TOKENS && n_chunks * QK == cols);
+    assert!((1..=TILE_ROWS).contains(&rows) && t_begin <= t_end && n_chunks * QK == cols);
     assert!(n_halves % 8 == 0 && n_halves >= 2 * n_chunks);
-    assert!(panel.q.len() >= rows * cols && panel.dv.len() >= rows * n_chunks * 8);
-    assert!(panel.mh.len() >= rows * n_halves);
-    assert!(acts.qs.len() >= (t0 + tokens) * cols && acts.d.len() >= (t0 + tokens) * n_chunks);
-    assert!(acts.sh.len() >= (t0 + tokens) * n_halves);
-    let p = TilePtrs {
-        wq: panel.q.as_ptr(),
-        wd: panel.dv.as_ptr(),
-        wm: panel.mh.as_ptr(),
-        aq: acts.qs[t0 * cols..].as_ptr(),
-        ad: acts.d[t0 * n_chunks..].as_ptr(),
-        ash: acts.sh[t0 * n_halves..].as_ptr(),
-        cols,
-        n_chunks,
-        n_halves,
-    };
+    let row_end = row0 + rows;
+    assert!(panel.q.len() >= row_end * cols && panel.dv.len() >= row_end * n_chunks * 8);
+    assert!(panel.mh.len() >= row_end * n_halves);
+    assert!(acts.qs.len() >= t_end * cols && acts.d.len() >= t_end * n_chunks * 8);
+    assert!(acts.sh.len() >= t_end * n_halves);
+    let (out_base, stride) = out.base(rows, t_end);
     let signed = ty == GgmlType::Q8_0;
-    macro_rules! go {
-        ($r:literal, $t:literal) => {
-            // SAFETY: `level` is AVX2 or better, which `simd::level` reports only after
-            // checking AVX2, FMA and F16C on this CPU; `p` covers $r rows and $t tokens
-            // (asserted above).
-            unsafe {
-                if signed {
-                    kernel::<$r, $t, true>(&p, out)
-                } else {
-                    kernel::<$r, $t, false>(&p, out)
-                }
-            }
+    let mut t = t_begin;
+    while t < t_end {
+        let tokens = TILE_TOKENS.min(t_end - t);
+        let p = TilePtrs {
+            wq: panel.q[row0 * cols..].as_ptr(),
+            wd: panel.dv[row0 * n_chunks * 8..].as_ptr(),
+            wm: panel.mh[row0 * n_halves..].as_ptr(),
+            aq: acts.qs[t * cols..].as_ptr(),
+            ad: acts.d[t * n_chunks * 8..].as_ptr(),
+            ash: acts.sh[t * n_halves..].as_ptr(),
+            cols,
+            n_chunks,
+            n_halves,
         };
-    }
-    match (rows, tokens) {
-        (4, 2) => go!(4, 2),
-        (4, 1) => go!(4, 1),
-        (3, 2) => go!(3, 2),
-        (3, 1) => go!(3, 1),
-        (2, 2) => go!(2, 2),
-        (2, 1) => go!(2, 1),
-        (1, 2) => go!(1, 2),
-        _ => go!(1, 1),
+        // SAFETY: token t < t_end, inside the output `out.base` checked.
+        let o = unsafe { out_base.add(t * stride) };
+        macro_rules! go {
+            ($r:literal, $t:literal) => {
+                // SAFETY: `level` is AVX2 or better, which `simd::level` reports only after
+                // checking AVX2, FMA and F16C on this CPU; `p` covers $r panel rows and $t
+                // tokens from t, and `o` $t output rows with $r elements of this job's rows
+                // (checked by `out.base`).
+                unsafe {
+                    if signed {
+                        kernel::<$r, $t, true>(&p, o, stride)
+                    } else {
+                        kernel::<$r, $t, false>(&p, o, stride)
+                    }
+                }
+            };
+        }
+        match (rows, tokens) {
+            (4, 2) => go!(4, 2),
+            (4, 1) => go!(4, 1),
+            (3, 2) => go!(3, 2),
+            (3, 1) => go!(3, 1),
+            (2, 2) => go!(2, 2),
+            (2, 1) => go!(2, 1),
+            (1, 2) => go!(1, 2),
+            _ => go!(1, 1),
+        }
+        t += tokens;
     }
 }

@@ -56,6 +56,8 @@ pub fn attention(
                 let src = &layer.k[block][layer.row_offset(kv_head, start)..][..n * head_dim];
                 src.convert_to_f32_slice(&mut rows[..n * head_dim]);
                 for (j, q_head) in q_group.chunks_exact(head_dim).enumerate() {
+                    let mut qh = [0f32; 512];
+                    let q_head = if f16_accumulate() { qh[..head_dim].copy_from_slice(q_head); round_f16(&mut qh[..head_dim]); &qh[..head_dim] } else { q_head };
                     let dst = &mut scores[j * n_keys + key_index..][..n];
                     for (s, k_row) in dst.iter_mut().zip(rows[..n * head_dim].chunks_exact(head_dim)) {
                         *s = vec::dot(q_head, k_row) * kq_scale;
@@ -63,6 +65,42 @@ pub fn attention(
                 }
             });
 
+            // Online softmax with the value accumulator rounded to f16 after every key, as GGML's
+            // CPU flash attention does with f16 V: llama.cpp's outputs carry exactly this rounding.
+            if f16_accumulate() {
+                out_group.iter_mut().for_each(|o| *o = 0.0);
+                let mut max = [f32::NEG_INFINITY; 64];
+                let mut sum = [0f32; 64];
+                for_each_run(first, pos, block_size, |block_idx, start, end, key_index| {
+                    let block = table[block_idx] as usize;
+                    let n = end - start;
+                    let src = &layer.v[block][layer.row_offset(kv_head, start)..][..n * head_dim];
+                    src.convert_to_f32_slice(&mut rows[..n * head_dim]);
+                    for (j, out_head) in out_group.chunks_exact_mut(head_dim).enumerate() {
+                        let s_row = &scores[j * n_keys + key_index..][..n];
+                        for (&s, v_row) in s_row.iter().zip(rows[..n * head_dim].chunks_exact(head_dim)) {
+                            let (mut ms, mut vs) = (1.0f32, 1.0f32);
+                            if s > max[j] {
+                                let old = max[j];
+                                max[j] = s;
+                                ms = (old - s).exp();
+                                out_head.iter_mut().for_each(|o| *o *= ms);
+                                round_f16(out_head);
+                            } else {
+                                vs = (s - max[j]).exp();
+                            }
+                            vec::axpy(out_head, vs, v_row);
+                            round_f16(out_head);
+                            sum[j] = sum[j] * ms + vs;
+                        }
+                    }
+                });
+                for (j, out_head) in out_group.chunks_exact_mut(head_dim).enumerate() {
+                    let inv = if sum[j] == 0.0 { 0.0 } else { 1.0 / sum[j] };
+                    out_head.iter_mut().for_each(|o| *o *= inv);
+                }
+                return;
+            }
             // Softmax per query head; the weights are left unnormalised and the output divided
             // by their sum at the end.
             let mut inv_sums = [0f32; 16];
@@ -133,4 +171,15 @@ mod tests {
         for_each_run(0, 0, 16, |b, s, e, k| seen.push((b, s, e, k)));
         assert_eq!(seen, vec![(0, 0, 1, 0)]);
     }
+}
+
+fn f16_accumulate() -> bool {
+    std::env::var_os("EMBER_DEBUG_FA16").is_some()
+}
+
+fn round_f16(x: &mut [f32]) {
+    let mut tmp = [half::f16::ZERO; 512];
+    let tmp = &mut tmp[..x.len()];
+    tmp.convert_from_f32_slice(x);
+    tmp.convert_to_f32_slice(x);
 }
