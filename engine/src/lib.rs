@@ -12,6 +12,7 @@
 
 pub mod backend;
 pub mod batch;
+pub mod build_manifest;
 pub mod cli;
 pub mod generate;
 pub mod kv_cache;

@@ -94,13 +94,13 @@ impl crate::flags::Docker {
             context_dir.join("Dockerfile"),
         )
         .context("copying docker/Dockerfile into the build context")?;
-        // A hard link costs nothing; a copy covers a target dir on another filesystem.
+        // A copy, not a hard link: a build rewriting the archive in place while the image is
+        // built must not change what goes into it. The copy is checked against the package's
+        // `.sha256`, which catches an archive caught mid-write.
         let context_artifact = context_dir.join("ember.tar.gz");
-        if std::fs::hard_link(&artifact, &context_artifact).is_err() {
-            std::fs::copy(&artifact, &context_artifact).with_context(|| {
-                format!("copying {} into the build context", artifact.display())
-            })?;
-        }
+        std::fs::copy(&artifact, &context_artifact)
+            .with_context(|| format!("copying {} into the build context", artifact.display()))?;
+        crate::smoke::verify_archive_checksum(&artifact, &context_artifact)?;
 
         let tag = image_tag(&version, &target.name);
         let target = &target.name;

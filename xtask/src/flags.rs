@@ -112,6 +112,9 @@ pub struct Test {
     /// wine, matrix, actionlint, docker).
     #[arg(long)]
     pub skip_toolchain: bool,
+    /// Run only the toolchain checks (for iterating on xtask, kernels or packaging).
+    #[arg(long, conflicts_with = "skip_toolchain")]
+    pub toolchain_only: bool,
     /// The base image for the container check (built by .ci/setup-docker.sh).
     #[arg(long, default_value = "ember-test-base:bookworm")]
     pub base: String,

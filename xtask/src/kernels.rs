@@ -195,7 +195,12 @@ pub fn compile_target(
             .and_then(|s| s.to_str())
             .context("kernel file name is not UTF-8")?;
         let object = out_dir.join(format!("{module}.{extension}"));
-        let partial = out_dir.join(format!("{module}.{extension}.partial"));
+        // Written under a private name and renamed into place, so a reader never sees half an
+        // object and two builds of one target in a shared checkout cannot interleave their bytes.
+        let partial = out_dir.join(format!(
+            "{module}.{extension}.partial-{}",
+            std::process::id()
+        ));
         let name = &target.name;
         let (program, mut args): (PathBuf, Vec<String>) = match &compiler {
             Compiler::Amdgpu(compiler) => {

@@ -144,13 +144,15 @@ pub fn write_package(input: &PackageInput, dist: &Path) -> Result<PathBuf> {
 
     std::fs::create_dir_all(dist)?;
     let archive_path = dist.join(&archive);
-    let partial = dist.join(format!("{archive}.partial"));
+    // A private name renamed into place: two packagers of one archive in a shared checkout must
+    // not write into the same file.
+    let partial = dist.join(format!("{archive}.partial-{}", std::process::id()));
     match input.os {
         Os::Linux => write_tar_gz(&partial, &stem, &files, input.mtime)?,
         Os::Windows => write_zip(&partial, &stem, &files, input.mtime)?,
     }
+    let archive_sum = sha256_hex(&std::fs::read(&partial)?);
     std::fs::rename(&partial, &archive_path)?;
-    let archive_sum = sha256_hex(&std::fs::read(&archive_path)?);
     std::fs::write(
         dist.join(format!("{archive}.sha256")),
         sha256sums(&[(archive.clone(), archive_sum)]),

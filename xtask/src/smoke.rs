@@ -159,6 +159,13 @@ impl Subject {
             })?;
         }
         std::fs::create_dir_all(&unpack_dir)?;
+        // A `.sha256` beside the archive is checked when there is one: archives fetched from a
+        // release come with it, a lone archive handed to the smoke test may not.
+        let sums_path = artifact.with_file_name(format!("{file_name}.sha256"));
+        let archive_checked = sums_path.is_file();
+        if archive_checked {
+            verify_archive_checksum(artifact, artifact)?;
+        }
         match name.os {
             Os::Linux => unpack_tar_gz(artifact, &unpack_dir)?,
             Os::Windows => unpack_zip(artifact, &unpack_dir)?,
@@ -172,7 +179,17 @@ impl Subject {
         })?;
         let package_dir = binary.parent().unwrap_or(&unpack_dir).to_path_buf();
         let (package_summary, package_problems) = match verify_sha256sums(&package_dir) {
-            Ok(count) => (format!("SHA256SUMS verified ({count} files)"), Vec::new()),
+            Ok(count) => (
+                format!(
+                    "{}SHA256SUMS verified ({count} files)",
+                    if archive_checked {
+                        "archive checksum and "
+                    } else {
+                        ""
+                    }
+                ),
+                Vec::new(),
+            ),
             Err(problems) => (String::new(), problems),
         };
         let manifest_json =
@@ -1009,6 +1026,45 @@ fn verify_sha256sums(dir: &Path) -> Result<usize, Vec<String>> {
     } else {
         Err(problems)
     }
+}
+
+/// Checks `copy` (a copy of `archive`, or the archive itself) against the `<archive>.sha256` file
+/// that `cargo xtask package` writes beside it, so an archive that was rewritten while it was read
+/// (a concurrent build) or damaged in transfer is caught before anything runs from it.
+pub fn verify_archive_checksum(archive: &Path, copy: &Path) -> Result<()> {
+    let file_name = archive
+        .file_name()
+        .and_then(|name| name.to_str())
+        .with_context(|| format!("expected an archive file, found {}", archive.display()))?;
+    let sums_path = archive.with_file_name(format!("{file_name}.sha256"));
+    let text = std::fs::read_to_string(&sums_path).with_context(|| {
+        format!(
+            "reading {} (written by `cargo xtask package`)",
+            sums_path.display()
+        )
+    })?;
+    let entries = parse_sha256sums(&text).map_err(anyhow::Error::msg)?;
+    let [(digest, listed)] = entries.as_slice() else {
+        bail!(
+            "expected one line in {}, found {}",
+            sums_path.display(),
+            entries.len()
+        );
+    };
+    if listed != file_name {
+        bail!(
+            "expected {} to list {file_name}, found {listed}",
+            sums_path.display()
+        );
+    }
+    let actual = sha256_file(copy).with_context(|| format!("reading {}", copy.display()))?;
+    if actual != *digest {
+        bail!(
+            "expected {file_name} to have SHA-256 {digest} (from {}), found {actual}: the archive is damaged or was rewritten while it was read; rebuild it",
+            sums_path.display()
+        );
+    }
+    Ok(())
 }
 
 fn sha256_file(path: &Path) -> std::io::Result<String> {
@@ -1936,6 +1992,49 @@ mod tests {
         );
         std::fs::write(dir.join("SHA256SUMS"), format!("{good}  ../ember\n")).unwrap();
         assert!(verify_sha256sums(&dir).unwrap_err()[0].contains("inside the package"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn archive_checksum_beside_the_archive() {
+        let dir = crate::project_root()
+            .join("target")
+            .join("xtask-test-archive-checksum");
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let archive = dir.join("ember-0.1.0-linux-cpu-x64.tar.gz");
+        std::fs::write(&archive, b"archive bytes").unwrap();
+        let sums = dir.join("ember-0.1.0-linux-cpu-x64.tar.gz.sha256");
+        let digest = hex::encode(Sha256::digest(b"archive bytes"));
+        std::fs::write(
+            &sums,
+            format!("{digest}  ember-0.1.0-linux-cpu-x64.tar.gz\n"),
+        )
+        .unwrap();
+        verify_archive_checksum(&archive, &archive).unwrap();
+        let copy = dir.join("copy.tar.gz");
+        std::fs::write(&copy, b"archive bytes, then more").unwrap();
+        let error = verify_archive_checksum(&archive, &copy)
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("is damaged or was rewritten"), "{error}");
+        std::fs::write(
+            &sums,
+            format!("{digest}  ember-0.1.0-linux-gfx1201-x64.tar.gz\n"),
+        )
+        .unwrap();
+        let error = verify_archive_checksum(&archive, &archive)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.ends_with("found ember-0.1.0-linux-gfx1201-x64.tar.gz"),
+            "{error}"
+        );
+        std::fs::remove_file(&sums).unwrap();
+        let error = verify_archive_checksum(&archive, &archive)
+            .unwrap_err()
+            .to_string();
+        assert!(error.starts_with("reading "), "{error}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

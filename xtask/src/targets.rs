@@ -1327,7 +1327,10 @@ family = "gfx120X"
 
     #[test]
     fn unknown_platform_is_reported_once() {
-        let text = MINIMAL.replace(r#"platforms = ["linux", "windows"]"#, r#"platforms = ["linux", "macos"]"#);
+        let text = MINIMAL.replace(
+            r#"platforms = ["linux", "windows"]"#,
+            r#"platforms = ["linux", "macos"]"#,
+        );
         assert_eq!(
             problems(&text),
             ["24: unknown platform `macos` in family `gfx120X`: expected one of linux, windows"]

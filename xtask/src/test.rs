@@ -84,79 +84,107 @@ impl Steps {
     }
 }
 
+/// One step: its header and what it runs.
+type Step<'a> = (String, Box<dyn FnOnce() -> Result<()> + 'a>);
+
+fn step<'a>(name: impl Into<String>, run: impl FnOnce() -> Result<()> + 'a) -> Step<'a> {
+    (name.into(), Box::new(run))
+}
+
 impl crate::flags::Test {
     pub fn run(self, sh: &Shell) -> Result<()> {
         let root = crate::project_root();
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
-        let mut steps = Steps {
-            total: if self.skip_toolchain { 3 } else { 13 },
-            outcomes: Vec::new(),
-        };
-
-        steps.run("fetch the pinned models (ember pull --all)", || {
-            cmd!(sh, "{cargo} run --release -p ember -- pull --all").run()?;
-            Ok(())
-        });
-        steps.run("cargo test --workspace --release --no-fail-fast", || {
-            cmd!(sh, "{cargo} test --workspace --release --no-fail-fast").run()?;
-            Ok(())
-        });
-        steps.run("cargo test -p xtask", || {
-            cmd!(sh, "{cargo} test -p xtask").run()?;
-            Ok(())
-        });
-        if self.skip_toolchain {
-            return steps.finish();
-        }
-
+        // Copy the executable now, before step 3 can rebuild it.
+        let _ = xtask_exe(&root)?;
         let targets = crate::targets::load()?;
         let version = manifest::workspace_version(&root)?;
         let model = model_path(&root, &self.model)?;
-
-        steps.run("kernels for every target (xtask kernels --all)", || {
-            all_kernels(sh, &root, &targets)
-        });
-        steps.run("a wrong target name fails", || wrong_target_fails(sh));
-        for target in ["gfx1201", "gfx1151"] {
-            steps.run(&format!("build --target {target}"), || {
-                build::build(sh, &root, &targets, target, Os::Linux, &version).map(drop)
-            });
-        }
-        steps.run(
-            "gfx1201 and gfx1151: manifest.json and `ember info` match targets.toml",
-            || compare_gpu_artifacts(sh, &root, &targets, &version),
-        );
-        steps.run(
-            "build --target cpu --os windows, run ember.exe under wine",
-            || windows_under_wine(sh, &root, &targets, &version, &model),
-        );
-        steps.run("matrix --check", || {
-            matrix::check_workflow(&targets, &matrix::default_workflow_path(&root))?;
-            println!("matrix: the release workflow matches targets.toml");
-            Ok(())
-        });
-        steps.run("matrix --check fails after a target is added", || {
-            matrix_drift_fails(sh, &root)
-        });
-        steps.run("actionlint", || actionlint(sh, &root));
-        steps.run("build --target cpu (for the image)", || {
-            build::build(sh, &root, &targets, "cpu", Os::Linux, &version).map(drop)
-        });
         let image = format!("ember:{version}-cpu");
-        steps.run(
-            &format!(
-                "docker --target cpu --base {}, smoke --image {image}",
-                self.base
-            ),
-            || docker_and_smoke(sh, &self.base, &image, &self.model),
-        );
+
+        let mut plan: Vec<Step<'_>> = Vec::new();
+        let cargo_steps: Vec<Step<'_>> = vec![
+            step("fetch the pinned models (ember pull --all)", || {
+                cmd!(sh, "{cargo} run --release -p ember -- pull --all").run()?;
+                Ok(())
+            }),
+            step("cargo test --workspace --release --no-fail-fast", || {
+                cmd!(sh, "{cargo} test --workspace --release --no-fail-fast").run()?;
+                Ok(())
+            }),
+            step("cargo test -p xtask", || {
+                cmd!(sh, "{cargo} test -p xtask").run()?;
+                Ok(())
+            }),
+        ];
+        if !self.toolchain_only {
+            plan.extend(cargo_steps);
+        }
+        if !self.skip_toolchain {
+            plan.push(step(
+                "kernels for every target (xtask kernels --all)",
+                || all_kernels(sh, &root, &targets),
+            ));
+            plan.push(step("a wrong target name fails", || wrong_target_fails(sh)));
+            for target in ["gfx1201", "gfx1151"] {
+                plan.push(step(format!("build --target {target}"), || {
+                    build::build(sh, &root, &targets, target, Os::Linux, &version).map(drop)
+                }));
+            }
+            plan.push(step(
+                "gfx1201 and gfx1151: manifest.json and `ember info` match targets.toml",
+                || compare_gpu_artifacts(sh, &root, &targets, &version),
+            ));
+            plan.push(step(
+                "build --target cpu --os windows, run ember.exe under wine",
+                || windows_under_wine(sh, &root, &targets, &version, &model),
+            ));
+            plan.push(step("matrix --check", || {
+                matrix::check_workflow(&targets, &matrix::default_workflow_path(&root))?;
+                println!("matrix: the release workflow matches targets.toml");
+                Ok(())
+            }));
+            plan.push(step("matrix --check fails after a target is added", || {
+                matrix_drift_fails(sh, &root)
+            }));
+            plan.push(step("actionlint", || actionlint(sh, &root)));
+            plan.push(step("build --target cpu (for the image)", || {
+                build::build(sh, &root, &targets, "cpu", Os::Linux, &version).map(drop)
+            }));
+            plan.push(step(
+                format!(
+                    "docker --target cpu --base {}, smoke --image {image}",
+                    self.base
+                ),
+                || docker_and_smoke(sh, &self.base, &image, &self.model),
+            ));
+        }
+
+        let mut steps = Steps {
+            total: plan.len(),
+            outcomes: Vec::new(),
+        };
+        for (name, run) in plan {
+            steps.run(&name, run);
+        }
         steps.finish()
     }
 }
 
-/// The xtask executable itself, to run sub-commands whose failure is the point.
-fn xtask_exe() -> Result<PathBuf> {
-    std::env::current_exe().context("locating the xtask executable")
+/// A private copy of the xtask executable, to run sub-commands whose failure is the point. The
+/// copy matters: `cargo test -p xtask` (step 3) or a parallel build may replace
+/// `target/debug/xtask` while this run is still going.
+static SELF_COPIED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+fn xtask_exe(root: &Path) -> Result<PathBuf> {
+    let current = std::env::current_exe().context("locating the xtask executable")?;
+    let copy = root.join("target").join("xtask-test").join("xtask-self");
+    if !SELF_COPIED.swap(true, std::sync::atomic::Ordering::Relaxed) || !copy.is_file() {
+        std::fs::create_dir_all(copy.parent().context("copy path has a parent")?)?;
+        std::fs::copy(&current, &copy)
+            .with_context(|| format!("copying {} to {}", current.display(), copy.display()))?;
+    }
+    Ok(copy)
 }
 
 fn all_kernels(sh: &Shell, root: &Path, targets: &Targets) -> Result<()> {
@@ -211,7 +239,7 @@ fn all_kernels(sh: &Shell, root: &Path, targets: &Targets) -> Result<()> {
 }
 
 fn wrong_target_fails(sh: &Shell) -> Result<()> {
-    let xtask = xtask_exe()?;
+    let xtask = xtask_exe(&crate::project_root())?;
     let output = cmd!(sh, "{xtask} kernels --target gfx9999")
         .ignore_status()
         .output()?;
@@ -438,7 +466,7 @@ fn matrix_drift_fails(sh: &Shell, root: &Path) -> Result<()> {
         &copy,
         format!("{text}\n[[target]]\nname = \"gfx1036\"\nfamily = \"gfx103X\"\nmin_llvm = 15\n"),
     )?;
-    let xtask = xtask_exe()?;
+    let xtask = xtask_exe(&crate::project_root())?;
     let output = cmd!(sh, "{xtask} matrix --check --targets {copy}")
         .ignore_status()
         .output()?;

@@ -5,7 +5,9 @@
 
 use std::time::Instant;
 
-use ember_quant::{matmul, quantize, quantize_activations, vec_dot_type, GgmlType, QMatrix};
+use ember_quant::{
+    matmul_with, quantize, quantize_activations, simd, vec_dot_type, GgmlType, QMatrix, Strategy,
+};
 
 fn weights(ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
     let mut state = 0x1234_5678_9abc_def0u64;
@@ -22,7 +24,13 @@ fn weights(ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
     data
 }
 
-fn measure(ty: GgmlType, rows: usize, cols: usize, n_tokens: usize) -> (f64, f64, f64) {
+fn measure(
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    n_tokens: usize,
+    strategy: Strategy,
+) -> (f64, f64, f64) {
     let data = weights(ty, rows, cols);
     let w = QMatrix::new(ty, rows, cols, &data).unwrap();
     let x: Vec<f32> = (0..n_tokens * cols)
@@ -30,13 +38,14 @@ fn measure(ty: GgmlType, rows: usize, cols: usize, n_tokens: usize) -> (f64, f64
         .collect();
     let act = quantize_activations(vec_dot_type(ty), &x, n_tokens, cols).unwrap();
     let mut out = vec![0.0f32; rows * n_tokens];
-    matmul(&w, &act, &mut out).unwrap();
+    let level = simd::level();
+    matmul_with(level, strategy, &w, &act, &mut out).unwrap();
     // The best of many runs: on a shared machine that is the figure least disturbed by others.
     let start = Instant::now();
     let mut secs = f64::MAX;
     while start.elapsed().as_secs_f64() < 1.0 {
         let t = Instant::now();
-        matmul(&w, &act, &mut out).unwrap();
+        matmul_with(level, strategy, &w, &act, &mut out).unwrap();
         secs = secs.min(t.elapsed().as_secs_f64());
     }
     let flops = 2.0 * rows as f64 * cols as f64 * n_tokens as f64;
@@ -72,10 +81,18 @@ fn main() {
     pool.install(|| {
         for n_tokens in [1usize, 512] {
             for &(ty, rows, cols, what) in &shapes {
-                let (us, gflops, gbs) = measure(ty, rows, cols, n_tokens);
+                let (us, gflops, gbs) = measure(ty, rows, cols, n_tokens, Strategy::Auto);
                 println!(
                     "{what:12} {ty:5} {rows:6}x{cols:<5} tokens {n_tokens:4}: {us:10.1} us  {gflops:7.1} GFLOP/s  {gbs:6.1} GB/s(weights)"
                 );
+            }
+        }
+        // Where the tiled kernel starts to pay for unpacking the weights.
+        for &(ty, rows, cols, what) in &[shapes[2], shapes[5]] {
+            for n_tokens in [2usize, 4, 8, 12, 16, 32] {
+                let (row_us, ..) = measure(ty, rows, cols, n_tokens, Strategy::RowWise);
+                let (tile_us, ..) = measure(ty, rows, cols, n_tokens, Strategy::Tiled);
+                println!("{what:12} {ty:5} tokens {n_tokens:3}: row-wise {row_us:9.1} us, tiled {tile_us:9.1} us");
             }
         }
     });

@@ -119,8 +119,10 @@ pub enum Strategy {
     Tiled,
 }
 
-/// From this many tokens on, the tiled kernel beats one `vec_dot` per output.
-const TILE_MIN_TOKENS: usize = 4;
+/// From this many tokens on, the tiled kernel beats one `vec_dot` per output: below it, the
+/// one-off unpacking of the weights costs more than the tile saves (measured crossover: 12
+/// tokens for Q4_1 1536x576 and Q4_K 2048x2048, `examples/shapes.rs`).
+const TILE_MIN_TOKENS: usize = 12;
 
 /// out[t*rows + r] = dot(w.row(r), x.row(t)). Parallel with rayon's current pool.
 pub fn matmul(w: &QMatrix, x: &QuantizedActivations, out: &mut [f32]) -> Result<(), QuantError> {
@@ -351,8 +353,26 @@ fn set_lanes(dv: &mut [f32], mh: &mut [f32], c: usize, s: [f32; 2], m: [f32; 2])
 }
 
 /// Unpacks one weight row of `ty` into tile layout.
-pub(crate) fn unpack_row(ty: GgmlType, row: &[u8], q: &mut [u8], dv: &mut [f32], mh: &mut [f32]) {
+pub(crate) fn unpack_row(
+    level: Level,
+    ty: GgmlType,
+    row: &[u8],
+    q: &mut [u8],
+    dv: &mut [f32],
+    mh: &mut [f32],
+) {
     use GgmlType::*;
+    #[cfg(target_arch = "x86_64")]
+    {
+        if has_simd_tiles(level) {
+            // SAFETY: `level` is AVX2 or better, which `simd::level` reports only after
+            // checking AVX2, FMA and F16C on this CPU.
+            if unsafe { crate::x86::tile::unpack_row(ty, row, q, dv, mh) } {
+                return;
+            }
+        }
+    }
+    let _ = level;
     match ty {
         Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 => {
             for (c, x) in row.chunks_exact(ty.type_size()).enumerate() {
@@ -498,6 +518,7 @@ fn matmul_tiled(level: Level, w: &QMatrix, x: &QuantizedActivations, out: &mut [
             let mut panel = Panel::new(job_n, cols);
             for i in 0..job_n {
                 unpack_row(
+                    level,
                     w.ty,
                     w.row(r0 + i),
                     &mut panel.q[i * cols..(i + 1) * cols],
@@ -572,6 +593,14 @@ fn run_panel(
 ) {
     #[cfg(target_arch = "x86_64")]
     {
+        if level == Level::Avx512Vnni {
+            // SAFETY: `simd::level` reports AVX-512 VNNI only after checking AVX-512 F, BW,
+            // VL and VNNI on this CPU, and `available_levels` never offers more than that.
+            unsafe {
+                crate::x86::avx512::run_panel(ty, panel, row0, rows, acts, t_begin, t_end, out)
+            };
+            return;
+        }
         if has_simd_tiles(level) {
             crate::x86::tile::run_panel(level, ty, panel, row0, rows, acts, t_begin, t_end, out);
             return;

@@ -39,6 +39,7 @@ pub fn scratch_bytes(hp: &HParams, n_vocab: usize, n: usize) -> usize {
 
 pub fn run(args: InfoArgs) -> anyhow::Result<()> {
     println!("ember {}", env!("CARGO_PKG_VERSION"));
+    println!("{}", crate::build_manifest::render_text().trim_end());
     println!("cpu: {} SIMD, {} physical cores", ember_quant::simd::detected(), physical_cores());
     let Some(spec) = args.model else { return Ok(()) };
     let path = load::resolve_model(&spec)?;

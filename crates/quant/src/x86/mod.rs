@@ -2,6 +2,7 @@
 //! integer matmul kernel; `avx512` the VNNI tile kernel where the CPU has it.
 
 pub mod avx2;
+pub mod avx512;
 pub mod tile;
 
 use crate::simd::Level;

@@ -1,10 +1,18 @@
 //! Causal grouped-query attention over the paged KV cache, on the CPU.
 //!
-//! One task per (query token, KV head): the task walks the token's sequence through its block
-//! table, converts each block's f16 keys of that head to f32 once, scores every query head of the
-//! group against them, takes the softmax in f32 (sums in f64, as GGML), and accumulates the values
-//! the same way. Masking is by position: a token sees positions `0..=pos` of its own sequence, or
-//! the last `window` of them on sliding-window layers.
+//! Work is split by query tiles: runs of up to [`QUERY_TILE`] consecutive tokens of one sequence
+//! share one walk over the sequence's blocks (through its block table), so each block's f16 keys
+//! and values are converted to f32 once per tile rather than once per token. Single-token decoding
+//! splits by KV head instead. Masking is by position: a token sees positions `0..=pos` of its own
+//! sequence, or the last `window` of them on sliding-window layers.
+//!
+//! The arithmetic follows GGML's CPU flash attention with an f16 cache, because that is what
+//! llama.cpp runs by default and its outputs carry its rounding: the query is rounded to f16
+//! before the dot products, the softmax is computed online (running maximum and sum), and the
+//! value accumulator is rounded to f16 after every key. Matching this rounding, not just the
+//! mathematics, is what makes greedy continuations agree token for token.
+
+use std::ops::Range;
 
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
@@ -12,10 +20,53 @@ use rayon::prelude::*;
 use super::{vec, CpuKvLayer};
 use crate::kv_cache::AttentionPlan;
 
+/// Most query tokens of one sequence served by one pass over the cache.
+const QUERY_TILE: usize = 32;
+
 #[derive(Default)]
 struct Scratch {
     scores: Vec<f32>,
     rows: Vec<f32>,
+    queries: Vec<f32>,
+    max: Vec<f32>,
+    sum: Vec<f32>,
+}
+
+struct Shape<'a> {
+    q: &'a [f32],
+    layer: &'a CpuKvLayer,
+    plan: &'a AttentionPlan,
+    group: usize,
+    head_dim: usize,
+    row_len: usize,
+    kq_scale: f32,
+    window: Option<usize>,
+}
+
+impl Shape<'_> {
+    /// The first position token `t` attends to.
+    fn first(&self, t: usize) -> usize {
+        let pos = self.plan.positions[t] as usize;
+        self.window.map_or(0, |w| (pos + 1).saturating_sub(w))
+    }
+}
+
+/// Splits the batch into tiles: runs of consecutive tokens of one sequence at consecutive
+/// positions, at most [`QUERY_TILE`] long.
+fn query_tiles(plan: &AttentionPlan) -> Vec<Range<usize>> {
+    let mut tiles = Vec::new();
+    let mut start = 0;
+    for t in 1..=plan.n_tokens() {
+        let split = t == plan.n_tokens()
+            || t - start == QUERY_TILE
+            || plan.table_of_token[t] != plan.table_of_token[t - 1]
+            || plan.positions[t] != plan.positions[t - 1] + 1;
+        if split {
+            tiles.push(start..t);
+            start = t;
+        }
+    }
+    tiles
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -33,127 +84,152 @@ pub fn attention(
     let group = n_heads / n_kv_heads;
     let row_len = n_heads * head_dim;
     let n_tokens = plan.n_tokens();
-    let block_size = layer.block_size;
-    out[..n_tokens * row_len].par_chunks_mut(group * head_dim).enumerate().for_each_init(
-        Scratch::default,
-        |scratch, (task, out_group)| {
-            let (t, kv_head) = (task / n_kv_heads, task % n_kv_heads);
-            let pos = plan.positions[t] as usize;
-            let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-            let n_keys = pos + 1 - first;
-            let table = &plan.tables[plan.table_of_token[t] as usize];
-            let q_group = &q[t * row_len + kv_head * group * head_dim..][..group * head_dim];
-
-            scratch.scores.clear();
-            scratch.scores.resize(group * n_keys, 0.0);
-            scratch.rows.resize(block_size * head_dim, 0.0);
-            let Scratch { scores, rows } = scratch;
-
-            // Scores, block by block.
-            for_each_run(first, pos, block_size, |block_idx, start, end, key_index| {
-                let block = table[block_idx] as usize;
-                let n = end - start;
-                let src = &layer.k[block][layer.row_offset(kv_head, start)..][..n * head_dim];
-                src.convert_to_f32_slice(&mut rows[..n * head_dim]);
-                for (j, q_head) in q_group.chunks_exact(head_dim).enumerate() {
-                    let mut qh = [0f32; 512];
-                    let q_head = if f16_accumulate() { qh[..head_dim].copy_from_slice(q_head); round_f16(&mut qh[..head_dim]); &qh[..head_dim] } else { q_head };
-                    let dst = &mut scores[j * n_keys + key_index..][..n];
-                    for (s, k_row) in dst.iter_mut().zip(rows[..n * head_dim].chunks_exact(head_dim)) {
-                        *s = vec::dot(q_head, k_row) * kq_scale;
-                    }
-                }
-            });
-
-            // Online softmax with the value accumulator rounded to f16 after every key, as GGML's
-            // CPU flash attention does with f16 V: llama.cpp's outputs carry exactly this rounding.
-            if f16_accumulate() {
-                out_group.iter_mut().for_each(|o| *o = 0.0);
-                let mut max = [f32::NEG_INFINITY; 64];
-                let mut sum = [0f32; 64];
-                for_each_run(first, pos, block_size, |block_idx, start, end, key_index| {
-                    let block = table[block_idx] as usize;
-                    let n = end - start;
-                    let src = &layer.v[block][layer.row_offset(kv_head, start)..][..n * head_dim];
-                    src.convert_to_f32_slice(&mut rows[..n * head_dim]);
-                    for (j, out_head) in out_group.chunks_exact_mut(head_dim).enumerate() {
-                        let s_row = &scores[j * n_keys + key_index..][..n];
-                        for (&s, v_row) in s_row.iter().zip(rows[..n * head_dim].chunks_exact(head_dim)) {
-                            let (mut ms, mut vs) = (1.0f32, 1.0f32);
-                            if s > max[j] {
-                                let old = max[j];
-                                max[j] = s;
-                                ms = (old - s).exp();
-                                out_head.iter_mut().for_each(|o| *o *= ms);
-                                round_f16(out_head);
-                            } else {
-                                vs = (s - max[j]).exp();
-                            }
-                            vec::axpy(out_head, vs, v_row);
-                            round_f16(out_head);
-                            sum[j] = sum[j] * ms + vs;
-                        }
-                    }
-                });
-                for (j, out_head) in out_group.chunks_exact_mut(head_dim).enumerate() {
-                    let inv = if sum[j] == 0.0 { 0.0 } else { 1.0 / sum[j] };
-                    out_head.iter_mut().for_each(|o| *o *= inv);
-                }
-                return;
+    let shape = Shape { q, layer, plan, group, head_dim, row_len, kq_scale, window };
+    let tiles = query_tiles(plan);
+    if tiles.len() >= 2 * rayon::current_num_threads() {
+        // Prompt processing: one task per tile, all KV heads.
+        let mut parts = Vec::with_capacity(tiles.len());
+        let mut rest = &mut out[..n_tokens * row_len];
+        for tile in tiles {
+            let (part, tail) = rest.split_at_mut(tile.len() * row_len);
+            parts.push((tile, part));
+            rest = tail;
+        }
+        parts.into_par_iter().for_each_init(Scratch::default, |scratch, (tile, part)| {
+            for kv_head in 0..n_kv_heads {
+                attend(&shape, tile.clone(), kv_head, part, row_len, kv_head * group * head_dim, scratch);
             }
-            // Softmax per query head; the weights are left unnormalised and the output divided
-            // by their sum at the end.
-            let mut inv_sums = [0f32; 16];
-            let mut inv_sums_vec = Vec::new();
-            let inv: &mut [f32] = if group <= inv_sums.len() {
-                &mut inv_sums[..group]
-            } else {
-                inv_sums_vec.resize(group, 0.0);
-                &mut inv_sums_vec
-            };
-            for (j, inv_j) in inv.iter_mut().enumerate() {
-                let s = &mut scores[j * n_keys..(j + 1) * n_keys];
-                let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0f64;
-                for v in s.iter_mut() {
-                    *v = (*v - max).exp();
-                    sum += *v as f64;
-                }
-                *inv_j = (1.0 / sum) as f32;
-            }
-
-            // Weighted sum of the values.
-            out_group.iter_mut().for_each(|o| *o = 0.0);
-            for_each_run(first, pos, block_size, |block_idx, start, end, key_index| {
-                let block = table[block_idx] as usize;
-                let n = end - start;
-                let src = &layer.v[block][layer.row_offset(kv_head, start)..][..n * head_dim];
-                src.convert_to_f32_slice(&mut rows[..n * head_dim]);
-                for (j, out_head) in out_group.chunks_exact_mut(head_dim).enumerate() {
-                    let w = &scores[j * n_keys + key_index..][..n];
-                    for (&wi, v_row) in w.iter().zip(rows[..n * head_dim].chunks_exact(head_dim)) {
-                        vec::axpy(out_head, wi, v_row);
-                    }
-                }
-            });
-            for (out_head, &inv_j) in out_group.chunks_exact_mut(head_dim).zip(inv.iter()) {
-                out_head.iter_mut().for_each(|o| *o *= inv_j);
-            }
-        },
-    );
+        });
+    } else {
+        // Decoding: one task per (token, KV head).
+        out[..n_tokens * row_len].par_chunks_mut(group * head_dim).enumerate().for_each_init(
+            Scratch::default,
+            |scratch, (task, part)| {
+                let (t, kv_head) = (task / n_kv_heads, task % n_kv_heads);
+                attend(&shape, t..t + 1, kv_head, part, 0, 0, scratch);
+            },
+        );
+    }
 }
 
-/// Calls `f(block_idx, start, end, key_index)` for each run of positions `first..=last` that lies
-/// in one block: slots `start..end` of block `block_idx`, the run's first position being the
-/// `key_index`-th key.
+/// Attention of the tokens `tile` for KV head `kv_head`: query head `j` of the group of token `t`
+/// is written at `out[(t - tile.start) * token_stride + base + j * head_dim..]`.
+fn attend(
+    s: &Shape<'_>,
+    tile: Range<usize>,
+    kv_head: usize,
+    out: &mut [f32],
+    token_stride: usize,
+    base: usize,
+    scratch: &mut Scratch,
+) {
+    let (group, hd) = (s.group, s.head_dim);
+    let layer = s.layer;
+    let block_size = layer.block_size;
+    let t0 = tile.start;
+    let n_tile = tile.len();
+    let lo = s.first(t0);
+    let hi = s.plan.positions[tile.end - 1] as usize;
+    let span = hi + 1 - lo;
+    let table = &s.plan.tables[s.plan.table_of_token[t0] as usize];
+
+    let Scratch { scores, rows, queries, max, sum } = scratch;
+    scores.clear();
+    scores.resize(n_tile * group * span, 0.0);
+    rows.resize(block_size * hd, 0.0);
+    // The queries, rounded to f16 as GGML converts them to the keys' type.
+    queries.clear();
+    for t in tile.clone() {
+        queries.extend_from_slice(&s.q[t * s.row_len + kv_head * group * hd..][..group * hd]);
+    }
+    vec::round_f16(queries);
+
+    // The positions of tile token `i` that fall in the run `run_lo..run_hi`.
+    let overlap = |i: usize, run_lo: usize, run_hi: usize| {
+        let t = t0 + i;
+        let a = s.first(t).max(run_lo);
+        let b = (s.plan.positions[t] as usize + 1).min(run_hi);
+        a..b.max(a)
+    };
+
+    // Scores, block by block.
+    for_each_run(lo, hi, block_size, |block_idx, start, end| {
+        let block = table[block_idx] as usize;
+        let n = end - start;
+        let src = &layer.k[block][layer.row_offset(kv_head, start)..][..n * hd];
+        src.convert_to_f32_slice(&mut rows[..n * hd]);
+        let run_lo = block_idx * block_size + start;
+        for i in 0..n_tile {
+            let keys = overlap(i, run_lo, run_lo + n);
+            for j in 0..group {
+                let qh = &queries[(i * group + j) * hd..][..hd];
+                let dst = &mut scores[(i * group + j) * span..][..span];
+                if !keys.is_empty() {
+                    let k_rows = &rows[(keys.start - run_lo) * hd..(keys.end - run_lo) * hd];
+                    vec::dot_rows(qh, k_rows, s.kq_scale, &mut dst[keys.start - lo..keys.end - lo]);
+                }
+            }
+        }
+    });
+
+    // Online softmax over the keys in position order, accumulating values in f16.
+    max.clear();
+    max.resize(n_tile * group, f32::NEG_INFINITY);
+    sum.clear();
+    sum.resize(n_tile * group, 0.0);
+    for i in 0..n_tile {
+        out[i * token_stride + base..][..group * hd].iter_mut().for_each(|o| *o = 0.0);
+    }
+    for_each_run(lo, hi, block_size, |block_idx, start, end| {
+        let block = table[block_idx] as usize;
+        let n = end - start;
+        let src = &layer.v[block][layer.row_offset(kv_head, start)..][..n * hd];
+        src.convert_to_f32_slice(&mut rows[..n * hd]);
+        let run_lo = block_idx * block_size + start;
+        for i in 0..n_tile {
+            let keys = overlap(i, run_lo, run_lo + n);
+            if keys.is_empty() {
+                continue;
+            }
+            for j in 0..group {
+                let k = i * group + j;
+                let acc = &mut out[i * token_stride + base + j * hd..][..hd];
+                let sc = &scores[k * span..][..span];
+                for p in keys.clone() {
+                    let score = sc[p - lo];
+                    let (mut old_scale, mut weight) = (1.0f32, 1.0f32);
+                    if score > max[k] {
+                        old_scale = (max[k] - score).exp();
+                        max[k] = score;
+                        vec::scale_round_f16(acc, old_scale);
+                    } else {
+                        weight = (score - max[k]).exp();
+                    }
+                    vec::mad_round_f16(acc, weight, &rows[(p - run_lo) * hd..][..hd]);
+                    sum[k] = sum[k] * old_scale + weight;
+                }
+            }
+        }
+    });
+    for i in 0..n_tile {
+        for j in 0..group {
+            let total = sum[i * group + j];
+            let inv = if total == 0.0 { 0.0 } else { 1.0 / total };
+            out[i * token_stride + base + j * hd..][..hd].iter_mut().for_each(|o| *o *= inv);
+        }
+    }
+}
+
+/// Calls `f(block_idx, start, end)` for each run of positions `first..=last` that lies in one
+/// block: slots `start..end` of block `block_idx`, in position order.
 #[inline]
-fn for_each_run(first: usize, last: usize, block_size: usize, mut f: impl FnMut(usize, usize, usize, usize)) {
+fn for_each_run(first: usize, last: usize, block_size: usize, mut f: impl FnMut(usize, usize, usize)) {
     let mut p = first;
     while p <= last {
         let block_idx = p / block_size;
         let start = p % block_size;
         let end = block_size.min(last + 1 - block_idx * block_size);
-        f(block_idx, start, end, p - first);
+        f(block_idx, start, end);
         p = block_idx * block_size + end;
     }
 }
@@ -165,21 +241,24 @@ mod tests {
     #[test]
     fn runs_cover_the_range_once() {
         let mut seen = Vec::new();
-        for_each_run(5, 70, 32, |b, s, e, k| seen.push((b, s, e, k)));
-        assert_eq!(seen, vec![(0, 5, 32, 0), (1, 0, 32, 27), (2, 0, 7, 59)]);
+        for_each_run(5, 70, 32, |b, s, e| seen.push((b, s, e)));
+        assert_eq!(seen, vec![(0, 5, 32), (1, 0, 32), (2, 0, 7)]);
         seen.clear();
-        for_each_run(0, 0, 16, |b, s, e, k| seen.push((b, s, e, k)));
-        assert_eq!(seen, vec![(0, 0, 1, 0)]);
+        for_each_run(0, 0, 16, |b, s, e| seen.push((b, s, e)));
+        assert_eq!(seen, vec![(0, 0, 1)]);
     }
-}
 
-fn f16_accumulate() -> bool {
-    std::env::var_os("EMBER_DEBUG_FA16").is_some()
-}
-
-fn round_f16(x: &mut [f32]) {
-    let mut tmp = [half::f16::ZERO; 512];
-    let tmp = &mut tmp[..x.len()];
-    tmp.convert_from_f32_slice(x);
-    tmp.convert_to_f32_slice(x);
+    #[test]
+    fn tiles_break_at_sequences_gaps_and_size() {
+        let mut plan = AttentionPlan { block_size: 16, ..Default::default() };
+        for t in 0..40u32 {
+            plan.slots.push(t);
+            plan.positions.push(t);
+            plan.table_of_token.push(0);
+        }
+        plan.positions.push(7);
+        plan.table_of_token.push(1);
+        plan.slots.push(99);
+        assert_eq!(query_tiles(&plan), vec![0..32, 32..40, 40..41]);
+    }
 }

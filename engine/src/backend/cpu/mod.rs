@@ -233,21 +233,7 @@ impl Backend for CpuBackend {
         let q = w.qmatrix();
         let x = &x[..n_tokens * w.cols];
         let out = &mut out[..n_tokens * w.rows];
-        if std::env::var_os("EMBER_DEBUG_F32").is_some() {
-            out.par_chunks_mut(w.rows).zip(x.par_chunks(w.cols)).for_each(|(o, xr)| {
-                let mut row = vec![0f32; w.cols];
-                for r in 0..w.rows { q.dequantize_row(r, &mut row).unwrap(); o[r] = row.iter().zip(xr).map(|(a,b)| *a as f64 * *b as f64).sum::<f64>() as f32; }
-            });
-            return;
-        }
         let vdt = ember_quant::vec_dot_type(w.info.ty);
-        if std::env::var_os("EMBER_DEBUG_ROWWISE").is_some() {
-            for t in 0..n_tokens {
-                let acts = ember_quant::quantize_activations(vdt, &x[t * w.cols..(t + 1) * w.cols], 1, w.cols).unwrap();
-                ember_quant::matmul(&q, &acts, &mut out[t * w.rows..(t + 1) * w.rows]).unwrap();
-            }
-            return;
-        }
         // Shapes were checked when the matrix was placed and the buffers are sized by the model
         // code from the same hyperparameters, so these cannot fail on any input file.
         let acts = ember_quant::quantize_activations(vdt, x, n_tokens, w.cols).expect("activation shape matches the matrix");
