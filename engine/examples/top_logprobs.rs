@@ -1,6 +1,6 @@
 //! Prints the most likely next tokens of a prompt with their log-probabilities, for comparing
 //! numerics with another implementation: `cargo run --release -p ember --example top_logprobs --
-//! MODEL PROMPT [K]`.
+//! MODEL PROMPT [K] [N_BATCH]` (N_BATCH 1 evaluates the prompt one token at a time).
 
 use ember::backend::cpu::CpuBackend;
 use ember::generate::{eval_tokens, log_prob};
@@ -8,14 +8,20 @@ use ember::model::{ContextParams, Model};
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
-    anyhow::ensure!(args.len() >= 3, "usage: top_logprobs MODEL PROMPT [K]");
+    anyhow::ensure!(
+        args.len() >= 3,
+        "usage: top_logprobs MODEL PROMPT [K] [N_BATCH]"
+    );
     let k: usize = args.get(3).map_or(Ok(5), |s| s.parse())?;
     let path = ember::models::resolve(&args[1], &mut ember::models::NoProgress)?;
     let model = Model::load(&path, CpuBackend::new(0)?, &mut |_, _| {})?;
     let tokenizer = ember_tokenizer::Tokenizer::from_gguf(model.gguf())?;
     let ids = tokenizer.encode(&args[2], true, true);
     let mut ctx = model.new_context(ContextParams::with_ctx(ids.len() + 1));
-    let n_batch: usize = std::env::var("NB").ok().and_then(|v| v.parse().ok()).unwrap_or(512);
+    let n_batch: usize = std::env::var("NB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(512);
     let logits = eval_tokens(&model, &mut ctx, 0, &ids, n_batch)?.to_vec();
     let mut order: Vec<usize> = (0..logits.len()).collect();
     order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));

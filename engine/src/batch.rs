@@ -39,7 +39,12 @@ impl Batch {
     pub fn for_sequence(seq_id: SeqId, start: u32, tokens: &[u32], all_logits: bool) -> Self {
         let mut batch = Batch::new();
         for (i, &t) in tokens.iter().enumerate() {
-            batch.push(t, start + i as u32, seq_id, all_logits || i + 1 == tokens.len());
+            batch.push(
+                t,
+                start + i as u32,
+                seq_id,
+                all_logits || i + 1 == tokens.len(),
+            );
         }
         batch
     }
@@ -64,6 +69,10 @@ impl Batch {
 
     /// Indices of the tokens whose logits are wanted, in batch order.
     pub fn output_rows(&self) -> impl Iterator<Item = usize> + '_ {
-        self.want_logits.iter().enumerate().filter(|(_, &w)| w).map(|(i, _)| i)
+        self.want_logits
+            .iter()
+            .enumerate()
+            .filter(|(_, &w)| w)
+            .map(|(i, _)| i)
     }
 }

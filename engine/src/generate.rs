@@ -26,7 +26,12 @@ pub fn eval_tokens<'c, B: Backend>(
         batch.clear();
         let start = ctx.seq_len(seq_id) as u32;
         for (j, &t) in chunk.iter().enumerate() {
-            batch.push(t, start + j as u32, seq_id, i + 1 == n_chunks && j + 1 == chunk.len());
+            batch.push(
+                t,
+                start + j as u32,
+                seq_id,
+                i + 1 == n_chunks && j + 1 == chunk.len(),
+            );
         }
         model.forward(ctx, &batch)?;
     }
@@ -123,7 +128,11 @@ pub struct Perplexity {
 pub enum PerplexityError {
     /// The text is shorter than one chunk.
     #[error("the text has {n_tokens} tokens: expected at least {needed} (two chunks of the context of {n_ctx} are recommended)")]
-    TooShort { n_tokens: usize, needed: usize, n_ctx: usize },
+    TooShort {
+        n_tokens: usize,
+        needed: usize,
+        n_ctx: usize,
+    },
     /// The context is too small to score anything.
     #[error("context of {n_ctx} tokens: expected at least 4")]
     ContextTooSmall { n_ctx: usize },
@@ -151,7 +160,11 @@ pub fn perplexity<B: Backend>(
     }
     let n_chunks = tokens.len() / n_ctx;
     if n_chunks == 0 {
-        return Err(PerplexityError::TooShort { n_tokens: tokens.len(), needed: n_ctx, n_ctx });
+        return Err(PerplexityError::TooShort {
+            n_tokens: tokens.len(),
+            needed: n_ctx,
+            n_ctx,
+        });
     }
     let n_batch = n_batch.clamp(1, n_ctx);
     let first = n_ctx / 2;
@@ -170,13 +183,19 @@ pub fn perplexity<B: Backend>(
         for batch_start in (0..n_ctx).step_by(n_batch) {
             let batch_end = (batch_start + n_batch).min(n_ctx);
             batch.clear();
-            for pos in batch_start..batch_end {
+            for (pos, &token) in chunk_tokens
+                .iter()
+                .enumerate()
+                .take(batch_end)
+                .skip(batch_start)
+            {
                 // Logits of positions first .. n_ctx - 2 predict tokens first + 1 .. n_ctx - 1.
                 let scored = pos >= first && pos + 1 < n_ctx;
-                batch.push(chunk_tokens[pos], pos as u32, seq_id, scored);
+                batch.push(token, pos as u32, seq_id, scored);
             }
             let logits = model.forward(ctx, &batch)?;
-            let scored_positions = (batch_start..batch_end).filter(|&p| p >= first && p + 1 < n_ctx);
+            let scored_positions =
+                (batch_start..batch_end).filter(|&p| p >= first && p + 1 < n_ctx);
             for (row, pos) in scored_positions.enumerate() {
                 let target = tokens[start + pos + 1] as usize;
                 let nll = -log_prob(&logits[row * n_vocab..(row + 1) * n_vocab], target);
@@ -185,14 +204,27 @@ pub fn perplexity<B: Backend>(
                 count += 1;
             }
         }
-        on_chunk(ChunkReport { index, n_chunks, running_ppl: (nll_sum / count as f64).exp() });
+        on_chunk(ChunkReport {
+            index,
+            n_chunks,
+            running_ppl: (nll_sum / count as f64).exp(),
+        });
     }
     ctx.free_sequence(seq_id);
     let mean = nll_sum / count as f64;
     let ppl = mean.exp();
     let variance = (nll2_sum / count as f64 - mean * mean).max(0.0);
-    let stderr_mean = if count > 1 { (variance / (count - 1) as f64).sqrt() } else { 0.0 };
-    Ok(Perplexity { ppl, ppl_stderr: stderr_mean * ppl, n_scored: count, n_chunks })
+    let stderr_mean = if count > 1 {
+        (variance / (count - 1) as f64).sqrt()
+    } else {
+        0.0
+    };
+    Ok(Perplexity {
+        ppl,
+        ppl_stderr: stderr_mean * ppl,
+        n_scored: count,
+        n_chunks,
+    })
 }
 
 /// `log softmax(logits)[target]`, max-subtracted with the sum in f64.

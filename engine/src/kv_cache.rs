@@ -24,16 +24,33 @@ pub const DEFAULT_BLOCK_SIZE: usize = 32;
 pub enum KvError {
     /// A token's position is not the next position of its sequence.
     #[error("sequence {seq_id}: expected position {expected} for the next token, found {found}")]
-    PositionMismatch { seq_id: SeqId, expected: u32, found: u32 },
+    PositionMismatch {
+        seq_id: SeqId,
+        expected: u32,
+        found: u32,
+    },
     /// The sequence would grow past the context length.
     #[error("sequence {seq_id}: {needed} tokens do not fit in the context of {n_ctx} tokens")]
-    ContextFull { seq_id: SeqId, needed: usize, n_ctx: usize },
+    ContextFull {
+        seq_id: SeqId,
+        needed: usize,
+        n_ctx: usize,
+    },
     /// The pool has too few free blocks for the batch.
     #[error("KV cache full: the batch needs {needed} more blocks, {free} are free of {total}")]
-    OutOfBlocks { needed: usize, free: usize, total: usize },
+    OutOfBlocks {
+        needed: usize,
+        free: usize,
+        total: usize,
+    },
     /// The batch's vectors have different lengths.
     #[error("malformed batch: {tokens} tokens, {positions} positions, {seq_ids} sequence ids, {want_logits} logit flags")]
-    MalformedBatch { tokens: usize, positions: usize, seq_ids: usize, want_logits: usize },
+    MalformedBatch {
+        tokens: usize,
+        positions: usize,
+        seq_ids: usize,
+        want_logits: usize,
+    },
 }
 
 /// Where every token of a batch goes and what it attends to, derived from the block tables. It is
@@ -99,11 +116,19 @@ impl<B: Backend> KvCache<B> {
     /// A cache for sequences of up to `n_ctx` tokens, with `capacity_blocks` blocks of
     /// `block_size` tokens in all; `layer_shapes[l]` is `(n_kv_heads, head_dim)` of layer `l`.
     /// No block has memory until it is used.
-    pub fn new(backend: &B, layer_shapes: &[(usize, usize)], block_size: usize, n_ctx: usize, capacity_blocks: usize) -> Self {
+    pub fn new(
+        backend: &B,
+        layer_shapes: &[(usize, usize)],
+        block_size: usize,
+        n_ctx: usize,
+        capacity_blocks: usize,
+    ) -> Self {
         assert!(block_size > 0, "block size must be positive");
         let layers = layer_shapes
             .iter()
-            .map(|&(n_kv_heads, head_dim)| backend.kv_layer(capacity_blocks, block_size, n_kv_heads, head_dim))
+            .map(|&(n_kv_heads, head_dim)| {
+                backend.kv_layer(capacity_blocks, block_size, n_kv_heads, head_dim)
+            })
             .collect();
         KvCache {
             block_size,
@@ -180,12 +205,19 @@ impl<B: Backend> KvCache<B> {
     /// Hands the memory of free blocks back to the backend, keeping at most `keep_free` free
     /// blocks resident for quick reuse.
     pub fn trim(&mut self, backend: &B, keep_free: usize) {
-        let mut resident_free: Vec<u32> = self.free.iter().copied().filter(|&b| self.resident[b as usize]).collect();
+        let mut resident_free: Vec<u32> = self
+            .free
+            .iter()
+            .copied()
+            .filter(|&b| self.resident[b as usize])
+            .collect();
         if resident_free.len() <= keep_free {
             return;
         }
         // Keep the blocks that would be handed out next (the end of the free list).
-        let release: Vec<u32> = resident_free.drain(..resident_free.len() - keep_free).collect();
+        let release: Vec<u32> = resident_free
+            .drain(..resident_free.len() - keep_free)
+            .collect();
         for layer in &mut self.layers {
             backend.kv_release(layer, &release);
         }
@@ -196,7 +228,12 @@ impl<B: Backend> KvCache<B> {
 
     /// Checks a batch against the sequences' lengths, allocates the blocks it needs, advances the
     /// lengths and fills `plan`. On error nothing changes.
-    pub fn plan(&mut self, backend: &B, batch: &Batch, plan: &mut AttentionPlan) -> Result<(), KvError> {
+    pub fn plan(
+        &mut self,
+        backend: &B,
+        batch: &Batch,
+        plan: &mut AttentionPlan,
+    ) -> Result<(), KvError> {
         let n = batch.tokens.len();
         if batch.positions.len() != n || batch.seq_ids.len() != n || batch.want_logits.len() != n {
             return Err(KvError::MalformedBatch {
@@ -209,12 +246,22 @@ impl<B: Backend> KvCache<B> {
         // First pass: check positions and count the new blocks, without changing anything.
         let mut next_pos: BTreeMap<SeqId, usize> = BTreeMap::new();
         for (&seq_id, &pos) in batch.seq_ids.iter().zip(&batch.positions) {
-            let expected = *next_pos.entry(seq_id).or_insert_with(|| self.seq_len(seq_id));
+            let expected = *next_pos
+                .entry(seq_id)
+                .or_insert_with(|| self.seq_len(seq_id));
             if pos as usize != expected {
-                return Err(KvError::PositionMismatch { seq_id, expected: expected as u32, found: pos });
+                return Err(KvError::PositionMismatch {
+                    seq_id,
+                    expected: expected as u32,
+                    found: pos,
+                });
             }
             if expected + 1 > self.n_ctx {
-                return Err(KvError::ContextFull { seq_id, needed: expected + 1, n_ctx: self.n_ctx });
+                return Err(KvError::ContextFull {
+                    seq_id,
+                    needed: expected + 1,
+                    n_ctx: self.n_ctx,
+                });
             }
             next_pos.insert(seq_id, expected + 1);
         }
@@ -226,7 +273,11 @@ impl<B: Backend> KvCache<B> {
             })
             .sum();
         if needed > self.free.len() {
-            return Err(KvError::OutOfBlocks { needed, free: self.free.len(), total: self.capacity });
+            return Err(KvError::OutOfBlocks {
+                needed,
+                free: self.free.len(),
+                total: self.capacity,
+            });
         }
 
         // Second pass: allocate, then fill the plan.
@@ -261,7 +312,10 @@ impl<B: Backend> KvCache<B> {
                 (plan.tables.len() - 1) as u32
             });
             let p = pos as usize;
-            plan.slots.push((seq.blocks[p / self.block_size] as usize * self.block_size + p % self.block_size) as u32);
+            plan.slots.push(
+                (seq.blocks[p / self.block_size] as usize * self.block_size + p % self.block_size)
+                    as u32,
+            );
             plan.positions.push(pos);
             plan.table_of_token.push(table);
         }

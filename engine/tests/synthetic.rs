@@ -69,7 +69,9 @@ struct Builder {
 
 impl Builder {
     fn values(&mut self, n: usize, center: f32, spread: f32) -> Vec<f32> {
-        (0..n).map(|_| center + (self.rng.next_f32() * 2.0 - 1.0) * spread).collect()
+        (0..n)
+            .map(|_| center + (self.rng.next_f32() * 2.0 - 1.0) * spread)
+            .collect()
     }
 
     fn tensor(&mut self, name: &str, dims: &[usize], ty: GgmlType, center: f32, spread: f32) {
@@ -77,7 +79,10 @@ impl Builder {
         let values = self.values(n, center, spread);
         let bytes = match ty {
             GgmlType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            GgmlType::I32 => values.iter().flat_map(|v| ((v * 100.0) as i32).to_le_bytes()).collect(),
+            GgmlType::I32 => values
+                .iter()
+                .flat_map(|v| ((v * 100.0) as i32).to_le_bytes())
+                .collect(),
             _ => {
                 let mut out = vec![0u8; ty.row_bytes(n as u64).unwrap() as usize];
                 ember_quant::quantize(ty, &values, &mut out).unwrap();
@@ -95,22 +100,53 @@ impl Builder {
 
 /// The GGUF bytes of a random model of `spec`, leaving out the tensor `skip` and writing
 /// `override_tensor` with other dims or type.
-fn build(spec: &Spec, skip: Option<&str>, override_tensor: Option<(&str, &[usize], GgmlType)>) -> Vec<u8> {
-    let mut b = Builder { writer: GgufWriter::new(), rng: Pcg32::new(1234) };
+fn build(
+    spec: &Spec,
+    skip: Option<&str>,
+    override_tensor: Option<(&str, &[usize], GgmlType)>,
+) -> Vec<u8> {
+    let mut b = Builder {
+        writer: GgufWriter::new(),
+        rng: Pcg32::new(1234),
+    };
     let a = spec.arch;
     b.meta("general.architecture", Value::String(a.into()));
     b.meta(&format!("{a}.context_length"), Value::U32(256));
-    b.meta(&format!("{a}.embedding_length"), Value::U32(spec.n_embd as u32));
+    b.meta(
+        &format!("{a}.embedding_length"),
+        Value::U32(spec.n_embd as u32),
+    );
     b.meta(&format!("{a}.block_count"), Value::U32(spec.n_layer as u32));
-    b.meta(&format!("{a}.feed_forward_length"), Value::U32(spec.n_ff as u32));
-    b.meta(&format!("{a}.attention.head_count"), Value::U32(spec.n_head as u32));
-    b.meta(&format!("{a}.attention.head_count_kv"), Value::U32(spec.n_head_kv as u32));
-    b.meta(&format!("{a}.attention.key_length"), Value::U32(spec.head_dim as u32));
-    b.meta(&format!("{a}.attention.value_length"), Value::U32(spec.head_dim as u32));
-    b.meta(&format!("{a}.attention.layer_norm_rms_epsilon"), Value::F32(1e-6));
+    b.meta(
+        &format!("{a}.feed_forward_length"),
+        Value::U32(spec.n_ff as u32),
+    );
+    b.meta(
+        &format!("{a}.attention.head_count"),
+        Value::U32(spec.n_head as u32),
+    );
+    b.meta(
+        &format!("{a}.attention.head_count_kv"),
+        Value::U32(spec.n_head_kv as u32),
+    );
+    b.meta(
+        &format!("{a}.attention.key_length"),
+        Value::U32(spec.head_dim as u32),
+    );
+    b.meta(
+        &format!("{a}.attention.value_length"),
+        Value::U32(spec.head_dim as u32),
+    );
+    b.meta(
+        &format!("{a}.attention.layer_norm_rms_epsilon"),
+        Value::F32(1e-6),
+    );
     b.meta(&format!("{a}.rope.freq_base"), Value::F32(10000.0));
     if let Some(factor) = spec.linear_rope_scaling {
-        b.meta(&format!("{a}.rope.scaling.type"), Value::String("linear".into()));
+        b.meta(
+            &format!("{a}.rope.scaling.type"),
+            Value::String("linear".into()),
+        );
         b.meta(&format!("{a}.rope.scaling.factor"), Value::F32(factor));
     }
     if let Some(w) = spec.sliding_window {
@@ -121,13 +157,25 @@ fn build(spec: &Spec, skip: Option<&str>, override_tensor: Option<(&str, &[usize
     let wt = spec.weight_type;
     let mut tensors: Vec<(String, Vec<usize>, GgmlType, f32, f32)> = vec![
         ("token_embd.weight".into(), vec![e, v], wt, 0.0, 1.0),
-        ("output_norm.weight".into(), vec![e], GgmlType::F32, 1.0, 0.2),
+        (
+            "output_norm.weight".into(),
+            vec![e],
+            GgmlType::F32,
+            1.0,
+            0.2,
+        ),
     ];
     if !spec.tied {
         tensors.push(("output.weight".into(), vec![e, v], wt, 0.0, 0.3));
     }
     if spec.rope_freqs {
-        tensors.push(("rope_freqs.weight".into(), vec![hd / 2], GgmlType::F32, 2.0, 1.0));
+        tensors.push((
+            "rope_freqs.weight".into(),
+            vec![hd / 2],
+            GgmlType::F32,
+            2.0,
+            1.0,
+        ));
     }
     for il in 0..spec.n_layer {
         let n = |s: &str| format!("blk.{il}.{s}");
@@ -141,7 +189,13 @@ fn build(spec: &Spec, skip: Option<&str>, override_tensor: Option<(&str, &[usize
             (n("ffn_norm.weight"), vec![e], GgmlType::F32, 1.0, 0.2),
             (n("ffn_gate.weight"), vec![e, ff], wt, 0.0, 2.0 * scale_in),
             (n("ffn_up.weight"), vec![e, ff], wt, 0.0, 2.0 * scale_in),
-            (n("ffn_down.weight"), vec![ff, e], wt, 0.0, 1.0 / (ff as f32).sqrt()),
+            (
+                n("ffn_down.weight"),
+                vec![ff, e],
+                wt,
+                0.0,
+                1.0 / (ff as f32).sqrt(),
+            ),
         ]);
         if spec.qkv_bias {
             tensors.extend([
@@ -158,7 +212,13 @@ fn build(spec: &Spec, skip: Option<&str>, override_tensor: Option<(&str, &[usize
         }
         if spec.post_norms {
             tensors.extend([
-                (n("post_attention_norm.weight"), vec![e], GgmlType::F32, 1.0, 0.2),
+                (
+                    n("post_attention_norm.weight"),
+                    vec![e],
+                    GgmlType::F32,
+                    1.0,
+                    0.2,
+                ),
                 (n("post_ffw_norm.weight"), vec![e], GgmlType::F32, 1.0, 0.2),
             ]);
         }
@@ -177,21 +237,46 @@ fn build(spec: &Spec, skip: Option<&str>, override_tensor: Option<(&str, &[usize
 
 fn load(bytes: Vec<u8>) -> Result<Model<CpuBackend>, ModelError> {
     let gguf = Arc::new(Gguf::from_bytes(bytes).expect("a well-formed GGUF"));
-    Model::from_gguf(gguf, CpuBackend::new(2).expect("thread pool"), &mut |_, _| {})
+    Model::from_gguf(
+        gguf,
+        CpuBackend::new(2).expect("thread pool"),
+        &mut |_, _| {},
+    )
 }
 
 fn specs() -> Vec<Spec> {
     let llama = Spec::llama();
     vec![
         // Llama with linear rope scaling and Llama 3 frequency factors.
-        Spec { linear_rope_scaling: Some(2.0), rope_freqs: true, ..llama.clone() },
+        Spec {
+            linear_rope_scaling: Some(2.0),
+            rope_freqs: true,
+            ..llama.clone()
+        },
         // SmolLM2-like: tied embeddings.
-        Spec { tied: true, ..llama.clone() },
+        Spec {
+            tied: true,
+            ..llama.clone()
+        },
         // Mistral-like: grouped-query attention 4:1.
-        Spec { n_head: 8, n_head_kv: 2, head_dim: 8, ..llama.clone() },
-        Spec { arch: "qwen2", qkv_bias: true, ..llama.clone() },
+        Spec {
+            n_head: 8,
+            n_head_kv: 2,
+            head_dim: 8,
+            ..llama.clone()
+        },
+        Spec {
+            arch: "qwen2",
+            qkv_bias: true,
+            ..llama.clone()
+        },
         // Qwen3: QK-norm, head size not n_embd / n_head.
-        Spec { arch: "qwen3", qk_norm: true, head_dim: 32, ..llama.clone() },
+        Spec {
+            arch: "qwen3",
+            qk_norm: true,
+            head_dim: 32,
+            ..llama.clone()
+        },
         // Gemma 3: six layers so layer 5 is global; a window of 8 so it matters.
         Spec {
             arch: "gemma3",
@@ -204,7 +289,10 @@ fn specs() -> Vec<Spec> {
             ..llama.clone()
         },
         // Quantized weights (Q8_0 with Q8_0 activations).
-        Spec { weight_type: GgmlType::Q8_0, ..llama },
+        Spec {
+            weight_type: GgmlType::Q8_0,
+            ..llama
+        },
     ]
 }
 
@@ -215,7 +303,10 @@ fn tokens(n: usize, n_vocab: usize, seed: u64) -> Vec<u32> {
 
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 /// Logits of every position of `ids`, evaluated one token at a time.
@@ -238,14 +329,23 @@ fn every_architecture_agrees_between_batched_and_single_token_paths() {
         assert_eq!(model.n_vocab(), spec.n_vocab);
         let ids = tokens(40, spec.n_vocab, 7);
         let single = one_by_one(&model, &ids);
-        assert!(single.iter().all(|v| v.is_finite()), "{label}: non-finite logits");
+        assert!(
+            single.iter().all(|v| v.is_finite()),
+            "{label}: non-finite logits"
+        );
 
         // The whole prompt in one batch, all logits.
         let mut ctx = model.new_context(ContextParams::with_ctx(64));
-        let batched = model.forward(&mut ctx, &Batch::for_sequence(0, 0, &ids, true)).unwrap().to_vec();
+        let batched = model
+            .forward(&mut ctx, &Batch::for_sequence(0, 0, &ids, true))
+            .unwrap()
+            .to_vec();
         let d = max_diff(&single, &batched);
         // Quantized activations are rounded per token either way, so Q8_0 agrees as tightly.
-        assert!(d <= TOLERANCE, "{label}: prefill vs one-by-one differ by {d}");
+        assert!(
+            d <= TOLERANCE,
+            "{label}: prefill vs one-by-one differ by {d}"
+        );
 
         // Chunks of 7 continue the same sequence.
         let mut ctx = model.new_context(ContextParams::with_ctx(64));
@@ -255,26 +355,40 @@ fn every_architecture_agrees_between_batched_and_single_token_paths() {
             chunked.extend_from_slice(model.forward(&mut ctx, &b).unwrap());
         }
         let d = max_diff(&single, &chunked);
-        assert!(d <= TOLERANCE, "{label}: chunked vs one-by-one differ by {d}");
+        assert!(
+            d <= TOLERANCE,
+            "{label}: chunked vs one-by-one differ by {d}"
+        );
 
         // The logits actually depend on the context (attention is not a no-op).
         let n_vocab = spec.n_vocab;
         let shifted = one_by_one(&model, &[ids[1], ids[39]]);
-        assert!(max_diff(&single[39 * n_vocab..], &shifted[n_vocab..]) > 1e-3, "{label}: context ignored");
+        assert!(
+            max_diff(&single[39 * n_vocab..], &shifted[n_vocab..]) > 1e-3,
+            "{label}: context ignored"
+        );
     }
 }
 
 #[test]
 fn sequences_batched_together_match_each_alone() {
     for spec in specs() {
-        let label = spec.arch;
+        let label = format!("{} {:?}", spec.arch, spec.weight_type);
         let model = load(build(&spec, None, None)).unwrap();
         let n_vocab = spec.n_vocab;
-        let prompts = [tokens(13, n_vocab, 1), tokens(5, n_vocab, 2), tokens(21, n_vocab, 3)];
+        let prompts = [
+            tokens(13, n_vocab, 1),
+            tokens(5, n_vocab, 2),
+            tokens(21, n_vocab, 3),
+        ];
         let alone: Vec<Vec<f32>> = prompts.iter().map(|p| one_by_one(&model, p)).collect();
 
         // Prefill all three in one batch, interleaved, then decode two steps for all at once.
-        let mut ctx = model.new_context(ContextParams { n_ctx: 64, kv_block_size: 4, kv_capacity_tokens: 256 });
+        let mut ctx = model.new_context(ContextParams {
+            n_ctx: 64,
+            kv_block_size: 4,
+            kv_capacity_tokens: 256,
+        });
         let mut batch = Batch::new();
         let longest = prompts.iter().map(Vec::len).max().unwrap();
         for pos in 0..longest {
@@ -292,7 +406,10 @@ fn sequences_batched_together_match_each_alone() {
                     let got = &logits[row * n_vocab..(row + 1) * n_vocab];
                     let want = &alone[seq][pos * n_vocab..(pos + 1) * n_vocab];
                     let d = max_diff(got, want);
-                    assert!(d <= TOLERANCE, "{label}: seq {seq} pos {pos} differs by {d}");
+                    assert!(
+                        d <= TOLERANCE,
+                        "{label}: seq {seq} pos {pos} differs by {d}"
+                    );
                     row += 1;
                 }
             }
@@ -306,32 +423,74 @@ fn sequences_batched_together_match_each_alone() {
 #[test]
 fn kv_blocks_are_allocated_on_demand_and_returned() {
     let model = load(build(&Spec::llama(), None, None)).unwrap();
-    let mut ctx = model.new_context(ContextParams { n_ctx: 64, kv_block_size: 4, kv_capacity_tokens: 40 });
+    let mut ctx = model.new_context(ContextParams {
+        n_ctx: 64,
+        kv_block_size: 4,
+        kv_capacity_tokens: 40,
+    });
     let stats = ctx.kv_stats();
-    assert_eq!((stats.capacity, stats.used, stats.resident), (10, 0, 0), "nothing allocated up front");
+    assert_eq!(
+        (stats.capacity, stats.used, stats.resident),
+        (10, 0, 0),
+        "nothing allocated up front"
+    );
     assert_eq!(ctx.kv().resident_bytes(model.backend()), 0);
 
-    model.forward(&mut ctx, &Batch::for_sequence(0, 0, &tokens(9, 97, 1), false)).unwrap();
-    model.forward(&mut ctx, &Batch::for_sequence(1, 0, &tokens(4, 97, 2), false)).unwrap();
+    model
+        .forward(
+            &mut ctx,
+            &Batch::for_sequence(0, 0, &tokens(9, 97, 1), false),
+        )
+        .unwrap();
+    model
+        .forward(
+            &mut ctx,
+            &Batch::for_sequence(1, 0, &tokens(4, 97, 2), false),
+        )
+        .unwrap();
     // 9 tokens need 3 blocks of 4, 4 tokens need 1.
     assert_eq!(ctx.kv_stats().used, 4);
     assert_eq!(ctx.kv().block_table(0).len(), 3);
     // Per block: 2 layers x (K + V) x 4 tokens x 2 KV heads x 16 x 2 bytes.
-    assert_eq!(ctx.kv().resident_bytes(model.backend()), 4 * 2 * 2 * 4 * 2 * 16 * 2);
+    assert_eq!(
+        ctx.kv().resident_bytes(model.backend()),
+        4 * 2 * 2 * 4 * 2 * 16 * 2
+    );
 
     ctx.free_sequence(0);
     assert_eq!(ctx.kv_stats().used, 1);
-    assert_eq!(ctx.kv_stats().resident, 4, "freed blocks stay resident for reuse until trimmed");
+    assert_eq!(
+        ctx.kv_stats().resident,
+        4,
+        "freed blocks stay resident for reuse until trimmed"
+    );
     // A new sequence reuses the freed blocks.
-    model.forward(&mut ctx, &Batch::for_sequence(2, 0, &tokens(8, 97, 3), false)).unwrap();
+    model
+        .forward(
+            &mut ctx,
+            &Batch::for_sequence(2, 0, &tokens(8, 97, 3), false),
+        )
+        .unwrap();
     assert_eq!(ctx.kv_stats().resident, 4);
     ctx.free_sequence(1);
     ctx.free_sequence(2);
     assert_eq!(ctx.kv_stats().used, 0);
 
     // The pool refuses a batch it cannot hold, changing nothing.
-    let err = model.forward(&mut ctx, &Batch::for_sequence(3, 0, &tokens(41, 97, 4), false)).unwrap_err();
-    assert_eq!(err, ForwardError::Kv(KvError::OutOfBlocks { needed: 11, free: 10, total: 10 }));
+    let err = model
+        .forward(
+            &mut ctx,
+            &Batch::for_sequence(3, 0, &tokens(41, 97, 4), false),
+        )
+        .unwrap_err();
+    assert_eq!(
+        err,
+        ForwardError::Kv(KvError::OutOfBlocks {
+            needed: 11,
+            free: 10,
+            total: 10
+        })
+    );
     assert_eq!(ctx.kv_stats().used, 0);
     assert_eq!(ctx.seq_len(3), 0);
 }
@@ -340,14 +499,48 @@ fn kv_blocks_are_allocated_on_demand_and_returned() {
 fn bad_batches_are_errors() {
     let model = load(build(&Spec::llama(), None, None)).unwrap();
     let mut ctx = model.new_context(ContextParams::with_ctx(8));
-    assert_eq!(model.forward(&mut ctx, &Batch::new()).unwrap_err(), ForwardError::EmptyBatch);
-    let err = model.forward(&mut ctx, &Batch::for_sequence(0, 0, &[1, 97], false)).unwrap_err();
-    assert_eq!(err, ForwardError::TokenOutOfRange { token: 97, index: 1, n_vocab: 97 });
-    let err = model.forward(&mut ctx, &Batch::for_sequence(0, 3, &[1], false)).unwrap_err();
-    assert_eq!(err, ForwardError::Kv(KvError::PositionMismatch { seq_id: 0, expected: 0, found: 3 }));
-    let err = model.forward(&mut ctx, &Batch::for_sequence(0, 0, &[1; 9], false)).unwrap_err();
-    assert_eq!(err, ForwardError::Kv(KvError::ContextFull { seq_id: 0, needed: 9, n_ctx: 8 }));
-    assert_eq!(ctx.seq_len(0), 0, "failed batches leave the cache unchanged");
+    assert_eq!(
+        model.forward(&mut ctx, &Batch::new()).unwrap_err(),
+        ForwardError::EmptyBatch
+    );
+    let err = model
+        .forward(&mut ctx, &Batch::for_sequence(0, 0, &[1, 97], false))
+        .unwrap_err();
+    assert_eq!(
+        err,
+        ForwardError::TokenOutOfRange {
+            token: 97,
+            index: 1,
+            n_vocab: 97
+        }
+    );
+    let err = model
+        .forward(&mut ctx, &Batch::for_sequence(0, 3, &[1], false))
+        .unwrap_err();
+    assert_eq!(
+        err,
+        ForwardError::Kv(KvError::PositionMismatch {
+            seq_id: 0,
+            expected: 0,
+            found: 3
+        })
+    );
+    let err = model
+        .forward(&mut ctx, &Batch::for_sequence(0, 0, &[1; 9], false))
+        .unwrap_err();
+    assert_eq!(
+        err,
+        ForwardError::Kv(KvError::ContextFull {
+            seq_id: 0,
+            needed: 9,
+            n_ctx: 8
+        })
+    );
+    assert_eq!(
+        ctx.seq_len(0),
+        0,
+        "failed batches leave the cache unchanged"
+    );
 }
 
 fn load_err(bytes: Vec<u8>) -> String {
@@ -363,22 +556,65 @@ fn malformed_models_name_the_problem() {
     let e = load_err(build(&spec, Some("blk.1.ffn_up.weight"), None));
     assert!(e.contains("blk.1.ffn_up.weight is missing"), "{e}");
 
-    let e = load_err(build(&spec, None, Some(("blk.0.attn_k.weight", &[64, 48], GgmlType::F32))));
-    assert!(e.contains("blk.0.attn_k.weight: expected dims [64, 32], found [64, 48]"), "{e}");
+    let e = load_err(build(
+        &spec,
+        None,
+        Some(("blk.0.attn_k.weight", &[64, 48], GgmlType::F32)),
+    ));
+    assert!(
+        e.contains("blk.0.attn_k.weight: expected dims [64, 32], found [64, 48]"),
+        "{e}"
+    );
 
-    let e = load_err(build(&spec, None, Some(("blk.0.ffn_down.weight", &[96, 64], GgmlType::I32))));
-    assert!(e.contains("blk.0.ffn_down.weight: type I32 is not supported"), "{e}");
+    let e = load_err(build(
+        &spec,
+        None,
+        Some(("blk.0.ffn_down.weight", &[96, 64], GgmlType::I32)),
+    ));
+    assert!(
+        e.contains("blk.0.ffn_down.weight: type I32 is not supported"),
+        "{e}"
+    );
 
-    let qwen2_without_bias = Spec { arch: "qwen2", ..spec.clone() };
+    let qwen2_without_bias = Spec {
+        arch: "qwen2",
+        ..spec.clone()
+    };
     let e = load_err(build(&qwen2_without_bias, None, None));
     assert!(e.contains("blk.0.attn_q.bias is missing"), "{e}");
 
-    let e = load_err(build(&Spec { arch: "mamba", ..spec.clone() }, None, None));
-    assert!(e.contains("unknown architecture \"mamba\"") && e.contains("llama, qwen2, qwen3, gemma3"), "{e}");
+    let e = load_err(build(
+        &Spec {
+            arch: "mamba",
+            ..spec.clone()
+        },
+        None,
+        None,
+    ));
+    assert!(
+        e.contains("unknown architecture \"mamba\"") && e.contains("llama, qwen2, qwen3, gemma3"),
+        "{e}"
+    );
 
-    let e = load_err(build(&Spec { n_head_kv: 3, ..spec.clone() }, None, None));
+    let e = load_err(build(
+        &Spec {
+            n_head_kv: 3,
+            ..spec.clone()
+        },
+        None,
+        None,
+    ));
     assert!(e.contains("llama.attention.head_count_kv"), "{e}");
 
-    let e = load_err(build(&Spec { arch: "gemma3", qk_norm: true, post_norms: true, ..spec }, None, None));
+    let e = load_err(build(
+        &Spec {
+            arch: "gemma3",
+            qk_norm: true,
+            post_norms: true,
+            ..spec
+        },
+        None,
+        None,
+    ));
     assert!(e.contains("gemma3.attention.sliding_window"), "{e}");
 }

@@ -120,9 +120,15 @@ pub enum Strategy {
 }
 
 /// From this many tokens on, the tiled kernel beats one `vec_dot` per output: below it, the
-/// one-off unpacking of the weights costs more than the tile saves (measured crossover: 12
-/// tokens for Q4_1 1536x576 and Q4_K 2048x2048, `examples/shapes.rs`).
-const TILE_MIN_TOKENS: usize = 12;
+/// one-off unpacking of the weights costs more than the tile saves. Measured crossovers
+/// (`examples/shapes.rs`): 6-8 tokens for Q4_1 1536x576, whose unpacking is SIMD, and 12 for
+/// Q4_K 2048x2048, whose unpacking is scalar.
+fn tile_min_tokens(ty: GgmlType) -> usize {
+    match ty {
+        GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 => 8,
+        _ => 12,
+    }
+}
 
 /// out[t*rows + r] = dot(w.row(r), x.row(t)). Parallel with rayon's current pool.
 pub fn matmul(w: &QMatrix, x: &QuantizedActivations, out: &mut [f32]) -> Result<(), QuantError> {
@@ -172,7 +178,9 @@ pub fn matmul_with(
         Level::Scalar
     };
     let tiled = match strategy {
-        Strategy::Auto => x.n_tokens >= TILE_MIN_TOKENS && has_tiles(w.ty) && has_simd_tiles(level),
+        Strategy::Auto => {
+            x.n_tokens >= tile_min_tokens(w.ty) && has_tiles(w.ty) && has_simd_tiles(level)
+        }
         Strategy::RowWise => false,
         Strategy::Tiled => has_tiles(w.ty),
     };

@@ -27,10 +27,19 @@ use crate::kv_cache::AttentionPlan;
 pub enum BackendError {
     /// The tensor's element type has no kernels in this backend.
     #[error("tensor {tensor}: type {ty} is not supported by the {backend} backend (supported: {supported})")]
-    UnsupportedType { tensor: String, ty: String, backend: &'static str, supported: String },
+    UnsupportedType {
+        tensor: String,
+        ty: String,
+        backend: &'static str,
+        supported: String,
+    },
     /// The tensor is not a matrix or vector of the expected size.
     #[error("tensor {tensor}: expected {expected}, found {found}")]
-    BadTensor { tensor: String, expected: String, found: String },
+    BadTensor {
+        tensor: String,
+        expected: String,
+        found: String,
+    },
 }
 
 /// How rotary position embedding pairs up the elements of a head.
@@ -100,10 +109,38 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// `out[t] = w * x[t]` for `n_tokens` rows of `x`, activations quantized to the weight's
     /// dot-product type first, as GGML does.
     fn matmul(&self, w: &Self::Matrix, x: &Self::Buf, n_tokens: usize, out: &mut Self::Buf);
+    /// `outs[i] = ws[i] * x` for several matrices sharing one input (Q, K and V; gate and up), so
+    /// the input is quantized once per dot-product type rather than once per matrix.
+    fn matmul_shared(
+        &self,
+        ws: &[&Self::Matrix],
+        x: &Self::Buf,
+        n_tokens: usize,
+        outs: &mut [&mut Self::Buf],
+    ) {
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            self.matmul(w, x, n_tokens, out);
+        }
+    }
     /// RMS normalisation of `n_rows` rows of `dim` values, times `weight` (length `dim`).
-    fn rms_norm(&self, x: &Self::Buf, weight: &Self::Vector, n_rows: usize, dim: usize, eps: f32, out: &mut Self::Buf);
+    fn rms_norm(
+        &self,
+        x: &Self::Buf,
+        weight: &Self::Vector,
+        n_rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut Self::Buf,
+    );
     /// In-place [`Backend::rms_norm`].
-    fn rms_norm_inplace(&self, x: &mut Self::Buf, weight: &Self::Vector, n_rows: usize, dim: usize, eps: f32);
+    fn rms_norm_inplace(
+        &self,
+        x: &mut Self::Buf,
+        weight: &Self::Vector,
+        n_rows: usize,
+        dim: usize,
+        eps: f32,
+    );
     /// `dst[i] += src[i]` for `len` values.
     fn add_inplace(&self, dst: &mut Self::Buf, src: &Self::Buf, len: usize);
     /// `x[r * dim + i] += bias[i]` for `n_rows` rows.
@@ -122,11 +159,25 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// Fills `table` with the cosines and sines of every token of a batch, reusing its memory.
     fn rope_table(&self, positions: &[u32], params: &RopeParams<'_>, table: &mut Self::RopeTable);
     /// Rotates `n_heads` heads of `head_dim` values in each of `n_tokens` rows.
-    fn rope(&self, x: &mut Self::Buf, table: &Self::RopeTable, n_tokens: usize, n_heads: usize, head_dim: usize, mode: RopeMode);
+    fn rope(
+        &self,
+        x: &mut Self::Buf,
+        table: &Self::RopeTable,
+        n_tokens: usize,
+        n_heads: usize,
+        head_dim: usize,
+        mode: RopeMode,
+    );
 
     /// K/V storage for one layer with room for `max_blocks` blocks of `block_size` tokens of
     /// `n_kv_heads` heads of `head_dim` values; no block has memory yet.
-    fn kv_layer(&self, max_blocks: usize, block_size: usize, n_kv_heads: usize, head_dim: usize) -> Self::KvLayer;
+    fn kv_layer(
+        &self,
+        max_blocks: usize,
+        block_size: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+    ) -> Self::KvLayer;
     /// Gives memory to `blocks` (those that have none); their contents are unspecified.
     fn kv_materialize(&self, layer: &mut Self::KvLayer, blocks: &[u32]);
     /// Takes the memory of `blocks` back (they are free; they are materialized again before reuse).
@@ -134,7 +185,13 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// Bytes of K/V memory the layer holds now.
     fn kv_bytes(&self, layer: &Self::KvLayer) -> usize;
     /// Writes the K and V rows of a batch into their slots (`plan.slots[t]` for token `t`).
-    fn kv_store(&self, layer: &mut Self::KvLayer, k: &Self::Buf, v: &Self::Buf, plan: &AttentionPlan);
+    fn kv_store(
+        &self,
+        layer: &mut Self::KvLayer,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        plan: &AttentionPlan,
+    );
     /// Causal multi-head attention of the batch's queries over the cache, through the block tables
     /// of `plan`. `q` has `n_heads * head_dim` values per token; the layer has `n_kv_heads` heads
     /// (grouped-query attention when fewer). Keys older than `window` positions are masked when a

@@ -28,10 +28,20 @@ pub struct BenchArgs {
     #[arg(short = 'm', long)]
     pub model: String,
     /// Prompt lengths to test (comma-separated; 0 skips).
-    #[arg(short = 'p', long = "n-prompt", value_delimiter = ',', default_value = "512")]
+    #[arg(
+        short = 'p',
+        long = "n-prompt",
+        value_delimiter = ',',
+        default_value = "512"
+    )]
     pub n_prompt: Vec<usize>,
     /// Generation lengths to test (comma-separated; 0 skips).
-    #[arg(short = 'n', long = "n-gen", value_delimiter = ',', default_value = "128")]
+    #[arg(
+        short = 'n',
+        long = "n-gen",
+        value_delimiter = ',',
+        default_value = "128"
+    )]
     pub n_gen: Vec<usize>,
     /// Repetitions of each test.
     #[arg(short = 'r', long, default_value_t = 5)]
@@ -59,11 +69,19 @@ struct BenchResult {
 fn stats(samples: &[f64]) -> (f64, f64, f64) {
     let n = samples.len() as f64;
     let mean = samples.iter().sum::<f64>() / n;
-    let var = if samples.len() > 1 { samples.iter().map(|s| (s - mean).powi(2)).sum::<f64>() / (n - 1.0) } else { 0.0 };
+    let var = if samples.len() > 1 {
+        samples.iter().map(|s| (s - mean).powi(2)).sum::<f64>() / (n - 1.0)
+    } else {
+        0.0
+    };
     let mut sorted = samples.to_vec();
     sorted.sort_by(f64::total_cmp);
     let mid = sorted.len() / 2;
-    let median = if sorted.len() % 2 == 1 { sorted[mid] } else { (sorted[mid - 1] + sorted[mid]) / 2.0 };
+    let median = if sorted.len() % 2 == 1 {
+        sorted[mid]
+    } else {
+        (sorted[mid - 1] + sorted[mid]) / 2.0
+    };
     (mean, var.sqrt(), median)
 }
 
@@ -73,7 +91,14 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let n_vocab = model.n_vocab() as u32;
     let threads = model.backend().n_threads();
     let reps = args.repetitions.max(1);
-    let max_len = args.n_prompt.iter().chain(&args.n_gen).copied().max().unwrap_or(0).max(1);
+    let max_len = args
+        .n_prompt
+        .iter()
+        .chain(&args.n_gen)
+        .copied()
+        .max()
+        .unwrap_or(0)
+        .max(1);
     let mut ctx = model.new_context(ContextParams::with_ctx(max_len));
     let mut rng = Pcg32::new(42);
     let mut results = Vec::new();
@@ -84,12 +109,16 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         let batch = Batch::for_sequence(0, 0, &tokens, false);
         crate::model::Context::clear(ctx);
         let start = Instant::now();
-        model.forward(ctx, &batch).context("prompt evaluation failed")?;
+        model
+            .forward(ctx, &batch)
+            .context("prompt evaluation failed")?;
         Ok(n as f64 / start.elapsed().as_secs_f64())
     };
     for &n in args.n_prompt.iter().filter(|&&n| n > 0) {
         run_pp(n, &mut rng, &mut ctx)?;
-        let samples = (0..reps).map(|_| run_pp(n, &mut rng, &mut ctx)).collect::<anyhow::Result<Vec<_>>>()?;
+        let samples = (0..reps)
+            .map(|_| run_pp(n, &mut rng, &mut ctx))
+            .collect::<anyhow::Result<Vec<_>>>()?;
         results.push(result(format!("pp{n}"), n, 0, threads, samples));
     }
     for &n in args.n_gen.iter().filter(|&&n| n > 0) {
@@ -99,18 +128,26 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             for pos in 0..count {
                 batch.clear();
                 batch.push(rng.next_u32() % n_vocab, pos as u32, 0, true);
-                model.forward(&mut ctx, &batch).context("generation step failed")?;
+                model
+                    .forward(&mut ctx, &batch)
+                    .context("generation step failed")?;
             }
             Ok(count as f64 / start.elapsed().as_secs_f64())
         };
         run_tg(1, &mut rng)?;
-        let samples = (0..reps).map(|_| run_tg(n, &mut rng)).collect::<anyhow::Result<Vec<_>>>()?;
+        let samples = (0..reps)
+            .map(|_| run_tg(n, &mut rng))
+            .collect::<anyhow::Result<Vec<_>>>()?;
         results.push(result(format!("tg{n}"), 0, n, threads, samples));
     }
 
     let file_size = model.gguf().file_size() as f64;
     let n_params: u64 = model.gguf().tensors().iter().map(|t| t.n_elements()).sum();
-    let name = loaded.path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = loaded
+        .path
+        .file_name()
+        .map(|f| f.to_string_lossy().into_owned())
+        .unwrap_or_default();
     match args.output {
         BenchFormat::Json => println!("{}", serde_json::to_string_pretty(&results)?),
         BenchFormat::Md => {
@@ -134,9 +171,24 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn result(test: String, n_prompt: usize, n_gen: usize, threads: usize, samples: Vec<f64>) -> BenchResult {
+fn result(
+    test: String,
+    n_prompt: usize,
+    n_gen: usize,
+    threads: usize,
+    samples: Vec<f64>,
+) -> BenchResult {
     let (avg_ts, stddev_ts, median_ts) = stats(&samples);
-    BenchResult { test, n_prompt, n_gen, threads, samples_ts: samples, avg_ts, stddev_ts, median_ts }
+    BenchResult {
+        test,
+        n_prompt,
+        n_gen,
+        threads,
+        samples_ts: samples,
+        avg_ts,
+        stddev_ts,
+        median_ts,
+    }
 }
 
 #[cfg(test)]

@@ -51,8 +51,10 @@ impl PullProgress for BarProgress {
         let bar = self.bar.get_or_insert_with(|| {
             let bar = ProgressBar::new(total);
             bar.set_style(
-                ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
-                    .unwrap_or_else(|_| ProgressStyle::default_bar()),
+                ProgressStyle::with_template(
+                    "{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+                )
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
             );
             bar
         });
@@ -70,7 +72,9 @@ pub fn resolve_model(spec: &str) -> anyhow::Result<PathBuf> {
 
 /// Opens a GGUF file with a readable error naming it.
 pub fn open_gguf(path: &Path) -> anyhow::Result<Arc<Gguf>> {
-    Ok(Arc::new(Gguf::open(path).with_context(|| format!("cannot load {}", path.display()))?))
+    Ok(Arc::new(Gguf::open(path).with_context(|| {
+        format!("cannot load {}", path.display())
+    })?))
 }
 
 /// Resolves, opens and loads a model and its tokenizer on the CPU with `threads` threads (0 for
@@ -79,17 +83,26 @@ pub fn load(spec: &str, threads: usize) -> anyhow::Result<Loaded> {
     let start = Instant::now();
     let path = resolve_model(spec)?;
     let gguf = open_gguf(&path)?;
-    let tokenizer =
-        Tokenizer::from_gguf(&gguf).with_context(|| format!("cannot load the tokenizer of {}", path.display()))?;
+    let tokenizer = Tokenizer::from_gguf(&gguf)
+        .with_context(|| format!("cannot load the tokenizer of {}", path.display()))?;
     let backend = CpuBackend::new(threads).context("cannot start the CPU thread pool")?;
     let bar = ProgressBar::new(gguf.tensors().len() as u64);
     bar.set_style(
         ProgressStyle::with_template("loading {msg} {bar:30} {pos}/{len} tensors")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    bar.set_message(path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default());
+    bar.set_message(
+        path.file_name()
+            .map(|f| f.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+    );
     let model = Model::from_gguf(gguf, backend, &mut |done, _| bar.set_position(done as u64));
     bar.finish_and_clear();
     let model = model.with_context(|| format!("cannot load {}", path.display()))?;
-    Ok(Loaded { model, tokenizer, path, load_time: start.elapsed() })
+    Ok(Loaded {
+        model,
+        tokenizer,
+        path,
+        load_time: start.elapsed(),
+    })
 }

@@ -45,7 +45,11 @@ pub fn main() -> ExitCode {
         Err(e) => {
             // clap prints help and version to stdout with success, usage errors to stderr.
             let _ = e.print();
-            return if e.use_stderr() { ExitCode::from(2) } else { ExitCode::SUCCESS };
+            return if e.use_stderr() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::SUCCESS
+            };
         }
     };
     init_logging();
@@ -70,8 +74,12 @@ pub fn main() -> ExitCode {
 }
 
 fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("EMBER_LOG").unwrap_or_else(|_| "warn".into());
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_env("EMBER_LOG").unwrap_or_else(|_| "warn".into());
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
 }
 
 /// What to do next for the errors users hit most.
@@ -102,10 +110,10 @@ fn hint_for(e: &anyhow::Error) -> Option<String> {
                 _ => "the GGUF file does not match what its architecture requires; re-convert or re-download it".into(),
             });
         }
-        if let Some(f) = cause.downcast_ref::<ForwardError>() {
-            if let ForwardError::Kv(KvError::ContextFull { .. }) = f {
-                return Some("use a shorter prompt or a larger context with -c".into());
-            }
+        if let Some(ForwardError::Kv(KvError::ContextFull { .. })) =
+            cause.downcast_ref::<ForwardError>()
+        {
+            return Some("use a shorter prompt or a larger context with -c".into());
         }
         if let Some(PerplexityError::TooShort { .. }) = cause.downcast_ref::<PerplexityError>() {
             return Some("use a longer text or a smaller context with -c".into());

@@ -34,7 +34,8 @@ pub struct PerplexityArgs {
 }
 
 pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
-    let text = std::fs::read_to_string(&args.file).with_context(|| format!("cannot read {}", args.file.display()))?;
+    let text = std::fs::read_to_string(&args.file)
+        .with_context(|| format!("cannot read {}", args.file.display()))?;
     let loaded = load::load(&args.model, args.threads)?;
     let model = &loaded.model;
     let tokenizer = &loaded.tokenizer;
@@ -42,18 +43,38 @@ pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
     if let Some(max) = args.chunks {
         tokens.truncate(max.saturating_mul(args.ctx_size));
     }
-    let bos = if tokenizer.add_bos() { tokenizer.bos() } else { None };
-    eprintln!("tokenized {} tokens; {} chunks of {}", tokens.len(), tokens.len() / args.ctx_size.max(1), args.ctx_size);
+    let bos = if tokenizer.add_bos() {
+        tokenizer.bos()
+    } else {
+        None
+    };
+    eprintln!(
+        "tokenized {} tokens; {} chunks of {}",
+        tokens.len(),
+        tokens.len() / args.ctx_size.max(1),
+        args.ctx_size
+    );
     let mut ctx = model.new_context(ContextParams::with_ctx(args.ctx_size));
     let start = Instant::now();
     let stdout = std::io::stdout();
-    let result = generate::perplexity(model, &mut ctx, &tokens, args.ctx_size, args.batch_size, bos, |chunk| {
-        let mut out = stdout.lock();
-        let _ = write!(out, "[{}]{:.4},", chunk.index + 1, chunk.running_ppl);
-        let _ = out.flush();
-    })?;
+    let result = generate::perplexity(
+        model,
+        &mut ctx,
+        &tokens,
+        args.ctx_size,
+        args.batch_size,
+        bos,
+        |chunk| {
+            let mut out = stdout.lock();
+            let _ = write!(out, "[{}]{:.4},", chunk.index + 1, chunk.running_ppl);
+            let _ = out.flush();
+        },
+    )?;
     println!();
-    println!("Final estimate: PPL = {:.4} +/- {:.5}", result.ppl, result.ppl_stderr);
+    println!(
+        "Final estimate: PPL = {:.4} +/- {:.5}",
+        result.ppl, result.ppl_stderr
+    );
     eprintln!(
         "[{} chunks, {} tokens scored, {:.2} s]",
         result.n_chunks,

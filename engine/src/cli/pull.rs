@@ -37,10 +37,17 @@ pub fn run(args: PullArgs) -> anyhow::Result<()> {
         (Some(name), false) => match models::find(name) {
             Some(m) => vec![m],
             None => {
-                return Err(models::PullError::UnknownModel { name: name.clone(), known: models::known_names() }.into())
+                return Err(models::PullError::UnknownModel {
+                    name: name.clone(),
+                    known: models::known_names(),
+                }
+                .into())
             }
         },
-        (None, false) => bail!("expected a model name or --all (names: {})", models::known_names()),
+        (None, false) => bail!(
+            "expected a model name or --all (names: {})",
+            models::known_names()
+        ),
     };
     for entry in entries {
         let mut progress = BarProgress::new();

@@ -93,17 +93,26 @@ pub fn prompt_ids(
             Some(path) => {
                 let source = std::fs::read_to_string(path)
                     .with_context(|| format!("cannot read chat template {}", path.display()))?;
-                ChatTemplate::from_source(&source).with_context(|| format!("bad chat template {}", path.display()))?
+                ChatTemplate::from_source(&source)
+                    .with_context(|| format!("bad chat template {}", path.display()))?
             }
-            None => match ChatTemplate::from_gguf(gguf).context("bad chat template in the model")? {
-                Some(t) => t,
-                None => match ChatTemplate::builtin_for(tokenizer) {
+            None => {
+                match ChatTemplate::from_gguf(gguf).context("bad chat template in the model")? {
                     Some(t) => t,
-                    None => bail!("the model has no chat template: pass one with --chat-template-file"),
-                },
-            },
+                    None => match ChatTemplate::builtin_for(tokenizer) {
+                        Some(t) => t,
+                        None => bail!(
+                            "the model has no chat template: pass one with --chat-template-file"
+                        ),
+                    },
+                }
+            }
         };
-        let token_text = |id: Option<u32>| id.and_then(|t| tokenizer.token_text(t)).unwrap_or("").to_string();
+        let token_text = |id: Option<u32>| {
+            id.and_then(|t| tokenizer.token_text(t))
+                .unwrap_or("")
+                .to_string()
+        };
         let bos = token_text(tokenizer.bos());
         let eos = token_text(tokenizer.eos());
         let rendered = template
@@ -125,17 +134,27 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let loaded = load::load(&args.model, args.threads)?;
     let model = &loaded.model;
     let tokenizer = &loaded.tokenizer;
-    let prompt = prompt_ids(tokenizer, model.gguf(), &args.prompt, args.chat, args.chat_template_file.as_deref())?;
+    let prompt = prompt_ids(
+        tokenizer,
+        model.gguf(),
+        &args.prompt,
+        args.chat,
+        args.chat_template_file.as_deref(),
+    )?;
     if prompt.is_empty() {
         bail!("the prompt is empty after tokenization: expected at least one token");
     }
-    let n_ctx = args.ctx_size.unwrap_or_else(|| model.hparams().n_ctx_train.min(DEFAULT_N_CTX));
+    let n_ctx = args
+        .ctx_size
+        .unwrap_or_else(|| model.hparams().n_ctx_train.min(DEFAULT_N_CTX));
     if prompt.len() >= n_ctx {
         bail!("the prompt has {} tokens: expected fewer than the context of {n_ctx} (use -c to enlarge it)", prompt.len());
     }
     let mut ctx = model.new_context(ContextParams::with_ctx(n_ctx));
     let seed = args.seed.unwrap_or_else(|| {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
     });
     let mut sampler = Sampler::new(SamplerParams {
         temperature: args.temp,
@@ -174,7 +193,10 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             text.push_str(&piece);
             if streaming {
                 // A closed pipe (`ember run ... | head`) ends generation quietly.
-                return out.write_all(piece.as_bytes()).and_then(|_| out.flush()).is_ok();
+                return out
+                    .write_all(piece.as_bytes())
+                    .and_then(|_| out.flush())
+                    .is_ok();
             }
             true
         },

@@ -31,8 +31,8 @@ pub fn run(args: TokenizeArgs) -> anyhow::Result<()> {
     // Only the tokenizer is needed: the weights are not loaded.
     let path = load::resolve_model(&args.model)?;
     let gguf = load::open_gguf(&path)?;
-    let tokenizer =
-        Tokenizer::from_gguf(&gguf).with_context(|| format!("cannot load the tokenizer of {}", path.display()))?;
+    let tokenizer = Tokenizer::from_gguf(&gguf)
+        .with_context(|| format!("cannot load the tokenizer of {}", path.display()))?;
     let ids = tokenizer.encode(&args.prompt, !args.no_bos, args.parse_special);
     let stdout = std::io::stdout();
     let mut out = stdout.lock();

@@ -31,7 +31,12 @@ pub enum FfnActivation {
 
 impl Architecture {
     /// Every supported architecture.
-    pub const ALL: [Architecture; 4] = [Architecture::Llama, Architecture::Qwen2, Architecture::Qwen3, Architecture::Gemma3];
+    pub const ALL: [Architecture; 4] = [
+        Architecture::Llama,
+        Architecture::Qwen2,
+        Architecture::Qwen3,
+        Architecture::Gemma3,
+    ];
 
     /// The `general.architecture` value, which is also the prefix of its metadata keys.
     pub fn name(self) -> &'static str {

@@ -46,7 +46,11 @@ impl<B: Backend> Context<B> {
         let b = &model.backend;
         let block_size = params.kv_block_size.max(1);
         let capacity_blocks = params.kv_capacity_tokens.max(1).div_ceil(block_size);
-        let shapes: Vec<(usize, usize)> = hp.layers.iter().map(|l| (l.n_head_kv, hp.head_dim_k)).collect();
+        let shapes: Vec<(usize, usize)> = hp
+            .layers
+            .iter()
+            .map(|l| (l.n_head_kv, hp.head_dim_k))
+            .collect();
         let kv = KvCache::new(b, &shapes, block_size, params.n_ctx, capacity_blocks);
         let bufs = Buffers {
             x: b.alloc(0),
@@ -62,7 +66,14 @@ impl<B: Backend> Context<B> {
             rope_global: b.rope_table_new(),
             rope_local: b.rope_table_new(),
         };
-        Context { params, kv, plan: AttentionPlan::default(), bufs, out_rows: Vec::new(), logits: Vec::new() }
+        Context {
+            params,
+            kv,
+            plan: AttentionPlan::default(),
+            bufs,
+            out_rows: Vec::new(),
+            logits: Vec::new(),
+        }
     }
 
     /// The sizes this context was made with.
@@ -115,8 +126,17 @@ pub(super) fn forward<'c, B: Backend>(
         return Err(ForwardError::EmptyBatch);
     }
     let n_vocab = model.n_vocab();
-    if let Some((index, &token)) = batch.tokens.iter().enumerate().find(|(_, &t)| t as usize >= n_vocab) {
-        return Err(ForwardError::TokenOutOfRange { token, index, n_vocab });
+    if let Some((index, &token)) = batch
+        .tokens
+        .iter()
+        .enumerate()
+        .find(|(_, &t)| t as usize >= n_vocab)
+    {
+        return Err(ForwardError::TokenOutOfRange {
+            token,
+            index,
+            n_vocab,
+        });
     }
     ctx.kv.plan(&model.backend, batch, &mut ctx.plan)?;
     ctx.out_rows.clear();
@@ -135,11 +155,23 @@ fn run_layers<B: Backend>(model: &Model<B>, ctx: &mut Context<B>, batch: &Batch)
     let hd = hp.head_dim_k;
     let eps = hp.rms_eps;
     let n_vocab = w.n_vocab;
-    let Context { kv, plan, bufs, out_rows, logits, .. } = ctx;
+    let Context {
+        kv,
+        plan,
+        bufs,
+        out_rows,
+        logits,
+        ..
+    } = ctx;
     let n_out = out_rows.len();
 
     let max_q = hp.layers.iter().map(|l| l.n_head * hd).max().unwrap_or(0);
-    let max_kv = hp.layers.iter().map(|l| l.n_head_kv * hd).max().unwrap_or(0);
+    let max_kv = hp
+        .layers
+        .iter()
+        .map(|l| l.n_head_kv * hd)
+        .max()
+        .unwrap_or(0);
     let max_ff = hp.layers.iter().map(|l| l.n_ff).max().unwrap_or(0);
     b.ensure_len(&mut bufs.x, n * n_embd);
     b.ensure_len(&mut bufs.xn, n * n_embd);
@@ -152,7 +184,11 @@ fn run_layers<B: Backend>(model: &Model<B>, ctx: &mut Context<B>, batch: &Batch)
     b.ensure_len(&mut bufs.up, n * max_ff);
     b.ensure_len(&mut bufs.logits, n_out * n_vocab);
 
-    let embed_scale = if arch.scales_embeddings() { (n_embd as f32).sqrt() } else { 1.0 };
+    let embed_scale = if arch.scales_embeddings() {
+        (n_embd as f32).sqrt()
+    } else {
+        1.0
+    };
     b.get_rows(&w.token_embd, &batch.tokens, embed_scale, &mut bufs.x);
 
     let global = RopeParams {
@@ -164,7 +200,12 @@ fn run_layers<B: Backend>(model: &Model<B>, ctx: &mut Context<B>, batch: &Batch)
     b.rope_table(&batch.positions, &global, &mut bufs.rope_global);
     let any_local = hp.layers.iter().any(|l| l.sliding_window);
     if any_local {
-        let local = RopeParams { n_dims: hp.rope_n_dims, freq_base: hp.rope_freq_base_swa, freq_scale: 1.0, freq_factors: None };
+        let local = RopeParams {
+            n_dims: hp.rope_n_dims,
+            freq_base: hp.rope_freq_base_swa,
+            freq_scale: 1.0,
+            freq_factors: None,
+        };
         b.rope_table(&batch.positions, &local, &mut bufs.rope_local);
     }
     let mode = arch.rope_mode();
@@ -179,9 +220,12 @@ fn run_layers<B: Backend>(model: &Model<B>, ctx: &mut Context<B>, batch: &Batch)
 
         // Attention block.
         b.rms_norm(&bufs.x, &lw.attn_norm, n, n_embd, eps, &mut bufs.xn);
-        b.matmul(&lw.wq, &bufs.xn, n, &mut bufs.q);
-        b.matmul(&lw.wk, &bufs.xn, n, &mut bufs.k);
-        b.matmul(&lw.wv, &bufs.xn, n, &mut bufs.v);
+        b.matmul_shared(
+            &[&lw.wq, &lw.wk, &lw.wv],
+            &bufs.xn,
+            n,
+            &mut [&mut bufs.q, &mut bufs.k, &mut bufs.v],
+        );
         if let Some(bias) = &lw.bq {
             b.add_bias(&mut bufs.q, bias, n, q_len);
         }
@@ -197,7 +241,11 @@ fn run_layers<B: Backend>(model: &Model<B>, ctx: &mut Context<B>, batch: &Batch)
         if let Some(norm) = &lw.k_norm {
             b.rms_norm_inplace(&mut bufs.k, norm, n * n_head_kv, hd, eps);
         }
-        let rope = if shape.sliding_window { &bufs.rope_local } else { &bufs.rope_global };
+        let rope = if shape.sliding_window {
+            &bufs.rope_local
+        } else {
+            &bufs.rope_global
+        };
         b.rope(&mut bufs.q, rope, n, n_head, hd, mode);
         b.rope(&mut bufs.k, rope, n, n_head_kv, hd, mode);
         let kq_scale = if arch.scales_queries() {
@@ -207,8 +255,22 @@ fn run_layers<B: Backend>(model: &Model<B>, ctx: &mut Context<B>, batch: &Batch)
             attn_scale
         };
         b.kv_store(kv.layer_mut(il), &bufs.k, &bufs.v, plan);
-        let window = if shape.sliding_window { hp.sliding_window } else { None };
-        b.attention(&bufs.q, kv.layer(il), plan, n_head, n_head_kv, hd, kq_scale, window, &mut bufs.attn);
+        let window = if shape.sliding_window {
+            hp.sliding_window
+        } else {
+            None
+        };
+        b.attention(
+            &bufs.q,
+            kv.layer(il),
+            plan,
+            n_head,
+            n_head_kv,
+            hd,
+            kq_scale,
+            window,
+            &mut bufs.attn,
+        );
         b.matmul(&lw.wo, &bufs.attn, n, &mut bufs.proj);
         if let Some(bias) = &lw.bo {
             b.add_bias(&mut bufs.proj, bias, n, n_embd);
@@ -227,8 +289,12 @@ fn run_layers<B: Backend>(model: &Model<B>, ctx: &mut Context<B>, batch: &Batch)
         // Feed-forward block.
         let n_ff = shape.n_ff;
         b.rms_norm(&bufs.x, &lw.ffn_norm, n_rows, n_embd, eps, &mut bufs.xn);
-        b.matmul(&lw.ffn_gate, &bufs.xn, n_rows, &mut bufs.gate);
-        b.matmul(&lw.ffn_up, &bufs.xn, n_rows, &mut bufs.up);
+        b.matmul_shared(
+            &[&lw.ffn_gate, &lw.ffn_up],
+            &bufs.xn,
+            n_rows,
+            &mut [&mut bufs.gate, &mut bufs.up],
+        );
         match arch.ffn_activation() {
             FfnActivation::SwiGlu => b.swiglu(&mut bufs.gate, &bufs.up, n_rows * n_ff),
             FfnActivation::GeGlu => b.geglu(&mut bufs.gate, &bufs.up, n_rows * n_ff),

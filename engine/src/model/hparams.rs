@@ -90,7 +90,13 @@ impl Keys<'_> {
         }
     }
 
-    fn per_layer(&self, suffix: &str, n_layer: usize, min: usize, max: usize) -> Result<Vec<usize>, ModelError> {
+    fn per_layer(
+        &self,
+        suffix: &str,
+        n_layer: usize,
+        min: usize,
+        max: usize,
+    ) -> Result<Vec<usize>, ModelError> {
         let key = self.key(suffix);
         self.md
             .get_u32_per_layer(&key, n_layer)?
@@ -137,7 +143,10 @@ fn check_range(key: &str, v: usize, min: usize, max: usize) -> Result<usize, Mod
 impl HParams {
     /// Reads and validates the hyperparameters of `architecture` from `md`.
     pub fn from_metadata(architecture: Architecture, md: &Metadata) -> Result<HParams, ModelError> {
-        let k = Keys { arch: architecture.name(), md };
+        let k = Keys {
+            arch: architecture.name(),
+            md,
+        };
         let n_ctx_train = k.usize_req("context_length", u32::MAX as usize)?;
         let n_embd = k.usize_req("embedding_length", MAX_DIM)?;
         let n_layer = k.usize_req("block_count", MAX_LAYERS)?;
@@ -149,12 +158,18 @@ impl HParams {
         };
         let n_ff = k.per_layer("feed_forward_length", n_layer, 1, MAX_DIM)?;
         let default_head_dim = n_embd / n_head[0];
-        let head_dim_k = k.usize_opt("attention.key_length", MAX_DIM)?.unwrap_or(default_head_dim);
-        let head_dim_v = k.usize_opt("attention.value_length", MAX_DIM)?.unwrap_or(default_head_dim);
+        let head_dim_k = k
+            .usize_opt("attention.key_length", MAX_DIM)?
+            .unwrap_or(default_head_dim);
+        let head_dim_v = k
+            .usize_opt("attention.value_length", MAX_DIM)?
+            .unwrap_or(default_head_dim);
         if head_dim_k != head_dim_v {
             return Err(ModelError::BadHyperparameter {
                 key: k.key("attention.value_length"),
-                expected: format!("the key length {head_dim_k} (different K and V head sizes are not supported)"),
+                expected: format!(
+                    "the key length {head_dim_k} (different K and V head sizes are not supported)"
+                ),
                 found: head_dim_v.to_string(),
             });
         }
@@ -184,7 +199,9 @@ impl HParams {
                 found: rms_eps.to_string(),
             });
         }
-        let rope_n_dims = k.usize_opt("rope.dimension_count", MAX_DIM)?.unwrap_or(head_dim_k);
+        let rope_n_dims = k
+            .usize_opt("rope.dimension_count", MAX_DIM)?
+            .unwrap_or(head_dim_k);
         if rope_n_dims % 2 != 0 || rope_n_dims > head_dim_k {
             return Err(ModelError::BadHyperparameter {
                 key: k.key("rope.dimension_count"),
@@ -196,9 +213,10 @@ impl HParams {
         let rope_scaling = read_rope_scaling(&k)?;
 
         let (sliding_window, swa_period) = match architecture {
-            Architecture::Gemma3 => {
-                (Some(k.usize_req("attention.sliding_window", u32::MAX as usize)?), Some(GEMMA3_SWA_PERIOD))
-            }
+            Architecture::Gemma3 => (
+                Some(k.usize_req("attention.sliding_window", u32::MAX as usize)?),
+                Some(GEMMA3_SWA_PERIOD),
+            ),
             _ => (None, None),
         };
         let layers = (0..n_layer)
@@ -233,7 +251,10 @@ impl HParams {
 
     /// Bytes of K and V cache per token (f16 storage), summed over layers.
     pub fn kv_bytes_per_token(&self) -> usize {
-        self.layers.iter().map(|l| 2 * l.n_head_kv * self.head_dim_k * 2).sum()
+        self.layers
+            .iter()
+            .map(|l| 2 * l.n_head_kv * self.head_dim_k * 2)
+            .sum()
     }
 
     /// The attention scale: `1 / sqrt(head size)`.

@@ -35,16 +35,28 @@ pub enum ModelError {
     UnknownArchitecture { found: String, supported: String },
     /// A hyperparameter is out of range or inconsistent.
     #[error("metadata key {key}: expected {expected}, found {found}")]
-    BadHyperparameter { key: String, expected: String, found: String },
+    BadHyperparameter {
+        key: String,
+        expected: String,
+        found: String,
+    },
     /// A required tensor is absent.
     #[error("tensor {name} is missing: expected a tensor of dims {expected}")]
     MissingTensor { name: String, expected: String },
     /// A tensor has the wrong dims.
     #[error("tensor {name}: expected dims {expected:?}, found {found:?}")]
-    WrongShape { name: String, expected: Vec<usize>, found: Vec<usize> },
+    WrongShape {
+        name: String,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
     /// A tensor has a type without kernels.
     #[error("tensor {name}: type {ty} is not supported: expected one of {supported}")]
-    UnsupportedType { name: String, ty: String, supported: String },
+    UnsupportedType {
+        name: String,
+        ty: String,
+        supported: String,
+    },
     /// The backend refused a tensor.
     #[error(transparent)]
     Backend(#[from] BackendError),
@@ -57,8 +69,14 @@ pub enum ForwardError {
     #[error("empty batch: expected at least one token")]
     EmptyBatch,
     /// A token id is not in the vocabulary.
-    #[error("token id {token} at batch index {index} is out of range: expected less than {n_vocab}")]
-    TokenOutOfRange { token: u32, index: usize, n_vocab: usize },
+    #[error(
+        "token id {token} at batch index {index} is out of range: expected less than {n_vocab}"
+    )]
+    TokenOutOfRange {
+        token: u32,
+        index: usize,
+        n_vocab: usize,
+    },
     /// The batch does not fit the KV cache.
     #[error(transparent)]
     Kv(#[from] KvError),
@@ -78,7 +96,11 @@ pub struct ContextParams {
 impl ContextParams {
     /// One sequence of up to `n_ctx` tokens with the default block size.
     pub fn with_ctx(n_ctx: usize) -> Self {
-        ContextParams { n_ctx, kv_block_size: DEFAULT_BLOCK_SIZE, kv_capacity_tokens: n_ctx }
+        ContextParams {
+            n_ctx,
+            kv_block_size: DEFAULT_BLOCK_SIZE,
+            kv_capacity_tokens: n_ctx,
+        }
     }
 }
 
@@ -97,24 +119,40 @@ pub struct Model<B: Backend> {
 
 impl<B: Backend> std::fmt::Debug for Model<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Model").field("hparams", &self.hparams).field("backend", &self.backend.name()).finish()
+        f.debug_struct("Model")
+            .field("hparams", &self.hparams)
+            .field("backend", &self.backend.name())
+            .finish()
     }
 }
 
 impl<B: Backend> Model<B> {
     /// Opens `path` and loads the model on `backend`. `progress(done, total)` is called as
     /// tensors are placed.
-    pub fn load(path: &Path, backend: B, progress: &mut dyn FnMut(usize, usize)) -> Result<Model<B>, ModelError> {
+    pub fn load(
+        path: &Path,
+        backend: B,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Model<B>, ModelError> {
         let gguf = Arc::new(Gguf::open(path)?);
         Model::from_gguf(gguf, backend, progress)
     }
 
     /// Loads the model described by an opened GGUF file.
-    pub fn from_gguf(gguf: Arc<Gguf>, backend: B, progress: &mut dyn FnMut(usize, usize)) -> Result<Model<B>, ModelError> {
+    pub fn from_gguf(
+        gguf: Arc<Gguf>,
+        backend: B,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Model<B>, ModelError> {
         let architecture = architecture_of(&gguf)?;
         let hparams = HParams::from_metadata(architecture, gguf.metadata())?;
         let weights = Weights::load(&gguf, &hparams, &backend, progress)?;
-        Ok(Model { gguf, hparams, weights, backend })
+        Ok(Model {
+            gguf,
+            hparams,
+            weights,
+            backend,
+        })
     }
 
     /// The GGUF file the model was loaded from.
@@ -149,7 +187,11 @@ impl<B: Backend> Model<B> {
 
     /// Evaluates `batch` and returns the logits of the tokens that asked for them, `n_vocab`
     /// values per such token in batch order. The batch's tokens are added to the KV cache.
-    pub fn forward<'c>(&self, ctx: &'c mut Context<B>, batch: &Batch) -> Result<&'c [f32], ForwardError> {
+    pub fn forward<'c>(
+        &self,
+        ctx: &'c mut Context<B>,
+        batch: &Batch,
+    ) -> Result<&'c [f32], ForwardError> {
         forward::forward(self, ctx, batch)
     }
 }

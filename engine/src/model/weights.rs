@@ -56,19 +56,29 @@ struct Loader<'a, B: Backend> {
 
 impl<B: Backend> Loader<'_, B> {
     fn find(&mut self, name: &str, dims: &[usize]) -> Result<TensorInfo, ModelError> {
-        let info = self.gguf.tensor(name).ok_or_else(|| ModelError::MissingTensor {
-            name: name.to_string(),
-            expected: format!("{dims:?}"),
-        })?;
+        let info = self
+            .gguf
+            .tensor(name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                name: name.to_string(),
+                expected: format!("{dims:?}"),
+            })?;
         let found: Vec<usize> = info.dims.iter().map(|&d| d as usize).collect();
         if found != dims {
-            return Err(ModelError::WrongShape { name: name.to_string(), expected: dims.to_vec(), found });
+            return Err(ModelError::WrongShape {
+                name: name.to_string(),
+                expected: dims.to_vec(),
+                found,
+            });
         }
-        if !ember_quant::is_supported(info.ty) || matches!(info.ty, GgmlType::Q8_1 | GgmlType::Q8_K) {
+        if !ember_quant::is_supported(info.ty) || matches!(info.ty, GgmlType::Q8_1 | GgmlType::Q8_K)
+        {
             return Err(ModelError::UnsupportedType {
                 name: name.to_string(),
                 ty: info.ty.name().to_string(),
-                supported: "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K".into(),
+                supported:
+                    "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K"
+                        .into(),
             });
         }
         self.used.insert(name.to_string());
@@ -93,7 +103,12 @@ impl<B: Backend> Loader<'_, B> {
         self.vector(name, len).map(Some)
     }
 
-    fn vector_if(&mut self, presence: Presence, name: &str, len: usize) -> Result<Option<B::Vector>, ModelError> {
+    fn vector_if(
+        &mut self,
+        presence: Presence,
+        name: &str,
+        len: usize,
+    ) -> Result<Option<B::Vector>, ModelError> {
         match presence {
             Presence::Required => self.vector(name, len).map(Some),
             Presence::Optional => self.vector_opt(name, len),
@@ -113,10 +128,12 @@ impl<B: Backend> Weights<B> {
     ) -> Result<Weights<B>, ModelError> {
         let arch = hp.architecture;
         let n_embd = hp.n_embd;
-        let token_embd_info = gguf.tensor("token_embd.weight").ok_or_else(|| ModelError::MissingTensor {
-            name: "token_embd.weight".into(),
-            expected: format!("[{n_embd}, n_vocab]"),
-        })?;
+        let token_embd_info =
+            gguf.tensor("token_embd.weight")
+                .ok_or_else(|| ModelError::MissingTensor {
+                    name: "token_embd.weight".into(),
+                    expected: format!("[{n_embd}, n_vocab]"),
+                })?;
         let n_vocab = token_embd_info.dims.get(1).copied().unwrap_or(0) as usize;
         if let Some(n) = hp.n_vocab_metadata {
             if n != n_vocab {
@@ -127,8 +144,13 @@ impl<B: Backend> Weights<B> {
                 });
             }
         }
-        let mut loader =
-            Loader { gguf, backend, used: HashSet::new(), progress, total: gguf.tensors().len() };
+        let mut loader = Loader {
+            gguf,
+            backend,
+            used: HashSet::new(),
+            progress,
+            total: gguf.tensors().len(),
+        };
         let token_embd = loader.matrix("token_embd.weight", n_embd, n_vocab)?;
         let output_norm = loader.vector("output_norm.weight", n_embd)?;
         let output = if gguf.tensor("output.weight").is_some() {
@@ -170,8 +192,16 @@ impl<B: Backend> Weights<B> {
                     Presence::Absent => None,
                     _ => loader.vector_opt(&name("attn_output.bias"), n_embd)?,
                 },
-                q_norm: if arch.qk_norm() { Some(loader.vector(&name("attn_q_norm.weight"), hd)?) } else { None },
-                k_norm: if arch.qk_norm() { Some(loader.vector(&name("attn_k_norm.weight"), hd)?) } else { None },
+                q_norm: if arch.qk_norm() {
+                    Some(loader.vector(&name("attn_q_norm.weight"), hd)?)
+                } else {
+                    None
+                },
+                k_norm: if arch.qk_norm() {
+                    Some(loader.vector(&name("attn_k_norm.weight"), hd)?)
+                } else {
+                    None
+                },
                 post_attn_norm: if arch.post_norms() {
                     Some(loader.vector(&name("post_attention_norm.weight"), n_embd)?)
                 } else {
@@ -188,6 +218,13 @@ impl<B: Backend> Weights<B> {
                 },
             });
         }
-        Ok(Weights { token_embd, layers, output_norm, output, rope_freqs, n_vocab })
+        Ok(Weights {
+            token_embd,
+            layers,
+            output_norm,
+            output,
+            rope_freqs,
+            n_vocab,
+        })
     }
 }

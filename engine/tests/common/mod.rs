@@ -28,7 +28,8 @@ pub fn model_path(name: &str) -> PathBuf {
 pub fn load(name: &str) -> (Model<CpuBackend>, Tokenizer) {
     let path = model_path(name);
     let backend = CpuBackend::new(TEST_THREADS).expect("thread pool");
-    let model = Model::load(&path, backend, &mut |_, _| {}).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let model = Model::load(&path, backend, &mut |_, _| {})
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let tokenizer = Tokenizer::from_gguf(model.gguf()).expect("tokenizer");
     (model, tokenizer)
 }
@@ -42,5 +43,8 @@ pub fn golden_dir() -> PathBuf {
 pub fn golden_jsonl(file: &str) -> Vec<serde_json::Value> {
     let path = golden_dir().join(file);
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    text.lines().filter(|l| !l.trim().is_empty()).map(|l| serde_json::from_str(l).expect("valid JSON line")).collect()
+    text.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).expect("valid JSON line"))
+        .collect()
 }

@@ -520,6 +520,12 @@ unsafe fn rows4_pairs<const Q8: bool>(rows: [&[u8]; 4], a: &[u8], nb: usize) -> 
     };
     let ap = a.as_ptr();
     let wp: [*const u8; 4] = std::array::from_fn(|r| rows[r].as_ptr());
+    // Rows are short (a few cache lines), too short for the hardware prefetcher to lock on
+    // to four interleaved streams; so fetch the same columns of the next four rows (the
+    // matrix is row-contiguous) while these are computed. Prefetches never fault, and
+    // `wrapping_add` keeps the address arithmetic defined past the end of the matrix.
+    let row_bytes = nb * w_size;
+    let next: [*const u8; 4] = std::array::from_fn(|r| wp[r].wrapping_add(4 * row_bytes));
     let mut acc = [_mm256_setzero_ps(); 4];
     let mut mins = [_mm_setzero_ps(); 4];
     let low = _mm256_set1_epi8(0xF);
@@ -552,6 +558,9 @@ unsafe fn rows4_pairs<const Q8: bool>(rows: [&[u8]; 4], a: &[u8], nb: usize) -> 
                 )
             };
             for r in 0..4 {
+                let ahead = next[r].wrapping_add(c * w_size);
+                _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64).cast());
                 let xa = wp[r].add(c * w_size);
                 let xb = wp[r].add((c + 1) * w_size);
                 let dm = _mm_cvtph_ps(_mm_setr_epi32(

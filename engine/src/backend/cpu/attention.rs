@@ -84,7 +84,16 @@ pub fn attention(
     let group = n_heads / n_kv_heads;
     let row_len = n_heads * head_dim;
     let n_tokens = plan.n_tokens();
-    let shape = Shape { q, layer, plan, group, head_dim, row_len, kq_scale, window };
+    let shape = Shape {
+        q,
+        layer,
+        plan,
+        group,
+        head_dim,
+        row_len,
+        kq_scale,
+        window,
+    };
     let tiles = query_tiles(plan);
     if tiles.len() >= 2 * rayon::current_num_threads() {
         // Prompt processing: one task per tile, all KV heads.
@@ -95,20 +104,30 @@ pub fn attention(
             parts.push((tile, part));
             rest = tail;
         }
-        parts.into_par_iter().for_each_init(Scratch::default, |scratch, (tile, part)| {
-            for kv_head in 0..n_kv_heads {
-                attend(&shape, tile.clone(), kv_head, part, row_len, kv_head * group * head_dim, scratch);
-            }
-        });
+        parts
+            .into_par_iter()
+            .for_each_init(Scratch::default, |scratch, (tile, part)| {
+                for kv_head in 0..n_kv_heads {
+                    attend(
+                        &shape,
+                        tile.clone(),
+                        kv_head,
+                        part,
+                        row_len,
+                        kv_head * group * head_dim,
+                        scratch,
+                    );
+                }
+            });
     } else {
         // Decoding: one task per (token, KV head).
-        out[..n_tokens * row_len].par_chunks_mut(group * head_dim).enumerate().for_each_init(
-            Scratch::default,
-            |scratch, (task, part)| {
+        out[..n_tokens * row_len]
+            .par_chunks_mut(group * head_dim)
+            .enumerate()
+            .for_each_init(Scratch::default, |scratch, (task, part)| {
                 let (t, kv_head) = (task / n_kv_heads, task % n_kv_heads);
                 attend(&shape, t..t + 1, kv_head, part, 0, 0, scratch);
-            },
-        );
+            });
     }
 }
 
@@ -133,7 +152,13 @@ fn attend(
     let span = hi + 1 - lo;
     let table = &s.plan.tables[s.plan.table_of_token[t0] as usize];
 
-    let Scratch { scores, rows, queries, max, sum } = scratch;
+    let Scratch {
+        scores,
+        rows,
+        queries,
+        max,
+        sum,
+    } = scratch;
     scores.clear();
     scores.resize(n_tile * group * span, 0.0);
     rows.resize(block_size * hd, 0.0);
@@ -166,7 +191,12 @@ fn attend(
                 let dst = &mut scores[(i * group + j) * span..][..span];
                 if !keys.is_empty() {
                     let k_rows = &rows[(keys.start - run_lo) * hd..(keys.end - run_lo) * hd];
-                    vec::dot_rows(qh, k_rows, s.kq_scale, &mut dst[keys.start - lo..keys.end - lo]);
+                    vec::dot_rows(
+                        qh,
+                        k_rows,
+                        s.kq_scale,
+                        &mut dst[keys.start - lo..keys.end - lo],
+                    );
                 }
             }
         }
@@ -178,7 +208,9 @@ fn attend(
     sum.clear();
     sum.resize(n_tile * group, 0.0);
     for i in 0..n_tile {
-        out[i * token_stride + base..][..group * hd].iter_mut().for_each(|o| *o = 0.0);
+        out[i * token_stride + base..][..group * hd]
+            .iter_mut()
+            .for_each(|o| *o = 0.0);
     }
     for_each_run(lo, hi, block_size, |block_idx, start, end| {
         let block = table[block_idx] as usize;
@@ -215,7 +247,9 @@ fn attend(
         for j in 0..group {
             let total = sum[i * group + j];
             let inv = if total == 0.0 { 0.0 } else { 1.0 / total };
-            out[i * token_stride + base + j * hd..][..hd].iter_mut().for_each(|o| *o *= inv);
+            out[i * token_stride + base + j * hd..][..hd]
+                .iter_mut()
+                .for_each(|o| *o *= inv);
         }
     }
 }
@@ -223,7 +257,12 @@ fn attend(
 /// Calls `f(block_idx, start, end)` for each run of positions `first..=last` that lies in one
 /// block: slots `start..end` of block `block_idx`, in position order.
 #[inline]
-fn for_each_run(first: usize, last: usize, block_size: usize, mut f: impl FnMut(usize, usize, usize)) {
+fn for_each_run(
+    first: usize,
+    last: usize,
+    block_size: usize,
+    mut f: impl FnMut(usize, usize, usize),
+) {
     let mut p = first;
     while p <= last {
         let block_idx = p / block_size;
@@ -250,7 +289,10 @@ mod tests {
 
     #[test]
     fn tiles_break_at_sequences_gaps_and_size() {
-        let mut plan = AttentionPlan { block_size: 16, ..Default::default() };
+        let mut plan = AttentionPlan {
+            block_size: 16,
+            ..Default::default()
+        };
         for t in 0..40u32 {
             plan.slots.push(t);
             plan.positions.push(t);

@@ -29,7 +29,9 @@ pub struct CpuBackend {
 
 impl std::fmt::Debug for CpuBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CpuBackend").field("n_threads", &self.n_threads).finish()
+        f.debug_struct("CpuBackend")
+            .field("n_threads", &self.n_threads)
+            .finish()
     }
 }
 
@@ -64,7 +66,11 @@ fn physical_cores_from_cpuinfo() -> Option<usize> {
 impl CpuBackend {
     /// A backend with `n_threads` worker threads (0 means [`physical_cores`]).
     pub fn new(n_threads: usize) -> Result<CpuBackend, rayon::ThreadPoolBuildError> {
-        let n_threads = if n_threads == 0 { physical_cores() } else { n_threads };
+        let n_threads = if n_threads == 0 {
+            physical_cores()
+        } else {
+            n_threads
+        };
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(n_threads)
             .thread_name(|i| format!("ember-cpu-{i}"))
@@ -173,11 +179,18 @@ impl Backend for CpuBackend {
 
     fn matrix(&self, gguf: &Arc<Gguf>, info: &TensorInfo) -> Result<CpuMatrix, BackendError> {
         let (rows, cols) = check_matrix(info)?;
-        let matrix = CpuMatrix { gguf: Arc::clone(gguf), info: info.clone(), rows, cols };
-        ember_quant::QMatrix::new(info.ty, rows, cols, matrix.data()).map_err(|e| BackendError::BadTensor {
-            tensor: info.name.clone(),
-            expected: format!("{rows} rows of {cols} {} values", info.ty.name()),
-            found: e.to_string(),
+        let matrix = CpuMatrix {
+            gguf: Arc::clone(gguf),
+            info: info.clone(),
+            rows,
+            cols,
+        };
+        ember_quant::QMatrix::new(info.ty, rows, cols, matrix.data()).map_err(|e| {
+            BackendError::BadTensor {
+                tensor: info.name.clone(),
+                expected: format!("{rows} rows of {cols} {} values", info.ty.name()),
+                found: e.to_string(),
+            }
         })?;
         Ok(matrix)
     }
@@ -185,10 +198,12 @@ impl Backend for CpuBackend {
     fn vector(&self, gguf: &Arc<Gguf>, info: &TensorInfo) -> Result<Vec<f32>, BackendError> {
         let (rows, cols) = check_matrix(info)?;
         let mut out = vec![0f32; rows * cols];
-        ember_quant::dequantize(info.ty, gguf.tensor_data(info), &mut out).map_err(|e| BackendError::BadTensor {
-            tensor: info.name.clone(),
-            expected: format!("{} {} values", rows * cols, info.ty.name()),
-            found: e.to_string(),
+        ember_quant::dequantize(info.ty, gguf.tensor_data(info), &mut out).map_err(|e| {
+            BackendError::BadTensor {
+                tensor: info.name.clone(),
+                expected: format!("{} {} values", rows * cols, info.ty.name()),
+                found: e.to_string(),
+            }
         })?;
         Ok(out)
     }
@@ -221,12 +236,17 @@ impl Backend for CpuBackend {
     fn get_rows(&self, table: &CpuMatrix, ids: &[u32], scale: f32, out: &mut Vec<f32>) {
         let cols = table.cols;
         let q = table.qmatrix();
-        out[..ids.len() * cols].par_chunks_mut(cols).with_min_len(ROWS_PER_TASK).zip(ids).for_each(|(row, &id)| {
-            q.dequantize_row(id as usize, row).expect("token ids are checked against the vocabulary before the forward pass");
-            if scale != 1.0 {
-                row.iter_mut().for_each(|x| *x *= scale);
-            }
-        });
+        out[..ids.len() * cols]
+            .par_chunks_mut(cols)
+            .with_min_len(ROWS_PER_TASK)
+            .zip(ids)
+            .for_each(|(row, &id)| {
+                q.dequantize_row(id as usize, row)
+                    .expect("token ids are checked against the vocabulary before the forward pass");
+                if scale != 1.0 {
+                    row.iter_mut().for_each(|x| *x *= scale);
+                }
+            });
     }
 
     fn matmul(&self, w: &CpuMatrix, x: &Vec<f32>, n_tokens: usize, out: &mut Vec<f32>) {
@@ -236,11 +256,20 @@ impl Backend for CpuBackend {
         let vdt = ember_quant::vec_dot_type(w.info.ty);
         // Shapes were checked when the matrix was placed and the buffers are sized by the model
         // code from the same hyperparameters, so these cannot fail on any input file.
-        let acts = ember_quant::quantize_activations(vdt, x, n_tokens, w.cols).expect("activation shape matches the matrix");
+        let acts = ember_quant::quantize_activations(vdt, x, n_tokens, w.cols)
+            .expect("activation shape matches the matrix");
         ember_quant::matmul(&q, &acts, out).expect("matmul shapes match");
     }
 
-    fn rms_norm(&self, x: &Vec<f32>, weight: &Vec<f32>, n_rows: usize, dim: usize, eps: f32, out: &mut Vec<f32>) {
+    fn rms_norm(
+        &self,
+        x: &Vec<f32>,
+        weight: &Vec<f32>,
+        n_rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut Vec<f32>,
+    ) {
         out[..n_rows * dim]
             .par_chunks_mut(dim)
             .with_min_len(ROWS_PER_TASK)
@@ -248,7 +277,14 @@ impl Backend for CpuBackend {
             .for_each(|(o, r)| ops::rms_norm_row(r, weight, eps, o));
     }
 
-    fn rms_norm_inplace(&self, x: &mut Vec<f32>, weight: &Vec<f32>, n_rows: usize, dim: usize, eps: f32) {
+    fn rms_norm_inplace(
+        &self,
+        x: &mut Vec<f32>,
+        weight: &Vec<f32>,
+        n_rows: usize,
+        dim: usize,
+        eps: f32,
+    ) {
         x[..n_rows * dim]
             .par_chunks_mut(dim)
             .with_min_len(ROWS_PER_TASK)
@@ -260,7 +296,9 @@ impl Backend for CpuBackend {
     }
 
     fn add_bias(&self, x: &mut Vec<f32>, bias: &Vec<f32>, n_rows: usize, dim: usize) {
-        x[..n_rows * dim].chunks_mut(dim).for_each(|r| r.iter_mut().zip(bias).for_each(|(v, b)| *v += b));
+        x[..n_rows * dim]
+            .chunks_mut(dim)
+            .for_each(|r| r.iter_mut().zip(bias).for_each(|(v, b)| *v += b));
     }
 
     fn scale(&self, x: &mut Vec<f32>, len: usize, scale: f32) {
@@ -273,15 +311,22 @@ impl Backend for CpuBackend {
 
     fn geglu(&self, gate: &mut Vec<f32>, up: &Vec<f32>, len: usize) {
         let table = ops::gelu_table();
-        ops::par_zip(&mut gate[..len], &up[..len], |g, u| *g = ops::gelu_ggml(table, *g) * u);
+        ops::par_zip(&mut gate[..len], &up[..len], |g, u| {
+            *g = ops::gelu_ggml(table, *g) * u
+        });
     }
 
     fn softcap(&self, x: &mut Vec<f32>, len: usize, cap: f32) {
-        x[..len].iter_mut().for_each(|v| *v = cap * (*v / cap).tanh());
+        x[..len]
+            .iter_mut()
+            .for_each(|v| *v = cap * (*v / cap).tanh());
     }
 
     fn rope_table_new(&self) -> CpuRopeTable {
-        CpuRopeTable { n_dims: 0, values: Vec::new() }
+        CpuRopeTable {
+            n_dims: 0,
+            values: Vec::new(),
+        }
     }
 
     fn rope_table(&self, positions: &[u32], params: &RopeParams<'_>, table: &mut CpuRopeTable) {
@@ -306,7 +351,15 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn rope(&self, x: &mut Vec<f32>, table: &CpuRopeTable, n_tokens: usize, n_heads: usize, head_dim: usize, mode: RopeMode) {
+    fn rope(
+        &self,
+        x: &mut Vec<f32>,
+        table: &CpuRopeTable,
+        n_tokens: usize,
+        n_heads: usize,
+        head_dim: usize,
+        mode: RopeMode,
+    ) {
         let row_len = n_heads * head_dim;
         let n_dims = table.n_dims;
         x[..n_tokens * row_len]
@@ -320,7 +373,13 @@ impl Backend for CpuBackend {
             });
     }
 
-    fn kv_layer(&self, max_blocks: usize, block_size: usize, n_kv_heads: usize, head_dim: usize) -> CpuKvLayer {
+    fn kv_layer(
+        &self,
+        max_blocks: usize,
+        block_size: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+    ) -> CpuKvLayer {
         CpuKvLayer {
             block_size,
             n_kv_heads,
@@ -385,6 +444,8 @@ impl Backend for CpuBackend {
         window: Option<usize>,
         out: &mut Vec<f32>,
     ) {
-        attention::attention(q, layer, plan, n_heads, n_kv_heads, head_dim, kq_scale, window, out);
+        attention::attention(
+            q, layer, plan, n_heads, n_kv_heads, head_dim, kq_scale, window, out,
+        );
     }
 }

@@ -64,7 +64,11 @@ pub fn gelu_tanh(x: f32) -> f32 {
 /// rounded to f16), and doing the same keeps Gemma's activations bit-compatible with it.
 pub fn gelu_table() -> &'static [f16] {
     static TABLE: OnceLock<Vec<f16>> = OnceLock::new();
-    TABLE.get_or_init(|| (0..=u16::MAX).map(|bits| f16::from_f32(gelu_tanh(f16::from_bits(bits).to_f32()))).collect())
+    TABLE.get_or_init(|| {
+        (0..=u16::MAX)
+            .map(|bits| f16::from_f32(gelu_tanh(f16::from_bits(bits).to_f32())))
+            .collect()
+    })
 }
 
 /// GELU as GGML's CPU path computes it: exact limits outside [-10, 10], the f16 table inside.
@@ -126,7 +130,10 @@ mod tests {
             let x = i as f32 * 0.097;
             let exact = gelu_tanh(x);
             // f16 rounding of input and output: relative error a few 2^-11.
-            assert!((gelu_ggml(t, x) - exact).abs() <= 2e-3 * exact.abs().max(1.0), "x = {x}");
+            assert!(
+                (gelu_ggml(t, x) - exact).abs() <= 2e-3 * exact.abs().max(1.0),
+                "x = {x}"
+            );
         }
         assert_eq!(gelu_ggml(t, -20.0), 0.0);
         assert_eq!(gelu_ggml(t, 20.0), 20.0);

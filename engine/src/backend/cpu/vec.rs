@@ -26,7 +26,12 @@ fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
         sum += x * y;
     }
     // Pairwise reduction of the lanes.
-    let s4 = [acc[0] + acc[4], acc[1] + acc[5], acc[2] + acc[6], acc[3] + acc[7]];
+    let s4 = [
+        acc[0] + acc[4],
+        acc[1] + acc[5],
+        acc[2] + acc[6],
+        acc[3] + acc[7],
+    ];
     sum + (s4[0] + s4[2]) + (s4[1] + s4[3])
 }
 
@@ -241,7 +246,8 @@ mod tests {
             }
             assert_eq!(r1, r2, "n = {n}");
             scale_round_f16(&mut r1, 0.77);
-            r2.iter_mut().for_each(|v| *v = half::f16::from_f32(*v * 0.77).to_f32());
+            r2.iter_mut()
+                .for_each(|v| *v = half::f16::from_f32(*v * 0.77).to_f32());
             assert_eq!(r1, r2, "n = {n}");
         }
     }
