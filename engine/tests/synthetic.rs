@@ -7,6 +7,13 @@
 //! f32 products, per-row norms, per-token attention in position order), so batched and single
 //! paths must agree to the last bits; the tolerance of 1e-5 only allows for summation order in
 //! the SIMD reductions should a kernel choose differently by batch size.
+//!
+//! With quantized weights the activations are quantized to 8 bits per token before each product,
+//! and the tiled (many tokens) and row-wise (one token) kernels of `ember-quant` may differ in
+//! the last bit of a sum; such a bit can flip the rounding of one 8-bit activation, a step of
+//! `max|x| / 127` (0.8% of the row's largest value), which then propagates. So quantized models
+//! are held to 2% of the largest logit instead: far below what a real bug (wrong position, wrong
+//! sequence, missing token) produces, which is a change of the order of the logits themselves.
 
 use std::sync::Arc;
 
@@ -18,6 +25,16 @@ use ember::sample::Pcg32;
 use ember_gguf::{GgmlType, Gguf, GgufWriter, Value};
 
 const TOLERANCE: f32 = 1e-5;
+const QUANTIZED_RELATIVE_TOLERANCE: f32 = 0.02;
+
+/// The largest difference allowed between two evaluations of `reference` (see the module docs).
+fn tolerance(spec: &Spec, reference: &[f32]) -> f32 {
+    if spec.weight_type == GgmlType::F32 {
+        TOLERANCE
+    } else {
+        QUANTIZED_RELATIVE_TOLERANCE * reference.iter().fold(0f32, |m, v| m.max(v.abs()))
+    }
+}
 
 #[derive(Clone)]
 struct Spec {
@@ -340,11 +357,11 @@ fn every_architecture_agrees_between_batched_and_single_token_paths() {
             .forward(&mut ctx, &Batch::for_sequence(0, 0, &ids, true))
             .unwrap()
             .to_vec();
+        let tol = tolerance(&spec, &single);
         let d = max_diff(&single, &batched);
-        // Quantized activations are rounded per token either way, so Q8_0 agrees as tightly.
         assert!(
-            d <= TOLERANCE,
-            "{label}: prefill vs one-by-one differ by {d}"
+            d <= tol,
+            "{label}: prefill vs one-by-one differ by {d}, expected at most {tol}"
         );
 
         // Chunks of 7 continue the same sequence.
@@ -356,8 +373,8 @@ fn every_architecture_agrees_between_batched_and_single_token_paths() {
         }
         let d = max_diff(&single, &chunked);
         assert!(
-            d <= TOLERANCE,
-            "{label}: chunked vs one-by-one differ by {d}"
+            d <= tol,
+            "{label}: chunked vs one-by-one differ by {d}, expected at most {tol}"
         );
 
         // The logits actually depend on the context (attention is not a no-op).
@@ -406,9 +423,10 @@ fn sequences_batched_together_match_each_alone() {
                     let got = &logits[row * n_vocab..(row + 1) * n_vocab];
                     let want = &alone[seq][pos * n_vocab..(pos + 1) * n_vocab];
                     let d = max_diff(got, want);
+                    let tol = tolerance(&spec, want);
                     assert!(
-                        d <= TOLERANCE,
-                        "{label}: seq {seq} pos {pos} differs by {d}"
+                        d <= tol,
+                        "{label}: seq {seq} pos {pos} differs by {d}, expected at most {tol}"
                     );
                     row += 1;
                 }

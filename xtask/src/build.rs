@@ -136,7 +136,9 @@ fn check_rust_target(os: Os, rust_target: &str) -> Result<()> {
     if !toolchain::rust_target_installed(rust_target)? {
         bail!("the Rust target {rust_target} is not installed (rustup target add {rust_target}): run {SETUP_WINDOWS}");
     }
-    if toolchain::which("x86_64-w64-mingw32-gcc").is_none() {
+    // On a Linux host Rust links windows-gnu binaries with MinGW's cross gcc; a Windows host
+    // (the release runners) links with its own `gcc`.
+    if !cfg!(windows) && toolchain::which("x86_64-w64-mingw32-gcc").is_none() {
         bail!("x86_64-w64-mingw32-gcc (Debian's gcc-mingw-w64-x86-64) not found on PATH: run {SETUP_WINDOWS}");
     }
     Ok(())

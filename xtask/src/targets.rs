@@ -570,6 +570,23 @@ impl Validator<'_> {
             }
         });
         let platforms = self.validate_platforms(raw.platform);
+        // The Windows engine must know the HIP runtime DLL of every release it is built for.
+        if let Some(windows) = platforms.get(&Os::Windows) {
+            for entry in &raw.rocm {
+                let release = entry.get_ref();
+                if let Some(dll) = &release.hip_runtime_dll {
+                    if !windows.hip_runtime_libs.contains(dll) {
+                        self.problem(
+                            entry.span(),
+                            format!(
+                                "ROCm release `{}` ships {dll}, which [platform.windows] hip_runtime_libs does not list",
+                                release.version
+                            ),
+                        );
+                    }
+                }
+            }
+        }
         let families = self.validate_families(&raw.family, &platforms);
         let targets = self.validate_targets(&raw.target, &raw.family, &platforms);
         if cuda.is_none() && targets.iter().any(|t| t.kind == Kind::Nvidia) {
@@ -1406,6 +1423,17 @@ family = "gfx120X"
         check_problem(
             &text,
             "3: expected exactly one [[rocm]] release with `default = true`, found 2",
+        );
+    }
+
+    #[test]
+    fn windows_must_know_every_hip_runtime_dll() {
+        let text = MINIMAL
+            .replace("runtime_image = \"rocm/dev-ubuntu-24.04:7.0\"", "runtime_image = \"rocm/dev-ubuntu-24.04:7.0\"\nhip_runtime_dll = \"amdhip64_7.dll\"")
+            .replace("rust_target = \"x86_64-pc-windows-gnu\"", "rust_target = \"x86_64-pc-windows-gnu\"\nhip_runtime_libs = [\"amdhip64_6.dll\"]");
+        check_problem(
+            &text,
+            "3: ROCm release `7.0` ships amdhip64_7.dll, which [platform.windows] hip_runtime_libs does not list",
         );
     }
 

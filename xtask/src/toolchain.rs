@@ -186,17 +186,45 @@ impl AmdgpuCompiler {
                 rocm_version.as_deref().unwrap_or("of unknown version"),
                 rocm_path.display()
             ),
-            AmdgpuSource::Debian { device_libs, .. } => {
+            AmdgpuSource::Debian {
+                hip_root,
+                device_libs,
+            } => {
                 let source =
                     std::fs::read_to_string(device_libs.join(".source")).unwrap_or_default();
+                let headers = std::fs::read_to_string(hip_root.join("include/hip/hip_version.h"))
+                    .ok()
+                    .and_then(|text| hip_header_version(&text))
+                    .unwrap_or_else(|| "of unknown version".to_string());
                 format!(
-                    "{} with Debian's HIP headers and device libraries {}",
+                    "{} with Debian's HIP headers {headers} and device libraries {}",
                     self.version,
                     source.trim().strip_suffix(".deb").unwrap_or("(unrecorded)")
                 )
             }
         }
     }
+}
+
+/// `5.2.21153` from hip_version.h's HIP_VERSION_MAJOR/MINOR/PATCH defines.
+pub fn hip_header_version(text: &str) -> Option<String> {
+    let define = |name: &str| {
+        text.lines().find_map(|line| {
+            let rest = line.trim().strip_prefix("#define ")?.strip_prefix(name)?;
+            let value = rest.trim();
+            value
+                .chars()
+                .all(|c| c.is_ascii_digit())
+                .then(|| value.to_string())
+                .filter(|v| !v.is_empty())
+        })
+    };
+    Some(format!(
+        "{}.{}.{}",
+        define("HIP_VERSION_MAJOR")?,
+        define("HIP_VERSION_MINOR")?,
+        define("HIP_VERSION_PATCH")?
+    ))
 }
 
 /// nvcc, for `sm_*` targets.
@@ -394,6 +422,13 @@ mod tests {
         );
         assert_eq!(llvm_major("AMD clang version 20.0.0git (https://github.com/RadeonOpenCompute/llvm-project roc-7.0.0)"), Some(20));
         assert_eq!(llvm_major("gcc (Debian 12.2.0-14) 12.2.0"), None);
+    }
+
+    #[test]
+    fn hip_header_versions() {
+        let text = "// generated\n#define HIP_VERSION_MAJOR 5\n#define HIP_VERSION_MINOR 2\n#define HIP_VERSION_PATCH 21153\n#define HIP_VERSION_GITHASH \"abc\"\n";
+        assert_eq!(hip_header_version(text).as_deref(), Some("5.2.21153"));
+        assert_eq!(hip_header_version("#define HIP_VERSION_MAJOR 5\n"), None);
     }
 
     #[test]

@@ -2,8 +2,9 @@
 //! current pool.
 //!
 //! Two strategies:
-//! - **row-wise**, for one or a few tokens (decode): each output is one `vec_dot`, rows split
-//!   over threads. This streams the weights once and is bound by memory bandwidth.
+//! - **row-wise**, for one or a few tokens (decode): each output is one `vec_dot` (four rows
+//!   at a time for Q4_1 and Q8_0, with software prefetch of the next rows), rows split over
+//!   threads. This streams the weights once and is bound by memory bandwidth.
 //! - **tiled**, for many tokens (prefill): a panel of `R` weight rows is unpacked once into
 //!   bytes plus per-16-element float scales and offsets (one layout for every format), and a
 //!   register-tiled integer kernel multiplies it with `T` tokens at a time, so each loaded
@@ -111,11 +112,15 @@ pub fn quantize_activations(
     })
 }
 
-/// How a matmul is computed; `Auto` picks by the number of tokens.
+/// How a matmul is computed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Strategy {
+    /// Tiled from a per-format number of tokens on, where the CPU has a SIMD tile kernel.
     Auto,
+    /// One dot product per output.
     RowWise,
+    /// The tile kernel (portable code on levels without a SIMD one); F16, BF16 and F32
+    /// weights are always row-wise.
     Tiled,
 }
 

@@ -233,7 +233,13 @@ fn attend(
                     if score > max[k] {
                         old_scale = (max[k] - score).exp();
                         max[k] = score;
-                        vec::scale_round_f16(acc, old_scale);
+                        // The accumulator holds f16 values already, so scaling by exactly 1 (or
+                        // an all-zero accumulator before the first key) would change nothing.
+                        if old_scale != 1.0 && old_scale != 0.0 {
+                            vec::scale_round_f16(acc, old_scale);
+                        } else if old_scale == 0.0 {
+                            acc.iter_mut().for_each(|o| *o = 0.0);
+                        }
                     } else {
                         weight = (score - max[k]).exp();
                     }
