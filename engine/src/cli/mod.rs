@@ -3,6 +3,7 @@
 //! next.
 
 mod bench;
+mod devices;
 mod info;
 mod load;
 mod perplexity;
@@ -36,6 +37,8 @@ pub enum Command {
     Perplexity(perplexity::PerplexityArgs),
     /// Fetch pinned models into the cache, verified by SHA-256.
     Pull(pull::PullArgs),
+    /// List the CPU and GPUs: runtimes loaded, architecture, memory, VMM and pool choice, kernels.
+    Devices(devices::DevicesArgs),
 }
 
 /// Runs the command line; the process's exit code.
@@ -60,6 +63,7 @@ pub fn main() -> ExitCode {
         Command::Tokenize(args) => tokenize::run(args),
         Command::Perplexity(args) => perplexity::run(args),
         Command::Pull(args) => pull::run(args),
+        Command::Devices(args) => devices::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
