@@ -82,10 +82,22 @@ macro_rules! cu {
 /// The candidate library names cudarc will try, and whether each loads.
 fn probe_library() -> (Option<(String, libloading::Library)>, Vec<LibraryAttempt>) {
     let mut attempts = Vec::new();
-    let names: Vec<String> = ["cuda", "nvcuda"]
+    // cudarc's candidate list repeats names and mixes in Windows' nvcuda; try each distinct name
+    // once, and nvcuda only on Windows, so the error a user reads lists what was really looked for.
+    let base_names: &[&str] = if cfg!(windows) {
+        &["cuda", "nvcuda"]
+    } else {
+        &["cuda"]
+    };
+    let mut names: Vec<String> = Vec::new();
+    for name in base_names
         .iter()
         .flat_map(|n| cudarc::get_lib_name_candidates(n))
-        .collect();
+    {
+        if !names.contains(&name) {
+            names.push(name);
+        }
+    }
     for name in names {
         // SAFETY: loading libcuda runs its initialisers; that is how the driver API is used.
         match unsafe { libloading::Library::new(&name) } {

@@ -83,33 +83,73 @@ pub fn quantize_activations(
     n_tokens: usize,
     cols: usize,
 ) -> Result<QuantizedActivations, QuantError> {
-    if !is_activation_type(ty) {
-        return Err(QuantError::ActivationType {
-            expected: vec_dot_type(ty),
-            found: ty,
-        });
+    let mut act = QuantizedActivations::empty(ty, cols)?;
+    act.requantize(x, n_tokens)?;
+    Ok(act)
+}
+
+/// Below this many elements activations are quantized on the calling thread (a decode step's
+/// one token): the pool's hand-off would cost more than the work.
+const QUANTIZE_MIN_PARALLEL: usize = 8 * 1024;
+
+impl QuantizedActivations {
+    /// No tokens yet, of type `ty` (a vec_dot_type) and `cols` columns: a buffer for
+    /// [`QuantizedActivations::requantize`].
+    pub fn empty(ty: GgmlType, cols: usize) -> Result<QuantizedActivations, QuantError> {
+        if !is_activation_type(ty) {
+            return Err(QuantError::ActivationType {
+                expected: vec_dot_type(ty),
+                found: ty,
+            });
+        }
+        let row_bytes = bytes_for("activation row", ty, cols)?;
+        Ok(QuantizedActivations {
+            ty,
+            n_tokens: 0,
+            cols,
+            row_bytes,
+            data: Vec::new(),
+            tiles: OnceLock::new(),
+        })
     }
-    let row_bytes = bytes_for("activation row", ty, cols)?;
-    let total = n_tokens.checked_mul(cols).ok_or(QuantError::Overflow {
-        ty,
-        rows: n_tokens,
-        cols,
-    })?;
-    check_len("activations", "elements", total, x.len())?;
-    let mut data = vec![0u8; row_bytes * n_tokens];
-    if row_bytes > 0 {
-        data.par_chunks_mut(row_bytes)
-            .zip(x.par_chunks(cols))
-            .for_each(|(dst, src)| crate::scalar::quantize(ty, src, dst));
+
+    /// Quantizes `x` (`n_tokens` rows of [`cols`](Self::cols)) into this buffer, keeping its
+    /// type and reusing its allocation: what a caller that quantizes every step (the engine's
+    /// decode loop) uses instead of [`quantize_activations`]. The result is the same.
+    pub fn requantize(&mut self, x: &[f32], n_tokens: usize) -> Result<(), QuantError> {
+        let (ty, cols, row_bytes) = (self.ty, self.cols, self.row_bytes);
+        let total = n_tokens.checked_mul(cols).ok_or(QuantError::Overflow {
+            ty,
+            rows: n_tokens,
+            cols,
+        })?;
+        check_len("activations", "elements", total, x.len())?;
+        let bytes = row_bytes
+            .checked_mul(n_tokens)
+            .ok_or(QuantError::Overflow {
+                ty,
+                rows: n_tokens,
+                cols,
+            })?;
+        self.tiles = OnceLock::new();
+        self.n_tokens = n_tokens;
+        // Every byte is overwritten below; resizing only zero-fills what the buffer grows by.
+        self.data.resize(bytes, 0);
+        if row_bytes > 0 {
+            if total < QUANTIZE_MIN_PARALLEL {
+                self.data
+                    .chunks_mut(row_bytes)
+                    .zip(x.chunks(cols))
+                    .for_each(|(dst, src)| crate::scalar::quantize(ty, src, dst));
+            } else {
+                self.data
+                    .par_chunks_mut(row_bytes)
+                    .zip(x.par_chunks(cols))
+                    .for_each(|(dst, src)| crate::scalar::quantize(ty, src, dst));
+            }
+        }
+        Ok(())
     }
-    Ok(QuantizedActivations {
-        ty,
-        n_tokens,
-        cols,
-        row_bytes,
-        data,
-        tiles: OnceLock::new(),
-    })
 }
 
 /// How a matmul is computed.
@@ -204,31 +244,64 @@ fn rows_per_job(rows: usize, align: usize) -> usize {
     per.div_ceil(align) * align
 }
 
+/// Below this many weight bytes a row-wise matmul runs on the calling thread: handing work to
+/// the pool costs more than the second thread saves (SmolLM2's K and V matvecs, 69 KB).
+const ROWWISE_MIN_PARALLEL_BYTES: usize = 96 * 1024;
+
+/// Row-wise: the rows are split into one contiguous range per thread (decode rows are short,
+/// a few cache lines, so a few big jobs cost less to schedule than many small ones), and each
+/// job sweeps its rows over every token while they are in cache.
 fn matmul_rowwise(level: Level, w: &QMatrix, x: &QuantizedActivations, out: &mut [f32]) {
-    let chunk = rows_per_job(w.rows, 4);
-    out.par_chunks_mut(w.rows)
-        .enumerate()
-        .for_each(|(t, out_t)| {
-            let act = x.row(t);
-            out_t
-                .par_chunks_mut(chunk)
+    let rows = w.rows;
+    let jobs = if w.data.len() < ROWWISE_MIN_PARALLEL_BYTES {
+        1
+    } else {
+        rayon::current_num_threads().clamp(1, rows.div_ceil(4))
+    };
+    let chunk = rows.div_ceil(jobs).div_ceil(4) * 4;
+    if x.n_tokens == 1 {
+        let act = x.row(0);
+        if jobs == 1 {
+            rowwise_job(level, w, act, 0, out);
+        } else {
+            out.par_chunks_mut(chunk)
                 .enumerate()
-                .for_each(|(job, o)| {
-                    let r0 = job * chunk;
-                    let mut i = 0;
-                    while i + 4 <= o.len() {
-                        let rows = std::array::from_fn(|k| w.row(r0 + i + k));
-                        match simd::vec_dot_rows4(level, w.ty, rows, act) {
-                            Some(v) => o[i..i + 4].copy_from_slice(&v),
-                            None => break,
-                        }
-                        i += 4;
-                    }
-                    for (k, v) in o.iter_mut().enumerate().skip(i) {
-                        *v = simd::vec_dot(level, w.ty, w.row(r0 + k), act, w.cols);
-                    }
-                });
-        });
+                .for_each(|(job, o)| rowwise_job(level, w, act, job * chunk, o));
+        }
+        return;
+    }
+    let out_ptr = OutPtr {
+        ptr: out.as_mut_ptr(),
+        len: out.len(),
+    };
+    let run = |job: usize| {
+        let r0 = job * chunk;
+        let n = chunk.min(rows - r0);
+        for t in 0..x.n_tokens {
+            // SAFETY: jobs own disjoint row ranges of every token, so no element is reached
+            // through two of these slices at once.
+            let o = unsafe { out_ptr.slice(t * rows + r0, n) };
+            rowwise_job(level, w, x.row(t), r0, o);
+        }
+    };
+    let n_jobs = rows.div_ceil(chunk);
+    if n_jobs == 1 {
+        run(0);
+    } else {
+        (0..n_jobs).into_par_iter().for_each(run);
+    }
+}
+
+/// Outputs of rows `r0..r0 + out.len()` with one activation row.
+fn rowwise_job(level: Level, w: &QMatrix, act: &[u8], r0: usize, out: &mut [f32]) {
+    let rb = w.row_bytes();
+    let data = &w.data[r0 * rb..(r0 + out.len()) * rb];
+    if simd::matvec(level, w.ty, data, act, out) {
+        return;
+    }
+    for (k, v) in out.iter_mut().enumerate() {
+        *v = simd::vec_dot(level, w.ty, w.row(r0 + k), act, w.cols);
+    }
 }
 
 /// Whether the tiled path handles weights of `ty` (every quantized weight format; on levels
@@ -562,6 +635,20 @@ pub(crate) struct OutPtr {
     len: usize,
 }
 
+impl OutPtr {
+    /// `n` elements from `start`, checked to lie inside the output.
+    ///
+    /// # Safety
+    /// No other live reference may reach these elements (each job its own).
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slice(&self, start: usize, n: usize) -> &mut [f32] {
+        assert!(start.checked_add(n).is_some_and(|end| end <= self.len));
+        // SAFETY: in bounds (checked above), the output is borrowed mutably for as long as
+        // this pointer is used, and the caller guarantees exclusive access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), n) }
+    }
+}
+
 // SAFETY: jobs write disjoint elements through it (each job its own row range), and the
 // borrow of the output slice outlives the parallel loop that uses it.
 unsafe impl Send for OutPtr {}
@@ -682,6 +769,77 @@ fn portable_tile(
                 }
             }
             *o = lanes.iter().sum();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn acts(n: usize, seed: f32) -> Vec<f32> {
+        (0..n).map(|i| ((i * 7 % 23) as f32 - 11.0) * seed).collect()
+    }
+
+    /// A reused buffer gives exactly what a fresh quantization gives, growing and shrinking,
+    /// and a tiled matmul after requantizing sees the new tokens, not the old tile layout.
+    #[test]
+    fn requantize_matches_fresh_quantization() {
+        let cols = 256;
+        let rows = 8;
+        let wf = acts(rows * cols, 0.013);
+        let mut wq = vec![0u8; bytes_for("w", GgmlType::Q4_K, rows * cols).unwrap()];
+        crate::quantize(GgmlType::Q4_K, &wf, &mut wq).unwrap();
+        let w = QMatrix::new(GgmlType::Q4_K, rows, cols, &wq).unwrap();
+        for ty in [GgmlType::Q8_0, GgmlType::Q8_1, GgmlType::Q8_K] {
+            let mut buf = QuantizedActivations::empty(ty, cols).unwrap();
+            for (n, seed) in [(3, 0.1), (40, 0.07), (1, 0.3), (17, 0.02)] {
+                let x = acts(n * cols, seed);
+                buf.requantize(&x, n).unwrap();
+                let fresh = quantize_activations(ty, &x, n, cols).unwrap();
+                assert_eq!(buf.data(), fresh.data());
+                assert_eq!(buf.n_tokens(), n);
+                if ty == GgmlType::Q8_K {
+                    let mut a = vec![0.0; n * rows];
+                    let mut b = vec![0.0; n * rows];
+                    let level = simd::level();
+                    matmul_with(level, Strategy::Tiled, &w, &buf, &mut a).unwrap();
+                    matmul_with(level, Strategy::Tiled, &w, &fresh, &mut b).unwrap();
+                    assert_eq!(a, b);
+                }
+            }
+            assert!(buf.requantize(&[0.0; 10], 1).is_err());
+        }
+    }
+
+    /// Big enough for several parallel jobs, with rows not a multiple of 4: the split over
+    /// threads gives exactly what one sweep over all rows gives, for one and several tokens.
+    #[test]
+    fn rowwise_split_matches_one_sweep() {
+        let (rows, cols) = (4099, 64);
+        for ty in [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_0] {
+            let wf = acts(rows * cols, 0.011);
+            let mut wq = vec![0u8; bytes_for("w", ty, rows * cols).unwrap()];
+            crate::quantize(ty, &wf, &mut wq).unwrap();
+            let w = QMatrix::new(ty, rows, cols, &wq).unwrap();
+            assert!(wq.len() >= ROWWISE_MIN_PARALLEL_BYTES);
+            for n in [1, 3] {
+                let x = quantize_activations(vec_dot_type(ty), &acts(n * cols, 0.05), n, cols)
+                    .unwrap();
+                let level = simd::level();
+                let mut out = vec![f32::NAN; n * rows];
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(3)
+                    .build()
+                    .unwrap();
+                pool.install(|| matmul_with(level, Strategy::RowWise, &w, &x, &mut out))
+                    .unwrap();
+                let mut one = vec![0.0; n * rows];
+                for (t, o) in one.chunks_mut(rows).enumerate() {
+                    rowwise_job(level, &w, x.row(t), 0, o);
+                }
+                assert_eq!(out, one, "{ty}, {n} tokens");
+            }
         }
     }
 }

@@ -107,19 +107,16 @@ pub(crate) fn vec_dot(level: Level, ty: GgmlType, w: &[u8], a: &[u8], n: usize) 
     scalar::vec_dot(ty, w, a, n)
 }
 
-/// Four rows' dot products with one activation row on `level`, where a four-row kernel exists.
-pub(crate) fn vec_dot_rows4(
-    level: Level,
-    ty: GgmlType,
-    rows: [&[u8]; 4],
-    a: &[u8],
-) -> Option<[f32; 4]> {
+/// Dot products of consecutive weight rows of `ty` (contiguous in `w`, one per element of
+/// `out`) with one activation row on `level`, where a multi-row kernel exists; returns whether
+/// it ran (else the caller computes the rows one by one).
+pub(crate) fn matvec(level: Level, ty: GgmlType, w: &[u8], a: &[u8], out: &mut [f32]) -> bool {
     match level {
         #[cfg(target_arch = "x86_64")]
-        Level::Avx2 | Level::Avx512Vnni => crate::x86::vec_dot_rows4(level, ty, rows, a),
+        Level::Avx2 | Level::Avx512Vnni => crate::x86::matvec(level, ty, w, a, out),
         _ => {
-            let _ = (ty, rows, a);
-            None
+            let _ = (ty, w, a, out);
+            false
         }
     }
 }

@@ -113,10 +113,9 @@ pub fn quantize_q5_1(src: &[f32], dst: &mut [u8]) {
 pub fn quantize_block_q8(x: &[f32], qs: &mut [u8]) -> f32 {
     let amax = x.iter().fold(0.0f32, |a, v| a.max(v.abs()));
     let d = amax / 127.0;
-    let id = inverse(d);
+    let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
     for (q, &v) in qs.iter_mut().zip(x) {
-        // `roundf` rounds half away from zero, as `f32::round` does.
-        *q = (v * id).round() as i8 as u8;
+        *q = (v * id).round_ties_even() as i8 as u8;
     }
     d
 }

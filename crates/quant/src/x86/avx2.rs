@@ -502,6 +502,9 @@ pub fn vec_dot_f16(w: &[u8], a: &[u8], n: usize) -> f32 {
     sum
 }
 
+/// How many rows ahead [`rows4_pairs`] prefetches.
+const PREFETCH_ROWS: usize = 12;
+
 /// Four rows against one activation row at a time, for the memory-bound matvec: the
 /// activation chunk, its rearrangement and its scales are loaded once for four rows, and two
 /// consecutive blocks are processed together so that one 256-bit register holds both
@@ -525,7 +528,7 @@ unsafe fn rows4_pairs<const Q8: bool>(rows: [&[u8]; 4], a: &[u8], nb: usize) -> 
     // matrix is row-contiguous) while these are computed. Prefetches never fault, and
     // `wrapping_add` keeps the address arithmetic defined past the end of the matrix.
     let row_bytes = nb * w_size;
-    let next: [*const u8; 4] = std::array::from_fn(|r| wp[r].wrapping_add(4 * row_bytes));
+    let next: [*const u8; 4] = std::array::from_fn(|r| wp[r].wrapping_add(PREFETCH_ROWS * row_bytes));
     let mut acc = [_mm256_setzero_ps(); 4];
     let mut mins = [_mm_setzero_ps(); 4];
     let low = _mm256_set1_epi8(0xF);
@@ -623,20 +626,54 @@ unsafe fn rows4_pairs<const Q8: bool>(rows: [&[u8]; 4], a: &[u8], nb: usize) -> 
     out
 }
 
-/// Q4_1 rows against one Q8_1 activation row, four at a time (see [`rows4_pairs`]).
+/// Consecutive rows (whole blocks of `w_size` bytes, as many rows as `out` holds, contiguous
+/// in `w`) against one activation row of `a_size`-byte blocks: four rows at a time with
+/// [`rows4_pairs`] inlined, the last `out.len() % 4` rows with the single-row kernel. One call
+/// per thread's share of a matvec, so nothing is dispatched per row.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C.
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub fn vec_dot_q4_1_rows4(rows: [&[u8]; 4], a: &[u8]) -> [f32; 4] {
-    let nb = a.len() / q8_1::SIZE;
-    assert!(rows.iter().all(|r| r.len() >= nb * q4_1::SIZE));
-    // SAFETY: every row holds nb blocks (checked above); this CPU has the features.
-    unsafe { rows4_pairs::<false>(rows, a, nb) }
+unsafe fn matvec_pairs<const Q8: bool>(w: &[u8], a: &[u8], out: &mut [f32]) {
+    let (w_size, a_size) = if Q8 {
+        (q8_0::SIZE, q8_0::SIZE)
+    } else {
+        (q4_1::SIZE, q8_1::SIZE)
+    };
+    let nb = a.len() / a_size;
+    let row_bytes = nb * w_size;
+    assert!(w.len() >= out.len() * row_bytes);
+    let done = out.len() / 4 * 4;
+    let mut quads = out.chunks_exact_mut(4);
+    for (i, o) in quads.by_ref().enumerate() {
+        let base = 4 * i * row_bytes;
+        let rows = std::array::from_fn(|k| &w[base + k * row_bytes..base + (k + 1) * row_bytes]);
+        // SAFETY: every row holds nb blocks (sliced above); this CPU has the features.
+        o.copy_from_slice(&unsafe { rows4_pairs::<Q8>(rows, a, nb) });
+    }
+    for (k, o) in quads.into_remainder().iter_mut().enumerate() {
+        let row = &w[(done + k) * row_bytes..(done + k + 1) * row_bytes];
+        *o = if Q8 {
+            vec_dot_q8_0_q8_0(row, a)
+        } else {
+            vec_dot_q4_1_q8_1(row, a)
+        };
+    }
 }
 
-/// Q8_0 rows against one Q8_0 activation row, four at a time (see [`rows4_pairs`]).
+/// Q4_1 rows (contiguous in `w`, one per element of `out`) against one Q8_1 activation row
+/// (see [`matvec_pairs`]).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub fn vec_dot_q8_0_rows4(rows: [&[u8]; 4], a: &[u8]) -> [f32; 4] {
-    let nb = a.len() / q8_0::SIZE;
-    assert!(rows.iter().all(|r| r.len() >= nb * q8_0::SIZE));
-    // SAFETY: every row holds nb blocks (checked above); this CPU has the features.
-    unsafe { rows4_pairs::<true>(rows, a, nb) }
+pub fn matvec_q4_1_q8_1(w: &[u8], a: &[u8], out: &mut [f32]) {
+    // SAFETY: this CPU has the features.
+    unsafe { matvec_pairs::<false>(w, a, out) }
+}
+
+/// Q8_0 rows (contiguous in `w`, one per element of `out`) against one Q8_0 activation row
+/// (see [`matvec_pairs`]).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub fn matvec_q8_0_q8_0(w: &[u8], a: &[u8], out: &mut [f32]) {
+    // SAFETY: this CPU has the features.
+    unsafe { matvec_pairs::<true>(w, a, out) }
 }

@@ -35,19 +35,21 @@ pub fn vec_dot(level: Level, ty: GgmlType, w: &[u8], a: &[u8], n: usize) -> Opti
     }
 }
 
-/// Four rows' dot products with one activation row, where `level` has a four-row kernel for
-/// `ty` (the formats of the memory-bound matvecs that matter most), else `None`.
-pub fn vec_dot_rows4(level: Level, ty: GgmlType, rows: [&[u8]; 4], a: &[u8]) -> Option<[f32; 4]> {
+/// Dot products of consecutive weight rows (contiguous in `w`, one per element of `out`) with
+/// one activation row, where `level` has a multi-row kernel for `ty` (the formats of the
+/// memory-bound matvecs that matter most); returns whether it did.
+pub fn matvec(level: Level, ty: GgmlType, w: &[u8], a: &[u8], out: &mut [f32]) -> bool {
     if !matches!(level, Level::Avx2 | Level::Avx512Vnni) {
-        return None;
+        return false;
     }
     // SAFETY: `level` is at least AVX2, which `simd::level` only reports after checking AVX2,
     // FMA and F16C on this CPU; the kernels need exactly those.
     unsafe {
         match ty {
-            GgmlType::Q4_1 => Some(avx2::vec_dot_q4_1_rows4(rows, a)),
-            GgmlType::Q8_0 => Some(avx2::vec_dot_q8_0_rows4(rows, a)),
-            _ => None,
+            GgmlType::Q4_1 => avx2::matvec_q4_1_q8_1(w, a, out),
+            GgmlType::Q8_0 => avx2::matvec_q8_0_q8_0(w, a, out),
+            _ => return false,
         }
     }
+    true
 }
