@@ -151,7 +151,7 @@ pub fn quantize(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), QuantEr
     check_supported(ty)?;
     let bytes = bytes_for("quantize source", ty, src.len())?;
     check_len("quantize destination", "bytes", bytes, dst.len())?;
-    scalar::quantize(ty, src, dst);
+    scalar::quantize_reference(ty, src, dst);
     Ok(())
 }
 

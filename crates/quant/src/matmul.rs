@@ -778,7 +778,9 @@ mod tests {
     use super::*;
 
     fn acts(n: usize, seed: f32) -> Vec<f32> {
-        (0..n).map(|i| ((i * 7 % 23) as f32 - 11.0) * seed).collect()
+        (0..n)
+            .map(|i| ((i * 7 % 23) as f32 - 11.0) * seed)
+            .collect()
     }
 
     /// A reused buffer gives exactly what a fresh quantization gives, growing and shrinking,
@@ -824,8 +826,8 @@ mod tests {
             let w = QMatrix::new(ty, rows, cols, &wq).unwrap();
             assert!(wq.len() >= ROWWISE_MIN_PARALLEL_BYTES);
             for n in [1, 3] {
-                let x = quantize_activations(vec_dot_type(ty), &acts(n * cols, 0.05), n, cols)
-                    .unwrap();
+                let x =
+                    quantize_activations(vec_dot_type(ty), &acts(n * cols, 0.05), n, cols).unwrap();
                 let level = simd::level();
                 let mut out = vec![f32::NAN; n * rows];
                 let pool = rayon::ThreadPoolBuilder::new()

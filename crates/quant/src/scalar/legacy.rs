@@ -113,11 +113,60 @@ pub fn quantize_q5_1(src: &[f32], dst: &mut [u8]) {
 pub fn quantize_block_q8(x: &[f32], qs: &mut [u8]) -> f32 {
     let amax = x.iter().fold(0.0f32, |a, v| a.max(v.abs()));
     let d = amax / 127.0;
-    let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+    let id = inverse(d);
     for (q, &v) in qs.iter_mut().zip(x) {
+        // `roundf` rounds half away from zero, as `f32::round` does.
+        *q = (v * id).round() as i8 as u8;
+    }
+    d
+}
+
+/// Quantizes one 32-element block of activations to Q8_0's quants and scale the way GGML's CPU
+/// backend does at run time (`quantize_row_q8_0`/`_q8_1`, which differ from the `_ref` versions):
+/// on x86 (the AVX/AVX2 kernel) the multiplier is `127 / amax` rather than `1 / d`, and on x86 and
+/// ARM (`_mm256_round_ps(.., _MM_ROUND_NEAREST)`, `vcvtnq_s32_f32`) halves round to even rather
+/// than away from zero. The two multipliers differ by an ulp for many blocks, which moves quants
+/// across a rounding boundary; the network is sensitive enough to that for greedy continuations
+/// to part from llama.cpp's, so activations must be rounded exactly as it rounds them.
+#[inline(always)]
+pub fn quantize_block_q8_runtime(x: &[f32], qs: &mut [u8]) -> f32 {
+    let amax = x.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if cfg!(target_arch = "aarch64") {
+        inverse(d)
+    } else if amax != 0.0 {
+        127.0 / amax
+    } else {
+        0.0
+    };
+    for (q, &v) in qs.iter_mut().zip(x) {
+        // |v * id| <= 127 (up to rounding of `id`, which the saturating cast absorbs as GGML's
+        // saturating packs do).
         *q = (v * id).round_ties_even() as i8 as u8;
     }
     d
+}
+
+/// Q8_0 activations as GGML's CPU backend quantizes them (see [`quantize_block_q8_runtime`]).
+pub fn quantize_q8_0_activations(src: &[f32], dst: &mut [u8]) {
+    for (x, y) in src.chunks_exact(QK).zip(dst.chunks_exact_mut(q8_0::SIZE)) {
+        let d = quantize_block_q8_runtime(x, &mut y[q8_0::QS..q8_0::QS + QK]);
+        write_f16(y, q8_0::D, d);
+    }
+}
+
+/// Q8_1 activations as GGML's CPU backend quantizes them (see [`quantize_block_q8_runtime`]);
+/// `s` is `d` times the sum of the quants, rounded to f16, as in the reference.
+pub fn quantize_q8_1_activations(src: &[f32], dst: &mut [u8]) {
+    for (x, y) in src.chunks_exact(QK).zip(dst.chunks_exact_mut(q8_1::SIZE)) {
+        let d = quantize_block_q8_runtime(x, &mut y[q8_1::QS..q8_1::QS + QK]);
+        let sum: i32 = y[q8_1::QS..q8_1::QS + QK]
+            .iter()
+            .map(|&q| q as i8 as i32)
+            .sum();
+        write_f16(y, q8_1::D, d);
+        write_f16(y, q8_1::S, sum as f32 * d);
+    }
 }
 
 pub fn quantize_q8_0(src: &[f32], dst: &mut [u8]) {
@@ -280,4 +329,45 @@ pub fn vec_dot_q8_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
         sumf += sumi as f32 * (read_f16(x, q8_0::D) * read_f16(y, q8_0::D));
     }
     sumf
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn block(rest: &[f32]) -> [f32; QK] {
+        // 127 first so that amax = 127 and the multiplier is exactly 1.
+        let mut x = [0f32; QK];
+        x[0] = 127.0;
+        x[1..=rest.len()].copy_from_slice(rest);
+        x
+    }
+
+    #[test]
+    fn activation_quants_round_halves_to_even_and_reference_ones_away_from_zero() {
+        let x = block(&[0.5, 1.5, 2.5, -0.5, -2.5]);
+        let mut run = [0u8; QK];
+        let mut reference = [0u8; QK];
+        assert_eq!(quantize_block_q8_runtime(&x, &mut run), 1.0);
+        assert_eq!(quantize_block_q8(&x, &mut reference), 1.0);
+        let ints = |q: &[u8]| q[..6].iter().map(|&b| b as i8).collect::<Vec<_>>();
+        assert_eq!(ints(&run), [127, 0, 2, 2, 0, -2]);
+        assert_eq!(ints(&reference), [127, 1, 2, 3, -1, -3]);
+    }
+
+    #[cfg(not(target_arch = "aarch64"))]
+    #[test]
+    fn x86_activation_multiplier_is_127_over_amax() {
+        // With amax = 57/7, 1/(amax/127) is an ulp below 127/amax: this element scales to exactly
+        // 0.5 (rounded to even: 0) with the reference multiplier and just above 0.5 (so 1) with
+        // GGML's x86 one.
+        let amax = 57.0f32 / 7.0;
+        let v = 0.032_058_496_f32;
+        let x = block(&[v]).map(|e| if e == 127.0 { amax } else { e });
+        assert_eq!(v * inverse(amax / 127.0), 0.5);
+        let mut run = [0u8; QK];
+        quantize_block_q8_runtime(&x, &mut run);
+        assert_eq!(run[0] as i8, 127);
+        assert_eq!(run[1] as i8, 1);
+    }
 }

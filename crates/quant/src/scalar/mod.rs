@@ -31,8 +31,20 @@ pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
     }
 }
 
-/// Quantizes whole blocks of `src` into `dst` with GGML's reference quantizer for `ty`.
+/// Quantizes whole blocks of activations `src` into `dst` as GGML's CPU backend does at run time
+/// before a matrix product: Q8_0 and Q8_1 round differently from their reference quantizers (see
+/// [`legacy::quantize_block_q8_runtime`]); Q8_K and every other type use the reference, as GGML
+/// does (its x86 `quantize_row_q8_K` is the reference one).
 pub fn quantize(ty: GgmlType, src: &[f32], dst: &mut [u8]) {
+    match ty {
+        GgmlType::Q8_0 => legacy::quantize_q8_0_activations(src, dst),
+        GgmlType::Q8_1 => legacy::quantize_q8_1_activations(src, dst),
+        _ => quantize_reference(ty, src, dst),
+    }
+}
+
+/// Quantizes whole blocks of `src` into `dst` with GGML's reference quantizer for `ty`.
+pub fn quantize_reference(ty: GgmlType, src: &[f32], dst: &mut [u8]) {
     use GgmlType::*;
     match ty {
         F32 => float::quantize_f32(src, dst),

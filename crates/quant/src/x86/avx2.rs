@@ -503,7 +503,7 @@ pub fn vec_dot_f16(w: &[u8], a: &[u8], n: usize) -> f32 {
 }
 
 /// How many rows ahead [`rows4_pairs`] prefetches.
-const PREFETCH_ROWS: usize = 12;
+const PREFETCH_ROWS: usize = 4;
 
 /// Four rows against one activation row at a time, for the memory-bound matvec: the
 /// activation chunk, its rearrangement and its scales are loaded once for four rows, and two
@@ -528,7 +528,8 @@ unsafe fn rows4_pairs<const Q8: bool>(rows: [&[u8]; 4], a: &[u8], nb: usize) -> 
     // matrix is row-contiguous) while these are computed. Prefetches never fault, and
     // `wrapping_add` keeps the address arithmetic defined past the end of the matrix.
     let row_bytes = nb * w_size;
-    let next: [*const u8; 4] = std::array::from_fn(|r| wp[r].wrapping_add(PREFETCH_ROWS * row_bytes));
+    let next: [*const u8; 4] =
+        std::array::from_fn(|r| wp[r].wrapping_add(PREFETCH_ROWS * row_bytes));
     let mut acc = [_mm256_setzero_ps(); 4];
     let mut mins = [_mm_setzero_ps(); 4];
     let low = _mm256_set1_epi8(0xF);

@@ -253,18 +253,6 @@ impl Backend for CpuBackend {
         let q = w.qmatrix();
         let x = &x[..n_tokens * w.cols];
         let out = &mut out[..n_tokens * w.rows];
-        if std::env::var_os("EMBER_DBG_F32").is_some() {
-            let mut row = vec![0f32; w.cols];
-            for r in 0..w.rows {
-                q.dequantize_row(r, &mut row).unwrap();
-                for t in 0..n_tokens {
-                    let xs = &x[t * w.cols..(t + 1) * w.cols];
-                    let d: f64 = row.iter().zip(xs).map(|(a, b)| *a as f64 * *b as f64).sum();
-                    out[t * w.rows + r] = d as f32;
-                }
-            }
-            return;
-        }
         let vdt = ember_quant::vec_dot_type(w.info.ty);
         // Shapes were checked when the matrix was placed and the buffers are sized by the model
         // code from the same hyperparameters, so these cannot fail on any input file.
