@@ -36,7 +36,7 @@ pub fn run(args: DevicesArgs) -> anyhow::Result<()> {
     // The build's VMM gate is the run-time default; a development build has no gate and lets the
     // probe decide.
     let vmm = crate::build_manifest::feature("vmm");
-    let vmm_gate = vmm.map_or(true, |f| f.enabled);
+    let vmm_gate = vmm.is_none_or(|f| f.enabled);
     let vmm_reason = vmm.and_then(|f| f.reason.clone());
     let options = ListOptions {
         rocm_path: args.rocm_path,
