@@ -3,8 +3,8 @@
 // the GGUF layouts block by block; sums are taken in double).
 //
 // Build and run on an NVIDIA machine (from the repository root):
-//   nvcc -std=c++17 -O2 -arch=sm_90 -x cu -I kernels kernels/tests/harness.cu -o /tmp/ember_kernel_harness
-//   /tmp/ember_kernel_harness
+//   nvcc -std=c++17 -O2 -arch=sm_90 -x cu -I kernels kernels/tests/harness.cu -o target/ember_kernel_harness
+//   target/ember_kernel_harness
 // Exit status 0 when every check passes. Tolerances are stated per check: f32 kernels whose only
 // difference from the reference is summation order are held to a relative error of 1e-4 (of the
 // sum of magnitudes, which bounds reordering error), transcendental ones to 2e-5 absolute plus
