@@ -1,5 +1,20 @@
 //! The `ember` command line; everything lives in the library's `cli` module.
 
 fn main() -> std::process::ExitCode {
+    restore_default_sigpipe();
     ember::cli::main()
 }
+
+/// Rust ignores SIGPIPE, so writing to a closed pipe (`ember info | head`) makes `println!` panic.
+/// A command-line tool should end quietly there instead, as other Unix tools do.
+#[cfg(unix)]
+fn restore_default_sigpipe() {
+    // SAFETY: called first thing in main, before any thread exists; SIG_DFL is a valid disposition
+    // for SIGPIPE.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
+#[cfg(not(unix))]
+fn restore_default_sigpipe() {}
