@@ -1083,14 +1083,16 @@ fn sha256_file(path: &Path) -> std::io::Result<String> {
 // ---------------------------------------------------------------------------------------------
 // Models.
 
-struct ModelFile {
+/// A pinned model of models.toml and where the fetch puts it.
+pub(crate) struct ModelFile {
     name: String,
     file: String,
-    path: PathBuf,
+    pub(crate) path: PathBuf,
 }
 
 impl ModelFile {
-    fn find(root: &Path, name: &str) -> Result<ModelFile> {
+    /// The model `name` of models.toml, in `$EMBER_MODELS_DIR` or `~/.cache/ember/models`.
+    pub(crate) fn find(root: &Path, name: &str) -> Result<ModelFile> {
         #[derive(Deserialize)]
         struct ModelsToml {
             model: Vec<ModelEntry>,

@@ -99,7 +99,7 @@ impl crate::flags::Test {
         let _ = xtask_exe(&root)?;
         let targets = crate::targets::load()?;
         let version = manifest::workspace_version(&root)?;
-        let model = model_path(&root, &self.model)?;
+        let model = crate::smoke::ModelFile::find(&root, &self.model)?.path;
         let image = format!("ember:{version}-cpu");
 
         let mut plan: Vec<Step<'_>> = Vec::new();
@@ -518,28 +518,6 @@ fn docker_and_smoke(sh: &Shell, base: &str, image: &str, model: &str) -> Result<
     .run(sh)
 }
 
-/// The model file of `name` from models.toml, in `$EMBER_MODELS_DIR` or `~/.cache/ember/models`.
-fn model_path(root: &Path, name: &str) -> Result<PathBuf> {
-    let text = std::fs::read_to_string(root.join("models.toml")).context("reading models.toml")?;
-    let models: toml::Table = toml::from_str(&text).context("parsing models.toml")?;
-    let file = models
-        .get("model")
-        .and_then(toml::Value::as_array)
-        .and_then(|list| {
-            list.iter()
-                .find(|m| m.get("name").and_then(toml::Value::as_str) == Some(name))
-        })
-        .and_then(|m| m.get("file"))
-        .and_then(toml::Value::as_str)
-        .with_context(|| format!("expected a model named {name:?} in models.toml, found none"))?;
-    let dir = match std::env::var_os("EMBER_MODELS_DIR") {
-        Some(dir) => PathBuf::from(dir),
-        None => PathBuf::from(std::env::var_os("HOME").context("expected $HOME to be set")?)
-            .join(".cache/ember/models"),
-    };
-    Ok(dir.join(file))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -566,18 +544,20 @@ mod tests {
 
     #[test]
     fn model_paths_come_from_models_toml() {
-        let path = model_path(&crate::project_root(), "smollm2-135m-instruct-q4_1").unwrap();
+        let root = crate::project_root();
+        let model = crate::smoke::ModelFile::find(&root, "smollm2-135m-instruct-q4_1").unwrap();
         assert!(
-            path.ends_with("SmolLM2-135M-Instruct.Q4_1.gguf"),
+            model.path.ends_with("SmolLM2-135M-Instruct.Q4_1.gguf"),
             "{}",
-            path.display()
+            model.path.display()
         );
-        let error = model_path(&crate::project_root(), "nope")
-            .unwrap_err()
+        let error = crate::smoke::ModelFile::find(&root, "nope")
+            .err()
+            .expect("an unknown model name is an error")
             .to_string();
         assert_eq!(
             error,
-            "expected a model named \"nope\" in models.toml, found none"
+            "expected a model name from models.toml (smollm2-135m-instruct-q4_1, gemma3-270m-q4_k_m), found \"nope\""
         );
     }
 }
