@@ -9,7 +9,8 @@ mod attention;
 mod ops;
 pub mod vec;
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use ember_gguf::{GgmlType, Gguf, TensorInfo};
 use half::f16;
@@ -25,6 +26,9 @@ const ROWS_PER_TASK: usize = 8;
 pub struct CpuBackend {
     pool: rayon::ThreadPool,
     n_threads: usize,
+    /// Quantized-activation buffers reused across matmuls, one per (activation type, row
+    /// length), so the forward pass does not allocate them for every matrix product.
+    activations: Mutex<HashMap<(GgmlType, usize), ember_quant::QuantizedActivations>>,
 }
 
 impl std::fmt::Debug for CpuBackend {
@@ -75,7 +79,11 @@ impl CpuBackend {
             .num_threads(n_threads)
             .thread_name(|i| format!("ember-cpu-{i}"))
             .build()?;
-        Ok(CpuBackend { pool, n_threads })
+        Ok(CpuBackend {
+            pool,
+            n_threads,
+            activations: Mutex::new(HashMap::new()),
+        })
     }
 
     /// Worker threads.
@@ -256,9 +264,22 @@ impl Backend for CpuBackend {
         let vdt = ember_quant::vec_dot_type(w.info.ty);
         // Shapes were checked when the matrix was placed and the buffers are sized by the model
         // code from the same hyperparameters, so these cannot fail on any input file.
-        let acts = ember_quant::quantize_activations(vdt, x, n_tokens, w.cols)
+        // The forward pass calls matmul from one thread at a time, so the lock is uncontended; a
+        // poisoned lock only means an earlier matmul panicked, and the buffer is rewritten whole.
+        let mut buffers = self
+            .activations
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let acts = match buffers.entry((vdt, w.cols)) {
+            std::collections::hash_map::Entry::Occupied(entry) => entry.into_mut(),
+            std::collections::hash_map::Entry::Vacant(entry) => entry.insert(
+                ember_quant::QuantizedActivations::empty(vdt, w.cols)
+                    .expect("vec_dot_type is an activation type"),
+            ),
+        };
+        acts.requantize(x, n_tokens)
             .expect("activation shape matches the matrix");
-        ember_quant::matmul(&q, &acts, out).expect("matmul shapes match");
+        ember_quant::matmul(&q, acts, out).expect("matmul shapes match");
     }
 
     fn rms_norm(
