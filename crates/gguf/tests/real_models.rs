@@ -9,10 +9,13 @@ use std::time::Instant;
 
 use ember_gguf::{GgmlType, Gguf};
 
-fn model_path(file_name: &str) -> Option<PathBuf> {
+fn model_path(file_name: &str) -> PathBuf {
     let dir = match std::env::var_os("EMBER_MODELS_DIR") {
         Some(dir) => PathBuf::from(dir),
-        None => PathBuf::from(std::env::var_os("HOME")?).join(".cache/ember/models"),
+        None => PathBuf::from(
+            std::env::var_os("HOME").expect("set EMBER_MODELS_DIR or HOME to find the test models"),
+        )
+        .join(".cache/ember/models"),
     };
     let path = dir.join(file_name);
     assert!(
@@ -20,22 +23,20 @@ fn model_path(file_name: &str) -> Option<PathBuf> {
         "{} is absent: fetch the test models first with `cargo run --release -p ember -- pull --all`",
         path.display()
     );
-    Some(path)
+    path
 }
 
-fn open(file_name: &str) -> Option<Gguf> {
-    let path = model_path(file_name)?;
+fn open(file_name: &str) -> Gguf {
+    let path = model_path(file_name);
     let start = Instant::now();
     let gguf = Gguf::open(&path).unwrap_or_else(|e| panic!("{e}"));
     println!("opened {file_name} in {:?}", start.elapsed());
-    Some(gguf)
+    gguf
 }
 
 #[test]
 fn smollm2_135m_q4_1() {
-    let Some(g) = open("SmolLM2-135M-Instruct.Q4_1.gguf") else {
-        return;
-    };
+    let g = open("SmolLM2-135M-Instruct.Q4_1.gguf");
     let md = g.metadata();
     assert_eq!(
         (g.version(), g.alignment(), g.file_size()),
@@ -84,9 +85,7 @@ fn smollm2_135m_q4_1() {
 
 #[test]
 fn gemma3_270m_q4_k_m() {
-    let Some(g) = open("gemma-3-270m-q4_k_m.gguf") else {
-        return;
-    };
+    let g = open("gemma-3-270m-q4_k_m.gguf");
     let md = g.metadata();
     assert_eq!(
         (g.version(), g.alignment(), g.file_size()),
