@@ -1,104 +1,133 @@
-// Paged attention for decode (one query token per sequence), flash-decoding style: the keys of a
-// sequence are split into partitions of EMBER_ATTN_PARTITION tokens that are processed in
-// parallel, each producing a partial (max, sum, weighted value sum); a second kernel merges them.
+// Causal grouped-query attention over a paged f16 KV cache whose blocks are allocated one by one.
 //
-// Layouts:
-//   q            f32 [n_seqs, n_heads, head_dim]                  (already scaled by nothing; `scale` applies)
-//   k/v cache    KV  [n_blocks, block_size, n_kv_heads, head_dim] (KV = f16 or f32)
-//   block_table  i32 [n_seqs, max_blocks_per_seq]: physical block of the sequence's i-th block
-//   seq_lens     i32 [n_seqs]: tokens in the cache, the query's own token included (it is the last)
-//   out          f32 [n_seqs, n_heads, head_dim]
-// CPU op, for each sequence s and head h (GQA: kv head = h / (n_heads / n_kv_heads)):
-//   keys t in [first, seq_len) with first = window > 0 ? max(0, seq_len - window) : 0
-//   score_t = scale * dot(q, k_t), then softcap * tanh(score_t / softcap) when softcap > 0
-//   out = sum_t softmax(score)_t * v_t
-// head_dim at most EMBER_ATTN_MAX_HEAD_DIM (256).
+// KV layout (one layer): physical block b holds block_size token slots; slot s of block b keeps
+// the token's n_kv_heads * head_dim f16 keys at ((ember_half*)k_blocks[b]) + s * row_values and
+// its values at ((ember_half*)v_blocks[b]) + s * row_values (row_values = n_kv_heads * head_dim).
+// k_blocks / v_blocks are device arrays of u64 device addresses, so each block can come from and
+// go back to the device pool on its own. A sequence's logical block i is physical block
+// block_tables[table * max_blocks_per_table + i].
+//
+// Batch: q f32 [n_tokens, n_heads, head_dim]; token t belongs to table table_of_token[t] and sits
+// at position positions[t]; it attends to the positions p of its table with
+// first(t) <= p <= positions[t], first(t) = max(0, positions[t] - window + 1) with a window, else 0
+// (a token sees q when pos - q < window, as the CPU backend does). out f32 [n_tokens, n_heads,
+// head_dim]. GQA: query head h reads KV head h / (n_heads / n_kv_heads).
+// score = scale * dot(q, k), then softcap * tanh(score / softcap) when softcap > 0; out = softmax
+// (score) . v. As in the CPU backend (GGML's f16 path), queries are rounded to f16 before the dot
+// products; keys and values are f16 in the cache; everything else is f32.
+//
+// Two kernels compute the same function for any batch:
+//   * decode (flash decoding): one thread block per (key partition, head, token); partitions of
+//     EMBER_ATTN_PARTITION keys run in parallel and a reduce kernel merges their (max, sum, acc)
+//     triples. Best when every token is the only query of its sequence in the batch.
+//   * prefill (tiled flash attention): one thread block per (tile of EMBER_ATTN_TILE_Q consecutive
+//     batch tokens, head); key tiles of EMBER_ATTN_TILE_K are staged through shared memory and
+//     every query of the tile reuses them; online softmax. Consecutive batch tokens of one table
+//     share the tile's key walk; a tile that spans several tables walks each table in turn.
+// Both are deterministic: fixed reduction orders, no atomics.
+//
+// kernels/tests/harness_attention.cu tests these kernels (kernels/tests/harness.cu should not).
 #include "ember_compat.h"
 
 #define EMBER_ATTN_PARTITION 256
 #define EMBER_ATTN_MAX_HEAD_DIM 256
 #define EMBER_ATTN_THREADS 128
+#define EMBER_ATTN_TILE_Q 16
+#define EMBER_ATTN_TILE_K 32
 
-EMBER_DEVICE float ember_kv_to_float(float v) { return v; }
-EMBER_DEVICE float ember_kv_to_float(ember_half v) { return ember_half_to_float(v); }
+EMBER_DEVICE int ember_attn_first(int position, int window) { return window > 0 && position >= window ? position - window + 1 : 0; }
 
-EMBER_DEVICE int ember_attn_first_key(int seq_len, int window) { return window > 0 && seq_len > window ? seq_len - window : 0; }
+EMBER_DEVICE float ember_attn_round_f16(float x) { return __half2float(__float2half_rn(x)); }
 
-// Writes new keys or values into the paged cache. CPU op: for token t < n_tokens with
-// slots[t] >= 0, cache[slots[t], :] = (KV) src[t, :], where a row is n_kv_heads * head_dim values
-// and slot = physical block * block_size + offset in the block; slots[t] < 0 marks padding and is
-// skipped. Launch: grid = n_tokens, block = 256 (any size works).
-template <typename KV>
-EMBER_DEVICE void ember_kv_store(KV* cache, const float* src, const int32_t* slots, uint32_t row_values) {
+EMBER_DEVICE float ember_attn_cap(float score, float softcap) { return softcap > 0.0f ? softcap * tanhf(score / softcap) : score; }
+
+// Address of slot `position` of `table` in a layer's K or V blocks, plus the head offset.
+EMBER_DEVICE const ember_half* ember_attn_slot(const uint64_t* blocks, const int32_t* table, int position, uint32_t block_size,
+                                               uint32_t row_values, uint32_t head_offset) {
+    const int32_t block = table[position / (int)block_size];
+    const ember_half* base = (const ember_half*)blocks[block];
+    return base + (size_t)(position % (int)block_size) * row_values + head_offset;
+}
+
+// Writes the new keys and values of n_tokens tokens as f16: for token t with slots[t] >= 0,
+// block slots[t] / block_size, slot slots[t] % block_size gets k[t, :] and v[t, :] (row_values
+// f32 each). slots[t] < 0 marks padding and is skipped, as is a block whose address is 0.
+// Launch: grid = n_tokens, block = 256 (any size works).
+EMBER_KERNEL void ember_kv_store_f16(const uint64_t* k_blocks, const uint64_t* v_blocks, const float* k, const float* v,
+                                     const int32_t* slots, uint32_t row_values, uint32_t block_size) {
     const int32_t slot = slots[blockIdx.x];
     if (slot < 0) return;
-    const float* in = src + (size_t)blockIdx.x * row_values;
-    KV* out = cache + (size_t)slot * row_values;
-    for (uint32_t i = threadIdx.x; i < row_values; i += blockDim.x) out[i] = (KV)in[i];
+    const uint32_t block = (uint32_t)slot / block_size, offset = (uint32_t)slot % block_size;
+    ember_half* k_out = (ember_half*)k_blocks[block];
+    ember_half* v_out = (ember_half*)v_blocks[block];
+    if (k_out == nullptr || v_out == nullptr) return;
+    k_out += (size_t)offset * row_values;
+    v_out += (size_t)offset * row_values;
+    const float* k_in = k + (size_t)blockIdx.x * row_values;
+    const float* v_in = v + (size_t)blockIdx.x * row_values;
+    for (uint32_t i = threadIdx.x; i < row_values; i += blockDim.x) {
+        k_out[i] = __float2half_rn(k_in[i]);
+        v_out[i] = __float2half_rn(v_in[i]);
+    }
 }
 
-EMBER_KERNEL void ember_kv_store_f16(ember_half* cache, const float* src, const int32_t* slots, uint32_t row_values) {
-    ember_kv_store<ember_half>(cache, src, slots, row_values);
-}
+// ---- decode ----
 
-EMBER_KERNEL void ember_kv_store_f32(float* cache, const float* src, const int32_t* slots, uint32_t row_values) {
-    ember_kv_store<float>(cache, src, slots, row_values);
-}
-
-// Prefill uses the same kernels: give each query token its own "sequence" row whose block-table
-// row is its sequence's and whose length is its position + 1; that is causal attention.
-
-// Partial pass. Launch: grid = (max_partitions, n_heads, n_seqs), block = EMBER_ATTN_THREADS.
-// Partition p of sequence s writes partial_max/partial_sum [s, h, p] and partial_acc [s, h, p, :].
-template <typename KV>
-EMBER_DEVICE void ember_attention_partial(float* partial_acc, float* partial_max, float* partial_sum, const float* q, const KV* k_cache,
-                                          const KV* v_cache, const int32_t* block_table, const int32_t* seq_lens, uint32_t n_heads,
-                                          uint32_t n_kv_heads, uint32_t head_dim, uint32_t block_size, uint32_t max_blocks_per_seq,
-                                          uint32_t max_partitions, float scale, int32_t window, float softcap) {
+// Partial pass. Launch: grid = (n_partitions, n_heads, n_tokens), block = EMBER_ATTN_THREADS.
+// Partition p of token t covers keys first(t) + p P .. min(positions[t], first(t) + (p+1) P - 1)
+// and writes partial_ms[t, h, p] = (max, sum of exp) and partial_acc[t, h, p, :] (unnormalised).
+// With n_partitions == 1 it writes the normalised result to out instead (no reduce needed).
+EMBER_KERNEL void ember_attention_decode_partial(float* out, float* partial_acc, float2* partial_ms, const float* q, const uint64_t* k_blocks,
+                                                 const uint64_t* v_blocks, const int32_t* block_tables, const int32_t* table_of_token,
+                                                 const int32_t* positions, uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,
+                                                 uint32_t block_size, uint32_t max_blocks_per_table, uint32_t n_partitions, float scale,
+                                                 int32_t window, float softcap) {
     __shared__ float q_shared[EMBER_ATTN_MAX_HEAD_DIM];
     __shared__ float scores[EMBER_ATTN_PARTITION];
+    __shared__ const ember_half* key_rows[EMBER_ATTN_PARTITION];
+    __shared__ const ember_half* value_rows[EMBER_ATTN_PARTITION];
     __shared__ float scratch[EMBER_MAX_WARPS];
-    const uint32_t p = blockIdx.x, h = blockIdx.y, s = blockIdx.z;
+    const uint32_t p = blockIdx.x, h = blockIdx.y, t = blockIdx.z;
     const uint32_t kv_head = h / (n_heads / n_kv_heads);
-    const int seq_len = seq_lens[s];
-    const int first = ember_attn_first_key(seq_len, window);
-    const int begin = first + (int)p * EMBER_ATTN_PARTITION;
-    const int end = min(seq_len, begin + EMBER_ATTN_PARTITION);
-    const size_t partial_index = ((size_t)s * n_heads + h) * max_partitions + p;
-    float* acc = partial_acc + partial_index * head_dim;
+    const uint32_t row_values = n_kv_heads * head_dim, head_offset = kv_head * head_dim;
+    const int position = positions[t];
+    const int begin = ember_attn_first(position, window) + (int)p * EMBER_ATTN_PARTITION;
+    const int end = min(position + 1, begin + EMBER_ATTN_PARTITION);
+    const size_t partial_index = ((size_t)t * n_heads + h) * n_partitions + p;
     if (begin >= end) {
+        // Only reachable with n_partitions > 1 (partition 0 always holds the token itself).
+        float* acc = partial_acc + partial_index * head_dim;
         for (uint32_t d = threadIdx.x; d < head_dim; d += blockDim.x) acc[d] = 0.0f;
-        if (threadIdx.x == 0) {
-            partial_max[partial_index] = -INFINITY;
-            partial_sum[partial_index] = 0.0f;
-        }
+        if (threadIdx.x == 0) partial_ms[partial_index] = make_float2(-INFINITY, 0.0f);
         return;
     }
-    const int n_tokens = end - begin;
-    const float* q_head = q + ((size_t)s * n_heads + h) * head_dim;
-    for (uint32_t d = threadIdx.x; d < head_dim; d += blockDim.x) q_shared[d] = q_head[d];
+    const int n_keys = end - begin;
+    const int32_t* table = block_tables + (size_t)table_of_token[t] * max_blocks_per_table;
+    const float* q_head = q + ((size_t)t * n_heads + h) * head_dim;
+    for (uint32_t d = threadIdx.x; d < head_dim; d += blockDim.x) q_shared[d] = ember_attn_round_f16(q_head[d]);
+    for (int i = threadIdx.x; i < n_keys; i += blockDim.x) {
+        key_rows[i] = ember_attn_slot(k_blocks, table, begin + i, block_size, row_values, head_offset);
+        value_rows[i] = ember_attn_slot(v_blocks, table, begin + i, block_size, row_values, head_offset);
+    }
     __syncthreads();
 
+    // Scores: one warp per key, lanes over the head dimension.
     const int lane = threadIdx.x % EMBER_WAVE_SIZE, warp = threadIdx.x / EMBER_WAVE_SIZE;
     const int n_warps = blockDim.x / EMBER_WAVE_SIZE;
-    const int32_t* table = block_table + (size_t)s * max_blocks_per_seq;
-    for (int i = warp; i < n_tokens; i += n_warps) {
-        const int t = begin + i;
-        const size_t slot = (size_t)table[t / block_size] * block_size + t % block_size;
-        const KV* k = k_cache + (slot * n_kv_heads + kv_head) * head_dim;
+    for (int i = warp; i < n_keys; i += n_warps) {
+        const ember_half* k = key_rows[i];
         float dot = 0.0f;
-        for (uint32_t d = lane; d < head_dim; d += EMBER_WAVE_SIZE) dot += q_shared[d] * ember_kv_to_float(k[d]);
-        dot = ember_warp_sum(dot) * scale;
-        if (softcap > 0.0f) dot = softcap * tanhf(dot / softcap);
-        if (lane == 0) scores[i] = dot;
+        for (uint32_t d = lane; d < head_dim; d += EMBER_WAVE_SIZE) dot += q_shared[d] * __half2float(k[d]);
+        dot = ember_warp_sum(dot);
+        if (lane == 0) scores[i] = ember_attn_cap(dot * scale, softcap);
     }
     __syncthreads();
 
     float m = -INFINITY;
-    for (int i = threadIdx.x; i < n_tokens; i += blockDim.x) m = fmaxf(m, scores[i]);
+    for (int i = threadIdx.x; i < n_keys; i += blockDim.x) m = fmaxf(m, scores[i]);
     m = ember_block_max(m, scratch);
     float l = 0.0f;
-    for (int i = threadIdx.x; i < n_tokens; i += blockDim.x) {
+    for (int i = threadIdx.x; i < n_keys; i += blockDim.x) {
         const float e = expf(scores[i] - m);
         scores[i] = e;
         l += e;
@@ -106,53 +135,259 @@ EMBER_DEVICE void ember_attention_partial(float* partial_acc, float* partial_max
     l = ember_block_sum(l, scratch);
     __syncthreads();
 
+    const bool direct = n_partitions == 1;
+    float* dst = direct ? out + ((size_t)t * n_heads + h) * head_dim : partial_acc + partial_index * head_dim;
+    const float norm = direct ? 1.0f / l : 1.0f;
     for (uint32_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
         float sum = 0.0f;
-        for (int i = 0; i < n_tokens; ++i) {
-            const int t = begin + i;
-            const size_t slot = (size_t)table[t / block_size] * block_size + t % block_size;
-            sum += scores[i] * ember_kv_to_float(v_cache[(slot * n_kv_heads + kv_head) * head_dim + d]);
-        }
-        acc[d] = sum;
+        for (int i = 0; i < n_keys; ++i) sum += scores[i] * __half2float(value_rows[i][d]);
+        dst[d] = sum * norm;
     }
-    if (threadIdx.x == 0) {
-        partial_max[partial_index] = m;
-        partial_sum[partial_index] = l;
-    }
+    if (!direct && threadIdx.x == 0) partial_ms[partial_index] = make_float2(m, l);
 }
 
-#define EMBER_ATTENTION_PARTIAL(name, KV)                                                                                                     \
-    EMBER_KERNEL void name(float* partial_acc, float* partial_max, float* partial_sum, const float* q, const KV* k_cache, const KV* v_cache, \
-                           const int32_t* block_table, const int32_t* seq_lens, uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,  \
-                           uint32_t block_size, uint32_t max_blocks_per_seq, uint32_t max_partitions, float scale, int32_t window,        \
-                           float softcap) {                                                                                               \
-        ember_attention_partial<KV>(partial_acc, partial_max, partial_sum, q, k_cache, v_cache, block_table, seq_lens, n_heads, n_kv_heads, \
-                                    head_dim, block_size, max_blocks_per_seq, max_partitions, scale, window, softcap);                     \
-    }
-
-EMBER_ATTENTION_PARTIAL(ember_paged_attention_decode_partial_f16kv, ember_half)
-EMBER_ATTENTION_PARTIAL(ember_paged_attention_decode_partial_f32kv, float)
-
-// Merge pass. Launch: grid = (n_heads, n_seqs), block = head_dim threads rounded up to the warp
-// size (any size works). out = sum_p e^(m_p - M) acc_p / sum_p e^(m_p - M) l_p, M = max_p m_p.
-EMBER_KERNEL void ember_paged_attention_decode_reduce(float* out, const float* partial_acc, const float* partial_max, const float* partial_sum,
-                                                      const int32_t* seq_lens, uint32_t n_heads, uint32_t head_dim, uint32_t max_partitions,
-                                                      int32_t window) {
-    const uint32_t h = blockIdx.x, s = blockIdx.y;
-    const int seq_len = seq_lens[s];
-    const int n_keys = seq_len - ember_attn_first_key(seq_len, window);
-    const int n_parts = min((int)max_partitions, (n_keys + EMBER_ATTN_PARTITION - 1) / EMBER_ATTN_PARTITION);
-    const size_t base = ((size_t)s * n_heads + h) * max_partitions;
-    float* out_head = out + ((size_t)s * n_heads + h) * head_dim;
+// Merge pass. Launch: grid = (n_heads, n_tokens), block = 128 (any size works).
+// out = sum_p e^(m_p - M) acc_p / sum_p e^(m_p - M) l_p with M = max_p m_p.
+EMBER_KERNEL void ember_attention_decode_reduce(float* out, const float* partial_acc, const float2* partial_ms, uint32_t n_heads,
+                                                uint32_t head_dim, uint32_t n_partitions) {
+    const uint32_t h = blockIdx.x, t = blockIdx.y;
+    const size_t base = ((size_t)t * n_heads + h) * n_partitions;
     float m = -INFINITY;
-    for (int p = 0; p < n_parts; ++p) m = fmaxf(m, partial_max[base + p]);
+    for (uint32_t p = 0; p < n_partitions; ++p) m = fmaxf(m, partial_ms[base + p].x);
+    float den = 0.0f;
+    for (uint32_t p = 0; p < n_partitions; ++p) den += expf(partial_ms[base + p].x - m) * partial_ms[base + p].y;
+    float* out_head = out + ((size_t)t * n_heads + h) * head_dim;
     for (uint32_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float num = 0.0f, den = 0.0f;
-        for (int p = 0; p < n_parts; ++p) {
-            const float w = expf(partial_max[base + p] - m);
-            num += w * partial_acc[(base + p) * head_dim + d];
-            den += w * partial_sum[base + p];
-        }
+        float num = 0.0f;
+        for (uint32_t p = 0; p < n_partitions; ++p) num += expf(partial_ms[base + p].x - m) * partial_acc[(base + p) * head_dim + d];
         out_head[d] = den > 0.0f ? num / den : 0.0f;
     }
 }
+
+// ---- prefill ----
+
+// Shared-memory rows are padded by one half2 so that 32 threads reading 32 different rows at the
+// same column hit 32 different banks.
+template <int D_MAX>
+struct EmberAttnTile {
+    static constexpr int STRIDE = D_MAX + 2;
+    ember_half q[EMBER_ATTN_TILE_Q][STRIDE];
+    ember_half k[EMBER_ATTN_TILE_K][STRIDE];
+    ember_half v[EMBER_ATTN_TILE_K][STRIDE];
+    float s[EMBER_ATTN_TILE_Q][EMBER_ATTN_TILE_K + 1];
+    float alpha[EMBER_ATTN_TILE_Q];
+    float l[EMBER_ATTN_TILE_Q];
+    const ember_half* key_rows[EMBER_ATTN_TILE_K];
+    const ember_half* value_rows[EMBER_ATTN_TILE_K];
+    int table[EMBER_ATTN_TILE_Q];
+    int position[EMBER_ATTN_TILE_Q];
+    int first[EMBER_ATTN_TILE_Q];
+};
+
+// Copies n_valid key (or value) rows of head_dim halves into a shared tile; rows past n_valid are
+// zero. 16-byte loads when head_dim is a multiple of 8 (rows are then 16-byte aligned), 4-byte ones
+// otherwise (head_dim is even).
+template <int STRIDE>
+EMBER_DEVICE void ember_attn_stage(ember_half (*dst)[STRIDE], const ember_half* const* rows, int n_valid, uint32_t head_dim) {
+    if (head_dim % 8 == 0) {
+        const int chunks = (int)head_dim / 8;
+        for (int i = threadIdx.x; i < EMBER_ATTN_TILE_K * chunks; i += blockDim.x) {
+            const int key = i / chunks, c = 8 * (i % chunks);
+            uint4 bits = make_uint4(0u, 0u, 0u, 0u);
+            if (key < n_valid) bits = *(const uint4*)(rows[key] + c);
+            uint32_t* out = (uint32_t*)&dst[key][c];
+            out[0] = bits.x, out[1] = bits.y, out[2] = bits.z, out[3] = bits.w;
+        }
+    } else {
+        const int chunks = (int)head_dim / 2;
+        for (int i = threadIdx.x; i < EMBER_ATTN_TILE_K * chunks; i += blockDim.x) {
+            const int key = i / chunks, c = 2 * (i % chunks);
+            uint32_t bits = 0u;
+            if (key < n_valid) bits = *(const uint32_t*)(rows[key] + c);
+            *(uint32_t*)&dst[key][c] = bits;
+        }
+    }
+}
+
+// Launch: grid = (ceil(n_tokens / EMBER_ATTN_TILE_Q), n_heads), block = EMBER_ATTN_THREADS (128).
+// head_dim must be even and at most D_MAX. Thread roles:
+//   scores:  key kk = tid % 32 for rows tid / 32 + 4 j (j < 4);
+//   softmax: row tid / 8, keys 4 (tid % 8) .. + 3 (row statistics live in registers of the
+//            row's 8 threads, which all compute the same values);
+//   values:  columns 2 (tid % 32) + 64 i (i < D_MAX / 64) for rows tid / 32 + 4 j.
+template <int D_MAX>
+EMBER_DEVICE void ember_attention_prefill(float* out, const float* q, const uint64_t* k_blocks, const uint64_t* v_blocks,
+                                          const int32_t* block_tables, const int32_t* table_of_token, const int32_t* positions,
+                                          uint32_t n_tokens, uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,
+                                          uint32_t block_size, uint32_t max_blocks_per_table, float scale, int32_t window,
+                                          float softcap) {
+    constexpr int TQ = EMBER_ATTN_TILE_Q, TK = EMBER_ATTN_TILE_K, COLS = D_MAX / 64;
+    __shared__ EmberAttnTile<D_MAX> tile;
+    const int tid = threadIdx.x;
+    const uint32_t h = blockIdx.y;
+    const uint32_t kv_head = h / (n_heads / n_kv_heads);
+    const uint32_t row_values = n_kv_heads * head_dim, head_offset = kv_head * head_dim;
+    const int t0 = blockIdx.x * TQ;
+    const int n_rows = min(TQ, (int)n_tokens - t0);
+
+    if (tid < TQ) {
+        const bool valid = tid < n_rows;
+        tile.table[tid] = valid ? table_of_token[t0 + tid] : -1;
+        tile.position[tid] = valid ? positions[t0 + tid] : -1;
+        tile.first[tid] = valid ? ember_attn_first(tile.position[tid], window) : 0;
+    }
+    for (int i = tid; i < TQ * (int)head_dim; i += blockDim.x) {
+        const int r = i / (int)head_dim, c = i % (int)head_dim;
+        const float value = r < n_rows ? q[((size_t)(t0 + r) * n_heads + h) * head_dim + c] : 0.0f;
+        tile.q[r][c] = __float2half_rn(value);
+    }
+    __syncthreads();
+
+    // Value accumulators and the softmax statistics of this thread's rows.
+    float o[4][COLS][2];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int i = 0; i < COLS; ++i) o[j][i][0] = o[j][i][1] = 0.0f;
+    const int soft_row = tid / 8, soft_sub = tid % 8;
+    float row_max = -INFINITY, row_sum = 0.0f;
+
+    const int score_key = tid % 32, score_row = tid / 32;
+    const int value_col = 2 * (tid % 32), value_row = tid / 32;
+
+    for (int segment_start = 0; segment_start < n_rows;) {
+        const int table_id = tile.table[segment_start];
+        int segment_end = segment_start + 1;
+        while (segment_end < n_rows && tile.table[segment_end] == table_id) ++segment_end;
+        int lo = INT32_MAX, hi = -1;
+        for (int r = segment_start; r < segment_end; ++r) {
+            lo = min(lo, tile.first[r]);
+            hi = max(hi, tile.position[r]);
+        }
+        const int32_t* table = block_tables + (size_t)table_id * max_blocks_per_table;
+
+        for (int k0 = lo; k0 <= hi; k0 += TK) {
+            const int n_valid = min(TK, hi + 1 - k0);
+            if (tid < TK && tid < n_valid) {
+                tile.key_rows[tid] = ember_attn_slot(k_blocks, table, k0 + tid, block_size, row_values, head_offset);
+                tile.value_rows[tid] = ember_attn_slot(v_blocks, table, k0 + tid, block_size, row_values, head_offset);
+            }
+            __syncthreads();
+            ember_attn_stage<EmberAttnTile<D_MAX>::STRIDE>(tile.k, tile.key_rows, n_valid, head_dim);
+            ember_attn_stage<EmberAttnTile<D_MAX>::STRIDE>(tile.v, tile.value_rows, n_valid, head_dim);
+            __syncthreads();
+
+            // Scores of 4 rows against one key.
+            {
+                float dot[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                for (int c = 0; c < (int)head_dim; c += 2) {
+                    const float2 kv = __half22float2(*(const __half2*)&tile.k[score_key][c]);
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        const float2 qv = __half22float2(*(const __half2*)&tile.q[score_row + 4 * j][c]);
+                        dot[j] += qv.x * kv.x + qv.y * kv.y;
+                    }
+                }
+                const int key = k0 + score_key;
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const int r = score_row + 4 * j;
+                    const bool visible = r >= segment_start && r < segment_end && key <= tile.position[r] && key >= tile.first[r];
+                    tile.s[r][score_key] = visible ? ember_attn_cap(dot[j] * scale, softcap) : -INFINITY;
+                }
+            }
+            __syncthreads();
+
+            // Online softmax: 8 threads per row, 4 keys each.
+            {
+                float s[4];
+                float tile_max = -INFINITY;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    s[i] = tile.s[soft_row][4 * soft_sub + i];
+                    tile_max = fmaxf(tile_max, s[i]);
+                }
+#pragma unroll
+                for (int mask = 4; mask > 0; mask >>= 1) tile_max = fmaxf(tile_max, ember_shfl_xor(tile_max, mask));
+                const float new_max = fmaxf(row_max, tile_max);
+                float alpha = 1.0f, tile_sum = 0.0f;
+                if (new_max != -INFINITY) {
+                    alpha = expf(row_max - new_max);
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        s[i] = expf(s[i] - new_max);
+                        tile_sum += s[i];
+                    }
+                } else {
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) s[i] = 0.0f;
+                }
+#pragma unroll
+                for (int mask = 4; mask > 0; mask >>= 1) tile_sum += ember_shfl_xor(tile_sum, mask);
+                row_max = new_max;
+                row_sum = row_sum * alpha + tile_sum;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) tile.s[soft_row][4 * soft_sub + i] = s[i];
+                if (soft_sub == 0) tile.alpha[soft_row] = alpha;
+            }
+            __syncthreads();
+
+            // o = alpha o + P V for this thread's rows and columns.
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float alpha = tile.alpha[value_row + 4 * j];
+#pragma unroll
+                for (int i = 0; i < COLS; ++i) o[j][i][0] *= alpha, o[j][i][1] *= alpha;
+            }
+            for (int key = 0; key < n_valid; ++key) {
+                float pj[4];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) pj[j] = tile.s[value_row + 4 * j][key];
+#pragma unroll
+                for (int i = 0; i < COLS; ++i) {
+                    const int c = value_col + 64 * i;
+                    if (c < (int)head_dim) {
+                        const float2 vv = __half22float2(*(const __half2*)&tile.v[key][c]);
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) {
+                            o[j][i][0] += pj[j] * vv.x;
+                            o[j][i][1] += pj[j] * vv.y;
+                        }
+                    }
+                }
+            }
+            // The next tile overwrites k, v, s and the row pointers.
+            __syncthreads();
+        }
+        segment_start = segment_end;
+    }
+
+    if (soft_sub == 0) tile.l[soft_row] = row_sum;
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int r = value_row + 4 * j;
+        if (r >= n_rows) continue;
+        const float l = tile.l[r];
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        float* dst = out + ((size_t)(t0 + r) * n_heads + h) * head_dim;
+#pragma unroll
+        for (int i = 0; i < COLS; ++i) {
+            const int c = value_col + 64 * i;
+            if (c < (int)head_dim) *(float2*)(dst + c) = make_float2(o[j][i][0] * inv, o[j][i][1] * inv);
+        }
+    }
+}
+
+#define EMBER_ATTENTION_PREFILL(name, d_max)                                                                                             \
+    EMBER_KERNEL void name(float* out, const float* q, const uint64_t* k_blocks, const uint64_t* v_blocks, const int32_t* block_tables, \
+                           const int32_t* table_of_token, const int32_t* positions, uint32_t n_tokens, uint32_t n_heads,               \
+                           uint32_t n_kv_heads, uint32_t head_dim, uint32_t block_size, uint32_t max_blocks_per_table, float scale,    \
+                           int32_t window, float softcap) {                                                                          \
+        ember_attention_prefill<d_max>(out, q, k_blocks, v_blocks, block_tables, table_of_token, positions, n_tokens, n_heads,          \
+                                       n_kv_heads, head_dim, block_size, max_blocks_per_table, scale, window, softcap);               \
+    }
+
+EMBER_ATTENTION_PREFILL(ember_attention_prefill_d64, 64)
+EMBER_ATTENTION_PREFILL(ember_attention_prefill_d128, 128)
+EMBER_ATTENTION_PREFILL(ember_attention_prefill_d256, 256)

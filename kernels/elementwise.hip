@@ -25,13 +25,36 @@ EMBER_KERNEL void ember_silu_mul_f32(float* out, const float* gate, const float*
     }
 }
 
-// CPU op (GeGLU, Gemma): out[i] = gelu_tanh(gate[i]) * up[i],
-// gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+// CPU op (GeGLU, Gemma): out[i] = gelu(gate[i]) * up[i] with GGML's CPU GELU:
+//   gelu(x) = 0 for x <= -10, x for x >= 10, else f16(gelu_tanh(f16(x))),
+//   gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2/pi) x (1 + 0.044715 x^2))).
+// GGML's CPU path looks GELU up in a table indexed by the f16 input and holding f16 results;
+// rounding the same way here keeps the GPU's activations equal to ember's CPU backend (which
+// mirrors GGML) up to tanhf's last bit.
 EMBER_KERNEL void ember_gelu_mul_f32(float* out, const float* gate, const float* up, uint32_t n) {
     const float sqrt_2_over_pi = 0.7978845608028654f;
     for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
         const float g = gate[i];
-        const float gelu = 0.5f * g * (1.0f + tanhf(sqrt_2_over_pi * (g + 0.044715f * g * g * g)));
+        float gelu;
+        if (g <= -10.0f) {
+            gelu = 0.0f;
+        } else if (g >= 10.0f) {
+            gelu = g;
+        } else {
+            const float h = __half2float(__float2half(g));
+            gelu = 0.5f * h * (1.0f + tanhf(sqrt_2_over_pi * h * (1.0f + 0.044715f * h * h)));
+            gelu = __half2float(__float2half(gelu));
+        }
         out[i] = gelu * up[i];
     }
+}
+
+// CPU op (Gemma 2 soft-capping): out[i] = cap * tanh(x[i] / cap). `out` may alias `x`.
+EMBER_KERNEL void ember_softcap_f32(float* out, const float* x, float cap, uint32_t n) {
+    for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) out[i] = cap * tanhf(x[i] / cap);
+}
+
+// CPU op: out[i] = (f16) x[i], rounded to nearest even (activations for the f16 GEMM).
+EMBER_KERNEL void ember_convert_f16_f32(ember_half* out, const float* x, uint32_t n) {
+    for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) out[i] = __float2half(x[i]);
 }

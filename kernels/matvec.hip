@@ -1,53 +1,550 @@
-// Quantised matrix-vector product for decode: y = W x with W [n_rows, n_cols] in a GGUF format
-// and x, y in f32.
+// Matrix-vector products for decode: y[t] = W x[t] for a few tokens t (1..8) in one pass over the
+// weights, W [n_rows, n_cols] in a GGUF format, x and y f32.
 //
-// CPU op: y[r] = sum_c dequantise(W[r])[c] * x[c], accumulated in f32 (the order of additions
-// differs from the CPU, so results agree to f32 rounding, not bit for bit).
-// One warp per row. Each lane takes 4 consecutive values of a 32-value group, so 8 lanes cover a
-// group and the warp walks the row WAVE/8 groups at a time: the activation loads are one
-// coalesced float4 per lane and a group's weight bytes are read by neighbouring lanes. x must be
-// 16-byte aligned (pool allocations are 256-byte aligned) and n_cols a multiple of 32 (256 for
-// k-quants). Launch: block = EMBER_MATVEC_ROWS_PER_BLOCK warps, grid = ceil(n_rows /
-// EMBER_MATVEC_ROWS_PER_BLOCK).
+// Two paths:
+//   * int8 path (q4_0, q4_1, q5_0, q5_1, q8_0, q4_K, q5_K, q6_K): x is first quantised per group
+//     of 32 values to int8 with one f32 scale ("q8_1" style: ember_quantize_q8_1 writes xq and a
+//     (d, d * sum(q)) pair per group), then each weight unit is dotted with 4-byte integer dot
+//     products (dp4a on NVIDIA, sdot4/sudot4 on AMD). The result is W x̂ with x̂ = d q the
+//     quantised activation: |x - x̂| <= d / 2 per value, d = max|x| / 127 over its group.
+//   * float path (f32, f16, bf16, q2_K, q3_K): x stays f32 and each lane dequantises 8 values.
+//
+// Work split: one warp per row (grid-stride over rows, so any grid is correct), each lane takes
+// "units" of the row (one 32-value block, or a quarter of a 256-value k-quant super-block) so a
+// warp's loads cover contiguous weight bytes; the weight unit is unpacked once into registers and
+// dotted with every token's activation, so the weights are read once for all tokens. Lane sums
+// are reduced with shuffles in a fixed order: results are deterministic.
+//
+// Layouts: x f32 [n_tokens, n_cols]; xq int8 [n_tokens, n_cols]; xds float2 [n_tokens, n_cols/32];
+// y f32 [n_tokens, n_rows]. n_cols must be a multiple of 32 (256 for k-quants); weight rows start
+// 16-byte aligned (the matrix is one pool allocation, which is 256-byte aligned).
+// Kernels named _tN handle n_tokens <= N (N = 1, 2, 4, 8). Launch: block 128 threads, any grid
+// (ceil(n_rows / (128 / warp size)) is one row per warp).
+//
+// The dp4a wrapper lives here rather than in ember_compat.h because only this file uses it.
 #include "ember_quant.h"
 
-#define EMBER_MATVEC_ROWS_PER_BLOCK 4
+#define EMBER_MATVEC_THREADS 128
 
-template <typename F>
-EMBER_DEVICE void ember_matvec(float* y, const uint8_t* w, const float* x, uint32_t n_rows, uint32_t n_cols) {
-    const int lane = (int)(threadIdx.x % EMBER_WAVE_SIZE);
-    const uint32_t r = blockIdx.x * EMBER_MATVEC_ROWS_PER_BLOCK + threadIdx.x / EMBER_WAVE_SIZE;
-    if (r >= n_rows) return;
-    const uint8_t* row = w + (size_t)r * ember_row_bytes<F>(n_cols);
-    const int n_groups = (int)(n_cols / 32);
-    const int quad = lane % 8;
-    const int groups_per_step = EMBER_WAVE_SIZE / 8;
-    float sum = 0.0f;
-#pragma unroll 4
-    for (int g = lane / 8; g < n_groups; g += groups_per_step) {
-        const float4 xv = *(const float4*)(x + 32 * g + 4 * quad);
-        sum += F::get(row, g, 4 * quad + 0) * xv.x;
-        sum += F::get(row, g, 4 * quad + 1) * xv.y;
-        sum += F::get(row, g, 4 * quad + 2) * xv.z;
-        sum += F::get(row, g, 4 * quad + 3) * xv.w;
-    }
-    sum = ember_warp_sum(sum);
-    if (lane == 0) y[r] = sum;
+// sum of the four signed byte products of a and b, plus c.
+EMBER_DEVICE int ember_dp4a(int a, int b, int c) {
+#if defined(EMBER_PLATFORM_CUDA)
+    return __dp4a(a, b, c);
+#elif defined(__GFX11__) || defined(__GFX12__)
+    return __builtin_amdgcn_sudot4(true, a, true, b, c, false);
+#elif defined(__gfx906__) || defined(__gfx908__) || defined(__gfx90a__) || defined(__gfx940__) || defined(__gfx941__) || \
+    defined(__gfx942__) || defined(__gfx950__) || defined(__gfx1011__) || defined(__gfx1012__) || defined(__gfx1030__) ||  \
+    defined(__gfx1031__) || defined(__gfx1032__) || defined(__gfx1033__) || defined(__gfx1034__) || defined(__gfx1035__) || \
+    defined(__gfx1036__)
+    return __builtin_amdgcn_sdot4(a, b, c, false);
+#else
+    // Targets without an integer dot instruction: the same arithmetic, one byte at a time.
+#pragma unroll
+    for (int i = 0; i < 4; ++i) c += (int)(int8_t)(a >> (8 * i)) * (int)(int8_t)(b >> (8 * i));
+    return c;
+#endif
 }
 
-#define EMBER_MATVEC(name, format) \
-    EMBER_KERNEL void name(float* y, const uint8_t* w, const float* x, uint32_t n_rows, uint32_t n_cols) { ember_matvec<format>(y, w, x, n_rows, n_cols); }
+// An IEEE half at a 2-byte aligned address.
+EMBER_DEVICE float ember_mv_half(const uint8_t* p) { return __half2float(*(const ember_half*)p); }
 
-EMBER_MATVEC(ember_matvec_f32, EmberF32)
-EMBER_MATVEC(ember_matvec_f16, EmberF16)
-EMBER_MATVEC(ember_matvec_bf16, EmberBF16)
-EMBER_MATVEC(ember_matvec_q4_0, EmberQ4_0)
-EMBER_MATVEC(ember_matvec_q4_1, EmberQ4_1)
-EMBER_MATVEC(ember_matvec_q5_0, EmberQ5_0)
-EMBER_MATVEC(ember_matvec_q5_1, EmberQ5_1)
-EMBER_MATVEC(ember_matvec_q8_0, EmberQ8_0)
-EMBER_MATVEC(ember_matvec_q2_k, EmberQ2_K)
-EMBER_MATVEC(ember_matvec_q3_k, EmberQ3_K)
-EMBER_MATVEC(ember_matvec_q4_k, EmberQ4_K)
-EMBER_MATVEC(ember_matvec_q5_k, EmberQ5_K)
-EMBER_MATVEC(ember_matvec_q6_k, EmberQ6_K)
+// N little-endian 32-bit words from an address that is only 2-byte aligned: aligned words are
+// loaded and funnel-shifted, which is fewer load instructions than 2N 16-bit loads. The word past
+// the end is read only when the address is misaligned; it then lies in the same aligned 4-byte
+// word as the last wanted bytes, so it never crosses into an unmapped page.
+template <int N>
+EMBER_DEVICE void ember_load_words_a2(const uint8_t* p, uint32_t* out) {
+    const uintptr_t address = (uintptr_t)p;
+    const uint32_t* base = (const uint32_t*)(address & ~(uintptr_t)3);
+    const uint32_t shift = (uint32_t)(address & 2) * 8;
+    uint32_t words[N + 1];
+#pragma unroll
+    for (int i = 0; i < N; ++i) words[i] = base[i];
+    words[N] = shift ? base[N] : 0u;
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = (uint32_t)(((((uint64_t)words[i + 1]) << 32) | words[i]) >> shift);
+}
+
+// The bits 0..3 of b moved to bit 4 of bytes 0..3 (the fifth bit of four q5 values).
+EMBER_DEVICE uint32_t ember_spread_high_bits(uint32_t b) {
+    return ((b & 1u) << 4) | ((b & 2u) << 11) | ((b & 4u) << 18) | ((b & 8u) << 25);
+}
+
+// Four unsigned bytes in 0..63 minus 32 each, as signed bytes, without carries between bytes.
+EMBER_DEVICE uint32_t ember_bytes_minus_32(uint32_t v) {
+    const uint32_t below = ~v & 0x20202020u;
+    return (v ^ 0x20202020u) | (below << 1) | (below << 2);
+}
+
+// Activation group g of token t: 32 int8 values as 8 words, and (d, d * sum q).
+struct EmberQ8Group {
+    int q[8];
+    float d, s;
+};
+
+EMBER_DEVICE void ember_load_q8_group(const int8_t* xq, const float2* xds, uint32_t n_cols, int t, int g, EmberQ8Group* out) {
+    const int4* p = (const int4*)(xq + (size_t)t * n_cols + 32 * g);
+    const int4 a = p[0], b = p[1];
+    out->q[0] = a.x, out->q[1] = a.y, out->q[2] = a.z, out->q[3] = a.w;
+    out->q[4] = b.x, out->q[5] = b.y, out->q[6] = b.z, out->q[7] = b.w;
+    const float2 ds = xds[(size_t)t * (n_cols / 32) + g];
+    out->d = ds.x, out->s = ds.y;
+}
+
+// Quantises x (n_values f32, a multiple of 32) to int8 groups of 32: d = max|x| / 127,
+// q = round-to-nearest-even(x * 127 / max|x|) (0 when the group is all zero), s = d * sum(q).
+// Launch: block 256 threads (any multiple of 32), grid ceil(n_values / 256).
+EMBER_KERNEL void ember_quantize_q8_1(int8_t* xq, float2* xds, const float* x, uint32_t n_values) {
+    const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+    const float value = i < n_values ? x[i] : 0.0f;
+    float amax = fabsf(value);
+    // Masks below 32 keep the reductions inside each group of 32 lanes, also on wave64.
+#pragma unroll
+    for (int mask = 16; mask > 0; mask >>= 1) amax = fmaxf(amax, ember_shfl_xor(amax, mask));
+    const float d = amax / 127.0f;
+    const int q = amax > 0.0f ? (int)rintf(value * (127.0f / amax)) : 0;
+    int sum = q;
+#pragma unroll
+    for (int mask = 16; mask > 0; mask >>= 1) sum += ember_shfl_xor_int(sum, mask);
+    if (i < n_values) {
+        xq[i] = (int8_t)q;
+        if (i % 32 == 0) xds[i / 32] = make_float2(d, d * (float)sum);
+    }
+}
+
+// ---- int8 path: one struct per format with UNIT_VALUES and dot<NT>(row, unit, ...) ----
+
+// q4_0 (18 bytes: half d, qs[16]): unit = one block. value = d (q - 8).
+struct EmberMvQ4_0 {
+    static constexpr int BLOCK_VALUES = 32, BLOCK_BYTES = 18, UNIT_VALUES = 32;
+    template <int NT>
+    EMBER_DEVICE void dot(const uint8_t* row, int u, const int8_t* xq, const float2* xds, uint32_t n_cols, int n_tokens, float* acc) {
+        const uint8_t* b = row + BLOCK_BYTES * u;
+        const float d = ember_mv_half(b);
+        uint32_t qs[4];
+        ember_load_words_a2<4>(b + 2, qs);
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            if (t >= n_tokens) break;
+            EmberQ8Group x;
+            ember_load_q8_group(xq, xds, n_cols, t, u, &x);
+            int s = 0;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                s = ember_dp4a((int)(qs[i] & 0x0f0f0f0fu), x.q[i], s);
+                s = ember_dp4a((int)((qs[i] >> 4) & 0x0f0f0f0fu), x.q[4 + i], s);
+            }
+            acc[t] += d * (x.d * (float)s - 8.0f * x.s);
+        }
+    }
+};
+
+// q4_1 (20 bytes: half d, half m, qs[16]): value = d q + m.
+struct EmberMvQ4_1 {
+    static constexpr int BLOCK_VALUES = 32, BLOCK_BYTES = 20, UNIT_VALUES = 32;
+    template <int NT>
+    EMBER_DEVICE void dot(const uint8_t* row, int u, const int8_t* xq, const float2* xds, uint32_t n_cols, int n_tokens, float* acc) {
+        const uint8_t* b = row + BLOCK_BYTES * u;
+        const float d = ember_mv_half(b), m = ember_mv_half(b + 2);
+        const uint32_t* p = (const uint32_t*)(b + 4);
+        const uint32_t qs[4] = {p[0], p[1], p[2], p[3]};
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            if (t >= n_tokens) break;
+            EmberQ8Group x;
+            ember_load_q8_group(xq, xds, n_cols, t, u, &x);
+            int s = 0;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                s = ember_dp4a((int)(qs[i] & 0x0f0f0f0fu), x.q[i], s);
+                s = ember_dp4a((int)((qs[i] >> 4) & 0x0f0f0f0fu), x.q[4 + i], s);
+            }
+            acc[t] += d * x.d * (float)s + m * x.s;
+        }
+    }
+};
+
+// q5_0 (22 bytes: half d, qh u32, qs[16]): value = d (q - 16), q = nibble | bit v of qh << 4.
+struct EmberMvQ5_0 {
+    static constexpr int BLOCK_VALUES = 32, BLOCK_BYTES = 22, UNIT_VALUES = 32;
+    template <int NT>
+    EMBER_DEVICE void dot(const uint8_t* row, int u, const int8_t* xq, const float2* xds, uint32_t n_cols, int n_tokens, float* acc) {
+        const uint8_t* b = row + BLOCK_BYTES * u;
+        const float d = ember_mv_half(b);
+        uint32_t qh, qs[4];
+        ember_load_words_a2<1>(b + 2, &qh);
+        ember_load_words_a2<4>(b + 6, qs);
+        int lo[4], hi[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            lo[i] = (int)((qs[i] & 0x0f0f0f0fu) | ember_spread_high_bits(qh >> (4 * i)));
+            hi[i] = (int)(((qs[i] >> 4) & 0x0f0f0f0fu) | ember_spread_high_bits(qh >> (16 + 4 * i)));
+        }
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            if (t >= n_tokens) break;
+            EmberQ8Group x;
+            ember_load_q8_group(xq, xds, n_cols, t, u, &x);
+            int s = 0;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                s = ember_dp4a(lo[i], x.q[i], s);
+                s = ember_dp4a(hi[i], x.q[4 + i], s);
+            }
+            acc[t] += d * (x.d * (float)s - 16.0f * x.s);
+        }
+    }
+};
+
+// q5_1 (24 bytes: half d, half m, qh u32, qs[16]): value = d q + m.
+struct EmberMvQ5_1 {
+    static constexpr int BLOCK_VALUES = 32, BLOCK_BYTES = 24, UNIT_VALUES = 32;
+    template <int NT>
+    EMBER_DEVICE void dot(const uint8_t* row, int u, const int8_t* xq, const float2* xds, uint32_t n_cols, int n_tokens, float* acc) {
+        const uint8_t* b = row + BLOCK_BYTES * u;
+        const float d = ember_mv_half(b), m = ember_mv_half(b + 2);
+        const uint32_t qh = *(const uint32_t*)(b + 4);
+        const uint2 q01 = *(const uint2*)(b + 8), q23 = *(const uint2*)(b + 16);
+        const uint32_t qs[4] = {q01.x, q01.y, q23.x, q23.y};
+        int lo[4], hi[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            lo[i] = (int)((qs[i] & 0x0f0f0f0fu) | ember_spread_high_bits(qh >> (4 * i)));
+            hi[i] = (int)(((qs[i] >> 4) & 0x0f0f0f0fu) | ember_spread_high_bits(qh >> (16 + 4 * i)));
+        }
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            if (t >= n_tokens) break;
+            EmberQ8Group x;
+            ember_load_q8_group(xq, xds, n_cols, t, u, &x);
+            int s = 0;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                s = ember_dp4a(lo[i], x.q[i], s);
+                s = ember_dp4a(hi[i], x.q[4 + i], s);
+            }
+            acc[t] += d * x.d * (float)s + m * x.s;
+        }
+    }
+};
+
+// q8_0 (34 bytes: half d, int8 qs[32]): value = d q.
+struct EmberMvQ8_0 {
+    static constexpr int BLOCK_VALUES = 32, BLOCK_BYTES = 34, UNIT_VALUES = 32;
+    template <int NT>
+    EMBER_DEVICE void dot(const uint8_t* row, int u, const int8_t* xq, const float2* xds, uint32_t n_cols, int n_tokens, float* acc) {
+        const uint8_t* b = row + BLOCK_BYTES * u;
+        const float d = ember_mv_half(b);
+        uint32_t qs[8];
+        ember_load_words_a2<8>(b + 2, qs);
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            if (t >= n_tokens) break;
+            EmberQ8Group x;
+            ember_load_q8_group(xq, xds, n_cols, t, u, &x);
+            int s = 0;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) s = ember_dp4a((int)qs[i], x.q[i], s);
+            acc[t] += d * x.d * (float)s;
+        }
+    }
+};
+
+// The 6-bit scale and min of sub-block j (0..7) from a q4_K/q5_K super-block's 12 scale bytes
+// held as three words (w0 = bytes 0..3, w1 = 4..7, w2 = 8..11); see ember_scale_min_k4.
+EMBER_DEVICE void ember_mv_scale_min_k4(int j, uint32_t w0, uint32_t w1, uint32_t w2, int* scale, int* min) {
+    if (j < 4) {
+        *scale = (int)((w0 >> (8 * j)) & 63u);
+        *min = (int)((w1 >> (8 * j)) & 63u);
+    } else {
+        const int shift = 8 * (j - 4);
+        *scale = (int)(((w2 >> shift) & 15u) | (((w0 >> (shift + 6)) & 3u) << 4));
+        *min = (int)(((w2 >> (shift + 4)) & 15u) | (((w1 >> (shift + 6)) & 3u) << 4));
+    }
+}
+
+// q4_K (144 bytes: half d, half dmin, scales[12], qs[128]): unit k (0..3) of a super-block is
+// sub-blocks 2k (low nibbles of qs[32k..32k+32]) and 2k+1 (high nibbles).
+// value = d scale_j q - dmin min_j.
+struct EmberMvQ4_K {
+    static constexpr int BLOCK_VALUES = 256, BLOCK_BYTES = 144, UNIT_VALUES = 64;
+    template <int NT>
+    EMBER_DEVICE void dot(const uint8_t* row, int u, const int8_t* xq, const float2* xds, uint32_t n_cols, int n_tokens, float* acc) {
+        const int super_block = u >> 2, k = u & 3;
+        const uint8_t* b = row + BLOCK_BYTES * super_block;
+        const float d = ember_mv_half(b), dmin = ember_mv_half(b + 2);
+        const uint32_t* sc = (const uint32_t*)(b + 4);
+        int scale_a, min_a, scale_b, min_b;
+        {
+            const uint32_t w0 = sc[0], w1 = sc[1], w2 = sc[2];
+            ember_mv_scale_min_k4(2 * k, w0, w1, w2, &scale_a, &min_a);
+            ember_mv_scale_min_k4(2 * k + 1, w0, w1, w2, &scale_b, &min_b);
+        }
+        const uint4* p = (const uint4*)(b + 16 + 32 * k);
+        const uint4 v0 = p[0], v1 = p[1];
+        const uint32_t qs[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+        const int g = 8 * super_block + 2 * k;
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            if (t >= n_tokens) break;
+            EmberQ8Group xa, xb;
+            ember_load_q8_group(xq, xds, n_cols, t, g, &xa);
+            ember_load_q8_group(xq, xds, n_cols, t, g + 1, &xb);
+            int sa = 0, sb = 0;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                sa = ember_dp4a((int)(qs[i] & 0x0f0f0f0fu), xa.q[i], sa);
+                sb = ember_dp4a((int)((qs[i] >> 4) & 0x0f0f0f0fu), xb.q[i], sb);
+            }
+            acc[t] += d * (xa.d * (float)(scale_a * sa) + xb.d * (float)(scale_b * sb)) - dmin * ((float)min_a * xa.s + (float)min_b * xb.s);
+        }
+    }
+};
+
+// q5_K (176 bytes: half d, half dmin, scales[12], qh[32], qs[128]): as q4_K with a fifth bit,
+// bit j of qh[l] for sub-block j.
+struct EmberMvQ5_K {
+    static constexpr int BLOCK_VALUES = 256, BLOCK_BYTES = 176, UNIT_VALUES = 64;
+    template <int NT>
+    EMBER_DEVICE void dot(const uint8_t* row, int u, const int8_t* xq, const float2* xds, uint32_t n_cols, int n_tokens, float* acc) {
+        const int super_block = u >> 2, k = u & 3;
+        const uint8_t* b = row + BLOCK_BYTES * super_block;
+        const float d = ember_mv_half(b), dmin = ember_mv_half(b + 2);
+        const uint32_t* sc = (const uint32_t*)(b + 4);
+        int scale_a, min_a, scale_b, min_b;
+        {
+            const uint32_t w0 = sc[0], w1 = sc[1], w2 = sc[2];
+            ember_mv_scale_min_k4(2 * k, w0, w1, w2, &scale_a, &min_a);
+            ember_mv_scale_min_k4(2 * k + 1, w0, w1, w2, &scale_b, &min_b);
+        }
+        const uint4* h = (const uint4*)(b + 16);
+        const uint4 h0 = h[0], h1 = h[1];
+        const uint32_t qh[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+        const uint4* p = (const uint4*)(b + 48 + 32 * k);
+        const uint4 v0 = p[0], v1 = p[1];
+        const uint32_t qs[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+        int lo[8], hi[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            lo[i] = (int)((qs[i] & 0x0f0f0f0fu) | (((qh[i] >> (2 * k)) & 0x01010101u) << 4));
+            hi[i] = (int)(((qs[i] >> 4) & 0x0f0f0f0fu) | (((qh[i] >> (2 * k + 1)) & 0x01010101u) << 4));
+        }
+        const int g = 8 * super_block + 2 * k;
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            if (t >= n_tokens) break;
+            EmberQ8Group xa, xb;
+            ember_load_q8_group(xq, xds, n_cols, t, g, &xa);
+            ember_load_q8_group(xq, xds, n_cols, t, g + 1, &xb);
+            int sa = 0, sb = 0;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                sa = ember_dp4a(lo[i], xa.q[i], sa);
+                sb = ember_dp4a(hi[i], xb.q[i], sb);
+            }
+            acc[t] += d * (xa.d * (float)(scale_a * sa) + xb.d * (float)(scale_b * sb)) - dmin * ((float)min_a * xa.s + (float)min_b * xb.s);
+        }
+    }
+};
+
+// q6_K (210 bytes: ql[128], qh[64], int8 scales[16], half d): unit u = 2 h + c of a super-block
+// covers groups k = c and k = c + 2 of half h: low 4 bits from ql[64 h + 32 c + l] (low nibble
+// for k = c, high for k = c + 2), high 2 bits from qh[32 h + l] >> 2k; value = d scale (q - 32)
+// with scale = scales[8 h + 2 k + l / 16].
+struct EmberMvQ6_K {
+    static constexpr int BLOCK_VALUES = 256, BLOCK_BYTES = 210, UNIT_VALUES = 64;
+    template <int NT>
+    EMBER_DEVICE void dot(const uint8_t* row, int u, const int8_t* xq, const float2* xds, uint32_t n_cols, int n_tokens, float* acc) {
+        const int super_block = u >> 2, h = (u >> 1) & 1, c = u & 1;
+        const uint8_t* b = row + BLOCK_BYTES * super_block;
+        const float d = ember_mv_half(b + 208);
+        uint32_t ql[8], qh[8];
+        ember_load_words_a2<8>(b + 64 * h + 32 * c, ql);
+        ember_load_words_a2<8>(b + 128 + 32 * h, qh);
+        const int8_t* scales = (const int8_t*)(b + 192 + 8 * h + 2 * c);
+        const int scale_a0 = scales[0], scale_a1 = scales[1], scale_b0 = scales[4], scale_b1 = scales[5];
+        int va[8], vb[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            va[i] = (int)ember_bytes_minus_32((ql[i] & 0x0f0f0f0fu) | (((qh[i] >> (2 * c)) & 0x03030303u) << 4));
+            vb[i] = (int)ember_bytes_minus_32(((ql[i] >> 4) & 0x0f0f0f0fu) | (((qh[i] >> (2 * c + 4)) & 0x03030303u) << 4));
+        }
+        const int g = 8 * super_block + 4 * h + c;
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            if (t >= n_tokens) break;
+            EmberQ8Group xa, xb;
+            ember_load_q8_group(xq, xds, n_cols, t, g, &xa);
+            ember_load_q8_group(xq, xds, n_cols, t, g + 2, &xb);
+            int sa0 = 0, sa1 = 0, sb0 = 0, sb1 = 0;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                sa0 = ember_dp4a(va[i], xa.q[i], sa0);
+                sa1 = ember_dp4a(va[4 + i], xa.q[4 + i], sa1);
+                sb0 = ember_dp4a(vb[i], xb.q[i], sb0);
+                sb1 = ember_dp4a(vb[4 + i], xb.q[4 + i], sb1);
+            }
+            acc[t] += d * (xa.d * (float)(scale_a0 * sa0 + scale_a1 * sa1) + xb.d * (float)(scale_b0 * sb0 + scale_b1 * sb1));
+        }
+    }
+};
+
+// Writes the warp's per-token sums of row r.
+template <int NT>
+EMBER_DEVICE void ember_matvec_store(float* y, float* acc, uint32_t r, uint32_t n_rows, int n_tokens) {
+    const int lane = (int)(threadIdx.x % EMBER_WAVE_SIZE);
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+        const float sum = ember_warp_sum(acc[t]);
+        if (lane == 0 && t < n_tokens) y[(size_t)t * n_rows + r] = sum;
+    }
+}
+
+template <typename F, int NT>
+EMBER_DEVICE void ember_matvec_int8(float* y, const uint8_t* w, const int8_t* xq, const float2* xds, uint32_t n_rows, uint32_t n_cols,
+                                    uint32_t n_tokens) {
+    const int lane = (int)(threadIdx.x % EMBER_WAVE_SIZE);
+    const uint32_t warps_per_block = blockDim.x / EMBER_WAVE_SIZE;
+    const size_t row_bytes = (size_t)(n_cols / F::BLOCK_VALUES) * F::BLOCK_BYTES;
+    const int n_units = (int)(n_cols / F::UNIT_VALUES);
+    const int tokens = (int)min(n_tokens, (uint32_t)NT);
+    F format;
+    for (uint32_t r = blockIdx.x * warps_per_block + threadIdx.x / EMBER_WAVE_SIZE; r < n_rows; r += gridDim.x * warps_per_block) {
+        const uint8_t* row = w + (size_t)r * row_bytes;
+        float acc[NT];
+#pragma unroll
+        for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
+#pragma unroll 2
+        for (int u = lane; u < n_units; u += EMBER_WAVE_SIZE) format.template dot<NT>(row, u, xq, xds, n_cols, tokens, acc);
+        ember_matvec_store<NT>(y, acc, r, n_rows, tokens);
+    }
+}
+
+// ---- float path: 8 consecutive values per lane ----
+
+struct EmberMvF32 {
+    EMBER_DEVICE void load8(const uint8_t* row, int c, float* v) {
+        const float4* p = (const float4*)(row + 4 * (size_t)c);
+        const float4 a = p[0], b = p[1];
+        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+    }
+    EMBER_DEVICE size_t row_bytes(uint32_t n_cols) { return 4 * (size_t)n_cols; }
+};
+
+struct EmberMvF16 {
+    EMBER_DEVICE void load8(const uint8_t* row, int c, float* v) {
+        const uint4 bits = *(const uint4*)(row + 2 * (size_t)c);
+        const uint32_t words[4] = {bits.x, bits.y, bits.z, bits.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            v[2 * i] = __half2float(__ushort_as_half((unsigned short)(words[i] & 0xffffu)));
+            v[2 * i + 1] = __half2float(__ushort_as_half((unsigned short)(words[i] >> 16)));
+        }
+    }
+    EMBER_DEVICE size_t row_bytes(uint32_t n_cols) { return 2 * (size_t)n_cols; }
+};
+
+struct EmberMvBF16 {
+    EMBER_DEVICE void load8(const uint8_t* row, int c, float* v) {
+        const uint4 bits = *(const uint4*)(row + 2 * (size_t)c);
+        const uint32_t words[4] = {bits.x, bits.y, bits.z, bits.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            v[2 * i] = __uint_as_float(words[i] << 16);
+            v[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+        }
+    }
+    EMBER_DEVICE size_t row_bytes(uint32_t n_cols) { return 2 * (size_t)n_cols; }
+};
+
+// Block formats without an int8 path read their values through ember_quant.h's get().
+template <typename F>
+struct EmberMvGet {
+    EMBER_DEVICE void load8(const uint8_t* row, int c, float* v) {
+        const int g = c / 32, l = c % 32;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = F::get(row, g, l + i);
+    }
+    EMBER_DEVICE size_t row_bytes(uint32_t n_cols) { return (size_t)(n_cols / F::BLOCK_VALUES) * F::BLOCK_BYTES; }
+};
+
+template <typename F, int NT>
+EMBER_DEVICE void ember_matvec_float(float* y, const uint8_t* w, const float* x, uint32_t n_rows, uint32_t n_cols, uint32_t n_tokens) {
+    const int lane = (int)(threadIdx.x % EMBER_WAVE_SIZE);
+    const uint32_t warps_per_block = blockDim.x / EMBER_WAVE_SIZE;
+    const int tokens = (int)min(n_tokens, (uint32_t)NT);
+    F format;
+    for (uint32_t r = blockIdx.x * warps_per_block + threadIdx.x / EMBER_WAVE_SIZE; r < n_rows; r += gridDim.x * warps_per_block) {
+        const uint8_t* row = w + (size_t)r * F::row_bytes(n_cols);
+        float acc[NT];
+#pragma unroll
+        for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
+        for (int c = 8 * lane; c < (int)n_cols; c += 8 * EMBER_WAVE_SIZE) {
+            float v[8];
+            format.load8(row, c, v);
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+                if (t >= tokens) break;
+                const float4* xp = (const float4*)(x + (size_t)t * n_cols + c);
+                const float4 a = xp[0], b = xp[1];
+                acc[t] += v[0] * a.x + v[1] * a.y + v[2] * a.z + v[3] * a.w + v[4] * b.x + v[5] * b.y + v[6] * b.z + v[7] * b.w;
+            }
+        }
+        ember_matvec_store<NT>(y, acc, r, n_rows, tokens);
+    }
+}
+
+#define EMBER_MATVEC_INT8(name, format, nt)                                                                                       \
+    EMBER_KERNEL void name(float* y, const uint8_t* w, const int8_t* xq, const float2* xds, uint32_t n_rows, uint32_t n_cols, \
+                           uint32_t n_tokens) {                                                                               \
+        ember_matvec_int8<format, nt>(y, w, xq, xds, n_rows, n_cols, n_tokens);                                              \
+    }
+
+#define EMBER_MATVEC_FLOAT(name, format, nt)                                                                                      \
+    EMBER_KERNEL void name(float* y, const uint8_t* w, const float* x, uint32_t n_rows, uint32_t n_cols, uint32_t n_tokens) { \
+        ember_matvec_float<format, nt>(y, w, x, n_rows, n_cols, n_tokens);                                                   \
+    }
+
+EMBER_MATVEC_INT8(ember_matvec_q4_0_t1, EmberMvQ4_0, 1)
+EMBER_MATVEC_INT8(ember_matvec_q4_0_t2, EmberMvQ4_0, 2)
+EMBER_MATVEC_INT8(ember_matvec_q4_0_t4, EmberMvQ4_0, 4)
+EMBER_MATVEC_INT8(ember_matvec_q4_0_t8, EmberMvQ4_0, 8)
+EMBER_MATVEC_INT8(ember_matvec_q4_1_t1, EmberMvQ4_1, 1)
+EMBER_MATVEC_INT8(ember_matvec_q4_1_t2, EmberMvQ4_1, 2)
+EMBER_MATVEC_INT8(ember_matvec_q4_1_t4, EmberMvQ4_1, 4)
+EMBER_MATVEC_INT8(ember_matvec_q4_1_t8, EmberMvQ4_1, 8)
+EMBER_MATVEC_INT8(ember_matvec_q5_0_t1, EmberMvQ5_0, 1)
+EMBER_MATVEC_INT8(ember_matvec_q5_0_t2, EmberMvQ5_0, 2)
+EMBER_MATVEC_INT8(ember_matvec_q5_0_t4, EmberMvQ5_0, 4)
+EMBER_MATVEC_INT8(ember_matvec_q5_0_t8, EmberMvQ5_0, 8)
+EMBER_MATVEC_INT8(ember_matvec_q5_1_t1, EmberMvQ5_1, 1)
+EMBER_MATVEC_INT8(ember_matvec_q5_1_t2, EmberMvQ5_1, 2)
+EMBER_MATVEC_INT8(ember_matvec_q5_1_t4, EmberMvQ5_1, 4)
+EMBER_MATVEC_INT8(ember_matvec_q5_1_t8, EmberMvQ5_1, 8)
+EMBER_MATVEC_INT8(ember_matvec_q8_0_t1, EmberMvQ8_0, 1)
+EMBER_MATVEC_INT8(ember_matvec_q8_0_t2, EmberMvQ8_0, 2)
+EMBER_MATVEC_INT8(ember_matvec_q8_0_t4, EmberMvQ8_0, 4)
+EMBER_MATVEC_INT8(ember_matvec_q8_0_t8, EmberMvQ8_0, 8)
+EMBER_MATVEC_INT8(ember_matvec_q4_k_t1, EmberMvQ4_K, 1)
+EMBER_MATVEC_INT8(ember_matvec_q4_k_t2, EmberMvQ4_K, 2)
+EMBER_MATVEC_INT8(ember_matvec_q4_k_t4, EmberMvQ4_K, 4)
+EMBER_MATVEC_INT8(ember_matvec_q4_k_t8, EmberMvQ4_K, 8)
+EMBER_MATVEC_INT8(ember_matvec_q5_k_t1, EmberMvQ5_K, 1)
+EMBER_MATVEC_INT8(ember_matvec_q5_k_t2, EmberMvQ5_K, 2)
+EMBER_MATVEC_INT8(ember_matvec_q5_k_t4, EmberMvQ5_K, 4)
+EMBER_MATVEC_INT8(ember_matvec_q5_k_t8, EmberMvQ5_K, 8)
+EMBER_MATVEC_INT8(ember_matvec_q6_k_t1, EmberMvQ6_K, 1)
+EMBER_MATVEC_INT8(ember_matvec_q6_k_t2, EmberMvQ6_K, 2)
+EMBER_MATVEC_INT8(ember_matvec_q6_k_t4, EmberMvQ6_K, 4)
+EMBER_MATVEC_INT8(ember_matvec_q6_k_t8, EmberMvQ6_K, 8)
+
+EMBER_MATVEC_FLOAT(ember_matvec_f32_t1, EmberMvF32, 1)
+EMBER_MATVEC_FLOAT(ember_matvec_f32_t8, EmberMvF32, 8)
+EMBER_MATVEC_FLOAT(ember_matvec_f16_t1, EmberMvF16, 1)
+EMBER_MATVEC_FLOAT(ember_matvec_f16_t8, EmberMvF16, 8)
+EMBER_MATVEC_FLOAT(ember_matvec_bf16_t1, EmberMvBF16, 1)
+EMBER_MATVEC_FLOAT(ember_matvec_bf16_t8, EmberMvBF16, 8)
+EMBER_MATVEC_FLOAT(ember_matvec_q2_k_t1, EmberMvGet<EmberQ2_K>, 1)
+EMBER_MATVEC_FLOAT(ember_matvec_q2_k_t8, EmberMvGet<EmberQ2_K>, 8)
+EMBER_MATVEC_FLOAT(ember_matvec_q3_k_t1, EmberMvGet<EmberQ3_K>, 1)
+EMBER_MATVEC_FLOAT(ember_matvec_q3_k_t8, EmberMvGet<EmberQ3_K>, 8)

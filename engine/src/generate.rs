@@ -65,6 +65,35 @@ pub fn generate<B: Backend>(
     n_batch: usize,
     sampler: &mut Sampler,
     is_eog: impl Fn(u32) -> bool,
+    on_token: impl FnMut(u32) -> bool,
+) -> Result<(Vec<u32>, StopReason), ForwardError> {
+    generate_observed(
+        model,
+        ctx,
+        seq_id,
+        prompt,
+        n_predict,
+        n_batch,
+        sampler,
+        is_eog,
+        |_| {},
+        on_token,
+    )
+}
+
+/// [`generate`], with `on_logits` seeing the logits each token is sampled from, before sampling
+/// (so before penalties and temperature), in the order the tokens are generated.
+#[allow(clippy::too_many_arguments)]
+pub fn generate_observed<B: Backend>(
+    model: &Model<B>,
+    ctx: &mut Context<B>,
+    seq_id: SeqId,
+    prompt: &[u32],
+    n_predict: usize,
+    n_batch: usize,
+    sampler: &mut Sampler,
+    is_eog: impl Fn(u32) -> bool,
+    mut on_logits: impl FnMut(&[f32]),
     mut on_token: impl FnMut(u32) -> bool,
 ) -> Result<(Vec<u32>, StopReason), ForwardError> {
     let mut generated = Vec::with_capacity(n_predict);
@@ -75,7 +104,9 @@ pub fn generate<B: Backend>(
         sampler.accept(t);
     }
     let n_ctx = ctx.params().n_ctx;
-    let mut token = sampler.sample(eval_tokens(model, ctx, seq_id, prompt, n_batch)?);
+    let logits = eval_tokens(model, ctx, seq_id, prompt, n_batch)?;
+    on_logits(logits);
+    let mut token = sampler.sample(logits);
     let mut batch = Batch::new();
     loop {
         sampler.accept(token);
@@ -95,8 +126,37 @@ pub fn generate<B: Backend>(
         }
         batch.clear();
         batch.push(token, pos as u32, seq_id, true);
-        token = sampler.sample(model.forward(ctx, &batch)?);
+        let logits = model.forward(ctx, &batch)?;
+        on_logits(logits);
+        token = sampler.sample(logits);
     }
+}
+
+/// The `k` most likely tokens of `logits` with their log-probabilities (log softmax, as
+/// [`log_prob`] computes it), most likely first; ties go to the lower id.
+pub fn top_log_probs(logits: &[f32], k: usize) -> Vec<(u32, f64)> {
+    if logits.is_empty() || k == 0 {
+        return Vec::new();
+    }
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let log_sum = logits
+        .iter()
+        .map(|&l| ((l - max) as f64).exp())
+        .sum::<f64>()
+        .ln();
+    // A partial selection: k is tiny next to the vocabulary.
+    let mut best: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
+    for (id, &logit) in logits.iter().enumerate() {
+        if best.len() == k && logit <= best[k - 1].1 {
+            continue;
+        }
+        let at = best.partition_point(|&(_, l)| l >= logit);
+        best.insert(at, (id as u32, logit));
+        best.truncate(k);
+    }
+    best.into_iter()
+        .map(|(id, logit)| (id, (logit - max) as f64 - log_sum))
+        .collect()
 }
 
 /// One chunk's result in a perplexity run.
@@ -237,6 +297,19 @@ pub fn log_prob(logits: &[f32], target: usize) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn top_log_probs_are_sorted_with_ties_to_the_lower_id() {
+        let logits = [1.0, 3.0, 2.0, 3.0, -1.0];
+        let top = top_log_probs(&logits, 2);
+        assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), [1, 3]);
+        assert!((top[0].1 - log_prob(&logits, 1)).abs() < 1e-12);
+        assert!((top[1].1 - log_prob(&logits, 3)).abs() < 1e-12);
+        let top = top_log_probs(&logits, 4);
+        assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), [1, 3, 2, 0]);
+        assert_eq!(top_log_probs(&logits, 9).len(), 5);
+        assert!(top_log_probs(&[], 2).is_empty());
+    }
 
     #[test]
     fn log_prob_of_uniform_logits() {

@@ -12,12 +12,15 @@
 
 use std::collections::BTreeMap;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, OpFailure};
 use crate::batch::{Batch, SeqId};
 
 /// Default tokens per block. 32 keeps block tables short and a block's K rows of one head in one
 /// contiguous run long enough for the dot-product loops.
 pub const DEFAULT_BLOCK_SIZE: usize = 32;
+
+/// Source of [`AttentionPlan::id`].
+static NEXT_PLAN_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 /// Why a batch could not be placed in the cache.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -43,6 +46,10 @@ pub enum KvError {
         free: usize,
         total: usize,
     },
+    /// The backend could not give the batch's new blocks memory (device out of memory or over
+    /// its budget); nothing changed.
+    #[error("KV cache blocks for the batch could not be given memory: {0}")]
+    Memory(OpFailure),
     /// The batch's vectors have different lengths.
     #[error("malformed batch: {tokens} tokens, {positions} positions, {seq_ids} sequence ids, {want_logits} logit flags")]
     MalformedBatch {
@@ -57,6 +64,9 @@ pub enum KvError {
 /// plain host data so any backend can read (or upload) it.
 #[derive(Debug, Clone, Default)]
 pub struct AttentionPlan {
+    /// Unique per [`KvCache::plan`] call in the process (0: never planned), so a device backend
+    /// can tell whether the arrays it uploaded for a forward pass belong to this plan.
+    pub id: u64,
     /// Token slots per block.
     pub block_size: usize,
     /// For each batch token, its slot: `block_id * block_size + offset`.
@@ -280,8 +290,13 @@ impl<B: Backend> KvCache<B> {
             });
         }
 
-        // Second pass: allocate, then fill the plan.
+        // Second pass: allocate, then fill the plan. What each sequence had before is kept so a
+        // backend that cannot give the new blocks memory leaves the cache as it was.
         self.scratch_new_blocks.clear();
+        let before: Vec<(SeqId, Option<usize>)> = next_pos
+            .keys()
+            .map(|&seq_id| (seq_id, self.seqs.get(&seq_id).map(|s| s.blocks.len())))
+            .collect();
         for (&seq_id, &new_len) in &next_pos {
             let seq = self.seqs.entry(seq_id).or_default();
             while seq.blocks.len() * self.block_size < new_len {
@@ -297,8 +312,13 @@ impl<B: Backend> KvCache<B> {
             for layer in &mut self.layers {
                 backend.kv_materialize(layer, &self.scratch_new_blocks);
             }
+            if let Some(failure) = backend.take_failure() {
+                self.undo_allocation(backend, &before);
+                return Err(KvError::Memory(failure));
+            }
         }
 
+        plan.id = NEXT_PLAN_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         plan.block_size = self.block_size;
         plan.slots.clear();
         plan.positions.clear();
@@ -323,6 +343,41 @@ impl<B: Backend> KvCache<B> {
             self.seqs.get_mut(&seq_id).expect("created above").len = new_len;
         }
         Ok(())
+    }
+
+    /// Undoes the second pass of [`KvCache::plan`]: the blocks just handed to the sequences go
+    /// back to the free list (in the order they came from), those just given memory lose it again,
+    /// and sequences that did not exist before are removed.
+    fn undo_allocation(&mut self, backend: &B, before: &[(SeqId, Option<usize>)]) {
+        for layer in &mut self.layers {
+            backend.kv_release(layer, &self.scratch_new_blocks);
+        }
+        for &block in &self.scratch_new_blocks {
+            self.resident[block as usize] = false;
+        }
+        // Sequences were extended in ascending id order, popping from the end of the free list;
+        // pushing their new blocks back in the reverse order restores the list exactly.
+        for &(seq_id, old_blocks) in before.iter().rev() {
+            let Some(seq) = self.seqs.get_mut(&seq_id) else {
+                continue;
+            };
+            let added: Vec<u32> = seq.blocks.drain(old_blocks.unwrap_or(0)..).collect();
+            self.free.extend(added.iter().rev());
+            if old_blocks.is_none() {
+                self.seqs.remove(&seq_id);
+            }
+        }
+        self.scratch_new_blocks.clear();
+    }
+
+    /// Puts a sequence back to `len` tokens after a forward pass that failed on the device: the
+    /// slots past `len` are rewritten by the next pass. A sequence that had no tokens is removed.
+    pub fn rollback_sequence(&mut self, seq_id: SeqId, len: usize) {
+        if len == 0 {
+            self.free_sequence(seq_id);
+        } else {
+            self.truncate_sequence(seq_id, len);
+        }
     }
 
     /// Forgets the last tokens of a sequence so it has `len` tokens (blocks past the end go back

@@ -636,3 +636,358 @@ fn malformed_models_name_the_problem() {
     ));
     assert!(e.contains("gemma3.attention.sliding_window"), "{e}");
 }
+
+/// A backend that runs on the CPU but fails the way a device backend does: the `fail_op`-th op
+/// (counting every op of the trait) or every `kv_materialize` when `fail_materialize` is set is
+/// recorded as a failure, every later op is skipped until [`Backend::take_failure`], exactly as
+/// the GPU backend behaves. It checks that failures reach the caller and that the context stays
+/// usable.
+mod faulty {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::{Arc, Mutex};
+
+    use ember::backend::cpu::CpuBackend;
+    use ember::backend::{Backend, BackendError, OpFailure, RopeMode, RopeParams};
+    use ember::kv_cache::AttentionPlan;
+    use ember_gguf::{Gguf, TensorInfo};
+
+    pub struct Faulty {
+        pub cpu: CpuBackend,
+        /// Fail the op with this 1-based number (0: none); counted over every op.
+        pub fail_op: AtomicUsize,
+        pub ops: AtomicUsize,
+        pub fail_materialize: AtomicBool,
+        pub failed: AtomicBool,
+        pub failure: Mutex<Option<OpFailure>>,
+    }
+
+    impl Faulty {
+        pub fn new() -> Faulty {
+            Faulty {
+                cpu: CpuBackend::new(2).expect("thread pool"),
+                fail_op: AtomicUsize::new(0),
+                ops: AtomicUsize::new(0),
+                fail_materialize: AtomicBool::new(false),
+                failed: AtomicBool::new(false),
+                failure: Mutex::new(None),
+            }
+        }
+
+        fn fail(&self, op: &'static str) {
+            let mut failure = self.failure.lock().unwrap();
+            if failure.is_none() {
+                *failure = Some(OpFailure {
+                    backend: "faulty",
+                    op,
+                    cause: "out of memory (simulated)".into(),
+                    out_of_memory: true,
+                });
+                self.failed.store(true, Ordering::SeqCst);
+            }
+        }
+
+        /// Whether `op` runs: false once an op failed, or when this op is the one to fail.
+        fn go(&self, op: &'static str) -> bool {
+            if self.failed.load(Ordering::SeqCst) {
+                return false;
+            }
+            let n = self.ops.fetch_add(1, Ordering::SeqCst) + 1;
+            if n == self.fail_op.load(Ordering::SeqCst) {
+                self.fail(op);
+                return false;
+            }
+            true
+        }
+    }
+
+    type Buf = <CpuBackend as Backend>::Buf;
+    type Matrix = <CpuBackend as Backend>::Matrix;
+    type Vector = <CpuBackend as Backend>::Vector;
+    type Rope = <CpuBackend as Backend>::RopeTable;
+    type Kv = <CpuBackend as Backend>::KvLayer;
+
+    impl Backend for Faulty {
+        type Buf = Buf;
+        type Matrix = Matrix;
+        type Vector = Vector;
+        type RopeTable = Rope;
+        type KvLayer = Kv;
+
+        fn name(&self) -> &'static str {
+            "faulty"
+        }
+        fn take_failure(&self) -> Option<OpFailure> {
+            let failure = self.failure.lock().unwrap().take();
+            self.failed.store(false, Ordering::SeqCst);
+            failure
+        }
+        fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+            self.cpu.install(f)
+        }
+        fn matrix(&self, gguf: &Arc<Gguf>, info: &TensorInfo) -> Result<Matrix, BackendError> {
+            self.cpu.matrix(gguf, info)
+        }
+        fn vector(&self, gguf: &Arc<Gguf>, info: &TensorInfo) -> Result<Vector, BackendError> {
+            self.cpu.vector(gguf, info)
+        }
+        fn matrix_private_bytes(&self, m: &Matrix) -> usize {
+            self.cpu.matrix_private_bytes(m)
+        }
+        fn alloc(&self, len: usize) -> Buf {
+            self.cpu.alloc(len)
+        }
+        fn ensure_len(&self, buf: &mut Buf, len: usize) {
+            self.cpu.ensure_len(buf, len)
+        }
+        fn gather_rows(&self, src: &Buf, dim: usize, rows: &[usize], out: &mut Buf) {
+            if self.go("gather_rows") {
+                self.cpu.gather_rows(src, dim, rows, out)
+            }
+        }
+        fn read(&self, buf: &Buf, len: usize, out: &mut Vec<f32>) {
+            if self.go("read") {
+                self.cpu.read(buf, len, out)
+            }
+        }
+        fn get_rows(&self, t: &Matrix, ids: &[u32], scale: f32, out: &mut Buf) {
+            if self.go("get_rows") {
+                self.cpu.get_rows(t, ids, scale, out)
+            }
+        }
+        fn matmul(&self, w: &Matrix, x: &Buf, n: usize, out: &mut Buf) {
+            if self.go("matmul") {
+                self.cpu.matmul(w, x, n, out)
+            }
+        }
+        fn rms_norm(&self, x: &Buf, w: &Vector, n: usize, d: usize, eps: f32, out: &mut Buf) {
+            if self.go("rms_norm") {
+                self.cpu.rms_norm(x, w, n, d, eps, out)
+            }
+        }
+        fn rms_norm_inplace(&self, x: &mut Buf, w: &Vector, n: usize, d: usize, eps: f32) {
+            if self.go("rms_norm") {
+                self.cpu.rms_norm_inplace(x, w, n, d, eps)
+            }
+        }
+        fn add_inplace(&self, dst: &mut Buf, src: &Buf, len: usize) {
+            if self.go("add") {
+                self.cpu.add_inplace(dst, src, len)
+            }
+        }
+        fn add_bias(&self, x: &mut Buf, b: &Vector, n: usize, d: usize) {
+            if self.go("add_bias") {
+                self.cpu.add_bias(x, b, n, d)
+            }
+        }
+        fn scale(&self, x: &mut Buf, len: usize, s: f32) {
+            if self.go("scale") {
+                self.cpu.scale(x, len, s)
+            }
+        }
+        fn swiglu(&self, g: &mut Buf, u: &Buf, len: usize) {
+            if self.go("swiglu") {
+                self.cpu.swiglu(g, u, len)
+            }
+        }
+        fn geglu(&self, g: &mut Buf, u: &Buf, len: usize) {
+            if self.go("geglu") {
+                self.cpu.geglu(g, u, len)
+            }
+        }
+        fn softcap(&self, x: &mut Buf, len: usize, cap: f32) {
+            if self.go("softcap") {
+                self.cpu.softcap(x, len, cap)
+            }
+        }
+        fn rope_table_new(&self) -> Rope {
+            self.cpu.rope_table_new()
+        }
+        fn rope_table(&self, positions: &[u32], params: &RopeParams<'_>, table: &mut Rope) {
+            if self.go("rope_table") {
+                self.cpu.rope_table(positions, params, table)
+            }
+        }
+        fn rope(&self, x: &mut Buf, t: &Rope, n: usize, h: usize, d: usize, mode: RopeMode) {
+            if self.go("rope") {
+                self.cpu.rope(x, t, n, h, d, mode)
+            }
+        }
+        fn kv_layer(&self, max_blocks: usize, block_size: usize, heads: usize, dim: usize) -> Kv {
+            self.cpu.kv_layer(max_blocks, block_size, heads, dim)
+        }
+        fn kv_materialize(&self, layer: &mut Kv, blocks: &[u32]) {
+            if self.fail_materialize.load(Ordering::SeqCst) {
+                // Like a device running out of memory halfway: some blocks get memory.
+                self.cpu.kv_materialize(layer, &blocks[..blocks.len() / 2]);
+                self.fail("kv_materialize");
+            } else if !self.failed.load(Ordering::SeqCst) {
+                self.cpu.kv_materialize(layer, blocks)
+            }
+        }
+        fn kv_release(&self, layer: &mut Kv, blocks: &[u32]) {
+            self.cpu.kv_release(layer, blocks)
+        }
+        fn kv_bytes(&self, layer: &Kv) -> usize {
+            self.cpu.kv_bytes(layer)
+        }
+        fn kv_store(&self, layer: &mut Kv, k: &Buf, v: &Buf, plan: &AttentionPlan) {
+            if self.go("kv_store") {
+                self.cpu.kv_store(layer, k, v, plan)
+            }
+        }
+        fn attention(
+            &self,
+            q: &Buf,
+            layer: &Kv,
+            plan: &AttentionPlan,
+            n_heads: usize,
+            n_kv_heads: usize,
+            head_dim: usize,
+            kq_scale: f32,
+            window: Option<usize>,
+            out: &mut Buf,
+        ) {
+            if self.go("attention") {
+                self.cpu.attention(
+                    q, layer, plan, n_heads, n_kv_heads, head_dim, kq_scale, window, out,
+                )
+            }
+        }
+    }
+}
+
+fn load_faulty(spec: &Spec) -> Model<faulty::Faulty> {
+    let gguf = Arc::new(Gguf::from_bytes(build(spec, None, None)).expect("a well-formed GGUF"));
+    Model::from_gguf(gguf, faulty::Faulty::new(), &mut |_, _| {}).expect("model loads")
+}
+
+#[test]
+fn a_failing_op_fails_the_forward_pass_alone_and_the_context_stays_usable() {
+    use std::sync::atomic::Ordering;
+    let spec = Spec::llama();
+    let model = load_faulty(&spec);
+    let backend = model.backend();
+    let mut ctx = model.new_context(ContextParams {
+        n_ctx: 64,
+        kv_block_size: 4,
+        kv_capacity_tokens: 128,
+    });
+    // Sequence 0 holds 6 tokens before the failing batch.
+    let first = tokens(6, spec.n_vocab, 1);
+    model
+        .forward(&mut ctx, &Batch::for_sequence(0, 0, &first, false))
+        .unwrap();
+    let before = ctx.kv_stats();
+
+    // A batch continuing sequence 0 and starting sequence 1 fails at its 5th op.
+    let mut batch = Batch::new();
+    let more = tokens(3, spec.n_vocab, 2);
+    let other = tokens(5, spec.n_vocab, 3);
+    for (i, &t) in more.iter().enumerate() {
+        batch.push(t, 6 + i as u32, 0, i + 1 == more.len());
+    }
+    for (i, &t) in other.iter().enumerate() {
+        batch.push(t, i as u32, 1, i + 1 == other.len());
+    }
+    backend.ops.store(0, Ordering::SeqCst);
+    backend.fail_op.store(5, Ordering::SeqCst);
+    let error = model.forward(&mut ctx, &batch).unwrap_err();
+    backend.fail_op.store(0, Ordering::SeqCst);
+    let ForwardError::Backend(failure) = &error else {
+        panic!("expected a backend failure, found {error:?}");
+    };
+    assert!(failure.out_of_memory);
+    assert!(error.is_out_of_memory());
+    assert_eq!(
+        error.to_string(),
+        format!(
+            "forward pass failed: faulty backend: {} failed: out of memory (simulated)",
+            failure.op
+        )
+    );
+    // The batch left no trace: sequence 0 is back to 6 tokens, sequence 1 does not exist, and
+    // the blocks the batch took are free again.
+    assert_eq!(ctx.seq_len(0), 6);
+    assert_eq!(ctx.seq_len(1), 0);
+    assert!(ctx.kv().block_table(1).is_empty());
+    assert_eq!(ctx.kv_stats().used, before.used);
+    assert!(ctx.logits().is_empty());
+
+    // The same batch now runs, and gives what a context that never failed gives.
+    let retried = model.forward(&mut ctx, &batch).unwrap().to_vec();
+    let mut fresh = model.new_context(ContextParams {
+        n_ctx: 64,
+        kv_block_size: 4,
+        kv_capacity_tokens: 128,
+    });
+    model
+        .forward(&mut fresh, &Batch::for_sequence(0, 0, &first, false))
+        .unwrap();
+    let expected = model.forward(&mut fresh, &batch).unwrap().to_vec();
+    assert_eq!(retried, expected);
+    assert_eq!(ctx.seq_len(0), 9);
+    assert_eq!(ctx.seq_len(1), 5);
+}
+
+#[test]
+fn kv_blocks_that_cannot_get_memory_fail_the_batch_and_change_nothing() {
+    use std::sync::atomic::Ordering;
+    let spec = Spec::llama();
+    let model = load_faulty(&spec);
+    let backend = model.backend();
+    let mut ctx = model.new_context(ContextParams {
+        n_ctx: 64,
+        kv_block_size: 4,
+        kv_capacity_tokens: 64,
+    });
+    model
+        .forward(
+            &mut ctx,
+            &Batch::for_sequence(0, 0, &tokens(5, spec.n_vocab, 1), false),
+        )
+        .unwrap();
+    let before = ctx.kv_stats();
+    let bytes_before = ctx.kv().resident_bytes(backend);
+
+    backend.fail_materialize.store(true, Ordering::SeqCst);
+    let mut batch = Batch::for_sequence(0, 5, &tokens(8, spec.n_vocab, 2), false);
+    let second = Batch::for_sequence(1, 0, &tokens(6, spec.n_vocab, 3), true);
+    for i in 0..second.len() {
+        batch.push(
+            second.tokens[i],
+            second.positions[i],
+            1,
+            second.want_logits[i],
+        );
+    }
+    let error = model.forward(&mut ctx, &batch).unwrap_err();
+    backend.fail_materialize.store(false, Ordering::SeqCst);
+    let ForwardError::Kv(KvError::Memory(failure)) = &error else {
+        panic!("expected a KV memory failure, found {error:?}");
+    };
+    assert_eq!(failure.op, "kv_materialize");
+    assert!(error.is_out_of_memory());
+    assert_eq!(ctx.kv_stats(), before);
+    assert_eq!(ctx.kv().resident_bytes(backend), bytes_before);
+    assert_eq!(ctx.seq_len(0), 5);
+    assert_eq!(ctx.seq_len(1), 0);
+    assert_eq!(ctx.kv().block_table(0).len(), 2);
+
+    // The free list is as it was: the retried batch gets the blocks it would have got.
+    let mut fresh = model.new_context(ContextParams {
+        n_ctx: 64,
+        kv_block_size: 4,
+        kv_capacity_tokens: 64,
+    });
+    model
+        .forward(
+            &mut fresh,
+            &Batch::for_sequence(0, 0, &tokens(5, spec.n_vocab, 1), false),
+        )
+        .unwrap();
+    let expected = model.forward(&mut fresh, &batch).unwrap().to_vec();
+    let retried = model.forward(&mut ctx, &batch).unwrap().to_vec();
+    assert_eq!(retried, expected);
+    assert_eq!(ctx.kv().block_table(0), fresh.kv().block_table(0));
+    assert_eq!(ctx.kv().block_table(1), fresh.kv().block_table(1));
+}

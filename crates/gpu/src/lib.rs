@@ -6,6 +6,7 @@
 //! loaded at run time, and their absence is an error value that the engine turns into "running
 //! on the CPU", never a crash.
 
+pub mod blas;
 pub mod cuda;
 pub mod devices;
 pub mod driver;
@@ -13,6 +14,7 @@ pub mod hip;
 #[cfg(unix)]
 pub mod host;
 pub mod kernels;
+pub mod ops;
 pub mod placement;
 pub mod pool;
 

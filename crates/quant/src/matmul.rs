@@ -11,7 +11,8 @@
 //!   weight chunk serves `T` tokens and each activation chunk `R` rows. The idea is the
 //!   classic GEMM micro-kernel (Goto/BLIS) with GGML's per-block scales folded in.
 //!
-//! In the tiled layout a weight value is `s·q + m` with `q` an unsigned byte (signed for Q8_0)
+//! In the tiled layout a weight value is `s·q + m` with `q` an unsigned byte (signed, with no
+//! offset, for Q8_0, Q4_0 and Q5_0)
 //! and `s`, `m` constant over each 16-element half. A row's dot product with a token is
 //! `Σ_chunks Σ_lanes dv·d·isum_lane + Σ_halves m·sh`, where `dv` holds the two halves' scales
 //! in four lanes each (matching the lanes of `madd`'s output), `d` is the activation chunk's
@@ -471,21 +472,21 @@ pub(crate) fn unpack_row(
                             qc[j + 16] = x[qs + j] >> 4;
                         }
                         let d = read_f16(x, q4_0::D);
-                        (
-                            d,
-                            if ty == Q4_0 {
-                                -8.0 * d
-                            } else {
-                                read_f16(x, q4_1::M)
-                            },
-                        )
+                        if ty == Q4_0 {
+                            // Signed, as GGML's Q4_0 kernels use it (see `is_signed_tile`).
+                            qc.iter_mut().for_each(|v| *v = v.wrapping_sub(8));
+                            (d, 0.0)
+                        } else {
+                            (d, read_f16(x, q4_1::M))
+                        }
                     }
                     Q5_0 => {
                         let v =
                             legacy::q5_values(&x[q5_0::QS..q5_0::QS + 16], read_u32(x, q5_0::QH));
-                        qc.copy_from_slice(&v);
-                        let d = read_f16(x, q5_0::D);
-                        (d, -16.0 * d)
+                        for (o, v) in qc.iter_mut().zip(v) {
+                            *o = v.wrapping_sub(16);
+                        }
+                        (read_f16(x, q5_0::D), 0.0)
                     }
                     Q5_1 => {
                         let v =
@@ -571,6 +572,21 @@ pub(crate) fn unpack_row(
         }
         _ => unreachable!("tiles are only built for quantized weights"),
     }
+}
+
+/// Whether weights of `ty` are unpacked to signed bytes with no offset term, so that a tile
+/// computes exactly what GGML's kernels for them compute at every batch size (`vec_dot` for one
+/// token, llamafile's `tinyBLAS_Q0_AVX` for more: per output, one FMA of `d_w·d_a` by the
+/// 8 four-byte lane sums per block, then `hsum_float_8`).
+pub(crate) fn is_signed_tile(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0)
+}
+
+/// `hsum_float_8`: the two halves added, then lanes two apart, then the last two.
+#[inline]
+fn hsum8_ggml(lanes: &[f32; 8]) -> f32 {
+    let s4: [f32; 4] = std::array::from_fn(|i| lanes[i] + lanes[i + 4]);
+    (s4[0] + s4[2]) + (s4[1] + s4[3])
 }
 
 /// Rows of a weight panel and tokens per tile of the micro-kernel.
@@ -693,7 +709,12 @@ fn run_panel(
 ) {
     #[cfg(target_arch = "x86_64")]
     {
-        if level == Level::Avx512Vnni {
+        // The AVX-512 kernel folds two chunks into one register, an order of its own; the
+        // formats whose tiles follow GGML's order exactly take the AVX2 kernel instead.
+        if level == Level::Avx512Vnni
+            && !crate::x86::tile::has_ggml_mins(ty)
+            && !is_signed_tile(ty)
+        {
             // SAFETY: `simd::level` reports AVX-512 VNNI only after checking AVX-512 F, BW,
             // VL and VNNI on this CPU, and `available_levels` never offers more than that.
             unsafe {
@@ -707,11 +728,12 @@ fn run_panel(
         }
     }
     let _ = level;
-    let signed = ty == GgmlType::Q8_0;
+    let signed = is_signed_tile(ty);
+    let mins = matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1);
     for t in (t_begin..t_end).step_by(TILE_TOKENS) {
         let tokens = TILE_TOKENS.min(t_end - t);
         let mut tile = [[0.0f32; TILE_TOKENS]; TILE_ROWS];
-        portable_tile(signed, panel, row0, rows, acts, t, tokens, &mut tile);
+        portable_tile(signed, mins, panel, row0, rows, acts, t, tokens, &mut tile);
         let (base, stride) = out.base(rows, t + tokens);
         for (i, tile_row) in tile.iter().enumerate().take(rows) {
             for (k, v) in tile_row.iter().enumerate().take(tokens) {
@@ -725,9 +747,11 @@ fn run_panel(
 
 /// The tile kernel in plain Rust, lane for lane the computation of the SIMD kernels: what the
 /// tiled path runs on levels without a SIMD tile kernel, and its reference in the tests.
+/// `mins` selects GGML's order for Q8_1 activations (see `x86::tile::has_ggml_mins`).
 #[allow(clippy::too_many_arguments)]
 fn portable_tile(
     signed: bool,
+    mins: bool,
     panel: &Panel,
     row0: usize,
     rows: usize,
@@ -746,8 +770,12 @@ fn portable_tile(
             let t = t0 + ti;
             let aq = &acts.qs[t * cols..(t + 1) * cols];
             let mut lanes = [0.0f32; 8];
+            let mut summs = 0.0f32;
             for c in 0..n_chunks {
                 let da = acts.d[(t * n_chunks + c) * 8];
+                if mins {
+                    summs = wm[2 * c].mul_add(acts.sh[t * n_halves + 2 * c] * 2.0, summs);
+                }
                 for (l, lane) in lanes.iter_mut().enumerate() {
                     let mut isum = 0i32;
                     for k in 0..4 {
@@ -759,8 +787,12 @@ fn portable_tile(
                         };
                         isum += w * (aq[i] as i8 as i32);
                     }
-                    *lane += isum as f32 * (wd[8 * c + l] * da);
+                    *lane = (isum as f32).mul_add(wd[8 * c + l] * da, *lane);
                 }
+            }
+            if mins || signed {
+                *o = hsum8_ggml(&lanes) + summs;
+                continue;
             }
             if !signed {
                 let sh = &acts.sh[t * n_halves..(t + 1) * n_halves];

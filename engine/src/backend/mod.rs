@@ -13,13 +13,22 @@
 //! - Matrices follow GGUF: a weight with `rows` output features and `cols` input features maps a
 //!   row of `cols` values to a row of `rows` values.
 //! - K/V blocks hold `block_size` token slots; see [`crate::kv_cache`] for the addressing.
+//!
+//! Failures: the ops return nothing, because on the CPU they cannot fail. A device backend's ops
+//! can (out of memory, a VRAM budget, a driver fault), so such a backend records the first
+//! failure, turns later ops into no-ops, and hands the failure over through
+//! [`Backend::take_failure`]; the forward pass asks once at its end and turns it into
+//! `ForwardError::Backend`, undoing the batch's changes to the KV cache, so the next forward on
+//! the same context works.
 
 pub mod cpu;
+pub mod gpu;
 
 use std::sync::Arc;
 
 use ember_gguf::{Gguf, TensorInfo};
 
+use crate::batch::Batch;
 use crate::kv_cache::AttentionPlan;
 
 /// An error raised by a backend while placing weights or allocating memory.
@@ -33,6 +42,10 @@ pub enum BackendError {
         backend: &'static str,
         supported: String,
     },
+    /// The device could not take the tensor (out of memory, over the VRAM budget, a driver
+    /// fault).
+    #[error("tensor {tensor}: placing it on the device failed: {cause}")]
+    Device { tensor: String, cause: String },
     /// The tensor is not a matrix or vector of the expected size.
     #[error("tensor {tensor}: expected {expected}, found {found}")]
     BadTensor {
@@ -40,6 +53,22 @@ pub enum BackendError {
         expected: String,
         found: String,
     },
+}
+
+/// An op that failed on a device backend: which op, and why. Recorded by the backend and
+/// returned by [`Backend::take_failure`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{backend} backend: {op} failed: {cause}")]
+pub struct OpFailure {
+    /// The backend's name (`cuda`, `hip`).
+    pub backend: &'static str,
+    /// The op that failed first (`matmul`, `kv_materialize`, ...).
+    pub op: &'static str,
+    /// The cause, as the device layer describes it.
+    pub cause: String,
+    /// Whether the op failed for lack of device memory (out of memory or over the VRAM budget),
+    /// which a caller may answer by retrying with less work at once.
+    pub out_of_memory: bool,
 }
 
 /// How rotary position embedding pairs up the elements of a head.
@@ -83,6 +112,22 @@ pub trait Backend: Send + Sync + Sized + 'static {
 
     /// A short name for messages (`cpu`, `hip`, `cuda`).
     fn name(&self) -> &'static str;
+    /// What the backend runs on, for headers and logs (`cpu, 8 threads`, `cuda:0 NVIDIA H200
+    /// (sm_90), vmm pool`).
+    fn describe(&self) -> String {
+        self.name().to_string()
+    }
+    /// The first op failure since the last call, clearing it; later ops run again afterwards.
+    /// Backends whose ops cannot fail (the CPU) never have one.
+    fn take_failure(&self) -> Option<OpFailure> {
+        None
+    }
+    /// Called once per forward pass before any op, with the batch, its attention plan and the
+    /// rows whose logits are wanted, so a device backend can upload the per-batch arrays (token
+    /// ids, positions, slots, block tables) once instead of once per layer.
+    fn begin_forward(&self, batch: &Batch, plan: &AttentionPlan, out_rows: &[usize]) {
+        let _ = (batch, plan, out_rows);
+    }
     /// Runs `f` in the backend's execution context (the CPU thread pool); model code wraps each
     /// forward pass in it.
     fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R;

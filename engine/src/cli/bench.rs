@@ -1,14 +1,16 @@
 //! `ember bench`: llama-bench's measurements. `ppN` evaluates N random tokens in one batch from an
 //! empty cache (prompt tokens per second); `tgN` generates N tokens one at a time from an empty
 //! cache (generated tokens per second). Each test runs once to warm up, then `-r` times; the table
-//! shows mean ± sample standard deviation, and the median.
+//! shows mean ± sample standard deviation, and the median. The header says where it ran (the
+//! CPU's threads, or the GPU device and its memory pool), as `-ngl` and `--device` chose.
 
 use std::time::Instant;
 
 use anyhow::Context as _;
 use clap::{Args, ValueEnum};
 
-use super::load;
+use super::device::DeviceArgs;
+use super::load::{self, with_loaded, Loaded};
 use crate::backend::Backend;
 use crate::batch::Batch;
 use crate::model::ContextParams;
@@ -52,11 +54,15 @@ pub struct BenchArgs {
     /// Output format.
     #[arg(short = 'o', long, value_enum, default_value_t = BenchFormat::Md)]
     pub output: BenchFormat,
+    #[command(flatten)]
+    pub device: DeviceArgs,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
 struct BenchResult {
     test: String,
+    backend: &'static str,
+    device: String,
     n_prompt: usize,
     n_gen: usize,
     threads: usize,
@@ -86,10 +92,23 @@ fn stats(samples: &[f64]) -> (f64, f64, f64) {
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
-    let loaded = load::load(&args.model, args.threads)?;
+    let threads = if args.threads == 0 {
+        crate::backend::cpu::physical_cores()
+    } else {
+        args.threads
+    };
+    let loaded = load::load_on(&args.model, threads, &args.device)?;
+    with_loaded!(loaded, |loaded| bench_on(&loaded, &args, threads))
+}
+
+fn bench_on<B: Backend>(
+    loaded: &Loaded<B>,
+    args: &BenchArgs,
+    threads: usize,
+) -> anyhow::Result<()> {
     let model = &loaded.model;
     let n_vocab = model.n_vocab() as u32;
-    let threads = model.backend().n_threads();
+    let device = model.backend().describe();
     let reps = args.repetitions.max(1);
     let max_len = args
         .n_prompt
@@ -141,6 +160,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         results.push(result(format!("tg{n}"), 0, n, threads, samples));
     }
 
+    for r in &mut results {
+        r.backend = model.backend().name();
+        r.device.clone_from(&device);
+    }
     let file_size = model.gguf().file_size() as f64;
     let n_params: u64 = model.gguf().tensors().iter().map(|t| t.n_elements()).sum();
     let name = loaded
@@ -151,6 +174,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.output {
         BenchFormat::Json => println!("{}", serde_json::to_string_pretty(&results)?),
         BenchFormat::Md => {
+            println!("device: {device}");
             println!("| model | size | params | backend | threads | test | t/s | median t/s |");
             println!("| --- | ---: | ---: | --- | ---: | --- | ---: | ---: |");
             for r in &results {
@@ -168,6 +192,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             }
         }
     }
+    drop(ctx);
+    loaded.finish();
     Ok(())
 }
 
@@ -181,6 +207,8 @@ fn result(
     let (avg_ts, stddev_ts, median_ts) = stats(&samples);
     BenchResult {
         test,
+        backend: "",
+        device: String::new(),
         n_prompt,
         n_gen,
         threads,

@@ -3,12 +3,14 @@
 //! next.
 
 mod bench;
+pub mod device;
 mod devices;
 mod info;
 mod load;
 mod perplexity;
 mod pull;
 mod run;
+mod stress;
 mod tokenize;
 
 use std::process::ExitCode;
@@ -39,11 +41,14 @@ pub enum Command {
     Pull(pull::PullArgs),
     /// List the CPU and GPUs: runtimes loaded, architecture, memory, VMM and pool choice, kernels.
     Devices(devices::DevicesArgs),
+    /// Load test: waves of concurrent sequences with mixed prompt lengths, tokens/s and device
+    /// memory per wave, and whether memory returns to the post-load floor when idle.
+    Stress(stress::StressArgs),
 }
 
 /// Runs the command line; the process's exit code.
 pub fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
+    let cli = match Cli::try_parse_from(device::rewrite_ngl(std::env::args_os())) {
         Ok(cli) => cli,
         Err(e) => {
             // clap prints help and version to stdout with success, usage errors to stderr.
@@ -64,6 +69,7 @@ pub fn main() -> ExitCode {
         Command::Perplexity(args) => perplexity::run(args),
         Command::Pull(args) => pull::run(args),
         Command::Devices(args) => devices::run(args),
+        Command::Stress(args) => stress::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -118,6 +124,22 @@ fn hint_for(e: &anyhow::Error) -> Option<String> {
             cause.downcast_ref::<ForwardError>()
         {
             return Some("use a shorter prompt or a larger context with -c".into());
+        }
+        if let Some(f) = cause.downcast_ref::<ForwardError>() {
+            if f.is_out_of_memory() {
+                return Some("the device ran out of memory or of its --vram-budget: use a smaller batch (-b), a shorter context (-c), or a larger --vram-budget".into());
+            }
+        }
+        if let Some(g) = cause.downcast_ref::<crate::backend::gpu::GpuOpenError>() {
+            use crate::backend::gpu::GpuOpenError;
+            return Some(match g {
+                GpuOpenError::NoKernels { .. } => "run `ember devices` to see the architectures this build has kernels for; --device cpu runs without a GPU".into(),
+                GpuOpenError::Runtime { .. } => "install the GPU runtime (ROCm for hip, the NVIDIA driver for cuda), pass --rocm-path, or run with --device cpu".into(),
+                _ => "run `ember devices` to see the GPUs found, or run with --device cpu".into(),
+            });
+        }
+        if cause.downcast_ref::<device::PlacementError>().is_some() {
+            return Some("-ngl 0 runs on the CPU; -ngl all (or any count at least the model's layer count) runs on the GPU".into());
         }
         if let Some(PerplexityError::TooShort { .. }) = cause.downcast_ref::<PerplexityError>() {
             return Some("use a longer text or a smaller context with -c".into());

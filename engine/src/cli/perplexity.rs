@@ -7,7 +7,9 @@ use std::time::Instant;
 use anyhow::Context as _;
 use clap::Args;
 
-use super::load;
+use super::device::DeviceArgs;
+use super::load::{self, with_loaded, Loaded};
+use crate::backend::Backend;
 use crate::generate;
 use crate::model::ContextParams;
 
@@ -31,15 +33,25 @@ pub struct PerplexityArgs {
     /// Evaluate at most this many chunks (default: all).
     #[arg(long)]
     pub chunks: Option<usize>,
+    #[command(flatten)]
+    pub device: DeviceArgs,
 }
 
 pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
     let text = std::fs::read_to_string(&args.file)
         .with_context(|| format!("cannot read {}", args.file.display()))?;
-    let loaded = load::load(&args.model, args.threads)?;
+    let loaded = load::load_on(&args.model, args.threads, &args.device)?;
+    with_loaded!(loaded, |loaded| perplexity_on(&loaded, &args, &text))
+}
+
+fn perplexity_on<B: Backend>(
+    loaded: &Loaded<B>,
+    args: &PerplexityArgs,
+    text: &str,
+) -> anyhow::Result<()> {
     let model = &loaded.model;
     let tokenizer = &loaded.tokenizer;
-    let mut tokens = tokenizer.encode(&text, true, false);
+    let mut tokens = tokenizer.encode(text, true, false);
     if let Some(max) = args.chunks {
         tokens.truncate(max.saturating_mul(args.ctx_size));
     }
@@ -81,5 +93,7 @@ pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
         result.n_scored,
         start.elapsed().as_secs_f64()
     );
+    drop(ctx);
+    loaded.finish();
     Ok(())
 }

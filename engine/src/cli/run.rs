@@ -7,7 +7,9 @@ use anyhow::{bail, Context as _};
 use clap::{Args, ValueEnum};
 use ember_tokenizer::{ChatMessage, ChatTemplate, Tokenizer};
 
-use super::load;
+use super::device::DeviceArgs;
+use super::load::{self, with_loaded, Loaded};
+use crate::backend::Backend;
 use crate::generate::{self, StopReason};
 use crate::model::{ContextParams, DEFAULT_N_CTX};
 use crate::sample::{Sampler, SamplerParams};
@@ -17,7 +19,9 @@ use crate::sample::{Sampler, SamplerParams};
 pub enum Format {
     /// The generated text, streamed as it comes.
     Text,
-    /// One JSON object: {"prompt_ids": [...], "tokens": [...], "text": "..."}.
+    /// One JSON object: {"prompt_ids": [...], "tokens": [...], "text": "...", "steps": [{"id":
+    /// ..., "top": [[id, logprob], [id, logprob]]}, ...]}, where each step's `top` holds the two
+    /// most likely tokens (with log-probabilities) of the logits that token was sampled from.
     Json,
 }
 
@@ -77,6 +81,8 @@ pub struct RunArgs {
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Text)]
     pub format: Format,
+    #[command(flatten)]
+    pub device: DeviceArgs,
 }
 
 /// The prompt's token ids as `run` evaluates them: through the chat template when asked, then
@@ -131,7 +137,11 @@ pub fn prompt_ids(
 }
 
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
-    let loaded = load::load(&args.model, args.threads)?;
+    let loaded = load::load_on(&args.model, args.threads, &args.device)?;
+    with_loaded!(loaded, |loaded| run_on(&loaded, &args))
+}
+
+fn run_on<B: Backend>(loaded: &Loaded<B>, args: &RunArgs) -> anyhow::Result<()> {
     let model = &loaded.model;
     let tokenizer = &loaded.tokenizer;
     let prompt = prompt_ids(
@@ -175,7 +185,8 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let start = Instant::now();
     let mut first_token_at = None;
     let streaming = args.format == Format::Text;
-    let (tokens, stop) = generate::generate(
+    let mut tops: Vec<Vec<(u32, f64)>> = Vec::new();
+    let (tokens, stop) = generate::generate_observed(
         model,
         &mut ctx,
         0,
@@ -184,6 +195,11 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         args.batch_size,
         &mut sampler,
         |t| tokenizer.is_eog(t),
+        |logits| {
+            if !streaming {
+                tops.push(generate::top_log_probs(logits, 2));
+            }
+        },
         |t| {
             first_token_at.get_or_insert_with(Instant::now);
             if tokenizer.is_eog(t) {
@@ -209,7 +225,23 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             let _ = writeln!(out, "{rest}");
         }
         Format::Json => {
-            let json = serde_json::json!({ "prompt_ids": prompt, "tokens": tokens, "text": text });
+            let steps: Vec<serde_json::Value> = tokens
+                .iter()
+                .zip(&tops)
+                .map(|(&id, top)| {
+                    let top: Vec<serde_json::Value> = top
+                        .iter()
+                        .map(|&(id, lp)| serde_json::json!([id, lp]))
+                        .collect();
+                    serde_json::json!({ "id": id, "top": top })
+                })
+                .collect();
+            let json = serde_json::json!({
+                "prompt_ids": prompt,
+                "tokens": tokens,
+                "text": text,
+                "steps": steps,
+            });
             writeln!(out, "{json}")?;
         }
     }
@@ -232,5 +264,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         },
         loaded.load_time.as_secs_f64(),
     );
+    drop(ctx);
+    loaded.finish();
     Ok(())
 }

@@ -38,6 +38,8 @@ pub struct Context<B: Backend> {
     bufs: Buffers<B>,
     out_rows: Vec<usize>,
     logits: Vec<f32>,
+    /// Sequence lengths before the current batch (see `forward`).
+    lens_before: Vec<(SeqId, usize)>,
 }
 
 impl<B: Backend> Context<B> {
@@ -73,6 +75,7 @@ impl<B: Backend> Context<B> {
             bufs,
             out_rows: Vec::new(),
             logits: Vec::new(),
+            lens_before: Vec::new(),
         }
     }
 
@@ -115,6 +118,36 @@ impl<B: Backend> Context<B> {
     pub fn logits(&self) -> &[f32] {
         &self.logits
     }
+
+    /// Gives the memory of free KV blocks back to the backend, keeping at most `keep_free`
+    /// of them resident for reuse. On a device this is what lets device memory return to the
+    /// post-load floor once sequences end (the pool hands it to the driver when idle).
+    pub fn release_free_kv(&mut self, model: &Model<B>, keep_free: usize) {
+        self.kv.trim(&model.backend, keep_free);
+    }
+
+    /// Frees the activation buffers; the next forward pass allocates them again. For idle
+    /// periods on a device, where every byte above the post-load floor counts.
+    pub fn release_scratch(&mut self, model: &Model<B>) {
+        let b = &model.backend;
+        let bufs = &mut self.bufs;
+        for buf in [
+            &mut bufs.x,
+            &mut bufs.xn,
+            &mut bufs.q,
+            &mut bufs.k,
+            &mut bufs.v,
+            &mut bufs.attn,
+            &mut bufs.proj,
+            &mut bufs.gate,
+            &mut bufs.up,
+            &mut bufs.logits,
+        ] {
+            *buf = b.alloc(0);
+        }
+        bufs.rope_global = b.rope_table_new();
+        bufs.rope_local = b.rope_table_new();
+    }
 }
 
 pub(super) fn forward<'c, B: Backend>(
@@ -138,10 +171,31 @@ pub(super) fn forward<'c, B: Backend>(
             n_vocab,
         });
     }
-    ctx.kv.plan(&model.backend, batch, &mut ctx.plan)?;
+    let backend = &model.backend;
+    // A failure left over from an op outside a forward pass (a release of KV blocks) belongs to
+    // no batch; it is logged rather than blamed on this one.
+    if let Some(stale) = backend.take_failure() {
+        tracing::warn!(%stale, "device op failed outside a forward pass");
+    }
+    // Each sequence's length before the batch, to undo the batch if the device fails.
+    ctx.lens_before.clear();
+    for &seq_id in &batch.seq_ids {
+        if !ctx.lens_before.iter().any(|&(s, _)| s == seq_id) {
+            ctx.lens_before.push((seq_id, ctx.kv.seq_len(seq_id)));
+        }
+    }
+    ctx.kv.plan(backend, batch, &mut ctx.plan)?;
     ctx.out_rows.clear();
     ctx.out_rows.extend(batch.output_rows());
-    model.backend.install(|| run_layers(model, ctx, batch));
+    backend.begin_forward(batch, &ctx.plan, &ctx.out_rows);
+    backend.install(|| run_layers(model, ctx, batch));
+    if let Some(failure) = backend.take_failure() {
+        for &(seq_id, len) in &ctx.lens_before {
+            ctx.kv.rollback_sequence(seq_id, len);
+        }
+        ctx.logits.clear();
+        return Err(ForwardError::Backend(failure));
+    }
     Ok(&ctx.logits)
 }
 

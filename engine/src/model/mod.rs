@@ -20,7 +20,7 @@ pub use forward::Context;
 pub use hparams::{HParams, LayerShape, RopeScaling};
 pub use weights::{LayerWeights, Weights};
 
-use crate::backend::{Backend, BackendError};
+use crate::backend::{Backend, BackendError, OpFailure};
 use crate::batch::Batch;
 use crate::kv_cache::{KvError, DEFAULT_BLOCK_SIZE};
 
@@ -80,6 +80,24 @@ pub enum ForwardError {
     /// The batch does not fit the KV cache.
     #[error(transparent)]
     Kv(#[from] KvError),
+    /// An op failed on the device (out of memory, over the VRAM budget, a driver fault). The
+    /// batch's tokens were taken out of the KV cache again; the context stays usable.
+    #[error("forward pass failed: {0}")]
+    Backend(OpFailure),
+}
+
+impl ForwardError {
+    /// Whether the pass failed for lack of memory (device memory, the VRAM budget, or KV
+    /// blocks), so that the same work in smaller pieces or later may succeed.
+    pub fn is_out_of_memory(&self) -> bool {
+        match self {
+            ForwardError::Backend(failure) | ForwardError::Kv(KvError::Memory(failure)) => {
+                failure.out_of_memory
+            }
+            ForwardError::Kv(KvError::OutOfBlocks { .. }) => true,
+            _ => false,
+        }
+    }
 }
 
 /// Sizes of a [`Context`].

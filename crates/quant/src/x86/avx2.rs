@@ -102,24 +102,16 @@ unsafe fn f16_ptr(p: *const u8) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
 }
 
-/// Two adjacent little-endian f16 (a block's `d, m` or `d, s`) as lanes 0 and 1.
-///
-/// # Safety
-/// `p` must point at 4 readable bytes; the CPU must have F16C.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn f16x2_ptr(p: *const u8) -> __m128 {
-    // SAFETY: the caller guarantees 4 readable bytes at `p`.
-    let bits = unsafe { p.cast::<i32>().read_unaligned() };
-    _mm_cvtph_ps(_mm_cvtsi32_si128(bits))
-}
+/// One legacy block's contribution: the combined scale `d_w·d_a` (broadcast), its 8 lane sums
+/// as f32, and for formats with a min the pair `[m, s]` (weight min, activation `d·Σq`),
+/// `[0, 0]` otherwise.
+type BlockTerms = (__m256, __m256, [f32; 2]);
 
-/// One legacy block's contribution: the block scale (broadcast), its 8 lane sums as f32, and
-/// for formats with a min the `m·s` product in lane 1 of the last value.
-type BlockTerms = (__m256, __m256, __m128);
-
-/// The dot product loop shared by the legacy formats: two independent accumulators, so that
-/// consecutive blocks' FMAs do not wait on each other.
+/// The dot product loop shared by the legacy formats, in the order of GGML's x86 kernels
+/// (`ggml_vec_dot_q4_1_q8_1` and its siblings in `arch/x86/quants.c`): one 8-lane accumulator
+/// updated by one FMA per block, the min terms summed by a scalar FMA chain, and the lanes
+/// reduced as `hsum_float_8` does. llama.cpp's outputs carry exactly this rounding, and the
+/// models amplify an ulp of difference, so the order is part of the contract.
 ///
 /// # Safety
 /// `block` must be sound to call on every pair of block pointers of `w` and `a` (the slices
@@ -136,27 +128,15 @@ unsafe fn legacy_loop(
 ) -> f32 {
     let nb = (w.len() / w_size).min(a.len() / a_size);
     let (wp, ap) = (w.as_ptr(), a.as_ptr());
-    let mut acc0 = _mm256_setzero_ps();
-    let mut acc1 = _mm256_setzero_ps();
-    let mut mins = _mm_setzero_ps();
-    let mut i = 0;
-    // SAFETY: i < nb, so each block pointer has a whole block behind it.
-    unsafe {
-        while i + 1 < nb {
-            let (s0, p0, m0) = block(wp.add(i * w_size), ap.add(i * a_size));
-            let (s1, p1, m1) = block(wp.add((i + 1) * w_size), ap.add((i + 1) * a_size));
-            acc0 = _mm256_fmadd_ps(s0, p0, acc0);
-            acc1 = _mm256_fmadd_ps(s1, p1, acc1);
-            mins = _mm_add_ps(mins, _mm_add_ps(m0, m1));
-            i += 2;
-        }
-        if i < nb {
-            let (s0, p0, m0) = block(wp.add(i * w_size), ap.add(i * a_size));
-            acc0 = _mm256_fmadd_ps(s0, p0, acc0);
-            mins = _mm_add_ps(mins, m0);
-        }
+    let mut acc = _mm256_setzero_ps();
+    let mut summs = 0.0f32;
+    for i in 0..nb {
+        // SAFETY: i < nb, so each block pointer has a whole block behind it.
+        let (d, p, [m, s]) = unsafe { block(wp.add(i * w_size), ap.add(i * a_size)) };
+        acc = _mm256_fmadd_ps(d, p, acc);
+        summs = m.mul_add(s, summs);
     }
-    hsum_ps(_mm256_add_ps(acc0, acc1)) + _mm_cvtss_f32(_mm_movehdup_ps(mins))
+    hsum_ps(acc) + summs
 }
 
 /// # Safety
@@ -174,7 +154,7 @@ unsafe fn block_q4_0(x: *const u8, y: *const u8) -> BlockTerms {
         );
         let q = _mm256_sub_epi8(q, _mm256_set1_epi8(8));
         let yv = _mm256_loadu_si256(y.add(q8_0::QS).cast());
-        (d, _mm256_cvtepi32_ps(dot_i8(q, yv)), _mm_setzero_ps())
+        (d, _mm256_cvtepi32_ps(dot_i8(q, yv)), [0.0; 2])
     }
 }
 
@@ -185,16 +165,15 @@ unsafe fn block_q4_0(x: *const u8, y: *const u8) -> BlockTerms {
 unsafe fn block_q4_1(x: *const u8, y: *const u8) -> BlockTerms {
     // SAFETY: whole blocks behind `x` (20 bytes) and `y` (36 bytes), per the contract.
     unsafe {
-        // [d·dy, m·s]: both products GGML forms, from two paired f16 loads.
-        let prod = _mm_mul_ps(f16x2_ptr(x), f16x2_ptr(y));
-        let d = _mm256_broadcastss_ps(prod);
+        let d = _mm256_set1_ps(f16_ptr(x) * f16_ptr(y));
+        let ms = [f16_ptr(x.add(q4_1::M)), f16_ptr(y.add(q8_1::S))];
         let t = _mm_loadu_si128(x.add(q4_1::QS).cast());
         let q = _mm256_and_si256(
             _mm256_set_m128i(_mm_srli_epi16::<4>(t), t),
             _mm256_set1_epi8(0xF),
         );
         let yv = _mm256_loadu_si256(y.add(q8_1::QS).cast());
-        (d, _mm256_cvtepi32_ps(dot_u8i8(q, yv)), prod)
+        (d, _mm256_cvtepi32_ps(dot_u8i8(q, yv)), ms)
     }
 }
 
@@ -215,7 +194,7 @@ unsafe fn block_q5_0(x: *const u8, y: *const u8) -> BlockTerms {
         );
         let q = _mm256_sub_epi8(_mm256_or_si256(q, high), _mm256_set1_epi8(16));
         let yv = _mm256_loadu_si256(y.add(q8_0::QS).cast());
-        (d, _mm256_cvtepi32_ps(dot_i8(q, yv)), _mm_setzero_ps())
+        (d, _mm256_cvtepi32_ps(dot_i8(q, yv)), [0.0; 2])
     }
 }
 
@@ -226,8 +205,8 @@ unsafe fn block_q5_0(x: *const u8, y: *const u8) -> BlockTerms {
 unsafe fn block_q5_1(x: *const u8, y: *const u8) -> BlockTerms {
     // SAFETY: whole blocks behind `x` (24 bytes) and `y` (36 bytes), per the contract.
     unsafe {
-        let prod = _mm_mul_ps(f16x2_ptr(x), f16x2_ptr(y));
-        let d = _mm256_broadcastss_ps(prod);
+        let d = _mm256_set1_ps(f16_ptr(x) * f16_ptr(y));
+        let ms = [f16_ptr(x.add(q5_1::M)), f16_ptr(y.add(q8_1::S))];
         let qh = x.add(q5_1::QH).cast::<u32>().read_unaligned();
         let high = _mm256_and_si256(bytes_from_bits(qh), _mm256_set1_epi8(0x10));
         let t = _mm_loadu_si128(x.add(q5_1::QS).cast());
@@ -237,7 +216,7 @@ unsafe fn block_q5_1(x: *const u8, y: *const u8) -> BlockTerms {
         );
         let q = _mm256_or_si256(q, high);
         let yv = _mm256_loadu_si256(y.add(q8_1::QS).cast());
-        (d, _mm256_cvtepi32_ps(dot_u8i8(q, yv)), prod)
+        (d, _mm256_cvtepi32_ps(dot_u8i8(q, yv)), ms)
     }
 }
 
@@ -251,7 +230,7 @@ unsafe fn block_q8_0(x: *const u8, y: *const u8) -> BlockTerms {
         let d = _mm256_set1_ps(f16_ptr(x) * f16_ptr(y));
         let xv = _mm256_loadu_si256(x.add(q8_0::QS).cast());
         let yv = _mm256_loadu_si256(y.add(q8_0::QS).cast());
-        (d, _mm256_cvtepi32_ps(dot_i8(xv, yv)), _mm_setzero_ps())
+        (d, _mm256_cvtepi32_ps(dot_i8(xv, yv)), [0.0; 2])
     }
 }
 
@@ -502,20 +481,20 @@ pub fn vec_dot_f16(w: &[u8], a: &[u8], n: usize) -> f32 {
     sum
 }
 
-/// How many rows ahead [`rows4_pairs`] prefetches.
+/// How many rows ahead [`rows4`] prefetches.
 const PREFETCH_ROWS: usize = 4;
 
-/// Four rows against one activation row at a time, for the memory-bound matvec: the
-/// activation chunk, its rearrangement and its scales are loaded once for four rows, and two
-/// consecutive blocks are processed together so that one 256-bit register holds both
-/// blocks' nibbles and their scales are converted with one F16C instruction.
+/// Four rows against one activation row at a time, for the memory-bound matvec: each
+/// activation block is loaded once for four rows, and each row keeps its own accumulator and
+/// min chain in the order of [`legacy_loop`] (GGML's), so a row's result is bit for bit the
+/// single-row kernel's.
 ///
 /// # Safety
 /// Each row of `rows` and `a` must hold `nb` whole blocks of `w_size` and `a_size` bytes (the
 /// callers check), and the CPU must have AVX2, FMA and F16C.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows4_pairs<const Q8: bool>(rows: [&[u8]; 4], a: &[u8], nb: usize) -> [f32; 4] {
+unsafe fn rows4<const Q8: bool>(rows: [&[u8]; 4], a: &[u8], nb: usize) -> [f32; 4] {
     let (w_size, a_size) = if Q8 {
         (q8_0::SIZE, q8_0::SIZE)
     } else {
@@ -531,105 +510,39 @@ unsafe fn rows4_pairs<const Q8: bool>(rows: [&[u8]; 4], a: &[u8], nb: usize) -> 
     let next: [*const u8; 4] =
         std::array::from_fn(|r| wp[r].wrapping_add(PREFETCH_ROWS * row_bytes));
     let mut acc = [_mm256_setzero_ps(); 4];
-    let mut mins = [_mm_setzero_ps(); 4];
+    let mut summs = [0.0f32; 4];
     let low = _mm256_set1_epi8(0xF);
-    let ones = _mm256_set1_epi16(1);
-    // Lanes 0..4 take the scale of the first block of the pair, 4..8 the second.
-    let spread = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2);
-    let mut c = 0;
-    while c + 1 < nb {
-        // SAFETY: blocks c and c + 1 exist in every row and in `a` (c + 1 < nb).
+    for c in 0..nb {
+        // SAFETY: block c exists in every row and in `a` (c < nb).
         unsafe {
-            let ya = ap.add(c * a_size);
-            let yb = ap.add((c + 1) * a_size);
+            let y = ap.add(c * a_size);
             let qs_a = if Q8 { q8_0::QS } else { q8_1::QS };
-            let y0 = _mm256_loadu_si256(ya.add(qs_a).cast());
-            let y1 = _mm256_loadu_si256(yb.add(qs_a).cast());
-            // Activation scales of both blocks: [d_a, s_a, d_b, s_b] for Q8_1; for Q8_0 lanes
-            // 1 and 3 hold the first quants reinterpreted, which nothing reads.
-            let ads = _mm_cvtph_ps(_mm_setr_epi32(
-                ya.cast::<i32>().read_unaligned(),
-                yb.cast::<i32>().read_unaligned(),
-                0,
-                0,
-            ));
-            let (ylo, yhi) = if Q8 {
-                (y0, y1)
-            } else {
-                (
-                    _mm256_permute2x128_si256::<0x20>(y0, y1),
-                    _mm256_permute2x128_si256::<0x31>(y0, y1),
-                )
-            };
+            let yv = _mm256_loadu_si256(y.add(qs_a).cast());
+            let dy = f16_ptr(y);
+            let sy = if Q8 { 0.0 } else { f16_ptr(y.add(q8_1::S)) };
             for r in 0..4 {
                 let ahead = next[r].wrapping_add(c * w_size);
                 _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
-                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64).cast());
-                let xa = wp[r].add(c * w_size);
-                let xb = wp[r].add((c + 1) * w_size);
-                let dm = _mm_cvtph_ps(_mm_setr_epi32(
-                    xa.cast::<i32>().read_unaligned(),
-                    xb.cast::<i32>().read_unaligned(),
-                    0,
-                    0,
-                ));
-                let prod = _mm_mul_ps(dm, ads);
-                let scale = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(prod), spread);
-                if Q8 {
-                    let xa_q = _mm256_loadu_si256(xa.add(q8_0::QS).cast());
-                    let xb_q = _mm256_loadu_si256(xb.add(q8_0::QS).cast());
-                    let pa = dot_i8(xa_q, ylo);
-                    let pb = dot_i8(xb_q, yhi);
-                    // Lanes 0..4 from the first block, 4..8 from the second, to match `scale`.
-                    let folded = _mm256_add_epi32(
-                        _mm256_permute2x128_si256::<0x20>(pa, pb),
-                        _mm256_permute2x128_si256::<0x31>(pa, pb),
-                    );
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(folded), scale, acc[r]);
+                let x = wp[r].add(c * w_size);
+                let d = _mm256_set1_ps(f16_ptr(x) * dy);
+                let p = if Q8 {
+                    dot_i8(_mm256_loadu_si256(x.add(q8_0::QS).cast()), yv)
                 } else {
-                    let v = _mm256_set_m128i(
-                        _mm_loadu_si128(xb.add(q4_1::QS).cast()),
-                        _mm_loadu_si128(xa.add(q4_1::QS).cast()),
-                    );
-                    let lo = _mm256_and_si256(v, low);
-                    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
-                    // Pair sums of u4·i8 are below 3810 in magnitude: two fit in i16.
-                    let p = _mm256_add_epi16(
-                        _mm256_maddubs_epi16(lo, ylo),
-                        _mm256_maddubs_epi16(hi, yhi),
-                    );
-                    let isum = _mm256_madd_epi16(p, ones);
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc[r]);
-                    mins[r] = _mm_add_ps(mins[r], prod);
-                }
+                    let t = _mm_loadu_si128(x.add(q4_1::QS).cast());
+                    let q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(t), t), low);
+                    summs[r] = f16_ptr(x.add(q4_1::M)).mul_add(sy, summs[r]);
+                    dot_u8i8(q, yv)
+                };
+                acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), acc[r]);
             }
         }
-        c += 2;
     }
-    let mut out = [0.0f32; 4];
-    for r in 0..4 {
-        let m = _mm_movehdup_ps(mins[r]);
-        let m = _mm_add_ss(m, _mm_movehl_ps(m, m));
-        out[r] = hsum_ps(acc[r]) + if Q8 { 0.0 } else { _mm_cvtss_f32(m) };
-    }
-    if c < nb {
-        // An odd last block: one block per row with the single-row kernels.
-        for (o, row) in out.iter_mut().zip(rows) {
-            let w_tail = &row[c * w_size..(c + 1) * w_size];
-            let a_tail = &a[c * a_size..(c + 1) * a_size];
-            *o += if Q8 {
-                vec_dot_q8_0_q8_0(w_tail, a_tail)
-            } else {
-                vec_dot_q4_1_q8_1(w_tail, a_tail)
-            };
-        }
-    }
-    out
+    std::array::from_fn(|r| hsum_ps(acc[r]) + summs[r])
 }
 
 /// Consecutive rows (whole blocks of `w_size` bytes, as many rows as `out` holds, contiguous
 /// in `w`) against one activation row of `a_size`-byte blocks: four rows at a time with
-/// [`rows4_pairs`] inlined, the last `out.len() % 4` rows with the single-row kernel. One call
+/// [`rows4`] inlined, the last `out.len() % 4` rows with the single-row kernel. One call
 /// per thread's share of a matvec, so nothing is dispatched per row.
 ///
 /// # Safety
@@ -651,7 +564,7 @@ unsafe fn matvec_pairs<const Q8: bool>(w: &[u8], a: &[u8], out: &mut [f32]) {
         let base = 4 * i * row_bytes;
         let rows = std::array::from_fn(|k| &w[base + k * row_bytes..base + (k + 1) * row_bytes]);
         // SAFETY: every row holds nb blocks (sliced above); this CPU has the features.
-        o.copy_from_slice(&unsafe { rows4_pairs::<Q8>(rows, a, nb) });
+        o.copy_from_slice(&unsafe { rows4::<Q8>(rows, a, nb) });
     }
     for (k, o) in quads.into_remainder().iter_mut().enumerate() {
         let row = &w[(done + k) * row_bytes..(done + k + 1) * row_bytes];

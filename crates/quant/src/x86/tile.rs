@@ -57,7 +57,7 @@ fn hsum8(v: [__m256; 8]) -> __m256 {
 #[allow(clippy::needless_range_loop)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn kernel<const R: usize, const T: usize, const SIGNED: bool>(
+unsafe fn kernel<const R: usize, const T: usize, const SIGNED: bool, const MINS: bool>(
     p: &TilePtrs,
     out: *mut f32,
     stride: usize,
@@ -65,6 +65,8 @@ unsafe fn kernel<const R: usize, const T: usize, const SIGNED: bool>(
     let (cols, n_chunks) = (p.cols, p.n_chunks);
     let ones = _mm256_set1_epi16(1);
     let mut acc = [[_mm256_setzero_ps(); T]; R];
+    // GGML's per-block min terms (`m·s`), one scalar FMA chain per output, for `MINS`.
+    let mut summs = [[0.0f32; T]; R];
     for c in 0..n_chunks {
         // SAFETY: c < n_chunks, so every offset below stays inside the rows that the caller
         // guarantees: 32 bytes at QK*c of each row and 8 floats at 8*c.
@@ -85,9 +87,24 @@ unsafe fn kernel<const R: usize, const T: usize, const SIGNED: bool>(
                     let scale =
                         _mm256_mul_ps(dv, _mm256_loadu_ps(p.ad.add((t * n_chunks + c) * 8)));
                     acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(prod), scale, acc[r][t]);
+                    if MINS {
+                        // Both halves hold the block's min and half of its `s` (exact).
+                        let m = *p.wm.add(r * p.n_halves + 2 * c);
+                        let s = *p.ash.add(t * p.n_halves + 2 * c) * 2.0;
+                        summs[r][t] = m.mul_add(s, summs[r][t]);
+                    }
                 }
             }
         }
+    }
+    if MINS {
+        for r in 0..R {
+            for t in 0..T {
+                // SAFETY: r < R rows and t < T tokens are writable, per the contract.
+                unsafe { *out.add(t * stride + r) = hsum_ps(acc[r][t]) + summs[r][t] };
+            }
+        }
+        return;
     }
     if !SIGNED {
         let n_halves = p.n_halves;
@@ -104,6 +121,15 @@ unsafe fn kernel<const R: usize, const T: usize, const SIGNED: bool>(
                 }
             }
         }
+    }
+    if SIGNED {
+        for r in 0..R {
+            for t in 0..T {
+                // SAFETY: r < R rows and t < T tokens are writable, per the contract.
+                unsafe { *out.add(t * stride + r) = hsum_ps(acc[r][t]) };
+            }
+        }
+        return;
     }
     if R * T == 8 {
         let sums = hsum8(std::array::from_fn(|i| acc[i / T][i % T]));
@@ -124,6 +150,14 @@ unsafe fn kernel<const R: usize, const T: usize, const SIGNED: bool>(
             }
         }
     }
+}
+
+/// Whether `ty` is dotted against Q8_1 activations, whose tiles reproduce GGML's order
+/// exactly (`ggml_vec_dot_q4_1_q8_1`: lanes by FMA per block, mins by a scalar FMA chain,
+/// `hsum_float_8`, then the mins added), so that a prompt's matmul gives bit for bit what
+/// one `vec_dot` per output gives, as llama.cpp computes these formats at every batch size.
+pub(crate) fn has_ggml_mins(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1)
 }
 
 /// Multiplies `rows` (1..=TILE_ROWS) rows of `panel` from `row0` with tokens
@@ -152,7 +186,8 @@ pub fn run_panel(
     assert!(acts.qs.len() >= t_end * cols && acts.d.len() >= t_end * n_chunks * 8);
     assert!(acts.sh.len() >= t_end * n_halves);
     let (out_base, stride) = out.base(rows, t_end);
-    let signed = ty == GgmlType::Q8_0;
+    let signed = crate::matmul::is_signed_tile(ty);
+    let mins = has_ggml_mins(ty);
     let mut t = t_begin;
     while t < t_end {
         let tokens = TILE_TOKENS.min(t_end - t);
@@ -177,9 +212,11 @@ pub fn run_panel(
                 // (checked by `out.base`).
                 unsafe {
                     if signed {
-                        kernel::<$r, $t, true>(&p, o, stride)
+                        kernel::<$r, $t, true, false>(&p, o, stride)
+                    } else if mins {
+                        kernel::<$r, $t, false, true>(&p, o, stride)
                     } else {
-                        kernel::<$r, $t, false>(&p, o, stride)
+                        kernel::<$r, $t, false, false>(&p, o, stride)
                     }
                 }
             };
@@ -233,14 +270,19 @@ pub fn unpack_row(ty: GgmlType, row: &[u8], q: &mut [u8], dv: &mut [f32], mh: &m
             };
             for (c, x) in row.chunks_exact(size).enumerate() {
                 let t = load16(&x[qs..]);
-                store16(&mut q[QK * c..], _mm_and_si128(t, low));
+                // Q4_0 is unpacked signed (`matmul::is_signed_tile`), Q4_1 unsigned.
+                let bias = _mm_set1_epi8(if ty == GgmlType::Q4_0 { 8 } else { 0 });
+                store16(
+                    &mut q[QK * c..],
+                    _mm_sub_epi8(_mm_and_si128(t, low), bias),
+                );
                 store16(
                     &mut q[QK * c + 16..],
-                    _mm_and_si128(_mm_srli_epi16::<4>(t), low),
+                    _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16::<4>(t), low), bias),
                 );
                 let d = f16_at(x, 0);
                 let m = if ty == GgmlType::Q4_0 {
-                    -8.0 * d
+                    0.0
                 } else {
                     f16_at(x, q4_1::M)
                 };

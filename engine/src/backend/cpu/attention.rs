@@ -23,6 +23,11 @@ use crate::kv_cache::AttentionPlan;
 /// Most query tokens of one sequence served by one pass over the cache.
 const QUERY_TILE: usize = 32;
 
+/// From this many query tokens in one batch on, GGML's CPU flash attention takes its tiled f32
+/// path (`ggml_compute_forward_flash_attn_ext_tiled`, `GGML_FA_TILE_Q`); below it, the
+/// one-query-at-a-time path with an f16 query and f16 accumulators.
+const F32_PATH_MIN_TOKENS: usize = 64;
+
 #[derive(Default)]
 struct Scratch {
     scores: Vec<f32>,
@@ -30,6 +35,9 @@ struct Scratch {
     queries: Vec<f32>,
     max: Vec<f32>,
     sum: Vec<f32>,
+    /// Keys of one KV tile transposed (`[dim][key]`) and its values (`[key][dim]`), in f32.
+    kt: Vec<f32>,
+    vt: Vec<f32>,
 }
 
 struct Shape<'a> {
@@ -95,6 +103,11 @@ pub fn attention(
         window,
     };
     let tiles = query_tiles(plan);
+    let attend = if n_tokens >= F32_PATH_MIN_TOKENS && head_dim % 16 == 0 {
+        attend_f32
+    } else {
+        attend
+    };
     if tiles.len() >= 2 * rayon::current_num_threads() {
         // Prompt processing: one task per tile, all KV heads.
         let mut parts = Vec::with_capacity(tiles.len());
@@ -158,6 +171,7 @@ fn attend(
         queries,
         max,
         sum,
+        ..
     } = scratch;
     scores.clear();
     scores.resize(n_tile * group * span, 0.0);
@@ -191,12 +205,12 @@ fn attend(
                 let dst = &mut scores[(i * group + j) * span..][..span];
                 if !keys.is_empty() {
                     let k_rows = &rows[(keys.start - run_lo) * hd..(keys.end - run_lo) * hd];
-                    vec::dot_rows(
-                        qh,
-                        k_rows,
-                        s.kq_scale,
-                        &mut dst[keys.start - lo..keys.end - lo],
-                    );
+                    for (o, k_row) in dst[keys.start - lo..keys.end - lo]
+                        .iter_mut()
+                        .zip(k_rows.chunks_exact(hd))
+                    {
+                        *o = vec::dot_f16_ggml(qh, k_row) * s.kq_scale;
+                    }
                 }
             }
         }
@@ -244,11 +258,125 @@ fn attend(
                         weight = (score - max[k]).exp();
                     }
                     vec::mad_round_f16(acc, weight, &rows[(p - run_lo) * hd..][..hd]);
-                    sum[k] = sum[k] * old_scale + weight;
+                    // GGML's `S = S*ms + vs`, which its compilers contract to one FMA.
+                    sum[k] = sum[k].mul_add(old_scale, weight);
                 }
             }
         }
     });
+    for i in 0..n_tile {
+        for j in 0..group {
+            let total = sum[i * group + j];
+            let inv = if total == 0.0 { 0.0 } else { 1.0 / total };
+            out[i * token_stride + base + j * hd..][..hd]
+                .iter_mut()
+                .for_each(|o| *o *= inv);
+        }
+    }
+}
+
+/// [`attend`] as GGML's tiled f32 flash attention computes it, which llama.cpp uses for batches
+/// of [`F32_PATH_MIN_TOKENS`] queries or more: keys in tiles of [`vec::KV_TILE`] positions
+/// (aligned to position 0), the query kept in f32, scores by one FMA chain per key, the running
+/// maximum and sum updated once per tile, probabilities from GGML's vectorised `expf` summed
+/// per 16 in f32 and per tile in f64, and values accumulated in f32 by one FMA per key.
+fn attend_f32(
+    s: &Shape<'_>,
+    tile: Range<usize>,
+    kv_head: usize,
+    out: &mut [f32],
+    token_stride: usize,
+    base: usize,
+    scratch: &mut Scratch,
+) {
+    const KV_TILE: usize = vec::KV_TILE;
+    let (group, hd) = (s.group, s.head_dim);
+    let layer = s.layer;
+    let block_size = layer.block_size;
+    let t0 = tile.start;
+    let n_tile = tile.len();
+    let lo = s.first(t0);
+    let hi = s.plan.positions[tile.end - 1] as usize;
+    let table = &s.plan.tables[s.plan.table_of_token[t0] as usize];
+    let Scratch {
+        rows,
+        max,
+        sum,
+        kt,
+        vt,
+        ..
+    } = scratch;
+    kt.clear();
+    kt.resize(hd * KV_TILE, 0.0);
+    vt.clear();
+    vt.resize(KV_TILE * hd, 0.0);
+    rows.resize(block_size * hd, 0.0);
+    max.clear();
+    max.resize(n_tile * group, f32::NEG_INFINITY);
+    sum.clear();
+    sum.resize(n_tile * group, 0.0);
+    for i in 0..n_tile {
+        out[i * token_stride + base..][..group * hd]
+            .iter_mut()
+            .for_each(|o| *o = 0.0);
+    }
+    let mut kq = [0f32; KV_TILE];
+    for kv_tile in lo / KV_TILE..=hi / KV_TILE {
+        let tile_lo = kv_tile * KV_TILE;
+        let (first, last) = (lo.max(tile_lo), hi.min(tile_lo + KV_TILE - 1));
+        // This tile's keys and values, as f32, keys transposed so one query's scores are
+        // KV_TILE lanes.
+        for_each_run(first, last, block_size, |block_idx, start, end| {
+            let block = table[block_idx] as usize;
+            let n = end - start;
+            let run_lo = block_idx * block_size + start - tile_lo;
+            let src = &layer.k[block][layer.row_offset(kv_head, start)..][..n * hd];
+            src.convert_to_f32_slice(&mut rows[..n * hd]);
+            for (j, k_row) in rows[..n * hd].chunks_exact(hd).enumerate() {
+                for (d, &k) in k_row.iter().enumerate() {
+                    kt[d * KV_TILE + run_lo + j] = k;
+                }
+            }
+            let src = &layer.v[block][layer.row_offset(kv_head, start)..][..n * hd];
+            src.convert_to_f32_slice(&mut vt[run_lo * hd..(run_lo + n) * hd]);
+        });
+        for i in 0..n_tile {
+            let t = t0 + i;
+            let visible_lo = s.first(t).max(tile_lo);
+            let visible_hi = (s.plan.positions[t] as usize + 1).min(tile_lo + KV_TILE);
+            if visible_lo >= visible_hi {
+                continue;
+            }
+            let visible = visible_lo - tile_lo..visible_hi - tile_lo;
+            for j in 0..group {
+                let k = i * group + j;
+                let qh = &s.q[t * s.row_len + (kv_head * group + j) * hd..][..hd];
+                vec::kq_tile(qh, kt, &mut kq);
+                let mut tile_max = f32::NEG_INFINITY;
+                for (key, v) in kq.iter_mut().enumerate() {
+                    if visible.contains(&key) {
+                        *v *= s.kq_scale;
+                        tile_max = tile_max.max(*v);
+                    } else {
+                        *v = f32::NEG_INFINITY;
+                    }
+                }
+                let acc = &mut out[i * token_stride + base + j * hd..][..hd];
+                let new_max = max[k].max(tile_max);
+                if new_max > max[k] {
+                    let ms = (max[k] - new_max).exp();
+                    acc.iter_mut().for_each(|o| *o *= ms);
+                    sum[k] *= ms;
+                }
+                max[k] = new_max;
+                let tile_sum = vec::softmax_tile(&mut kq, new_max);
+                sum[k] = (sum[k] as f64 + tile_sum) as f32;
+                for key in visible.clone() {
+                    vec::mad_f32(acc, kq[key], &vt[key * hd..(key + 1) * hd]);
+                }
+            }
+        }
+    }
     for i in 0..n_tile {
         for j in 0..group {
             let total = sum[i * group + j];

@@ -327,7 +327,7 @@ impl Backend for CpuBackend {
     }
 
     fn swiglu(&self, gate: &mut Vec<f32>, up: &Vec<f32>, len: usize) {
-        ops::par_zip(&mut gate[..len], &up[..len], |g, u| *g = ops::silu(*g) * u);
+        ops::par_chunks(&mut gate[..len], &up[..len], vec::swiglu_ggml);
     }
 
     fn geglu(&self, gate: &mut Vec<f32>, up: &Vec<f32>, len: usize) {

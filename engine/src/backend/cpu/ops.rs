@@ -21,6 +21,17 @@ pub fn par_zip(dst: &mut [f32], src: &[f32], f: impl Fn(&mut f32, f32) + Sync + 
     }
 }
 
+/// Applies `f` to matching chunks of `dst` and `src`, in parallel for long inputs.
+pub fn par_chunks(dst: &mut [f32], src: &[f32], f: impl Fn(&mut [f32], &[f32]) + Sync + Send) {
+    if dst.len() < 2 * ELEMENTS_PER_TASK {
+        f(dst, src);
+    } else {
+        dst.par_chunks_mut(ELEMENTS_PER_TASK)
+            .zip(src.par_chunks(ELEMENTS_PER_TASK))
+            .for_each(|(d, s)| f(d, s));
+    }
+}
+
 /// `1 / sqrt(mean(x^2) + eps)`, the sum of squares accumulated in f64 as GGML does.
 #[inline]
 fn rms_scale(x: &[f32], eps: f32) -> f32 {
@@ -43,12 +54,6 @@ pub fn rms_norm_row_inplace(x: &mut [f32], weight: &[f32], eps: f32) {
     for (v, &w) in x.iter_mut().zip(weight) {
         *v = *v * scale * w;
     }
-}
-
-/// SiLU, `x * sigmoid(x)`.
-#[inline]
-pub fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
 }
 
 const GELU_COEF_A: f32 = 0.044715;
@@ -83,6 +88,19 @@ pub fn gelu_ggml(table: &[f16], x: f32) -> f32 {
     }
 }
 
+/// `x0·cos - x1·sin` as GGML's `rotate_pairs` is compiled (GCC and Clang both contract the
+/// expression to `fma(x0, cos, -(x1·sin))`, the left product fused).
+#[inline(always)]
+fn rotate_first(x0: f32, x1: f32, c: f32, s: f32) -> f32 {
+    x0.mul_add(c, -(x1 * s))
+}
+
+/// `x0·sin + x1·cos` as GGML's `rotate_pairs` is compiled: `fma(x0, sin, x1·cos)`.
+#[inline(always)]
+fn rotate_second(x0: f32, x1: f32, c: f32, s: f32) -> f32 {
+    x0.mul_add(s, x1 * c)
+}
+
 /// Rotates the first `n_dims` values of one head by the angles in `cos_sin`
 /// (`cos_sin[2i]`, `cos_sin[2i + 1]` for pair `i`).
 #[inline]
@@ -93,16 +111,16 @@ pub fn rope_head(head: &mut [f32], cos_sin: &[f32], n_dims: usize, mode: RopeMod
             for i in 0..half {
                 let (c, s) = (cos_sin[2 * i], cos_sin[2 * i + 1]);
                 let (x0, x1) = (head[2 * i], head[2 * i + 1]);
-                head[2 * i] = x0 * c - x1 * s;
-                head[2 * i + 1] = x0 * s + x1 * c;
+                head[2 * i] = rotate_first(x0, x1, c, s);
+                head[2 * i + 1] = rotate_second(x0, x1, c, s);
             }
         }
         RopeMode::Neox => {
             for i in 0..half {
                 let (c, s) = (cos_sin[2 * i], cos_sin[2 * i + 1]);
                 let (x0, x1) = (head[i], head[i + half]);
-                head[i] = x0 * c - x1 * s;
-                head[i + half] = x0 * s + x1 * c;
+                head[i] = rotate_first(x0, x1, c, s);
+                head[i + half] = rotate_second(x0, x1, c, s);
             }
         }
     }

@@ -213,6 +213,324 @@ mod f16c {
     }
 }
 
+/// Coefficients of GGML's vectorised `expf` (`ggml_v_expf` in `ggml-cpu/vec.h`, "adapted from
+/// arm limited optimized routine"): shift, log2(e), ln 2 in two parts, the polynomial.
+mod expf_consts {
+    pub const SHIFT: f32 = 12_582_912.0; // 0x1.8p23
+    pub const LOG2E: f32 = f32::from_bits(0x3fb8_aa3b); // 0x1.715476p+0
+    pub const LN2_HI: f32 = f32::from_bits(0x3f31_7200); // 0x1.62e4p-1
+    pub const LN2_LO: f32 = f32::from_bits(0x35bf_be8e); // 0x1.7f7d1cp-20
+    pub const C4: f32 = f32::from_bits(0x3c07_2010); // 0x1.0e4020p-7
+    pub const C3: f32 = f32::from_bits(0x3d2b_9f17); // 0x1.573e2ep-5
+    pub const C2: f32 = f32::from_bits(0x3e2a_af33); // 0x1.555e66p-3
+    pub const C1: f32 = f32::from_bits(0x3eff_fedb); // 0x1.fffdb6p-2
+    pub const C0: f32 = f32::from_bits(0x3f7f_fff6); // 0x1.ffffecp-1
+}
+
+/// `exp(x)` exactly as GGML's AVX-512 build computes it in `ggml_v_expf`: a degree-5
+/// polynomial of the reduced argument, scaled by `2^n` with one rounding (`vscalefps`). The
+/// AVX2 variant of the same routine rounds differently (`k + k·j`), and llama.cpp's reference
+/// outputs come from the AVX-512 one.
+#[inline]
+pub fn expf_ggml(x: f32) -> f32 {
+    use expf_consts::*;
+    let z = x.mul_add(LOG2E, SHIFT);
+    let n = z - SHIFT;
+    let b = (-n).mul_add(LN2_LO, (-n).mul_add(LN2_HI, x));
+    let u = b * b;
+    let j = C4
+        .mul_add(b, C3)
+        .mul_add(u, C2.mul_add(b, C1))
+        .mul_add(u, C0.mul_add(b, 1.0));
+    if n.abs() > 192.0 {
+        return if n <= 0.0 { 0.0 } else { f32::INFINITY };
+    }
+    // j·2^n with a single rounding: exact in f64, then rounded once to f32.
+    let pow2 = f64::from_bits(((n as i64 + 1023) as u64) << 52);
+    (j as f64 * pow2) as f32
+}
+
+/// SiLU as GGML's AVX-512 `ggml_v_silu`: `x / (1 + expf(0 - x))` with [`expf_ggml`].
+#[inline]
+pub fn silu_ggml(x: f32) -> f32 {
+    x / (1.0 + expf_ggml(0.0 - x))
+}
+
+/// `gate[i] = silu(gate[i]) * up[i]`, GGML's `ggml_vec_swiglu_f32` on its AVX-512 path.
+pub fn swiglu_ggml(gate: &mut [f32], up: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: `has_avx2` checked at run time that the CPU supports AVX2 and FMA.
+        return unsafe { exact::swiglu(gate, up) };
+    }
+    for (g, &u) in gate.iter_mut().zip(up) {
+        *g = silu_ggml(*g) * u;
+    }
+}
+
+/// GGML's `ggml_vec_dot_f16` on its AVX-512 path, over f16 values held as f32 (their products
+/// are exact in f32): four 16-lane FMA accumulators over runs of 64, summed
+/// `(a0 + a2) + (a1 + a3)`, then `_mm512_reduce_add_ps` (halving: 8, 4, 2, 1 apart); a tail
+/// shorter than 64 is added product by product in f64.
+#[inline]
+pub fn dot_f16_ggml(a: &[f32], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: `has_avx2` checked at run time that the CPU supports AVX2 and FMA.
+        return unsafe { exact::dot_f16(a, b) };
+    }
+    dot_f16_ggml_portable(a, b)
+}
+
+fn dot_f16_ggml_portable(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let np = n / 64 * 64;
+    let mut acc = [[0f32; 16]; 4];
+    for base in (0..np).step_by(64) {
+        for (j, accj) in acc.iter_mut().enumerate() {
+            for (i, v) in accj.iter_mut().enumerate() {
+                let k = base + 16 * j + i;
+                *v = a[k].mul_add(b[k], *v);
+            }
+        }
+    }
+    let lanes: [f32; 16] =
+        std::array::from_fn(|i| (acc[0][i] + acc[2][i]) + (acc[1][i] + acc[3][i]));
+    let mut sum = reduce16(&lanes) as f64;
+    for k in np..n {
+        sum += (a[k] * b[k]) as f64;
+    }
+    sum as f32
+}
+
+/// `_mm512_reduce_add_ps`: halves added lane-wise until one value is left.
+#[inline]
+fn reduce16(v: &[f32; 16]) -> f32 {
+    let t: [f32; 8] = std::array::from_fn(|i| v[i] + v[i + 8]);
+    let u: [f32; 4] = std::array::from_fn(|i| t[i] + t[i + 4]);
+    (u[0] + u[2]) + (u[1] + u[3])
+}
+
+/// `y[i] = fma(a[i], b, y[i])`, GGML's `ggml_vec_mad_f32` (elementwise, so any lane width).
+#[inline]
+pub fn mad_f32(y: &mut [f32], b: f32, a: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: `has_avx2` checked at run time that the CPU supports AVX2 and FMA.
+        return unsafe { exact::mad(y, b, a) };
+    }
+    for (yi, &ai) in y.iter_mut().zip(a) {
+        *yi = ai.mul_add(b, *yi);
+    }
+}
+
+/// Keys per tile of GGML's tiled flash attention (`GGML_FA_TILE_KV`), the lane count of
+/// [`kq_tile`] and [`softmax_tile`].
+pub const KV_TILE: usize = 64;
+
+/// `out[j] = Σ_d q[d]·kt[d·KV_TILE + j]` by one FMA chain per key in `d` order, starting from 0:
+/// GGML's `simd_gemm` of a query row with a transposed tile of keys.
+#[inline]
+pub fn kq_tile(q: &[f32], kt: &[f32], out: &mut [f32; KV_TILE]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: `has_avx2` checked at run time that the CPU supports AVX2 and FMA.
+        return unsafe { exact::kq_tile(q, kt, out) };
+    }
+    kq_tile_portable(q, kt, out)
+}
+
+#[inline(always)]
+fn kq_tile_portable(q: &[f32], kt: &[f32], out: &mut [f32; KV_TILE]) {
+    out.fill(0.0);
+    for (&qd, row) in q.iter().zip(kt.chunks_exact(KV_TILE)) {
+        for (o, &k) in out.iter_mut().zip(row) {
+            *o = k.mul_add(qd, *o);
+        }
+    }
+}
+
+/// `p[j] = expf(kq[j] - max)` with GGML's AVX-512 `expf` (0 for masked keys at -inf), returning
+/// the sum as `ggml_vec_soft_max_f32` forms it: each run of 16 reduced in f32 by halving, the
+/// runs added in f64.
+pub fn softmax_tile(kq: &mut [f32; KV_TILE], max: f32) -> f64 {
+    let mut sum = 0f64;
+    for run in kq.chunks_exact_mut(16) {
+        let mut v = [0f32; 16];
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() {
+            // SAFETY: `has_avx2` checked at run time that the CPU supports AVX2 and FMA.
+            unsafe { exact::exp_minus(run, max, &mut v) };
+        } else {
+            v.iter_mut()
+                .zip(run.iter())
+                .for_each(|(o, &x)| *o = expf_ggml(x - max));
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        v.iter_mut()
+            .zip(run.iter())
+            .for_each(|(o, &x)| *o = expf_ggml(x - max));
+        run.copy_from_slice(&v);
+        sum += reduce16(&v) as f64;
+    }
+    sum
+}
+
+#[cfg(target_arch = "x86_64")]
+mod exact {
+    use std::arch::x86_64::*;
+
+    use super::expf_consts::*;
+
+    /// Eight lanes of `super::expf_ggml`; lanes whose `2^n` is not a normal f32 (results
+    /// that are subnormal, zero or infinite) are redone by the scalar routine.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn expf8(x: __m256) -> __m256 {
+        let r = _mm256_set1_ps(SHIFT);
+        let z = _mm256_fmadd_ps(x, _mm256_set1_ps(LOG2E), r);
+        let n = _mm256_sub_ps(z, r);
+        let b = _mm256_fnmadd_ps(
+            n,
+            _mm256_set1_ps(LN2_LO),
+            _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x),
+        );
+        let u = _mm256_mul_ps(b, b);
+        let j = _mm256_fmadd_ps(
+            _mm256_fmadd_ps(
+                _mm256_fmadd_ps(_mm256_set1_ps(C4), b, _mm256_set1_ps(C3)),
+                u,
+                _mm256_fmadd_ps(_mm256_set1_ps(C2), b, _mm256_set1_ps(C1)),
+            ),
+            u,
+            _mm256_fmadd_ps(_mm256_set1_ps(C0), b, _mm256_set1_ps(1.0)),
+        );
+        let e = _mm256_cvtps_epi32(n);
+        let pow2 = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
+            e,
+            _mm256_set1_epi32(127),
+        )));
+        let res = _mm256_mul_ps(j, pow2);
+        let out_of_range = _mm256_or_ps(
+            _mm256_cmp_ps::<_CMP_LT_OQ>(n, _mm256_set1_ps(-126.0)),
+            _mm256_cmp_ps::<_CMP_GT_OQ>(n, _mm256_set1_ps(127.0)),
+        );
+        if _mm256_movemask_ps(out_of_range) == 0 {
+            return res;
+        }
+        let mut xs = [0f32; 8];
+        let mut rs = [0f32; 8];
+        // SAFETY: both arrays hold 8 floats; unaligned stores and loads.
+        unsafe {
+            _mm256_storeu_ps(xs.as_mut_ptr(), x);
+            _mm256_storeu_ps(rs.as_mut_ptr(), res);
+        }
+        let mask = _mm256_movemask_ps(out_of_range);
+        for i in 0..8 {
+            if mask & (1 << i) != 0 {
+                rs[i] = super::expf_ggml(xs[i]);
+            }
+        }
+        // SAFETY: `rs` holds 8 floats.
+        unsafe { _mm256_loadu_ps(rs.as_ptr()) }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn swiglu(gate: &mut [f32], up: &[f32]) {
+        let n = gate.len().min(up.len());
+        let one = _mm256_set1_ps(1.0);
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: i + 8 <= n, and both slices hold at least n values.
+            unsafe {
+                let pg = gate.as_mut_ptr().add(i);
+                let x = _mm256_loadu_ps(pg);
+                let e = expf8(_mm256_sub_ps(_mm256_setzero_ps(), x));
+                let silu = _mm256_div_ps(x, _mm256_add_ps(one, e));
+                _mm256_storeu_ps(pg, _mm256_mul_ps(silu, _mm256_loadu_ps(up.as_ptr().add(i))));
+            }
+            i += 8;
+        }
+        for k in i..n {
+            gate[k] = super::silu_ggml(gate[k]) * up[k];
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_f16(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len().min(b.len());
+        let np = n / 64 * 64;
+        let mut lo = [_mm256_setzero_ps(); 4];
+        let mut hi = [_mm256_setzero_ps(); 4];
+        let mut base = 0;
+        while base < np {
+            for j in 0..4 {
+                // SAFETY: base + 64 <= np <= n, inside both slices.
+                unsafe {
+                    let pa = a.as_ptr().add(base + 16 * j);
+                    let pb = b.as_ptr().add(base + 16 * j);
+                    lo[j] = _mm256_fmadd_ps(_mm256_loadu_ps(pa), _mm256_loadu_ps(pb), lo[j]);
+                    hi[j] = _mm256_fmadd_ps(
+                        _mm256_loadu_ps(pa.add(8)),
+                        _mm256_loadu_ps(pb.add(8)),
+                        hi[j],
+                    );
+                }
+            }
+            base += 64;
+        }
+        let a_lo = _mm256_add_ps(_mm256_add_ps(lo[0], lo[2]), _mm256_add_ps(lo[1], lo[3]));
+        let a_hi = _mm256_add_ps(_mm256_add_ps(hi[0], hi[2]), _mm256_add_ps(hi[1], hi[3]));
+        let t = _mm256_add_ps(a_lo, a_hi);
+        let s = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps::<1>(t));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        let mut sum = _mm_cvtss_f32(s) as f64;
+        for k in np..n {
+            sum += (a[k] * b[k]) as f64;
+        }
+        sum as f32
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn kq_tile(q: &[f32], kt: &[f32], out: &mut [f32; super::KV_TILE]) {
+        super::kq_tile_portable(q, kt, out)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn exp_minus(x: &[f32], max: f32, out: &mut [f32; 16]) {
+        let m = _mm256_set1_ps(max);
+        for h in 0..2 {
+            let xs = &x[8 * h..8 * h + 8];
+            // SAFETY: `xs` and the half of `out` hold 8 floats each.
+            unsafe {
+                let v = expf8(_mm256_sub_ps(_mm256_loadu_ps(xs.as_ptr()), m));
+                _mm256_storeu_ps(out.as_mut_ptr().add(8 * h), v);
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn mad(y: &mut [f32], v: f32, x: &[f32]) {
+        let n = y.len().min(x.len());
+        let vv = _mm256_set1_ps(v);
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: i + 8 <= n, and both slices hold at least n values.
+            unsafe {
+                let py = y.as_mut_ptr().add(i);
+                let r =
+                    _mm256_fmadd_ps(_mm256_loadu_ps(x.as_ptr().add(i)), vv, _mm256_loadu_ps(py));
+                _mm256_storeu_ps(py, r);
+            }
+            i += 8;
+        }
+        for k in i..n {
+            y[k] = x[k].mul_add(v, y[k]);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,0 +1,397 @@
+//! Launch wrappers for the row-wise and element-wise kernels: embedding lookup, RMSNorm, RoPE,
+//! element-wise arithmetic, activations, row gathers, argmax and f32 to f16 conversion.
+//!
+//! Each wrapper checks the shape against what its kernel handles (32-bit counts; the kernel's own
+//! file documents its launch), then queues the launch on the context's stream. The kernels' CPU
+//! twins are the engine's CPU backend (engine/src/backend/cpu/ops.rs) and the harness's
+//! reference functions (kernels/tests/harness.cu).
+
+use crate::driver::{DevicePtr, KernelArg, KernelArgs, LaunchConfig};
+use crate::kernels::KernelModule;
+
+use super::{as_u32, stride_launch, DeviceMatrix, GpuContext, OpsError, BLOCK_THREADS};
+
+/// How rotary position embedding pairs up the values of a head (GGML's modes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeMode {
+    /// Llama: pairs are adjacent values `(2i, 2i + 1)`.
+    Normal,
+    /// NeoX (Gemma, Qwen): pairs are `(i, i + n_dims / 2)`.
+    Neox,
+}
+
+fn ptr(p: DevicePtr) -> KernelArg {
+    KernelArg::Ptr(p)
+}
+
+/// `out[t, :] = dequantise(table row ids[t]) * scale` for `n` ids (i32 on the device).
+///
+/// An id outside `0..table.rows` gives a row of NaNs (never an out-of-bounds read), which the
+/// caller's output checks then show.
+pub fn get_rows(
+    ctx: &GpuContext,
+    table: &DeviceMatrix,
+    ids: DevicePtr,
+    n: usize,
+    scale: f32,
+    out: DevicePtr,
+) -> Result<(), OpsError> {
+    const OP: &str = "get_rows";
+    if n == 0 {
+        return Ok(());
+    }
+    let n = as_u32(OP, "the id count", n)?;
+    let n_cols = as_u32(OP, "the table's column count", table.cols)?;
+    let n_rows = as_u32(OP, "the table's row count", table.rows)?;
+    if table.format.row_bytes(table.cols).is_none() {
+        return Err(OpsError::shape(
+            OP,
+            format!(
+                "a column count that is a multiple of {}",
+                table.format.block_values()
+            ),
+            format!("{}", table.cols),
+        ));
+    }
+    let name = format!("ember_get_rows_{}", table.format.kernel_suffix());
+    let args = KernelArgs::new()
+        .arg(ptr(out))
+        .arg(ptr(table.ptr()))
+        .arg(ptr(ids))
+        .arg(KernelArg::U32(n_rows))
+        .arg(KernelArg::U32(n_cols))
+        .arg(KernelArg::F32(scale));
+    // SAFETY: ember_get_rows_*(float* out, const uint8_t* table, const int32_t* ids, uint32_t
+    // n_rows, uint32_t n_cols, float scale); one block per id reads one table row (ids are range
+    // checked in the kernel) and writes n_cols floats of out's row; the caller sized out and ids.
+    unsafe {
+        ctx.launch(
+            KernelModule::Embedding,
+            &name,
+            LaunchConfig::linear(n, BLOCK_THREADS),
+            &args,
+        )
+    }
+}
+
+/// RMS normalisation of `n_rows` rows of `dim` values: `out = x / sqrt(mean(x^2) + eps) * weight`.
+/// `out` may equal `x`.
+pub fn rms_norm(
+    ctx: &GpuContext,
+    x: DevicePtr,
+    weight: DevicePtr,
+    n_rows: usize,
+    dim: usize,
+    eps: f32,
+    out: DevicePtr,
+) -> Result<(), OpsError> {
+    const OP: &str = "rms_norm";
+    if n_rows == 0 {
+        return Ok(());
+    }
+    let n_rows = as_u32(OP, "the row count", n_rows)?;
+    let dim = as_u32(OP, "the row length", dim)?;
+    if dim == 0 {
+        return Err(OpsError::shape(OP, "a row length above 0", "0"));
+    }
+    let args = KernelArgs::new()
+        .arg(ptr(out))
+        .arg(ptr(x))
+        .arg(ptr(weight))
+        .arg(KernelArg::U32(dim))
+        .arg(KernelArg::F32(eps));
+    // Wide rows get a full block; short ones a block of their own size (rounded to a warp).
+    let threads = dim.next_multiple_of(64).clamp(64, 1024);
+    // SAFETY: ember_rms_norm_f32(float* out, const float* x, const float* weight, uint32_t n_cols,
+    // float eps); one block per row touches only that row of x/out and dim weights.
+    unsafe {
+        ctx.launch(
+            KernelModule::Norm,
+            "ember_rms_norm_f32",
+            LaunchConfig::linear(n_rows, threads),
+            &args,
+        )
+    }
+}
+
+/// Checks an element count and launches a grid-stride kernel of `module`.
+fn stride_kernel(
+    ctx: &GpuContext,
+    op: &'static str,
+    name: &str,
+    n: usize,
+    args: KernelArgs,
+) -> Result<(), OpsError> {
+    let n = as_u32(op, "the element count", n)?;
+    // SAFETY: every caller passes `name`'s exact parameter list, and each kernel touches elements
+    // below n (grid-stride loop) of buffers the caller sized for n elements.
+    unsafe { ctx.launch(KernelModule::Elementwise, name, stride_launch(n), &args) }
+}
+
+/// `out[i] = a[i] + b[i % n_b]` for `i < n` (`n_b = n` adds; `n_b = dim` adds a bias per row).
+/// `out` may equal `a`.
+pub fn add(
+    ctx: &GpuContext,
+    out: DevicePtr,
+    a: DevicePtr,
+    b: DevicePtr,
+    n: usize,
+    n_b: usize,
+) -> Result<(), OpsError> {
+    const OP: &str = "add";
+    if n == 0 {
+        return Ok(());
+    }
+    if n_b == 0 || !n.is_multiple_of(n_b) {
+        return Err(OpsError::shape(
+            OP,
+            format!("a broadcast length dividing {n}"),
+            format!("{n_b}"),
+        ));
+    }
+    let n_b = as_u32(OP, "the broadcast length", n_b)?;
+    let args = KernelArgs::new()
+        .arg(ptr(out))
+        .arg(ptr(a))
+        .arg(ptr(b))
+        .arg(KernelArg::U32(as_u32(OP, "the element count", n)?))
+        .arg(KernelArg::U32(n_b));
+    stride_kernel(ctx, OP, "ember_add_f32", n, args)
+}
+
+/// `out[i] = x[i] * scale` for `i < n`. `out` may equal `x`.
+pub fn scale(
+    ctx: &GpuContext,
+    out: DevicePtr,
+    x: DevicePtr,
+    scale: f32,
+    n: usize,
+) -> Result<(), OpsError> {
+    const OP: &str = "scale";
+    if n == 0 {
+        return Ok(());
+    }
+    let args = KernelArgs::new()
+        .arg(ptr(out))
+        .arg(ptr(x))
+        .arg(KernelArg::F32(scale))
+        .arg(KernelArg::U32(as_u32(OP, "the element count", n)?));
+    stride_kernel(ctx, OP, "ember_scale_f32", n, args)
+}
+
+/// In place `x[i] = cap * tanh(x[i] / cap)` for `i < n` (Gemma's logit soft-capping).
+pub fn softcap(ctx: &GpuContext, x: DevicePtr, n: usize, cap: f32) -> Result<(), OpsError> {
+    const OP: &str = "softcap";
+    if n == 0 {
+        return Ok(());
+    }
+    if !(cap.is_finite() && cap > 0.0) {
+        return Err(OpsError::shape(
+            OP,
+            "a positive finite cap",
+            format!("{cap}"),
+        ));
+    }
+    let args = KernelArgs::new()
+        .arg(ptr(x))
+        .arg(ptr(x))
+        .arg(KernelArg::F32(cap))
+        .arg(KernelArg::U32(as_u32(OP, "the element count", n)?));
+    stride_kernel(ctx, OP, "ember_softcap_f32", n, args)
+}
+
+/// SwiGLU: `out[i] = silu(gate[i]) * up[i]`. `out` may equal `gate` or `up`.
+pub fn swiglu(
+    ctx: &GpuContext,
+    out: DevicePtr,
+    gate: DevicePtr,
+    up: DevicePtr,
+    n: usize,
+) -> Result<(), OpsError> {
+    glu(ctx, "swiglu", "ember_silu_mul_f32", out, gate, up, n)
+}
+
+/// GeGLU: `out[i] = gelu(gate[i]) * up[i]`, GELU with the tanh approximation evaluated as GGML's
+/// CPU path does (input and GELU rounded to f16; exact limits beyond +-10), so GPU and CPU agree.
+/// `out` may equal `gate` or `up`.
+pub fn geglu(
+    ctx: &GpuContext,
+    out: DevicePtr,
+    gate: DevicePtr,
+    up: DevicePtr,
+    n: usize,
+) -> Result<(), OpsError> {
+    glu(ctx, "geglu", "ember_gelu_mul_f32", out, gate, up, n)
+}
+
+fn glu(
+    ctx: &GpuContext,
+    op: &'static str,
+    name: &str,
+    out: DevicePtr,
+    gate: DevicePtr,
+    up: DevicePtr,
+    n: usize,
+) -> Result<(), OpsError> {
+    if n == 0 {
+        return Ok(());
+    }
+    let args = KernelArgs::new()
+        .arg(ptr(out))
+        .arg(ptr(gate))
+        .arg(ptr(up))
+        .arg(KernelArg::U32(as_u32(op, "the element count", n)?));
+    stride_kernel(ctx, op, name, n, args)
+}
+
+/// Rotary position embedding, in place on `x` `[n_tokens, n_heads, head_dim]`: token `t` is
+/// rotated by `positions[t]` (i32 on the device). The first `n_dims` values of each head are
+/// rotated, the rest are left as they are. Pair `i` turns by
+/// `freq_scale * (p * base^(-2i / n_dims)) / freq_factors[i]` (no factors: 1), the power built by
+/// repeated f32 multiplication as GGML's (and ember's CPU) tables are.
+#[allow(clippy::too_many_arguments)]
+pub fn rope(
+    ctx: &GpuContext,
+    x: DevicePtr,
+    positions: DevicePtr,
+    n_tokens: usize,
+    n_heads: usize,
+    head_dim: usize,
+    n_dims: usize,
+    mode: RopeMode,
+    freq_base: f32,
+    freq_scale: f32,
+    freq_factors: Option<DevicePtr>,
+) -> Result<(), OpsError> {
+    const OP: &str = "rope";
+    if n_tokens == 0 || n_heads == 0 || n_dims == 0 {
+        return Ok(());
+    }
+    if !n_dims.is_multiple_of(2) || n_dims > head_dim {
+        return Err(OpsError::shape(
+            OP,
+            format!("an even rotated dimension count of at most the head size {head_dim}"),
+            format!("{n_dims}"),
+        ));
+    }
+    let n_blocks = n_tokens.saturating_mul(n_heads);
+    let n_blocks = as_u32(OP, "tokens times heads", n_blocks)?;
+    // The same f32 value the CPU backend multiplies by (engine/src/backend/cpu/mod.rs).
+    let theta_scale = freq_base.powf(-2.0 / n_dims as f32);
+    let name = match mode {
+        RopeMode::Normal => "ember_rope_norm_f32",
+        RopeMode::Neox => "ember_rope_neox_f32",
+    };
+    let args = KernelArgs::new()
+        .arg(ptr(x))
+        .arg(ptr(positions))
+        .arg(ptr(freq_factors.unwrap_or(DevicePtr::NULL)))
+        .arg(KernelArg::U32(as_u32(OP, "the head count", n_heads)?))
+        .arg(KernelArg::U32(as_u32(OP, "the head size", head_dim)?))
+        .arg(KernelArg::U32(as_u32(
+            OP,
+            "the rotated dimensions",
+            n_dims,
+        )?))
+        .arg(KernelArg::F32(theta_scale))
+        .arg(KernelArg::F32(freq_scale));
+    let threads = ((n_dims / 2) as u32).next_multiple_of(32).clamp(32, 256);
+    // SAFETY: ember_rope_*_f32(float* x, const int32_t* positions, const float* freq_factors,
+    // uint32_t n_heads, uint32_t head_dim, uint32_t n_dims, float theta_scale, float freq_scale);
+    // block b rotates head b of x (n_tokens * n_heads heads) reading positions[b / n_heads] and,
+    // when not null, n_dims / 2 factors.
+    unsafe {
+        ctx.launch(
+            KernelModule::Rope,
+            name,
+            LaunchConfig::linear(n_blocks, threads),
+            &args,
+        )
+    }
+}
+
+/// `out[i, :] = src[rows[i], :]` for `n` rows of `dim` f32 values (`rows` i32 on the device).
+pub fn gather_rows(
+    ctx: &GpuContext,
+    src: DevicePtr,
+    dim: usize,
+    rows: DevicePtr,
+    n: usize,
+    out: DevicePtr,
+) -> Result<(), OpsError> {
+    const OP: &str = "gather_rows";
+    if n == 0 || dim == 0 {
+        return Ok(());
+    }
+    let n = as_u32(OP, "the row count", n)?;
+    let args = KernelArgs::new()
+        .arg(ptr(out))
+        .arg(ptr(src))
+        .arg(ptr(rows))
+        .arg(KernelArg::U32(as_u32(OP, "the row length", dim)?));
+    // SAFETY: ember_gather_rows_f32(float* out, const float* src, const int32_t* rows, uint32_t
+    // dim); block i copies dim floats from row rows[i] of src to row i of out, which the caller
+    // sized for n rows and for every listed row.
+    unsafe {
+        ctx.launch(
+            KernelModule::Embedding,
+            "ember_gather_rows_f32",
+            LaunchConfig::linear(n, BLOCK_THREADS),
+            &args,
+        )
+    }
+}
+
+/// `out[r] = argmax_c x[r, c]` (i32, ties to the lowest index) for `n_rows` rows of `n_cols`.
+pub fn argmax(
+    ctx: &GpuContext,
+    x: DevicePtr,
+    n_rows: usize,
+    n_cols: usize,
+    out: DevicePtr,
+) -> Result<(), OpsError> {
+    const OP: &str = "argmax";
+    if n_rows == 0 {
+        return Ok(());
+    }
+    if n_cols == 0 || n_cols > i32::MAX as usize {
+        return Err(OpsError::shape(
+            OP,
+            "a row length between 1 and 2^31 - 1",
+            format!("{n_cols}"),
+        ));
+    }
+    let n_rows = as_u32(OP, "the row count", n_rows)?;
+    let args = KernelArgs::new()
+        .arg(ptr(out))
+        .arg(ptr(x))
+        .arg(KernelArg::U32(n_cols as u32));
+    // SAFETY: ember_argmax_f32(int32_t* out, const float* x, uint32_t n_cols); block r reads row
+    // r of x and writes out[r]; 1024 threads is a multiple of every warp size.
+    unsafe {
+        ctx.launch(
+            KernelModule::Argmax,
+            "ember_argmax_f32",
+            LaunchConfig::linear(n_rows, 1024),
+            &args,
+        )
+    }
+}
+
+/// `out[i] = (f16) x[i]` (round to nearest even) for `i < n`: activations for the f16 GEMM.
+pub fn convert_f32_to_f16(
+    ctx: &GpuContext,
+    out: DevicePtr,
+    x: DevicePtr,
+    n: usize,
+) -> Result<(), OpsError> {
+    const OP: &str = "convert_f32_to_f16";
+    if n == 0 {
+        return Ok(());
+    }
+    let args = KernelArgs::new()
+        .arg(ptr(out))
+        .arg(ptr(x))
+        .arg(KernelArg::U32(as_u32(OP, "the element count", n)?));
+    stride_kernel(ctx, OP, "ember_convert_f16_f32", n, args)
+}

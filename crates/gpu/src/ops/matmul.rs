@@ -1,0 +1,258 @@
+//! `matmul`: `out[t] = W x[t]` for a weight matrix in any [`WeightFormat`] and f32 activations.
+//!
+//! Three paths, chosen by the number of tokens:
+//! - decode (at most [`MATVEC_MAX_TOKENS`] tokens): the quantised matrix-vector kernel
+//!   (`ops::matvec`), which reads each weight once per token straight from its blocks;
+//! - prefill with BLAS: the weights are expanded to f16 in scratch memory (`dequantize.hip`), the
+//!   activations converted to f16, and the vendor GEMM multiplies them with f32 accumulation. The
+//!   expansion is a memory pass over the weights, small next to the GEMM's arithmetic once many
+//!   tokens share it;
+//! - prefill without BLAS: ember's tiled GEMM kernel (`gemm.hip`), which dequantises weight tiles
+//!   on the fly into shared memory and accumulates in f32.
+//!
+//! Row-major to column-major: W is stored row-major `[rows, cols]`, which BLAS (column-major)
+//! reads as the `cols x rows` matrix `W^T` with leading dimension `cols`; likewise x `[n, cols]`
+//! is `x^T` (`cols x n`, ld `cols`) and out `[n, rows]` is `out^T` (`rows x n`, ld `rows`).
+//! `out^T = W x^T`, i.e. `C = op(A) B` with `A` the stored `W^T` transposed (`Op::T`), `B` the
+//! stored `x^T` as is (`Op::N`), `m = rows`, `n = n_tokens`, `k = cols`.
+//!
+//! Scratch buffers come from the pool (purpose scratch) and are dropped right after the launches
+//! that use them are queued. That is safe because every op runs on the context's one stream: the
+//! pool may hand the memory to the next allocation at once, but whatever writes it next is queued
+//! after the kernels that read it now; and the pool's trims synchronise the device before giving
+//! memory back to the driver (pool/mod.rs). cuBLAS and hipBLAS allocate their own small
+//! workspace outside the pool on first use.
+
+use crate::blas::Op;
+use crate::driver::{DevicePtr, KernelArg, KernelArgs, LaunchConfig};
+use crate::kernels::KernelModule;
+use crate::pool::Purpose;
+
+use super::elementwise::convert_f32_to_f16;
+use super::matvec::matvec;
+use super::{as_u32, DeviceMatrix, GpuContext, OpsError, WeightFormat};
+
+/// Up to this many tokens `matmul` uses the matrix-vector kernel; beyond, a GEMM.
+pub const MATVEC_MAX_TOKENS: usize = 8;
+
+/// Which implementation [`matmul_with`] uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MatmulPath {
+    /// By token count and BLAS availability (what [`matmul`] does).
+    Auto,
+    /// The matrix-vector kernel, whatever the token count.
+    MatVec,
+    /// Dequantise to f16 and call the vendor GEMM (an error without BLAS).
+    Blas,
+    /// ember's tiled GEMM kernel.
+    Tiled,
+}
+
+/// Tile of the tiled GEMM kernel: rows of W and tokens per block (gemm.hip's EMBER_GEMM_TILE_*).
+const GEMM_TILE_ROWS: usize = 64;
+const GEMM_TILE_TOKENS: usize = 64;
+const GEMM_THREADS: u32 = 256;
+/// grid.y limit of every runtime.
+const MAX_GRID_Y: usize = 65_535;
+
+/// `out[t, :] = W x[t, :]` for `n_tokens` rows of x (`w.cols` f32 each) into `n_tokens` rows of
+/// out (`w.rows` f32 each). Asynchronous on the context's stream.
+pub fn matmul(
+    ctx: &GpuContext,
+    w: &DeviceMatrix,
+    x: DevicePtr,
+    n_tokens: usize,
+    out: DevicePtr,
+) -> Result<(), OpsError> {
+    matmul_with(ctx, w, x, n_tokens, out, MatmulPath::Auto)
+}
+
+/// [`matmul`] on a chosen path.
+pub fn matmul_with(
+    ctx: &GpuContext,
+    w: &DeviceMatrix,
+    x: DevicePtr,
+    n_tokens: usize,
+    out: DevicePtr,
+    path: MatmulPath,
+) -> Result<(), OpsError> {
+    const OP: &str = "matmul";
+    if n_tokens == 0 || w.rows == 0 {
+        return Ok(());
+    }
+    if w.format.row_bytes(w.cols).is_none() || w.cols == 0 {
+        return Err(OpsError::shape(
+            OP,
+            format!(
+                "a column count that is a positive multiple of {} for {}",
+                w.format.block_values(),
+                w.format
+            ),
+            format!("{}", w.cols),
+        ));
+    }
+    let path = match path {
+        MatmulPath::Auto if n_tokens <= MATVEC_MAX_TOKENS => MatmulPath::MatVec,
+        MatmulPath::Auto if ctx.blas_handle().is_some() => MatmulPath::Blas,
+        MatmulPath::Auto => MatmulPath::Tiled,
+        other => other,
+    };
+    match path {
+        MatmulPath::MatVec => matvec(ctx, w, x, n_tokens, out),
+        MatmulPath::Blas => matmul_blas(ctx, w, x, n_tokens, out),
+        MatmulPath::Tiled | MatmulPath::Auto => matmul_tiled(ctx, w, x, n_tokens, out),
+    }
+}
+
+fn matmul_blas(
+    ctx: &GpuContext,
+    w: &DeviceMatrix,
+    x: DevicePtr,
+    n_tokens: usize,
+    out: DevicePtr,
+) -> Result<(), OpsError> {
+    const OP: &str = "matmul (BLAS)";
+    let Some(blas) = ctx.blas_handle() else {
+        return Err(OpsError::Unsupported {
+            op: OP,
+            what: format!("this context: {}", ctx.blas()),
+        });
+    };
+    let x_values = n_tokens
+        .checked_mul(w.cols)
+        .ok_or_else(|| OpsError::shape(OP, "tokens times columns below 2^64", "an overflow"))?;
+    let x_f16 = ctx.alloc(Purpose::Scratch, x_values as u64 * 2)?;
+    convert_f32_to_f16(ctx, x_f16.ptr(), x, x_values)?;
+    let chunk_rows = f16_chunk_rows(w);
+    let row_bytes = w.row_bytes() as u64;
+    // One scratch buffer for every chunk: chunk i + 1's expansion is queued after chunk i's GEMM
+    // on the same stream, so it never overwrites values the GEMM still reads.
+    let scratch = if w.format == WeightFormat::F16 {
+        None
+    } else {
+        Some(ctx.alloc(Purpose::Scratch, (chunk_rows * w.cols * 2) as u64)?)
+    };
+    let mut first_row = 0usize;
+    while first_row < w.rows {
+        let rows = chunk_rows.min(w.rows - first_row);
+        let chunk = w.ptr().offset(first_row as u64 * row_bytes);
+        let a = match &scratch {
+            None => chunk,
+            Some(buffer) => {
+                expand_rows_to_f16(ctx, w.format, chunk, rows, w.cols, buffer.ptr())?;
+                buffer.ptr()
+            }
+        };
+        // Rows first_row.. of W give rows first_row.. of out^T (ld = w.rows), i.e. an offset of
+        // first_row floats into out.
+        let c = out.offset(first_row as u64 * 4);
+        // SAFETY: `a` holds rows x cols f16 values (the f16 matrix's own rows, or their expansion
+        // queued above on the same stream), x_f16 n_tokens x cols, and the caller sized out for
+        // n_tokens x w.rows f32, of which this GEMM writes columns first_row..first_row + rows;
+        // the scratch buffers are released only after the GEMMs are queued, and stream order
+        // keeps any reuse after them (module docs).
+        unsafe {
+            blas.gemm_f16_f32(
+                Op::T,
+                Op::N,
+                rows,
+                n_tokens,
+                w.cols,
+                a,
+                w.cols,
+                x_f16.ptr(),
+                w.cols,
+                c,
+                w.rows,
+            )
+        }?;
+        first_row += rows;
+    }
+    Ok(())
+}
+
+/// Most bytes of f16 weights expanded at once. Expanding a large matrix in row chunks bounds the
+/// scratch memory (a 128k-row output matrix would otherwise take 1 GiB) and keeps each chunk
+/// mostly in L2 between its expansion and its GEMM.
+const F16_SCRATCH_BYTES: usize = 64 << 20;
+
+/// Rows of `w` expanded and multiplied per GEMM: as many as fit in [`F16_SCRATCH_BYTES`], a
+/// multiple of 256 so every GEMM keeps a tile-friendly shape, and all rows when they fit.
+fn f16_chunk_rows(w: &DeviceMatrix) -> usize {
+    let fit = F16_SCRATCH_BYTES / (w.cols * 2).max(1);
+    let rounded = (fit / 256 * 256).max(256);
+    rounded.min(w.rows)
+}
+
+/// Expands `rows` rows of `cols` values starting at `src` (in `format`) to f16 at `dst`.
+fn expand_rows_to_f16(
+    ctx: &GpuContext,
+    format: WeightFormat,
+    src: DevicePtr,
+    rows: usize,
+    cols: usize,
+    dst: DevicePtr,
+) -> Result<(), OpsError> {
+    const OP: &str = "matmul (BLAS)";
+    if format == WeightFormat::F32 {
+        return convert_f32_to_f16(ctx, dst, src, rows * cols);
+    }
+    let name = format!("ember_dequantize_f16_{}", format.kernel_suffix());
+    let args = KernelArgs::new()
+        .arg(KernelArg::Ptr(dst))
+        .arg(KernelArg::Ptr(src))
+        .arg(KernelArg::U32(as_u32(OP, "the column count", cols)?));
+    let rows = as_u32(OP, "the row count", rows)?;
+    // SAFETY: ember_dequantize_f16_*(ember_half* out, const uint8_t* w, uint32_t n_cols); block r
+    // reads row r of the chunk at src (rows x row_bytes(cols), inside W) and writes cols halves
+    // of row r at dst, which the caller allocated for rows x cols halves.
+    unsafe {
+        ctx.launch(
+            KernelModule::Dequantize,
+            &name,
+            LaunchConfig::linear(rows, 256),
+            &args,
+        )
+    }
+}
+
+fn matmul_tiled(
+    ctx: &GpuContext,
+    w: &DeviceMatrix,
+    x: DevicePtr,
+    n_tokens: usize,
+    out: DevicePtr,
+) -> Result<(), OpsError> {
+    const OP: &str = "matmul (tiled)";
+    let rows = as_u32(OP, "the row count", w.rows)?;
+    let cols = as_u32(OP, "the column count", w.cols)?;
+    let name = format!("ember_gemm_{}", w.format.kernel_suffix());
+    let grid_x = w.rows.div_ceil(GEMM_TILE_ROWS) as u32;
+    // grid.y is capped at 65535 blocks by every runtime: larger batches go in slices.
+    let tokens_per_launch = MAX_GRID_Y * GEMM_TILE_TOKENS;
+    let mut first = 0usize;
+    while first < n_tokens {
+        let count = (n_tokens - first).min(tokens_per_launch);
+        let x_slice = x.offset((first * w.cols * 4) as u64);
+        let out_slice = out.offset((first * w.rows * 4) as u64);
+        let args = KernelArgs::new()
+            .arg(KernelArg::Ptr(out_slice))
+            .arg(KernelArg::Ptr(w.ptr()))
+            .arg(KernelArg::Ptr(x_slice))
+            .arg(KernelArg::U32(count as u32))
+            .arg(KernelArg::U32(rows))
+            .arg(KernelArg::U32(cols));
+        let config = LaunchConfig {
+            grid: [grid_x, count.div_ceil(GEMM_TILE_TOKENS) as u32, 1],
+            block: [GEMM_THREADS, 1, 1],
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: ember_gemm_*(float* out, const uint8_t* w, const float* x, uint32_t n_tokens,
+        // uint32_t n_rows, uint32_t n_cols); the kernel bounds-checks rows and tokens of its tile,
+        // reads W (rows x row_bytes(cols)) and count rows of x from x_slice, and writes count rows
+        // of rows floats from out_slice, inside what the caller sized for n_tokens.
+        unsafe { ctx.launch(KernelModule::Gemm, &name, config, &args) }?;
+        first += count;
+    }
+    Ok(())
+}

@@ -1,0 +1,614 @@
+//! Device ops the engine's GPU backend is written in: one [`GpuContext`] per device (driver,
+//! stream, pool, kernels, optional BLAS) and one function per op, each a kernel launch (or a BLAS
+//! call) queued on the context's stream.
+//!
+//! Contract with the engine (B):
+//! - Every op is asynchronous on [`GpuContext::stream`] and returns `Result<(), OpsError>`; only
+//!   [`GpuContext::download`] and [`GpuContext::synchronize`] wait. Stream order is what makes
+//!   reusing a scratch buffer for the next op safe.
+//! - Pointers are [`DevicePtr`]s into buffers the caller owns; element counts are `usize`.
+//!   Activations are row-major f32: a buffer of `n` rows of `dim` values is `buf[t * dim + i]`.
+//! - Shapes are checked against what the kernels can do (32-bit counts, block multiples) and a
+//!   violation is an [`OpsError::Shape`], never a launch with wrong sizes. Buffer lengths are not
+//!   known to the ops (a `DevicePtr` carries none): they are the caller's responsibility.
+//!
+//! Beyond the plan's list (all additions; every planned signature is as agreed):
+//! [`matmul_with`] and [`MatmulPath`] force the matrix-vector, BLAS or tiled path (tests and the
+//! `ops_check` example use them); [`convert_f32_to_f16`]; [`GpuContext::with_options`] (turn BLAS
+//! off without the environment), [`GpuContext::copy`], [`GpuContext::zero`],
+//! [`GpuContext::warp_size`], [`GpuContext::kernels`]; [`WeightFormat::ALL`],
+//! [`WeightFormat::ggml_type_id`] / [`WeightFormat::from_ggml_type_id`] (GGUF type ids, so the
+//! engine needs no name round trip); [`DeviceMatrix::new`] (checks the buffer size) and
+//! [`DeviceMatrix::bytes_for`]; [`OpsError::is_out_of_memory`]. `get_rows` ids, `rope`
+//! positions, `gather_rows` rows and `argmax` output are i32 on the device. An out-of-range
+//! `get_rows` id gives a row of NaNs rather than a fault.
+//!
+//! The shape of this module (a context owning the stream and a kernel table, free functions per op)
+//! follows candle's CUDA backend; the kernels themselves are ember's own (`kernels/*.hip`).
+
+mod attention;
+mod elementwise;
+mod matmul;
+mod matvec;
+
+use std::fmt;
+use std::sync::Arc;
+
+use thiserror::Error;
+
+use crate::blas::{Blas, BlasError, BlasStatus};
+use crate::driver::{
+    DeviceOrdinal, DevicePtr, Driver, DriverError, KernelArgs, LaunchConfig, StreamHandle,
+};
+use crate::kernels::{KernelError, KernelLibrary, KernelModule};
+use crate::pool::{DevicePool, PoolBuffer, PoolError, Purpose};
+
+pub use attention::{attention, kv_store, AttentionArgs};
+pub use elementwise::{
+    add, argmax, convert_f32_to_f16, gather_rows, geglu, get_rows, rms_norm, rope, scale, softcap,
+    swiglu, RopeMode,
+};
+pub use matmul::{matmul, matmul_with, MatmulPath, MATVEC_MAX_TOKENS};
+
+/// Environment variable that turns the BLAS library off (`1`): `matmul` then uses the tiled
+/// kernel for prefill. For comparisons and for hosts whose BLAS misbehaves.
+pub const DISABLE_BLAS_ENV: &str = "EMBER_DISABLE_BLAS";
+
+/// A failed op. Every variant names the op or call that failed.
+#[derive(Debug, Error)]
+pub enum OpsError {
+    #[error("{operation} on device {device}: {source}")]
+    Driver {
+        device: DeviceOrdinal,
+        operation: String,
+        source: DriverError,
+    },
+    /// Kept whole so callers can tell out-of-memory and budget refusals apart.
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+    #[error(transparent)]
+    Blas(#[from] BlasError),
+    #[error("{op}: expected {expected}, found {found}")]
+    Shape {
+        op: &'static str,
+        expected: String,
+        found: String,
+    },
+    #[error("{op} does not support {what}")]
+    Unsupported { op: &'static str, what: String },
+    #[error("{0} is not built yet")]
+    NotBuilt(&'static str),
+}
+
+impl OpsError {
+    /// Whether the op failed for lack of device memory (pool out of memory or over budget).
+    pub fn is_out_of_memory(&self) -> bool {
+        match self {
+            OpsError::Pool(PoolError::OutOfMemory { .. })
+            | OpsError::Pool(PoolError::BudgetExceeded { .. }) => true,
+            OpsError::Driver { source, .. } => source.is_out_of_memory(),
+            _ => false,
+        }
+    }
+
+    pub(crate) fn shape(
+        op: &'static str,
+        expected: impl Into<String>,
+        found: impl Into<String>,
+    ) -> OpsError {
+        OpsError::Shape {
+            op,
+            expected: expected.into(),
+            found: found.into(),
+        }
+    }
+}
+
+/// Storage formats a [`DeviceMatrix`] can hold: GGUF's tensor types that have kernels.
+#[allow(non_camel_case_types)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WeightFormat {
+    F32,
+    F16,
+    BF16,
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Q8_0,
+    Q2K,
+    Q3K,
+    Q4K,
+    Q5K,
+    Q6K,
+}
+
+impl WeightFormat {
+    pub const ALL: [WeightFormat; 13] = [
+        WeightFormat::F32,
+        WeightFormat::F16,
+        WeightFormat::BF16,
+        WeightFormat::Q4_0,
+        WeightFormat::Q4_1,
+        WeightFormat::Q5_0,
+        WeightFormat::Q5_1,
+        WeightFormat::Q8_0,
+        WeightFormat::Q2K,
+        WeightFormat::Q3K,
+        WeightFormat::Q4K,
+        WeightFormat::Q5K,
+        WeightFormat::Q6K,
+    ];
+
+    /// Values per block (1 for the float formats).
+    pub fn block_values(self) -> usize {
+        match self {
+            WeightFormat::F32 | WeightFormat::F16 | WeightFormat::BF16 => 1,
+            WeightFormat::Q4_0
+            | WeightFormat::Q4_1
+            | WeightFormat::Q5_0
+            | WeightFormat::Q5_1
+            | WeightFormat::Q8_0 => 32,
+            WeightFormat::Q2K
+            | WeightFormat::Q3K
+            | WeightFormat::Q4K
+            | WeightFormat::Q5K
+            | WeightFormat::Q6K => 256,
+        }
+    }
+
+    /// Bytes per block, as GGML lays the blocks out.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            WeightFormat::F32 => 4,
+            WeightFormat::F16 | WeightFormat::BF16 => 2,
+            // f16 scale + 16 bytes of nibbles.
+            WeightFormat::Q4_0 => 18,
+            // f16 scale and minimum + 16 bytes of nibbles.
+            WeightFormat::Q4_1 => 20,
+            // f16 scale + 4 bytes of high bits + 16 bytes of nibbles.
+            WeightFormat::Q5_0 => 22,
+            WeightFormat::Q5_1 => 24,
+            WeightFormat::Q8_0 => 34,
+            WeightFormat::Q2K => 84,
+            WeightFormat::Q3K => 110,
+            WeightFormat::Q4K => 144,
+            WeightFormat::Q5K => 176,
+            WeightFormat::Q6K => 210,
+        }
+    }
+
+    /// Bytes of one row of `cols` values, or `None` when `cols` is not a whole number of blocks.
+    pub fn row_bytes(self, cols: usize) -> Option<usize> {
+        let block_values = self.block_values();
+        if !cols.is_multiple_of(block_values) {
+            return None;
+        }
+        (cols / block_values).checked_mul(self.block_bytes())
+    }
+
+    /// The GGML name (`q4_K`, `f16`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            WeightFormat::F32 => "f32",
+            WeightFormat::F16 => "f16",
+            WeightFormat::BF16 => "bf16",
+            WeightFormat::Q4_0 => "q4_0",
+            WeightFormat::Q4_1 => "q4_1",
+            WeightFormat::Q5_0 => "q5_0",
+            WeightFormat::Q5_1 => "q5_1",
+            WeightFormat::Q8_0 => "q8_0",
+            WeightFormat::Q2K => "q2_K",
+            WeightFormat::Q3K => "q3_K",
+            WeightFormat::Q4K => "q4_K",
+            WeightFormat::Q5K => "q5_K",
+            WeightFormat::Q6K => "q6_K",
+        }
+    }
+
+    /// The suffix of this format's kernel names (`ember_matvec_q4_k`).
+    pub fn kernel_suffix(self) -> &'static str {
+        match self {
+            WeightFormat::F32 => "f32",
+            WeightFormat::F16 => "f16",
+            WeightFormat::BF16 => "bf16",
+            WeightFormat::Q4_0 => "q4_0",
+            WeightFormat::Q4_1 => "q4_1",
+            WeightFormat::Q5_0 => "q5_0",
+            WeightFormat::Q5_1 => "q5_1",
+            WeightFormat::Q8_0 => "q8_0",
+            WeightFormat::Q2K => "q2_k",
+            WeightFormat::Q3K => "q3_k",
+            WeightFormat::Q4K => "q4_k",
+            WeightFormat::Q5K => "q5_k",
+            WeightFormat::Q6K => "q6_k",
+        }
+    }
+
+    /// Parses a GGML type name, case-insensitively and with or without the underscore of the
+    /// k-quants (`Q4_K`, `q4_k`, `q4k`).
+    pub fn from_name(name: &str) -> Option<WeightFormat> {
+        let wanted = name.trim().to_ascii_lowercase().replace('_', "");
+        WeightFormat::ALL
+            .into_iter()
+            .find(|format| format.name().to_ascii_lowercase().replace('_', "") == wanted)
+    }
+
+    /// The GGUF tensor type id (`ggml_type`) of this format.
+    pub fn ggml_type_id(self) -> u32 {
+        match self {
+            WeightFormat::F32 => 0,
+            WeightFormat::F16 => 1,
+            WeightFormat::Q4_0 => 2,
+            WeightFormat::Q4_1 => 3,
+            WeightFormat::Q5_0 => 6,
+            WeightFormat::Q5_1 => 7,
+            WeightFormat::Q8_0 => 8,
+            WeightFormat::Q2K => 10,
+            WeightFormat::Q3K => 11,
+            WeightFormat::Q4K => 12,
+            WeightFormat::Q5K => 13,
+            WeightFormat::Q6K => 14,
+            WeightFormat::BF16 => 30,
+        }
+    }
+
+    /// The format of a GGUF tensor type id (`ggml_type`), when it has kernels.
+    pub fn from_ggml_type_id(id: u32) -> Option<WeightFormat> {
+        Some(match id {
+            0 => WeightFormat::F32,
+            1 => WeightFormat::F16,
+            2 => WeightFormat::Q4_0,
+            3 => WeightFormat::Q4_1,
+            6 => WeightFormat::Q5_0,
+            7 => WeightFormat::Q5_1,
+            8 => WeightFormat::Q8_0,
+            10 => WeightFormat::Q2K,
+            11 => WeightFormat::Q3K,
+            12 => WeightFormat::Q4K,
+            13 => WeightFormat::Q5K,
+            14 => WeightFormat::Q6K,
+            30 => WeightFormat::BF16,
+            _ => return None,
+        })
+    }
+}
+
+impl fmt::Display for WeightFormat {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A weight matrix in device memory: `rows` rows of `cols` values in `format`, row-major, each
+/// row `format.row_bytes(cols)` bytes, rows packed back to back.
+#[derive(Debug)]
+pub struct DeviceMatrix {
+    pub buf: PoolBuffer,
+    pub format: WeightFormat,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl DeviceMatrix {
+    /// Checks that `buf` is large enough for the shape and builds the matrix.
+    pub fn new(
+        buf: PoolBuffer,
+        format: WeightFormat,
+        rows: usize,
+        cols: usize,
+    ) -> Result<DeviceMatrix, OpsError> {
+        let needed = DeviceMatrix::bytes_for(format, rows, cols)?;
+        if buf.len() < needed as u64 {
+            return Err(OpsError::shape(
+                "DeviceMatrix::new",
+                format!("a buffer of at least {needed} bytes for {rows}x{cols} {format}"),
+                format!("{} bytes", buf.len()),
+            ));
+        }
+        Ok(DeviceMatrix {
+            buf,
+            format,
+            rows,
+            cols,
+        })
+    }
+
+    /// Bytes a `rows` x `cols` matrix in `format` occupies.
+    pub fn bytes_for(format: WeightFormat, rows: usize, cols: usize) -> Result<usize, OpsError> {
+        format
+            .row_bytes(cols)
+            .and_then(|row| row.checked_mul(rows))
+            .ok_or_else(|| {
+                OpsError::shape(
+                    "DeviceMatrix",
+                    format!(
+                        "a column count that is a multiple of {} for {format}",
+                        format.block_values()
+                    ),
+                    format!("{rows}x{cols}"),
+                )
+            })
+    }
+
+    pub fn ptr(&self) -> DevicePtr {
+        self.buf.ptr()
+    }
+
+    /// Bytes of one row.
+    pub fn row_bytes(&self) -> usize {
+        self.format.row_bytes(self.cols).unwrap_or(0)
+    }
+}
+
+/// Options of a [`GpuContext`].
+#[derive(Clone, Debug, Default)]
+pub struct GpuContextOptions {
+    /// Do not load a BLAS library (as `EMBER_DISABLE_BLAS=1` does).
+    pub disable_blas: bool,
+}
+
+/// One device as the ops see it: its driver, its own stream, its pool, its kernels, and BLAS when
+/// a library could be loaded.
+pub struct GpuContext {
+    driver: Arc<dyn Driver>,
+    device: DeviceOrdinal,
+    stream: StreamHandle,
+    pool: Arc<DevicePool>,
+    kernels: Arc<KernelLibrary>,
+    arch: String,
+    warp_size: u32,
+    blas_status: BlasStatus,
+    blas: Option<Blas>,
+}
+
+impl fmt::Debug for GpuContext {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GpuContext")
+            .field("backend", &self.driver.backend())
+            .field("device", &self.device)
+            .field("arch", &self.arch)
+            .field("stream", &self.stream)
+            .field("blas", &self.blas_status)
+            .finish()
+    }
+}
+
+impl GpuContext {
+    /// Creates the context's stream, resolves the device's architecture and tries to load BLAS
+    /// (unless `EMBER_DISABLE_BLAS=1`); a missing BLAS is recorded in [`GpuContext::blas`], not
+    /// an error.
+    pub fn new(pool: Arc<DevicePool>, kernels: Arc<KernelLibrary>) -> Result<GpuContext, OpsError> {
+        let disable_blas = std::env::var(DISABLE_BLAS_ENV).is_ok_and(|v| v.trim() == "1");
+        GpuContext::with_options(pool, kernels, &GpuContextOptions { disable_blas })
+    }
+
+    /// [`GpuContext::new`] with explicit options (the environment is not read).
+    pub fn with_options(
+        pool: Arc<DevicePool>,
+        kernels: Arc<KernelLibrary>,
+        options: &GpuContextOptions,
+    ) -> Result<GpuContext, OpsError> {
+        let driver = Arc::clone(pool.driver());
+        let device = pool.device();
+        let arch = kernels.arch(&*driver, device)?;
+        let warp_size = driver
+            .device_info(device)
+            .map_err(|source| OpsError::Driver {
+                device,
+                operation: "querying the device".to_string(),
+                source,
+            })?
+            .warp_size;
+        let stream = driver
+            .stream_create(device)
+            .map_err(|source| OpsError::Driver {
+                device,
+                operation: "creating the ops stream".to_string(),
+                source,
+            })?;
+        let (blas, blas_status) = if options.disable_blas {
+            (
+                None,
+                BlasStatus::Unavailable {
+                    reason: format!("turned off ({DISABLE_BLAS_ENV}=1 or a context option)"),
+                },
+            )
+        } else {
+            match Blas::new(&*driver, device, stream) {
+                Ok(blas) => {
+                    let status = BlasStatus::Loaded {
+                        library: blas.library_path().to_path_buf(),
+                    };
+                    (Some(blas), status)
+                }
+                Err(error) => {
+                    tracing::info!(device, %error, "no BLAS library: prefill uses ember's tiled GEMM kernel");
+                    (
+                        None,
+                        BlasStatus::Unavailable {
+                            reason: error.to_string(),
+                        },
+                    )
+                }
+            }
+        };
+        Ok(GpuContext {
+            driver,
+            device,
+            stream,
+            pool,
+            kernels,
+            arch,
+            warp_size,
+            blas_status,
+            blas,
+        })
+    }
+
+    pub fn driver(&self) -> &Arc<dyn Driver> {
+        &self.driver
+    }
+
+    pub fn device(&self) -> DeviceOrdinal {
+        self.device
+    }
+
+    pub fn pool(&self) -> &Arc<DevicePool> {
+        &self.pool
+    }
+
+    pub fn kernels(&self) -> &Arc<KernelLibrary> {
+        &self.kernels
+    }
+
+    pub fn stream(&self) -> StreamHandle {
+        self.stream
+    }
+
+    /// The architecture name kernels are selected by (`sm_90`, `gfx1201`).
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+
+    /// Lanes per warp (32 on NVIDIA, 32 or 64 on AMD).
+    pub fn warp_size(&self) -> u32 {
+        self.warp_size
+    }
+
+    /// Whether BLAS was loaded, and from where or why not.
+    pub fn blas(&self) -> &BlasStatus {
+        &self.blas_status
+    }
+
+    pub(crate) fn blas_handle(&self) -> Option<&Blas> {
+        self.blas.as_ref()
+    }
+
+    /// Waits for everything queued on the context's stream.
+    pub fn synchronize(&self) -> Result<(), OpsError> {
+        self.driver
+            .stream_synchronize(self.device, self.stream)
+            .map_err(|source| self.driver_error("synchronizing the ops stream", source))
+    }
+
+    /// Allocates from the device's pool.
+    pub fn alloc(&self, purpose: Purpose, bytes: u64) -> Result<PoolBuffer, OpsError> {
+        Ok(self.pool.alloc(purpose, bytes)?)
+    }
+
+    /// Copies `bytes` to `dst` on the context's stream and returns once the copy is done, so the
+    /// host memory may be reused at once.
+    pub fn upload(&self, dst: DevicePtr, bytes: &[u8]) -> Result<(), OpsError> {
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        self.driver
+            .upload(self.device, dst, bytes, self.stream)
+            .map_err(|source| self.driver_error("uploading to the device", source))
+    }
+
+    /// Waits for the stream, then copies `out.len()` bytes from `src` into `out`.
+    pub fn download(&self, src: DevicePtr, out: &mut [u8]) -> Result<(), OpsError> {
+        if out.is_empty() {
+            return self.synchronize();
+        }
+        self.driver
+            .download(self.device, out, src, self.stream)
+            .map_err(|source| self.driver_error("downloading from the device", source))
+    }
+
+    /// Queues a device-to-device copy of `bytes` bytes on the context's stream.
+    pub fn copy(&self, dst: DevicePtr, src: DevicePtr, bytes: u64) -> Result<(), OpsError> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.driver
+            .copy_dtod_async(self.device, dst, src, bytes, self.stream)
+            .map_err(|source| self.driver_error("copying on the device", source))
+    }
+
+    /// Queues a fill of `bytes` bytes at `dst` with zeros on the context's stream.
+    pub fn zero(&self, dst: DevicePtr, bytes: u64) -> Result<(), OpsError> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.driver
+            .memset_d8_async(self.device, dst, 0, bytes, self.stream)
+            .map_err(|source| self.driver_error("zeroing device memory", source))
+    }
+
+    fn driver_error(&self, operation: &str, source: DriverError) -> OpsError {
+        OpsError::Driver {
+            device: self.device,
+            operation: operation.to_string(),
+            source,
+        }
+    }
+
+    /// Queues `name` of `module` with `args` on the context's stream.
+    ///
+    /// # Safety
+    /// `args` must match the kernel's parameter list, and every pointer in it must be valid for
+    /// the accesses the kernel makes with `config`.
+    pub(crate) unsafe fn launch(
+        &self,
+        module: KernelModule,
+        name: &str,
+        config: LaunchConfig,
+        args: &KernelArgs,
+    ) -> Result<(), OpsError> {
+        let function = self
+            .kernels
+            .function(&*self.driver, self.device, module, name)?;
+        // SAFETY: forwarded from this function's contract.
+        unsafe {
+            self.driver
+                .launch(self.device, function, &config, self.stream, args)
+        }
+        .map_err(|source| self.driver_error(&format!("launching {name}"), source))
+    }
+}
+
+impl Drop for GpuContext {
+    fn drop(&mut self) {
+        // BLAS is torn down first: its handle refers to the stream.
+        self.blas = None;
+        let result = self
+            .driver
+            .stream_synchronize(self.device, self.stream)
+            .and_then(|()| self.driver.stream_destroy(self.device, self.stream));
+        if let Err(error) = result {
+            tracing::warn!(device = self.device, %error, "destroying the ops stream failed");
+        }
+    }
+}
+
+/// A count as the `u32` a kernel takes, or a shape error naming the op.
+pub(crate) fn as_u32(op: &'static str, what: &str, value: usize) -> Result<u32, OpsError> {
+    u32::try_from(value).map_err(|_| {
+        OpsError::shape(
+            op,
+            format!("{what} below 2^32"),
+            format!("{what} = {value}"),
+        )
+    })
+}
+
+/// Threads per block of the row-wise and element-wise kernels.
+pub(crate) const BLOCK_THREADS: u32 = 256;
+
+/// Largest grid.x of a grid-stride kernel: enough blocks to fill any current GPU many times over,
+/// well under every runtime's limit (2^31 - 1).
+pub(crate) const MAX_STRIDE_BLOCKS: u32 = 1 << 16;
+
+/// The launch of a grid-stride kernel over `n` elements.
+pub(crate) fn stride_launch(n: u32) -> LaunchConfig {
+    let blocks = n.div_ceil(BLOCK_THREADS).clamp(1, MAX_STRIDE_BLOCKS);
+    LaunchConfig::linear(blocks, BLOCK_THREADS)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,680 @@
+//! Tests of the ops layer without a GPU: format sizes against ember-gguf, shape checks, and every
+//! launch wrapper run on the host driver against a Rust twin of its kernel.
+//!
+//! Each twin decodes its arguments exactly as the kernel's C signature in `kernels/*.hip` declares
+//! them (argument kinds are checked by `HostLaunch`), and does the work of the blocks its launch
+//! configuration asks for, so a wrapper that passes arguments in the wrong order or launches too
+//! few blocks fails here. The arithmetic of the real kernels is tested on the GPU by
+//! kernels/tests/harness.cu and by the `ops_check` example.
+
+use std::path::Path;
+
+use half::f16;
+
+use super::*;
+use crate::host::{HostDriver, HostDriverConfig, HostLaunch};
+use crate::kernels::KERNEL_MODULES;
+use crate::pool::{PoolConfig, PoolKind};
+
+#[test]
+fn weight_format_names_round_trip() {
+    for format in WeightFormat::ALL {
+        assert_eq!(WeightFormat::from_name(format.name()), Some(format));
+        assert_eq!(
+            WeightFormat::from_name(&format.name().to_ascii_uppercase()),
+            Some(format)
+        );
+        assert_eq!(
+            WeightFormat::from_ggml_type_id(format.ggml_type_id()),
+            Some(format)
+        );
+    }
+    assert_eq!(WeightFormat::from_name("q4k"), Some(WeightFormat::Q4K));
+    assert_eq!(WeightFormat::from_name("iq2_xxs"), None);
+    assert_eq!(WeightFormat::from_ggml_type_id(16), None);
+}
+
+#[test]
+fn weight_format_sizes_match_ggml() {
+    for format in WeightFormat::ALL {
+        let ty = ember_quant::GgmlType::from_u32(format.ggml_type_id()).unwrap();
+        assert_eq!(
+            ty.name().to_ascii_lowercase(),
+            format.name().to_ascii_lowercase()
+        );
+        assert_eq!(format.block_values(), ty.block_size(), "{format}");
+        assert_eq!(format.block_bytes(), ty.type_size(), "{format}");
+        for cols in [32usize, 256, 4096, 14336, 100] {
+            assert_eq!(
+                format.row_bytes(cols).map(|b| b as u64),
+                ty.row_bytes(cols as u64),
+                "{format} with {cols} columns"
+            );
+        }
+    }
+}
+
+#[test]
+fn matrix_shapes_are_checked() {
+    let error = DeviceMatrix::bytes_for(WeightFormat::Q4K, 4, 100).unwrap_err();
+    assert_eq!(
+        error.to_string(),
+        "DeviceMatrix: expected a column count that is a multiple of 256 for q4_K, found 4x100"
+    );
+    assert_eq!(
+        DeviceMatrix::bytes_for(WeightFormat::Q4_0, 3, 64).unwrap(),
+        3 * 2 * 18
+    );
+}
+
+struct Fixture {
+    ctx: GpuContext,
+    _dir: tempfile::TempDir,
+}
+
+/// A context on the host driver, with a code object file for every module (the host driver
+/// "contains" every registered kernel) and Rust twins of the kernels registered.
+fn fixture() -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
+    for spec in KERNEL_MODULES {
+        let path = dir.path().join("host").join(format!("{}.hsaco", spec.stem));
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, b"host code object").unwrap();
+    }
+    let driver = Arc::new(HostDriver::new(HostDriverConfig::default()));
+    register_twins(&driver);
+    let dyn_driver: Arc<dyn Driver> = driver.clone();
+    let pool = DevicePool::with_kind(
+        dyn_driver,
+        0,
+        PoolKind::Caching,
+        "test".to_string(),
+        PoolConfig::default(),
+    )
+    .unwrap();
+    let kernels = Arc::new(KernelLibrary::new(dir.path().to_path_buf()));
+    let ctx = GpuContext::with_options(
+        Arc::new(pool),
+        kernels,
+        &GpuContextOptions { disable_blas: true },
+    )
+    .unwrap();
+    Fixture { ctx, _dir: dir }
+}
+
+fn read_i32(launch: &HostLaunch<'_>, ptr: DevicePtr, n: usize) -> Result<Vec<i32>, String> {
+    let mut bytes = vec![0u8; n * 4];
+    launch.read(ptr, &mut bytes)?;
+    Ok(bytes
+        .chunks_exact(4)
+        .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect())
+}
+
+/// Elements a grid-stride kernel covers with its launch.
+fn stride_coverage(launch: &HostLaunch<'_>, n: u32) -> Result<usize, String> {
+    let threads = launch.config().grid[0] as u64 * launch.config().block[0] as u64;
+    if threads == 0 {
+        return Err("empty launch".to_string());
+    }
+    // A grid-stride loop covers everything with any positive launch size.
+    Ok(n as usize)
+}
+
+fn register_binary(driver: &HostDriver, name: &str, f: fn(f32, f32) -> f32) {
+    driver.register_kernel(name, move |l| {
+        let (out, a, b) = (l.ptr_arg(0)?, l.ptr_arg(1)?, l.ptr_arg(2)?);
+        let n = stride_coverage(l, l.u32_arg(3)?)?;
+        let (a, b) = (l.read_f32(a, n)?, l.read_f32(b, n)?);
+        let values: Vec<f32> = a.iter().zip(&b).map(|(&x, &y)| f(x, y)).collect();
+        l.write_f32(out, &values)
+    });
+}
+
+fn gelu_ggml(x: f32) -> f32 {
+    if x <= -10.0 {
+        0.0
+    } else if x >= 10.0 {
+        x
+    } else {
+        let h = f16::from_f32(x).to_f32();
+        let g = 0.5 * h * (1.0 + (0.797_884_6 * h * (1.0 + 0.044715 * h * h)).tanh());
+        f16::from_f32(g).to_f32()
+    }
+}
+
+fn register_twins(driver: &HostDriver) {
+    // ember_add_f32(float* out, const float* a, const float* b, uint32_t n, uint32_t n_b)
+    driver.register_kernel("ember_add_f32", |l| {
+        let (out, a, b) = (l.ptr_arg(0)?, l.ptr_arg(1)?, l.ptr_arg(2)?);
+        let n = stride_coverage(l, l.u32_arg(3)?)?;
+        let n_b = l.u32_arg(4)? as usize;
+        let (a, b) = (l.read_f32(a, n)?, l.read_f32(b, n_b)?);
+        let values: Vec<f32> = (0..n).map(|i| a[i] + b[i % n_b]).collect();
+        l.write_f32(out, &values)
+    });
+    // ember_scale_f32(float* out, const float* x, float scale, uint32_t n) and
+    // ember_softcap_f32(float* out, const float* x, float cap, uint32_t n)
+    for (name, f) in [
+        (
+            "ember_scale_f32",
+            (|x: f32, s: f32| x * s) as fn(f32, f32) -> f32,
+        ),
+        ("ember_softcap_f32", |x: f32, cap: f32| {
+            cap * (x / cap).tanh()
+        }),
+    ] {
+        driver.register_kernel(name, move |l| {
+            let (out, x, s) = (l.ptr_arg(0)?, l.ptr_arg(1)?, l.f32_arg(2)?);
+            let n = stride_coverage(l, l.u32_arg(3)?)?;
+            let values: Vec<f32> = l.read_f32(x, n)?.iter().map(|&v| f(v, s)).collect();
+            l.write_f32(out, &values)
+        });
+    }
+    // ember_silu_mul_f32 / ember_gelu_mul_f32(float* out, const float* gate, const float* up, uint32_t n)
+    register_binary(driver, "ember_silu_mul_f32", |g, u| {
+        g / (1.0 + (-g).exp()) * u
+    });
+    register_binary(driver, "ember_gelu_mul_f32", |g, u| gelu_ggml(g) * u);
+    // ember_convert_f16_f32(ember_half* out, const float* x, uint32_t n)
+    driver.register_kernel("ember_convert_f16_f32", |l| {
+        let (out, x) = (l.ptr_arg(0)?, l.ptr_arg(1)?);
+        let n = stride_coverage(l, l.u32_arg(2)?)?;
+        let bytes: Vec<u8> = l
+            .read_f32(x, n)?
+            .iter()
+            .flat_map(|&v| f16::from_f32(v).to_le_bytes())
+            .collect();
+        l.write(out, &bytes)
+    });
+    // ember_rms_norm_f32(float* out, const float* x, const float* weight, uint32_t n_cols, float eps);
+    // one block per row.
+    driver.register_kernel("ember_rms_norm_f32", |l| {
+        let (out, x, weight) = (l.ptr_arg(0)?, l.ptr_arg(1)?, l.ptr_arg(2)?);
+        let (n_cols, eps) = (l.u32_arg(3)? as usize, l.f32_arg(4)?);
+        let weight = l.read_f32(weight, n_cols)?;
+        for row in 0..l.config().grid[0] as u64 {
+            let offset = row * n_cols as u64 * 4;
+            let values = l.read_f32(x.offset(offset), n_cols)?;
+            let mean = values.iter().map(|v| v * v).sum::<f32>() / n_cols as f32;
+            let inv = 1.0 / (mean + eps).sqrt();
+            let normed: Vec<f32> = values
+                .iter()
+                .zip(&weight)
+                .map(|(v, w)| v * inv * w)
+                .collect();
+            l.write_f32(out.offset(offset), &normed)?;
+        }
+        Ok(())
+    });
+    // ember_rope_{norm,neox}_f32(float* x, const int32_t* positions, const float* freq_factors,
+    // uint32_t n_heads, uint32_t head_dim, uint32_t n_dims, float theta_scale, float freq_scale);
+    // one block per (token, head).
+    for (name, neox) in [
+        ("ember_rope_norm_f32", false),
+        ("ember_rope_neox_f32", true),
+    ] {
+        driver.register_kernel(name, move |l| {
+            let (x, positions, factors) = (l.ptr_arg(0)?, l.ptr_arg(1)?, l.ptr_arg(2)?);
+            let (n_heads, head_dim, n_dims) = (
+                l.u32_arg(3)? as usize,
+                l.u32_arg(4)? as usize,
+                l.u32_arg(5)? as usize,
+            );
+            let (theta_scale, freq_scale) = (l.f32_arg(6)?, l.f32_arg(7)?);
+            let n_blocks = l.config().grid[0] as usize;
+            let positions = read_i32(l, positions, n_blocks / n_heads)?;
+            let factors = if factors == DevicePtr::NULL {
+                vec![1.0; n_dims / 2]
+            } else {
+                l.read_f32(factors, n_dims / 2)?
+            };
+            for block in 0..n_blocks {
+                let head = x.offset((block * head_dim * 4) as u64);
+                let mut v = l.read_f32(head, head_dim)?;
+                let mut theta_base = positions[block / n_heads] as f32;
+                for (i, factor) in factors.iter().enumerate() {
+                    let theta = freq_scale * (theta_base / factor);
+                    theta_base *= theta_scale;
+                    let (ia, ib) = if neox {
+                        (i, i + n_dims / 2)
+                    } else {
+                        (2 * i, 2 * i + 1)
+                    };
+                    let (a, b) = (v[ia], v[ib]);
+                    v[ia] = a * theta.cos() - b * theta.sin();
+                    v[ib] = a * theta.sin() + b * theta.cos();
+                }
+                l.write_f32(head, &v)?;
+            }
+            Ok(())
+        });
+    }
+    // ember_get_rows_f32(float* out, const uint8_t* table, const int32_t* ids, uint32_t n_rows,
+    // uint32_t n_cols, float scale); one block per id.
+    driver.register_kernel("ember_get_rows_f32", |l| {
+        let (out, table, ids) = (l.ptr_arg(0)?, l.ptr_arg(1)?, l.ptr_arg(2)?);
+        let (n_rows, n_cols, scale) = (l.u32_arg(3)?, l.u32_arg(4)? as usize, l.f32_arg(5)?);
+        let n = l.config().grid[0] as usize;
+        for (t, id) in read_i32(l, ids, n)?.into_iter().enumerate() {
+            let row = if id < 0 || id as u32 >= n_rows {
+                vec![f32::NAN; n_cols]
+            } else {
+                let values = l.read_f32(table.offset((id as usize * n_cols * 4) as u64), n_cols)?;
+                values.iter().map(|v| v * scale).collect()
+            };
+            l.write_f32(out.offset((t * n_cols * 4) as u64), &row)?;
+        }
+        Ok(())
+    });
+    // ember_gather_rows_f32(float* out, const float* src, const int32_t* rows, uint32_t dim)
+    driver.register_kernel("ember_gather_rows_f32", |l| {
+        let (out, src, rows) = (l.ptr_arg(0)?, l.ptr_arg(1)?, l.ptr_arg(2)?);
+        let dim = l.u32_arg(3)? as usize;
+        let n = l.config().grid[0] as usize;
+        for (i, r) in read_i32(l, rows, n)?.into_iter().enumerate() {
+            let values = l.read_f32(src.offset((r as usize * dim * 4) as u64), dim)?;
+            l.write_f32(out.offset((i * dim * 4) as u64), &values)?;
+        }
+        Ok(())
+    });
+    // ember_argmax_f32(int32_t* out, const float* x, uint32_t n_cols); one block per row.
+    driver.register_kernel("ember_argmax_f32", |l| {
+        let (out, x, n_cols) = (l.ptr_arg(0)?, l.ptr_arg(1)?, l.u32_arg(2)? as usize);
+        let mut bytes = Vec::new();
+        for row in 0..l.config().grid[0] as usize {
+            let values = l.read_f32(x.offset((row * n_cols * 4) as u64), n_cols)?;
+            let best = (0..n_cols).fold(0, |b, c| if values[c] > values[b] { c } else { b });
+            bytes.extend((best as i32).to_le_bytes());
+        }
+        l.write(out, &bytes)
+    });
+    // ember_gemm_f32(float* out, const uint8_t* w, const float* x, uint32_t n_tokens,
+    // uint32_t n_rows, uint32_t n_cols); block (bx, by) computes rows 64 bx.. and tokens 64 by..
+    driver.register_kernel("ember_gemm_f32", |l| {
+        let (out, w, x) = (l.ptr_arg(0)?, l.ptr_arg(1)?, l.ptr_arg(2)?);
+        let (n_tokens, n_rows, n_cols) = (
+            l.u32_arg(3)? as usize,
+            l.u32_arg(4)? as usize,
+            l.u32_arg(5)? as usize,
+        );
+        let w = l.read_f32(w, n_rows * n_cols)?;
+        let x = l.read_f32(x, n_tokens * n_cols)?;
+        let mut result = l.read_f32(out, n_tokens * n_rows)?;
+        let [grid_x, grid_y, _] = l.config().grid;
+        for by in 0..grid_y as usize {
+            for bx in 0..grid_x as usize {
+                for t in (64 * by..64 * (by + 1)).filter(|&t| t < n_tokens) {
+                    for r in (64 * bx..64 * (bx + 1)).filter(|&r| r < n_rows) {
+                        result[t * n_rows + r] = (0..n_cols)
+                            .map(|c| w[r * n_cols + c] * x[t * n_cols + c])
+                            .sum();
+                    }
+                }
+            }
+        }
+        l.write_f32(out, &result)
+    });
+}
+
+impl Fixture {
+    fn upload(&self, values: &[f32]) -> PoolBuffer {
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let buffer = self
+            .ctx
+            .alloc(Purpose::Scratch, bytes.len().max(4) as u64)
+            .unwrap();
+        self.ctx.upload(buffer.ptr(), &bytes).unwrap();
+        buffer
+    }
+
+    fn upload_i32(&self, values: &[i32]) -> PoolBuffer {
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let buffer = self
+            .ctx
+            .alloc(Purpose::Scratch, bytes.len() as u64)
+            .unwrap();
+        self.ctx.upload(buffer.ptr(), &bytes).unwrap();
+        buffer
+    }
+
+    fn zeros(&self, n: usize) -> PoolBuffer {
+        let buffer = self.ctx.alloc(Purpose::Scratch, (n * 4) as u64).unwrap();
+        self.ctx.zero(buffer.ptr(), (n * 4) as u64).unwrap();
+        buffer
+    }
+
+    fn download(&self, buffer: &PoolBuffer, n: usize) -> Vec<f32> {
+        let mut bytes = vec![0u8; n * 4];
+        self.ctx.download(buffer.ptr(), &mut bytes).unwrap();
+        bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    }
+}
+
+/// Deterministic values in [-2, 2).
+fn values(n: usize, seed: u32) -> Vec<f32> {
+    (0..n as u32)
+        .map(|i| {
+            let h = (i.wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(40_503)).rotate_left(13);
+            (h % 4000) as f32 / 1000.0 - 2.0
+        })
+        .collect()
+}
+
+#[test]
+fn the_host_context_has_no_blas_and_round_trips_memory() {
+    let f = fixture();
+    assert!(!f.ctx.blas().is_loaded());
+    assert_eq!(f.ctx.arch(), "host");
+    let data = values(100, 1);
+    let buffer = f.upload(&data);
+    assert_eq!(f.download(&buffer, 100), data);
+    let copy = f.zeros(100);
+    f.ctx.copy(copy.ptr(), buffer.ptr(), 400).unwrap();
+    assert_eq!(f.download(&copy, 100), data);
+}
+
+#[test]
+fn element_wise_wrappers_pass_their_arguments_in_kernel_order() {
+    let f = fixture();
+    let (n, dim) = (96usize, 32usize);
+    let (a, b, bias) = (values(n, 1), values(n, 2), values(dim, 3));
+    let (da, db, dbias, out) = (f.upload(&a), f.upload(&b), f.upload(&bias), f.zeros(n));
+
+    add(&f.ctx, out.ptr(), da.ptr(), dbias.ptr(), n, dim).unwrap();
+    let expected: Vec<f32> = (0..n).map(|i| a[i] + bias[i % dim]).collect();
+    assert_eq!(f.download(&out, n), expected);
+
+    scale(&f.ctx, out.ptr(), da.ptr(), 0.5, n).unwrap();
+    assert_eq!(
+        f.download(&out, n),
+        a.iter().map(|v| v * 0.5).collect::<Vec<_>>()
+    );
+
+    swiglu(&f.ctx, out.ptr(), da.ptr(), db.ptr(), n).unwrap();
+    let expected: Vec<f32> = (0..n)
+        .map(|i| a[i] / (1.0 + (-a[i]).exp()) * b[i])
+        .collect();
+    assert_eq!(f.download(&out, n), expected);
+
+    geglu(&f.ctx, da.ptr(), da.ptr(), db.ptr(), n).unwrap();
+    let expected: Vec<f32> = (0..n).map(|i| gelu_ggml(a[i]) * b[i]).collect();
+    assert_eq!(f.download(&da, n), expected, "in place on gate");
+
+    softcap(&f.ctx, db.ptr(), n, 1.5).unwrap();
+    let expected: Vec<f32> = b.iter().map(|v| 1.5 * (v / 1.5).tanh()).collect();
+    assert_eq!(f.download(&db, n), expected);
+
+    let half = f.ctx.alloc(Purpose::Scratch, (n * 2) as u64).unwrap();
+    convert_f32_to_f16(&f.ctx, half.ptr(), dbias.ptr(), dim).unwrap();
+    let mut bytes = vec![0u8; dim * 2];
+    f.ctx.download(half.ptr(), &mut bytes).unwrap();
+    let expected: Vec<u8> = bias
+        .iter()
+        .flat_map(|&v| f16::from_f32(v).to_le_bytes())
+        .collect();
+    assert_eq!(bytes, expected);
+}
+
+#[test]
+fn row_wrappers_launch_one_block_per_row() {
+    let f = fixture();
+    let (n_rows, dim) = (3usize, 64usize);
+    let (x, weight) = (values(n_rows * dim, 4), values(dim, 5));
+    let (dx, dweight, out) = (f.upload(&x), f.upload(&weight), f.zeros(n_rows * dim));
+    rms_norm(
+        &f.ctx,
+        dx.ptr(),
+        dweight.ptr(),
+        n_rows,
+        dim,
+        1e-5,
+        out.ptr(),
+    )
+    .unwrap();
+    let got = f.download(&out, n_rows * dim);
+    for r in 0..n_rows {
+        let row = &x[r * dim..(r + 1) * dim];
+        let inv = 1.0 / (row.iter().map(|v| v * v).sum::<f32>() / dim as f32 + 1e-5).sqrt();
+        for c in 0..dim {
+            assert_eq!(
+                got[r * dim + c],
+                row[c] * inv * weight[c],
+                "row {r} col {c}"
+            );
+        }
+    }
+
+    let rows = f.upload_i32(&[2, 0]);
+    let gathered = f.zeros(2 * dim);
+    gather_rows(&f.ctx, dx.ptr(), dim, rows.ptr(), 2, gathered.ptr()).unwrap();
+    let got = f.download(&gathered, 2 * dim);
+    assert_eq!(&got[..dim], &x[2 * dim..3 * dim]);
+    assert_eq!(&got[dim..], &x[..dim]);
+
+    let index = f.ctx.alloc(Purpose::Scratch, 12).unwrap();
+    argmax(&f.ctx, dx.ptr(), n_rows, dim, index.ptr()).unwrap();
+    let mut bytes = [0u8; 12];
+    f.ctx.download(index.ptr(), &mut bytes).unwrap();
+    for r in 0..n_rows {
+        let row = &x[r * dim..(r + 1) * dim];
+        let best = (0..dim).fold(0, |b, c| if row[c] > row[b] { c } else { b });
+        let got = i32::from_le_bytes(bytes[4 * r..4 * r + 4].try_into().unwrap());
+        assert_eq!(got, best as i32, "row {r}");
+    }
+}
+
+#[test]
+fn get_rows_scales_and_marks_bad_ids() {
+    let f = fixture();
+    let (rows, cols) = (5usize, 32usize);
+    let table_values = values(rows * cols, 6);
+    let table = f.upload(&table_values);
+    let matrix = DeviceMatrix::new(table, WeightFormat::F32, rows, cols).unwrap();
+    let ids = f.upload_i32(&[4, 1, 5]);
+    let out = f.zeros(3 * cols);
+    get_rows(&f.ctx, &matrix, ids.ptr(), 3, 2.0, out.ptr()).unwrap();
+    let got = f.download(&out, 3 * cols);
+    let expected: Vec<f32> = table_values[4 * cols..5 * cols]
+        .iter()
+        .chain(&table_values[cols..2 * cols])
+        .map(|v| v * 2.0)
+        .collect();
+    assert_eq!(&got[..2 * cols], &expected[..]);
+    assert!(got[2 * cols..].iter().all(|v| v.is_nan()), "id 5 of 5 rows");
+}
+
+#[test]
+fn rope_passes_positions_factors_and_the_cpu_theta_scale() {
+    let f = fixture();
+    let (n_tokens, n_heads, head_dim, n_dims) = (2usize, 2usize, 8usize, 4usize);
+    let x = values(n_tokens * n_heads * head_dim, 7);
+    let positions = f.upload_i32(&[3, 11]);
+    let factors = f.upload(&[1.0, 4.0]);
+    for (mode, with_factors) in [(RopeMode::Normal, false), (RopeMode::Neox, true)] {
+        let dx = f.upload(&x);
+        let factor_ptr = with_factors.then(|| factors.ptr());
+        rope(
+            &f.ctx,
+            dx.ptr(),
+            positions.ptr(),
+            n_tokens,
+            n_heads,
+            head_dim,
+            n_dims,
+            mode,
+            10_000.0,
+            0.5,
+            factor_ptr,
+        )
+        .unwrap();
+        let got = f.download(&dx, x.len());
+        let theta_scale = 10_000.0f32.powf(-2.0 / n_dims as f32);
+        let mut expected = x.clone();
+        for (t, pos) in [3.0f32, 11.0].into_iter().enumerate() {
+            for h in 0..n_heads {
+                let head = (t * n_heads + h) * head_dim;
+                let mut theta_base = pos;
+                for i in 0..n_dims / 2 {
+                    let factor = if with_factors { [1.0, 4.0][i] } else { 1.0 };
+                    let theta = 0.5 * (theta_base / factor);
+                    theta_base *= theta_scale;
+                    let (ia, ib) = match mode {
+                        RopeMode::Normal => (head + 2 * i, head + 2 * i + 1),
+                        RopeMode::Neox => (head + i, head + i + n_dims / 2),
+                    };
+                    let (a, b) = (x[ia], x[ib]);
+                    expected[ia] = a * theta.cos() - b * theta.sin();
+                    expected[ib] = a * theta.sin() + b * theta.cos();
+                }
+            }
+        }
+        assert_eq!(got, expected, "{mode:?}");
+        // Values past n_dims are untouched.
+        assert_eq!(got[n_dims..head_dim], x[n_dims..head_dim]);
+    }
+}
+
+#[test]
+fn matmul_without_blas_uses_the_tiled_kernel_over_the_whole_grid() {
+    let f = fixture();
+    // 70 rows and 130 tokens need a 2 x 3 grid of 64 x 64 tiles.
+    let (rows, cols, n_tokens) = (70usize, 32usize, 130usize);
+    let (w, x) = (values(rows * cols, 8), values(n_tokens * cols, 9));
+    let matrix = DeviceMatrix::new(f.upload(&w), WeightFormat::F32, rows, cols).unwrap();
+    let (dx, out) = (f.upload(&x), f.zeros(n_tokens * rows));
+    matmul(&f.ctx, &matrix, dx.ptr(), n_tokens, out.ptr()).unwrap();
+    let got = f.download(&out, n_tokens * rows);
+    for t in 0..n_tokens {
+        for r in 0..rows {
+            let expected: f32 = (0..cols).map(|c| w[r * cols + c] * x[t * cols + c]).sum();
+            assert_eq!(got[t * rows + r], expected, "token {t} row {r}");
+        }
+    }
+    let error = matmul_with(
+        &f.ctx,
+        &matrix,
+        dx.ptr(),
+        n_tokens,
+        out.ptr(),
+        MatmulPath::Blas,
+    )
+    .unwrap_err();
+    assert!(
+        error
+            .to_string()
+            .starts_with("matmul (BLAS) does not support this context: no BLAS: turned off"),
+        "{error}"
+    );
+}
+
+#[test]
+fn bad_shapes_are_errors_before_any_launch() {
+    let f = fixture();
+    let buffer = f.zeros(64);
+    let p = buffer.ptr();
+    let check = |result: Result<(), OpsError>, expected: &str| {
+        let error = result.unwrap_err();
+        assert!(matches!(error, OpsError::Shape { .. }), "{error:?}");
+        assert_eq!(error.to_string(), expected);
+    };
+    check(
+        add(&f.ctx, p, p, p, 10, 3),
+        "add: expected a broadcast length dividing 10, found 3",
+    );
+    check(
+        rope(&f.ctx, p, p, 1, 1, 8, 5, RopeMode::Normal, 1e4, 1.0, None),
+        "rope: expected an even rotated dimension count of at most the head size 8, found 5",
+    );
+    check(
+        rope(&f.ctx, p, p, 1, 1, 8, 10, RopeMode::Neox, 1e4, 1.0, None),
+        "rope: expected an even rotated dimension count of at most the head size 8, found 10",
+    );
+    check(
+        softcap(&f.ctx, p, 4, 0.0),
+        "softcap: expected a positive finite cap, found 0",
+    );
+    check(
+        argmax(&f.ctx, p, 1, 0, p),
+        "argmax: expected a row length between 1 and 2^31 - 1, found 0",
+    );
+    check(
+        scale(&f.ctx, p, p, 1.0, 1 << 33),
+        "scale: expected the element count below 2^32, found the element count = 8589934592",
+    );
+    let matrix = DeviceMatrix {
+        buf: f.zeros(64),
+        format: WeightFormat::Q4_0,
+        rows: 2,
+        cols: 48,
+    };
+    check(
+        matmul(&f.ctx, &matrix, p, 16, p),
+        "matmul: expected a column count that is a positive multiple of 32 for q4_0, found 48",
+    );
+    // Nothing to do is not an error.
+    add(&f.ctx, p, p, p, 0, 0).unwrap();
+    matmul(&f.ctx, &matrix, p, 0, p).unwrap();
+}
+
+#[test]
+fn a_missing_code_object_names_the_architecture() {
+    let dir = tempfile::tempdir().unwrap();
+    let driver: Arc<dyn Driver> = Arc::new(HostDriver::new(HostDriverConfig::default()));
+    let pool = DevicePool::with_kind(
+        driver,
+        0,
+        PoolKind::Caching,
+        "test".to_string(),
+        PoolConfig::default(),
+    )
+    .unwrap();
+    let ctx = GpuContext::with_options(
+        Arc::new(pool),
+        Arc::new(KernelLibrary::new(dir.path().to_path_buf())),
+        &GpuContextOptions { disable_blas: true },
+    )
+    .unwrap();
+    let buffer = ctx.alloc(Purpose::Scratch, 64).unwrap();
+    let error = scale(&ctx, buffer.ptr(), buffer.ptr(), 2.0, 16).unwrap_err();
+    assert!(matches!(error, OpsError::Kernel(_)), "{error:?}");
+    assert!(
+        error
+            .to_string()
+            .starts_with("no elementwise kernels for architecture host in"),
+        "{error}"
+    );
+    assert!(Path::new(dir.path()).exists());
+}
+
+#[test]
+fn budget_refusals_count_as_out_of_memory() {
+    let driver: Arc<dyn Driver> = Arc::new(HostDriver::new(HostDriverConfig::default()));
+    let pool = DevicePool::with_kind(
+        driver,
+        0,
+        PoolKind::Caching,
+        "test".to_string(),
+        PoolConfig {
+            budget: Some(1024),
+            ..PoolConfig::default()
+        },
+    )
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let ctx = GpuContext::with_options(
+        Arc::new(pool),
+        Arc::new(KernelLibrary::new(dir.path().to_path_buf())),
+        &GpuContextOptions { disable_blas: true },
+    )
+    .unwrap();
+    let error = ctx.alloc(Purpose::Scratch, 4096).unwrap_err();
+    assert!(error.is_out_of_memory(), "{error}");
+    assert!(matches!(
+        error,
+        OpsError::Pool(PoolError::BudgetExceeded { .. })
+    ));
+}

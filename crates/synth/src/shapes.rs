@@ -1,0 +1,285 @@
+//! Model shapes: the hyperparameters of real models (from their published configs, or for
+//! Gemma 3 270M from the GGUF file of `models.toml`), which synthetic models copy with random
+//! weights.
+
+/// The tokenizer conventions a shape's vocabulary follows: special tokens, BOS handling, the
+/// pre-tokenizer name and the chat template.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenizerStyle {
+    /// Llama 3: `<|begin_of_text|>` added as BOS, header tokens, `llama-bpe` pre-tokenizer.
+    Llama3,
+    /// SmolLM2: ChatML tokens first in the vocabulary, no BOS added, `smollm` pre-tokenizer.
+    SmolLm2,
+    /// Qwen 2 and 3: ChatML tokens, no BOS added, `qwen2` pre-tokenizer.
+    Qwen,
+    /// Gemma 3's special tokens with a byte-level BPE (the real model uses SentencePiece; the
+    /// synthetic one only needs a working tokenizer of the same size), BOS added.
+    Gemma,
+}
+
+/// Llama 3.1's frequency-dependent rotary scaling, written as the `rope_freqs.weight` tensor.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Llama3RopeScaling {
+    pub factor: f32,
+    pub low_freq_factor: f32,
+    pub high_freq_factor: f32,
+    pub original_context: u32,
+}
+
+impl Llama3RopeScaling {
+    /// The divisor of each rotary pair's frequency (`head_dim / 2` values), by the rule of Meta's
+    /// reference code for Llama 3.1: high frequencies (short wavelengths) unchanged, low ones
+    /// divided by `factor`, a smooth blend between.
+    pub fn freq_divisors(&self, head_dim: usize, freq_base: f32) -> Vec<f32> {
+        let low_wavelen = self.original_context as f64 / self.low_freq_factor as f64;
+        let high_wavelen = self.original_context as f64 / self.high_freq_factor as f64;
+        (0..head_dim / 2)
+            .map(|i| {
+                let freq = (freq_base as f64).powf(-((2 * i) as f64) / head_dim as f64);
+                let wavelen = 2.0 * std::f64::consts::PI / freq;
+                if wavelen < high_wavelen {
+                    1.0
+                } else if wavelen > low_wavelen {
+                    self.factor
+                } else {
+                    let smooth = (self.original_context as f64 / wavelen
+                        - self.low_freq_factor as f64)
+                        / (self.high_freq_factor - self.low_freq_factor) as f64;
+                    (1.0 / ((1.0 - smooth) / self.factor as f64 + smooth)) as f32
+                }
+            })
+            .collect()
+    }
+}
+
+/// Everything about a model's shape that its GGUF metadata and tensor list need.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Shape {
+    /// The name on the command line (`llama3-8b`, ...).
+    pub name: String,
+    /// `general.architecture`.
+    pub architecture: &'static str,
+    pub tokenizer: TokenizerStyle,
+    pub n_vocab: usize,
+    pub n_embd: usize,
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub head_dim: usize,
+    pub n_ff: usize,
+    pub n_ctx_train: u32,
+    pub rms_eps: f32,
+    pub rope_freq_base: f32,
+    pub rope_scaling: Option<Llama3RopeScaling>,
+    /// No `output.weight`: the output projection is the token embedding table.
+    pub tied_embeddings: bool,
+    /// Biases on Q, K and V (Qwen 2).
+    pub qkv_bias: bool,
+    /// RMS norm on each Q and K head (Qwen 3, Gemma 3).
+    pub qk_norm: bool,
+    /// Norms after attention and FFN before the residual add (Gemma 3).
+    pub post_norms: bool,
+    /// Sliding-window attention (Gemma 3: five local layers to one global).
+    pub sliding_window: Option<u32>,
+}
+
+/// The named shapes, in the order `--help` lists them.
+pub const SHAPE_NAMES: [&str; 6] = [
+    "llama3-8b",
+    "llama3.2-1b",
+    "smollm2-135m",
+    "qwen2-0.5b",
+    "qwen3-0.6b",
+    "gemma3-270m",
+];
+
+/// Llama 3.1 8B and Llama 3.2 1B share this scaling (factor 8 and 32 respectively).
+const fn llama3_scaling(factor: f32) -> Llama3RopeScaling {
+    Llama3RopeScaling {
+        factor,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_context: 8192,
+    }
+}
+
+impl Shape {
+    /// The shape called `name` (one of [`SHAPE_NAMES`]).
+    pub fn named(name: &str) -> Option<Shape> {
+        let llama = Shape {
+            name: name.to_string(),
+            architecture: "llama",
+            tokenizer: TokenizerStyle::Llama3,
+            n_vocab: 128_256,
+            n_embd: 4096,
+            n_layer: 32,
+            n_head: 32,
+            n_head_kv: 8,
+            head_dim: 128,
+            n_ff: 14_336,
+            n_ctx_train: 131_072,
+            rms_eps: 1e-5,
+            rope_freq_base: 500_000.0,
+            rope_scaling: Some(llama3_scaling(8.0)),
+            tied_embeddings: false,
+            qkv_bias: false,
+            qk_norm: false,
+            post_norms: false,
+            sliding_window: None,
+        };
+        let shape = match name {
+            // Meta Llama 3.1 8B (config.json of meta-llama/Llama-3.1-8B).
+            "llama3-8b" => llama,
+            // Meta Llama 3.2 1B: tied embeddings, head size 64.
+            "llama3.2-1b" => Shape {
+                n_embd: 2048,
+                n_layer: 16,
+                head_dim: 64,
+                n_ff: 8192,
+                rope_scaling: Some(llama3_scaling(32.0)),
+                tied_embeddings: true,
+                ..llama
+            },
+            // HuggingFaceTB SmolLM2-135M (as in the pinned GGUF's metadata).
+            "smollm2-135m" => Shape {
+                tokenizer: TokenizerStyle::SmolLm2,
+                n_vocab: 49_152,
+                n_embd: 576,
+                n_layer: 30,
+                n_head: 9,
+                n_head_kv: 3,
+                head_dim: 64,
+                n_ff: 1536,
+                n_ctx_train: 8192,
+                rope_freq_base: 100_000.0,
+                rope_scaling: None,
+                tied_embeddings: true,
+                ..llama
+            },
+            // Qwen2.5-0.5B: biases on Q, K and V, tied embeddings.
+            "qwen2-0.5b" => Shape {
+                architecture: "qwen2",
+                tokenizer: TokenizerStyle::Qwen,
+                n_vocab: 151_936,
+                n_embd: 896,
+                n_layer: 24,
+                n_head: 14,
+                n_head_kv: 2,
+                head_dim: 64,
+                n_ff: 4864,
+                n_ctx_train: 32_768,
+                rms_eps: 1e-6,
+                rope_freq_base: 1_000_000.0,
+                rope_scaling: None,
+                tied_embeddings: true,
+                qkv_bias: true,
+                ..llama
+            },
+            // Qwen3-0.6B: QK-norm, head size 128 (not n_embd / n_head), tied embeddings.
+            "qwen3-0.6b" => Shape {
+                architecture: "qwen3",
+                tokenizer: TokenizerStyle::Qwen,
+                n_vocab: 151_936,
+                n_embd: 1024,
+                n_layer: 28,
+                n_head: 16,
+                n_head_kv: 8,
+                head_dim: 128,
+                n_ff: 3072,
+                n_ctx_train: 40_960,
+                rms_eps: 1e-6,
+                rope_freq_base: 1_000_000.0,
+                rope_scaling: None,
+                tied_embeddings: true,
+                qk_norm: true,
+                ..llama
+            },
+            // Gemma 3 270M, numbers from the metadata of gemma-3-270m-q4_k_m.gguf.
+            "gemma3-270m" => Shape {
+                architecture: "gemma3",
+                tokenizer: TokenizerStyle::Gemma,
+                n_vocab: 262_144,
+                n_embd: 640,
+                n_layer: 18,
+                n_head: 4,
+                n_head_kv: 1,
+                head_dim: 256,
+                n_ff: 2048,
+                n_ctx_train: 32_768,
+                rms_eps: 1e-6,
+                rope_freq_base: 1_000_000.0,
+                rope_scaling: None,
+                tied_embeddings: true,
+                qk_norm: true,
+                post_norms: true,
+                sliding_window: Some(512),
+                ..llama
+            },
+            _ => return None,
+        };
+        Some(shape)
+    }
+
+    /// Width of the concatenated query heads.
+    pub fn q_dim(&self) -> usize {
+        self.n_head * self.head_dim
+    }
+
+    /// Width of the concatenated key (and value) heads.
+    pub fn kv_dim(&self) -> usize {
+        self.n_head_kv * self.head_dim
+    }
+
+    /// Parameters of the tensors the model file holds.
+    pub fn n_params(&self) -> u64 {
+        let (e, ff) = (self.n_embd as u64, self.n_ff as u64);
+        let (q, kv) = (self.q_dim() as u64, self.kv_dim() as u64);
+        let mut per_layer = e * q + 2 * e * kv + q * e + 3 * e * ff + 2 * e;
+        if self.qkv_bias {
+            per_layer += q + 2 * kv;
+        }
+        if self.qk_norm {
+            per_layer += 2 * self.head_dim as u64;
+        }
+        if self.post_norms {
+            per_layer += 2 * e;
+        }
+        let embeddings = e * self.n_vocab as u64 * if self.tied_embeddings { 1 } else { 2 };
+        embeddings + e + per_layer * self.n_layer as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_name_has_a_consistent_shape() {
+        for name in SHAPE_NAMES {
+            let s = Shape::named(name).unwrap();
+            assert_eq!(s.name, name);
+            assert_eq!(s.n_head % s.n_head_kv, 0, "{name}");
+            assert_eq!(s.head_dim % 2, 0, "{name}");
+        }
+        assert!(Shape::named("llama3-70b").is_none());
+    }
+
+    #[test]
+    fn parameter_counts_match_the_published_sizes() {
+        // Llama 3.1 8B: 8.03 B parameters; Llama 3.2 1B: 1.24 B; SmolLM2: 134.5 M.
+        let billions = |n: &str| Shape::named(n).unwrap().n_params() as f64 / 1e9;
+        assert!((billions("llama3-8b") - 8.03).abs() < 0.01);
+        assert!((billions("llama3.2-1b") - 1.236).abs() < 0.01);
+        assert!((billions("smollm2-135m") - 0.1345).abs() < 0.001);
+    }
+
+    #[test]
+    fn llama3_scaling_leaves_high_frequencies_and_divides_low_ones() {
+        let d = llama3_scaling(8.0).freq_divisors(128, 500_000.0);
+        assert_eq!(d.len(), 64);
+        assert_eq!(d[0], 1.0);
+        assert_eq!(d[63], 8.0);
+        assert!(d.windows(2).all(|w| w[0] <= w[1]), "{d:?}");
+        assert!(d.iter().any(|&x| x > 1.0 && x < 8.0), "a blended band exists");
+    }
+}

@@ -1,0 +1,845 @@
+//! The GPU backend: the [`Backend`] ops over `ember_gpu::ops` on one device (CUDA or HIP, the
+//! same kernels behind either driver).
+//!
+//! Memory: weights are copied from the GGUF mapping into device buffers of the device's pool
+//! (purpose weights) in chunks, with no full host copy; activations are pool buffers of purpose
+//! scratch that grow to the largest batch and are then reused; the KV cache is one pool buffer
+//! per physical block and layer for K and one for V (purpose KV), given memory when the engine
+//! materialises a block and returned when it releases it, with a device table of the blocks'
+//! addresses per layer that the attention kernels read. A background thread asks the pool to trim
+//! itself when idle, so device memory returns to the post-load floor after a burst without any
+//! call from the user ([`trim`]).
+//!
+//! Launch overhead: every op is queued on the context's stream and nothing waits inside the
+//! layer loop. The per-batch arrays (token ids, positions, slots, block tables, output rows) are
+//! packed and uploaded once per forward pass in [`Backend::begin_forward`]; the only waits are
+//! that upload, uploads of changed KV block tables (when a sequence crosses into a new block) and
+//! the final download of the logits.
+//!
+//! Failures: the ops cannot return errors through the [`Backend`] trait, so the first failure is
+//! recorded with the op's name, later ops are skipped, and [`Backend::take_failure`] hands it to
+//! the forward pass, which fails alone (see the trait's module docs). One backend serves one
+//! forward pass at a time; the recorded failure is per backend, not per thread.
+
+// `ember_gpu::ops::OpsError` carries the pool's and the driver's errors whole (so callers can
+// tell out-of-memory apart), which makes it large; it only travels on failure paths.
+#![allow(clippy::result_large_err)]
+
+mod batch;
+pub mod open;
+mod trim;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use ember_gguf::{Gguf, TensorInfo};
+use ember_gpu::ops::{self, AttentionArgs, DeviceMatrix, GpuContext, OpsError, WeightFormat};
+use ember_gpu::{DevicePool, DevicePtr, PoolBuffer, Purpose};
+
+use super::{Backend, BackendError, OpFailure, RopeMode, RopeParams};
+use crate::batch::Batch;
+use crate::kv_cache::AttentionPlan;
+use batch::BatchArrays;
+pub use open::{open, select, GpuKind, GpuOpenError, GpuSelection, OpenOptions, Opened};
+use trim::IdleTrimmer;
+
+// Activations are moved between host and device as raw bytes of f32s and u32s (see `read`).
+const _: () = assert!(
+    cfg!(target_endian = "little"),
+    "the GPU backend expects a little-endian host, like every GPU it drives"
+);
+
+/// Bytes copied per upload while placing weights: large enough that the per-copy cost vanishes,
+/// small enough that the staging stays in the page cache the mapping already uses.
+const UPLOAD_CHUNK_BYTES: usize = 64 << 20;
+
+/// One device's backend. See the module docs.
+pub struct GpuBackend {
+    ctx: GpuContext,
+    name: &'static str,
+    description: String,
+    /// Set when `failure` holds a failure, so the ops' fast path is one atomic load.
+    failed: AtomicBool,
+    failure: Mutex<Option<OpFailure>>,
+    /// The next op fails as if out of memory (see [`GpuBackend::inject_out_of_memory`]).
+    inject_oom: AtomicBool,
+    batch: Mutex<BatchArrays>,
+    /// Every weight buffer placed (tensor name, address, bytes), for the placement check.
+    placed: Mutex<Vec<(String, DevicePtr, u64)>>,
+    trimmer: Option<IdleTrimmer>,
+}
+
+impl std::fmt::Debug for GpuBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuBackend")
+            .field("description", &self.description)
+            .finish()
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding one of these locks leaves plain data behind; the next op rewrites it.
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl GpuBackend {
+    /// A backend over an opened context. `name` is the driver's (`cuda`, `hip`); `description`
+    /// says which device and pool, for headers. `idle_trim` starts the trimming thread.
+    pub fn new(
+        ctx: GpuContext,
+        name: &'static str,
+        description: String,
+        idle_trim: bool,
+    ) -> GpuBackend {
+        let trimmer = if idle_trim {
+            IdleTrimmer::start(Arc::clone(ctx.pool()))
+        } else {
+            None
+        };
+        GpuBackend {
+            ctx,
+            name,
+            description,
+            failed: AtomicBool::new(false),
+            failure: Mutex::new(None),
+            inject_oom: AtomicBool::new(false),
+            batch: Mutex::new(BatchArrays::default()),
+            placed: Mutex::new(Vec::new()),
+            trimmer,
+        }
+    }
+
+    /// The ops context (device, stream, pool, kernels).
+    pub fn context(&self) -> &GpuContext {
+        &self.ctx
+    }
+
+    /// The device's pool.
+    pub fn pool(&self) -> &Arc<DevicePool> {
+        self.ctx.pool()
+    }
+
+    /// The weight buffers placed so far: (tensor name, device address, bytes).
+    pub fn placed_weights(&self) -> Vec<(String, DevicePtr, u64)> {
+        lock(&self.placed).clone()
+    }
+
+    /// Whether the idle-trimming thread runs.
+    pub fn trims_when_idle(&self) -> bool {
+        self.trimmer.is_some()
+    }
+
+    /// Makes the next op fail as an out-of-memory failure would, once: for showing that a
+    /// request failing for lack of memory fails alone (`ember stress --oom-request`) on a device
+    /// with more memory than is practical to fill.
+    pub fn inject_out_of_memory(&self) {
+        self.inject_oom.store(true, Ordering::Release);
+    }
+
+    /// Records `error` as the failure of `op` unless one is already recorded.
+    fn record(&self, op: &'static str, error: OpsError) {
+        self.record_failure(OpFailure {
+            backend: self.name,
+            op,
+            cause: error_chain(&error),
+            out_of_memory: error.is_out_of_memory(),
+        });
+    }
+
+    fn record_failure(&self, new: OpFailure) {
+        let mut failure = lock(&self.failure);
+        if failure.is_none() {
+            tracing::debug!(failure = %new, "device op failed");
+            *failure = Some(new);
+            self.failed.store(true, Ordering::Release);
+        }
+    }
+
+    /// Runs `f` unless an op already failed, recording its error.
+    fn run(&self, op: &'static str, f: impl FnOnce() -> Result<(), OpsError>) {
+        if self.failed.load(Ordering::Acquire) {
+            return;
+        }
+        if self.inject_oom.swap(false, Ordering::AcqRel) {
+            self.record_failure(OpFailure {
+                backend: self.name,
+                op,
+                cause: "injected out-of-memory failure (ember stress --oom-request without --vram-budget)".into(),
+                out_of_memory: true,
+            });
+            return;
+        }
+        if let Err(error) = f() {
+            self.record(op, error);
+        }
+    }
+
+    fn alloc_f32(&self, len: usize) -> Result<Option<PoolBuffer>, OpsError> {
+        if len == 0 {
+            return Ok(None);
+        }
+        let bytes = f32_bytes(len);
+        self.ctx.alloc(Purpose::Scratch, bytes).map(Some)
+    }
+
+    /// Uploads `bytes` into a new buffer of `purpose`.
+    fn upload_new(&self, purpose: Purpose, bytes: &[u8]) -> Result<PoolBuffer, OpsError> {
+        let buf = self.ctx.alloc(purpose, bytes.len().max(1) as u64)?;
+        let mut offset = 0;
+        for chunk in bytes.chunks(UPLOAD_CHUNK_BYTES) {
+            self.ctx.upload(buf.ptr().offset(offset as u64), chunk)?;
+            offset += chunk.len();
+        }
+        Ok(buf)
+    }
+
+    /// The device copy of a per-batch array, from the arrays uploaded for this forward pass, or
+    /// uploaded now when the caller passes other values.
+    fn batch_ptr(&self, kind: batch::Array, host: &[u32]) -> Result<DevicePtr, OpsError> {
+        let mut arrays = lock(&self.batch);
+        arrays.device_ptr(&self.ctx, kind, host)
+    }
+}
+
+impl Drop for GpuBackend {
+    fn drop(&mut self) {
+        // The trimmer holds the pool; stop it before the buffers and the context go.
+        self.trimmer = None;
+    }
+}
+
+/// The error and its sources, joined, so the cause reaches the user whole.
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+fn f32_bytes(len: usize) -> u64 {
+    (len as u64) * 4
+}
+
+/// An f32 activation buffer on the device. `buf` is `None` for an empty buffer, or when its
+/// allocation failed (the failure is recorded and ops on it are skipped).
+pub struct GpuBuf {
+    buf: Option<PoolBuffer>,
+    len: usize,
+}
+
+impl GpuBuf {
+    /// Values the buffer holds.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer holds no values.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The address of a buffer that must hold at least `needed` values.
+    fn ptr(&self, op: &'static str, needed: usize) -> Result<DevicePtr, OpsError> {
+        match &self.buf {
+            Some(buf) if self.len >= needed => Ok(buf.ptr()),
+            _ => Err(OpsError::Shape {
+                op,
+                expected: format!("a device buffer of at least {needed} f32 values"),
+                found: format!("{} values", self.len),
+            }),
+        }
+    }
+}
+
+/// An f32 vector (norm weights, biases) on the device.
+pub struct GpuVector {
+    buf: PoolBuffer,
+    len: usize,
+}
+
+/// Rotary parameters and the batch's positions on the device (the cosines and sines are computed
+/// by the kernel).
+pub struct GpuRopeTable {
+    n_dims: usize,
+    freq_base: f32,
+    freq_scale: f32,
+    positions: DevicePtr,
+    n_positions: usize,
+    /// The frequency divisors on the device, with the host values they were made from.
+    factors: Option<(Vec<f32>, PoolBuffer)>,
+}
+
+/// One layer's K/V storage: one K and one V buffer per physical block that has memory, and the
+/// device table of their addresses (`[k of block 0..max_blocks, v of block 0..max_blocks]`, 0 for
+/// a block without memory).
+pub struct GpuKvLayer {
+    block_size: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    k: Vec<Option<PoolBuffer>>,
+    v: Vec<Option<PoolBuffer>>,
+    table_host: Vec<u64>,
+    table: Option<PoolBuffer>,
+    /// The device table is older than `table_host`.
+    dirty: bool,
+    bytes: usize,
+}
+
+impl GpuKvLayer {
+    fn max_blocks(&self) -> usize {
+        self.k.len()
+    }
+
+    fn block_bytes(&self) -> u64 {
+        (self.block_size * self.n_kv_heads * self.head_dim * 2) as u64
+    }
+
+    /// Uploads the block table if it changed.
+    fn sync_table(&mut self, ctx: &GpuContext) -> Result<(), OpsError> {
+        if !self.dirty {
+            return Ok(());
+        }
+        if self.table.is_none() {
+            self.table = Some(ctx.alloc(Purpose::Kv, (self.table_host.len() * 8) as u64)?);
+        }
+        let table = self.table.as_ref().expect("allocated above");
+        let bytes: Vec<u8> = self
+            .table_host
+            .iter()
+            .flat_map(|p| p.to_le_bytes())
+            .collect();
+        ctx.upload(table.ptr(), &bytes)?;
+        self.dirty = false;
+        Ok(())
+    }
+
+    /// Device addresses of the K and V pointer tables.
+    fn tables(&self) -> Result<(DevicePtr, DevicePtr), OpsError> {
+        match &self.table {
+            Some(table) if !self.dirty => Ok((
+                table.ptr(),
+                table.ptr().offset((self.max_blocks() * 8) as u64),
+            )),
+            _ => Err(OpsError::Shape {
+                op: "attention",
+                expected: "a KV block table uploaded to the device".into(),
+                found: "a layer whose blocks were never given memory".into(),
+            }),
+        }
+    }
+}
+
+fn weight_format(info: &TensorInfo) -> Result<WeightFormat, BackendError> {
+    WeightFormat::from_ggml_type_id(info.ty as u32).ok_or_else(|| BackendError::UnsupportedType {
+        tensor: info.name.clone(),
+        ty: info.ty.name().to_string(),
+        backend: "gpu",
+        supported: WeightFormat::ALL
+            .iter()
+            .map(|f| f.name())
+            .collect::<Vec<_>>()
+            .join(", "),
+    })
+}
+
+fn shape_of(info: &TensorInfo) -> Result<(usize, usize), BackendError> {
+    if info.dims.is_empty() || info.dims.len() > 2 {
+        return Err(BackendError::BadTensor {
+            tensor: info.name.clone(),
+            expected: "a matrix (1 or 2 dimensions)".into(),
+            found: format!("dims {:?}", info.dims),
+        });
+    }
+    let cols = info.dims[0] as usize;
+    let rows = info.dims.get(1).copied().unwrap_or(1) as usize;
+    Ok((rows, cols))
+}
+
+fn device_error(tensor: &str, error: OpsError) -> BackendError {
+    BackendError::Device {
+        tensor: tensor.to_string(),
+        cause: error_chain(&error),
+    }
+}
+
+fn rope_mode(mode: RopeMode) -> ops::RopeMode {
+    match mode {
+        RopeMode::Normal => ops::RopeMode::Normal,
+        RopeMode::Neox => ops::RopeMode::Neox,
+    }
+}
+
+impl Backend for GpuBackend {
+    type Buf = GpuBuf;
+    type Matrix = DeviceMatrix;
+    type Vector = GpuVector;
+    type RopeTable = GpuRopeTable;
+    type KvLayer = GpuKvLayer;
+
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn describe(&self) -> String {
+        self.description.clone()
+    }
+
+    fn take_failure(&self) -> Option<OpFailure> {
+        if !self.failed.load(Ordering::Acquire) {
+            return None;
+        }
+        let failure = lock(&self.failure).take();
+        self.failed.store(false, Ordering::Release);
+        failure
+    }
+
+    fn begin_forward(&self, batch: &Batch, plan: &AttentionPlan, out_rows: &[usize]) {
+        self.run("uploading the batch", || {
+            lock(&self.batch).upload(&self.ctx, batch, plan, out_rows)
+        });
+    }
+
+    fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        f()
+    }
+
+    fn matrix(&self, gguf: &Arc<Gguf>, info: &TensorInfo) -> Result<DeviceMatrix, BackendError> {
+        let format = weight_format(info)?;
+        let (rows, cols) = shape_of(info)?;
+        let expected =
+            DeviceMatrix::bytes_for(format, rows, cols).map_err(|e| device_error(&info.name, e))?;
+        let data = gguf.tensor_data(info);
+        if data.len() != expected {
+            return Err(BackendError::BadTensor {
+                tensor: info.name.clone(),
+                expected: format!("{expected} bytes for {rows} rows of {cols} {format} values"),
+                found: format!("{} bytes", data.len()),
+            });
+        }
+        let buf = self
+            .upload_new(Purpose::Weights, data)
+            .map_err(|e| device_error(&info.name, e))?;
+        lock(&self.placed).push((info.name.clone(), buf.ptr(), buf.len()));
+        DeviceMatrix::new(buf, format, rows, cols).map_err(|e| device_error(&info.name, e))
+    }
+
+    fn vector(&self, gguf: &Arc<Gguf>, info: &TensorInfo) -> Result<GpuVector, BackendError> {
+        let (rows, cols) = shape_of(info)?;
+        let len = rows * cols;
+        let mut values = vec![0f32; len];
+        ember_quant::dequantize(info.ty, gguf.tensor_data(info), &mut values).map_err(|e| {
+            BackendError::BadTensor {
+                tensor: info.name.clone(),
+                expected: format!("{len} {} values", info.ty.name()),
+                found: e.to_string(),
+            }
+        })?;
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let buf = self
+            .upload_new(Purpose::Weights, &bytes)
+            .map_err(|e| device_error(&info.name, e))?;
+        lock(&self.placed).push((info.name.clone(), buf.ptr(), buf.len()));
+        Ok(GpuVector { buf, len })
+    }
+
+    fn matrix_private_bytes(&self, matrix: &DeviceMatrix) -> usize {
+        matrix.buf.len() as usize
+    }
+
+    fn alloc(&self, len: usize) -> GpuBuf {
+        let mut buf = GpuBuf { buf: None, len: 0 };
+        self.ensure_len(&mut buf, len);
+        buf
+    }
+
+    fn ensure_len(&self, buf: &mut GpuBuf, len: usize) {
+        if buf.len >= len && (buf.buf.is_some() || len == 0) {
+            return;
+        }
+        // The old memory goes back to the pool first so that it can serve the new request.
+        buf.buf = None;
+        buf.len = 0;
+        self.run("allocating an activation buffer", || {
+            buf.buf = self.alloc_f32(len)?;
+            buf.len = len;
+            Ok(())
+        });
+    }
+
+    fn gather_rows(&self, src: &GpuBuf, dim: usize, rows: &[usize], out: &mut GpuBuf) {
+        self.run("gather_rows", || {
+            let max_row = rows.iter().copied().max().unwrap_or(0);
+            let src_ptr = src.ptr("gather_rows", (max_row + 1) * dim)?;
+            let out_ptr = out.ptr("gather_rows", rows.len() * dim)?;
+            let host: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+            let rows_ptr = self.batch_ptr(batch::Array::OutRows, &host)?;
+            ops::gather_rows(&self.ctx, src_ptr, dim, rows_ptr, rows.len(), out_ptr)
+        });
+    }
+
+    fn read(&self, buf: &GpuBuf, len: usize, out: &mut Vec<f32>) {
+        out.clear();
+        if len == 0 {
+            return;
+        }
+        self.run("reading results", || {
+            let ptr = buf.ptr("read", len)?;
+            out.resize(len, 0.0);
+            // Straight into the f32s: the logits of a large vocabulary are half a megabyte per
+            // token, and a staging copy plus conversion would cost a few percent of a decode step.
+            // SAFETY: the byte view covers exactly the `len` initialised f32s of `out`, which it
+            // borrows mutably for its whole life; every byte pattern is a valid f32, and u8 has
+            // no alignment requirement. Device and host are both little-endian (x86-64, AArch64
+            // and every GPU these drivers support), so the bytes are the device's f32s.
+            let bytes =
+                unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), len * 4) };
+            let result = self.ctx.download(ptr, bytes);
+            if result.is_err() {
+                out.clear();
+            }
+            result
+        });
+    }
+
+    fn get_rows(&self, table: &DeviceMatrix, ids: &[u32], scale: f32, out: &mut GpuBuf) {
+        self.run("get_rows", || {
+            let out_ptr = out.ptr("get_rows", ids.len() * table.cols)?;
+            let ids_ptr = self.batch_ptr(batch::Array::Tokens, ids)?;
+            ops::get_rows(&self.ctx, table, ids_ptr, ids.len(), scale, out_ptr)
+        });
+    }
+
+    fn matmul(&self, w: &DeviceMatrix, x: &GpuBuf, n_tokens: usize, out: &mut GpuBuf) {
+        self.run("matmul", || {
+            let x_ptr = x.ptr("matmul", n_tokens * w.cols)?;
+            let out_ptr = out.ptr("matmul", n_tokens * w.rows)?;
+            ops::matmul(&self.ctx, w, x_ptr, n_tokens, out_ptr)
+        });
+    }
+
+    fn rms_norm(
+        &self,
+        x: &GpuBuf,
+        weight: &GpuVector,
+        n_rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut GpuBuf,
+    ) {
+        self.run("rms_norm", || {
+            check_vector("rms_norm", weight, dim)?;
+            let x_ptr = x.ptr("rms_norm", n_rows * dim)?;
+            let out_ptr = out.ptr("rms_norm", n_rows * dim)?;
+            ops::rms_norm(
+                &self.ctx,
+                x_ptr,
+                weight.buf.ptr(),
+                n_rows,
+                dim,
+                eps,
+                out_ptr,
+            )
+        });
+    }
+
+    fn rms_norm_inplace(
+        &self,
+        x: &mut GpuBuf,
+        weight: &GpuVector,
+        n_rows: usize,
+        dim: usize,
+        eps: f32,
+    ) {
+        self.run("rms_norm", || {
+            check_vector("rms_norm", weight, dim)?;
+            let x_ptr = x.ptr("rms_norm", n_rows * dim)?;
+            ops::rms_norm(&self.ctx, x_ptr, weight.buf.ptr(), n_rows, dim, eps, x_ptr)
+        });
+    }
+
+    fn add_inplace(&self, dst: &mut GpuBuf, src: &GpuBuf, len: usize) {
+        self.run("add", || {
+            let dst_ptr = dst.ptr("add", len)?;
+            let src_ptr = src.ptr("add", len)?;
+            ops::add(&self.ctx, dst_ptr, dst_ptr, src_ptr, len, len)
+        });
+    }
+
+    fn add_bias(&self, x: &mut GpuBuf, bias: &GpuVector, n_rows: usize, dim: usize) {
+        self.run("add_bias", || {
+            check_vector("add_bias", bias, dim)?;
+            let x_ptr = x.ptr("add_bias", n_rows * dim)?;
+            ops::add(&self.ctx, x_ptr, x_ptr, bias.buf.ptr(), n_rows * dim, dim)
+        });
+    }
+
+    fn scale(&self, x: &mut GpuBuf, len: usize, scale: f32) {
+        self.run("scale", || {
+            let x_ptr = x.ptr("scale", len)?;
+            ops::scale(&self.ctx, x_ptr, x_ptr, scale, len)
+        });
+    }
+
+    fn swiglu(&self, gate: &mut GpuBuf, up: &GpuBuf, len: usize) {
+        self.run("swiglu", || {
+            let gate_ptr = gate.ptr("swiglu", len)?;
+            let up_ptr = up.ptr("swiglu", len)?;
+            ops::swiglu(&self.ctx, gate_ptr, gate_ptr, up_ptr, len)
+        });
+    }
+
+    fn geglu(&self, gate: &mut GpuBuf, up: &GpuBuf, len: usize) {
+        self.run("geglu", || {
+            let gate_ptr = gate.ptr("geglu", len)?;
+            let up_ptr = up.ptr("geglu", len)?;
+            ops::geglu(&self.ctx, gate_ptr, gate_ptr, up_ptr, len)
+        });
+    }
+
+    fn softcap(&self, x: &mut GpuBuf, len: usize, cap: f32) {
+        self.run("softcap", || {
+            let x_ptr = x.ptr("softcap", len)?;
+            ops::softcap(&self.ctx, x_ptr, len, cap)
+        });
+    }
+
+    fn rope_table_new(&self) -> GpuRopeTable {
+        GpuRopeTable {
+            n_dims: 0,
+            freq_base: 0.0,
+            freq_scale: 1.0,
+            positions: DevicePtr::NULL,
+            n_positions: 0,
+            factors: None,
+        }
+    }
+
+    fn rope_table(&self, positions: &[u32], params: &RopeParams<'_>, table: &mut GpuRopeTable) {
+        table.n_dims = params.n_dims;
+        table.freq_base = params.freq_base;
+        table.freq_scale = params.freq_scale;
+        table.positions = DevicePtr::NULL;
+        table.n_positions = 0;
+        self.run("rope_table", || {
+            table.positions = self.batch_ptr(batch::Array::Positions, positions)?;
+            table.n_positions = positions.len();
+            match params.freq_factors {
+                None => table.factors = None,
+                Some(factors) => {
+                    let current = table
+                        .factors
+                        .as_ref()
+                        .is_some_and(|(host, _)| host.as_slice() == factors);
+                    if !current {
+                        table.factors = None;
+                        let bytes: Vec<u8> = factors.iter().flat_map(|v| v.to_le_bytes()).collect();
+                        let buf = self.upload_new(Purpose::Scratch, &bytes)?;
+                        table.factors = Some((factors.to_vec(), buf));
+                    }
+                }
+            }
+            Ok(())
+        });
+    }
+
+    fn rope(
+        &self,
+        x: &mut GpuBuf,
+        table: &GpuRopeTable,
+        n_tokens: usize,
+        n_heads: usize,
+        head_dim: usize,
+        mode: RopeMode,
+    ) {
+        self.run("rope", || {
+            if table.n_positions < n_tokens || table.positions == DevicePtr::NULL {
+                return Err(OpsError::Shape {
+                    op: "rope",
+                    expected: format!("positions for {n_tokens} tokens"),
+                    found: format!("{} positions", table.n_positions),
+                });
+            }
+            let x_ptr = x.ptr("rope", n_tokens * n_heads * head_dim)?;
+            ops::rope(
+                &self.ctx,
+                x_ptr,
+                table.positions,
+                n_tokens,
+                n_heads,
+                head_dim,
+                table.n_dims,
+                rope_mode(mode),
+                table.freq_base,
+                table.freq_scale,
+                table.factors.as_ref().map(|(_, buf)| buf.ptr()),
+            )
+        });
+    }
+
+    fn kv_layer(
+        &self,
+        max_blocks: usize,
+        block_size: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+    ) -> GpuKvLayer {
+        GpuKvLayer {
+            block_size,
+            n_kv_heads,
+            head_dim,
+            k: (0..max_blocks).map(|_| None).collect(),
+            v: (0..max_blocks).map(|_| None).collect(),
+            table_host: vec![0; 2 * max_blocks],
+            table: None,
+            dirty: true,
+            bytes: 0,
+        }
+    }
+
+    fn kv_materialize(&self, layer: &mut GpuKvLayer, blocks: &[u32]) {
+        self.run("kv_materialize", || {
+            let block_bytes = layer.block_bytes();
+            let max_blocks = layer.max_blocks();
+            for &block in blocks {
+                let b = block as usize;
+                if b >= max_blocks {
+                    return Err(OpsError::Shape {
+                        op: "kv_materialize",
+                        expected: format!("a block id below {max_blocks}"),
+                        found: format!("block {b}"),
+                    });
+                }
+                if layer.k[b].is_some() {
+                    continue;
+                }
+                let k = self.ctx.alloc(Purpose::Kv, block_bytes)?;
+                let v = self.ctx.alloc(Purpose::Kv, block_bytes)?;
+                layer.table_host[b] = k.ptr().0;
+                layer.table_host[max_blocks + b] = v.ptr().0;
+                layer.k[b] = Some(k);
+                layer.v[b] = Some(v);
+                layer.bytes += 2 * block_bytes as usize;
+                layer.dirty = true;
+            }
+            layer.sync_table(&self.ctx)
+        });
+    }
+
+    fn kv_release(&self, layer: &mut GpuKvLayer, blocks: &[u32]) {
+        let max_blocks = layer.max_blocks();
+        let block_bytes = layer.block_bytes() as usize;
+        for &block in blocks {
+            let b = block as usize;
+            if b >= max_blocks {
+                continue;
+            }
+            // Stream order makes the memory safe to reuse at once: kernels queued before any
+            // later use of it have finished reading by then.
+            if layer.k[b].take().is_some() {
+                layer.bytes -= block_bytes;
+            }
+            if layer.v[b].take().is_some() {
+                layer.bytes -= block_bytes;
+            }
+            layer.table_host[b] = 0;
+            layer.table_host[max_blocks + b] = 0;
+            layer.dirty = true;
+        }
+        // A stale table only names released blocks, which no block table refers to any more;
+        // it is uploaded with the next change if this upload cannot run now.
+        self.run("kv_release", || layer.sync_table(&self.ctx));
+    }
+
+    fn kv_bytes(&self, layer: &GpuKvLayer) -> usize {
+        layer.bytes
+    }
+
+    fn kv_store(&self, layer: &mut GpuKvLayer, k: &GpuBuf, v: &GpuBuf, plan: &AttentionPlan) {
+        self.run("kv_store", || {
+            layer.sync_table(&self.ctx)?;
+            let n_tokens = plan.n_tokens();
+            let row = layer.n_kv_heads * layer.head_dim;
+            let k_ptr = k.ptr("kv_store", n_tokens * row)?;
+            let v_ptr = v.ptr("kv_store", n_tokens * row)?;
+            let (k_blocks, v_blocks) = layer.tables()?;
+            let slots = lock(&self.batch).plan_ptr(plan, batch::Array::Slots)?;
+            ops::kv_store(
+                &self.ctx,
+                k_blocks,
+                v_blocks,
+                k_ptr,
+                v_ptr,
+                slots,
+                n_tokens,
+                row,
+                layer.block_size,
+            )
+        });
+    }
+
+    fn attention(
+        &self,
+        q: &GpuBuf,
+        layer: &GpuKvLayer,
+        plan: &AttentionPlan,
+        n_heads: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+        kq_scale: f32,
+        window: Option<usize>,
+        out: &mut GpuBuf,
+    ) {
+        self.run("attention", || {
+            let n_tokens = plan.n_tokens();
+            let q_ptr = q.ptr("attention", n_tokens * n_heads * head_dim)?;
+            let out_ptr = out.ptr("attention", n_tokens * n_heads * head_dim)?;
+            let (k_blocks, v_blocks) = layer.tables()?;
+            let arrays = lock(&self.batch);
+            let args = AttentionArgs {
+                q: q_ptr,
+                out: out_ptr,
+                k_blocks,
+                v_blocks,
+                block_tables: arrays.plan_ptr(plan, batch::Array::BlockTables)?,
+                table_of_token: arrays.plan_ptr(plan, batch::Array::TableOfToken)?,
+                positions: arrays.plan_ptr(plan, batch::Array::Positions)?,
+                n_tokens,
+                n_tables: plan.tables.len(),
+                max_blocks_per_table: arrays.max_blocks_per_table(),
+                max_position: arrays.max_position(),
+                n_heads,
+                n_kv_heads,
+                head_dim,
+                block_size: layer.block_size,
+                scale: kq_scale,
+                window,
+                softcap: None,
+            };
+            drop(arrays);
+            ops::attention(&self.ctx, &args)
+        });
+    }
+}
+
+#[cfg(all(test, unix))]
+mod tests;
+
+fn check_vector(op: &'static str, vector: &GpuVector, len: usize) -> Result<(), OpsError> {
+    if vector.len < len {
+        return Err(OpsError::Shape {
+            op,
+            expected: format!("a weight vector of {len} values"),
+            found: format!("{} values", vector.len),
+        });
+    }
+    Ok(())
+}

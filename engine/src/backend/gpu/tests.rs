@@ -1,0 +1,244 @@
+//! The GPU backend's own logic on the host driver (real memory from the OS, no kernels): KV blocks
+//! and their device address tables, failures recorded and handed over once, budget refusals
+//! rolled back by the KV cache, per-batch arrays uploaded once, activations read back. The ops'
+//! kernels are tested by `ember-gpu` and on the GPU.
+
+use std::sync::Arc;
+
+use ember_gpu::host::{HostDriver, HostDriverConfig};
+use ember_gpu::kernels::KernelLibrary;
+use ember_gpu::ops::{GpuContext, GpuContextOptions};
+use ember_gpu::{DevicePool, Driver, PoolConfig, PoolKind, Purpose};
+
+use super::*;
+use crate::kv_cache::{KvCache, KvError};
+
+fn backend(budget: Option<u64>) -> GpuBackend {
+    let driver: Arc<dyn Driver> = Arc::new(HostDriver::new(HostDriverConfig::default()));
+    let pool = DevicePool::with_kind(
+        driver,
+        0,
+        PoolKind::Caching,
+        "test".to_string(),
+        PoolConfig {
+            budget,
+            ..PoolConfig::default()
+        },
+    )
+    .expect("host pool");
+    let kernels = Arc::new(KernelLibrary::new(std::env::temp_dir()));
+    let ctx = GpuContext::with_options(
+        Arc::new(pool),
+        kernels,
+        &GpuContextOptions { disable_blas: true },
+    )
+    .expect("host context");
+    GpuBackend::new(ctx, "host", "host test device".into(), false)
+}
+
+fn download_u64(backend: &GpuBackend, ptr: DevicePtr, n: usize) -> Vec<u64> {
+    let mut bytes = vec![0u8; n * 8];
+    backend.context().download(ptr, &mut bytes).unwrap();
+    bytes
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+fn download_u32(backend: &GpuBackend, ptr: DevicePtr, n: usize) -> Vec<u32> {
+    let mut bytes = vec![0u8; n * 4];
+    backend.context().download(ptr, &mut bytes).unwrap();
+    bytes
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+#[test]
+fn kv_blocks_get_memory_on_demand_and_the_device_tables_follow() {
+    let b = backend(None);
+    // 4 blocks of 8 slots, 2 KV heads of 16 values: 512 bytes per block for K and for V.
+    let mut layer = b.kv_layer(4, 8, 2, 16);
+    assert_eq!(b.kv_bytes(&layer), 0);
+    b.kv_materialize(&mut layer, &[0, 2]);
+    assert_eq!(b.take_failure(), None);
+    assert_eq!(b.kv_bytes(&layer), 2 * 2 * 512);
+    assert_eq!(
+        b.pool().usage().purpose(Purpose::Kv).current,
+        2 * 2 * 512 + 4 * 2 * 8,
+        "two blocks of K and V plus the 64-byte address table"
+    );
+    let (k_table, v_table) = layer.tables().unwrap();
+    let k = download_u64(&b, k_table, 4);
+    let v = download_u64(&b, v_table, 4);
+    let expected = |blocks: &[Option<PoolBuffer>]| -> Vec<u64> {
+        blocks
+            .iter()
+            .map(|buf| buf.as_ref().map_or(0, |buf| buf.ptr().0))
+            .collect()
+    };
+    assert_eq!(k, expected(&layer.k));
+    assert_eq!(v, expected(&layer.v));
+    assert!(k[0] != 0 && k[1] == 0 && k[2] != 0 && k[3] == 0, "{k:?}");
+
+    // Materialising a block twice keeps its memory; releasing one zeroes its entries.
+    b.kv_materialize(&mut layer, &[2, 3]);
+    b.kv_release(&mut layer, &[0]);
+    assert_eq!(b.take_failure(), None);
+    assert_eq!(b.kv_bytes(&layer), 2 * 2 * 512);
+    let k_after = download_u64(&b, layer.tables().unwrap().0, 4);
+    assert_eq!(k_after[0], 0);
+    assert_eq!(k_after[2], k[2], "block 2 kept its memory");
+    assert_ne!(k_after[3], 0);
+    b.kv_release(&mut layer, &[2, 3]);
+    assert_eq!(b.kv_bytes(&layer), 0);
+    assert_eq!(download_u64(&b, layer.tables().unwrap().1, 4), [0; 4]);
+}
+
+#[test]
+fn a_failure_is_recorded_once_skips_later_ops_and_is_handed_over_once() {
+    let b = backend(None);
+    let mut buf = b.alloc(4);
+    b.inject_out_of_memory();
+    b.scale(&mut buf, 4, 2.0);
+    // Skipped: the failure of `scale` stays the one reported.
+    b.softcap(&mut buf, 4, 1.0);
+    let failure = b.take_failure().expect("a failure");
+    assert_eq!(failure.op, "scale");
+    assert_eq!(failure.backend, "host");
+    assert!(failure.out_of_memory);
+    assert!(
+        failure.cause.contains("injected out-of-memory failure"),
+        "{}",
+        failure.cause
+    );
+    assert_eq!(b.take_failure(), None, "handed over once");
+
+    // Ops run again: an op on a buffer too short for it is a recorded shape error, not a
+    // write past its end.
+    let mut out = Vec::new();
+    b.read(&buf, 8, &mut out);
+    let failure = b.take_failure().expect("a failure");
+    assert_eq!(failure.op, "reading results");
+    assert!(!failure.out_of_memory);
+    assert!(
+        failure
+            .cause
+            .contains("expected a device buffer of at least 8 f32 values, found 4 values"),
+        "{}",
+        failure.cause
+    );
+}
+
+#[test]
+fn activations_round_trip_and_grow_only_when_needed() {
+    let b = backend(None);
+    let mut buf = b.alloc(0);
+    assert!(buf.is_empty());
+    b.ensure_len(&mut buf, 6);
+    let ptr = buf.buf.as_ref().unwrap().ptr();
+    b.ensure_len(&mut buf, 3);
+    assert_eq!(
+        buf.buf.as_ref().unwrap().ptr(),
+        ptr,
+        "a shorter request keeps the buffer"
+    );
+    assert_eq!(buf.len(), 6);
+    let values = [1.5f32, -2.0, 0.25, 7.0, 0.0, -0.5];
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    b.context().upload(ptr, &bytes).unwrap();
+    let mut out = vec![9.0];
+    b.read(&buf, 6, &mut out);
+    assert_eq!(b.take_failure(), None);
+    assert_eq!(out, values);
+    assert_eq!(
+        b.pool().usage().purpose(Purpose::Scratch).current,
+        24,
+        "one live activation buffer"
+    );
+}
+
+#[test]
+fn the_batch_is_uploaded_once_and_host_slices_find_their_device_copy() {
+    let b = backend(None);
+    let mut batch = Batch::new();
+    batch.push(5, 0, 3, false);
+    batch.push(6, 1, 3, true);
+    let plan = AttentionPlan {
+        id: 77,
+        block_size: 4,
+        slots: vec![8, 9],
+        positions: vec![0, 1],
+        table_of_token: vec![0, 0],
+        tables: vec![vec![2]],
+    };
+    b.begin_forward(&batch, &plan, &[1]);
+    assert_eq!(b.take_failure(), None);
+    let tokens = b.batch_ptr(batch::Array::Tokens, &[5, 6]).unwrap();
+    assert_eq!(download_u32(&b, tokens, 2), [5, 6]);
+    let positions = b.batch_ptr(batch::Array::Positions, &[0, 1]).unwrap();
+    assert_eq!(download_u32(&b, positions, 2), [0, 1]);
+    let arrays = lock(&b.batch);
+    let slots = arrays.plan_ptr(&plan, batch::Array::Slots).unwrap();
+    let tables = arrays.plan_ptr(&plan, batch::Array::BlockTables).unwrap();
+    drop(arrays);
+    assert_eq!(download_u32(&b, slots, 2), [8, 9]);
+    assert_eq!(download_u32(&b, tables, 1), [2]);
+    // The same buffer: no upload per op.
+    let scratch_before = b.pool().usage().allocations;
+    assert_eq!(b.batch_ptr(batch::Array::Tokens, &[5, 6]).unwrap(), tokens);
+    assert_eq!(b.pool().usage().allocations, scratch_before);
+    // Other values get their own copy.
+    let other = b.batch_ptr(batch::Array::Tokens, &[7]).unwrap();
+    assert_ne!(other, tokens);
+    assert_eq!(download_u32(&b, other, 1), [7]);
+    // Another plan's arrays are refused.
+    let stale = AttentionPlan {
+        id: 78,
+        ..plan.clone()
+    };
+    assert!(lock(&b.batch)
+        .plan_ptr(&stale, batch::Array::Slots)
+        .is_err());
+}
+
+#[test]
+fn kv_blocks_over_the_budget_fail_the_plan_and_give_everything_back() {
+    // Room for the address tables and 3 blocks of K and V, not for the 4 a 13-token prompt needs.
+    let block = 4 * 2 * 16 * 2;
+    let tables = 2 * (2 * 8 * 8);
+    let b = backend(Some((tables + 3 * 2 * block * 2) as u64));
+    let mut cache = KvCache::new(&b, &[(2, 16), (2, 16)], 4, 32, 8);
+    let mut plan = AttentionPlan::default();
+    // A first sequence of 4 tokens takes one block per layer.
+    cache
+        .plan(
+            &b,
+            &Batch::for_sequence(0, 0, &[1, 2, 3, 4], false),
+            &mut plan,
+        )
+        .unwrap();
+    let kv_before = b.pool().usage().purpose(Purpose::Kv).current;
+    let stats_before = cache.stats();
+    let error = cache
+        .plan(&b, &Batch::for_sequence(1, 0, &[1; 13], false), &mut plan)
+        .unwrap_err();
+    let KvError::Memory(failure) = &error else {
+        panic!("expected a memory failure, found {error:?}");
+    };
+    assert_eq!(failure.op, "kv_materialize");
+    assert!(failure.out_of_memory, "{failure}");
+    assert!(
+        error.to_string().starts_with("KV cache blocks for the batch could not be given memory: host backend: kv_materialize failed: "),
+        "{error}"
+    );
+    assert_eq!(b.pool().usage().purpose(Purpose::Kv).current, kv_before);
+    assert_eq!(cache.stats(), stats_before);
+    assert_eq!(cache.seq_len(1), 0);
+    assert_eq!(b.take_failure(), None, "the cache took the failure");
+    // What fits still runs.
+    cache
+        .plan(&b, &Batch::for_sequence(1, 0, &[1; 8], false), &mut plan)
+        .unwrap();
+    assert_eq!(cache.seq_len(1), 8);
+}

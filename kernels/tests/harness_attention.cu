@@ -1,0 +1,347 @@
+// Attention harness: ember_kv_store_f16 and both attention kernels of kernels/attention.hip
+// (decode: partial + reduce; prefill: tiled flash attention) on random inputs, against a
+// straightforward double-precision CPU reference, plus the time of Llama-3-8B-shaped launches.
+//
+// Every case builds a paged cache whose blocks are separate device allocations at shuffled
+// physical ids (some ids unused, address 0), stores the cached tokens and then the new ones with
+// ember_kv_store_f16 (with padding slots that must be skipped), and runs one batch holding
+// several sequences: a 300-token prefill from empty, prefills appended to existing caches,
+// single decode tokens at partition boundaries. Both kernels run on every batch (each computes
+// the same function for any batch). Cases: head_dim 64/80/128/256 x GQA group 1/4/8 x
+// (no window | window) x (no softcap | softcap 5), block sizes 16 and 7.
+//
+// Build and run on an NVIDIA machine (repository root), or through kernels/tests/run-nvcc.sh:
+//   nvcc -std=c++17 -O2 -arch=sm_90 -x cu -I kernels kernels/tests/harness_attention.cu -o target/harness_attention
+//   target/harness_attention
+// Exit status 0 when every check passes.
+//
+// Tolerances (eps = 2^-24, |v| <= 1, S = scale * max over visible keys of sum_d |q_d k_d|):
+// * kv_store: bit-exact f16 round-to-nearest-even of the inputs.
+// * against a reference fed the same f16-rounded q, k, v (so only f32 arithmetic differs): a
+//   score is a sum of head_dim products, off by at most (head_dim + 4) eps S; shifting every
+//   score by at most ds moves the softmax-weighted mean of values by at most (e^(2 ds) - 1) max|v|
+//   (~2.2 ds); the sums of weights and of weighted values carry at most (n_keys + 8) eps relative
+//   error each (sequential sums, expf's 2 ulps, the reduce's rescaling); softcap adds tanhf's few
+//   ulps of the cap. Hence tol = 2.2 (head_dim + 4) eps S + 2 (n_keys + 8) eps + 8 eps cap + 1e-7.
+// * against a reference fed the unrounded f32 q, k, v: f16 rounding moves q and k by 2^-11
+//   relative each, hence each score by at most 2^-10 S (+ 2^-22 S), and v by 2^-11: the bound is
+//   2.2 (2^-10 + 2^-22) S + 2^-11 + the previous tolerance.
+#include "../attention.hip"
+
+#include "harness_common.h"
+
+struct Sequence {
+    int cached, added;
+};
+
+struct Case {
+    int n_heads, n_kv_heads, head_dim, block_size, window;
+    float softcap;
+    std::vector<Sequence> sequences;
+};
+
+// A paged cache and a batch, on the device.
+struct Setup {
+    int n_tokens = 0, n_tables = 0, max_blocks = 0, row_values = 0, max_position = 0;
+    std::vector<void*> allocations;
+    std::vector<uint64_t> k_addresses, v_addresses;
+    std::vector<int32_t> tables, table_of_token, positions;
+    std::vector<std::vector<float>> k, v;  // per table: [position, row_values]
+    std::vector<float> q;                  // [n_tokens, n_heads, head_dim]
+    ~Setup() {
+        for (void* p : allocations) (void)cudaFree(p);
+    }
+};
+
+static void build(const Case& c, Setup& s) {
+    const int bs = c.block_size;
+    s.n_tables = (int)c.sequences.size();
+    s.row_values = c.n_kv_heads * c.head_dim;
+    int total_blocks = 0;
+    for (const Sequence& seq : c.sequences) {
+        const int blocks = (seq.cached + seq.added + bs - 1) / bs;
+        s.max_blocks = std::max(s.max_blocks, blocks);
+        total_blocks += blocks;
+    }
+    s.max_blocks += 1;  // an unused column: the table stride is not the sequence's block count
+    // Physical ids: shuffled, with 7 ids that no table uses (address 0).
+    const int n_physical = total_blocks + 7;
+    std::vector<int> ids(n_physical);
+    for (int i = 0; i < n_physical; ++i) ids[i] = i;
+    std::shuffle(ids.begin(), ids.end(), g_rng);
+    s.k_addresses.assign(n_physical, 0);
+    s.v_addresses.assign(n_physical, 0);
+    s.tables.assign((size_t)s.n_tables * s.max_blocks, -1);
+    int next = 0;
+    for (int t = 0; t < s.n_tables; ++t) {
+        const Sequence& seq = c.sequences[t];
+        const int blocks = (seq.cached + seq.added + bs - 1) / bs;
+        for (int b = 0; b < blocks; ++b) {
+            const int id = ids[next++];
+            s.tables[(size_t)t * s.max_blocks + b] = id;
+            void* kp;
+            void* vp;
+            CHECK_CUDA(cudaMalloc(&kp, (size_t)bs * s.row_values * 2));
+            CHECK_CUDA(cudaMalloc(&vp, (size_t)bs * s.row_values * 2));
+            s.allocations.push_back(kp);
+            s.allocations.push_back(vp);
+            s.k_addresses[id] = (uint64_t)(uintptr_t)kp;
+            s.v_addresses[id] = (uint64_t)(uintptr_t)vp;
+        }
+        s.k.push_back(random_floats((size_t)(seq.cached + seq.added) * s.row_values));
+        s.v.push_back(random_floats((size_t)(seq.cached + seq.added) * s.row_values));
+        for (int i = 0; i < seq.added; ++i) {
+            s.table_of_token.push_back(t);
+            s.positions.push_back(seq.cached + i);
+            s.max_position = std::max(s.max_position, seq.cached + i);
+        }
+    }
+    s.n_tokens = (int)s.positions.size();
+    // Queries of amplitude 4 make peaked softmaxes and scores beyond a cap of 5.
+    s.q = random_floats((size_t)s.n_tokens * c.n_heads * c.head_dim, -4.0f, 4.0f);
+}
+
+static int32_t slot_of(const Setup& s, int table, int position, int bs) {
+    return s.tables[(size_t)table * s.max_blocks + position / bs] * bs + position % bs;
+}
+
+// Stores positions [from(t), to(t)) of every table with ember_kv_store_f16, with two padding
+// rows (slot -1, garbage values) in the batch.
+static void store(const Case& c, const Setup& s, const uint64_t* dk_blocks, const uint64_t* dv_blocks, bool added) {
+    std::vector<float> k_rows, v_rows;
+    std::vector<int32_t> slots;
+    auto padding = [&]() {
+        slots.push_back(-1);
+        for (int i = 0; i < s.row_values; ++i) k_rows.push_back(1e4f), v_rows.push_back(-1e4f);
+    };
+    padding();
+    for (int t = 0; t < s.n_tables; ++t) {
+        const Sequence& seq = c.sequences[t];
+        const int from = added ? seq.cached : 0, to = added ? seq.cached + seq.added : seq.cached;
+        for (int p = from; p < to; ++p) {
+            slots.push_back(slot_of(s, t, p, c.block_size));
+            k_rows.insert(k_rows.end(), s.k[t].begin() + (size_t)p * s.row_values, s.k[t].begin() + (size_t)(p + 1) * s.row_values);
+            v_rows.insert(v_rows.end(), s.v[t].begin() + (size_t)p * s.row_values, s.v[t].begin() + (size_t)(p + 1) * s.row_values);
+        }
+    }
+    padding();
+    DeviceBuffer<float> dk(k_rows), dv(v_rows);
+    DeviceBuffer<int32_t> dslots(slots);
+    ember_kv_store_f16<<<(unsigned)slots.size(), 256>>>(dk_blocks, dv_blocks, dk.ptr, dv.ptr, dslots.ptr, s.row_values, c.block_size);
+    sync();
+}
+
+// Counts stored halves that are not the round-to-nearest-even f16 of their input.
+static uint32_t check_store(const Case& c, const Setup& s) {
+    uint32_t wrong = 0;
+    std::vector<uint16_t> block((size_t)c.block_size * s.row_values);
+    for (int t = 0; t < s.n_tables; ++t) {
+        const int length = c.sequences[t].cached + c.sequences[t].added;
+        for (int which = 0; which < 2; ++which) {
+            const std::vector<uint64_t>& addresses = which ? s.v_addresses : s.k_addresses;
+            const std::vector<float>& values = which ? s.v[t] : s.k[t];
+            for (int b = 0; b * c.block_size < length; ++b) {
+                const int id = s.tables[(size_t)t * s.max_blocks + b];
+                CHECK_CUDA(cudaMemcpy(block.data(), (const void*)(uintptr_t)addresses[id], block.size() * 2, cudaMemcpyDeviceToHost));
+                for (int o = 0; o < c.block_size && b * c.block_size + o < length; ++o)
+                    for (int i = 0; i < s.row_values; ++i)
+                        wrong += block[(size_t)o * s.row_values + i] != to_half_bits(values[(size_t)(b * c.block_size + o) * s.row_values + i]);
+            }
+        }
+    }
+    return wrong;
+}
+
+struct Reference {
+    std::vector<double> out;
+    std::vector<double> score_magnitude;  // S per (token, head)
+    std::vector<int> n_keys;              // visible keys per token
+};
+
+// Causal attention in double; `rounded` feeds it the f16 values the kernels see.
+static Reference reference(const Case& c, const Setup& s, float scale, bool rounded) {
+    const int hd = c.head_dim, group = c.n_heads / c.n_kv_heads;
+    Reference r;
+    r.out.assign((size_t)s.n_tokens * c.n_heads * hd, 0.0);
+    r.score_magnitude.assign((size_t)s.n_tokens * c.n_heads, 0.0);
+    r.n_keys.assign(s.n_tokens, 0);
+    auto f16 = [&](float x) { return rounded ? (double)round_to_half(x) : (double)x; };
+    std::vector<double> scores, qh(hd);
+    for (int t = 0; t < s.n_tokens; ++t) {
+        const int table = s.table_of_token[t], pos = s.positions[t];
+        const int first = c.window > 0 ? std::max(0, pos - c.window + 1) : 0;
+        r.n_keys[t] = pos + 1 - first;
+        for (int h = 0; h < c.n_heads; ++h) {
+            const int kvh = h / group;
+            for (int d = 0; d < hd; ++d) qh[d] = f16(s.q[((size_t)t * c.n_heads + h) * hd + d]);
+            scores.assign(pos + 1 - first, 0.0);
+            double m = -INFINITY, magnitude = 0.0;
+            for (int p = first; p <= pos; ++p) {
+                const float* k = s.k[table].data() + (size_t)p * s.row_values + kvh * hd;
+                double dot = 0.0, abs_dot = 0.0;
+                for (int d = 0; d < hd; ++d) {
+                    dot += qh[d] * f16(k[d]);
+                    abs_dot += std::fabs(qh[d] * f16(k[d]));
+                }
+                double score = dot * scale;
+                if (c.softcap > 0.0f) score = c.softcap * std::tanh(score / c.softcap);
+                scores[p - first] = score;
+                m = std::fmax(m, score);
+                magnitude = std::fmax(magnitude, abs_dot * scale);
+            }
+            r.score_magnitude[(size_t)t * c.n_heads + h] = magnitude;
+            double sum = 0.0;
+            for (double& e : scores) sum += (e = std::exp(e - m));
+            double* out = r.out.data() + ((size_t)t * c.n_heads + h) * hd;
+            for (int p = first; p <= pos; ++p) {
+                const float* v = s.v[table].data() + (size_t)p * s.row_values + kvh * hd;
+                for (int d = 0; d < hd; ++d) out[d] += scores[p - first] / sum * f16(v[d]);
+            }
+        }
+    }
+    return r;
+}
+
+struct DeviceSetup {
+    DeviceBuffer<uint64_t> k_blocks, v_blocks;
+    DeviceBuffer<int32_t> tables, table_of_token, positions;
+    DeviceBuffer<float> q;
+    explicit DeviceSetup(const Setup& s)
+        : k_blocks(s.k_addresses), v_blocks(s.v_addresses), tables(s.tables), table_of_token(s.table_of_token), positions(s.positions), q(s.q) {}
+};
+
+// The launches ops::attention makes (crates/gpu/src/ops/attention.rs).
+static void run_decode(const Case& c, const Setup& s, const DeviceSetup& d, float scale, float* out) {
+    int n_keys = s.max_position + 1;
+    if (c.window > 0) n_keys = std::min(n_keys, c.window);
+    const int n_partitions = std::max(1, (n_keys + EMBER_ATTN_PARTITION - 1) / EMBER_ATTN_PARTITION);
+    const size_t n_partials = (size_t)s.n_tokens * c.n_heads * n_partitions;
+    DeviceBuffer<float> acc(n_partitions > 1 ? n_partials * c.head_dim : 1);
+    DeviceBuffer<float2> ms(n_partitions > 1 ? n_partials : 1);
+    ember_attention_decode_partial<<<dim3(n_partitions, c.n_heads, s.n_tokens), EMBER_ATTN_THREADS>>>(
+        out, n_partitions > 1 ? acc.ptr : nullptr, n_partitions > 1 ? ms.ptr : nullptr, d.q.ptr, d.k_blocks.ptr, d.v_blocks.ptr, d.tables.ptr,
+        d.table_of_token.ptr, d.positions.ptr, c.n_heads, c.n_kv_heads, c.head_dim, c.block_size, s.max_blocks, n_partitions, scale, c.window,
+        c.softcap);
+    if (n_partitions > 1)
+        ember_attention_decode_reduce<<<dim3(c.n_heads, s.n_tokens), EMBER_ATTN_THREADS>>>(out, acc.ptr, ms.ptr, c.n_heads, c.head_dim, n_partitions);
+    sync();
+}
+
+static void run_prefill(const Case& c, const Setup& s, const DeviceSetup& d, float scale, float* out) {
+    const dim3 grid((s.n_tokens + EMBER_ATTN_TILE_Q - 1) / EMBER_ATTN_TILE_Q, c.n_heads);
+    auto kernel = c.head_dim <= 64 ? ember_attention_prefill_d64 : c.head_dim <= 128 ? ember_attention_prefill_d128 : ember_attention_prefill_d256;
+    kernel<<<grid, EMBER_ATTN_THREADS>>>(out, d.q.ptr, d.k_blocks.ptr, d.v_blocks.ptr, d.tables.ptr, d.table_of_token.ptr, d.positions.ptr, s.n_tokens,
+                                         c.n_heads, c.n_kv_heads, c.head_dim, c.block_size, s.max_blocks, scale, c.window, c.softcap);
+    sync();
+}
+
+// Worst error / tolerance over the batch (<= 1 passes).
+static double compare(const Case& c, const Setup& s, const std::vector<float>& got, const Reference& rounded, const Reference& exact, bool against_exact) {
+    const double eps = std::ldexp(1.0, -24);
+    double worst = 0.0;
+    for (int t = 0; t < s.n_tokens; ++t)
+        for (int h = 0; h < c.n_heads; ++h) {
+            const double S = rounded.score_magnitude[(size_t)t * c.n_heads + h];
+            double tol = 2.2 * (c.head_dim + 4) * eps * S + 2.0 * (rounded.n_keys[t] + 8) * eps + 8.0 * eps * c.softcap + 1e-7;
+            if (against_exact) tol += 2.2 * (std::ldexp(1.0, -10) + std::ldexp(1.0, -22)) * S + std::ldexp(1.0, -11);
+            const Reference& ref = against_exact ? exact : rounded;
+            for (int d = 0; d < c.head_dim; ++d) {
+                const size_t i = ((size_t)t * c.n_heads + h) * c.head_dim + d;
+                worst = std::fmax(worst, std::fabs((double)got[i] - ref.out[i]) / tol);
+            }
+        }
+    return worst;
+}
+
+static void run_case(const Case& c, const char* batch_name) {
+    Setup s;
+    build(c, s);
+    const float scale = 1.0f / std::sqrt((float)c.head_dim);
+    DeviceSetup d(s);
+    store(c, s, d.k_blocks.ptr, d.v_blocks.ptr, false);
+    store(c, s, d.k_blocks.ptr, d.v_blocks.ptr, true);
+    char name[200];
+    std::snprintf(name, sizeof name, "d=%d gqa=%d bs=%d window=%d softcap=%g %s", c.head_dim, c.n_heads / c.n_kv_heads, c.block_size, c.window,
+                  c.softcap, batch_name);
+    report(std::string("kv_store_f16 ") + name + " (wrong halves)", check_store(c, s), 0.0);
+    const Reference rounded = reference(c, s, scale, true), exact = reference(c, s, scale, false);
+    DeviceBuffer<float> out((size_t)s.n_tokens * c.n_heads * c.head_dim);
+    for (int kernel = 0; kernel < 2; ++kernel) {
+        CHECK_CUDA(cudaMemset(out.ptr, 0xff, out.n * sizeof(float)));
+        if (kernel == 0) run_decode(c, s, d, scale, out.ptr);
+        else run_prefill(c, s, d, scale, out.ptr);
+        const std::vector<float> got = out.download();
+        const std::string kernel_name = kernel == 0 ? "decode " : "prefill ";
+        report(kernel_name + name + " vs f16-input reference", compare(c, s, got, rounded, exact, false), 1.0);
+        report(kernel_name + name + " vs f32-input reference", compare(c, s, got, rounded, exact, true), 1.0);
+    }
+}
+
+static void benchmark(const char* what, const Case& c, bool decode) {
+    Setup s;
+    build(c, s);
+    DeviceSetup d(s);
+    store(c, s, d.k_blocks.ptr, d.v_blocks.ptr, false);
+    store(c, s, d.k_blocks.ptr, d.v_blocks.ptr, true);
+    const float scale = 1.0f / std::sqrt((float)c.head_dim);
+    DeviceBuffer<float> out((size_t)s.n_tokens * c.n_heads * c.head_dim);
+    cudaEvent_t start, stop;
+    CHECK_CUDA(cudaEventCreate(&start));
+    CHECK_CUDA(cudaEventCreate(&stop));
+    std::vector<float> samples;
+    for (int i = 0; i < 25; ++i) {
+        CHECK_CUDA(cudaEventRecord(start));
+        if (decode) run_decode(c, s, d, scale, out.ptr);
+        else run_prefill(c, s, d, scale, out.ptr);
+        CHECK_CUDA(cudaEventRecord(stop));
+        CHECK_CUDA(cudaEventSynchronize(stop));
+        float ms = 0;
+        CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+        if (i >= 5) samples.push_back(ms);
+    }
+    std::printf("INFO attention %s: %.1f us (median of 20)\n", what, median(samples) * 1e3);
+    CHECK_CUDA(cudaEventDestroy(start));
+    CHECK_CUDA(cudaEventDestroy(stop));
+}
+
+int main() {
+    // Prefill of 300 from empty, appends to existing caches (1, 45, 16 tokens), a decode token at
+    // 600: tiles that mix tables, keys crossing blocks, several decode partitions.
+    const std::vector<Sequence> mixed = {{0, 300}, {37, 1}, {250, 45}, {5, 16}, {600, 1}};
+    // Pure decode at partition boundaries (255, 256, 511 keys before the token).
+    const std::vector<Sequence> decode = {{0, 1}, {254, 1}, {255, 1}, {511, 1}, {700, 1}};
+    int index = 0;
+    for (int head_dim : {64, 80, 128, 256})
+        for (int group : {1, 4, 8})
+            for (int variant = 0; variant < 4; ++variant, ++index) {
+                Case c;
+                c.n_heads = 8;
+                c.n_kv_heads = 8 / group;
+                c.head_dim = head_dim;
+                c.block_size = index % 2 ? 7 : 16;
+                c.window = variant & 1 ? (head_dim % 128 == 0 ? 300 : 37) : 0;
+                c.softcap = variant & 2 ? 5.0f : 0.0f;
+                c.sequences = mixed;
+                run_case(c, "mixed prefill batch");
+                if (variant == 0 || variant == 3) {
+                    c.sequences = decode;
+                    run_case(c, "decode batch");
+                }
+            }
+
+    // Llama-3-8B attention shapes: 32 heads, 8 KV heads, head_dim 128, blocks of 16.
+    Case llama;
+    llama.n_heads = 32;
+    llama.n_kv_heads = 8;
+    llama.head_dim = 128;
+    llama.block_size = 16;
+    llama.window = 0;
+    llama.softcap = 0.0f;
+    llama.sequences = {{0, 512}};
+    benchmark("prefill 512 tokens from empty (32 heads, 8 KV, d=128)", llama, false);
+    llama.sequences = {{511, 1}};
+    benchmark("decode 1 token after 511 (32 heads, 8 KV, d=128)", llama, true);
+    llama.sequences = std::vector<Sequence>(8, Sequence{4095, 1});
+    benchmark("decode 8 sequences after 4095 each (32 heads, 8 KV, d=128)", llama, true);
+    return finish("harness_attention");
+}
