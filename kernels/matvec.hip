@@ -9,8 +9,8 @@
 //     quantised activation: |x - x̂| <= d / 2 per value, d = max|x| / 127 over its group.
 //   * float path (f32, f16, bf16, q2_K, q3_K): x stays f32 and each lane dequantises 8 values.
 //
-// Work split: one warp per row (grid-stride over rows, so any grid is correct), each lane takes
-// "units" of the row (one 32-value block, or a quarter of a 256-value k-quant super-block) so a
+// Work split: EMBER_MATVEC_LANES lanes per row (a warp, or a part of one holding several rows;
+// warps walk the rows grid-stride, so any grid is correct), each lane takes "units" of the row (one 32-value block, or a quarter of a 256-value k-quant super-block) so a
 // warp's loads cover contiguous weight bytes; the weight unit is unpacked once into registers and
 // dotted with every token's activation, so the weights are read once for all tokens. Lane sums
 // are reduced with shuffles in a fixed order: results are deterministic.
@@ -19,7 +19,7 @@
 // y f32 [n_tokens, n_rows]. n_cols must be a multiple of 32 (256 for k-quants); weight rows start
 // 16-byte aligned (the matrix is one pool allocation, which is 256-byte aligned).
 // Kernels named _tN handle n_tokens <= N (N = 1, 2, 4, 8). Launch: block 128 threads, any grid
-// (ceil(n_rows / (128 / warp size)) is one row per warp).
+// (ceil(n_rows / (128 / EMBER_MATVEC_LANES)) gives every row group one row).
 //
 // The dp4a wrapper lives here rather than in ember_compat.h because only this file uses it.
 #include "ember_quant.h"
@@ -389,34 +389,46 @@ struct EmberMvQ6_K {
     }
 };
 
-// Writes the warp's per-token sums of row r.
-template <int NT>
-EMBER_DEVICE void ember_matvec_store(float* y, float* acc, uint32_t r, uint32_t n_rows, int n_tokens) {
-    const int lane = (int)(threadIdx.x % EMBER_WAVE_SIZE);
+// Sums each token's partial dot over the LANES lanes of a row group and writes it (when the
+// group has a row). Every lane of the warp must call this: the shuffles span the whole warp.
+template <int NT, int LANES>
+EMBER_DEVICE void ember_matvec_store(float* y, float* acc, uint32_t r, bool valid, uint32_t n_rows, int n_tokens) {
+    const int sub = (int)(threadIdx.x % LANES);
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
-        const float sum = ember_warp_sum(acc[t]);
-        if (lane == 0 && t < n_tokens) y[(size_t)t * n_rows + r] = sum;
+        float sum = acc[t];
+#pragma unroll
+        for (int mask = LANES / 2; mask > 0; mask >>= 1) sum += ember_shfl_xor(sum, mask);
+        if (valid && sub == 0 && t < n_tokens) y[(size_t)t * n_rows + r] = sum;
     }
 }
 
-template <typename F, int NT>
+// LANES lanes (8, 16 or 32) share a row, so a warp holds EMBER_WAVE_SIZE / LANES rows; warps walk
+// the rows grid-stride, all lanes of a warp together (the reductions need every lane).
+template <typename F, int NT, int LANES>
 EMBER_DEVICE void ember_matvec_int8(float* y, const uint8_t* w, const int8_t* xq, const float2* xds, uint32_t n_rows, uint32_t n_cols,
                                     uint32_t n_tokens) {
-    const int lane = (int)(threadIdx.x % EMBER_WAVE_SIZE);
+    constexpr int ROWS_PER_WARP = EMBER_WAVE_SIZE / LANES;
+    const int sub = (int)(threadIdx.x % LANES);
     const uint32_t warps_per_block = blockDim.x / EMBER_WAVE_SIZE;
+    const uint32_t warp = blockIdx.x * warps_per_block + threadIdx.x / EMBER_WAVE_SIZE;
+    const uint32_t group = (threadIdx.x % EMBER_WAVE_SIZE) / LANES;
     const size_t row_bytes = (size_t)(n_cols / F::BLOCK_VALUES) * F::BLOCK_BYTES;
     const int n_units = (int)(n_cols / F::UNIT_VALUES);
     const int tokens = (int)min(n_tokens, (uint32_t)NT);
     F format;
-    for (uint32_t r = blockIdx.x * warps_per_block + threadIdx.x / EMBER_WAVE_SIZE; r < n_rows; r += gridDim.x * warps_per_block) {
-        const uint8_t* row = w + (size_t)r * row_bytes;
+    for (uint32_t first = warp * ROWS_PER_WARP; first < n_rows; first += gridDim.x * warps_per_block * ROWS_PER_WARP) {
+        const uint32_t r = first + group;
+        const bool valid = r < n_rows;
         float acc[NT];
 #pragma unroll
         for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
+        if (valid) {
+            const uint8_t* row = w + (size_t)r * row_bytes;
 #pragma unroll 2
-        for (int u = lane; u < n_units; u += EMBER_WAVE_SIZE) format.template dot<NT>(row, u, xq, xds, n_cols, tokens, acc);
-        ember_matvec_store<NT>(y, acc, r, n_rows, tokens);
+            for (int u = sub; u < n_units; u += LANES) format.template dot<NT>(row, u, xq, xds, n_cols, tokens, acc);
+        }
+        ember_matvec_store<NT, LANES>(y, acc, r, valid, n_rows, tokens);
     }
 }
 
@@ -468,41 +480,51 @@ struct EmberMvGet {
     EMBER_DEVICE size_t row_bytes(uint32_t n_cols) { return (size_t)(n_cols / F::BLOCK_VALUES) * F::BLOCK_BYTES; }
 };
 
-template <typename F, int NT>
+template <typename F, int NT, int LANES>
 EMBER_DEVICE void ember_matvec_float(float* y, const uint8_t* w, const float* x, uint32_t n_rows, uint32_t n_cols, uint32_t n_tokens) {
-    const int lane = (int)(threadIdx.x % EMBER_WAVE_SIZE);
+    constexpr int ROWS_PER_WARP = EMBER_WAVE_SIZE / LANES;
+    const int sub = (int)(threadIdx.x % LANES);
     const uint32_t warps_per_block = blockDim.x / EMBER_WAVE_SIZE;
+    const uint32_t warp = blockIdx.x * warps_per_block + threadIdx.x / EMBER_WAVE_SIZE;
+    const uint32_t group = (threadIdx.x % EMBER_WAVE_SIZE) / LANES;
     const int tokens = (int)min(n_tokens, (uint32_t)NT);
     F format;
-    for (uint32_t r = blockIdx.x * warps_per_block + threadIdx.x / EMBER_WAVE_SIZE; r < n_rows; r += gridDim.x * warps_per_block) {
-        const uint8_t* row = w + (size_t)r * F::row_bytes(n_cols);
+    for (uint32_t first = warp * ROWS_PER_WARP; first < n_rows; first += gridDim.x * warps_per_block * ROWS_PER_WARP) {
+        const uint32_t r = first + group;
+        const bool valid = r < n_rows;
         float acc[NT];
 #pragma unroll
         for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
-        for (int c = 8 * lane; c < (int)n_cols; c += 8 * EMBER_WAVE_SIZE) {
-            float v[8];
-            format.load8(row, c, v);
+        if (valid) {
+            const uint8_t* row = w + (size_t)r * F::row_bytes(n_cols);
+            for (int c = 8 * sub; c < (int)n_cols; c += 8 * LANES) {
+                float v[8];
+                format.load8(row, c, v);
 #pragma unroll
-            for (int t = 0; t < NT; ++t) {
-                if (t >= tokens) break;
-                const float4* xp = (const float4*)(x + (size_t)t * n_cols + c);
-                const float4 a = xp[0], b = xp[1];
-                acc[t] += v[0] * a.x + v[1] * a.y + v[2] * a.z + v[3] * a.w + v[4] * b.x + v[5] * b.y + v[6] * b.z + v[7] * b.w;
+                for (int t = 0; t < NT; ++t) {
+                    if (t >= tokens) break;
+                    const float4* xp = (const float4*)(x + (size_t)t * n_cols + c);
+                    const float4 a = xp[0], b = xp[1];
+                    acc[t] += v[0] * a.x + v[1] * a.y + v[2] * a.z + v[3] * a.w + v[4] * b.x + v[5] * b.y + v[6] * b.z + v[7] * b.w;
+                }
             }
         }
-        ember_matvec_store<NT>(y, acc, r, n_rows, tokens);
+        ember_matvec_store<NT, LANES>(y, acc, r, valid, n_rows, tokens);
     }
 }
+
+// Lanes per row of the exported kernels (crates/gpu/src/ops/matvec.rs sizes its grid with it).
+#define EMBER_MATVEC_LANES 32
 
 #define EMBER_MATVEC_INT8(name, format, nt)                                                                                       \
     EMBER_KERNEL void name(float* y, const uint8_t* w, const int8_t* xq, const float2* xds, uint32_t n_rows, uint32_t n_cols, \
                            uint32_t n_tokens) {                                                                               \
-        ember_matvec_int8<format, nt>(y, w, xq, xds, n_rows, n_cols, n_tokens);                                              \
+        ember_matvec_int8<format, nt, EMBER_MATVEC_LANES>(y, w, xq, xds, n_rows, n_cols, n_tokens);                                              \
     }
 
 #define EMBER_MATVEC_FLOAT(name, format, nt)                                                                                      \
     EMBER_KERNEL void name(float* y, const uint8_t* w, const float* x, uint32_t n_rows, uint32_t n_cols, uint32_t n_tokens) { \
-        ember_matvec_float<format, nt>(y, w, x, n_rows, n_cols, n_tokens);                                                   \
+        ember_matvec_float<format, nt, EMBER_MATVEC_LANES>(y, w, x, n_rows, n_cols, n_tokens);                                                   \
     }
 
 EMBER_MATVEC_INT8(ember_matvec_q4_0_t1, EmberMvQ4_0, 1)

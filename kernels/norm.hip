@@ -1,17 +1,45 @@
 // RMS normalisation.
 #include "ember_compat.h"
 
+// Sum over the whole block in double; every thread gets the result. `scratch` holds one double
+// per warp.
+EMBER_DEVICE double ember_block_sum_f64(double value, double* scratch) {
+    const int lane = threadIdx.x % EMBER_WAVE_SIZE;
+    const int warp = threadIdx.x / EMBER_WAVE_SIZE;
+    const int n_warps = (blockDim.x + EMBER_WAVE_SIZE - 1) / EMBER_WAVE_SIZE;
+#pragma unroll
+    for (int mask = EMBER_WAVE_SIZE / 2; mask > 0; mask >>= 1) {
+#if defined(EMBER_PLATFORM_CUDA)
+        value += __shfl_xor_sync(0xffffffffu, value, mask, 32);
+#else
+        value += __shfl_xor(value, mask, EMBER_WAVE_SIZE);
+#endif
+    }
+    __syncthreads();
+    if (lane == 0) scratch[warp] = value;
+    __syncthreads();
+    value = 0.0;
+    for (int w = 0; w < n_warps; ++w) value += scratch[w];
+    return value;
+}
+
 // CPU op: for each row r of x [n_rows, n_cols]:
-//   out[r, c] = x[r, c] / sqrt(mean_c(x[r, :]^2) + eps) * weight[c]
-// One block per row (grid = n_rows), any block size up to 1024; the sum is accumulated in f32.
-// `out` may alias `x`.
+//   out[r, c] = x[r, c] * (1 / sqrt(mean_c(x[r, :]^2) + eps)) * weight[c]
+// The squares are summed in double and the mean rounded to f32 before eps is added, as ember's
+// CPU backend (and GGML's) does, so both usually produce the same f32 scale bit for bit; the
+// order of the additions still differs. One block per row (grid = n_rows), any block size up to
+// 1024. `out` may alias `x`.
 EMBER_KERNEL void ember_rms_norm_f32(float* out, const float* x, const float* weight, uint32_t n_cols, float eps) {
-    __shared__ float scratch[EMBER_MAX_WARPS];
+    __shared__ double scratch[EMBER_MAX_WARPS];
     const float* row = x + (size_t)blockIdx.x * n_cols;
     float* out_row = out + (size_t)blockIdx.x * n_cols;
-    float sum = 0.0f;
-    for (uint32_t c = threadIdx.x; c < n_cols; c += blockDim.x) sum += row[c] * row[c];
-    sum = ember_block_sum(sum, scratch);
-    const float inv = rsqrtf(sum / (float)n_cols + eps);
-    for (uint32_t c = threadIdx.x; c < n_cols; c += blockDim.x) out_row[c] = row[c] * inv * weight[c];
+    double sum = 0.0;
+    for (uint32_t c = threadIdx.x; c < n_cols; c += blockDim.x) {
+        const float square = row[c] * row[c];
+        sum += (double)square;
+    }
+    sum = ember_block_sum_f64(sum, scratch);
+    const float mean = (float)(sum / (double)n_cols);
+    const float scale = 1.0f / sqrtf(mean + eps);
+    for (uint32_t c = threadIdx.x; c < n_cols; c += blockDim.x) out_row[c] = row[c] * scale * weight[c];
 }

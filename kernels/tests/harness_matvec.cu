@@ -6,7 +6,7 @@
 // Build and run on an NVIDIA machine (repository root), or through kernels/tests/run-nvcc.sh:
 //   nvcc -std=c++17 -O2 -arch=sm_90 -x cu -I kernels kernels/tests/harness_matvec.cu -o target/harness_matvec
 //   target/harness_matvec
-// Exit status 0 when every check passes.
+// Exit status 0 when every check passes. EMBER_HARNESS_NO_TIMING=1 skips the timing section.
 //
 // Tolerances. The int8 kernels compute W x̂ where x̂ = d q is the activation quantised per group
 // of 32 (d = max|x| / 127, q = round(x / d)); the reference reproduces x̂ bit for bit (same f32
@@ -50,6 +50,36 @@ static const MatvecKernels KERNELS[] = {
 
 static bool is_int8(Format f) { return KERNELS[f].int8[0] != nullptr; }
 
+// Variants of the exported kernels with other lanes-per-row counts (the exported ones use
+// EMBER_MATVEC_LANES): tested for correctness and timed, to choose the exported value.
+template <typename F, int NT, int LANES>
+__global__ void variant_int8(float* y, const uint8_t* w, const int8_t* xq, const float2* xds, uint32_t n_rows, uint32_t n_cols, uint32_t n_tokens) {
+    ember_matvec_int8<F, NT, LANES>(y, w, xq, xds, n_rows, n_cols, n_tokens);
+}
+template <typename F, int NT, int LANES>
+__global__ void variant_float(float* y, const uint8_t* w, const float* x, uint32_t n_rows, uint32_t n_cols, uint32_t n_tokens) {
+    ember_matvec_float<F, NT, LANES>(y, w, x, n_rows, n_cols, n_tokens);
+}
+
+// A kernel configuration: the exported kernel (lanes 0) or a variant, and its block size.
+struct Variant {
+    int lanes, threads;
+};
+
+template <int NT, int LANES>
+static void launch_variant(Format f, int grid, int threads, float* y, const uint8_t* w, const float* x, const int8_t* xq, const float2* xds,
+                           int n_rows, int n_cols, int tokens) {
+    switch (f) {
+        case Q4_0: variant_int8<EmberMvQ4_0, NT, LANES><<<grid, threads>>>(y, w, xq, xds, n_rows, n_cols, tokens); break;
+        case Q8_0: variant_int8<EmberMvQ8_0, NT, LANES><<<grid, threads>>>(y, w, xq, xds, n_rows, n_cols, tokens); break;
+        case Q4_K: variant_int8<EmberMvQ4_K, NT, LANES><<<grid, threads>>>(y, w, xq, xds, n_rows, n_cols, tokens); break;
+        case Q5_K: variant_int8<EmberMvQ5_K, NT, LANES><<<grid, threads>>>(y, w, xq, xds, n_rows, n_cols, tokens); break;
+        case Q6_K: variant_int8<EmberMvQ6_K, NT, LANES><<<grid, threads>>>(y, w, xq, xds, n_rows, n_cols, tokens); break;
+        case F16: variant_float<EmberMvF16, NT, LANES><<<grid, threads>>>(y, w, x, n_rows, n_cols, tokens); break;
+        default: std::fprintf(stderr, "no variant kernels for %s\n", FORMATS[f].name); std::exit(2);
+    }
+}
+
 // The kernel ops::matvec launches for `tokens` tokens (crates/gpu/src/ops/matvec.rs kernel_name).
 static int kernel_slot(Format f, int tokens) {
     if (is_int8(f)) return tokens == 1 ? 0 : tokens == 2 ? 1 : tokens <= 4 ? 2 : 3;
@@ -57,10 +87,31 @@ static int kernel_slot(Format f, int tokens) {
 }
 
 static void launch(Format f, int tokens, int grid, float* y, const uint8_t* w, const float* x, const int8_t* xq, const float2* xds,
-                   int n_rows, int n_cols) {
+                   int n_rows, int n_cols, Variant variant = {0, EMBER_MATVEC_THREADS}) {
     const int slot = kernel_slot(f, tokens);
-    if (is_int8(f)) KERNELS[f].int8[slot]<<<grid, EMBER_MATVEC_THREADS>>>(y, w, xq, xds, n_rows, n_cols, tokens);
-    else KERNELS[f].float_path[slot]<<<grid, EMBER_MATVEC_THREADS>>>(y, w, x, n_rows, n_cols, tokens);
+    if (variant.lanes == 0) {
+        if (is_int8(f)) KERNELS[f].int8[slot]<<<grid, EMBER_MATVEC_THREADS>>>(y, w, xq, xds, n_rows, n_cols, tokens);
+        else KERNELS[f].float_path[slot]<<<grid, EMBER_MATVEC_THREADS>>>(y, w, x, n_rows, n_cols, tokens);
+        return;
+    }
+    // Variants are compiled for 1 and 8 tokens.
+    const int t = variant.threads;
+    if (tokens == 1) {
+        if (variant.lanes == 8) launch_variant<1, 8>(f, grid, t, y, w, x, xq, xds, n_rows, n_cols, tokens);
+        else if (variant.lanes == 16) launch_variant<1, 16>(f, grid, t, y, w, x, xq, xds, n_rows, n_cols, tokens);
+        else launch_variant<1, 32>(f, grid, t, y, w, x, xq, xds, n_rows, n_cols, tokens);
+    } else {
+        if (variant.lanes == 8) launch_variant<8, 8>(f, grid, t, y, w, x, xq, xds, n_rows, n_cols, tokens);
+        else if (variant.lanes == 16) launch_variant<8, 16>(f, grid, t, y, w, x, xq, xds, n_rows, n_cols, tokens);
+        else launch_variant<8, 32>(f, grid, t, y, w, x, xq, xds, n_rows, n_cols, tokens);
+    }
+}
+
+// Blocks that give every row group one row.
+static int grid_for(int n_rows, Variant variant) {
+    const int lanes = variant.lanes ? variant.lanes : EMBER_MATVEC_LANES;
+    const int rows_per_block = variant.threads / lanes;
+    return (n_rows + rows_per_block - 1) / rows_per_block;
 }
 
 // The magnitude of the offset term that the kernel adds to (and that may cancel against) the
@@ -124,7 +175,7 @@ static void test_quantize() {
     report("quantize_q8_1 (values and scales not bit-exact)", wrong, 0.0);
 }
 
-static void test_format(Format f, int n_rows, int n_cols) {
+static void test_format(Format f, int n_rows, int n_cols, Variant variant = {0, EMBER_MATVEC_THREADS}) {
     const std::vector<uint8_t> w = random_matrix(f, n_rows, n_cols);
     const size_t row_bytes = row_bytes_of(f, n_cols);
     std::vector<std::vector<float>> rows(n_rows);
@@ -136,6 +187,7 @@ static void test_format(Format f, int n_rows, int n_cols) {
     DeviceBuffer<uint8_t> dw(w);
     double worst_kernel = 0.0, worst_bound = 0.0;
     for (int tokens = 1; tokens <= 8; ++tokens) {
+        if (variant.lanes && tokens != 1 && tokens != 8) continue;  // variants exist for 1 and 8 tokens
         // Groups of very different amplitude, so the per-group scales differ.
         std::vector<float> x((size_t)tokens * n_cols);
         for (size_t g = 0; g < x.size() / 32; ++g) {
@@ -149,10 +201,10 @@ static void test_format(Format f, int n_rows, int n_cols) {
         DeviceBuffer<int8_t> dq(x.size());
         DeviceBuffer<float2> dds(x.size() / 32);
         ember_quantize_q8_1<<<(unsigned)((x.size() + 255) / 256), 256>>>(dq.ptr, dds.ptr, dx.ptr, (uint32_t)x.size());
-        // One row per warp, and a grid of 3 blocks that must stride over the rows.
-        for (int grid : {(n_rows + 3) / 4, 3}) {
+        // One row per row group, and a grid of 3 blocks that must stride over the rows.
+        for (int grid : {grid_for(n_rows, variant), 3}) {
             CHECK_CUDA(cudaMemset(dy.ptr, 0xff, (size_t)tokens * n_rows * sizeof(float)));
-            launch(f, tokens, grid, dy.ptr, dw.ptr, dx.ptr, dq.ptr, dds.ptr, n_rows, n_cols);
+            launch(f, tokens, grid, dy.ptr, dw.ptr, dx.ptr, dq.ptr, dds.ptr, n_rows, n_cols, variant);
             sync();
             const std::vector<float> y = dy.download();
             for (int t = 0; t < tokens; ++t)
@@ -173,16 +225,17 @@ static void test_format(Format f, int n_rows, int n_cols) {
                 }
         }
     }
-    char name[160];
-    std::snprintf(name, sizeof name, "matvec_%s %dx%d, 1..8 tokens: |y - W x^| / (1e-5 sum |w x^|)", FORMATS[f].name, n_rows, n_cols);
+    char name[160], what[48] = "1..8 tokens";
+    if (variant.lanes) std::snprintf(what, sizeof what, "%d lanes/row, %d threads, 1+8 tokens", variant.lanes, variant.threads);
+    std::snprintf(name, sizeof name, "matvec_%s %dx%d, %s: |y - W x^| / (1e-5 sum |w x^|)", FORMATS[f].name, n_rows, n_cols, what);
     report(name, worst_kernel, 1.0);
-    std::snprintf(name, sizeof name, "matvec_%s %dx%d, 1..8 tokens: |y - W x| / quantisation bound", FORMATS[f].name, n_rows, n_cols);
+    std::snprintf(name, sizeof name, "matvec_%s %dx%d, %s: |y - W x| / quantisation bound", FORMATS[f].name, n_rows, n_cols, what);
     report(name, worst_bound, 1.0);
 }
 
 // Weight bandwidth: median of 50 launches (CUDA events around each), cycling through enough
 // copies of the matrix that none is still in L2 when it is read again.
-static void benchmark(Format f, int n_rows, int n_cols, int tokens) {
+static void benchmark(Format f, int n_rows, int n_cols, int tokens, Variant variant = {0, EMBER_MATVEC_THREADS}) {
     const std::vector<uint8_t> w = random_matrix(f, n_rows, n_cols);
     const size_t bytes = w.size();
     const size_t copies = std::max<size_t>(2, (size_t)std::ceil(3.0 * 64e6 / (double)bytes));
@@ -195,7 +248,7 @@ static void benchmark(Format f, int n_rows, int n_cols, int tokens) {
     cudaEvent_t start, stop;
     CHECK_CUDA(cudaEventCreate(&start));
     CHECK_CUDA(cudaEventCreate(&stop));
-    const int grid = (n_rows + 3) / 4;
+    const int grid = grid_for(n_rows, variant);
     std::vector<float> samples, quantize_samples;
     for (int i = 0; i < 55; ++i) {
         CHECK_CUDA(cudaEventRecord(start));
@@ -205,7 +258,7 @@ static void benchmark(Format f, int n_rows, int n_cols, int tokens) {
         float quantize_ms = 0;
         CHECK_CUDA(cudaEventElapsedTime(&quantize_ms, start, stop));
         CHECK_CUDA(cudaEventRecord(start));
-        launch(f, tokens, grid, dy.ptr, matrices[i % copies]->ptr, dx.ptr, dq.ptr, dds.ptr, n_rows, n_cols);
+        launch(f, tokens, grid, dy.ptr, matrices[i % copies]->ptr, dx.ptr, dq.ptr, dds.ptr, n_rows, n_cols, variant);
         CHECK_CUDA(cudaEventRecord(stop));
         CHECK_CUDA(cudaEventSynchronize(stop));
         float ms = 0;
@@ -217,8 +270,10 @@ static void benchmark(Format f, int n_rows, int n_cols, int tokens) {
     }
     sync();
     const double seconds = median(samples) / 1e3;
-    std::printf("INFO matvec_%-5s %5dx%-5d %d token(s): %7.1f us, %6.0f GB/s of weights%s\n", FORMATS[f].name, n_rows, n_cols, tokens,
-                seconds * 1e6, bytes / seconds / 1e9,
+    char config[48] = "exported";
+    if (variant.lanes) std::snprintf(config, sizeof config, "%2d lanes/row %3d threads", variant.lanes, variant.threads);
+    std::printf("INFO matvec_%-5s %5dx%-5d %d token(s) [%s]: %7.1f us, %6.0f GB/s of weights%s\n", FORMATS[f].name, n_rows, n_cols, tokens,
+                config, seconds * 1e6, bytes / seconds / 1e9,
                 is_int8(f) ? (std::string(" (+ quantize ") + std::to_string((int)(median(quantize_samples) * 1e3)) + " us)").c_str() : "");
     for (auto* m : matrices) delete m;
     CHECK_CUDA(cudaEventDestroy(start));
@@ -231,13 +286,26 @@ int main() {
         test_format((Format)fi, 37, 768);
         test_format((Format)fi, 101, 2048);
     }
-    for (int fi = F32; fi <= Q6_K; ++fi) {
-        benchmark((Format)fi, 14336, 4096, 1);
-        benchmark((Format)fi, 4096, 14336, 1);
-    }
-    for (Format f : {Q4_0, Q4_K, Q6_K}) {
-        benchmark(f, 14336, 4096, 2);
-        benchmark(f, 14336, 4096, 8);
+    const Variant variants[] = {{8, 128}, {16, 128}, {32, 128}, {8, 256}, {16, 256}, {32, 256}};
+    for (Format f : {Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, F16})
+        for (const Variant& v : variants) test_format(f, 37, 768, v);
+    if (std::getenv("EMBER_HARNESS_NO_TIMING") == nullptr) {
+        for (int fi = F32; fi <= Q6_K; ++fi) {
+            benchmark((Format)fi, 14336, 4096, 1);
+            benchmark((Format)fi, 4096, 14336, 1);
+        }
+        for (Format f : {Q4_0, Q4_K, Q6_K}) {
+            benchmark(f, 14336, 4096, 2);
+            benchmark(f, 14336, 4096, 8);
+        }
+        // Lanes per row and block size, to choose EMBER_MATVEC_LANES.
+        for (Format f : {Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, F16})
+            for (const Variant& v : variants) {
+                benchmark(f, 14336, 4096, 1, v);
+                benchmark(f, 4096, 14336, 1, v);
+            }
+        for (Format f : {Q4_0, Q4_K})
+            for (const Variant& v : variants) benchmark(f, 14336, 4096, 8, v);
     }
     return finish("harness_matvec");
 }

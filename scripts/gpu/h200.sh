@@ -283,8 +283,16 @@ phase_golden() {
     local dir="$WORK/golden"
     rm -rf "$dir"
     mkdir -p "$dir"
-    # Prompts may end in newlines and hold special-token text, so Python passes them verbatim.
-    EMBER="$EMBER" FLAGS="$(device_flags "$DEVICE" 8)" MODELS_DIR="$MODELS_DIR" GOLDEN="$GOLDEN" DIR="$dir" ROOT="$ROOT" python3 - <<'PY' >>"$LOG" 2>&1
+    # The CPU runs too (GOLDEN_CPU=0 skips them): a golden line the CPU path already misses is
+    # a known CPU divergence (engine/tests/greedy.rs), not a GPU bug; GPU vs CPU is judged too.
+    # side:device pairs; "gpu" is the device under test (DEVICE=cpu tests the script itself).
+    local runs=("gpu:$DEVICE")
+    [[ "${GOLDEN_CPU:-1}" == 1 ]] && runs+=(cpu:cpu)
+    for run in "${runs[@]}"; do
+        local side="${run%%:*}" device="${run#*:}"
+        # Prompts may end in newlines and hold special-token text, so Python passes them verbatim.
+        EMBER="$EMBER" FLAGS="$(device_flags "$device" 8)" MODELS_DIR="$MODELS_DIR" GOLDEN="$GOLDEN" \
+            DIR="$dir/$side" ROOT="$ROOT" python3 - <<'PY' >>"$LOG" 2>&1
 import json, os, subprocess, tomllib
 root, golden, out = os.environ["ROOT"], os.environ["GOLDEN"], os.environ["DIR"]
 with open(os.path.join(root, "models.toml"), "rb") as f:
@@ -301,16 +309,34 @@ for line in open(os.path.join(golden, "greedy.jsonl"), encoding="utf-8"):
            "--temp", "0", "--format", "json"] + os.environ["FLAGS"].split()
     with open(target, "w") as o, open(target + ".err", "w") as e:
         rc = subprocess.call(cmd, stdout=o, stderr=e)
-    print(f"{g['model']}/{g['id']}: exit code {rc}")
+    print(f"{out}: {g['model']}/{g['id']}: exit code {rc}")
 PY
-    local rc=0 any=0
-    for model in smollm2-135m-instruct-q4_1 gemma3-270m-q4_k_m; do
-        [[ -d "$dir/$model" ]] || { say "  golden: no outputs for $model (model missing from $MODELS_DIR?)"; rc=1; continue; }
-        any=1
-        python3 "$RULE" golden --golden "$GOLDEN/greedy.jsonl" --model "$model" --dir "$dir/$model" \
-            >"$dir/$model.verdicts.txt" 2>&1 || rc=1
-        tee -a "$LOG" <"$dir/$model.verdicts.txt"
     done
+    local rc=0 any=0 pairs="$dir/gpu-vs-cpu.tsv"
+    : >"$pairs"
+    for model in smollm2-135m-instruct-q4_1 gemma3-270m-q4_k_m; do
+        [[ -d "$dir/gpu/$model" ]] || { say "  golden: no outputs for $model (model missing from $MODELS_DIR?)"; rc=1; continue; }
+        any=1
+        say "  GPU ($DEVICE) against llama.cpp:"
+        python3 "$RULE" golden --golden "$GOLDEN/greedy.jsonl" --model "$model" --dir "$dir/gpu/$model" \
+            >"$dir/$model.gpu-verdicts.txt" 2>&1 || rc=1
+        tee -a "$LOG" <"$dir/$model.gpu-verdicts.txt"
+        if [[ -d "$dir/cpu/$model" ]]; then
+            say "  CPU against llama.cpp (for reference; not part of the verdict):"
+            python3 "$RULE" golden --golden "$GOLDEN/greedy.jsonl" --model "$model" --dir "$dir/cpu/$model" \
+                >"$dir/$model.cpu-verdicts.txt" 2>&1
+            sed 's/^/    /' "$dir/$model.cpu-verdicts.txt" | tee -a "$LOG"
+            for f in "$dir/cpu/$model"/*.json; do
+                printf '%s\t%s\t%s\n' "$model/$(basename "$f" .json)" "$f" "$dir/gpu/$model/$(basename "$f")" >>"$pairs"
+            done
+        fi
+    done
+    if [[ -s "$pairs" ]]; then
+        say "  GPU against CPU:"
+        python3 "$RULE" ember --list "$pairs" --small-margin "${SMALL_MARGIN:-0.1}" \
+            --max-logprob-diff "${MAX_LOGPROB_DIFF:-0.5}" >"$dir/gpu-vs-cpu-verdicts.txt" 2>&1 || rc=1
+        tee -a "$LOG" <"$dir/gpu-vs-cpu-verdicts.txt"
+    fi
     ((any)) || return 1
     return $rc
 }

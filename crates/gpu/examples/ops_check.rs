@@ -21,6 +21,10 @@
 //! With no GPU (no CUDA or HIP driver, or no device) it says so and exits 0. Any failed check
 //! makes it exit 1.
 
+// OpsError keeps PoolError (and its driver error) inline so callers can match on out-of-memory
+// and budget refusals; its size is not a concern on these checking paths.
+#![allow(clippy::result_large_err)]
+
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
@@ -446,10 +450,10 @@ fn check_rope(checker: &mut Checker, ctx: &GpuContext, rng: &mut Rng) -> Result<
             // The CPU backend's table: f32 angles by repeated multiplication, then cos/sin.
             let theta_scale = base.powf(-2.0 / n_dims as f32);
             let mut expected: Vec<f64> = x.iter().map(|&v| v as f64).collect();
-            for t in 0..n_tokens {
-                let mut theta_base = positions[t] as f32;
-                for i in 0..n_dims / 2 {
-                    let factor = if with_factors { factors[i] } else { 1.0 };
+            for (t, &position) in positions.iter().enumerate() {
+                let mut theta_base = position as f32;
+                for (i, &listed_factor) in factors.iter().enumerate() {
+                    let factor = if with_factors { listed_factor } else { 1.0 };
                     let theta = (freq_scale * (theta_base / factor)) as f64;
                     theta_base *= theta_scale;
                     for h in 0..n_heads {
@@ -593,6 +597,36 @@ fn benchmark(
                 seconds * 1e6,
                 bytes.len() as f64 / seconds / 1e9
             );
+        }
+    }
+    crossover(blas_ctx, rng)
+}
+
+/// Times the matrix-vector path against the BLAS path for a few token counts, to place
+/// `ops::MATVEC_MAX_TOKENS` (the matrix-vector kernels read the weights once per 8 tokens; the
+/// BLAS path expands them to f16 once per call).
+fn crossover(ctx: &GpuContext, rng: &mut Rng) -> Result<(), Box<dyn std::error::Error>> {
+    if !ctx.blas().is_loaded() {
+        return Ok(());
+    }
+    let (rows, cols) = (14336usize, 4096usize);
+    for format in [WeightFormat::Q4_0, WeightFormat::Q4K] {
+        let bytes: Vec<u8> = (0..DeviceMatrix::bytes_for(format, rows, cols)?)
+            .map(|_| (rng.next_u64() >> 56) as u8 & 0x3b)
+            .collect();
+        let matrix = device_matrix(ctx, format, rows, cols, &bytes)?;
+        for n_tokens in [8usize, 16, 32, 48, 64, 128] {
+            let x = rng.floats(n_tokens * cols, -1.0, 1.0);
+            let dx = upload_f32(ctx, &x)?;
+            let dout = ctx.alloc(Purpose::Scratch, (n_tokens * rows * 4) as u64)?;
+            let mut line = format!("BENCH crossover {format:<5} {rows}x{cols}x{n_tokens:<3}");
+            for (label, path) in [("matvec", MatmulPath::MatVec), ("blas", MatmulPath::Blas)] {
+                let seconds = time_on_stream(ctx, 10, || {
+                    ops::matmul_with(ctx, &matrix, dx.ptr(), n_tokens, dout.ptr(), path)
+                })?;
+                line.push_str(&format!(" {label} {:8.1} us", seconds * 1e6));
+            }
+            println!("{line}");
         }
     }
     Ok(())

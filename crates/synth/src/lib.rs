@@ -186,14 +186,13 @@ pub fn tensor_list(opts: &SynthOptions) -> Result<Vec<TensorSpec>, SynthError> {
     };
 
     let mut list = Vec::new();
-    let matrix = |name: String, role: Role, layer: usize, cols: usize, rows: usize, std: f32| {
-        TensorSpec {
+    let matrix =
+        |name: String, role: Role, layer: usize, cols: usize, rows: usize, std: f32| TensorSpec {
             name,
             dims: vec![cols as u64, rows as u64],
             ty: plan.tensor_type(role, layer, cols),
             init: Init::Normal { std },
-        }
-    };
+        };
     let vector = |name: String, len: usize, init: Init| TensorSpec {
         name,
         dims: vec![len as u64],
@@ -239,9 +238,30 @@ pub fn tensor_list(opts: &SynthOptions) -> Result<Vec<TensorSpec>, SynthError> {
     for il in 0..s.n_layer {
         let n = |suffix: &str| format!("blk.{il}.{suffix}");
         list.push(norm(n("attn_norm.weight"), e));
-        list.push(matrix(n("attn_q.weight"), Role::AttnQ, il, e, q, QK_GAIN * inv_sqrt(e)));
-        list.push(matrix(n("attn_k.weight"), Role::AttnK, il, e, kv, QK_GAIN * inv_sqrt(e)));
-        list.push(matrix(n("attn_v.weight"), Role::AttnV, il, e, kv, inv_sqrt(e)));
+        list.push(matrix(
+            n("attn_q.weight"),
+            Role::AttnQ,
+            il,
+            e,
+            q,
+            QK_GAIN * inv_sqrt(e),
+        ));
+        list.push(matrix(
+            n("attn_k.weight"),
+            Role::AttnK,
+            il,
+            e,
+            kv,
+            QK_GAIN * inv_sqrt(e),
+        ));
+        list.push(matrix(
+            n("attn_v.weight"),
+            Role::AttnV,
+            il,
+            e,
+            kv,
+            inv_sqrt(e),
+        ));
         if s.qkv_bias {
             for (name, len) in [("attn_q.bias", q), ("attn_k.bias", kv), ("attn_v.bias", kv)] {
                 list.push(vector(n(name), len, Init::Normal { std: 0.3 }));
@@ -263,8 +283,22 @@ pub fn tensor_list(opts: &SynthOptions) -> Result<Vec<TensorSpec>, SynthError> {
             list.push(post_norm(n("post_attention_norm.weight")));
         }
         list.push(norm(n("ffn_norm.weight"), e));
-        list.push(matrix(n("ffn_gate.weight"), Role::FfnGate, il, e, ff, inv_sqrt(e)));
-        list.push(matrix(n("ffn_up.weight"), Role::FfnUp, il, e, ff, inv_sqrt(e)));
+        list.push(matrix(
+            n("ffn_gate.weight"),
+            Role::FfnGate,
+            il,
+            e,
+            ff,
+            inv_sqrt(e),
+        ));
+        list.push(matrix(
+            n("ffn_up.weight"),
+            Role::FfnUp,
+            il,
+            e,
+            ff,
+            inv_sqrt(e),
+        ));
         list.push(matrix(
             n("ffn_down.weight"),
             Role::FfnDown,
@@ -337,10 +371,7 @@ pub fn metadata(opts: &SynthOptions) -> Result<Vec<(String, Value)>, SynthError>
         (format!("{a}.vocab_size"), u32_of(s.n_vocab)),
     ];
     if let Some(window) = s.sliding_window {
-        md.push((
-            format!("{a}.attention.sliding_window"),
-            Value::U32(window),
-        ));
+        md.push((format!("{a}.attention.sliding_window"), Value::U32(window)));
     }
     md.extend([
         ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
@@ -456,10 +487,7 @@ pub fn write_model(
     });
     Ok(Summary {
         n_tensors: total,
-        n_params: tensors
-            .iter()
-            .map(|t| t.dims.iter().product::<u64>())
-            .sum(),
+        n_params: tensors.iter().map(|t| t.dims.iter().product::<u64>()).sum(),
         tensor_bytes: bytes_total,
         types,
         seconds,

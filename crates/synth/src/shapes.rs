@@ -280,6 +280,9 @@ mod tests {
         assert_eq!(d[0], 1.0);
         assert_eq!(d[63], 8.0);
         assert!(d.windows(2).all(|w| w[0] <= w[1]), "{d:?}");
-        assert!(d.iter().any(|&x| x > 1.0 && x < 8.0), "a blended band exists");
+        assert!(
+            d.iter().any(|&x| x > 1.0 && x < 8.0),
+            "a blended band exists"
+        );
     }
 }

@@ -130,7 +130,8 @@ impl Plan {
         let chosen = if self.pure {
             base
         } else {
-            let is_output = role == Role::Output || (self.tied_embeddings && role == Role::TokenEmbd);
+            let is_output =
+                role == Role::Output || (self.tied_embeddings && role == Role::TokenEmbd);
             if is_output {
                 if !cols.is_multiple_of(base.block_size()) {
                     GgmlType::Q8_0

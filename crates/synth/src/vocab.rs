@@ -195,11 +195,7 @@ fn pre_split(text: &str) -> Vec<&str> {
             end += 1;
         }
         // As GPT-2's `\s+(?!\S)`: a whitespace run leaves its last space to the word after it.
-        if c == CharClass::Space
-            && end - j > 1
-            && end < chars.len()
-            && chars[end - 1].1 == ' '
-        {
+        if c == CharClass::Space && end - j > 1 && end < chars.len() && chars[end - 1].1 == ' ' {
             end -= 1;
         }
         let stop = chars.get(end).map_or(text.len(), |&(at, _)| at);
@@ -421,7 +417,11 @@ mod tests {
     fn learned_merges_start_with_the_commonest_pairs() {
         let l = learned();
         assert!(l.merges.len() > 1000, "{} merges", l.merges.len());
-        assert!(l.merges[..20].iter().any(|m| m == "Ġ t"), "{:?}", &l.merges[..20]);
+        assert!(
+            l.merges[..20].iter().any(|m| m == "Ġ t"),
+            "{:?}",
+            &l.merges[..20]
+        );
     }
 
     #[test]

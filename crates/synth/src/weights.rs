@@ -117,15 +117,13 @@ pub fn fill_exact(
             )));
         }
     }
-    out.par_chunks_mut(rb)
-        .enumerate()
-        .try_for_each_init(
-            || vec![0f32; cols],
-            |values, (row, bytes)| {
-                row_rng(seed, name, row as u64).fill(init, values);
-                encode(ty, values, bytes)
-            },
-        )
+    out.par_chunks_mut(rb).enumerate().try_for_each_init(
+        || vec![0f32; cols],
+        |values, (row, bytes)| {
+            row_rng(seed, name, row as u64).fill(init, values);
+            encode(ty, values, bytes)
+        },
+    )
 }
 
 /// Number of distinct random units a `--fast` tensor is assembled from.
@@ -187,8 +185,15 @@ mod tests {
     fn rows_depend_on_seed_name_and_row_only() {
         let fill = |seed, name: &str| {
             let mut out = vec![0u8; 4 * 64 * 4];
-            fill_exact(name, GgmlType::F32, 64, &Init::Normal { std: 1.0 }, seed, &mut out)
-                .unwrap();
+            fill_exact(
+                name,
+                GgmlType::F32,
+                64,
+                &Init::Normal { std: 1.0 },
+                seed,
+                &mut out,
+            )
+            .unwrap();
             out
         };
         let a = fill(7, "w");
@@ -202,14 +207,19 @@ mod tests {
     fn fast_fill_gives_valid_blocks_with_the_same_spread() {
         let cols = 512;
         let rows = 64;
-        for ty in [GgmlType::Q4_0, GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::F16] {
+        for ty in [
+            GgmlType::Q4_0,
+            GgmlType::Q4_K,
+            GgmlType::Q6_K,
+            GgmlType::F16,
+        ] {
             let rb = row_bytes("w", ty, cols).unwrap();
             let mut out = vec![0u8; rb * rows];
             fill_fast("w", ty, cols, &Init::Normal { std: 0.1 }, 3, &mut out).unwrap();
             let mut values = vec![0f32; cols * rows];
             ember_quant::dequantize(ty, &out, &mut values).unwrap();
-            let rms = (values.iter().map(|&x| (x * x) as f64).sum::<f64>() / values.len() as f64)
-                .sqrt();
+            let rms =
+                (values.iter().map(|&x| (x * x) as f64).sum::<f64>() / values.len() as f64).sqrt();
             assert!((rms - 0.1).abs() < 0.01, "{ty}: rms {rms}");
             assert!(values.iter().all(|v| v.is_finite()), "{ty}");
         }
@@ -218,8 +228,15 @@ mod tests {
     #[test]
     fn bad_row_lengths_are_errors() {
         let mut out = vec![0u8; 18];
-        let e = fill_exact("w", GgmlType::Q4_0, 48, &Init::Normal { std: 1.0 }, 0, &mut out)
-            .unwrap_err();
+        let e = fill_exact(
+            "w",
+            GgmlType::Q4_0,
+            48,
+            &Init::Normal { std: 1.0 },
+            0,
+            &mut out,
+        )
+        .unwrap_err();
         assert_eq!(
             e.to_string(),
             "tensor w: rows of 48 elements are not whole blocks of Q4_0 (32 elements)"

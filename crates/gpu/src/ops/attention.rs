@@ -266,14 +266,14 @@ pub fn attention_with(
 /// Checks what the kernels require of the shape.
 fn check_shape(args: &AttentionArgs) -> Result<(), OpsError> {
     const OP: &str = "attention";
-    if args.n_kv_heads == 0 || args.n_heads % args.n_kv_heads != 0 {
+    if args.n_kv_heads == 0 || !args.n_heads.is_multiple_of(args.n_kv_heads) {
         return Err(OpsError::shape(
             OP,
             format!("a KV head count dividing the {} query heads", args.n_heads),
             format!("{}", args.n_kv_heads),
         ));
     }
-    if args.head_dim == 0 || args.head_dim % 2 != 0 || args.head_dim > MAX_HEAD_DIM {
+    if args.head_dim == 0 || !args.head_dim.is_multiple_of(2) || args.head_dim > MAX_HEAD_DIM {
         return Err(OpsError::shape(
             OP,
             format!("an even head size of at most {MAX_HEAD_DIM}"),
@@ -370,8 +370,542 @@ pub fn kv_store(
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
+    //! Shape checks, and the wrappers run on the host driver against Rust twins of the kernels:
+    //! the twins decode the arguments in the order the kernels' C signatures declare them and
+    //! do the work of the blocks the launch asks for, so wrong argument order, a wrong grid or a
+    //! wrong scratch layout fails here. The kernels' arithmetic is tested on the GPU by
+    //! kernels/tests/harness_attention.cu.
+
+    use std::sync::Arc;
+
+    use half::f16;
+
     use super::*;
+    use crate::driver::Driver;
+    use crate::host::{HostDriver, HostDriverConfig, HostLaunch};
+    use crate::kernels::{KernelLibrary, KERNEL_MODULES};
+    use crate::ops::GpuContextOptions;
+    use crate::pool::{DevicePool, PoolBuffer, PoolConfig, PoolKind};
+
+    /// A context on the host driver with a code object file for every module; `register` adds
+    /// the kernel twins a test needs.
+    pub(in crate::ops) fn host_context(
+        register: impl FnOnce(&HostDriver),
+    ) -> (GpuContext, tempfile::TempDir) {
+        let dir = tempfile::tempdir().unwrap();
+        for spec in KERNEL_MODULES {
+            let path = dir.path().join("host").join(format!("{}.hsaco", spec.stem));
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(path, b"host code object").unwrap();
+        }
+        let driver = Arc::new(HostDriver::new(HostDriverConfig::default()));
+        register(&driver);
+        let dyn_driver: Arc<dyn Driver> = driver;
+        let pool = DevicePool::with_kind(
+            dyn_driver,
+            0,
+            PoolKind::Caching,
+            "test".to_string(),
+            PoolConfig::default(),
+        )
+        .unwrap();
+        let ctx = GpuContext::with_options(
+            Arc::new(pool),
+            Arc::new(KernelLibrary::new(dir.path().to_path_buf())),
+            &GpuContextOptions { disable_blas: true },
+        )
+        .unwrap();
+        (ctx, dir)
+    }
+
+    pub(in crate::ops) fn upload_bytes(ctx: &GpuContext, bytes: &[u8]) -> PoolBuffer {
+        let buffer = ctx
+            .alloc(Purpose::Scratch, bytes.len().max(4) as u64)
+            .unwrap();
+        ctx.upload(buffer.ptr(), bytes).unwrap();
+        buffer
+    }
+
+    pub(in crate::ops) fn upload_f32(ctx: &GpuContext, values: &[f32]) -> PoolBuffer {
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        upload_bytes(ctx, &bytes)
+    }
+
+    pub(in crate::ops) fn download_f32(ctx: &GpuContext, ptr: DevicePtr, n: usize) -> Vec<f32> {
+        let mut bytes = vec![0u8; n * 4];
+        ctx.download(ptr, &mut bytes).unwrap();
+        bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    }
+
+    /// Deterministic values in [-1, 1).
+    pub(in crate::ops) fn values(n: usize, seed: u32) -> Vec<f32> {
+        (0..n as u32)
+            .map(|i| {
+                let h = (i.wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(40_503)).rotate_left(13);
+                (h % 2000) as f32 / 1000.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn read_u64(l: &HostLaunch<'_>, ptr: DevicePtr, index: usize) -> Result<u64, String> {
+        let mut bytes = [0u8; 8];
+        l.read(ptr.offset(index as u64 * 8), &mut bytes)?;
+        Ok(u64::from_le_bytes(bytes))
+    }
+
+    fn read_i32(l: &HostLaunch<'_>, ptr: DevicePtr, index: usize) -> Result<i32, String> {
+        let mut bytes = [0u8; 4];
+        l.read(ptr.offset(index as u64 * 4), &mut bytes)?;
+        Ok(i32::from_le_bytes(bytes))
+    }
+
+    fn i32_arg(l: &HostLaunch<'_>, index: usize) -> Result<i32, String> {
+        match l.args().get(index) {
+            Some(KernelArg::I32(v)) => Ok(*v),
+            other => Err(format!(
+                "argument {index}: expected an i32, found {other:?}"
+            )),
+        }
+    }
+
+    /// What the attention kernels share: the cache, the batch and the score parameters.
+    struct Cache {
+        k_blocks: DevicePtr,
+        v_blocks: DevicePtr,
+        tables: DevicePtr,
+        table_of_token: DevicePtr,
+        positions: DevicePtr,
+        n_heads: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+        block_size: usize,
+        max_blocks: usize,
+        scale: f64,
+        window: i32,
+        softcap: f64,
+    }
+
+    impl Cache {
+        /// One K or V row of `kv_head` at `position` of `table`.
+        fn row(
+            &self,
+            l: &HostLaunch<'_>,
+            blocks: DevicePtr,
+            table: usize,
+            position: usize,
+            kv_head: usize,
+        ) -> Result<Vec<f64>, String> {
+            let block = read_i32(
+                l,
+                self.tables,
+                table * self.max_blocks + position / self.block_size,
+            )?;
+            let address = read_u64(l, blocks, block as usize)?;
+            let row_values = self.n_kv_heads * self.head_dim;
+            let offset = ((position % self.block_size) * row_values + kv_head * self.head_dim) * 2;
+            let mut bytes = vec![0u8; self.head_dim * 2];
+            l.read(DevicePtr(address).offset(offset as u64), &mut bytes)?;
+            Ok(bytes
+                .chunks_exact(2)
+                .map(|c| f64::from(f16::from_le_bytes([c[0], c[1]]).to_f32()))
+                .collect())
+        }
+
+        /// (max, sum of exp, unnormalised value sum) of token t, head h over keys begin..end.
+        fn partial(
+            &self,
+            l: &HostLaunch<'_>,
+            q: DevicePtr,
+            t: usize,
+            h: usize,
+            keys: std::ops::Range<usize>,
+        ) -> Result<(f64, f64, Vec<f64>), String> {
+            let hd = self.head_dim;
+            let kv_head = h / (self.n_heads / self.n_kv_heads);
+            let table = read_i32(l, self.table_of_token, t)? as usize;
+            let query: Vec<f64> = l
+                .read_f32(q.offset(((t * self.n_heads + h) * hd * 4) as u64), hd)?
+                .into_iter()
+                .map(|v| f64::from(f16::from_f32(v).to_f32()))
+                .collect();
+            let mut scores = Vec::new();
+            for p in keys.clone() {
+                let k = self.row(l, self.k_blocks, table, p, kv_head)?;
+                let mut s = query.iter().zip(&k).map(|(a, b)| a * b).sum::<f64>() * self.scale;
+                if self.softcap > 0.0 {
+                    s = self.softcap * (s / self.softcap).tanh();
+                }
+                scores.push(s);
+            }
+            let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let mut acc = vec![0.0; hd];
+            let mut sum = 0.0;
+            for (p, s) in keys.zip(&scores) {
+                let e = (s - m).exp();
+                sum += e;
+                let v = self.row(l, self.v_blocks, table, p, kv_head)?;
+                acc.iter_mut().zip(&v).for_each(|(a, v)| *a += e * v);
+            }
+            Ok((m, sum, acc))
+        }
+
+        fn first(&self, position: usize) -> usize {
+            if self.window > 0 {
+                (position + 1).saturating_sub(self.window as usize)
+            } else {
+                0
+            }
+        }
+    }
+
+    fn register_attention_twins(driver: &HostDriver) {
+        // ember_kv_store_f16(const uint64_t* k_blocks, const uint64_t* v_blocks, const float* k,
+        // const float* v, const int32_t* slots, uint32_t row_values, uint32_t block_size)
+        driver.register_kernel("ember_kv_store_f16", |l| {
+            let (k_blocks, v_blocks, k, v, slots) = (
+                l.ptr_arg(0)?,
+                l.ptr_arg(1)?,
+                l.ptr_arg(2)?,
+                l.ptr_arg(3)?,
+                l.ptr_arg(4)?,
+            );
+            let (row_values, block_size) = (l.u32_arg(5)? as usize, l.u32_arg(6)? as usize);
+            for t in 0..l.config().grid[0] as usize {
+                let slot = read_i32(l, slots, t)?;
+                if slot < 0 {
+                    continue;
+                }
+                let (block, offset) = (slot as usize / block_size, slot as usize % block_size);
+                for (blocks, src) in [(k_blocks, k), (v_blocks, v)] {
+                    let address = read_u64(l, blocks, block)?;
+                    let row = l.read_f32(src.offset((t * row_values * 4) as u64), row_values)?;
+                    let bytes: Vec<u8> = row
+                        .iter()
+                        .flat_map(|&x| f16::from_f32(x).to_le_bytes())
+                        .collect();
+                    l.write(
+                        DevicePtr(address).offset((offset * row_values * 2) as u64),
+                        &bytes,
+                    )?;
+                }
+            }
+            Ok(())
+        });
+        // ember_attention_decode_partial(float* out, float* partial_acc, float2* partial_ms,
+        // const float* q, k_blocks, v_blocks, block_tables, table_of_token, positions, uint32_t
+        // n_heads, n_kv_heads, head_dim, block_size, max_blocks_per_table, n_partitions, float
+        // scale, int32_t window, float softcap); grid (n_partitions, n_heads, n_tokens).
+        driver.register_kernel("ember_attention_decode_partial", |l| {
+            let (out, acc_ptr, ms_ptr, q) =
+                (l.ptr_arg(0)?, l.ptr_arg(1)?, l.ptr_arg(2)?, l.ptr_arg(3)?);
+            let cache = Cache {
+                k_blocks: l.ptr_arg(4)?,
+                v_blocks: l.ptr_arg(5)?,
+                tables: l.ptr_arg(6)?,
+                table_of_token: l.ptr_arg(7)?,
+                positions: l.ptr_arg(8)?,
+                n_heads: l.u32_arg(9)? as usize,
+                n_kv_heads: l.u32_arg(10)? as usize,
+                head_dim: l.u32_arg(11)? as usize,
+                block_size: l.u32_arg(12)? as usize,
+                max_blocks: l.u32_arg(13)? as usize,
+                scale: f64::from(l.f32_arg(15)?),
+                window: i32_arg(l, 16)?,
+                softcap: f64::from(l.f32_arg(17)?),
+            };
+            let n_partitions = l.u32_arg(14)? as usize;
+            let [grid_p, grid_h, grid_t] = l.config().grid;
+            if grid_p as usize != n_partitions || grid_h as usize != cache.n_heads {
+                return Err(format!(
+                    "grid {:?} for {n_partitions} partitions",
+                    l.config().grid
+                ));
+            }
+            let hd = cache.head_dim;
+            for t in 0..grid_t as usize {
+                let position = read_i32(l, cache.positions, t)? as usize;
+                for h in 0..cache.n_heads {
+                    for p in 0..n_partitions {
+                        let begin = cache.first(position) + p * PARTITION;
+                        let end = (position + 1).min(begin + PARTITION);
+                        let index = (t * cache.n_heads + h) * n_partitions + p;
+                        let (m, sum, acc) = if begin < end {
+                            cache.partial(l, q, t, h, begin..end)?
+                        } else {
+                            (f64::NEG_INFINITY, 0.0, vec![0.0; hd])
+                        };
+                        if n_partitions == 1 {
+                            let row: Vec<f32> = acc.iter().map(|a| (a / sum) as f32).collect();
+                            l.write_f32(
+                                out.offset(((t * cache.n_heads + h) * hd * 4) as u64),
+                                &row,
+                            )?;
+                        } else {
+                            let row: Vec<f32> = acc.iter().map(|&a| a as f32).collect();
+                            l.write_f32(acc_ptr.offset((index * hd * 4) as u64), &row)?;
+                            l.write_f32(
+                                ms_ptr.offset((index * 8) as u64),
+                                &[m as f32, sum as f32],
+                            )?;
+                        }
+                    }
+                }
+            }
+            Ok(())
+        });
+        // ember_attention_decode_reduce(float* out, const float* partial_acc, const float2*
+        // partial_ms, uint32_t n_heads, uint32_t head_dim, uint32_t n_partitions); grid
+        // (n_heads, n_tokens).
+        driver.register_kernel("ember_attention_decode_reduce", |l| {
+            let (out, acc_ptr, ms_ptr) = (l.ptr_arg(0)?, l.ptr_arg(1)?, l.ptr_arg(2)?);
+            let (n_heads, hd, n_partitions) = (
+                l.u32_arg(3)? as usize,
+                l.u32_arg(4)? as usize,
+                l.u32_arg(5)? as usize,
+            );
+            let [grid_h, grid_t, _] = l.config().grid;
+            if grid_h as usize != n_heads {
+                return Err(format!("grid {:?} for {n_heads} heads", l.config().grid));
+            }
+            for t in 0..grid_t as usize {
+                for h in 0..n_heads {
+                    let base = (t * n_heads + h) * n_partitions;
+                    let ms = l.read_f32(ms_ptr.offset((base * 8) as u64), 2 * n_partitions)?;
+                    let m = (0..n_partitions)
+                        .map(|p| ms[2 * p])
+                        .fold(f32::NEG_INFINITY, f32::max);
+                    let mut num = vec![0.0f32; hd];
+                    let mut den = 0.0f32;
+                    for p in 0..n_partitions {
+                        let w = (ms[2 * p] - m).exp();
+                        den += w * ms[2 * p + 1];
+                        let acc = l.read_f32(acc_ptr.offset(((base + p) * hd * 4) as u64), hd)?;
+                        num.iter_mut().zip(&acc).for_each(|(n, a)| *n += w * a);
+                    }
+                    let row: Vec<f32> = num.iter().map(|n| n / den).collect();
+                    l.write_f32(out.offset(((t * n_heads + h) * hd * 4) as u64), &row)?;
+                }
+            }
+            Ok(())
+        });
+        // ember_attention_prefill_dN(float* out, const float* q, k_blocks, v_blocks,
+        // block_tables, table_of_token, positions, uint32_t n_tokens, n_heads, n_kv_heads,
+        // head_dim, block_size, max_blocks_per_table, float scale, int32_t window, float
+        // softcap); grid (ceil(n_tokens / 16), n_heads).
+        for (name, d_max) in [
+            ("ember_attention_prefill_d64", 64usize),
+            ("ember_attention_prefill_d128", 128),
+            ("ember_attention_prefill_d256", 256),
+        ] {
+            driver.register_kernel(name, move |l| {
+                let (out, q) = (l.ptr_arg(0)?, l.ptr_arg(1)?);
+                let n_tokens = l.u32_arg(7)? as usize;
+                let cache = Cache {
+                    k_blocks: l.ptr_arg(2)?,
+                    v_blocks: l.ptr_arg(3)?,
+                    tables: l.ptr_arg(4)?,
+                    table_of_token: l.ptr_arg(5)?,
+                    positions: l.ptr_arg(6)?,
+                    n_heads: l.u32_arg(8)? as usize,
+                    n_kv_heads: l.u32_arg(9)? as usize,
+                    head_dim: l.u32_arg(10)? as usize,
+                    block_size: l.u32_arg(11)? as usize,
+                    max_blocks: l.u32_arg(12)? as usize,
+                    scale: f64::from(l.f32_arg(13)?),
+                    window: i32_arg(l, 14)?,
+                    softcap: f64::from(l.f32_arg(15)?),
+                };
+                let [grid_x, grid_y, _] = l.config().grid;
+                if cache.head_dim > d_max || (d_max > 64 && cache.head_dim <= d_max / 2) {
+                    return Err(format!("{name} launched for head_dim {}", cache.head_dim));
+                }
+                if grid_y as usize != cache.n_heads || (grid_x as usize) * TILE_Q < n_tokens {
+                    return Err(format!("grid {:?} for {n_tokens} tokens", l.config().grid));
+                }
+                let hd = cache.head_dim;
+                for t in 0..n_tokens {
+                    let position = read_i32(l, cache.positions, t)? as usize;
+                    for h in 0..cache.n_heads {
+                        let (_, sum, acc) =
+                            cache.partial(l, q, t, h, cache.first(position)..position + 1)?;
+                        let row: Vec<f32> = acc.iter().map(|a| (a / sum) as f32).collect();
+                        l.write_f32(out.offset(((t * cache.n_heads + h) * hd * 4) as u64), &row)?;
+                    }
+                }
+                Ok(())
+            });
+        }
+    }
+
+    /// Two sequences in blocks of 4 at scattered physical ids: sequence 0 has 7 cached
+    /// positions and 3 new, sequence 1 has 600 cached and 1 new (three decode partitions).
+    #[test]
+    fn attention_and_kv_store_pass_their_arguments_in_kernel_order() {
+        let (ctx, _dir) = host_context(register_attention_twins);
+        let (n_heads, n_kv_heads, head_dim, block_size) = (4usize, 2usize, 80usize, 4usize);
+        let row_values = n_kv_heads * head_dim;
+        let lengths = [10usize, 601];
+        let added = [3usize, 1];
+        let blocks_per_table: Vec<usize> = lengths.iter().map(|l| l.div_ceil(block_size)).collect();
+        let max_blocks = blocks_per_table.iter().max().unwrap() + 1;
+        let n_physical = blocks_per_table.iter().sum::<usize>() + 3;
+        // Physical ids in a scrambled order (7 is coprime to n_physical), 3 of them unused.
+        let ids: Vec<usize> = (0..n_physical).map(|i| (i * 7 + 2) % n_physical).collect();
+        assert!(n_physical % 7 != 0, "7 must be coprime to {n_physical}");
+        let mut tables = vec![-1i32; 2 * max_blocks];
+        let mut k_addresses = vec![0u64; n_physical];
+        let mut v_addresses = vec![0u64; n_physical];
+        let mut buffers = Vec::new();
+        let mut next = 0;
+        for (table, &blocks) in blocks_per_table.iter().enumerate() {
+            for b in 0..blocks {
+                let id = ids[next];
+                next += 1;
+                tables[table * max_blocks + b] = id as i32;
+                for addresses in [&mut k_addresses, &mut v_addresses] {
+                    let buffer = ctx
+                        .alloc(Purpose::Kv, (block_size * row_values * 2) as u64)
+                        .unwrap();
+                    addresses[id] = buffer.ptr().0;
+                    buffers.push(buffer);
+                }
+            }
+        }
+        let as_bytes_u64 =
+            |v: &[u64]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+        let as_bytes_i32 =
+            |v: &[i32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+        let k_blocks = upload_bytes(&ctx, &as_bytes_u64(&k_addresses));
+        let v_blocks = upload_bytes(&ctx, &as_bytes_u64(&v_addresses));
+        let block_tables = upload_bytes(&ctx, &as_bytes_i32(&tables));
+
+        // Every position's keys and values, stored in one kv_store call with a padding slot.
+        let k_all: Vec<Vec<f32>> = (0..2)
+            .map(|s| values(lengths[s] * row_values, 10 + s as u32))
+            .collect();
+        let v_all: Vec<Vec<f32>> = (0..2)
+            .map(|s| values(lengths[s] * row_values, 20 + s as u32))
+            .collect();
+        let (mut k_rows, mut v_rows, mut slots) = (Vec::new(), Vec::new(), Vec::new());
+        for s in 0..2 {
+            for p in 0..lengths[s] {
+                slots.push(
+                    tables[s * max_blocks + p / block_size] * block_size as i32
+                        + (p % block_size) as i32,
+                );
+                k_rows.extend_from_slice(&k_all[s][p * row_values..(p + 1) * row_values]);
+                v_rows.extend_from_slice(&v_all[s][p * row_values..(p + 1) * row_values]);
+            }
+        }
+        slots.push(-1);
+        k_rows.extend(std::iter::repeat_n(9.0, row_values));
+        v_rows.extend(std::iter::repeat_n(9.0, row_values));
+        let (dk, dv) = (upload_f32(&ctx, &k_rows), upload_f32(&ctx, &v_rows));
+        let dslots = upload_bytes(&ctx, &as_bytes_i32(&slots));
+        kv_store(
+            &ctx,
+            k_blocks.ptr(),
+            v_blocks.ptr(),
+            dk.ptr(),
+            dv.ptr(),
+            dslots.ptr(),
+            slots.len(),
+            row_values,
+            block_size,
+        )
+        .unwrap();
+
+        // The batch: the new tokens of both sequences.
+        let mut positions = Vec::new();
+        let mut table_of_token = Vec::new();
+        for s in 0..2 {
+            for i in 0..added[s] {
+                positions.push((lengths[s] - added[s] + i) as i32);
+                table_of_token.push(s as i32);
+            }
+        }
+        let n_tokens = positions.len();
+        let q = values(n_tokens * n_heads * head_dim, 30);
+        let dq = upload_f32(&ctx, &q);
+        let dpositions = upload_bytes(&ctx, &as_bytes_i32(&positions));
+        let dtables = upload_bytes(&ctx, &as_bytes_i32(&table_of_token));
+        let out = ctx
+            .alloc(Purpose::Scratch, (n_tokens * n_heads * head_dim * 4) as u64)
+            .unwrap();
+        for (window, softcap) in [(None, None), (Some(5usize), Some(0.7f32))] {
+            let args = AttentionArgs {
+                q: dq.ptr(),
+                out: out.ptr(),
+                k_blocks: k_blocks.ptr(),
+                v_blocks: v_blocks.ptr(),
+                block_tables: block_tables.ptr(),
+                table_of_token: dtables.ptr(),
+                positions: dpositions.ptr(),
+                n_tokens,
+                n_tables: 2,
+                max_blocks_per_table: max_blocks,
+                max_position: 600,
+                n_heads,
+                n_kv_heads,
+                head_dim,
+                block_size,
+                scale: 0.3,
+                window,
+                softcap,
+            };
+            // The reference: f16-rounded q, k, v in f64.
+            let round = |x: f32| f64::from(f16::from_f32(x).to_f32());
+            let mut expected = vec![0.0f64; n_tokens * n_heads * head_dim];
+            for t in 0..n_tokens {
+                let (s, pos) = (table_of_token[t] as usize, positions[t] as usize);
+                let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                for h in 0..n_heads {
+                    let kvh = h / (n_heads / n_kv_heads);
+                    let qh: Vec<f64> = q[(t * n_heads + h) * head_dim..][..head_dim]
+                        .iter()
+                        .map(|&x| round(x))
+                        .collect();
+                    let scores: Vec<f64> = (first..=pos)
+                        .map(|p| {
+                            let k = &k_all[s][p * row_values + kvh * head_dim..][..head_dim];
+                            let dot =
+                                qh.iter().zip(k).map(|(a, &b)| a * round(b)).sum::<f64>() * 0.3;
+                            softcap.map_or(dot, |c| f64::from(c) * (dot / f64::from(c)).tanh())
+                        })
+                        .collect();
+                    let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    let sum: f64 = scores.iter().map(|s| (s - m).exp()).sum();
+                    for (i, p) in (first..=pos).enumerate() {
+                        let w = (scores[i] - m).exp() / sum;
+                        let v = &v_all[s][p * row_values + kvh * head_dim..][..head_dim];
+                        for d in 0..head_dim {
+                            expected[(t * n_heads + h) * head_dim + d] += w * round(v[d]);
+                        }
+                    }
+                }
+            }
+            for kernel in [
+                AttentionKernel::Auto,
+                AttentionKernel::Decode,
+                AttentionKernel::Prefill,
+            ] {
+                ctx.zero(out.ptr(), (expected.len() * 4) as u64).unwrap();
+                attention_with(&ctx, &args, kernel).unwrap();
+                let got = download_f32(&ctx, out.ptr(), expected.len());
+                for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
+                    assert!(
+                        (f64::from(*g) - e).abs() < 1e-5,
+                        "{kernel:?} window {window:?}: value {i}: {g} vs {e}"
+                    );
+                }
+            }
+        }
+        drop(buffers);
+    }
 
     fn args() -> AttentionArgs {
         AttentionArgs {

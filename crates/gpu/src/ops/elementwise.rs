@@ -115,6 +115,19 @@ pub fn rms_norm(
 }
 
 /// Checks an element count and launches a grid-stride kernel of `module`.
+/// An element count for a grid-stride kernel. The kernels index with 32-bit counters, and the
+/// last stride must not wrap around 2^32, so counts stay below 2^31.
+fn stride_count(op: &'static str, n: usize) -> Result<u32, OpsError> {
+    if n > i32::MAX as usize {
+        return Err(OpsError::shape(
+            op,
+            "an element count below 2^31",
+            format!("{n}"),
+        ));
+    }
+    Ok(n as u32)
+}
+
 fn stride_kernel(
     ctx: &GpuContext,
     op: &'static str,
@@ -122,7 +135,7 @@ fn stride_kernel(
     n: usize,
     args: KernelArgs,
 ) -> Result<(), OpsError> {
-    let n = as_u32(op, "the element count", n)?;
+    let n = stride_count(op, n)?;
     // SAFETY: every caller passes `name`'s exact parameter list, and each kernel touches elements
     // below n (grid-stride loop) of buffers the caller sized for n elements.
     unsafe { ctx.launch(KernelModule::Elementwise, name, stride_launch(n), &args) }
@@ -154,7 +167,7 @@ pub fn add(
         .arg(ptr(out))
         .arg(ptr(a))
         .arg(ptr(b))
-        .arg(KernelArg::U32(as_u32(OP, "the element count", n)?))
+        .arg(KernelArg::U32(stride_count(OP, n)?))
         .arg(KernelArg::U32(n_b));
     stride_kernel(ctx, OP, "ember_add_f32", n, args)
 }
@@ -175,7 +188,7 @@ pub fn scale(
         .arg(ptr(out))
         .arg(ptr(x))
         .arg(KernelArg::F32(scale))
-        .arg(KernelArg::U32(as_u32(OP, "the element count", n)?));
+        .arg(KernelArg::U32(stride_count(OP, n)?));
     stride_kernel(ctx, OP, "ember_scale_f32", n, args)
 }
 
@@ -196,7 +209,7 @@ pub fn softcap(ctx: &GpuContext, x: DevicePtr, n: usize, cap: f32) -> Result<(),
         .arg(ptr(x))
         .arg(ptr(x))
         .arg(KernelArg::F32(cap))
-        .arg(KernelArg::U32(as_u32(OP, "the element count", n)?));
+        .arg(KernelArg::U32(stride_count(OP, n)?));
     stride_kernel(ctx, OP, "ember_softcap_f32", n, args)
 }
 
@@ -240,7 +253,7 @@ fn glu(
         .arg(ptr(out))
         .arg(ptr(gate))
         .arg(ptr(up))
-        .arg(KernelArg::U32(as_u32(op, "the element count", n)?));
+        .arg(KernelArg::U32(stride_count(op, n)?));
     stride_kernel(ctx, op, name, n, args)
 }
 
@@ -392,6 +405,6 @@ pub fn convert_f32_to_f16(
     let args = KernelArgs::new()
         .arg(ptr(out))
         .arg(ptr(x))
-        .arg(KernelArg::U32(as_u32(OP, "the element count", n)?));
+        .arg(KernelArg::U32(stride_count(OP, n)?));
     stride_kernel(ctx, OP, "ember_convert_f16_f32", n, args)
 }

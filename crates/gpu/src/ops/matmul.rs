@@ -32,8 +32,25 @@ use super::elementwise::convert_f32_to_f16;
 use super::matvec::matvec;
 use super::{as_u32, DeviceMatrix, GpuContext, OpsError, WeightFormat};
 
-/// Up to this many tokens `matmul` uses the matrix-vector kernel; beyond, a GEMM.
+/// Up to this many tokens `matmul` uses the matrix-vector kernel; beyond, a GEMM. The
+/// environment variable [`MATVEC_MAX_TOKENS_ENV`] overrides it (for measuring the crossover).
 pub const MATVEC_MAX_TOKENS: usize = 8;
+
+/// Environment variable overriding [`MATVEC_MAX_TOKENS`] (a positive integer).
+pub const MATVEC_MAX_TOKENS_ENV: &str = "EMBER_MATVEC_MAX_TOKENS";
+
+/// The token count up to which `matmul` takes the matrix-vector path: [`MATVEC_MAX_TOKENS_ENV`]
+/// when set to a positive integer (read once), else [`MATVEC_MAX_TOKENS`].
+pub fn matvec_max_tokens() -> usize {
+    static VALUE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *VALUE.get_or_init(|| {
+        std::env::var(MATVEC_MAX_TOKENS_ENV)
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .filter(|&v| v > 0)
+            .unwrap_or(MATVEC_MAX_TOKENS)
+    })
+}
 
 /// Which implementation [`matmul_with`] uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -92,7 +109,7 @@ pub fn matmul_with(
         ));
     }
     let path = match path {
-        MatmulPath::Auto if n_tokens <= MATVEC_MAX_TOKENS => MatmulPath::MatVec,
+        MatmulPath::Auto if n_tokens <= matvec_max_tokens() => MatmulPath::MatVec,
         MatmulPath::Auto if ctx.blas_handle().is_some() => MatmulPath::Blas,
         MatmulPath::Auto => MatmulPath::Tiled,
         other => other,

@@ -14,7 +14,8 @@
 //!
 //! Beyond the plan's list (all additions; every planned signature is as agreed):
 //! [`matmul_with`] and [`MatmulPath`] force the matrix-vector, BLAS or tiled path (tests and the
-//! `ops_check` example use them); [`convert_f32_to_f16`]; [`GpuContext::with_options`] (turn BLAS
+//! `ops_check` example use them); [`matvec_max_tokens`] (the decode/GEMM crossover, overridable
+//! with `EMBER_MATVEC_MAX_TOKENS`); [`convert_f32_to_f16`]; [`GpuContext::with_options`] (turn BLAS
 //! off without the environment), [`GpuContext::copy`], [`GpuContext::zero`],
 //! [`GpuContext::warp_size`], [`GpuContext::kernels`]; [`WeightFormat::ALL`],
 //! [`WeightFormat::ggml_type_id`] / [`WeightFormat::from_ggml_type_id`] (GGUF type ids, so the
@@ -48,7 +49,9 @@ pub use elementwise::{
     add, argmax, convert_f32_to_f16, gather_rows, geglu, get_rows, rms_norm, rope, scale, softcap,
     swiglu, RopeMode,
 };
-pub use matmul::{matmul, matmul_with, MatmulPath, MATVEC_MAX_TOKENS};
+pub use matmul::{
+    matmul, matmul_with, matvec_max_tokens, MatmulPath, MATVEC_MAX_TOKENS, MATVEC_MAX_TOKENS_ENV,
+};
 
 /// Environment variable that turns the BLAS library off (`1`): `matmul` then uses the tiled
 /// kernel for prefill. For comparisons and for hosts whose BLAS misbehaves.

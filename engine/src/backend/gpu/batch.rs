@@ -51,15 +51,38 @@ pub(super) struct BatchArrays {
     max_blocks_per_table: usize,
     max_position: usize,
     staging: Vec<u32>,
-    /// Offsets in values of each array in `buf`.
+    /// Offsets in values of each array in the buffer in use.
     offsets: [usize; Array::COUNT],
-    buf: Option<PoolBuffer>,
+    /// The buffer every batch of up to [`BASE_BYTES`] of arrays uses, allocated with the backend
+    /// (so before the weights, at the bottom of the pool) and kept.
+    base: Option<PoolBuffer>,
+    /// A buffer for a larger batch, kept only while batches need it: a long-lived buffer
+    /// allocated among KV blocks would keep their memory mapped after they are released.
+    overflow: Option<PoolBuffer>,
     /// Arrays uploaded on the side for callers passing other values; they live until the next
     /// forward pass so the kernels queued with them still find them.
     extra: Vec<PoolBuffer>,
 }
 
+/// Bytes of the permanent buffer: the arrays of a 1024-token batch of one sequence with a
+/// 4096-token context, or of a few hundred sequences decoding.
+const BASE_BYTES: u64 = 64 << 10;
+
 impl BatchArrays {
+    /// Arrays with their permanent buffer (none if the pool refuses it now; batches then use
+    /// overflow buffers).
+    pub(super) fn new(ctx: &GpuContext) -> BatchArrays {
+        BatchArrays {
+            base: ctx.alloc(Purpose::Scratch, BASE_BYTES).ok(),
+            ..BatchArrays::default()
+        }
+    }
+
+    /// The buffer the arrays of this pass are in.
+    fn buf(&self) -> Option<&PoolBuffer> {
+        self.overflow.as_ref().or(self.base.as_ref())
+    }
+
     /// Packs and uploads the arrays of one forward pass.
     pub(super) fn upload(
         &mut self,
@@ -73,12 +96,14 @@ impl BatchArrays {
         self.extra.clear();
         self.pack(batch, plan, out_rows);
         let bytes = (self.staging.len() * 4) as u64;
-        if self.buf.as_ref().is_none_or(|b| b.len() < bytes) {
-            self.buf = None;
+        if self.base.as_ref().is_some_and(|b| b.len() >= bytes) {
+            self.overflow = None;
+        } else if self.overflow.as_ref().is_none_or(|b| b.len() < bytes) {
+            self.overflow = None;
             // Grown to a power of two so a run of growing batches does not reallocate each time.
-            self.buf = Some(ctx.alloc(Purpose::Scratch, bytes.next_power_of_two().max(4096))?);
+            self.overflow = Some(ctx.alloc(Purpose::Scratch, bytes.next_power_of_two())?);
         }
-        let buf = self.buf.as_ref().expect("allocated above");
+        let buf = self.buf().expect("a buffer large enough was chosen above");
         let host: Vec<u8> = self.staging.iter().flat_map(|v| v.to_le_bytes()).collect();
         ctx.upload(buf.ptr(), &host)?;
         self.plan_id = plan.id;
@@ -124,7 +149,7 @@ impl BatchArrays {
     }
 
     fn ptr_of(&self, array: Array) -> Result<DevicePtr, OpsError> {
-        match &self.buf {
+        match self.buf() {
             Some(buf) if self.plan_id != 0 => {
                 Ok(buf.ptr().offset((self.offsets[array.index()] * 4) as u64))
             }

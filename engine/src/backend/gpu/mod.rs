@@ -98,6 +98,7 @@ impl GpuBackend {
         } else {
             None
         };
+        let batch = BatchArrays::new(&ctx);
         GpuBackend {
             ctx,
             name,
@@ -105,7 +106,7 @@ impl GpuBackend {
             failed: AtomicBool::new(false),
             failure: Mutex::new(None),
             inject_oom: AtomicBool::new(false),
-            batch: Mutex::new(BatchArrays::default()),
+            batch: Mutex::new(batch),
             placed: Mutex::new(Vec::new()),
             trimmer,
         }
@@ -309,7 +310,7 @@ impl GpuKvLayer {
             return Ok(());
         }
         if self.table.is_none() {
-            self.table = Some(ctx.alloc(Purpose::Kv, (self.table_host.len() * 8) as u64)?);
+            self.table = Some(ctx.alloc(Purpose::Kv, (self.table_host.len() * 8).max(8) as u64)?);
         }
         let table = self.table.as_ref().expect("allocated above");
         let bytes: Vec<u8> = self
@@ -692,6 +693,14 @@ impl Backend for GpuBackend {
         n_kv_heads: usize,
         head_dim: usize,
     ) -> GpuKvLayer {
+        // The address table is allocated now, when the context is made, rather than with the
+        // first blocks: the pools place allocations lowest address first, and a long-lived table
+        // among the first KV blocks would keep their memory mapped after they are released.
+        // If it cannot be had now, the first `kv_materialize` asks again.
+        let table = self
+            .ctx
+            .alloc(Purpose::Kv, (2 * max_blocks * 8).max(8) as u64)
+            .ok();
         GpuKvLayer {
             block_size,
             n_kv_heads,
@@ -699,7 +708,7 @@ impl Backend for GpuBackend {
             k: (0..max_blocks).map(|_| None).collect(),
             v: (0..max_blocks).map(|_| None).collect(),
             table_host: vec![0; 2 * max_blocks],
-            table: None,
+            table,
             dirty: true,
             bytes: 0,
         }
@@ -756,7 +765,9 @@ impl Backend for GpuBackend {
         }
         // A stale table only names released blocks, which no block table refers to any more;
         // it is uploaded with the next change if this upload cannot run now.
-        self.run("kv_release", || layer.sync_table(&self.ctx));
+        if layer.table.is_some() {
+            self.run("kv_release", || layer.sync_table(&self.ctx));
+        }
     }
 
     fn kv_bytes(&self, layer: &GpuKvLayer) -> usize {

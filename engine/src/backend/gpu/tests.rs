@@ -153,8 +153,8 @@ fn activations_round_trip_and_grow_only_when_needed() {
     assert_eq!(out, values);
     assert_eq!(
         b.pool().usage().purpose(Purpose::Scratch).current,
-        24,
-        "one live activation buffer"
+        24 + (64 << 10),
+        "one live activation buffer and the batch arrays' permanent buffer"
     );
 }
 
@@ -241,4 +241,42 @@ fn kv_blocks_over_the_budget_fail_the_plan_and_give_everything_back() {
         .plan(&b, &Batch::for_sequence(1, 0, &[1; 8], false), &mut plan)
         .unwrap();
     assert_eq!(cache.seq_len(1), 8);
+}
+
+#[test]
+fn a_large_batch_gets_a_buffer_of_its_own_that_goes_with_it() {
+    let b = backend(None);
+    let base = b.pool().usage().purpose(Purpose::Scratch).current;
+    assert_eq!(base, 64 << 10, "the permanent buffer exists from the start");
+    let forward = |n: usize, id: u64| {
+        let tokens: Vec<u32> = (0..n as u32).collect();
+        let batch = Batch::for_sequence(0, 0, &tokens, false);
+        let blocks = n.div_ceil(32);
+        let plan = AttentionPlan {
+            id,
+            block_size: 32,
+            slots: (0..n as u32).collect(),
+            positions: (0..n as u32).collect(),
+            table_of_token: vec![0; n],
+            tables: vec![(0..blocks as u32).collect()],
+        };
+        b.begin_forward(&batch, &plan, &[n - 1]);
+        assert_eq!(b.take_failure(), None);
+        let ptr = b.batch_ptr(batch::Array::Tokens, &tokens).unwrap();
+        assert_eq!(download_u32(&b, ptr, n), tokens);
+    };
+    forward(512, 1);
+    assert_eq!(b.pool().usage().purpose(Purpose::Scratch).current, base);
+    // 8192 tokens need 5 arrays of 8192 values and more: 256 KiB after rounding up.
+    forward(8192, 2);
+    assert_eq!(
+        b.pool().usage().purpose(Purpose::Scratch).current,
+        base + (256 << 10)
+    );
+    forward(16, 3);
+    assert_eq!(
+        b.pool().usage().purpose(Purpose::Scratch).current,
+        base,
+        "the large batch's buffer is gone once batches fit the permanent one"
+    );
 }
