@@ -132,6 +132,13 @@ pub fn attention(
                     );
                 }
             });
+    } else if n_tokens == 1 && split_kv_len(plan.positions[0] as usize).is_some() {
+        // One token over a long cache: GGML's split-KV path, one KV chunk per thread.
+        let n_chunks = rayon::current_num_threads().max(1);
+        out[..row_len]
+            .par_chunks_mut(group * head_dim)
+            .enumerate()
+            .for_each(|(kv_head, part)| attend_split(&shape, 0, kv_head, n_chunks, part));
     } else {
         // Decoding: one task per (token, KV head).
         out[..n_tokens * row_len]
@@ -271,6 +278,107 @@ fn attend(
             out[i * token_stride + base + j * hd..][..hd]
                 .iter_mut()
                 .for_each(|o| *o *= inv);
+        }
+    }
+}
+
+/// GGML pads the cache view its attention sees (`llama_kv_cache::get_n_kv`) to a multiple of
+/// this many cells, at least one such multiple.
+const KV_VIEW_PAD: usize = 256;
+
+/// From this many cells in the view on, GGML attends a single query token by splitting the
+/// cells between its threads (`use_split_kv_path` in `ggml_compute_forward_flash_attn_ext_f16`).
+const SPLIT_KV_MIN_CELLS: usize = 512;
+
+/// The cells of the cache view GGML attends when the newest token is at `position` (one
+/// sequence, stored from cell 0 on), if that view takes the split-KV path.
+fn split_kv_len(position: usize) -> Option<usize> {
+    let n_kv = (position + 1).div_ceil(KV_VIEW_PAD).max(1) * KV_VIEW_PAD;
+    (n_kv >= SPLIT_KV_MIN_CELLS).then_some(n_kv)
+}
+
+/// One query head's online softmax over positions `range` of token `t`'s sequence, as GGML's
+/// `ggml_compute_forward_flash_attn_ext_f16_one_chunk` computes it with an f16 cache: `q16` is
+/// the query rounded to f16, scores are `ggml_vec_dot_f16` times the scale, and the value
+/// accumulator is rounded to f16 after every key. Returns the running maximum and sum; `acc`
+/// holds the unnormalised values.
+fn one_chunk(
+    s: &Shape<'_>,
+    t: usize,
+    kv_head: usize,
+    q16: &[f32],
+    range: Range<usize>,
+    row: &mut [f32],
+    acc: &mut [f32],
+) -> (f32, f32) {
+    let layer = s.layer;
+    let block_size = layer.block_size;
+    let hd = s.head_dim;
+    let table = &s.plan.tables[s.plan.table_of_token[t] as usize];
+    let (mut max, mut sum) = (f32::NEG_INFINITY, 0.0f32);
+    acc.iter_mut().for_each(|o| *o = 0.0);
+    for pos in range {
+        let block = table[pos / block_size] as usize;
+        let off = layer.row_offset(kv_head, pos % block_size);
+        layer.k[block][off..off + hd].convert_to_f32_slice(row);
+        let score = vec::dot_f16_ggml(q16, row) * s.kq_scale;
+        let (mut old_scale, mut weight) = (1.0f32, 1.0f32);
+        if score > max {
+            old_scale = (max - score).exp();
+            max = score;
+            vec::scale_round_f16(acc, old_scale);
+        } else {
+            weight = (score - max).exp();
+        }
+        layer.v[block][off..off + hd].convert_to_f32_slice(row);
+        vec::mad_round_f16(acc, weight, row);
+        sum = sum.mul_add(old_scale, weight);
+    }
+    (max, sum)
+}
+
+/// Attention of the single token `t` for KV head `kv_head` as GGML's split-KV path computes
+/// it: the cache view (see [`split_kv_len`]) cut into `n_chunks` equal runs of cells, each
+/// attended by [`one_chunk`], then the partial results merged in chunk order
+/// (`ggml_flash_attn_ext_reduce_partials`).
+fn attend_split(s: &Shape<'_>, t: usize, kv_head: usize, n_chunks: usize, out: &mut [f32]) {
+    let (group, hd) = (s.group, s.head_dim);
+    let position = s.plan.positions[t] as usize;
+    let n_kv = split_kv_len(position).unwrap_or(position + 1);
+    let chunk = n_kv.div_ceil(n_chunks);
+    let first = s.first(t);
+    let mut q16 = vec![0f32; hd];
+    let mut row = vec![0f32; hd];
+    let mut part = vec![0f32; hd];
+    for j in 0..group {
+        q16.copy_from_slice(&s.q[t * s.row_len + (kv_head * group + j) * hd..][..hd]);
+        vec::round_f16(&mut q16);
+        let fin = &mut out[j * hd..(j + 1) * hd];
+        fin.iter_mut().for_each(|o| *o = 0.0);
+        let (mut fin_max, mut fin_sum) = (f32::NEG_INFINITY, 0.0f32);
+        for c in 0..n_chunks {
+            let lo = (c * chunk).max(first);
+            let hi = ((c + 1) * chunk).min(n_kv).min(position + 1);
+            if lo >= hi {
+                continue;
+            }
+            let (max, sum) = one_chunk(s, t, kv_head, &q16, lo..hi, &mut row, &mut part);
+            if sum == 0.0 {
+                continue;
+            }
+            let new_max = fin_max.max(max);
+            let scale_old = (fin_max - new_max).exp();
+            let scale_new = (max - new_max).exp();
+            // `a*b + c*d` as GGML's compilers contract it: the left product fused.
+            for (f, &p) in fin.iter_mut().zip(part.iter()) {
+                *f = f.mul_add(scale_old, p * scale_new);
+            }
+            fin_sum = fin_sum.mul_add(scale_old, sum * scale_new);
+            fin_max = new_max;
+        }
+        if fin_sum != 0.0 {
+            let inv = 1.0 / fin_sum;
+            fin.iter_mut().for_each(|o| *o *= inv);
         }
     }
 }
