@@ -15,11 +15,13 @@
 #define EMBER_GEMM_TILE_TOKENS 64
 #define EMBER_GEMM_TILE_K 32
 #define EMBER_GEMM_THREADS 256
+static_assert(EMBER_GEMM_THREADS == EMBER_GEMM_TILE_ROWS * 4, "the W tile load gives each row 4 threads of 8 values");
+static_assert(EMBER_GEMM_TILE_K == 32, "a K step is one quantisation group");
 
 template <typename F>
 EMBER_DEVICE void ember_gemm(float* out, const uint8_t* w, const float* x, uint32_t n_tokens, uint32_t n_rows, uint32_t n_cols) {
-    // +1 column of padding: consecutive threads store consecutive k of one row, 65 floats apart,
-    // which spreads the stores over all banks.
+    // +1 column of padding: the stores of a warp (8 rows x 4 runs of 8 k) and the loads of the
+    // inner loop then fall in distinct banks.
     __shared__ float w_tile[EMBER_GEMM_TILE_K][EMBER_GEMM_TILE_ROWS + 1];
     __shared__ float x_tile[EMBER_GEMM_TILE_K][EMBER_GEMM_TILE_TOKENS + 1];
     const uint32_t tid = threadIdx.x;
@@ -36,14 +38,19 @@ EMBER_DEVICE void ember_gemm(float* out, const uint8_t* w, const float* x, uint3
 
     for (uint32_t k0 = 0; k0 < n_cols; k0 += EMBER_GEMM_TILE_K) {
         const int group = (int)(k0 / 32);
-#pragma unroll
-        for (int e = 0; e < (EMBER_GEMM_TILE_ROWS * EMBER_GEMM_TILE_K) / EMBER_GEMM_THREADS; ++e) {
-            const uint32_t idx = tid + e * EMBER_GEMM_THREADS;
-            const uint32_t r = idx / EMBER_GEMM_TILE_K, l = idx % EMBER_GEMM_TILE_K;
+        {
+            // Each thread dequantises 8 consecutive values of one row's group (64 rows x 4
+            // threads), so the 8 get() calls share their block-header loads.
+            const uint32_t r = tid / 4, l0 = (tid % 4) * 8;
             const uint32_t row = row0 + r;
-            float v = 0.0f;
-            if (row < n_rows && k0 + l < n_cols) v = F::get(w + (size_t)row * row_bytes, group, (int)l);
-            w_tile[l][r] = v;
+            const uint8_t* w_row = w + (size_t)row * row_bytes;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const uint32_t l = l0 + i;
+                float v = 0.0f;
+                if (row < n_rows && k0 + l < n_cols) v = F::get(w_row, group, (int)l);
+                w_tile[l][r] = v;
+            }
         }
 #pragma unroll
         for (int e = 0; e < (EMBER_GEMM_TILE_TOKENS * EMBER_GEMM_TILE_K) / EMBER_GEMM_THREADS; ++e) {

@@ -1,6 +1,7 @@
 //! Prints the most likely next tokens of a prompt with their log-probabilities, for comparing
 //! numerics with another implementation: `cargo run --release -p ember --example top_logprobs --
-//! MODEL PROMPT [K] [N_BATCH]` (N_BATCH 1 evaluates the prompt one token at a time).
+//! MODEL PROMPT [K]`; the environment variable `NB` sets the batch size (1 evaluates the
+//! prompt one token at a time) and `LAST_ALONE=1` evaluates the last prompt token on its own.
 
 use ember::backend::cpu::CpuBackend;
 use ember::generate::{eval_tokens, log_prob};
@@ -10,7 +11,7 @@ fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     anyhow::ensure!(
         args.len() >= 3,
-        "usage: top_logprobs MODEL PROMPT [K] [N_BATCH]"
+        "usage: top_logprobs MODEL PROMPT [K]"
     );
     let k: usize = args.get(3).map_or(Ok(5), |s| s.parse())?;
     let path = ember::models::resolve(&args[1], &mut ember::models::NoProgress)?;
@@ -22,7 +23,16 @@ fn main() -> anyhow::Result<()> {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(512);
-    let logits = eval_tokens(&model, &mut ctx, 0, &ids, n_batch)?.to_vec();
+    // LAST_ALONE=1 evaluates the prompt but its last token in batches, then that token alone,
+    // as llama.cpp's golden re-evaluation of a step does.
+    let last_alone = std::env::var("LAST_ALONE").is_ok_and(|v| v == "1");
+    let logits = if last_alone && ids.len() > 1 {
+        let (head, last) = ids.split_at(ids.len() - 1);
+        eval_tokens(&model, &mut ctx, 0, head, n_batch)?;
+        eval_tokens(&model, &mut ctx, 0, last, n_batch)?.to_vec()
+    } else {
+        eval_tokens(&model, &mut ctx, 0, &ids, n_batch)?.to_vec()
+    };
     let mut order: Vec<usize> = (0..logits.len()).collect();
     order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
     println!("prompt ids: {ids:?}");

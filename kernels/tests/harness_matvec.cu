@@ -234,47 +234,53 @@ static void test_format(Format f, int n_rows, int n_cols, Variant variant = {0, 
 }
 
 // Weight bandwidth: median of 50 launches (CUDA events around each), cycling through enough
-// copies of the matrix that none is still in L2 when it is read again.
-static void benchmark(Format f, int n_rows, int n_cols, int tokens, Variant variant = {0, EMBER_MATVEC_THREADS}) {
+// copies of the matrix that none is still in L2 when it is read again. One matrix serves every
+// (token count, kernel configuration) run of a shape.
+static void benchmark(Format f, int n_rows, int n_cols, const std::vector<std::pair<int, Variant>>& runs) {
     const std::vector<uint8_t> w = random_matrix(f, n_rows, n_cols);
     const size_t bytes = w.size();
     const size_t copies = std::max<size_t>(2, (size_t)std::ceil(3.0 * 64e6 / (double)bytes));
     std::vector<DeviceBuffer<uint8_t>*> matrices;
     for (size_t i = 0; i < copies; ++i) matrices.push_back(new DeviceBuffer<uint8_t>(w));
-    const std::vector<float> x = random_floats((size_t)tokens * n_cols);
-    DeviceBuffer<float> dx(x), dy((size_t)tokens * n_rows);
-    DeviceBuffer<int8_t> dq(x.size());
-    DeviceBuffer<float2> dds(x.size() / 32);
     cudaEvent_t start, stop;
     CHECK_CUDA(cudaEventCreate(&start));
     CHECK_CUDA(cudaEventCreate(&stop));
-    const int grid = grid_for(n_rows, variant);
-    std::vector<float> samples, quantize_samples;
-    for (int i = 0; i < 55; ++i) {
-        CHECK_CUDA(cudaEventRecord(start));
-        ember_quantize_q8_1<<<(unsigned)((x.size() + 255) / 256), 256>>>(dq.ptr, dds.ptr, dx.ptr, (uint32_t)x.size());
-        CHECK_CUDA(cudaEventRecord(stop));
-        CHECK_CUDA(cudaEventSynchronize(stop));
-        float quantize_ms = 0;
-        CHECK_CUDA(cudaEventElapsedTime(&quantize_ms, start, stop));
-        CHECK_CUDA(cudaEventRecord(start));
-        launch(f, tokens, grid, dy.ptr, matrices[i % copies]->ptr, dx.ptr, dq.ptr, dds.ptr, n_rows, n_cols, variant);
-        CHECK_CUDA(cudaEventRecord(stop));
-        CHECK_CUDA(cudaEventSynchronize(stop));
-        float ms = 0;
-        CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
-        if (i >= 5) {  // the first launches load the module and warm the clocks
-            samples.push_back(ms);
-            quantize_samples.push_back(quantize_ms);
+    for (const auto& run : runs) {
+        const int tokens = run.first;
+        const Variant variant = run.second;
+        const std::vector<float> x = random_floats((size_t)tokens * n_cols);
+        DeviceBuffer<float> dx(x), dy((size_t)tokens * n_rows);
+        DeviceBuffer<int8_t> dq(x.size());
+        DeviceBuffer<float2> dds(x.size() / 32);
+        const int grid = grid_for(n_rows, variant);
+        std::vector<float> samples, quantize_samples;
+        for (int i = 0; i < 55; ++i) {
+            CHECK_CUDA(cudaEventRecord(start));
+            ember_quantize_q8_1<<<(unsigned)((x.size() + 255) / 256), 256>>>(dq.ptr, dds.ptr, dx.ptr, (uint32_t)x.size());
+            CHECK_CUDA(cudaEventRecord(stop));
+            CHECK_CUDA(cudaEventSynchronize(stop));
+            float quantize_ms = 0;
+            CHECK_CUDA(cudaEventElapsedTime(&quantize_ms, start, stop));
+            CHECK_CUDA(cudaEventRecord(start));
+            launch(f, tokens, grid, dy.ptr, matrices[i % copies]->ptr, dx.ptr, dq.ptr, dds.ptr, n_rows, n_cols, variant);
+            CHECK_CUDA(cudaEventRecord(stop));
+            CHECK_CUDA(cudaEventSynchronize(stop));
+            float ms = 0;
+            CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+            if (i >= 5) {  // the first launches load the module and warm the clocks
+                samples.push_back(ms);
+                quantize_samples.push_back(quantize_ms);
+            }
         }
+        sync();
+        const double seconds = median(samples) / 1e3;
+        char config[48] = "exported";
+        if (variant.lanes) std::snprintf(config, sizeof config, "%2d lanes/row %3d threads", variant.lanes, variant.threads);
+        char quantize[48] = "";
+        if (is_int8(f)) std::snprintf(quantize, sizeof quantize, " (+ quantize %.1f us)", median(quantize_samples) * 1e3);
+        std::printf("INFO matvec_%-5s %5dx%-5d %d token(s) [%s]: %7.1f us, %6.0f GB/s of weights%s\n", FORMATS[f].name, n_rows, n_cols, tokens,
+                    config, seconds * 1e6, bytes / seconds / 1e9, quantize);
     }
-    sync();
-    const double seconds = median(samples) / 1e3;
-    char config[48] = "exported";
-    if (variant.lanes) std::snprintf(config, sizeof config, "%2d lanes/row %3d threads", variant.lanes, variant.threads);
-    std::printf("INFO matvec_%-5s %5dx%-5d %d token(s) [%s]: %7.1f us, %6.0f GB/s of weights%s\n", FORMATS[f].name, n_rows, n_cols, tokens,
-                config, seconds * 1e6, bytes / seconds / 1e9,
-                is_int8(f) ? (std::string(" (+ quantize ") + std::to_string((int)(median(quantize_samples) * 1e3)) + " us)").c_str() : "");
     for (auto* m : matrices) delete m;
     CHECK_CUDA(cudaEventDestroy(start));
     CHECK_CUDA(cudaEventDestroy(stop));
@@ -290,22 +296,23 @@ int main() {
     for (Format f : {Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, F16})
         for (const Variant& v : variants) test_format(f, 37, 768, v);
     if (std::getenv("EMBER_HARNESS_NO_TIMING") == nullptr) {
+        // The exported kernels for every format, then other lanes-per-row counts and block sizes
+        // (to choose EMBER_MATVEC_LANES) for the formats that matter most.
+        const Variant exported = {0, EMBER_MATVEC_THREADS};
         for (int fi = F32; fi <= Q6_K; ++fi) {
-            benchmark((Format)fi, 14336, 4096, 1);
-            benchmark((Format)fi, 4096, 14336, 1);
-        }
-        for (Format f : {Q4_0, Q4_K, Q6_K}) {
-            benchmark(f, 14336, 4096, 2);
-            benchmark(f, 14336, 4096, 8);
-        }
-        // Lanes per row and block size, to choose EMBER_MATVEC_LANES.
-        for (Format f : {Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, F16})
-            for (const Variant& v : variants) {
-                benchmark(f, 14336, 4096, 1, v);
-                benchmark(f, 4096, 14336, 1, v);
+            const Format f = (Format)fi;
+            const bool tuned = f == Q4_0 || f == Q8_0 || f == Q4_K || f == Q5_K || f == Q6_K || f == F16;
+            for (int shape = 0; shape < 2; ++shape) {
+                std::vector<std::pair<int, Variant>> runs = {{1, exported}};
+                if (shape == 0 && (f == Q4_0 || f == Q4_K || f == Q6_K)) runs.insert(runs.end(), {{2, exported}, {8, exported}});
+                if (tuned)
+                    for (const Variant& v : variants) runs.push_back({1, v});
+                if (shape == 0 && (f == Q4_0 || f == Q4_K))
+                    for (const Variant& v : variants) runs.push_back({8, v});
+                if (shape == 0) benchmark(f, 14336, 4096, runs);
+                else benchmark(f, 4096, 14336, runs);
             }
-        for (Format f : {Q4_0, Q4_K})
-            for (const Variant& v : variants) benchmark(f, 14336, 4096, 8, v);
+        }
     }
     return finish("harness_matvec");
 }

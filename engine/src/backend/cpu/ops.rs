@@ -59,10 +59,12 @@ pub fn rms_norm_row_inplace(x: &mut [f32], weight: &[f32], eps: f32) {
 const GELU_COEF_A: f32 = 0.044715;
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
 
-/// GELU with the tanh approximation, in f32.
+/// GELU with the tanh approximation, in f32, as GGML's `ggml_gelu_f32` is compiled: the inner
+/// `1 + a·x·x` contracted to `fma(a·x, x, 1)`.
 #[inline]
 pub fn gelu_tanh(x: f32) -> f32 {
-    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + GELU_COEF_A * x * x)).tanh())
+    let inner = (GELU_COEF_A * x).mul_add(x, 1.0);
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * inner).tanh())
 }
 
 /// GELU of every f16 value, rounded to f16: GGML's CPU path looks GELU up in such a table (input
