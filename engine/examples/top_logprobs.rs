@@ -1,7 +1,8 @@
 //! Prints the most likely next tokens of a prompt with their log-probabilities, for comparing
 //! numerics with another implementation: `cargo run --release -p ember --example top_logprobs --
 //! MODEL PROMPT [K]`; the environment variable `NB` sets the batch size (1 evaluates the
-//! prompt one token at a time) and `LAST_ALONE=1` evaluates the last prompt token on its own.
+//! prompt one token at a time), `THREADS` the worker threads (default 2) and `LAST_ALONE=1`
+//! evaluates the last prompt token on its own.
 
 use ember::backend::cpu::CpuBackend;
 use ember::generate::{eval_tokens, log_prob};
@@ -9,13 +10,16 @@ use ember::model::{ContextParams, Model};
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
-    anyhow::ensure!(
-        args.len() >= 3,
-        "usage: top_logprobs MODEL PROMPT [K]"
-    );
+    anyhow::ensure!(args.len() >= 3, "usage: top_logprobs MODEL PROMPT [K]");
     let k: usize = args.get(3).map_or(Ok(5), |s| s.parse())?;
     let path = ember::models::resolve(&args[1], &mut ember::models::NoProgress)?;
-    let model = Model::load(&path, CpuBackend::new(0)?, &mut |_, _| {})?;
+    // Two threads by default, as llama.cpp's reference runs: its attention over 512 or more
+    // cached tokens splits the cache between threads, so the thread count shows in the digits.
+    let threads: usize = std::env::var("THREADS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2);
+    let model = Model::load(&path, CpuBackend::new(threads)?, &mut |_, _| {})?;
     let tokenizer = ember_tokenizer::Tokenizer::from_gguf(model.gguf())?;
     let ids = tokenizer.encode(&args[2], true, true);
     let mut ctx = model.new_context(ContextParams::with_ctx(ids.len() + 1));

@@ -13,7 +13,7 @@
 // Build and run on an NVIDIA machine (repository root), or through kernels/tests/run-nvcc.sh:
 //   nvcc -std=c++17 -O2 -arch=sm_90 -x cu -I kernels kernels/tests/harness_attention.cu -o target/harness_attention
 //   target/harness_attention
-// Exit status 0 when every check passes.
+// Exit status 0 when every check passes. EMBER_HARNESS_NO_TIMING=1 skips the timing section.
 //
 // Tolerances (eps = 2^-24, |v| <= 1, S = scale * max over visible keys of sum_d |q_d k_d|):
 // * kv_store: bit-exact f16 round-to-nearest-even of the inputs.
@@ -329,6 +329,7 @@ int main() {
                 }
             }
 
+    if (std::getenv("EMBER_HARNESS_NO_TIMING") != nullptr) return finish("harness_attention");
     // Llama-3-8B attention shapes: 32 heads, 8 KV heads, head_dim 128, blocks of 16.
     Case llama;
     llama.n_heads = 32;
@@ -343,5 +344,18 @@ int main() {
     benchmark("decode 1 token after 511 (32 heads, 8 KV, d=128)", llama, true);
     llama.sequences = std::vector<Sequence>(8, Sequence{4095, 1});
     benchmark("decode 8 sequences after 4095 each (32 heads, 8 KV, d=128)", llama, true);
+    // Gemma 3 270M shapes (4 heads, 1 KV head, head_dim 256) and SmolLM2-135M (9 heads, 3 KV, 64).
+    Case gemma = llama;
+    gemma.n_heads = 4;
+    gemma.n_kv_heads = 1;
+    gemma.head_dim = 256;
+    gemma.sequences = {{0, 512}};
+    benchmark("prefill 512 tokens from empty (4 heads, 1 KV, d=256)", gemma, false);
+    Case smol = llama;
+    smol.n_heads = 9;
+    smol.n_kv_heads = 3;
+    smol.head_dim = 64;
+    smol.sequences = {{0, 512}};
+    benchmark("prefill 512 tokens from empty (9 heads, 3 KV, d=64)", smol, false);
     return finish("harness_attention");
 }

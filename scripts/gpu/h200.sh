@@ -27,6 +27,9 @@
 #   N_PROMPTS [2 of 3]  N_TOKENS [16]  PPL_CHUNKS [4]  PPL_TYPES [q8_0 q4_k_m f16]  CPU_JOBS [8]
 #   MODELS_DIR    real models for `golden` [$EMBER_MODELS_DIR or ~/.cache/ember/models]
 #   SYNTH_8B=1    make `synth`/`all` also write the 8B models;  FAST_8B=1  write them with --fast
+#   BIG_TYPES     types of the 1B and 8B models [q4_0 q4_k_m f16]
+#   CONSISTENCY_BIG=1  also compare CPU and GPU on the 1B models (full depth, real K-quant rows)
+#   SYNTH_FORCE=1 rewrite models that exist (they are rewritten anyway when ember-synth changed)
 #   SMALL_MARGIN [0.1]  MAX_LOGPROB_DIFF [0.5]  PPL_TOLERANCE [0.01]  golden_rule.py's thresholds
 #   BENCH_REPS [3]  STRESS_ARGS  extra flags for `ember stress`
 #
@@ -137,8 +140,19 @@ synth_one() { # FILE ARGS...: writes FILE unless it exists
     fi
 }
 
+# Models written by another ember-synth build are stale: drop them when the binary changed.
+check_synth_stamp() {
+    local stamp
+    stamp="$(sha256sum "$SYNTH" | cut -c1-16)"
+    if [[ "$(cat "$SYNTH_DIR/.stamp" 2>/dev/null)" != "$stamp" || "${SYNTH_FORCE:-0}" == 1 ]]; then
+        find "$SYNTH_DIR" -name '*.gguf' -delete
+        echo "$stamp" >"$SYNTH_DIR/.stamp"
+    fi
+}
+
 phase_synth() {
     need "$SYNTH" || return 1
+    check_synth_stamp
     local rc=0 layers=()
     [[ "$SMALL_LAYERS" == full ]] || layers=(--layers "$SMALL_LAYERS")
     for shape in $SHAPES; do
@@ -148,7 +162,7 @@ phase_synth() {
             synth_one "$(small_model "$shape" "$ty")" --shape "$shape" --type "$ty" "${pure[@]}" "${layers[@]}" || rc=1
         done
     done
-    for ty in q4_0 q4_k_m f16; do
+    for ty in ${BIG_TYPES-q4_0 q4_k_m f16}; do
         synth_one "$(big_model llama3.2-1b "$ty")" --shape llama3.2-1b --type "$ty" || rc=1
     done
     if [[ "${SYNTH_8B:-0}" == 1 ]]; then
@@ -160,9 +174,10 @@ phase_synth() {
 
 phase_synth8b() {
     need "$SYNTH" || return 1
+    check_synth_stamp
     local rc=0 fast=()
     [[ "${FAST_8B:-0}" == 1 ]] && fast=(--fast)
-    for ty in q4_0 q4_k_m f16; do
+    for ty in ${BIG_TYPES-q4_0 q4_k_m f16}; do
         synth_one "$(big_model llama3-8b "$ty")" --shape llama3-8b --type "$ty" "${fast[@]}" || rc=1
     done
     return $rc
@@ -205,6 +220,11 @@ phase_consistency() {
             if [[ -s "$m" ]]; then models+=("$m"); else say "  missing $m (run the synth phase)"; fi
         done
     done
+    if [[ "${CONSISTENCY_BIG:-0}" == 1 ]]; then
+        for m in "$SYNTH_DIR"/big/llama3.2-1b-*.gguf; do
+            [[ -s "$m" ]] && models+=("$m")
+        done
+    fi
     ((${#models[@]})) || return 1
     # CPU references in the background (many processes of 2 threads), GPU runs one at a time.
     local jobs="$dir/cpu-jobs.txt"
@@ -237,7 +257,10 @@ phase_consistency() {
         done
     done
     wait "$cpu_pid"
-    ((gpu_failed == 0)) || say "  $gpu_failed GPU runs failed (their errors are in the log)"
+    if ((gpu_failed > 0)); then
+        say "  $gpu_failed GPU runs failed; the first error:"
+        grep -m1 -A3 "^GPU run failed" "$LOG" | sed 's/^/    /'
+    fi
     local rc=0 verdicts="$dir/verdicts.txt"
     python3 "$RULE" ember --list "$cases" --small-margin "${SMALL_MARGIN:-0.1}" \
         --max-logprob-diff "${MAX_LOGPROB_DIFF:-0.5}" >"$verdicts" 2>&1 || rc=1
@@ -320,17 +343,31 @@ PY
         [[ -d "$dir/gpu/$model" ]] || { say "  golden: no outputs for $model (model missing from $MODELS_DIR?)"; rc=1; continue; }
         any=1
         say "  GPU ($DEVICE) against llama.cpp:"
+        local gpu_rc=0
         python3 "$RULE" golden --golden "$GOLDEN/greedy.jsonl" --model "$model" --dir "$dir/gpu/$model" \
-            >"$dir/$model.gpu-verdicts.txt" 2>&1 || rc=1
+            >"$dir/$model.gpu-verdicts.txt" 2>&1 || gpu_rc=1
         tee -a "$LOG" <"$dir/$model.gpu-verdicts.txt"
         if [[ -d "$dir/cpu/$model" ]]; then
-            say "  CPU against llama.cpp (for reference; not part of the verdict):"
+            say "  CPU against llama.cpp (for reference):"
             python3 "$RULE" golden --golden "$GOLDEN/greedy.jsonl" --model "$model" --dir "$dir/cpu/$model" \
                 >"$dir/$model.cpu-verdicts.txt" 2>&1
             sed 's/^/    /' "$dir/$model.cpu-verdicts.txt" | tee -a "$LOG"
+            # Lines the CPU path already misses are the CPU's known divergences (its own
+            # work); the GPU fails here only where it misses a line the CPU gets right.
+            local gpu_only
+            gpu_only=$(comm -13 <(grep '^FAIL' "$dir/$model.cpu-verdicts.txt" | cut -d: -f1 | sort) \
+                <(grep '^FAIL' "$dir/$model.gpu-verdicts.txt" | cut -d: -f1 | sort))
+            if [[ -n "$gpu_only" ]]; then
+                say "  golden lines the GPU misses but the CPU gets right: $(echo "$gpu_only" | sed 's/^FAIL //' | tr '\n' ' ')"
+                rc=1
+            else
+                say "  no golden line fails on the GPU that passes on the CPU"
+            fi
             for f in "$dir/cpu/$model"/*.json; do
                 printf '%s\t%s\t%s\n' "$model/$(basename "$f" .json)" "$f" "$dir/gpu/$model/$(basename "$f")" >>"$pairs"
             done
+        else
+            ((gpu_rc == 0)) || rc=1
         fi
     done
     if [[ -s "$pairs" ]]; then
@@ -347,6 +384,7 @@ PY
 phase_bench() {
     need "$EMBER" || return 1
     local dir="$WORK/bench" rc=0 ran=0
+    rm -rf "$dir"
     mkdir -p "$dir"
     for key in llama3.2-1b-q4_0 llama3.2-1b-q4_k_m llama3.2-1b-f16 llama3-8b-q4_0 llama3-8b-q4_k_m llama3-8b-f16; do
         local m="$SYNTH_DIR/big/$key.gguf"
@@ -370,8 +408,9 @@ for line in os.environ["ANCHORS"].strip().splitlines():
     anchors[(key, test)] = float(ts)
 goal = {"tg": float(os.environ["GOAL_TG"]), "pp": float(os.environ["GOAL_PP"])}
 d = os.environ["DIR"]
-print("| model | test | ember t/s | llama.cpp t/s | ratio | goal |")
-print("| --- | --- | ---: | ---: | ---: | --- |")
+# llama-bench's table shows mean ± sample std, so ratios use ember's mean too.
+print("| model | test | ember t/s | ember median | llama.cpp t/s | ratio | goal |")
+print("| --- | --- | ---: | ---: | ---: | ---: | --- |")
 for name in sorted(os.listdir(d)):
     if not name.endswith(".json"):
         continue
@@ -379,20 +418,21 @@ for name in sorted(os.listdir(d)):
     try:
         results = json.load(open(os.path.join(d, name)))
     except (OSError, json.JSONDecodeError):
-        print(f"| {key} | - | (no result) | | | |")
+        print(f"| {key} | - | (no result) | | | | |")
         continue
     for r in results:
         test = r["test"]
-        ts = r.get("median_ts") or r.get("avg_ts")
+        ts = r.get("avg_ts", 0.0)
         sd = r.get("stddev_ts", 0.0)
+        median = r.get("median_ts", ts)
         anchor = anchors.get((key, test))
         if anchor:
             ratio = ts / anchor
             target = goal[test[:2]]
             verdict = f"{'met' if ratio >= target else 'MISSED'} ({target}x)"
-            print(f"| {key} | {test} | {ts:.1f} ± {sd:.1f} | {anchor:g} | {ratio:.2f}x | {verdict} |")
+            print(f"| {key} | {test} | {ts:.1f} ± {sd:.1f} | {median:.1f} | {anchor:g} | {ratio:.2f}x | {verdict} |")
         else:
-            print(f"| {key} | {test} | {ts:.1f} ± {sd:.1f} | - | - | - |")
+            print(f"| {key} | {test} | {ts:.1f} ± {sd:.1f} | {median:.1f} | - | - | - |")
 PY
     # The phase fails when a goal is missed: the goal is issue 4's acceptance criterion.
     if grep -q "| MISSED" "$LOG"; then

@@ -11,6 +11,7 @@
 
 pub mod blocks;
 mod matmul;
+mod repack_order;
 mod scalar;
 pub mod simd;
 

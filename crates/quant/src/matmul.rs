@@ -223,9 +223,28 @@ pub fn matmul_with(
     } else {
         Level::Scalar
     };
+    if strategy == Strategy::Auto
+        && w.ty == GgmlType::Q4_K
+        && crate::repack_order::repacks_q4_k(w.rows)
+    {
+        // llama.cpp multiplies such matrices with its repacked kernels; follow their order.
+        crate::repack_order::matmul(
+            w.data,
+            w.row_bytes(),
+            w.rows,
+            &x.data,
+            x.row_bytes,
+            x.n_tokens,
+            out,
+        );
+        return Ok(());
+    }
     let tiled = match strategy {
         Strategy::Auto => {
-            x.n_tokens >= tile_min_tokens(w.ty) && has_tiles(w.ty) && has_simd_tiles(level)
+            x.n_tokens >= tile_min_tokens(w.ty)
+                && has_tiles(w.ty)
+                && has_simd_tiles(level)
+                && !rowwise_like_ggml(w.ty)
         }
         Strategy::RowWise => false,
         Strategy::Tiled => has_tiles(w.ty),
@@ -236,6 +255,13 @@ pub fn matmul_with(
         matmul_rowwise(level, w, x, out);
     }
     Ok(())
+}
+
+/// Whether GGML's CPU backend computes `ty` by one `vec_dot` per output at every batch size (no
+/// llamafile or repacked GEMM takes it on x86), and whose tiles here do not follow that order:
+/// such matrices stay row-wise so prompts get exactly the numbers llama.cpp gets.
+fn rowwise_like_ggml(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q6_K)
 }
 
 /// Rows per parallel job: enough jobs for load balance, each big enough to pay for itself.
@@ -711,9 +737,7 @@ fn run_panel(
     {
         // The AVX-512 kernel folds two chunks into one register, an order of its own; the
         // formats whose tiles follow GGML's order exactly take the AVX2 kernel instead.
-        if level == Level::Avx512Vnni
-            && !crate::x86::tile::has_ggml_mins(ty)
-            && !is_signed_tile(ty)
+        if level == Level::Avx512Vnni && !crate::x86::tile::has_ggml_mins(ty) && !is_signed_tile(ty)
         {
             // SAFETY: `simd::level` reports AVX-512 VNNI only after checking AVX-512 F, BW,
             // VL and VNNI on this CPU, and `available_levels` never offers more than that.

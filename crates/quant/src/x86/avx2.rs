@@ -421,7 +421,10 @@ pub fn vec_dot_q5_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
 
 #[target_feature(enable = "avx2,fma,f16c")]
 pub fn vec_dot_q6_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
-    let mut sumf = 0.0f32;
+    // GGML's order (`ggml_vec_dot_q6_K_q8_K`, AVX2): per super-block the 8 lane sums (scales
+    // applied in integers) are converted and fused into one accumulator with `d_a·d_w`, and the
+    // lanes are reduced once at the end.
+    let mut acc = _mm256_setzero_ps();
     let low = _mm256_set1_epi8(0x0F);
     let mask2 = _mm256_set1_epi8(3);
     let m32 = _mm256_set1_epi8(32);
@@ -459,9 +462,10 @@ pub fn vec_dot_q6_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
             }
         }
         let d8 = f32::from_le_bytes([y[0], y[1], y[2], y[3]]);
-        sumf += d8 * f16_at(x, q6_k::D) * hsum_epi32(isum) as f32;
+        let d = _mm256_set1_ps(d8 * f16_at(x, q6_k::D));
+        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(isum), acc);
     }
-    sumf
+    hsum_ps(acc)
 }
 
 /// F16 weights against F16 activations, products and sums in f32 (as GGML's F16C path).

@@ -272,10 +272,7 @@ pub fn unpack_row(ty: GgmlType, row: &[u8], q: &mut [u8], dv: &mut [f32], mh: &m
                 let t = load16(&x[qs..]);
                 // Q4_0 is unpacked signed (`matmul::is_signed_tile`), Q4_1 unsigned.
                 let bias = _mm_set1_epi8(if ty == GgmlType::Q4_0 { 8 } else { 0 });
-                store16(
-                    &mut q[QK * c..],
-                    _mm_sub_epi8(_mm_and_si128(t, low), bias),
-                );
+                store16(&mut q[QK * c..], _mm_sub_epi8(_mm_and_si128(t, low), bias));
                 store16(
                     &mut q[QK * c + 16..],
                     _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16::<4>(t), low), bias),

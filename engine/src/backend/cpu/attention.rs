@@ -103,7 +103,7 @@ pub fn attention(
         window,
     };
     let tiles = query_tiles(plan);
-    let attend = if n_tokens >= F32_PATH_MIN_TOKENS && head_dim % 16 == 0 {
+    let attend = if n_tokens >= F32_PATH_MIN_TOKENS && head_dim.is_multiple_of(16) {
         attend_f32
     } else {
         attend

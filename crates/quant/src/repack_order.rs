@@ -1,0 +1,122 @@
+//! Q4_K matrix products in the order of llama.cpp's repacked x86 kernels.
+//!
+//! On x86 llama.cpp interleaves Q4_K weights with eight rows per block (`block_q4_Kx8`) when a
+//! matrix has a multiple of 8 rows, and multiplies them with `ggml_gemv_q4_K_8x8_q8_K` (one
+//! token, and the last `n % 4` tokens of a batch) and `ggml_gemm_q4_K_8x8_q8_K` (tokens in
+//! groups of four), not with `vec_dot`. Both keep every output in one float lane and form the
+//! weight-scale and min terms in integers first; they differ in how often they turn those
+//! integers into floats:
+//! - gemv: once per 256-element super-block, `acc += I_b·(d_w·d_a)` and
+//!   `acc_min += M_b·(dmin_w·d_a)` (each one FMA);
+//! - gemm: once per pair of 32-element sub-blocks (four times per super-block), the same FMAs;
+//!
+//! and both return `acc - acc_min`. `I` is `Σ scale_j · Σ q·a` over the sub-blocks `j`
+//! covered, `M` is `Σ min_j · Σ a` (the activations' 16-element sums added in pairs). Integer
+//! sums are exact in any order, so reproducing the float steps is enough to get llama.cpp's
+//! numbers bit for bit.
+
+use rayon::prelude::*;
+
+use crate::blocks::{k4_scales_mins, q4_k, q8_k, q8k_bsum, read_f16, read_f32, QK_K};
+
+/// Whether llama.cpp repacks a Q4_K matrix of `rows` rows on x86 (`ggml_repack_get_optimal_repack_type`).
+pub(crate) fn repacks_q4_k(rows: usize) -> bool {
+    rows.is_multiple_of(8)
+}
+
+/// Per 32-element sub-block of one super-block: `Σ q·a` (q the 4-bit weight, a the activation).
+#[inline]
+fn sub_block_dots(w: &[u8], a: &[u8]) -> [i32; 8] {
+    let qs = &w[q4_k::QS..q4_k::QS + QK_K / 2];
+    let aq = &a[q8_k::QS..q8_k::QS + QK_K];
+    std::array::from_fn(|j| {
+        let (group, high) = (j / 2, j % 2 == 1);
+        let q = &qs[32 * group..32 * group + 32];
+        let x = &aq[32 * j..32 * j + 32];
+        q.iter()
+            .zip(x)
+            .map(|(&b, &v)| {
+                let nibble = if high { b >> 4 } else { b & 0xF };
+                nibble as i32 * (v as i8 as i32)
+            })
+            .sum()
+    })
+}
+
+/// One output: weight row `w` (Q4_K) against activation row `a` (Q8_K), with the gemm's
+/// (`per_pair`) or the gemv's float steps.
+pub(crate) fn dot(w: &[u8], a: &[u8], per_pair: bool) -> f32 {
+    let mut acc = 0.0f32;
+    let mut acc_min = 0.0f32;
+    for (x, y) in w.chunks_exact(q4_k::SIZE).zip(a.chunks_exact(q8_k::SIZE)) {
+        let (sc, mn) = k4_scales_mins(&x[q4_k::SCALES..q4_k::SCALES + 12]);
+        let dots = sub_block_dots(x, y);
+        let da = read_f32(y, q8_k::D);
+        let scale = read_f16(x, q4_k::D) * da;
+        let scale_min = read_f16(x, q4_k::DMIN) * da;
+        let bsum32 = |j: usize| q8k_bsum(y, 2 * j) as i32 + q8k_bsum(y, 2 * j + 1) as i32;
+        let pair = |p: usize| {
+            let (j0, j1) = (2 * p, 2 * p + 1);
+            let i = sc[j0] as i32 * dots[j0] + sc[j1] as i32 * dots[j1];
+            let m = mn[j0] as i32 * bsum32(j0) + mn[j1] as i32 * bsum32(j1);
+            (i, m)
+        };
+        if per_pair {
+            for p in 0..4 {
+                let (i, m) = pair(p);
+                acc = (i as f32).mul_add(scale, acc);
+                acc_min = (m as f32).mul_add(scale_min, acc_min);
+            }
+        } else {
+            let (mut i, mut m) = (0i32, 0i32);
+            for p in 0..4 {
+                let (ip, mp) = pair(p);
+                i += ip;
+                m += mp;
+            }
+            acc = (i as f32).mul_add(scale, acc);
+            acc_min = (m as f32).mul_add(scale_min, acc_min);
+        }
+    }
+    acc - acc_min
+}
+
+/// `out[t·rows + r]` for every row `r` of `w` (`rows` rows of `row_bytes`) and token `t` of
+/// `acts` (`n_tokens` rows of `act_bytes`): tokens below `n_tokens - n_tokens % 4` take the
+/// gemm's steps, the rest the gemv's, as `forward_mul_mat_one_chunk` splits a batch.
+pub(crate) fn matmul(
+    w: &[u8],
+    row_bytes: usize,
+    rows: usize,
+    acts: &[u8],
+    act_bytes: usize,
+    n_tokens: usize,
+    out: &mut [f32],
+) {
+    let gemm_tokens = if n_tokens > 3 { n_tokens - n_tokens % 4 } else { 0 };
+    let run = |t: usize, o: &mut [f32]| {
+        let a = &acts[t * act_bytes..(t + 1) * act_bytes];
+        for (r, v) in o.iter_mut().enumerate() {
+            *v = dot(&w[r * row_bytes..(r + 1) * row_bytes], a, t < gemm_tokens);
+        }
+    };
+    if n_tokens == 1 {
+        // One token: split the rows between threads, in multiples of 8 as llama.cpp does.
+        let a = &acts[..act_bytes];
+        let chunk = rows.div_ceil(rayon::current_num_threads().max(1)).div_ceil(8) * 8;
+        out[..rows]
+            .par_chunks_mut(chunk.max(8))
+            .enumerate()
+            .for_each(|(c, o)| {
+                let r0 = c * chunk.max(8);
+                for (k, v) in o.iter_mut().enumerate() {
+                    let r = r0 + k;
+                    *v = dot(&w[r * row_bytes..(r + 1) * row_bytes], a, false);
+                }
+            });
+    } else {
+        out.par_chunks_mut(rows)
+            .enumerate()
+            .for_each(|(t, o)| run(t, o));
+    }
+}
