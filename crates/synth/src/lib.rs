@@ -493,3 +493,60 @@ pub fn write_model(
         seconds,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(shape: &str, types: &str, pure: bool) -> SynthOptions {
+        SynthOptions {
+            shape: Shape::named(shape).unwrap(),
+            types: TypeSpec::parse(types).unwrap(),
+            pure,
+            seed: 1,
+            fast: false,
+        }
+    }
+
+    #[test]
+    fn every_full_shape_in_every_type_has_a_valid_tensor_list() {
+        for shape in SHAPE_NAMES {
+            for types in TYPE_NAMES {
+                for pure in [false, true] {
+                    let list = tensor_list(&opts(shape, types, pure)).unwrap();
+                    let params: u64 = list.iter().map(|t| t.dims.iter().product::<u64>()).sum();
+                    let s = Shape::named(shape).unwrap();
+                    let rope_freqs = s.rope_scaling.map_or(0, |_| s.head_dim as u64 / 2);
+                    assert_eq!(params, s.n_params() + rope_freqs, "{shape} {types}");
+                }
+            }
+        }
+    }
+
+    /// File sizes of llama.cpp's synthetic models of the same shapes, from
+    /// `shared/anchors/h200-llamacpp.md` (F16 written by the converter, the others by
+    /// llama-quantize): the same mix of types gives the same bytes, within the metadata.
+    #[test]
+    fn sizes_match_the_llama_cpp_anchor_files() {
+        let mib = |shape: &str, types: &str| {
+            let list = tensor_list(&opts(shape, types, false)).unwrap();
+            list.iter().map(TensorSpec::n_bytes).sum::<u64>() as f64 / (1024.0 * 1024.0)
+        };
+        // The anchors' 1B model has a separate output.weight (its file is exactly this mix plus
+        // a Q4_0 token table of 140.91 MiB); ours ties them, as Llama 3.2 1B does.
+        let untied_token_table = (128_256 * 2048 / 32 * 18) as f64 / (1024.0 * 1024.0);
+        for (shape, types, anchor_mib) in [
+            ("llama3.2-1b", "q4_0", 868.65 - untied_token_table),
+            ("llama3-8b", "q4_0", 4.33 * 1024.0),
+            ("llama3-8b", "q4_k_m", 4.58 * 1024.0),
+            ("llama3-8b", "f16", 14.96 * 1024.0),
+        ] {
+            let got = mib(shape, types);
+            // The anchors' sizes are rounded to 0.01 GiB and include a few MiB of metadata.
+            assert!(
+                (got - anchor_mib).abs() < 12.0,
+                "{shape} {types}: {got:.2} MiB of tensors, llama.cpp's file {anchor_mib:.2} MiB"
+            );
+        }
+    }
+}
