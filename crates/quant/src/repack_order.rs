@@ -93,7 +93,11 @@ pub(crate) fn matmul(
     n_tokens: usize,
     out: &mut [f32],
 ) {
-    let gemm_tokens = if n_tokens > 3 { n_tokens - n_tokens % 4 } else { 0 };
+    let gemm_tokens = if n_tokens > 3 {
+        n_tokens - n_tokens % 4
+    } else {
+        0
+    };
     let run = |t: usize, o: &mut [f32]| {
         let a = &acts[t * act_bytes..(t + 1) * act_bytes];
         for (r, v) in o.iter_mut().enumerate() {
@@ -103,7 +107,10 @@ pub(crate) fn matmul(
     if n_tokens == 1 {
         // One token: split the rows between threads, in multiples of 8 as llama.cpp does.
         let a = &acts[..act_bytes];
-        let chunk = rows.div_ceil(rayon::current_num_threads().max(1)).div_ceil(8) * 8;
+        let chunk = rows
+            .div_ceil(rayon::current_num_threads().max(1))
+            .div_ceil(8)
+            * 8;
         out[..rows]
             .par_chunks_mut(chunk.max(8))
             .enumerate()

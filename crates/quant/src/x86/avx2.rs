@@ -514,7 +514,9 @@ unsafe fn rows4<const Q8: bool>(rows: [&[u8]; 4], a: &[u8], nb: usize) -> [f32; 
     let next: [*const u8; 4] =
         std::array::from_fn(|r| wp[r].wrapping_add(PREFETCH_ROWS * row_bytes));
     let mut acc = [_mm256_setzero_ps(); 4];
-    let mut summs = [0.0f32; 4];
+    // The four rows' min chains, one lane each: lane-wise FMAs, so each lane is exactly the
+    // scalar chain of `legacy_loop`.
+    let mut summs = _mm_setzero_ps();
     let low = _mm256_set1_epi8(0xF);
     for c in 0..nb {
         // SAFETY: block c exists in every row and in `a` (c < nb).
@@ -522,26 +524,51 @@ unsafe fn rows4<const Q8: bool>(rows: [&[u8]; 4], a: &[u8], nb: usize) -> [f32; 
             let y = ap.add(c * a_size);
             let qs_a = if Q8 { q8_0::QS } else { q8_1::QS };
             let yv = _mm256_loadu_si256(y.add(qs_a).cast());
-            let dy = f16_ptr(y);
-            let sy = if Q8 { 0.0 } else { f16_ptr(y.add(q8_1::S)) };
+            // [d_y, s_y] (Q8_1) or [d_y, first quants] (Q8_0, lane 1 unused).
+            let dsy = _mm_cvtph_ps(_mm_cvtsi32_si128(y.cast::<i32>().read_unaligned()));
+            let dy = _mm_broadcastss_ps(dsy);
+            let x: [*const u8; 4] = std::array::from_fn(|r| wp[r].add(c * w_size));
+            // [d, m] of the four rows (Q4_1), or [d, quants] (Q8_0), in one conversion.
+            let dm = _mm256_cvtph_ps(_mm_setr_epi32(
+                x[0].cast::<i32>().read_unaligned(),
+                x[1].cast::<i32>().read_unaligned(),
+                x[2].cast::<i32>().read_unaligned(),
+                x[3].cast::<i32>().read_unaligned(),
+            ));
+            // Lanes 0..4: d of rows 0..4; lanes 4..8: m of rows 0..4.
+            let dm = _mm256_permutevar8x32_ps(dm, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+            let d4 = _mm_mul_ps(_mm256_castps256_ps128(dm), dy);
+            if !Q8 {
+                let sy = _mm_shuffle_ps::<0b01_01_01_01>(dsy, dsy);
+                summs = _mm_fmadd_ps(_mm256_extractf128_ps::<1>(dm), sy, summs);
+            }
+            if c % 3 == 0 {
+                for n in next {
+                    _mm_prefetch::<_MM_HINT_T0>(n.wrapping_add(c * w_size).cast());
+                }
+            }
+            let d = [
+                _mm256_broadcastss_ps(d4),
+                _mm256_broadcastss_ps(_mm_shuffle_ps::<0b01_01_01_01>(d4, d4)),
+                _mm256_broadcastss_ps(_mm_shuffle_ps::<0b10_10_10_10>(d4, d4)),
+                _mm256_broadcastss_ps(_mm_shuffle_ps::<0b11_11_11_11>(d4, d4)),
+            ];
             for r in 0..4 {
-                let ahead = next[r].wrapping_add(c * w_size);
-                _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
-                let x = wp[r].add(c * w_size);
-                let d = _mm256_set1_ps(f16_ptr(x) * dy);
                 let p = if Q8 {
-                    dot_i8(_mm256_loadu_si256(x.add(q8_0::QS).cast()), yv)
+                    dot_i8(_mm256_loadu_si256(x[r].add(q8_0::QS).cast()), yv)
                 } else {
-                    let t = _mm_loadu_si128(x.add(q4_1::QS).cast());
+                    let t = _mm_loadu_si128(x[r].add(q4_1::QS).cast());
                     let q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(t), t), low);
-                    summs[r] = f16_ptr(x.add(q4_1::M)).mul_add(sy, summs[r]);
                     dot_u8i8(q, yv)
                 };
-                acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), acc[r]);
+                acc[r] = _mm256_fmadd_ps(d[r], _mm256_cvtepi32_ps(p), acc[r]);
             }
         }
     }
-    std::array::from_fn(|r| hsum_ps(acc[r]) + summs[r])
+    let mut m = [0.0f32; 4];
+    // SAFETY: `m` holds 4 floats; unaligned store.
+    unsafe { _mm_storeu_ps(m.as_mut_ptr(), summs) };
+    std::array::from_fn(|r| hsum_ps(acc[r]) + if Q8 { 0.0 } else { m[r] })
 }
 
 /// Consecutive rows (whole blocks of `w_size` bytes, as many rows as `out` holds, contiguous

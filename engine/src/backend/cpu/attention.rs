@@ -520,6 +520,17 @@ mod tests {
     use super::*;
 
     #[test]
+    fn split_kv_starts_at_a_512_cell_view() {
+        // The view is the cells in use rounded up to 256 (at least 256).
+        assert_eq!(split_kv_len(0), None);
+        assert_eq!(split_kv_len(255), None);
+        assert_eq!(split_kv_len(256), Some(512));
+        assert_eq!(split_kv_len(511), Some(512));
+        assert_eq!(split_kv_len(512), Some(768));
+        assert_eq!(split_kv_len(1319), Some(1536));
+    }
+
+    #[test]
     fn runs_cover_the_range_once() {
         let mut seen = Vec::new();
         for_each_run(5, 70, 32, |b, s, e| seen.push((b, s, e)));

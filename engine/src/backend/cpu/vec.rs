@@ -535,6 +535,88 @@ mod exact {
 mod tests {
     use super::*;
 
+    /// Values spread over the range the kernels see, including both ends of `expf`'s range.
+    fn samples() -> Vec<f32> {
+        let mut v: Vec<f32> = (0..4000).map(|i| (i as f32 - 2000.0) * 0.0517).collect();
+        v.extend([
+            0.0, -0.0, 88.0, 88.8, 89.0, -87.0, -87.5, -100.0, -103.9, -104.5, -150.0, 200.0,
+        ]);
+        v.extend([f32::NEG_INFINITY, f32::INFINITY]);
+        v
+    }
+
+    #[test]
+    fn ggml_expf_is_within_two_ulp_of_exp_and_handles_its_limits() {
+        for x in samples() {
+            let got = expf_ggml(x);
+            let want = (x as f64).exp();
+            if want > f32::MAX as f64 {
+                assert_eq!(got, f32::INFINITY, "x = {x}");
+            } else if want >= f32::MIN_POSITIVE as f64 {
+                // GGML states 1.45 ulp + 0.5 for the polynomial; two ulp bounds it.
+                let ulp = (want as f32).abs() * f32::EPSILON;
+                assert!((got as f64 - want).abs() <= 2.0 * ulp as f64, "x = {x}");
+            } else {
+                assert!(got as f64 <= f32::MIN_POSITIVE as f64, "x = {x}: {got}");
+            }
+        }
+        assert_eq!(expf_ggml(f32::NEG_INFINITY), 0.0);
+    }
+
+    #[test]
+    fn vectorised_ggml_kernels_match_their_scalar_twins_bit_for_bit() {
+        let xs = samples();
+        let up: Vec<f32> = xs.iter().map(|x| 0.5 - x * 0.01).collect();
+        let mut gate = xs.clone();
+        swiglu_ggml(&mut gate, &up);
+        for ((g, &x), &u) in gate.iter().zip(&xs).zip(&up) {
+            let want = silu_ggml(x) * u;
+            assert!(
+                g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()),
+                "x = {x}"
+            );
+        }
+        for n in [16, 64, 100, 256, 300] {
+            let a: Vec<f32> = (0..n)
+                .map(|i| half::f16::from_f32((i as f32 * 0.37).sin()).to_f32())
+                .collect();
+            let b: Vec<f32> = (0..n)
+                .map(|i| half::f16::from_f32((i as f32 * 0.11).cos() * 3.0).to_f32())
+                .collect();
+            assert_eq!(
+                dot_f16_ggml(&a, &b).to_bits(),
+                dot_f16_ggml_portable(&a, &b).to_bits(),
+                "n = {n}"
+            );
+        }
+        let q: Vec<f32> = (0..64).map(|i| (i as f32 * 0.3).sin()).collect();
+        let kt: Vec<f32> = (0..64 * KV_TILE).map(|i| (i as f32 * 0.07).cos()).collect();
+        let (mut fast, mut slow) = ([0f32; KV_TILE], [0f32; KV_TILE]);
+        kq_tile(&q, &kt, &mut fast);
+        kq_tile_portable(&q, &kt, &mut slow);
+        assert_eq!(fast.map(f32::to_bits), slow.map(f32::to_bits));
+    }
+
+    #[test]
+    fn softmax_tile_sums_runs_of_sixteen_and_zeroes_masked_keys() {
+        let mut kq = [f32::NEG_INFINITY; KV_TILE];
+        for (i, v) in kq.iter_mut().enumerate().take(40) {
+            *v = i as f32 * 0.25 - 3.0;
+        }
+        let max = kq.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let input = kq;
+        let sum = softmax_tile(&mut kq, max);
+        let mut want = 0f64;
+        for run in 0..4 {
+            let v: [f32; 16] = std::array::from_fn(|i| expf_ggml(input[16 * run + i] - max));
+            want += reduce16(&v) as f64;
+            assert_eq!(&kq[16 * run..16 * run + 16], &v[..]);
+        }
+        assert_eq!(sum, want);
+        assert!(kq[40..].iter().all(|&p| p == 0.0));
+        assert_eq!(kq[39], 1.0);
+    }
+
     #[test]
     fn dispatched_kernels_match_the_portable_ones() {
         for n in [0usize, 1, 7, 8, 9, 64, 100, 256] {

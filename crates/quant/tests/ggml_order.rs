@@ -1,0 +1,124 @@
+//! The invariants that make ember's matmuls give llama.cpp's numbers bit for bit: for the
+//! formats whose GGML x86 kernels compute every output like one `vec_dot` (Q4_1, Q5_1 through
+//! `vec_dot`; Q8_0, Q4_0, Q5_0 through `vec_dot` or llamafile's `tinyBLAS_Q0_AVX`, which sums in
+//! the same order), every strategy of `matmul` (row-wise, the four-row matvec, the tiles) must
+//! give exactly the SIMD `vec_dot` of each output, at every token count; and Q4_K matrices with
+//! a multiple of 8 rows, which llama.cpp repacks, must stay within rounding of the scalar
+//! reference.
+
+mod common;
+
+use common::{random_weights, test_data, Rng};
+use ember_quant::simd::{available_levels, level, Level};
+use ember_quant::{
+    matmul_with, quantize_activations, vec_dot_type, vec_dot_with, GgmlType, QMatrix, Strategy,
+};
+
+fn check_exact(ty: GgmlType, rows: usize, cols: usize, n_tokens: usize, seed: u64) {
+    let mut rng = Rng::new(seed);
+    let data = random_weights(&mut rng, ty, rows * cols, false);
+    let w = QMatrix::new(ty, rows, cols, &data).unwrap();
+    let x = test_data(&mut rng, n_tokens * cols, 1.0);
+    let act = quantize_activations(vec_dot_type(ty), &x, n_tokens, cols).unwrap();
+    for lvl in available_levels() {
+        if lvl == Level::Scalar {
+            // The scalar reference sums in the plain order of GGML's generic code.
+            continue;
+        }
+        for strategy in [Strategy::Auto, Strategy::RowWise, Strategy::Tiled] {
+            let mut out = vec![f32::NAN; rows * n_tokens];
+            matmul_with(lvl, strategy, &w, &act, &mut out).unwrap();
+            for t in 0..n_tokens {
+                for r in 0..rows {
+                    let want = vec_dot_with(lvl, ty, w.row(r), act.row(t), cols).unwrap();
+                    let got = out[t * rows + r];
+                    assert_eq!(
+                        got.to_bits(),
+                        want.to_bits(),
+                        "{ty} {lvl:?} {strategy:?} {rows}x{cols}, {n_tokens} tokens, row {r} \
+                         token {t}: {got} vs vec_dot {want}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn legacy_formats_match_vec_dot_bit_for_bit() {
+    for (i, ty) in [
+        GgmlType::Q4_1,
+        GgmlType::Q5_1,
+        GgmlType::Q8_0,
+        GgmlType::Q4_0,
+        GgmlType::Q5_0,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        for (j, &(rows, cols, n)) in [(7, 64, 1), (9, 96, 3), (13, 576, 8), (33, 160, 21)]
+            .iter()
+            .enumerate()
+        {
+            check_exact(ty, rows, cols, n, (100 * i + j) as u64);
+        }
+    }
+}
+
+#[test]
+fn q6_k_matches_vec_dot_bit_for_bit() {
+    for (j, &(rows, n)) in [(5, 1), (12, 16), (9, 30)].iter().enumerate() {
+        let mut rng = Rng::new(7 + j as u64);
+        let (ty, cols) = (GgmlType::Q6_K, 512);
+        let data = random_weights(&mut rng, ty, rows * cols, false);
+        let w = QMatrix::new(ty, rows, cols, &data).unwrap();
+        let x = test_data(&mut rng, n * cols, 1.0);
+        let act = quantize_activations(vec_dot_type(ty), &x, n, cols).unwrap();
+        let mut out = vec![f32::NAN; rows * n];
+        matmul_with(level(), Strategy::Auto, &w, &act, &mut out).unwrap();
+        for t in 0..n {
+            for r in 0..rows {
+                let want = vec_dot_with(level(), ty, w.row(r), act.row(t), cols).unwrap();
+                assert_eq!(out[t * rows + r].to_bits(), want.to_bits(), "row {r} token {t}");
+            }
+        }
+    }
+}
+
+/// Q4_K with 8k rows follows llama.cpp's repacked kernels, whose float steps differ from the
+/// scalar `vec_dot` (one FMA per super-block or per pair of sub-blocks instead of one sum per
+/// super-block), so the two agree to rounding: 2^-16 of the sum of |terms| bounds it.
+#[test]
+fn repacked_q4_k_order_stays_within_rounding_of_the_reference() {
+    let (ty, rows, cols) = (GgmlType::Q4_K, 16, 768);
+    let mut rng = Rng::new(99);
+    let data = random_weights(&mut rng, ty, rows * cols, false);
+    let w = QMatrix::new(ty, rows, cols, &data).unwrap();
+    for n in [1, 4, 7] {
+        let x = test_data(&mut rng, n * cols, 1.0);
+        let act = quantize_activations(vec_dot_type(ty), &x, n, cols).unwrap();
+        let mut out = vec![f32::NAN; rows * n];
+        matmul_with(level(), Strategy::Auto, &w, &act, &mut out).unwrap();
+        let mut abs = vec![0.0f32; rows * n];
+        let wd = common::dequant(ty, &data, rows * cols);
+        let ad = common::dequant(vec_dot_type(ty), act.data(), n * cols);
+        for t in 0..n {
+            for r in 0..rows {
+                abs[t * rows + r] = (0..cols)
+                    .map(|k| (wd[r * cols + k] * ad[t * cols + k]).abs())
+                    .sum();
+            }
+        }
+        for t in 0..n {
+            for r in 0..rows {
+                let want = vec_dot_with(Level::Scalar, ty, w.row(r), act.row(t), cols).unwrap();
+                let got = out[t * rows + r];
+                let tol = abs[t * rows + r] / 65536.0;
+                assert!(
+                    (got - want).abs() <= tol,
+                    "{n} tokens, row {r} token {t}: {got} vs {want} (tolerance {tol})"
+                );
+            }
+        }
+    }
+}
