@@ -19,21 +19,22 @@ golden  ember against llama.cpp (tests/data/golden/README.md):
     A candidate with fewer tokens than the golden line, all equal, fails (it was run with a
     smaller -n, or stopped on a token the golden run did not stop on).
 
-ember   a candidate (GPU) against a reference (CPU) ember run of the same prompt:
+ember   a candidate (GPU) against a reference (CPU) ember run of the same prompt, by the same
+    rule as `golden`, the reference playing llama.cpp's part:
     The prompt ids must be equal. The greedy ids must be equal up to the first step k where
-    they part, and at k, with the reference's top two (r1, lp1), (r2, lp2) of step k, one of:
-      (a) the reference's top two are within 2% in probability: lp1 - lp2 <= -ln(0.98);
-      (b) the candidate chose the reference's second choice (tokens[k] == r2) and the
-          reference's own margin is small: lp1 - lp2 <= SMALL_MARGIN (default 0.1 nats, a
-          probability ratio of 0.905; --small-margin).
-    A candidate token outside the reference's top two at k fails, as does a parting where the
-    reference's margin is larger than SMALL_MARGIN. In addition, over the steps before k
-    (where both saw the same context) the log-probability each assigns to the chosen token
-    must agree within MAX_LOGPROB_DIFF (default 0.5 nats; --max-logprob-diff, 0 disables):
-    greedy ids can agree while the distributions are wrong (a missing scale, a wrong
-    softcap), and this catches it. Runs of different lengths whose tokens all agree fail: with
-    equal tokens both stop on the same end-of-generation token, so they were run with
-    different -n.
+    they part, and at k one of:
+      (a) the reference disagrees with itself: re-evaluated at step k alone (its prompt plus
+          its tokens[:k] in one batch, one new token; `--reeval-ember`, run on the reference's
+          device), it chooses an id other than its tokens[k];
+      (b) the candidate chose that re-evaluated id;
+      (c) the reference's top two at k are within 2% in probability: lp1 - lp2 <= -ln(0.98).
+    Without --reeval-ember (or a model column in the case list) (a) and (b) cannot be checked
+    and only (c) can pass a parting. In addition, over the steps before k (where both saw the
+    same context) the log-probability each assigns to the chosen token must agree within
+    MAX_LOGPROB_DIFF (default 0.5 nats; --max-logprob-diff, 0 disables): greedy ids can agree
+    while the distributions are wrong (a missing scale, a wrong softcap), and this catches it.
+    Runs of different lengths whose tokens all agree fail: with equal tokens both stop on the
+    same end-of-generation token, so they were run with different -n.
 
 ppl     perplexity of a candidate against a reference: `ember perplexity` outputs (the line
         "Final estimate: PPL = X +/- Y"); passes when |cand - ref| / ref <= TOLERANCE (default
@@ -123,7 +124,30 @@ def chosen_logprob(step):
     return None
 
 
-def judge_ember(ref, cand, small_margin, max_logprob_diff):
+def ember_reevaluator(ember, device):
+    """A function (model, ids) -> the greedy id a reference ember chooses for the prompt `ids`
+    evaluated in one batch on `device`."""
+    return lambda model, ids: reevaluate(ember, device, model, ids)
+
+
+def reevaluate(ember, device, model, ids):
+    import subprocess
+
+    cmd = [ember, "run", "-m", model, "--device", device, "--prompt-ids", ",".join(str(i) for i in ids),
+           "-n", "1", "--temp", "0", "--format", "json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise BadInput(f"re-evaluation failed ({' '.join(cmd[:6])} ...): {done.stderr.strip()[-300:]}")
+    for line in reversed(done.stdout.splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            out = json.loads(line)
+            if out.get("tokens"):
+                return int(out["tokens"][0])
+    raise BadInput(f"re-evaluation printed no generated token: {done.stdout[-300:]!r}")
+
+
+def judge_ember(ref, cand, max_logprob_diff, reeval=None, model=None):
     """(passed, reason) for a candidate ember output against a reference ember output."""
     if list(ref["prompt_ids"]) != list(cand["prompt_ids"]):
         return False, f"prompt ids differ: reference {ref['prompt_ids']} vs candidate {cand['prompt_ids']}"
@@ -158,11 +182,14 @@ def judge_ember(ref, cand, small_margin, max_logprob_diff):
     margin = lp1 - lp2
     if margin <= WITHIN_2_PERCENT:
         return True, f"{where}: reference top two within 2% (margin {margin:.4f}), {drift_note}"
-    if ct[k] == r2 and margin <= small_margin:
-        return True, f"{where}: candidate chose the reference's second choice, margin {margin:.4f} <= {small_margin}, {drift_note}"
-    if ct[k] not in (r1, r2):
-        return False, f"{where}: candidate token is not in the reference's top two {t}"
-    return False, f"{where}: reference margin {margin:.4f} > {small_margin}: not a near tie"
+    if reeval is None or not model:
+        return False, f"{where}: reference margin {margin:.4f} is not within 2% and no re-evaluation was possible"
+    again = reeval(model, list(ref["prompt_ids"]) + list(rt[:k]))
+    if again != rt[k]:
+        return True, f"{where}: the reference disagrees with itself (re-evaluated: {again}), margin {margin:.4f}, {drift_note}"
+    if ct[k] == again:
+        return True, f"{where}: candidate chose the reference's re-evaluated id {again}, {drift_note}"
+    return False, f"{where}: reference margin {margin:.4f} > 2% and its re-evaluation agrees with itself ({again}): not a near tie"
 
 
 PPL_LINE = re.compile(r"Final estimate: PPL = ([0-9.eE+-]+|nan|inf)")
@@ -235,8 +262,8 @@ def read_case_list(path):
             if not line.strip() or line.startswith("#"):
                 continue
             parts = line.rstrip("\n").split("\t")
-            if len(parts) != 3:
-                raise BadInput(f"{path}:{n}: expected LABEL<TAB>REFERENCE<TAB>CANDIDATE, found {line!r}")
+            if len(parts) not in (3, 4):
+                raise BadInput(f"{path}:{n}: expected LABEL<TAB>REFERENCE<TAB>CANDIDATE[<TAB>MODEL], found {line!r}")
             cases.append(parts)
     return cases
 
@@ -248,10 +275,13 @@ def cmd_ember(args):
     if not cases:
         raise BadInput("ember: expected --case LABEL REF CAND or --list FILE")
     results = []
-    for label, ref_path, cand_path in cases:
+    reeval = ember_reevaluator(args.reeval_ember, args.reeval_device) if args.reeval_ember else None
+    for case in cases:
+        label, ref_path, cand_path = case[:3]
+        model = case[3] if len(case) > 3 else None
         try:
             ref, cand = load_ember_json(ref_path), load_ember_json(cand_path)
-            results.append((label, judge_ember(ref, cand, args.small_margin, args.max_logprob_diff)))
+            results.append((label, judge_ember(ref, cand, args.max_logprob_diff, reeval, model)))
         except BadInput as e:
             results.append((label, (False, str(e))))
     return report(results)
@@ -284,17 +314,21 @@ def cmd_selftest(_args):
     def cand(tokens, steps=None, prompt=(1, 2)):
         return {"prompt_ids": list(prompt), "tokens": tokens, "steps": steps if steps is not None else same}
 
-    m, d = 0.1, 0.5
+    d = 0.5
+    stable = lambda _model, ids: {2: 5, 3: 7, 4: 9}[len(ids)]  # the reference re-evaluates to its own tokens
+    unstable = lambda _model, ids: {2: 5, 3: 7, 4: 10}[len(ids)]  # at step 2 it would choose 10
     checks = [
-        ("ember identical", judge_ember(ref, cand([5, 7, 9]), m, d), True),
-        ("ember second choice, small margin", judge_ember(ref, cand([5, 7, 10]), m, d), True),
-        ("ember second choice, large margin", judge_ember(ref, cand([5, 8, 9]), m, d), False),
-        ("ember token outside top two", judge_ember(ref, cand([5, 7, 11]), m, d), False),
-        ("ember prompt differs", judge_ember(ref, cand([5, 7, 9], prompt=(1, 3)), m, d), False),
-        ("ember shorter", judge_ember(ref, cand([5, 7]), m, d), False),
-        ("ember log-prob drift", judge_ember(ref, cand([5, 7, 9], [_step(5, -1.5, 6, -2.0)] + same[1:]), m, d), False),
-        ("ember drift check off", judge_ember(ref, cand([5, 7, 9], [_step(5, -1.5, 6, -2.0)] + same[1:]), m, 0), True),
-        ("ember within 2%", judge_ember({**ref, "steps": same[:2] + [_step(9, -1.0, 10, -1.01)]}, cand([5, 7, 10]), 0.0, d), True),
+        ("ember identical", judge_ember(ref, cand([5, 7, 9]), d), True),
+        ("ember parting, reference stable", judge_ember(ref, cand([5, 7, 10]), d, stable, "m"), False),
+        ("ember parting, candidate chose the re-evaluated id", judge_ember(ref, cand([5, 7, 10]), d, unstable, "m"), True),
+        ("ember parting, reference unstable", judge_ember(ref, cand([5, 7, 11]), d, unstable, "m"), True),
+        ("ember parting, no re-evaluation", judge_ember(ref, cand([5, 7, 10]), d), False),
+        ("ember clear choice missed", judge_ember(ref, cand([5, 8, 9]), d, stable, "m"), False),
+        ("ember prompt differs", judge_ember(ref, cand([5, 7, 9], prompt=(1, 3)), d), False),
+        ("ember shorter", judge_ember(ref, cand([5, 7]), d), False),
+        ("ember log-prob drift", judge_ember(ref, cand([5, 7, 9], [_step(5, -1.5, 6, -2.0)] + same[1:]), d), False),
+        ("ember drift check off", judge_ember(ref, cand([5, 7, 9], [_step(5, -1.5, 6, -2.0)] + same[1:]), 0), True),
+        ("ember within 2%", judge_ember({**ref, "steps": same[:2] + [_step(9, -1.0, 10, -1.01)]}, cand([5, 7, 10]), d), True),
     ]
     golden = {"prompt_ids": [1], "tokens": [5, 7, 9], "steps": [_step(5, -0.5, 6, -2.0), _step(7, -0.3, 8, -3.0, chosen=8), _step(9, -1.0, 10, -1.01)]}
     checks += [
@@ -327,7 +361,8 @@ def main():
     e = sub.add_parser("ember", help="candidate (GPU) against reference (CPU) ember outputs")
     e.add_argument("--case", nargs=3, action="append", metavar=("LABEL", "REF", "CAND"))
     e.add_argument("--list", help="file of LABEL<TAB>REF<TAB>CAND lines")
-    e.add_argument("--small-margin", type=float, default=0.1)
+    e.add_argument("--reeval-ember", help="ember binary to re-evaluate the reference at a parting step")
+    e.add_argument("--reeval-device", default="cpu", help="the reference's --device [cpu]")
     e.add_argument("--max-logprob-diff", type=float, default=0.5)
     q = sub.add_parser("ppl", help="perplexity outputs, candidate against reference")
     q.add_argument("--case", nargs=3, action="append", metavar=("LABEL", "REF", "CAND"))

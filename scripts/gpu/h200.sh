@@ -30,7 +30,7 @@
 #   BIG_TYPES     types of the 1B and 8B models [q4_0 q4_k_m f16]
 #   CONSISTENCY_BIG=1  also compare CPU and GPU on the 1B models (full depth, real K-quant rows)
 #   SYNTH_FORCE=1 rewrite models that exist (they are rewritten anyway when ember-synth changed)
-#   SMALL_MARGIN [0.1]  MAX_LOGPROB_DIFF [0.5]  PPL_TOLERANCE [0.01]  golden_rule.py's thresholds
+#   MAX_LOGPROB_DIFF [0.5]  PPL_TOLERANCE [0.01]  golden_rule.py's thresholds
 #   BENCH_REPS [3]  STRESS_ARGS  extra flags for `ember stress`
 #
 # Every phase logs in detail to $OUT/<phase>.log, prints its verdict lines and a summary, and is
@@ -234,7 +234,7 @@ phase_consistency() {
         name="$(basename "$m" .gguf)"
         for i in "${!PROMPTS[@]}"; do
             printf '%s\0%s\0%s\0' "$m" "$i" "$dir/$name.p$i.cpu.json" >>"$jobs"
-            printf '%s\t%s\t%s\n' "$name/p$i" "$dir/$name.p$i.cpu.json" "$dir/$name.p$i.gpu.json" >>"$cases"
+            printf '%s\t%s\t%s\t%s\n' "$name/p$i" "$dir/$name.p$i.cpu.json" "$dir/$name.p$i.gpu.json" "$m" >>"$cases"
         done
     done
     local prompts_file="$dir/prompts.txt"
@@ -262,7 +262,7 @@ phase_consistency() {
         grep -m1 -A3 "^GPU run failed" "$LOG" | sed 's/^/    /'
     fi
     local rc=0 verdicts="$dir/verdicts.txt"
-    python3 "$RULE" ember --list "$cases" --small-margin "${SMALL_MARGIN:-0.1}" \
+    python3 "$RULE" ember --list "$cases" --reeval-ember "$EMBER" --reeval-device cpu \
         --max-logprob-diff "${MAX_LOGPROB_DIFF:-0.5}" >"$verdicts" 2>&1 || rc=1
     cat "$verdicts" >>"$LOG"
     # Passing cases only in the log; failures and the count on stdout.
@@ -363,8 +363,10 @@ PY
             else
                 say "  no golden line fails on the GPU that passes on the CPU"
             fi
+            local model_path
+            model_path="$MODELS_DIR/$(python3 -c 'import sys, tomllib; print({m["name"]: m["file"] for m in tomllib.load(open(sys.argv[1], "rb"))["model"]}[sys.argv[2]])' "$ROOT/models.toml" "$model")"
             for f in "$dir/cpu/$model"/*.json; do
-                printf '%s\t%s\t%s\n' "$model/$(basename "$f" .json)" "$f" "$dir/gpu/$model/$(basename "$f")" >>"$pairs"
+                printf '%s\t%s\t%s\t%s\n' "$model/$(basename "$f" .json)" "$f" "$dir/gpu/$model/$(basename "$f")" "$model_path" >>"$pairs"
             done
         else
             ((gpu_rc == 0)) || rc=1
@@ -372,7 +374,7 @@ PY
     done
     if [[ -s "$pairs" ]]; then
         say "  GPU against CPU:"
-        python3 "$RULE" ember --list "$pairs" --small-margin "${SMALL_MARGIN:-0.1}" \
+        python3 "$RULE" ember --list "$pairs" --reeval-ember "$EMBER" --reeval-device cpu \
             --max-logprob-diff "${MAX_LOGPROB_DIFF:-0.5}" >"$dir/gpu-vs-cpu-verdicts.txt" 2>&1 || rc=1
         tee -a "$LOG" <"$dir/gpu-vs-cpu-verdicts.txt"
     fi

@@ -31,8 +31,12 @@ pub struct RunArgs {
     #[arg(short = 'm', long)]
     pub model: String,
     /// The prompt.
-    #[arg(short = 'p', long)]
-    pub prompt: String,
+    #[arg(short = 'p', long, required_unless_present = "prompt_ids", conflicts_with = "prompt_ids")]
+    pub prompt: Option<String>,
+    /// The prompt as token ids (comma-separated), evaluated as given: no chat template, no BOS
+    /// added. For re-evaluating a generation step exactly (scripts/gpu/golden_rule.py).
+    #[arg(long, value_delimiter = ',')]
+    pub prompt_ids: Option<Vec<u32>>,
     /// Tokens to generate at most.
     #[arg(short = 'n', long = "n-predict", default_value_t = 256)]
     pub n_predict: usize,
@@ -144,13 +148,23 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
 fn run_on<B: Backend>(loaded: &Loaded<B>, args: &RunArgs) -> anyhow::Result<()> {
     let model = &loaded.model;
     let tokenizer = &loaded.tokenizer;
-    let prompt = prompt_ids(
-        tokenizer,
-        model.gguf(),
-        &args.prompt,
-        args.chat,
-        args.chat_template_file.as_deref(),
-    )?;
+    let prompt = match (&args.prompt_ids, &args.prompt) {
+        (Some(ids), _) => {
+            let n_vocab = model.n_vocab();
+            if let Some(bad) = ids.iter().find(|&&id| id as usize >= n_vocab) {
+                bail!("--prompt-ids: token id {bad} is out of range: the vocabulary has {n_vocab} tokens");
+            }
+            ids.clone()
+        }
+        (None, Some(text)) => prompt_ids(
+            tokenizer,
+            model.gguf(),
+            text,
+            args.chat,
+            args.chat_template_file.as_deref(),
+        )?,
+        (None, None) => bail!("expected a prompt: pass -p TEXT or --prompt-ids IDS"),
+    };
     if prompt.is_empty() {
         bail!("the prompt is empty after tokenization: expected at least one token");
     }
