@@ -18,8 +18,11 @@
 //
 // Two kernels compute the same function for any batch:
 //   * decode (flash decoding): one thread block per (key partition, head, token); partitions of
-//     EMBER_ATTN_PARTITION keys run in parallel and a reduce kernel merges their (max, sum, acc)
-//     triples. Best when every token is the only query of its sequence in the batch.
+//     EMBER_ATTN_PARTITION keys run in parallel and a reduce kernel (launched only when a token
+//     has more than one partition) merges their (max, sum, acc) triples. For head sizes 64, 128
+//     and 256 a block reads keys and values with 16-byte loads, head_dim / 8 lanes per key and
+//     several keys per warp, with no barrier per key. Best when every token is the only query of
+//     its sequence in the batch.
 //   * prefill (tiled flash attention): one thread block per (tile of EMBER_ATTN_TILE_Q consecutive
 //     batch tokens, head); key tiles of EMBER_ATTN_TILE_K are staged through shared memory and
 //     every query of the tile reuses them; online softmax. Consecutive batch tokens of one table
@@ -29,7 +32,7 @@
 // kernels/tests/harness_attention.cu tests these kernels (kernels/tests/harness.cu should not).
 #include "ember_compat.h"
 
-#define EMBER_ATTN_PARTITION 256
+#define EMBER_ATTN_PARTITION 64
 #define EMBER_ATTN_MAX_HEAD_DIM 256
 #define EMBER_ATTN_THREADS 128
 #define EMBER_ATTN_TILE_Q 16
@@ -73,6 +76,90 @@ EMBER_KERNEL void ember_kv_store_f16(const uint64_t* k_blocks, const uint64_t* v
 
 // ---- decode ----
 
+// 8 f16 values (one 16-byte load) as floats.
+EMBER_DEVICE void ember_attn_unpack8(uint4 bits, float* v) {
+    const uint32_t words[4] = {bits.x, bits.y, bits.z, bits.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        v[2 * i] = __half2float(__ushort_as_half((unsigned short)(words[i] & 0xffffu)));
+        v[2 * i + 1] = __half2float(__ushort_as_half((unsigned short)(words[i] >> 16)));
+    }
+}
+
+// Decode scores for head_dim = 8 CH (CH = 8, 16 or 32 divides the wave): CH neighbouring lanes
+// share a key, each loads 8 dimensions with one 16-byte load (rows are 16-byte aligned when
+// head_dim is a multiple of 8), and the group sums with shuffles; a block pass covers
+// blockDim / CH keys and four passes' loads are issued before their arithmetic. The pass count
+// depends only on n_keys, so every lane of a warp runs every shuffle.
+template <int CH>
+EMBER_DEVICE void ember_attn_decode_scores(float* scores, const ember_half* const* key_rows, const float* q_shared, int n_keys, float scale,
+                                          float softcap) {
+    const int c = (int)(threadIdx.x % CH), slot = (int)(threadIdx.x / CH), per_pass = (int)(blockDim.x / CH);
+    float q[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) q[k] = q_shared[8 * c + k];
+    for (int base = 0; base < n_keys; base += 4 * per_pass) {
+        uint4 bits[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int i = base + j * per_pass + slot;
+            bits[j] = i < n_keys ? *(const uint4*)(key_rows[i] + 8 * c) : make_uint4(0u, 0u, 0u, 0u);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            float k[8];
+            ember_attn_unpack8(bits[j], k);
+            float dot = 0.0f;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) dot += q[e] * k[e];
+#pragma unroll
+            for (int mask = CH / 2; mask > 0; mask >>= 1) dot += ember_shfl_xor(dot, mask);
+            const int i = base + j * per_pass + slot;
+            if (c == 0 && i < n_keys) scores[i] = ember_attn_cap(dot * scale, softcap);
+        }
+    }
+}
+
+// dst[d] = norm * sum_i probs[i] v_i[d] for head_dim = 8 CH: thread (slot, c) accumulates keys
+// slot, slot + blockDim / CH, ... (in increasing order) for dimensions 8 c .. 8 c + 7 with 16-byte
+// loads; the slots' partial sums meet in `reduce` (blockDim * 8 floats) and are added in slot
+// order. Deterministic; contains a __syncthreads (call from the whole block).
+template <int CH>
+EMBER_DEVICE void ember_attn_decode_values(float* dst, const float* probs, const ember_half* const* value_rows, int n_keys, float norm,
+                                          float* reduce) {
+    constexpr int HEAD_DIM = 8 * CH;
+    const int c = (int)(threadIdx.x % CH), slot = (int)(threadIdx.x / CH), per_pass = (int)(blockDim.x / CH);
+    float acc[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
+    for (int base = slot; base < n_keys; base += 4 * per_pass) {
+        uint4 bits[4];
+        float p[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int i = base + j * per_pass;
+            const bool valid = i < n_keys;
+            bits[j] = valid ? *(const uint4*)(value_rows[i] + 8 * c) : make_uint4(0u, 0u, 0u, 0u);
+            p[j] = valid ? probs[i] : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            float v[8];
+            ember_attn_unpack8(bits[j], v);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[e] += p[j] * v[e];
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) reduce[slot * HEAD_DIM + 8 * c + e] = acc[e];
+    __syncthreads();
+    for (int d = (int)threadIdx.x; d < HEAD_DIM; d += (int)blockDim.x) {
+        float sum = 0.0f;
+        for (int g = 0; g < per_pass; ++g) sum += reduce[g * HEAD_DIM + d];
+        dst[d] = sum * norm;
+    }
+}
+
 // Partial pass. Launch: grid = (n_partitions, n_heads, n_tokens), block = EMBER_ATTN_THREADS.
 // Partition p of token t covers keys first(t) + p P .. min(positions[t], first(t) + (p+1) P - 1)
 // and writes partial_ms[t, h, p] = (max, sum of exp) and partial_acc[t, h, p, :] (unnormalised).
@@ -87,6 +174,7 @@ EMBER_KERNEL void ember_attention_decode_partial(float* out, float* partial_acc,
     __shared__ const ember_half* key_rows[EMBER_ATTN_PARTITION];
     __shared__ const ember_half* value_rows[EMBER_ATTN_PARTITION];
     __shared__ float scratch[EMBER_MAX_WARPS];
+    __shared__ float reduce[EMBER_ATTN_THREADS * 8];
     const uint32_t p = blockIdx.x, h = blockIdx.y, t = blockIdx.z;
     const uint32_t kv_head = h / (n_heads / n_kv_heads);
     const uint32_t row_values = n_kv_heads * head_dim, head_offset = kv_head * head_dim;
@@ -111,15 +199,21 @@ EMBER_KERNEL void ember_attention_decode_partial(float* out, float* partial_acc,
     }
     __syncthreads();
 
-    // Scores: one warp per key, lanes over the head dimension.
-    const int lane = threadIdx.x % EMBER_WAVE_SIZE, warp = threadIdx.x / EMBER_WAVE_SIZE;
-    const int n_warps = blockDim.x / EMBER_WAVE_SIZE;
-    for (int i = warp; i < n_keys; i += n_warps) {
-        const ember_half* k = key_rows[i];
-        float dot = 0.0f;
-        for (uint32_t d = lane; d < head_dim; d += EMBER_WAVE_SIZE) dot += q_shared[d] * __half2float(k[d]);
-        dot = ember_warp_sum(dot);
-        if (lane == 0) scores[i] = ember_attn_cap(dot * scale, softcap);
+    // Scores: vectorised for the common head sizes (CH lanes per key, 8 dimensions each), one
+    // warp per key otherwise.
+    if (head_dim == 128) ember_attn_decode_scores<16>(scores, key_rows, q_shared, n_keys, scale, softcap);
+    else if (head_dim == 64) ember_attn_decode_scores<8>(scores, key_rows, q_shared, n_keys, scale, softcap);
+    else if (head_dim == 256) ember_attn_decode_scores<32>(scores, key_rows, q_shared, n_keys, scale, softcap);
+    else {
+        const int lane = threadIdx.x % EMBER_WAVE_SIZE, warp = threadIdx.x / EMBER_WAVE_SIZE;
+        const int n_warps = blockDim.x / EMBER_WAVE_SIZE;
+        for (int i = warp; i < n_keys; i += n_warps) {
+            const ember_half* k = key_rows[i];
+            float dot = 0.0f;
+            for (uint32_t d = lane; d < head_dim; d += EMBER_WAVE_SIZE) dot += q_shared[d] * __half2float(k[d]);
+            dot = ember_warp_sum(dot);
+            if (lane == 0) scores[i] = ember_attn_cap(dot * scale, softcap);
+        }
     }
     __syncthreads();
 
@@ -138,11 +232,15 @@ EMBER_KERNEL void ember_attention_decode_partial(float* out, float* partial_acc,
     const bool direct = n_partitions == 1;
     float* dst = direct ? out + ((size_t)t * n_heads + h) * head_dim : partial_acc + partial_index * head_dim;
     const float norm = direct ? 1.0f / l : 1.0f;
-    for (uint32_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float sum = 0.0f;
-        for (int i = 0; i < n_keys; ++i) sum += scores[i] * __half2float(value_rows[i][d]);
-        dst[d] = sum * norm;
-    }
+    if (head_dim == 128) ember_attn_decode_values<16>(dst, scores, value_rows, n_keys, norm, reduce);
+    else if (head_dim == 64) ember_attn_decode_values<8>(dst, scores, value_rows, n_keys, norm, reduce);
+    else if (head_dim == 256) ember_attn_decode_values<32>(dst, scores, value_rows, n_keys, norm, reduce);
+    else
+        for (uint32_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
+            float sum = 0.0f;
+            for (int i = 0; i < n_keys; ++i) sum += scores[i] * __half2float(value_rows[i][d]);
+            dst[d] = sum * norm;
+        }
     if (!direct && threadIdx.x == 0) partial_ms[partial_index] = make_float2(m, l);
 }
 

@@ -1,30 +1,56 @@
 // Matrix-vector products for decode: y[t] = W x[t] for a few tokens t (1..8) in one pass over the
-// weights, W [n_rows, n_cols] in a GGUF format, x and y f32.
+// weights, W [n_rows, n_cols] in a GGUF format, x and y f32. One launch per call: no separate
+// activation-quantisation kernel.
 //
-// Two paths:
-//   * int8 path (q4_0, q4_1, q5_0, q5_1, q8_0, q4_K, q5_K, q6_K): x is first quantised per group
-//     of 32 values to int8 with one f32 scale ("q8_1" style: ember_quantize_q8_1 writes xq and a
-//     (d, d * sum(q)) pair per group), then each weight unit is dotted with 4-byte integer dot
-//     products (dp4a on NVIDIA, sdot4/sudot4 on AMD). The result is W x̂ with x̂ = d q the
-//     quantised activation: |x - x̂| <= d / 2 per value, d = max|x| / 127 over its group.
-//   * float path (f32, f16, bf16, q2_K, q3_K): x stays f32 and each lane dequantises 8 values.
+// Activations are rounded exactly as the CPU backend (crates/quant, GGML's CPU rules) rounds them
+// before its dot products, so the integer dot products of the two backends are equal and only the
+// order in which the f32 terms are added differs (a few ulps of the row's magnitude; greedy
+// tokens can still part where two logits tie to that precision):
+//   * q4_0, q5_0, q8_0 against Q8_0: groups of 32, amax = max |x|, q = round-half-even(x *
+//     (127 / amax)) (the x86 runtime rule), d = f16(amax / 127);
+//   * q4_1, q5_1 against Q8_1: the same q and d, plus s = f16(sum(q) * (amax / 127));
+//   * q2_K..q6_K against Q8_K: groups of 256, max = the value of largest magnitude (the first on
+//     ties), q = min(round-half-even(x * (-127 / max)), 127), d = 1 / (-127 / max) in f32, and
+//     the integer sums of q per 32 values (bsums);
+//   * f16 and bf16 against x rounded to f16 / bf16 (GGML's vec_dot_type), f32 against x.
+// The integer formats' weights are dotted with 4-byte integer dot products (dp4a on NVIDIA,
+// sdot4/sudot4 on AMD); q2_K and q3_K dequantise to f32 and multiply by d q.
+//
+// Every block first quantises all n_tokens rows of x into dynamic shared memory (int8 q, then a
+// float2 per group of 32: see EMBER_ACT_*), which costs a read of x from L2 per block: the grid
+// is capped (ops/matvec.rs) so blocks walk several row groups and reuse it. Shared bytes =
+// n_tokens * n_cols * 5 / 4 (ember_matvec_shared_bytes), at most 48 KiB without an opt-in, so
+// ops/matvec.rs splits the tokens into launches that fit.
 //
 // Work split: EMBER_MATVEC_LANES lanes per row (a warp, or a part of one holding several rows;
-// warps walk the rows grid-stride, so any grid is correct), each lane takes "units" of the row (one 32-value block, or a quarter of a 256-value k-quant super-block) so a
-// warp's loads cover contiguous weight bytes; the weight unit is unpacked once into registers and
-// dotted with every token's activation, so the weights are read once for all tokens. Lane sums
-// are reduced with shuffles in a fixed order: results are deterministic.
+// warps walk the rows grid-stride, so any grid is correct), each lane takes "units" of the row
+// (one 32-value block, or a quarter of a 256-value k-quant super-block) so a warp's loads cover
+// contiguous weight bytes; the weight unit is unpacked once into registers and dotted with every
+// token's activation, so the weights are read once for all tokens. Lane sums are reduced with
+// shuffles in a fixed order: results are deterministic.
 //
-// Layouts: x f32 [n_tokens, n_cols]; xq int8 [n_tokens, n_cols]; xds float2 [n_tokens, n_cols/32];
-// y f32 [n_tokens, n_rows]. n_cols must be a multiple of 32 (256 for k-quants); weight rows start
-// 16-byte aligned (the matrix is one pool allocation, which is 256-byte aligned).
-// Kernels named _tN handle n_tokens <= N (N = 1, 2, 4, 8). Launch: block 128 threads, any grid
-// (ceil(n_rows / (128 / EMBER_MATVEC_LANES)) gives every row group one row).
+// Layouts: x f32 [n_tokens, n_cols] (16-byte aligned rows); y f32 [n_tokens, n_rows]. n_cols must
+// be a multiple of 32 (256 for k-quants); weight rows start 16-byte aligned (the matrix is one
+// pool allocation, which is 256-byte aligned). Kernels named _tN handle n_tokens <= N (N = 1, 2,
+// 4, 8). Launch: block EMBER_MATVEC_THREADS threads, any grid, dynamic shared memory
+// ember_matvec_shared_bytes(n_tokens, n_cols) for the quantised formats (0 for f32/f16/bf16).
 //
 // The dp4a wrapper lives here rather than in ember_compat.h because only this file uses it.
 #include "ember_quant.h"
 
-#define EMBER_MATVEC_THREADS 128
+#define EMBER_MATVEC_THREADS 256
+
+// Activation formats: what the shared float2 of group g holds.
+//   EMBER_ACT_Q8_0: (d, sum q) with d = f16(amax / 127) as f32, sum q exact as f32;
+//   EMBER_ACT_Q8_1: (d, s), s = f16(sum q * amax / 127) as f32;
+//   EMBER_ACT_Q8_K: (d of the 256-value super-block, sum q of the group's 32 values).
+#define EMBER_ACT_Q8_0 0
+#define EMBER_ACT_Q8_1 1
+#define EMBER_ACT_Q8_K 2
+
+// Shared memory of a launch for n_tokens tokens of n_cols values: int8 values, then 8 bytes per
+// group of 32 (ops/matvec.rs computes the same).
+#define ember_matvec_shared_bytes(n_tokens, n_cols) ((size_t)(n_tokens) * (size_t)(n_cols) * 5 / 4)
 
 // sum of the four signed byte products of a and b, plus c.
 EMBER_DEVICE int ember_dp4a(int a, int b, int c) {
@@ -76,46 +102,119 @@ EMBER_DEVICE uint32_t ember_bytes_minus_32(uint32_t v) {
     return (v ^ 0x20202020u) | (below << 1) | (below << 2);
 }
 
-// Activation group g of token t: 32 int8 values as 8 words, and (d, d * sum q).
+// Activation group g of token t: 32 int8 values as 8 words, and the group's float2.
 struct EmberQ8Group {
     int q[8];
     float d, s;
 };
 
+// Byte offset of value v (a multiple of 8) of token t in the shared int8 activations. Each group
+// of 32 values is two 16-byte chunks, and chunk j of every group of a token is stored together
+// ("chunk-major"): lanes that read consecutive groups then read consecutive 16-byte words of
+// shared memory, without the bank conflicts of 32 lanes reading 32-byte-strided groups.
+EMBER_DEVICE size_t ember_mv_xq_offset(uint32_t n_cols, uint32_t t, uint32_t v) {
+    const uint32_t n_groups = n_cols / 32, o = v % 32;
+    return ((size_t)(2 * t + o / 16) * n_groups + v / 32) * 16 + o % 16;
+}
+
 EMBER_DEVICE void ember_load_q8_group(const int8_t* xq, const float2* xds, uint32_t n_cols, int t, int g, EmberQ8Group* out) {
-    const int4* p = (const int4*)(xq + (size_t)t * n_cols + 32 * g);
-    const int4 a = p[0], b = p[1];
+    const int4 a = *(const int4*)(xq + ember_mv_xq_offset(n_cols, t, 32 * g));
+    const int4 b = *(const int4*)(xq + ember_mv_xq_offset(n_cols, t, 32 * g + 16));
     out->q[0] = a.x, out->q[1] = a.y, out->q[2] = a.z, out->q[3] = a.w;
     out->q[4] = b.x, out->q[5] = b.y, out->q[6] = b.z, out->q[7] = b.w;
     const float2 ds = xds[(size_t)t * (n_cols / 32) + g];
     out->d = ds.x, out->s = ds.y;
 }
 
-// Quantises x (n_values f32, a multiple of 32) to int8 groups of 32: d = max|x| / 127,
-// q = round-to-nearest-even(x * 127 / max|x|) (0 when the group is all zero), s = d * sum(q).
-// Launch: block 256 threads (any multiple of 32), grid ceil(n_values / 256).
-EMBER_KERNEL void ember_quantize_q8_1(int8_t* xq, float2* xds, const float* x, uint32_t n_values) {
-    const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
-    const float value = i < n_values ? x[i] : 0.0f;
-    float amax = fabsf(value);
-    // Masks below 32 keep the reductions inside each group of 32 lanes, also on wave64.
+// Quantises n_values f32 of x (rows of n_cols; whole groups: multiples of 32, of 256 for Q8_K)
+// into xq (int8, laid out as ember_mv_xq_offset says) and xds (one float2 per 32 values, in
+// order) as described at EMBER_ACT_*. The block works in teams of 32
+// lanes (half a wave64); a team takes 256 consecutive values, 8 per lane, so a group of 32 is 4
+// neighbouring lanes and a Q8_K super-block is the whole team. Products are rounded separately
+// (__fmul_rn) so that no multiply-add contraction changes the rounding the CPU does. Every lane
+// of the block must call this.
+template <int ACT>
+EMBER_DEVICE void ember_mv_quantize(int8_t* xq, float2* xds, const float* x, uint32_t n_values, uint32_t n_cols) {
+    const int lane = (int)(threadIdx.x % 32);
+    const uint32_t team = threadIdx.x / 32, n_teams = blockDim.x / 32;
+    // The trip count is the same for the whole block, so every shuffle has every lane of its wave.
+    for (uint32_t base = 0; base < n_values; base += 256 * n_teams) {
+        const uint32_t i = base + 256 * team + 8 * (uint32_t)lane;
+        const bool valid = i < n_values;
+        float v[8];
+        if (valid) {
+            const float4 a = *(const float4*)(x + i), b = *(const float4*)(x + i + 4);
+            v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+        } else {
 #pragma unroll
-    for (int mask = 16; mask > 0; mask >>= 1) amax = fmaxf(amax, ember_shfl_xor(amax, mask));
-    const float d = amax / 127.0f;
-    const int q = amax > 0.0f ? (int)rintf(value * (127.0f / amax)) : 0;
-    int sum = q;
+            for (int k = 0; k < 8; ++k) v[k] = 0.0f;
+        }
+        int q[8];
+        float d;
+        if (ACT == EMBER_ACT_Q8_K) {
+            // The value of largest magnitude, the first one on ties: (magnitude, index) pairs
+            // reduced over the team, larger magnitude first, then smaller index.
+            float best = 0.0f, best_abs = 0.0f;
+            int best_index = 0x7fffffff;
 #pragma unroll
-    for (int mask = 16; mask > 0; mask >>= 1) sum += ember_shfl_xor_int(sum, mask);
-    if (i < n_values) {
-        xq[i] = (int8_t)q;
-        if (i % 32 == 0) xds[i / 32] = make_float2(d, d * (float)sum);
+            for (int k = 0; k < 8; ++k)
+                if (fabsf(v[k]) > best_abs) best_abs = fabsf(v[k]), best = v[k], best_index = (int)i + k;
+#pragma unroll
+            for (int mask = 16; mask > 0; mask >>= 1) {
+                const float other = ember_shfl_xor(best, mask), other_abs = ember_shfl_xor(best_abs, mask);
+                const int other_index = ember_shfl_xor_int(best_index, mask);
+                if (other_abs > best_abs || (other_abs == best_abs && other_index < best_index))
+                    best = other, best_abs = other_abs, best_index = other_index;
+            }
+            const float iscale = best_abs > 0.0f ? -127.0f / best : 0.0f;
+#pragma unroll
+            for (int k = 0; k < 8; ++k) q[k] = min((int)rintf(__fmul_rn(iscale, v[k])), 127);
+            d = best_abs > 0.0f ? 1.0f / iscale : 0.0f;
+        } else {
+            float amax = 0.0f;
+#pragma unroll
+            for (int k = 0; k < 8; ++k) amax = fmaxf(amax, fabsf(v[k]));
+            amax = fmaxf(amax, ember_shfl_xor(amax, 1));
+            amax = fmaxf(amax, ember_shfl_xor(amax, 2));
+            const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+            // |v id| <= 127 up to the rounding of id, which the clamp absorbs (the CPU's
+            // saturating conversion does the same).
+#pragma unroll
+            for (int k = 0; k < 8; ++k) q[k] = max(-128, min(127, (int)rintf(__fmul_rn(v[k], id))));
+            d = amax / 127.0f;
+        }
+        int sum = 0;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) sum += q[k];
+        sum += ember_shfl_xor_int(sum, 1);
+        sum += ember_shfl_xor_int(sum, 2);
+        if (valid) {
+            int2 packed;
+            packed.x = (q[0] & 0xff) | ((q[1] & 0xff) << 8) | ((q[2] & 0xff) << 16) | ((uint32_t)(q[3] & 0xff) << 24);
+            packed.y = (q[4] & 0xff) | ((q[5] & 0xff) << 8) | ((q[6] & 0xff) << 16) | ((uint32_t)(q[7] & 0xff) << 24);
+            *(int2*)(xq + ember_mv_xq_offset(n_cols, i / n_cols, i % n_cols)) = packed;
+            if (lane % 4 == 0) {
+                float2 ds;
+                if (ACT == EMBER_ACT_Q8_K) ds = make_float2(d, (float)sum);
+                else if (ACT == EMBER_ACT_Q8_0) ds = make_float2(__half2float(__float2half_rn(d)), (float)sum);
+                else ds = make_float2(__half2float(__float2half_rn(d)), __half2float(__float2half_rn(__fmul_rn((float)sum, d))));
+                xds[i / 32] = ds;
+            }
+        }
     }
 }
 
-// ---- int8 path: one struct per format with UNIT_VALUES and dot<NT>(row, unit, ...) ----
+// The shared activation buffer of a launch for `tokens` tokens: int8 values, then the float2s.
+EMBER_DEVICE int8_t* ember_mv_shared() {
+    extern __shared__ int4 ember_mv_shared_memory[];
+    return (int8_t*)ember_mv_shared_memory;
+}
+
+// ---- int8 path: one struct per format with ACT, UNIT_VALUES and dot<NT>(row, unit, ...) ----
 
 // q4_0 (18 bytes: half d, qs[16]): unit = one block. value = d (q - 8).
 struct EmberMvQ4_0 {
+    static constexpr int ACT = EMBER_ACT_Q8_0;
     static constexpr int BLOCK_VALUES = 32, BLOCK_BYTES = 18, UNIT_VALUES = 32;
     template <int NT>
     EMBER_DEVICE void dot(const uint8_t* row, int u, const int8_t* xq, const float2* xds, uint32_t n_cols, int n_tokens, float* acc) {
@@ -134,13 +233,15 @@ struct EmberMvQ4_0 {
                 s = ember_dp4a((int)(qs[i] & 0x0f0f0f0fu), x.q[i], s);
                 s = ember_dp4a((int)((qs[i] >> 4) & 0x0f0f0f0fu), x.q[4 + i], s);
             }
-            acc[t] += d * (x.d * (float)s - 8.0f * x.s);
+            // x.s is the group's integer sum of q: sum (q_w - 8) q_x, all in integers.
+            acc[t] += (d * x.d) * (float)(s - 8 * (int)x.s);
         }
     }
 };
 
 // q4_1 (20 bytes: half d, half m, qs[16]): value = d q + m.
 struct EmberMvQ4_1 {
+    static constexpr int ACT = EMBER_ACT_Q8_1;
     static constexpr int BLOCK_VALUES = 32, BLOCK_BYTES = 20, UNIT_VALUES = 32;
     template <int NT>
     EMBER_DEVICE void dot(const uint8_t* row, int u, const int8_t* xq, const float2* xds, uint32_t n_cols, int n_tokens, float* acc) {
@@ -159,13 +260,14 @@ struct EmberMvQ4_1 {
                 s = ember_dp4a((int)(qs[i] & 0x0f0f0f0fu), x.q[i], s);
                 s = ember_dp4a((int)((qs[i] >> 4) & 0x0f0f0f0fu), x.q[4 + i], s);
             }
-            acc[t] += d * x.d * (float)s + m * x.s;
+            acc[t] += (d * x.d) * (float)s + m * x.s;
         }
     }
 };
 
 // q5_0 (22 bytes: half d, qh u32, qs[16]): value = d (q - 16), q = nibble | bit v of qh << 4.
 struct EmberMvQ5_0 {
+    static constexpr int ACT = EMBER_ACT_Q8_0;
     static constexpr int BLOCK_VALUES = 32, BLOCK_BYTES = 22, UNIT_VALUES = 32;
     template <int NT>
     EMBER_DEVICE void dot(const uint8_t* row, int u, const int8_t* xq, const float2* xds, uint32_t n_cols, int n_tokens, float* acc) {
@@ -191,13 +293,14 @@ struct EmberMvQ5_0 {
                 s = ember_dp4a(lo[i], x.q[i], s);
                 s = ember_dp4a(hi[i], x.q[4 + i], s);
             }
-            acc[t] += d * (x.d * (float)s - 16.0f * x.s);
+            acc[t] += (d * x.d) * (float)(s - 16 * (int)x.s);
         }
     }
 };
 
 // q5_1 (24 bytes: half d, half m, qh u32, qs[16]): value = d q + m.
 struct EmberMvQ5_1 {
+    static constexpr int ACT = EMBER_ACT_Q8_1;
     static constexpr int BLOCK_VALUES = 32, BLOCK_BYTES = 24, UNIT_VALUES = 32;
     template <int NT>
     EMBER_DEVICE void dot(const uint8_t* row, int u, const int8_t* xq, const float2* xds, uint32_t n_cols, int n_tokens, float* acc) {
@@ -223,13 +326,14 @@ struct EmberMvQ5_1 {
                 s = ember_dp4a(lo[i], x.q[i], s);
                 s = ember_dp4a(hi[i], x.q[4 + i], s);
             }
-            acc[t] += d * x.d * (float)s + m * x.s;
+            acc[t] += (d * x.d) * (float)s + m * x.s;
         }
     }
 };
 
 // q8_0 (34 bytes: half d, int8 qs[32]): value = d q.
 struct EmberMvQ8_0 {
+    static constexpr int ACT = EMBER_ACT_Q8_0;
     static constexpr int BLOCK_VALUES = 32, BLOCK_BYTES = 34, UNIT_VALUES = 32;
     template <int NT>
     EMBER_DEVICE void dot(const uint8_t* row, int u, const int8_t* xq, const float2* xds, uint32_t n_cols, int n_tokens, float* acc) {
@@ -245,7 +349,7 @@ struct EmberMvQ8_0 {
             int s = 0;
 #pragma unroll
             for (int i = 0; i < 8; ++i) s = ember_dp4a((int)qs[i], x.q[i], s);
-            acc[t] += d * x.d * (float)s;
+            acc[t] += (d * x.d) * (float)s;
         }
     }
 };
@@ -267,6 +371,7 @@ EMBER_DEVICE void ember_mv_scale_min_k4(int j, uint32_t w0, uint32_t w1, uint32_
 // sub-blocks 2k (low nibbles of qs[32k..32k+32]) and 2k+1 (high nibbles).
 // value = d scale_j q - dmin min_j.
 struct EmberMvQ4_K {
+    static constexpr int ACT = EMBER_ACT_Q8_K;
     static constexpr int BLOCK_VALUES = 256, BLOCK_BYTES = 144, UNIT_VALUES = 64;
     template <int NT>
     EMBER_DEVICE void dot(const uint8_t* row, int u, const int8_t* xq, const float2* xds, uint32_t n_cols, int n_tokens, float* acc) {
@@ -296,7 +401,8 @@ struct EmberMvQ4_K {
                 sa = ember_dp4a((int)(qs[i] & 0x0f0f0f0fu), xa.q[i], sa);
                 sb = ember_dp4a((int)((qs[i] >> 4) & 0x0f0f0f0fu), xb.q[i], sb);
             }
-            acc[t] += d * (xa.d * (float)(scale_a * sa) + xb.d * (float)(scale_b * sb)) - dmin * ((float)min_a * xa.s + (float)min_b * xb.s);
+            // xa.d == xb.d (one Q8_K super-block); xa.s, xb.s are the groups' integer sums.
+            acc[t] += (d * xa.d) * (float)(scale_a * sa + scale_b * sb) - (dmin * xa.d) * (float)(min_a * (int)xa.s + min_b * (int)xb.s);
         }
     }
 };
@@ -304,6 +410,7 @@ struct EmberMvQ4_K {
 // q5_K (176 bytes: half d, half dmin, scales[12], qh[32], qs[128]): as q4_K with a fifth bit,
 // bit j of qh[l] for sub-block j.
 struct EmberMvQ5_K {
+    static constexpr int ACT = EMBER_ACT_Q8_K;
     static constexpr int BLOCK_VALUES = 256, BLOCK_BYTES = 176, UNIT_VALUES = 64;
     template <int NT>
     EMBER_DEVICE void dot(const uint8_t* row, int u, const int8_t* xq, const float2* xds, uint32_t n_cols, int n_tokens, float* acc) {
@@ -342,7 +449,8 @@ struct EmberMvQ5_K {
                 sa = ember_dp4a(lo[i], xa.q[i], sa);
                 sb = ember_dp4a(hi[i], xb.q[i], sb);
             }
-            acc[t] += d * (xa.d * (float)(scale_a * sa) + xb.d * (float)(scale_b * sb)) - dmin * ((float)min_a * xa.s + (float)min_b * xb.s);
+            // xa.d == xb.d (one Q8_K super-block); xa.s, xb.s are the groups' integer sums.
+            acc[t] += (d * xa.d) * (float)(scale_a * sa + scale_b * sb) - (dmin * xa.d) * (float)(min_a * (int)xa.s + min_b * (int)xb.s);
         }
     }
 };
@@ -352,6 +460,7 @@ struct EmberMvQ5_K {
 // for k = c, high for k = c + 2), high 2 bits from qh[32 h + l] >> 2k; value = d scale (q - 32)
 // with scale = scales[8 h + 2 k + l / 16].
 struct EmberMvQ6_K {
+    static constexpr int ACT = EMBER_ACT_Q8_K;
     static constexpr int BLOCK_VALUES = 256, BLOCK_BYTES = 210, UNIT_VALUES = 64;
     template <int NT>
     EMBER_DEVICE void dot(const uint8_t* row, int u, const int8_t* xq, const float2* xds, uint32_t n_cols, int n_tokens, float* acc) {
@@ -384,7 +493,7 @@ struct EmberMvQ6_K {
                 sb0 = ember_dp4a(vb[i], xb.q[i], sb0);
                 sb1 = ember_dp4a(vb[4 + i], xb.q[4 + i], sb1);
             }
-            acc[t] += d * (xa.d * (float)(scale_a0 * sa0 + scale_a1 * sa1) + xb.d * (float)(scale_b0 * sb0 + scale_b1 * sb1));
+            acc[t] += (d * xa.d) * (float)(scale_a0 * sa0 + scale_a1 * sa1 + scale_b0 * sb0 + scale_b1 * sb1);
         }
     }
 };
@@ -406,16 +515,20 @@ EMBER_DEVICE void ember_matvec_store(float* y, float* acc, uint32_t r, bool vali
 // LANES lanes (8, 16 or 32) share a row, so a warp holds EMBER_WAVE_SIZE / LANES rows; warps walk
 // the rows grid-stride, all lanes of a warp together (the reductions need every lane).
 template <typename F, int NT, int LANES>
-EMBER_DEVICE void ember_matvec_int8(float* y, const uint8_t* w, const int8_t* xq, const float2* xds, uint32_t n_rows, uint32_t n_cols,
-                                    uint32_t n_tokens) {
+EMBER_DEVICE void ember_matvec_int8(float* y, const uint8_t* w, const float* x, uint32_t n_rows, uint32_t n_cols, uint32_t n_tokens) {
     constexpr int ROWS_PER_WARP = EMBER_WAVE_SIZE / LANES;
+    const int tokens = (int)min(n_tokens, (uint32_t)NT);
+    int8_t* xq = ember_mv_shared();
+    float2* xds = (float2*)(xq + (size_t)tokens * n_cols);
+    ember_mv_quantize<F::ACT>(xq, xds, x, (uint32_t)tokens * n_cols, n_cols);
+    __syncthreads();
+
     const int sub = (int)(threadIdx.x % LANES);
     const uint32_t warps_per_block = blockDim.x / EMBER_WAVE_SIZE;
     const uint32_t warp = blockIdx.x * warps_per_block + threadIdx.x / EMBER_WAVE_SIZE;
     const uint32_t group = (threadIdx.x % EMBER_WAVE_SIZE) / LANES;
     const size_t row_bytes = (size_t)(n_cols / F::BLOCK_VALUES) * F::BLOCK_BYTES;
     const int n_units = (int)(n_cols / F::UNIT_VALUES);
-    const int tokens = (int)min(n_tokens, (uint32_t)NT);
     F format;
     for (uint32_t first = warp * ROWS_PER_WARP; first < n_rows; first += gridDim.x * warps_per_block * ROWS_PER_WARP) {
         const uint32_t r = first + group;
@@ -432,7 +545,54 @@ EMBER_DEVICE void ember_matvec_int8(float* y, const uint8_t* w, const int8_t* xq
     }
 }
 
-// ---- float path: 8 consecutive values per lane ----
+// ---- q2_K, q3_K: dequantised weights times the Q8_K activations d q ----
+
+template <typename F, int NT, int LANES>
+EMBER_DEVICE void ember_matvec_get_q8k(float* y, const uint8_t* w, const float* x, uint32_t n_rows, uint32_t n_cols, uint32_t n_tokens) {
+    constexpr int ROWS_PER_WARP = EMBER_WAVE_SIZE / LANES;
+    const int tokens = (int)min(n_tokens, (uint32_t)NT);
+    int8_t* xq = ember_mv_shared();
+    float2* xds = (float2*)(xq + (size_t)tokens * n_cols);
+    ember_mv_quantize<EMBER_ACT_Q8_K>(xq, xds, x, (uint32_t)tokens * n_cols, n_cols);
+    __syncthreads();
+
+    const int sub = (int)(threadIdx.x % LANES);
+    const uint32_t warps_per_block = blockDim.x / EMBER_WAVE_SIZE;
+    const uint32_t warp = blockIdx.x * warps_per_block + threadIdx.x / EMBER_WAVE_SIZE;
+    const uint32_t group = (threadIdx.x % EMBER_WAVE_SIZE) / LANES;
+    const size_t row_bytes = (size_t)(n_cols / F::BLOCK_VALUES) * F::BLOCK_BYTES;
+    for (uint32_t first = warp * ROWS_PER_WARP; first < n_rows; first += gridDim.x * warps_per_block * ROWS_PER_WARP) {
+        const uint32_t r = first + group;
+        const bool valid = r < n_rows;
+        float acc[NT];
+#pragma unroll
+        for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
+        if (valid) {
+            const uint8_t* row = w + (size_t)r * row_bytes;
+            for (int c = 8 * sub; c < (int)n_cols; c += 8 * LANES) {
+                float v[8];
+#pragma unroll
+                for (int i = 0; i < 8; ++i) v[i] = F::get(row, c / 32, c % 32 + i);
+#pragma unroll
+                for (int t = 0; t < NT; ++t) {
+                    if (t >= tokens) break;
+                    const int2 packed = *(const int2*)(xq + ember_mv_xq_offset(n_cols, t, c));
+                    const float d = xds[((size_t)t * n_cols + c) / 32].x;
+                    float s = 0.0f;
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        const int word = i < 4 ? packed.x : packed.y;
+                        s += v[i] * (float)(int8_t)(word >> (8 * (i % 4)));
+                    }
+                    acc[t] += d * s;
+                }
+            }
+        }
+        ember_matvec_store<NT, LANES>(y, acc, r, valid, n_rows, tokens);
+    }
+}
+
+// ---- f32, f16, bf16: 8 consecutive values per lane, x rounded to the weights' type ----
 
 struct EmberMvF32 {
     EMBER_DEVICE void load8(const uint8_t* row, int c, float* v) {
@@ -440,6 +600,7 @@ struct EmberMvF32 {
         const float4 a = p[0], b = p[1];
         v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
     }
+    EMBER_DEVICE float round_x(float x) { return x; }
     EMBER_DEVICE size_t row_bytes(uint32_t n_cols) { return 4 * (size_t)n_cols; }
 };
 
@@ -453,6 +614,8 @@ struct EmberMvF16 {
             v[2 * i + 1] = __half2float(__ushort_as_half((unsigned short)(words[i] >> 16)));
         }
     }
+    // The CPU dots f16 weights with x converted to f16 (round to nearest even).
+    EMBER_DEVICE float round_x(float x) { return __half2float(__float2half_rn(x)); }
     EMBER_DEVICE size_t row_bytes(uint32_t n_cols) { return 2 * (size_t)n_cols; }
 };
 
@@ -466,18 +629,13 @@ struct EmberMvBF16 {
             v[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
         }
     }
-    EMBER_DEVICE size_t row_bytes(uint32_t n_cols) { return 2 * (size_t)n_cols; }
-};
-
-// Block formats without an int8 path read their values through ember_quant.h's get().
-template <typename F>
-struct EmberMvGet {
-    EMBER_DEVICE void load8(const uint8_t* row, int c, float* v) {
-        const int g = c / 32, l = c % 32;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = F::get(row, g, l + i);
+    // The CPU dots bf16 weights with x converted to bf16: round to nearest even, NaN kept quiet.
+    EMBER_DEVICE float round_x(float x) {
+        const uint32_t u = __float_as_uint(x);
+        if ((u & 0x7fffffffu) > 0x7f800000u) return __uint_as_float((u | 0x00400000u) & 0xffff0000u);
+        return __uint_as_float((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
     }
-    EMBER_DEVICE size_t row_bytes(uint32_t n_cols) { return (size_t)(n_cols / F::BLOCK_VALUES) * F::BLOCK_BYTES; }
+    EMBER_DEVICE size_t row_bytes(uint32_t n_cols) { return 2 * (size_t)n_cols; }
 };
 
 template <typename F, int NT, int LANES>
@@ -505,7 +663,9 @@ EMBER_DEVICE void ember_matvec_float(float* y, const uint8_t* w, const float* x,
                     if (t >= tokens) break;
                     const float4* xp = (const float4*)(x + (size_t)t * n_cols + c);
                     const float4 a = xp[0], b = xp[1];
-                    acc[t] += v[0] * a.x + v[1] * a.y + v[2] * a.z + v[3] * a.w + v[4] * b.x + v[5] * b.y + v[6] * b.z + v[7] * b.w;
+                    acc[t] += v[0] * format.round_x(a.x) + v[1] * format.round_x(a.y) + v[2] * format.round_x(a.z) +
+                              v[3] * format.round_x(a.w) + v[4] * format.round_x(b.x) + v[5] * format.round_x(b.y) +
+                              v[6] * format.round_x(b.z) + v[7] * format.round_x(b.w);
                 }
             }
         }
@@ -516,15 +676,19 @@ EMBER_DEVICE void ember_matvec_float(float* y, const uint8_t* w, const float* x,
 // Lanes per row of the exported kernels (crates/gpu/src/ops/matvec.rs sizes its grid with it).
 #define EMBER_MATVEC_LANES 32
 
-#define EMBER_MATVEC_INT8(name, format, nt)                                                                                       \
-    EMBER_KERNEL void name(float* y, const uint8_t* w, const int8_t* xq, const float2* xds, uint32_t n_rows, uint32_t n_cols, \
-                           uint32_t n_tokens) {                                                                               \
-        ember_matvec_int8<format, nt, EMBER_MATVEC_LANES>(y, w, xq, xds, n_rows, n_cols, n_tokens);                                              \
+#define EMBER_MATVEC_INT8(name, format, nt)                                                                                      \
+    EMBER_KERNEL void name(float* y, const uint8_t* w, const float* x, uint32_t n_rows, uint32_t n_cols, uint32_t n_tokens) { \
+        ember_matvec_int8<format, nt, EMBER_MATVEC_LANES>(y, w, x, n_rows, n_cols, n_tokens);                                   \
     }
 
-#define EMBER_MATVEC_FLOAT(name, format, nt)                                                                                      \
+#define EMBER_MATVEC_GET_Q8K(name, format, nt)                                                                                   \
     EMBER_KERNEL void name(float* y, const uint8_t* w, const float* x, uint32_t n_rows, uint32_t n_cols, uint32_t n_tokens) { \
-        ember_matvec_float<format, nt, EMBER_MATVEC_LANES>(y, w, x, n_rows, n_cols, n_tokens);                                                   \
+        ember_matvec_get_q8k<format, nt, EMBER_MATVEC_LANES>(y, w, x, n_rows, n_cols, n_tokens);                                \
+    }
+
+#define EMBER_MATVEC_FLOAT(name, format, nt)                                                                                     \
+    EMBER_KERNEL void name(float* y, const uint8_t* w, const float* x, uint32_t n_rows, uint32_t n_cols, uint32_t n_tokens) { \
+        ember_matvec_float<format, nt, EMBER_MATVEC_LANES>(y, w, x, n_rows, n_cols, n_tokens);                                  \
     }
 
 EMBER_MATVEC_INT8(ember_matvec_q4_0_t1, EmberMvQ4_0, 1)
@@ -560,13 +724,14 @@ EMBER_MATVEC_INT8(ember_matvec_q6_k_t2, EmberMvQ6_K, 2)
 EMBER_MATVEC_INT8(ember_matvec_q6_k_t4, EmberMvQ6_K, 4)
 EMBER_MATVEC_INT8(ember_matvec_q6_k_t8, EmberMvQ6_K, 8)
 
+EMBER_MATVEC_GET_Q8K(ember_matvec_q2_k_t1, EmberQ2_K, 1)
+EMBER_MATVEC_GET_Q8K(ember_matvec_q2_k_t8, EmberQ2_K, 8)
+EMBER_MATVEC_GET_Q8K(ember_matvec_q3_k_t1, EmberQ3_K, 1)
+EMBER_MATVEC_GET_Q8K(ember_matvec_q3_k_t8, EmberQ3_K, 8)
+
 EMBER_MATVEC_FLOAT(ember_matvec_f32_t1, EmberMvF32, 1)
 EMBER_MATVEC_FLOAT(ember_matvec_f32_t8, EmberMvF32, 8)
 EMBER_MATVEC_FLOAT(ember_matvec_f16_t1, EmberMvF16, 1)
 EMBER_MATVEC_FLOAT(ember_matvec_f16_t8, EmberMvF16, 8)
 EMBER_MATVEC_FLOAT(ember_matvec_bf16_t1, EmberMvBF16, 1)
 EMBER_MATVEC_FLOAT(ember_matvec_bf16_t8, EmberMvBF16, 8)
-EMBER_MATVEC_FLOAT(ember_matvec_q2_k_t1, EmberMvGet<EmberQ2_K>, 1)
-EMBER_MATVEC_FLOAT(ember_matvec_q2_k_t8, EmberMvGet<EmberQ2_K>, 8)
-EMBER_MATVEC_FLOAT(ember_matvec_q3_k_t1, EmberMvGet<EmberQ3_K>, 1)
-EMBER_MATVEC_FLOAT(ember_matvec_q3_k_t8, EmberMvGet<EmberQ3_K>, 8)

@@ -308,8 +308,9 @@ int main() {
     // Prefill of 300 from empty, appends to existing caches (1, 45, 16 tokens), a decode token at
     // 600: tiles that mix tables, keys crossing blocks, several decode partitions.
     const std::vector<Sequence> mixed = {{0, 300}, {37, 1}, {250, 45}, {5, 16}, {600, 1}};
-    // Pure decode at partition boundaries (255, 256, 511 keys before the token).
-    const std::vector<Sequence> decode = {{0, 1}, {254, 1}, {255, 1}, {511, 1}, {700, 1}};
+    // Pure decode at partition boundaries (EMBER_ATTN_PARTITION = 64: 63, 64, 255, 256, 511
+    // keys before the token) and one that is not.
+    const std::vector<Sequence> decode = {{0, 1}, {62, 1}, {63, 1}, {254, 1}, {255, 1}, {511, 1}, {700, 1}};
     int index = 0;
     for (int head_dim : {64, 80, 128, 256})
         for (int group : {1, 4, 8})

@@ -5,17 +5,19 @@
 //! call inside `catch_unwind`, so a missing runtime or an old driver becomes a [`DriverError`].
 //! Each device's primary context is retained on first use and made current before every call.
 
+use std::cell::Cell;
 use std::ffi::{c_int, c_uint, c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 
 use cudarc::driver::sys;
 
 use crate::driver::{
     AttemptOutcome, Backend, DeviceInfo, DeviceOrdinal, DevicePtr, Driver, DriverError,
-    EventHandle, FunctionHandle, KernelArgs, LaunchConfig, LibraryAttempt, MemInfo, MemoryType,
-    ModuleHandle, PhysicalHandle, PointerInfo, RuntimeInfo, StreamHandle,
+    EventHandle, FunctionHandle, GraphExecHandle, GraphHandle, KernelArgs, LaunchConfig,
+    LibraryAttempt, MemInfo, MemoryType, ModuleHandle, PhysicalHandle, PointerInfo, RuntimeInfo,
+    StreamHandle,
 };
 use crate::kernels::cuda_arch;
 
@@ -70,6 +72,12 @@ fn check_alloc(call: &'static str, result: sys::CUresult, bytes: u64) -> Result<
         return Err(DriverError::OutOfMemory { call, bytes });
     }
     check(call, result)
+}
+
+thread_local! {
+    /// The primary context this thread last made current through [`CudaDriver`] (its address;
+    /// 0: none). ember makes no other context current, so it is what the thread has.
+    static BOUND_CONTEXT: Cell<usize> = const { Cell::new(0) };
 }
 
 /// Runs a cudarc call under the panic guard and checks its result.
@@ -152,7 +160,9 @@ pub struct CudaDriver {
     info: RuntimeInfo,
     device_count: usize,
     /// Retained primary contexts by ordinal (stored as addresses so the driver is `Send + Sync`).
-    contexts: Mutex<Vec<Option<usize>>>,
+    contexts: Vec<OnceLock<usize>>,
+    /// Serialises the first retain of each device's primary context.
+    retain_lock: Mutex<()>,
     _library: libloading::Library,
 }
 
@@ -201,7 +211,8 @@ impl CudaDriver {
         Ok(CudaDriver {
             info,
             device_count: count,
-            contexts: Mutex::new(vec![None; count]),
+            contexts: (0..count).map(|_| OnceLock::new()).collect(),
+            retain_lock: Mutex::new(()),
             _library: library,
         })
     }
@@ -223,23 +234,39 @@ impl CudaDriver {
 
     /// Makes `device`'s primary context current on this thread.
     fn bind(&self, device: DeviceOrdinal) -> Result<(), DriverError> {
+        // Fast path (every launch goes through here): the context is already current on this
+        // thread, so neither a lock nor a driver call is needed.
+        if let Some(&context) = self.contexts.get(device).and_then(OnceLock::get) {
+            if BOUND_CONTEXT.with(Cell::get) == context {
+                return Ok(());
+            }
+        }
         let cu_device = self.cu_device(device)?;
-        let mut contexts = self.contexts.lock().unwrap_or_else(|e| e.into_inner());
-        let context = match contexts[device] {
-            Some(context) => context as sys::CUcontext,
+        let context = match self.contexts[device].get() {
+            Some(&context) => context,
             None => {
-                let mut context: sys::CUcontext = std::ptr::null_mut();
-                // SAFETY: the out-pointer is a live local; the primary context is retained once
-                // per device and kept for the life of the driver.
-                cu!("cuDevicePrimaryCtxRetain", unsafe {
-                    sys::cuDevicePrimaryCtxRetain(&mut context, cu_device)
-                })?;
-                contexts[device] = Some(context as usize);
-                context
+                let _retain = self.retain_lock.lock().unwrap_or_else(|e| e.into_inner());
+                match self.contexts[device].get() {
+                    Some(&context) => context,
+                    None => {
+                        let mut context: sys::CUcontext = std::ptr::null_mut();
+                        // SAFETY: the out-pointer is a live local; the primary context is
+                        // retained once per device and kept for the life of the driver.
+                        cu!("cuDevicePrimaryCtxRetain", unsafe {
+                            sys::cuDevicePrimaryCtxRetain(&mut context, cu_device)
+                        })?;
+                        let _ = self.contexts[device].set(context as usize);
+                        context as usize
+                    }
+                }
             }
         };
         // SAFETY: the context was retained above and is never released while the driver lives.
-        cu!("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(context) })
+        cu!("cuCtxSetCurrent", unsafe {
+            sys::cuCtxSetCurrent(context as sys::CUcontext)
+        })?;
+        BOUND_CONTEXT.with(|bound| bound.set(context));
+        Ok(())
     }
 
     fn attribute(
@@ -611,26 +638,135 @@ impl Driver for CudaDriver {
         args: &KernelArgs,
     ) -> Result<(), DriverError> {
         self.bind(device)?;
-        let mut args = args.clone();
-        let mut pointers = args.slot_pointers();
         let [gx, gy, gz] = config.grid;
         let [bx, by, bz] = config.block;
-        // SAFETY: the caller guarantees the arguments match the kernel; `pointers` points into
-        // `args`, both alive until the call returns (the driver copies arguments at launch).
-        cu!("cuLaunchKernel", unsafe {
-            sys::cuLaunchKernel(
-                function.0 as usize as sys::CUfunction,
-                gx,
-                gy,
-                gz,
-                bx,
-                by,
-                bz,
-                config.shared_mem_bytes,
+        args.with_slot_pointers(|pointers| {
+            // SAFETY: the caller guarantees the arguments match the kernel; `pointers` points
+            // into `args`, both alive until the call returns (the driver copies arguments at
+            // launch, and only reads through the pointers).
+            cu!("cuLaunchKernel", unsafe {
+                sys::cuLaunchKernel(
+                    function.0 as usize as sys::CUfunction,
+                    gx,
+                    gy,
+                    gz,
+                    bx,
+                    by,
+                    bz,
+                    config.shared_mem_bytes,
+                    Self::stream(stream),
+                    pointers,
+                    std::ptr::null_mut(),
+                )
+            })
+        })
+    }
+
+    fn stream_begin_capture(
+        &self,
+        device: DeviceOrdinal,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        self.bind(device)?;
+        // SAFETY: the handle came from stream_create. Relaxed mode: allocations and other calls
+        // that do not touch the stream stay legal while it captures (the pool may grow).
+        cu!("cuStreamBeginCapture_v2", unsafe {
+            sys::cuStreamBeginCapture_v2(
                 Self::stream(stream),
-                pointers.as_mut_ptr(),
-                std::ptr::null_mut(),
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
             )
+        })
+    }
+
+    fn stream_end_capture(
+        &self,
+        device: DeviceOrdinal,
+        stream: StreamHandle,
+    ) -> Result<GraphHandle, DriverError> {
+        self.bind(device)?;
+        let mut graph: sys::CUgraph = std::ptr::null_mut();
+        // SAFETY: the out-pointer is a live local; the handle came from stream_create.
+        cu!("cuStreamEndCapture", unsafe {
+            sys::cuStreamEndCapture(Self::stream(stream), &mut graph)
+        })?;
+        if graph.is_null() {
+            return Err(DriverError::InvalidArgument {
+                call: "cuStreamEndCapture",
+                reason: "the runtime returned no graph".into(),
+            });
+        }
+        Ok(GraphHandle(graph as usize as u64))
+    }
+
+    fn graph_instantiate(
+        &self,
+        device: DeviceOrdinal,
+        graph: GraphHandle,
+    ) -> Result<GraphExecHandle, DriverError> {
+        self.bind(device)?;
+        let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+        // SAFETY: the out-pointer is a live local; the graph came from stream_end_capture.
+        cu!("cuGraphInstantiateWithFlags", unsafe {
+            sys::cuGraphInstantiateWithFlags(&mut exec, graph.0 as usize as sys::CUgraph, 0)
+        })?;
+        Ok(GraphExecHandle(exec as usize as u64))
+    }
+
+    fn graph_exec_update(
+        &self,
+        device: DeviceOrdinal,
+        exec: GraphExecHandle,
+        graph: GraphHandle,
+    ) -> Result<bool, DriverError> {
+        self.bind(device)?;
+        // SAFETY: an all-zero CUgraphExecUpdateResultInfo is valid (an enum 0 and null nodes).
+        let mut info: sys::CUgraphExecUpdateResultInfo = unsafe { std::mem::zeroed() };
+        // SAFETY: both handles came from this driver; the out-pointer is a live local.
+        let result = guarded("cuGraphExecUpdate_v2", || unsafe {
+            sys::cuGraphExecUpdate_v2(
+                exec.0 as usize as sys::CUgraphExec,
+                graph.0 as usize as sys::CUgraph,
+                &mut info,
+            )
+        })?;
+        match result {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            // The runtime refuses updates that change the graph's shape; the caller instantiates.
+            sys::CUresult::CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE => Ok(false),
+            other => check("cuGraphExecUpdate_v2", other).map(|()| false),
+        }
+    }
+
+    fn graph_launch(
+        &self,
+        device: DeviceOrdinal,
+        exec: GraphExecHandle,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        self.bind(device)?;
+        // SAFETY: the exec came from graph_instantiate, the stream from stream_create.
+        cu!("cuGraphLaunch", unsafe {
+            sys::cuGraphLaunch(exec.0 as usize as sys::CUgraphExec, Self::stream(stream))
+        })
+    }
+
+    fn graph_destroy(&self, device: DeviceOrdinal, graph: GraphHandle) -> Result<(), DriverError> {
+        self.bind(device)?;
+        // SAFETY: the graph came from stream_end_capture and is destroyed once.
+        cu!("cuGraphDestroy", unsafe {
+            sys::cuGraphDestroy(graph.0 as usize as sys::CUgraph)
+        })
+    }
+
+    fn graph_exec_destroy(
+        &self,
+        device: DeviceOrdinal,
+        exec: GraphExecHandle,
+    ) -> Result<(), DriverError> {
+        self.bind(device)?;
+        // SAFETY: the exec came from graph_instantiate and is destroyed once.
+        cu!("cuGraphExecDestroy", unsafe {
+            sys::cuGraphExecDestroy(exec.0 as usize as sys::CUgraphExec)
         })
     }
 

@@ -64,6 +64,14 @@ handle!(
     /// A physical memory allocation for the virtual memory API (`hipMemCreate`/`cuMemCreate`).
     PhysicalHandle
 );
+handle!(
+    /// A graph of device work recorded by stream capture (`hipGraph_t`/`CUgraph`).
+    GraphHandle
+);
+handle!(
+    /// An instantiated, launchable graph (`hipGraphExec_t`/`CUgraphExec`).
+    GraphExecHandle
+);
 
 impl StreamHandle {
     /// The runtime's default (null) stream.
@@ -232,6 +240,31 @@ impl KernelArgs {
             .map(|slot| slot as *mut u64 as *mut std::ffi::c_void)
             .collect()
     }
+
+    /// Calls `f` with the `void**` array of argument pointers that `hipModuleLaunchKernel` and
+    /// `cuLaunchKernel` take, built on the stack (no allocation on the launch path). Kernels in
+    /// `kernels/` take at most [`KernelArgs::MAX_INLINE`] arguments; longer lists fall back to a
+    /// heap array. The runtimes only read through the pointers.
+    pub fn with_slot_pointers<R>(&self, f: impl FnOnce(*mut *mut std::ffi::c_void) -> R) -> R {
+        let slots = self.slots.as_ptr();
+        if self.slots.len() <= Self::MAX_INLINE {
+            let mut pointers = [std::ptr::null_mut::<std::ffi::c_void>(); Self::MAX_INLINE];
+            for (i, pointer) in pointers.iter_mut().take(self.slots.len()).enumerate() {
+                // SAFETY: `i` is below the slot count, so the offset stays inside the vector.
+                *pointer = unsafe { slots.add(i) } as *mut std::ffi::c_void;
+            }
+            f(pointers.as_mut_ptr())
+        } else {
+            let mut pointers: Vec<*mut std::ffi::c_void> = (0..self.slots.len())
+                // SAFETY: as above.
+                .map(|i| unsafe { slots.add(i) } as *mut std::ffi::c_void)
+                .collect();
+            f(pointers.as_mut_ptr())
+        }
+    }
+
+    /// Arguments [`KernelArgs::with_slot_pointers`] handles without allocating.
+    pub const MAX_INLINE: usize = 24;
 }
 
 /// One place a runtime library was looked for, and what happened.
@@ -533,6 +566,103 @@ pub trait Driver: Send + Sync + fmt::Debug {
         ptr: DevicePtr,
         bytes: u64,
     ) -> Result<(), DriverError>;
+
+    /// Starts recording the work queued on `stream` into a graph instead of running it.
+    ///
+    /// The capture is in relaxed mode, so allocations, pool growth and other calls that do not
+    /// touch the stream keep working meanwhile; a call that waits on the stream (a synchronous
+    /// copy, a synchronisation) invalidates the capture, which [`Driver::stream_end_capture`]
+    /// then reports. Drivers without graphs return [`DriverError::Unsupported`].
+    fn stream_begin_capture(
+        &self,
+        device: DeviceOrdinal,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        let _ = (device, stream);
+        Err(DriverError::Unsupported {
+            backend: self.backend(),
+            what: "graphs (stream capture)".into(),
+        })
+    }
+
+    /// Ends a capture started by [`Driver::stream_begin_capture`] and returns the recorded graph.
+    /// Fails when the capture was invalidated; the stream is no longer capturing either way.
+    fn stream_end_capture(
+        &self,
+        device: DeviceOrdinal,
+        stream: StreamHandle,
+    ) -> Result<GraphHandle, DriverError> {
+        let _ = (device, stream);
+        Err(DriverError::Unsupported {
+            backend: self.backend(),
+            what: "graphs (stream capture)".into(),
+        })
+    }
+
+    /// Makes a launchable graph of `graph` (which stays owned by the caller).
+    fn graph_instantiate(
+        &self,
+        device: DeviceOrdinal,
+        graph: GraphHandle,
+    ) -> Result<GraphExecHandle, DriverError> {
+        let _ = (device, graph);
+        Err(DriverError::Unsupported {
+            backend: self.backend(),
+            what: "graphs (instantiate)".into(),
+        })
+    }
+
+    /// Updates `exec` in place to run `graph` (same topology, other parameters). `Ok(false)`
+    /// when the runtime refuses the update (the topology or a kernel changed): the caller
+    /// instantiates `graph` instead, and `exec` is left as it was.
+    fn graph_exec_update(
+        &self,
+        device: DeviceOrdinal,
+        exec: GraphExecHandle,
+        graph: GraphHandle,
+    ) -> Result<bool, DriverError> {
+        let _ = (device, exec, graph);
+        Err(DriverError::Unsupported {
+            backend: self.backend(),
+            what: "graphs (update)".into(),
+        })
+    }
+
+    /// Queues one run of `exec` on `stream`.
+    fn graph_launch(
+        &self,
+        device: DeviceOrdinal,
+        exec: GraphExecHandle,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        let _ = (device, exec, stream);
+        Err(DriverError::Unsupported {
+            backend: self.backend(),
+            what: "graphs (launch)".into(),
+        })
+    }
+
+    fn graph_destroy(&self, device: DeviceOrdinal, graph: GraphHandle) -> Result<(), DriverError> {
+        let _ = (device, graph);
+        Err(DriverError::Unsupported {
+            backend: self.backend(),
+            what: "graphs (destroy)".into(),
+        })
+    }
+
+    /// Destroys an instantiated graph; runs already queued complete first (the runtimes defer
+    /// the release).
+    fn graph_exec_destroy(
+        &self,
+        device: DeviceOrdinal,
+        exec: GraphExecHandle,
+    ) -> Result<(), DriverError> {
+        let _ = (device, exec);
+        Err(DriverError::Unsupported {
+            backend: self.backend(),
+            what: "graphs (destroy)".into(),
+        })
+    }
 
     /// Copies `src` to device memory and waits for the copy to finish.
     fn upload(

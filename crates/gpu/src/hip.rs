@@ -21,8 +21,9 @@ use libloading::Library;
 
 use crate::driver::{
     AttemptOutcome, Backend, DeviceInfo, DeviceOrdinal, DevicePtr, Driver, DriverError,
-    EventHandle, FunctionHandle, KernelArgs, LaunchConfig, LibraryAttempt, MemInfo, MemoryType,
-    ModuleHandle, PhysicalHandle, PointerInfo, RuntimeInfo, StreamHandle,
+    EventHandle, FunctionHandle, GraphExecHandle, GraphHandle, KernelArgs, LaunchConfig,
+    LibraryAttempt, MemInfo, MemoryType, ModuleHandle, PhysicalHandle, PointerInfo, RuntimeInfo,
+    StreamHandle,
 };
 use crate::kernels::normalize_arch;
 
@@ -221,6 +222,23 @@ struct VmmApi {
     granularity: unsafe extern "C" fn(*mut usize, *const HipMemAllocationProp, c_int) -> HipStatus,
 }
 
+/// `hipStreamCaptureModeRelaxed` (hip_runtime_api.h: Global 0, ThreadLocal 1, Relaxed 2).
+const STREAM_CAPTURE_MODE_RELAXED: c_int = 2;
+/// `hipErrorGraphExecUpdateFailure`: the update was refused (same value as CUDA's).
+const HIP_ERROR_GRAPH_EXEC_UPDATE_FAILURE: HipStatus = 910;
+
+/// Graph entry points (hip_runtime_api.h); optional so a runtime without them still loads.
+struct GraphApi {
+    stream_begin_capture: unsafe extern "C" fn(Handle, c_int) -> HipStatus,
+    stream_end_capture: unsafe extern "C" fn(Handle, *mut Handle) -> HipStatus,
+    instantiate:
+        unsafe extern "C" fn(*mut Handle, Handle, *mut Handle, *mut c_char, usize) -> HipStatus,
+    exec_update: unsafe extern "C" fn(Handle, Handle, *mut Handle, *mut c_int) -> HipStatus,
+    launch: unsafe extern "C" fn(Handle, Handle) -> HipStatus,
+    destroy: unsafe extern "C" fn(Handle) -> HipStatus,
+    exec_destroy: unsafe extern "C" fn(Handle) -> HipStatus,
+}
+
 struct HipApi {
     init: unsafe extern "C" fn(c_uint) -> HipStatus,
     get_device_count: unsafe extern "C" fn(*mut c_int) -> HipStatus,
@@ -268,6 +286,7 @@ struct HipApi {
     driver_get_version: unsafe extern "C" fn(*mut c_int) -> HipStatus,
     runtime_get_version: unsafe extern "C" fn(*mut c_int) -> HipStatus,
     vmm: Option<VmmApi>,
+    graph: Option<GraphApi>,
 }
 
 /// The HIP driver. See the module docs.
@@ -411,6 +430,17 @@ impl HipDriver {
                 granularity: optional_symbol!(library, "hipMemGetAllocationGranularity")?,
             })
         })();
+        let graph = (|| {
+            Some(GraphApi {
+                stream_begin_capture: optional_symbol!(library, "hipStreamBeginCapture")?,
+                stream_end_capture: optional_symbol!(library, "hipStreamEndCapture")?,
+                instantiate: optional_symbol!(library, "hipGraphInstantiate")?,
+                exec_update: optional_symbol!(library, "hipGraphExecUpdate")?,
+                launch: optional_symbol!(library, "hipGraphLaunch")?,
+                destroy: optional_symbol!(library, "hipGraphDestroy")?,
+                exec_destroy: optional_symbol!(library, "hipGraphExecDestroy")?,
+            })
+        })();
         let api = HipApi {
             init: symbol!(library, name, "hipInit"),
             get_device_count: symbol!(library, name, "hipGetDeviceCount"),
@@ -444,6 +474,7 @@ impl HipDriver {
             driver_get_version: symbol!(library, name, "hipDriverGetVersion"),
             runtime_get_version: symbol!(library, name, "hipRuntimeGetVersion"),
             vmm,
+            graph,
         };
         let loaded_path =
             library_path_of(api.init as *const c_void).or_else(|| Some(PathBuf::from(&name)));
@@ -494,6 +525,17 @@ impl HipDriver {
         unsafe { CStr::from_ptr(name) }
             .to_string_lossy()
             .into_owned()
+    }
+
+    /// The graph entry points, or why graphs cannot be used.
+    fn graph_api(&self, what: &str) -> Result<&GraphApi, DriverError> {
+        self.api
+            .graph
+            .as_ref()
+            .ok_or_else(|| DriverError::Unsupported {
+                backend: Backend::Hip,
+                what: format!("{what}: the runtime lacks the hipGraph entry points"),
+            })
     }
 
     fn check(&self, call: &'static str, status: HipStatus) -> Result<(), DriverError> {
@@ -953,26 +995,147 @@ impl Driver for HipDriver {
         args: &KernelArgs,
     ) -> Result<(), DriverError> {
         self.set_device(device)?;
-        let mut args = args.clone();
-        let mut pointers = args.slot_pointers();
         let [gx, gy, gz] = config.grid;
         let [bx, by, bz] = config.block;
-        // SAFETY: the caller guarantees the arguments match the kernel; `pointers` points into
-        // `args`, both alive until the call returns (HIP copies kernel arguments at launch).
-        self.check("hipModuleLaunchKernel", unsafe {
-            (self.api.module_launch_kernel)(
-                handle(function.0),
-                gx,
-                gy,
-                gz,
-                bx,
-                by,
-                bz,
-                config.shared_mem_bytes,
-                handle(stream.0),
-                pointers.as_mut_ptr(),
+        args.with_slot_pointers(|pointers| {
+            // SAFETY: the caller guarantees the arguments match the kernel; `pointers` points
+            // into `args`, both alive until the call returns (HIP copies kernel arguments at
+            // launch, and only reads through the pointers).
+            self.check("hipModuleLaunchKernel", unsafe {
+                (self.api.module_launch_kernel)(
+                    handle(function.0),
+                    gx,
+                    gy,
+                    gz,
+                    bx,
+                    by,
+                    bz,
+                    config.shared_mem_bytes,
+                    handle(stream.0),
+                    pointers,
+                    std::ptr::null_mut(),
+                )
+            })
+        })
+    }
+
+    fn stream_begin_capture(
+        &self,
+        device: DeviceOrdinal,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        let graph = self.graph_api("graphs (stream capture)")?;
+        self.set_device(device)?;
+        // SAFETY: the handle came from stream_create. Relaxed mode: allocations and other calls
+        // that do not touch the stream stay legal while it captures (the pool may grow).
+        self.check("hipStreamBeginCapture", unsafe {
+            (graph.stream_begin_capture)(handle(stream.0), STREAM_CAPTURE_MODE_RELAXED)
+        })
+    }
+
+    fn stream_end_capture(
+        &self,
+        device: DeviceOrdinal,
+        stream: StreamHandle,
+    ) -> Result<GraphHandle, DriverError> {
+        let graph_api = self.graph_api("graphs (stream capture)")?;
+        self.set_device(device)?;
+        let mut graph: Handle = std::ptr::null_mut();
+        // SAFETY: the out-pointer is a live local; the handle came from stream_create.
+        self.check("hipStreamEndCapture", unsafe {
+            (graph_api.stream_end_capture)(handle(stream.0), &mut graph)
+        })?;
+        if graph.is_null() {
+            return Err(DriverError::InvalidArgument {
+                call: "hipStreamEndCapture",
+                reason: "the runtime returned no graph".into(),
+            });
+        }
+        Ok(GraphHandle(graph as usize as u64))
+    }
+
+    fn graph_instantiate(
+        &self,
+        device: DeviceOrdinal,
+        graph: GraphHandle,
+    ) -> Result<GraphExecHandle, DriverError> {
+        let graph_api = self.graph_api("graphs (instantiate)")?;
+        self.set_device(device)?;
+        let mut exec: Handle = std::ptr::null_mut();
+        // SAFETY: the out-pointer is a live local; the graph came from stream_end_capture; no
+        // error node or log buffer is asked for (null, 0).
+        self.check("hipGraphInstantiate", unsafe {
+            (graph_api.instantiate)(
+                &mut exec,
+                handle(graph.0),
                 std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                0,
             )
+        })?;
+        Ok(GraphExecHandle(exec as usize as u64))
+    }
+
+    fn graph_exec_update(
+        &self,
+        device: DeviceOrdinal,
+        exec: GraphExecHandle,
+        graph: GraphHandle,
+    ) -> Result<bool, DriverError> {
+        let graph_api = self.graph_api("graphs (update)")?;
+        self.set_device(device)?;
+        let mut error_node: Handle = std::ptr::null_mut();
+        let mut result: c_int = 0;
+        // SAFETY: both handles came from this driver; the out-pointers are live locals.
+        let status = unsafe {
+            (graph_api.exec_update)(
+                handle(exec.0),
+                handle(graph.0),
+                &mut error_node,
+                &mut result,
+            )
+        };
+        match status {
+            HIP_SUCCESS => Ok(result == 0),
+            // The runtime refuses updates that change the graph's shape; the caller instantiates.
+            HIP_ERROR_GRAPH_EXEC_UPDATE_FAILURE => Ok(false),
+            other => self.check("hipGraphExecUpdate", other).map(|()| false),
+        }
+    }
+
+    fn graph_launch(
+        &self,
+        device: DeviceOrdinal,
+        exec: GraphExecHandle,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        let graph_api = self.graph_api("graphs (launch)")?;
+        self.set_device(device)?;
+        // SAFETY: the exec came from graph_instantiate, the stream from stream_create.
+        self.check("hipGraphLaunch", unsafe {
+            (graph_api.launch)(handle(exec.0), handle(stream.0))
+        })
+    }
+
+    fn graph_destroy(&self, device: DeviceOrdinal, graph: GraphHandle) -> Result<(), DriverError> {
+        let graph_api = self.graph_api("graphs (destroy)")?;
+        self.set_device(device)?;
+        // SAFETY: the graph came from stream_end_capture and is destroyed once.
+        self.check("hipGraphDestroy", unsafe {
+            (graph_api.destroy)(handle(graph.0))
+        })
+    }
+
+    fn graph_exec_destroy(
+        &self,
+        device: DeviceOrdinal,
+        exec: GraphExecHandle,
+    ) -> Result<(), DriverError> {
+        let graph_api = self.graph_api("graphs (destroy)")?;
+        self.set_device(device)?;
+        // SAFETY: the exec came from graph_instantiate and is destroyed once.
+        self.check("hipGraphExecDestroy", unsafe {
+            (graph_api.exec_destroy)(handle(exec.0))
         })
     }
 

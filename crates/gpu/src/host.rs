@@ -10,15 +10,22 @@
 //! Every access made through the driver (copies, memsets, kernels) is checked against what is
 //! allocated and accessible, so a pool bug shows up as an error rather than a segfault. Work runs
 //! synchronously; streams and events exist so call sequences match the GPU drivers'.
+//!
+//! Graphs: while a stream captures, launches, device copies and memsets queued on it are recorded
+//! instead of run, and a launched graph replays them in order, so the engine's capture and replay
+//! logic runs for real here. A synchronisation or a host copy on a capturing stream invalidates
+//! the capture, as on a GPU. [`HostDriver::fail_graphs`] makes every capture fail, to test the
+//! fallbacks.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Instant;
 
 use crate::driver::{
     Backend, DeviceInfo, DeviceOrdinal, DevicePtr, Driver, DriverError, EventHandle,
-    FunctionHandle, KernelArg, KernelArgs, LaunchConfig, MemInfo, MemoryType, ModuleHandle,
-    PhysicalHandle, PointerInfo, RuntimeInfo, StreamHandle,
+    FunctionHandle, GraphExecHandle, GraphHandle, KernelArg, KernelArgs, LaunchConfig, MemInfo,
+    MemoryType, ModuleHandle, PhysicalHandle, PointerInfo, RuntimeInfo, StreamHandle,
 };
 
 /// A virtual-memory step the host driver can be told to fail, to test fallbacks.
@@ -162,8 +169,58 @@ struct Mapping {
     accessible: bool,
 }
 
+/// One piece of stream work recorded into a host graph.
+#[derive(Clone, Debug)]
+enum HostOp {
+    Launch {
+        function: FunctionHandle,
+        config: LaunchConfig,
+        args: KernelArgs,
+    },
+    CopyDtoD {
+        dst: DevicePtr,
+        src: DevicePtr,
+        bytes: u64,
+    },
+    MemsetD8 {
+        dst: DevicePtr,
+        value: u8,
+        bytes: u64,
+    },
+    MemsetD32 {
+        dst: DevicePtr,
+        value: u32,
+        count: u64,
+    },
+}
+
+impl HostOp {
+    /// Whether an exec holding `self` can be updated to `other` (same kind, same kernel), as the
+    /// GPU runtimes allow.
+    fn same_shape(&self, other: &HostOp) -> bool {
+        match (self, other) {
+            (HostOp::Launch { function: a, .. }, HostOp::Launch { function: b, .. }) => a == b,
+            (HostOp::CopyDtoD { .. }, HostOp::CopyDtoD { .. })
+            | (HostOp::MemsetD8 { .. }, HostOp::MemsetD8 { .. })
+            | (HostOp::MemsetD32 { .. }, HostOp::MemsetD32 { .. }) => true,
+            _ => false,
+        }
+    }
+}
+
+/// A stream being captured: the work recorded so far, or why the capture is invalid.
+#[derive(Debug, Default)]
+struct Capture {
+    ops: Vec<HostOp>,
+    invalidated: Option<String>,
+}
+
 #[derive(Debug, Default)]
 struct HostState {
+    /// Streams being captured.
+    captures: HashMap<u64, Capture>,
+    graphs: HashMap<u64, Arc<Vec<HostOp>>>,
+    execs: HashMap<u64, Arc<Vec<HostOp>>>,
     /// Plain allocations: address -> length (each its own RW anonymous mapping).
     blocks: BTreeMap<u64, u64>,
     reservations: BTreeMap<u64, u64>,
@@ -293,6 +350,9 @@ pub struct HostDriver {
     config: HostDriverConfig,
     state: Mutex<HostState>,
     kernels: RwLock<HashMap<String, HostKernel>>,
+    fail_graphs: AtomicBool,
+    direct_launches: AtomicU64,
+    graph_launches: AtomicU64,
 }
 
 impl std::fmt::Debug for HostDriver {
@@ -309,7 +369,147 @@ impl HostDriver {
             config,
             state: Mutex::new(HostState::default()),
             kernels: RwLock::new(HashMap::new()),
+            fail_graphs: AtomicBool::new(false),
+            direct_launches: AtomicU64::new(0),
+            graph_launches: AtomicU64::new(0),
         }
+    }
+
+    /// Makes every later stream capture fail at its start (`fail = true`), to test fallbacks.
+    pub fn fail_graphs(&self, fail: bool) {
+        self.fail_graphs.store(fail, Ordering::Release);
+    }
+
+    /// Kernels launched directly (not by a graph) so far.
+    pub fn direct_launches(&self) -> u64 {
+        self.direct_launches.load(Ordering::Acquire)
+    }
+
+    /// Graphs launched so far.
+    pub fn graph_launches(&self) -> u64 {
+        self.graph_launches.load(Ordering::Acquire)
+    }
+
+    /// Records `op` if `stream` is capturing; `false` when it should run now.
+    fn record(&self, stream: StreamHandle, op: impl FnOnce() -> HostOp) -> bool {
+        match self.lock().captures.get_mut(&stream.0) {
+            Some(capture) => {
+                capture.ops.push(op());
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Fails a call that may not run on a capturing stream, invalidating the capture.
+    fn refuse_if_capturing(
+        &self,
+        stream: Option<StreamHandle>,
+        call: &'static str,
+    ) -> Result<(), DriverError> {
+        let mut state = self.lock();
+        let capturing: Vec<u64> = match stream {
+            Some(stream) => state
+                .captures
+                .contains_key(&stream.0)
+                .then_some(stream.0)
+                .into_iter()
+                .collect(),
+            None => state.captures.keys().copied().collect(),
+        };
+        if capturing.is_empty() {
+            return Ok(());
+        }
+        for id in capturing {
+            if let Some(capture) = state.captures.get_mut(&id) {
+                capture
+                    .invalidated
+                    .get_or_insert_with(|| format!("{call} was called while stream {id} captured"));
+            }
+        }
+        Err(invalid(
+            call,
+            "not allowed while a stream captures; the capture is invalidated".into(),
+        ))
+    }
+
+    fn execute(&self, op: &HostOp) -> Result<(), DriverError> {
+        match op {
+            HostOp::Launch {
+                function,
+                config,
+                args,
+            } => self.run_kernel(*function, config, args),
+            HostOp::CopyDtoD { dst, src, bytes } => {
+                let state = self.lock();
+                state.check_accessible(*src, *bytes)?;
+                state.check_accessible(*dst, *bytes)?;
+                // SAFETY: both ranges are checked accessible and kept mapped by the lock; `copy`
+                // allows overlap.
+                unsafe { std::ptr::copy(src.0 as *const u8, dst.0 as *mut u8, *bytes as usize) };
+                Ok(())
+            }
+            HostOp::MemsetD8 { dst, value, bytes } => {
+                let state = self.lock();
+                state.check_accessible(*dst, *bytes)?;
+                // SAFETY: the range is checked accessible and kept mapped by the lock.
+                unsafe { std::ptr::write_bytes(dst.0 as *mut u8, *value, *bytes as usize) };
+                Ok(())
+            }
+            HostOp::MemsetD32 { dst, value, count } => {
+                if !dst.0.is_multiple_of(4) {
+                    return Err(invalid(
+                        "hostMemsetD32",
+                        format!("{dst} is not 4-byte aligned"),
+                    ));
+                }
+                let state = self.lock();
+                state.check_accessible(*dst, count * 4)?;
+                // SAFETY: the range is checked accessible, 4-byte aligned, and kept mapped by the
+                // lock.
+                let words =
+                    unsafe { std::slice::from_raw_parts_mut(dst.0 as *mut u32, *count as usize) };
+                words.fill(*value);
+                Ok(())
+            }
+        }
+    }
+
+    fn run_kernel(
+        &self,
+        function: FunctionHandle,
+        config: &LaunchConfig,
+        args: &KernelArgs,
+    ) -> Result<(), DriverError> {
+        let name = self
+            .lock()
+            .functions
+            .get(&function.0)
+            .cloned()
+            .ok_or_else(|| {
+                invalid(
+                    "hostModuleLaunchKernel",
+                    format!("unknown function {}", function.0),
+                )
+            })?;
+        let kernel = self
+            .kernels
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&name)
+            .cloned()
+            .ok_or_else(|| {
+                invalid(
+                    "hostModuleLaunchKernel",
+                    format!("kernel {name} is no longer registered"),
+                )
+            })?;
+        let launch = HostLaunch {
+            driver: self,
+            config: *config,
+            args,
+        };
+        kernel(&launch).map_err(|reason| DriverError::KernelFailed { name, reason })
     }
 
     pub fn config(&self) -> &HostDriverConfig {
@@ -473,9 +673,10 @@ impl Driver for HostDriver {
         dst: DevicePtr,
         src: *const u8,
         bytes: u64,
-        _stream: StreamHandle,
+        stream: StreamHandle,
     ) -> Result<(), DriverError> {
         self.check_device(device)?;
+        self.refuse_if_capturing(Some(stream), "hostMemcpyHtoDAsync")?;
         let state = self.lock();
         state.check_accessible(dst, bytes)?;
         // SAFETY: the destination range is checked accessible and kept mapped by the lock; the
@@ -490,9 +691,10 @@ impl Driver for HostDriver {
         dst: *mut u8,
         src: DevicePtr,
         bytes: u64,
-        _stream: StreamHandle,
+        stream: StreamHandle,
     ) -> Result<(), DriverError> {
         self.check_device(device)?;
+        self.refuse_if_capturing(Some(stream), "hostMemcpyDtoHAsync")?;
         let state = self.lock();
         state.check_accessible(src, bytes)?;
         // SAFETY: the source range is checked accessible and kept mapped by the lock; the caller
@@ -507,15 +709,14 @@ impl Driver for HostDriver {
         dst: DevicePtr,
         src: DevicePtr,
         bytes: u64,
-        _stream: StreamHandle,
+        stream: StreamHandle,
     ) -> Result<(), DriverError> {
         self.check_device(device)?;
-        let state = self.lock();
-        state.check_accessible(src, bytes)?;
-        state.check_accessible(dst, bytes)?;
-        // SAFETY: both ranges are checked accessible and kept mapped by the lock; `copy` allows overlap.
-        unsafe { std::ptr::copy(src.0 as *const u8, dst.0 as *mut u8, bytes as usize) };
-        Ok(())
+        let op = HostOp::CopyDtoD { dst, src, bytes };
+        if self.record(stream, || op.clone()) {
+            return Ok(());
+        }
+        self.execute(&op)
     }
 
     fn memset_d8_async(
@@ -524,14 +725,14 @@ impl Driver for HostDriver {
         dst: DevicePtr,
         value: u8,
         bytes: u64,
-        _stream: StreamHandle,
+        stream: StreamHandle,
     ) -> Result<(), DriverError> {
         self.check_device(device)?;
-        let state = self.lock();
-        state.check_accessible(dst, bytes)?;
-        // SAFETY: the range is checked accessible and kept mapped by the lock.
-        unsafe { std::ptr::write_bytes(dst.0 as *mut u8, value, bytes as usize) };
-        Ok(())
+        let op = HostOp::MemsetD8 { dst, value, bytes };
+        if self.record(stream, || op.clone()) {
+            return Ok(());
+        }
+        self.execute(&op)
     }
 
     fn memset_d32_async(
@@ -540,21 +741,14 @@ impl Driver for HostDriver {
         dst: DevicePtr,
         value: u32,
         count: u64,
-        _stream: StreamHandle,
+        stream: StreamHandle,
     ) -> Result<(), DriverError> {
         self.check_device(device)?;
-        if !dst.0.is_multiple_of(4) {
-            return Err(invalid(
-                "hostMemsetD32",
-                format!("{dst} is not 4-byte aligned"),
-            ));
+        let op = HostOp::MemsetD32 { dst, value, count };
+        if self.record(stream, || op.clone()) {
+            return Ok(());
         }
-        let state = self.lock();
-        state.check_accessible(dst, count * 4)?;
-        // SAFETY: the range is checked accessible, 4-byte aligned, and kept mapped by the lock.
-        let words = unsafe { std::slice::from_raw_parts_mut(dst.0 as *mut u32, count as usize) };
-        words.fill(value);
-        Ok(())
+        self.execute(&op)
     }
 
     fn stream_create(&self, device: DeviceOrdinal) -> Result<StreamHandle, DriverError> {
@@ -583,6 +777,7 @@ impl Driver for HostDriver {
         stream: StreamHandle,
     ) -> Result<(), DriverError> {
         self.check_device(device)?;
+        self.refuse_if_capturing(Some(stream), "hostStreamSynchronize")?;
         if stream != StreamHandle::DEFAULT && !self.lock().streams.contains_key(&stream.0) {
             return Err(invalid(
                 "hostStreamSynchronize",
@@ -668,7 +863,8 @@ impl Driver for HostDriver {
     }
 
     fn synchronize(&self, device: DeviceOrdinal) -> Result<(), DriverError> {
-        self.check_device(device)
+        self.check_device(device)?;
+        self.refuse_if_capturing(None, "hostDeviceSynchronize")
     }
 
     fn module_load(
@@ -737,39 +933,156 @@ impl Driver for HostDriver {
         device: DeviceOrdinal,
         function: FunctionHandle,
         config: &LaunchConfig,
-        _stream: StreamHandle,
+        stream: StreamHandle,
         args: &KernelArgs,
     ) -> Result<(), DriverError> {
         self.check_device(device)?;
-        let name = self
-            .lock()
-            .functions
-            .get(&function.0)
-            .cloned()
-            .ok_or_else(|| {
-                invalid(
-                    "hostModuleLaunchKernel",
-                    format!("unknown function {}", function.0),
-                )
-            })?;
-        let kernel = self
-            .kernels
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&name)
-            .cloned()
-            .ok_or_else(|| {
-                invalid(
-                    "hostModuleLaunchKernel",
-                    format!("kernel {name} is no longer registered"),
-                )
-            })?;
-        let launch = HostLaunch {
-            driver: self,
+        if self.record(stream, || HostOp::Launch {
+            function,
             config: *config,
-            args,
+            args: args.clone(),
+        }) {
+            return Ok(());
+        }
+        self.direct_launches.fetch_add(1, Ordering::AcqRel);
+        self.run_kernel(function, config, args)
+    }
+
+    fn stream_begin_capture(
+        &self,
+        device: DeviceOrdinal,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        self.check_device(device)?;
+        if self.fail_graphs.load(Ordering::Acquire) {
+            return Err(injected("hostStreamBeginCapture"));
+        }
+        let mut state = self.lock();
+        if stream == StreamHandle::DEFAULT || !state.streams.contains_key(&stream.0) {
+            return Err(invalid(
+                "hostStreamBeginCapture",
+                format!("stream {} is not a created stream", stream.0),
+            ));
+        }
+        if state.captures.contains_key(&stream.0) {
+            return Err(invalid(
+                "hostStreamBeginCapture",
+                format!("stream {} is already capturing", stream.0),
+            ));
+        }
+        state.captures.insert(stream.0, Capture::default());
+        Ok(())
+    }
+
+    fn stream_end_capture(
+        &self,
+        device: DeviceOrdinal,
+        stream: StreamHandle,
+    ) -> Result<GraphHandle, DriverError> {
+        self.check_device(device)?;
+        let mut state = self.lock();
+        let capture = state.captures.remove(&stream.0).ok_or_else(|| {
+            invalid(
+                "hostStreamEndCapture",
+                format!("stream {} is not capturing", stream.0),
+            )
+        })?;
+        if let Some(reason) = capture.invalidated {
+            return Err(invalid(
+                "hostStreamEndCapture",
+                format!("the capture was invalidated: {reason}"),
+            ));
+        }
+        let handle = state.handle();
+        state.graphs.insert(handle, Arc::new(capture.ops));
+        Ok(GraphHandle(handle))
+    }
+
+    fn graph_instantiate(
+        &self,
+        device: DeviceOrdinal,
+        graph: GraphHandle,
+    ) -> Result<GraphExecHandle, DriverError> {
+        self.check_device(device)?;
+        let mut state = self.lock();
+        let ops =
+            state.graphs.get(&graph.0).cloned().ok_or_else(|| {
+                invalid("hostGraphInstantiate", format!("unknown graph {}", graph.0))
+            })?;
+        let handle = state.handle();
+        state.execs.insert(handle, ops);
+        Ok(GraphExecHandle(handle))
+    }
+
+    fn graph_exec_update(
+        &self,
+        device: DeviceOrdinal,
+        exec: GraphExecHandle,
+        graph: GraphHandle,
+    ) -> Result<bool, DriverError> {
+        self.check_device(device)?;
+        let mut state = self.lock();
+        let new =
+            state.graphs.get(&graph.0).cloned().ok_or_else(|| {
+                invalid("hostGraphExecUpdate", format!("unknown graph {}", graph.0))
+            })?;
+        let old = state
+            .execs
+            .get_mut(&exec.0)
+            .ok_or_else(|| invalid("hostGraphExecUpdate", format!("unknown exec {}", exec.0)))?;
+        let same =
+            old.len() == new.len() && old.iter().zip(new.iter()).all(|(a, b)| a.same_shape(b));
+        if same {
+            *old = new;
+        }
+        Ok(same)
+    }
+
+    fn graph_launch(
+        &self,
+        device: DeviceOrdinal,
+        exec: GraphExecHandle,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        self.check_device(device)?;
+        let ops = {
+            let state = self.lock();
+            if state.captures.contains_key(&stream.0) {
+                return Err(invalid(
+                    "hostGraphLaunch",
+                    "launching a graph into a capture is not supported".into(),
+                ));
+            }
+            state
+                .execs
+                .get(&exec.0)
+                .cloned()
+                .ok_or_else(|| invalid("hostGraphLaunch", format!("unknown exec {}", exec.0)))?
         };
-        kernel(&launch).map_err(|reason| DriverError::KernelFailed { name, reason })
+        self.graph_launches.fetch_add(1, Ordering::AcqRel);
+        ops.iter().try_for_each(|op| self.execute(op))
+    }
+
+    fn graph_destroy(&self, device: DeviceOrdinal, graph: GraphHandle) -> Result<(), DriverError> {
+        self.check_device(device)?;
+        self.lock()
+            .graphs
+            .remove(&graph.0)
+            .map(|_| ())
+            .ok_or_else(|| invalid("hostGraphDestroy", format!("unknown graph {}", graph.0)))
+    }
+
+    fn graph_exec_destroy(
+        &self,
+        device: DeviceOrdinal,
+        exec: GraphExecHandle,
+    ) -> Result<(), DriverError> {
+        self.check_device(device)?;
+        self.lock()
+            .execs
+            .remove(&exec.0)
+            .map(|_| ())
+            .ok_or_else(|| invalid("hostGraphExecDestroy", format!("unknown exec {}", exec.0)))
     }
 
     fn pointer_info(
@@ -1266,5 +1579,112 @@ mod tests {
         d.download(0, &mut out, ptr, StreamHandle::DEFAULT).unwrap();
         assert_eq!(out[12..16], 8.0f32.to_le_bytes());
         assert!(d.module_function(0, module, "missing").is_err());
+    }
+
+    /// A driver with an `add_scalar(ptr, n, value)` kernel, a stream and 4 f32s at `ptr`.
+    fn graph_fixture() -> (HostDriver, StreamHandle, FunctionHandle, DevicePtr) {
+        let d = driver();
+        d.register_kernel("add_scalar", |launch| {
+            let ptr = launch.ptr_arg(0)?;
+            let n = launch.u32_arg(1)? as usize;
+            let value = launch.f32_arg(2)?;
+            let values: Vec<f32> = launch
+                .read_f32(ptr, n)?
+                .into_iter()
+                .map(|v| v + value)
+                .collect();
+            launch.write_f32(ptr, &values)
+        });
+        let stream = d.stream_create(0).unwrap();
+        let module = d.module_load(0, b"host").unwrap();
+        let function = d.module_function(0, module, "add_scalar").unwrap();
+        let ptr = d.alloc(0, 16).unwrap();
+        d.upload(0, ptr, &[0u8; 16], stream).unwrap();
+        (d, stream, function, ptr)
+    }
+
+    fn add_scalar(
+        d: &HostDriver,
+        stream: StreamHandle,
+        function: FunctionHandle,
+        ptr: DevicePtr,
+        value: f32,
+    ) {
+        let args = KernelArgs::new()
+            .arg(KernelArg::Ptr(ptr))
+            .arg(KernelArg::U32(4))
+            .arg(KernelArg::F32(value));
+        // SAFETY: the host driver checks every access the kernel makes.
+        unsafe { d.launch(0, function, &LaunchConfig::linear(1, 4), stream, &args) }.unwrap();
+    }
+
+    fn read4(d: &HostDriver, stream: StreamHandle, ptr: DevicePtr) -> Vec<f32> {
+        let mut out = [0u8; 16];
+        d.download(0, &mut out, ptr, stream).unwrap();
+        out.chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect()
+    }
+
+    #[test]
+    fn captured_work_runs_only_when_the_graph_is_launched() {
+        let (d, stream, function, ptr) = graph_fixture();
+        d.stream_begin_capture(0, stream).unwrap();
+        add_scalar(&d, stream, function, ptr, 1.0);
+        d.memset_d32_async(0, ptr.offset(12), 7.0f32.to_bits(), 1, stream)
+            .unwrap();
+        add_scalar(&d, stream, function, ptr, 2.0);
+        let graph = d.stream_end_capture(0, stream).unwrap();
+        assert_eq!(
+            read4(&d, stream, ptr),
+            [0.0; 4],
+            "nothing ran while capturing"
+        );
+        assert_eq!(d.direct_launches(), 0);
+
+        let exec = d.graph_instantiate(0, graph).unwrap();
+        d.graph_launch(0, exec, stream).unwrap();
+        assert_eq!(read4(&d, stream, ptr), [3.0, 3.0, 3.0, 9.0]);
+        d.graph_launch(0, exec, stream).unwrap();
+        assert_eq!(read4(&d, stream, ptr), [6.0, 6.0, 6.0, 9.0]);
+        assert_eq!(d.graph_launches(), 2);
+
+        // The same work with another scalar updates in place; other work is refused.
+        d.stream_begin_capture(0, stream).unwrap();
+        add_scalar(&d, stream, function, ptr, 10.0);
+        d.memset_d32_async(0, ptr.offset(12), 0, 1, stream).unwrap();
+        add_scalar(&d, stream, function, ptr, 0.5);
+        let same_shape = d.stream_end_capture(0, stream).unwrap();
+        assert!(d.graph_exec_update(0, exec, same_shape).unwrap());
+        d.graph_launch(0, exec, stream).unwrap();
+        assert_eq!(read4(&d, stream, ptr), [16.5, 16.5, 16.5, 0.5]);
+        d.stream_begin_capture(0, stream).unwrap();
+        add_scalar(&d, stream, function, ptr, 1.0);
+        let shorter = d.stream_end_capture(0, stream).unwrap();
+        assert!(!d.graph_exec_update(0, exec, shorter).unwrap());
+
+        for graph in [graph, same_shape, shorter] {
+            d.graph_destroy(0, graph).unwrap();
+        }
+        d.graph_exec_destroy(0, exec).unwrap();
+        assert!(d.graph_launch(0, exec, stream).is_err());
+    }
+
+    #[test]
+    fn waiting_on_a_capturing_stream_invalidates_the_capture() {
+        let (d, stream, function, ptr) = graph_fixture();
+        d.stream_begin_capture(0, stream).unwrap();
+        add_scalar(&d, stream, function, ptr, 1.0);
+        assert!(d.upload(0, ptr, &[0u8; 4], stream).is_err());
+        let error = d.stream_end_capture(0, stream).unwrap_err();
+        assert!(error.to_string().contains("invalidated"), "{error}");
+        // The stream works directly again.
+        add_scalar(&d, stream, function, ptr, 1.0);
+        assert_eq!(read4(&d, stream, ptr), [1.0; 4]);
+
+        d.fail_graphs(true);
+        assert!(d.stream_begin_capture(0, stream).is_err());
+        d.fail_graphs(false);
+        assert!(d.stream_begin_capture(0, StreamHandle::DEFAULT).is_err());
     }
 }

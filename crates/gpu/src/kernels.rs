@@ -109,7 +109,6 @@ pub const KERNEL_MODULES: &[ModuleSpec] = &[
         module: KernelModule::MatVec,
         stem: "matvec",
         functions: &[
-            "ember_quantize_q8_1",
             "ember_matvec_q4_0_t1",
             "ember_matvec_q4_0_t2",
             "ember_matvec_q4_0_t4",

@@ -79,7 +79,11 @@ fn q6_k_matches_vec_dot_bit_for_bit() {
         for t in 0..n {
             for r in 0..rows {
                 let want = vec_dot_with(level(), ty, w.row(r), act.row(t), cols).unwrap();
-                assert_eq!(out[t * rows + r].to_bits(), want.to_bits(), "row {r} token {t}");
+                assert_eq!(
+                    out[t * rows + r].to_bits(),
+                    want.to_bits(),
+                    "row {r} token {t}"
+                );
             }
         }
     }

@@ -128,6 +128,13 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn begin_forward(&self, batch: &Batch, plan: &AttentionPlan, out_rows: &[usize]) {
         let _ = (batch, plan, out_rows);
     }
+    /// Called once per forward pass after the layers ran. `true` asks the model code to run the
+    /// layers once more: a device backend that recorded the pass into a graph (see
+    /// [`Backend::begin_forward`]) and could not run the recording has run nothing, and runs the
+    /// repeat with plain launches. A pass is idempotent (same inputs, same KV slots).
+    fn end_forward(&self) -> bool {
+        false
+    }
     /// Runs `f` in the backend's execution context (the CPU thread pool); model code wraps each
     /// forward pass in it.
     fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R;

@@ -31,7 +31,12 @@ pub struct RunArgs {
     #[arg(short = 'm', long)]
     pub model: String,
     /// The prompt.
-    #[arg(short = 'p', long, required_unless_present = "prompt_ids", conflicts_with = "prompt_ids")]
+    #[arg(
+        short = 'p',
+        long,
+        required_unless_present = "prompt_ids",
+        conflicts_with = "prompt_ids"
+    )]
     pub prompt: Option<String>,
     /// The prompt as token ids (comma-separated), evaluated as given: no chat template, no BOS
     /// added. For re-evaluating a generation step exactly (scripts/gpu/golden_rule.py).

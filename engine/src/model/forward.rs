@@ -189,6 +189,9 @@ pub(super) fn forward<'c, B: Backend>(
     ctx.out_rows.extend(batch.output_rows());
     backend.begin_forward(batch, &ctx.plan, &ctx.out_rows);
     backend.install(|| run_layers(model, ctx, batch));
+    if backend.end_forward() {
+        backend.install(|| run_layers(model, ctx, batch));
+    }
     if let Some(failure) = backend.take_failure() {
         for &(seq_id, len) in &ctx.lens_before {
             ctx.kv.rollback_sequence(seq_id, len);

@@ -8,7 +8,7 @@
 //! A sequence's block table maps its logical blocks to physical ones (vLLM's paged attention).
 //!
 //! Two kernels compute the same function; [`attention`] picks one per call:
-//! - decode (flash decoding): one thread block per (key partition of 256, head, token), merged
+//! - decode (flash decoding): one thread block per (key partition of 64, head, token), merged
 //!   by a reduce kernel when a token has more than one partition; right when each token is the
 //!   only query of its sequence in the batch;
 //! - prefill (tiled flash attention): one thread block per (16 consecutive batch tokens, head),
@@ -27,7 +27,7 @@ use super::{as_u32, GpuContext, OpsError};
 /// Threads per block of the attention kernels (attention.hip's EMBER_ATTN_THREADS).
 const ATTENTION_THREADS: u32 = 128;
 /// Keys per decode partition (EMBER_ATTN_PARTITION).
-const PARTITION: usize = 256;
+const PARTITION: usize = 64;
 /// Query tokens per prefill thread block (EMBER_ATTN_TILE_Q).
 const TILE_Q: usize = 16;
 /// Largest head size the kernels handle (EMBER_ATTN_MAX_HEAD_DIM).
@@ -742,7 +742,7 @@ pub(super) mod tests {
     }
 
     /// Two sequences in blocks of 4 at scattered physical ids: sequence 0 has 7 cached
-    /// positions and 3 new, sequence 1 has 600 cached and 1 new (three decode partitions).
+    /// positions and 3 new, sequence 1 has 600 cached and 1 new (ten decode partitions).
     #[test]
     fn attention_and_kv_store_pass_their_arguments_in_kernel_order() {
         let (ctx, _dir) = host_context(register_attention_twins);

@@ -9,7 +9,9 @@
 use crate::driver::{DevicePtr, KernelArg, KernelArgs, LaunchConfig};
 use crate::kernels::KernelModule;
 
-use super::{as_u32, stride_launch, DeviceMatrix, GpuContext, OpsError, BLOCK_THREADS};
+use super::{
+    as_u32, stride_launch, DeviceMatrix, GpuContext, OpsError, WeightFormat, BLOCK_THREADS,
+};
 
 /// How rotary position embedding pairs up the values of a head (GGML's modes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,7 +55,7 @@ pub fn get_rows(
             format!("{}", table.cols),
         ));
     }
-    let name = format!("ember_get_rows_{}", table.format.kernel_suffix());
+    let name = get_rows_kernel(table.format);
     let args = KernelArgs::new()
         .arg(ptr(out))
         .arg(ptr(table.ptr()))
@@ -67,10 +69,29 @@ pub fn get_rows(
     unsafe {
         ctx.launch(
             KernelModule::Embedding,
-            &name,
+            name,
             LaunchConfig::linear(n, BLOCK_THREADS),
             &args,
         )
+    }
+}
+
+/// The embedding kernel of `format` (a static name: no formatting on the launch path).
+pub(super) fn get_rows_kernel(format: WeightFormat) -> &'static str {
+    match format {
+        WeightFormat::F32 => "ember_get_rows_f32",
+        WeightFormat::F16 => "ember_get_rows_f16",
+        WeightFormat::BF16 => "ember_get_rows_bf16",
+        WeightFormat::Q4_0 => "ember_get_rows_q4_0",
+        WeightFormat::Q4_1 => "ember_get_rows_q4_1",
+        WeightFormat::Q5_0 => "ember_get_rows_q5_0",
+        WeightFormat::Q5_1 => "ember_get_rows_q5_1",
+        WeightFormat::Q8_0 => "ember_get_rows_q8_0",
+        WeightFormat::Q2K => "ember_get_rows_q2_k",
+        WeightFormat::Q3K => "ember_get_rows_q3_k",
+        WeightFormat::Q4K => "ember_get_rows_q4_k",
+        WeightFormat::Q5K => "ember_get_rows_q5_k",
+        WeightFormat::Q6K => "ember_get_rows_q6_k",
     }
 }
 

@@ -24,6 +24,17 @@
 //! positions, `gather_rows` rows and `argmax` output are i32 on the device. An out-of-range
 //! `get_rows` id gives a row of NaNs rather than a fault.
 //!
+//! Graphs: [`GpuContext::begin_capture`] / [`GpuContext::end_capture`] record the ops queued in
+//! between into a graph instead of running them (the engine replays decode steps this way, one
+//! launch instead of hundreds); [`GpuContext::instantiate_graph`], [`GpuContext::update_graph`],
+//! [`GpuContext::launch_graph`] and the destroy calls wrap the driver's. A synchronous call made
+//! while capturing ([`GpuContext::upload`], [`GpuContext::download`],
+//! [`GpuContext::synchronize`]) ends the capture first (the ops recorded so far are dropped, not
+//! run) and runs as usual; [`GpuContext::end_capture`] then says why the capture was aborted.
+//!
+//! Launch cost: kernel function handles are cached per context in a table resolved once per
+//! function (no lock and no allocation on the launch path).
+//!
 //! The shape of this module (a context owning the stream and a kernel table, free functions per op)
 //! follows candle's CUDA backend; the kernels themselves are ember's own (`kernels/*.hip`).
 
@@ -32,16 +43,19 @@ mod elementwise;
 mod matmul;
 mod matvec;
 
+use std::collections::HashMap;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use thiserror::Error;
 
 use crate::blas::{Blas, BlasError, BlasStatus};
 use crate::driver::{
-    DeviceOrdinal, DevicePtr, Driver, DriverError, KernelArgs, LaunchConfig, StreamHandle,
+    DeviceOrdinal, DevicePtr, Driver, DriverError, FunctionHandle, GraphExecHandle, GraphHandle,
+    KernelArgs, LaunchConfig, StreamHandle,
 };
-use crate::kernels::{KernelError, KernelLibrary, KernelModule};
+use crate::kernels::{KernelError, KernelLibrary, KernelModule, KERNEL_MODULES};
 use crate::pool::{DevicePool, PoolBuffer, PoolError, Purpose};
 
 pub use attention::{attention, kv_store, AttentionArgs};
@@ -83,6 +97,9 @@ pub enum OpsError {
     Unsupported { op: &'static str, what: String },
     #[error("{0} is not built yet")]
     NotBuilt(&'static str),
+    /// [`GpuContext::end_capture`] after a synchronous call ended the capture early.
+    #[error("the graph capture was aborted: {reason}")]
+    CaptureAborted { reason: String },
 }
 
 impl OpsError {
@@ -365,6 +382,33 @@ pub struct GpuContext {
     warp_size: u32,
     blas_status: BlasStatus,
     blas: Option<Blas>,
+    /// Function handles, resolved once each (see [`FunctionTable`]).
+    functions: FunctionTable,
+    /// The stream is capturing (set by `begin_capture`, cleared when the capture ends).
+    capturing: AtomicBool,
+    /// Why the last capture ended early, for `end_capture` to report.
+    capture_aborted: Mutex<Option<String>>,
+}
+
+/// Every kernel function of [`KERNEL_MODULES`] by name, with a slot for its handle on this
+/// context's device. The map is built once and only read afterwards, so a launch looks its kernel
+/// up without a lock; each slot is filled on first use.
+struct FunctionTable {
+    index: HashMap<&'static str, usize>,
+    handles: Vec<OnceLock<FunctionHandle>>,
+}
+
+impl FunctionTable {
+    fn new() -> FunctionTable {
+        let index: HashMap<&'static str, usize> = KERNEL_MODULES
+            .iter()
+            .flat_map(|spec| spec.functions.iter().copied())
+            .enumerate()
+            .map(|(i, name)| (name, i))
+            .collect();
+        let handles = (0..index.len()).map(|_| OnceLock::new()).collect();
+        FunctionTable { index, handles }
+    }
 }
 
 impl fmt::Debug for GpuContext {
@@ -448,6 +492,9 @@ impl GpuContext {
             warp_size,
             blas_status,
             blas,
+            functions: FunctionTable::new(),
+            capturing: AtomicBool::new(false),
+            capture_aborted: Mutex::new(None),
         })
     }
 
@@ -492,6 +539,7 @@ impl GpuContext {
 
     /// Waits for everything queued on the context's stream.
     pub fn synchronize(&self) -> Result<(), OpsError> {
+        self.abort_capture("synchronize");
         self.driver
             .stream_synchronize(self.device, self.stream)
             .map_err(|source| self.driver_error("synchronizing the ops stream", source))
@@ -508,6 +556,7 @@ impl GpuContext {
         if bytes.is_empty() {
             return Ok(());
         }
+        self.abort_capture("upload");
         self.driver
             .upload(self.device, dst, bytes, self.stream)
             .map_err(|source| self.driver_error("uploading to the device", source))
@@ -518,6 +567,7 @@ impl GpuContext {
         if out.is_empty() {
             return self.synchronize();
         }
+        self.abort_capture("download");
         self.driver
             .download(self.device, out, src, self.stream)
             .map_err(|source| self.driver_error("downloading from the device", source))
@@ -563,9 +613,7 @@ impl GpuContext {
         config: LaunchConfig,
         args: &KernelArgs,
     ) -> Result<(), OpsError> {
-        let function = self
-            .kernels
-            .function(&*self.driver, self.device, module, name)?;
+        let function = self.function(module, name)?;
         // SAFETY: forwarded from this function's contract.
         unsafe {
             self.driver
@@ -573,10 +621,132 @@ impl GpuContext {
         }
         .map_err(|source| self.driver_error(&format!("launching {name}"), source))
     }
+
+    /// The handle of `name` of `module`, from the context's table once resolved.
+    fn function(&self, module: KernelModule, name: &str) -> Result<FunctionHandle, OpsError> {
+        let slot = self
+            .functions
+            .index
+            .get(name)
+            .and_then(|&i| self.functions.handles.get(i));
+        if let Some(&handle) = slot.and_then(OnceLock::get) {
+            return Ok(handle);
+        }
+        // First use (or a name no module exports, which the library reports in full).
+        let handle = self
+            .kernels
+            .function(&*self.driver, self.device, module, name)?;
+        if let Some(slot) = slot {
+            let _ = slot.set(handle);
+        }
+        Ok(handle)
+    }
+
+    /// Starts recording the ops queued on the context's stream into a graph (see the module
+    /// docs). Nothing queued until [`GpuContext::end_capture`] runs.
+    pub fn begin_capture(&self) -> Result<(), OpsError> {
+        if self.capturing.load(Ordering::Acquire) {
+            return Err(OpsError::Unsupported {
+                op: "begin_capture",
+                what: "a second capture while one is in progress".into(),
+            });
+        }
+        *self
+            .capture_aborted
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = None;
+        self.driver
+            .stream_begin_capture(self.device, self.stream)
+            .map_err(|source| self.driver_error("beginning a graph capture", source))?;
+        self.capturing.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Whether the context's stream is capturing.
+    pub fn is_capturing(&self) -> bool {
+        self.capturing.load(Ordering::Acquire)
+    }
+
+    /// Ends the capture and returns the recorded graph (the caller destroys it with
+    /// [`GpuContext::destroy_graph`]). [`OpsError::CaptureAborted`] when a synchronous call ended
+    /// it early; the ops recorded were then never run.
+    pub fn end_capture(&self) -> Result<GraphHandle, OpsError> {
+        if !self.capturing.swap(false, Ordering::AcqRel) {
+            let reason = self
+                .capture_aborted
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take()
+                .unwrap_or_else(|| "no capture was in progress".to_string());
+            return Err(OpsError::CaptureAborted { reason });
+        }
+        self.driver
+            .stream_end_capture(self.device, self.stream)
+            .map_err(|source| self.driver_error("ending a graph capture", source))
+    }
+
+    /// Ends a capture in progress because `call` must run now; the recorded work is dropped.
+    fn abort_capture(&self, call: &str) {
+        if !self.capturing.swap(false, Ordering::AcqRel) {
+            return;
+        }
+        let mut reason = format!("{call} was called while capturing");
+        match self.driver.stream_end_capture(self.device, self.stream) {
+            Ok(graph) => {
+                if let Err(error) = self.driver.graph_destroy(self.device, graph) {
+                    reason.push_str(&format!(" (destroying the partial graph failed: {error})"));
+                }
+            }
+            Err(error) => reason.push_str(&format!(" (ending the capture failed: {error})")),
+        }
+        *self
+            .capture_aborted
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(reason);
+    }
+
+    /// Makes a launchable graph of `graph`.
+    pub fn instantiate_graph(&self, graph: GraphHandle) -> Result<GraphExecHandle, OpsError> {
+        self.driver
+            .graph_instantiate(self.device, graph)
+            .map_err(|source| self.driver_error("instantiating a graph", source))
+    }
+
+    /// Updates `exec` to run `graph`; `Ok(false)` when the runtime refuses (instantiate instead).
+    pub fn update_graph(
+        &self,
+        exec: GraphExecHandle,
+        graph: GraphHandle,
+    ) -> Result<bool, OpsError> {
+        self.driver
+            .graph_exec_update(self.device, exec, graph)
+            .map_err(|source| self.driver_error("updating a graph", source))
+    }
+
+    /// Queues one run of `exec` on the context's stream.
+    pub fn launch_graph(&self, exec: GraphExecHandle) -> Result<(), OpsError> {
+        self.driver
+            .graph_launch(self.device, exec, self.stream)
+            .map_err(|source| self.driver_error("launching a graph", source))
+    }
+
+    pub fn destroy_graph(&self, graph: GraphHandle) -> Result<(), OpsError> {
+        self.driver
+            .graph_destroy(self.device, graph)
+            .map_err(|source| self.driver_error("destroying a graph", source))
+    }
+
+    pub fn destroy_graph_exec(&self, exec: GraphExecHandle) -> Result<(), OpsError> {
+        self.driver
+            .graph_exec_destroy(self.device, exec)
+            .map_err(|source| self.driver_error("destroying a graph exec", source))
+    }
 }
 
 impl Drop for GpuContext {
     fn drop(&mut self) {
+        // A capture left open (a caller that panicked mid-step) is ended so the stream can go.
+        self.abort_capture("dropping the context");
         // BLAS is torn down first: its handle refers to the stream.
         self.blas = None;
         let result = self
@@ -615,3 +785,124 @@ pub(crate) fn stride_launch(n: u32) -> LaunchConfig {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod capture_tests {
+    //! Graph capture through the context on the host driver: recorded ops run only when the
+    //! graph is launched, and a synchronous call ends the capture instead of failing.
+
+    use super::*;
+    use crate::host::{HostDriver, HostDriverConfig};
+    use crate::pool::{PoolConfig, PoolKind};
+
+    fn context() -> (GpuContext, Arc<HostDriver>, tempfile::TempDir) {
+        let dir = tempfile::tempdir().unwrap();
+        for spec in KERNEL_MODULES {
+            let path = dir.path().join("host").join(format!("{}.hsaco", spec.stem));
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(path, b"host code object").unwrap();
+        }
+        let driver = Arc::new(HostDriver::new(HostDriverConfig::default()));
+        // ember_scale_f32(float* out, const float* x, float scale, uint32_t n)
+        driver.register_kernel("ember_scale_f32", |launch| {
+            let out = launch.ptr_arg(0)?;
+            let x = launch.ptr_arg(1)?;
+            let scale = launch.f32_arg(2)?;
+            let n = launch.u32_arg(3)? as usize;
+            let values: Vec<f32> = launch.read_f32(x, n)?.iter().map(|v| v * scale).collect();
+            launch.write_f32(out, &values)
+        });
+        let dyn_driver: Arc<dyn Driver> = driver.clone();
+        let pool = DevicePool::with_kind(
+            dyn_driver,
+            0,
+            PoolKind::Caching,
+            "test".to_string(),
+            PoolConfig::default(),
+        )
+        .unwrap();
+        let ctx = GpuContext::with_options(
+            Arc::new(pool),
+            Arc::new(KernelLibrary::new(dir.path().to_path_buf())),
+            &GpuContextOptions { disable_blas: true },
+        )
+        .unwrap();
+        (ctx, driver, dir)
+    }
+
+    fn upload(ctx: &GpuContext, ptr: DevicePtr, values: &[f32]) {
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        ctx.upload(ptr, &bytes).unwrap();
+    }
+
+    fn download(ctx: &GpuContext, ptr: DevicePtr, n: usize) -> Vec<f32> {
+        let mut bytes = vec![0u8; n * 4];
+        ctx.download(ptr, &mut bytes).unwrap();
+        bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect()
+    }
+
+    #[test]
+    fn captured_ops_run_when_the_graph_is_launched() {
+        let (ctx, driver, _dir) = context();
+        let buf = ctx.alloc(Purpose::Scratch, 16).unwrap();
+        upload(&ctx, buf.ptr(), &[1.0, 2.0, 3.0, 4.0]);
+        ctx.begin_capture().unwrap();
+        assert!(ctx.is_capturing());
+        scale(&ctx, buf.ptr(), buf.ptr(), 2.0, 4).unwrap();
+        scale(&ctx, buf.ptr(), buf.ptr(), 3.0, 4).unwrap();
+        let graph = ctx.end_capture().unwrap();
+        assert!(!ctx.is_capturing());
+        assert_eq!(download(&ctx, buf.ptr(), 4), [1.0, 2.0, 3.0, 4.0]);
+        let exec = ctx.instantiate_graph(graph).unwrap();
+        ctx.launch_graph(exec).unwrap();
+        assert_eq!(download(&ctx, buf.ptr(), 4), [6.0, 12.0, 18.0, 24.0]);
+        assert_eq!(driver.direct_launches(), 0);
+        ctx.destroy_graph(graph).unwrap();
+        ctx.destroy_graph_exec(exec).unwrap();
+        // The handle was cached on first use and serves direct launches too.
+        scale(&ctx, buf.ptr(), buf.ptr(), 0.5, 4).unwrap();
+        assert_eq!(download(&ctx, buf.ptr(), 4), [3.0, 6.0, 9.0, 12.0]);
+        assert_eq!(driver.direct_launches(), 1);
+    }
+
+    #[test]
+    fn a_synchronous_call_aborts_the_capture_and_runs() {
+        let (ctx, _driver, _dir) = context();
+        let buf = ctx.alloc(Purpose::Scratch, 16).unwrap();
+        ctx.begin_capture().unwrap();
+        scale(&ctx, buf.ptr(), buf.ptr(), 2.0, 4).unwrap();
+        upload(&ctx, buf.ptr(), &[1.0, 1.0, 1.0, 1.0]);
+        assert!(!ctx.is_capturing(), "the upload ended the capture");
+        // Later ops run directly.
+        scale(&ctx, buf.ptr(), buf.ptr(), 5.0, 4).unwrap();
+        let error = ctx.end_capture().unwrap_err();
+        match &error {
+            OpsError::CaptureAborted { reason } => {
+                assert!(reason.contains("upload"), "{reason}")
+            }
+            other => panic!("expected an aborted capture, found {other:?}"),
+        }
+        assert_eq!(
+            download(&ctx, buf.ptr(), 4),
+            [5.0; 4],
+            "the recorded scale by 2 never ran"
+        );
+        // A new capture starts clean.
+        ctx.begin_capture().unwrap();
+        let graph = ctx.end_capture().unwrap();
+        ctx.destroy_graph(graph).unwrap();
+    }
+
+    #[test]
+    fn every_get_rows_kernel_name_is_exported() {
+        let spec = KernelModule::Embedding.spec();
+        for format in WeightFormat::ALL {
+            let name = elementwise::get_rows_kernel(format);
+            assert!(spec.functions.contains(&name), "{name}");
+            assert_eq!(name, format!("ember_get_rows_{}", format.kernel_suffix()));
+        }
+    }
+}

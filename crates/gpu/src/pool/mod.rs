@@ -251,6 +251,8 @@ struct PoolState {
     usage: PoolUsage,
     last_activity: Instant,
     trimmed_since_activity: bool,
+    /// Trims that gave memory back so far (see [`DevicePool::trim_generation`]).
+    trim_generation: u64,
     at_load: Option<MemorySnapshot>,
     at_peak: MemorySnapshot,
     after_idle: Option<MemorySnapshot>,
@@ -397,6 +399,7 @@ impl DevicePool {
                     usage: PoolUsage::default(),
                     last_activity: Instant::now(),
                     trimmed_since_activity: false,
+                    trim_generation: 0,
                     at_load: None,
                     at_peak: MemorySnapshot::default(),
                     after_idle: None,
@@ -509,6 +512,13 @@ impl DevicePool {
         })
     }
 
+    /// A counter that grows whenever a trim gives memory back to the driver. Idle memory the
+    /// pool held may then be unmapped, so anything that kept device addresses of freed buffers
+    /// (a recorded graph) compares this before reusing them.
+    pub fn trim_generation(&self) -> u64 {
+        self.shared.lock().trim_generation
+    }
+
     /// Trims to the floor if no allocation or free happened for `idle_after` before `now`.
     pub fn trim_if_idle(&self, now: Instant) -> Result<TrimOutcome, PoolError> {
         let shared = &self.shared;
@@ -555,7 +565,11 @@ impl DevicePool {
             })?;
         let driver = &*shared.driver;
         let result = state.strategy().trim(driver, floor);
+        let held_before = state.usage.held;
         state.usage.held = state.strategy().held();
+        if state.usage.held != held_before || result.as_ref().is_ok_and(|&released| released > 0) {
+            state.trim_generation += 1;
+        }
         result.map_err(|source| PoolError::Driver {
             device,
             operation: "trimming the pool",

@@ -468,3 +468,25 @@ fn memory_report_renders_every_stage() {
     assert_eq!(device.after_idle.unwrap().held, 12 * MIB);
     drop(weights);
 }
+
+#[test]
+fn the_trim_generation_counts_trims_that_gave_memory_back() {
+    for kind in [PoolKind::Vmm, PoolKind::Caching] {
+        let driver = host(HostDriverConfig::default());
+        let pool = pool(kind, &driver, config());
+        assert_eq!(pool.trim_generation(), 0);
+        let buffer = pool.alloc(Purpose::Scratch, 8 * MIB).unwrap();
+        // Nothing idle to give back: the generation stays.
+        pool.trim_now().unwrap();
+        assert_eq!(pool.trim_generation(), 0, "{kind:?}");
+        drop(buffer);
+        pool.trim_now().unwrap();
+        assert_eq!(pool.trim_generation(), 1, "{kind:?}");
+        pool.trim_now().unwrap();
+        assert_eq!(
+            pool.trim_generation(),
+            1,
+            "{kind:?}: the second trim had nothing to give"
+        );
+    }
+}

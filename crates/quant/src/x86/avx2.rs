@@ -622,3 +622,19 @@ pub fn matvec_q8_0_q8_0(w: &[u8], a: &[u8], out: &mut [f32]) {
     // SAFETY: this CPU has the features.
     unsafe { matvec_pairs::<true>(w, a, out) }
 }
+
+/// `Σ q·a` of each 32-element sub-block of one Q4_K super-block `x` with the Q8_K block `y`
+/// (exact integers, for `repack_order`).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub fn q4k_sub_block_dots(x: &[u8], y: &[u8]) -> [i32; 8] {
+    let low = _mm256_set1_epi8(0x0F);
+    let mut out = [0i32; 8];
+    for g in 0..4 {
+        let q = load32(&x[q4_k::QS + 32 * g..]);
+        let lo = _mm256_and_si256(q, low);
+        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), low);
+        out[2 * g] = hsum_epi32(dot_u8i8(lo, load32(&y[q8_k::QS + 64 * g..])));
+        out[2 * g + 1] = hsum_epi32(dot_u8i8(hi, load32(&y[q8_k::QS + 64 * g + 32..])));
+    }
+    out
+}

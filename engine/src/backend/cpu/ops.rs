@@ -107,6 +107,37 @@ fn rotate_second(x0: f32, x1: f32, c: f32, s: f32) -> f32 {
 /// (`cos_sin[2i]`, `cos_sin[2i + 1]` for pair `i`).
 #[inline]
 pub fn rope_head(head: &mut [f32], cos_sin: &[f32], n_dims: usize, mode: RopeMode) {
+    #[cfg(target_arch = "x86_64")]
+    if has_fma() {
+        // SAFETY: `has_fma` checked at run time that the CPU supports FMA.
+        return unsafe { rope_head_fma(head, cos_sin, n_dims, mode) };
+    }
+    rope_head_impl(head, cos_sin, n_dims, mode)
+}
+
+fn has_fma() -> bool {
+    static DETECTED: OnceLock<bool> = OnceLock::new();
+    *DETECTED.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            is_x86_feature_detected!("fma")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
+/// [`rope_head`] compiled with FMA, so its fused products are instructions, not `fmaf` calls.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma")]
+fn rope_head_fma(head: &mut [f32], cos_sin: &[f32], n_dims: usize, mode: RopeMode) {
+    rope_head_impl(head, cos_sin, n_dims, mode)
+}
+
+#[inline(always)]
+fn rope_head_impl(head: &mut [f32], cos_sin: &[f32], n_dims: usize, mode: RopeMode) {
     let half = n_dims / 2;
     match mode {
         RopeMode::Normal => {

@@ -16,6 +16,10 @@
 //! that upload, uploads of changed KV block tables (when a sequence crosses into a new block) and
 //! the final download of the logits.
 //!
+//! Decode steps (batches of at most [`graph::GRAPH_MAX_TOKENS`] tokens) are recorded into a
+//! device graph after that upload and run with one launch ([`graph`]); `EMBER_GPU_GRAPHS=0`
+//! turns this off.
+//!
 //! Failures: the ops cannot return errors through the [`Backend`] trait, so the first failure is
 //! recorded with the op's name, later ops are skipped, and [`Backend::take_failure`] hands it to
 //! the forward pass, which fails alone (see the trait's module docs). One backend serves one
@@ -26,6 +30,7 @@
 #![allow(clippy::result_large_err)]
 
 mod batch;
+pub mod graph;
 pub mod open;
 mod trim;
 
@@ -40,6 +45,8 @@ use super::{Backend, BackendError, OpFailure, RopeMode, RopeParams};
 use crate::batch::Batch;
 use crate::kv_cache::AttentionPlan;
 use batch::BatchArrays;
+use graph::Graphs;
+pub use graph::{GraphStats, GRAPHS_ENV, GRAPH_MAX_TOKENS};
 pub use open::{open, select, GpuKind, GpuOpenError, GpuSelection, OpenOptions, Opened};
 use trim::IdleTrimmer;
 
@@ -67,6 +74,7 @@ pub struct GpuBackend {
     /// Every weight buffer placed (tensor name, address, bytes), for the placement check.
     placed: Mutex<Vec<(String, DevicePtr, u64)>>,
     trimmer: Option<IdleTrimmer>,
+    graphs: Mutex<Graphs>,
 }
 
 impl std::fmt::Debug for GpuBackend {
@@ -109,6 +117,32 @@ impl GpuBackend {
             batch: Mutex::new(batch),
             placed: Mutex::new(Vec::new()),
             trimmer,
+            graphs: Mutex::new(Graphs::from_env()),
+        }
+    }
+
+    /// Turns decode graphs on or off (they start as `EMBER_GPU_GRAPHS` says: on unless `0`).
+    pub fn set_graphs(&self, enabled: bool) {
+        let mut graphs = lock(&self.graphs);
+        graphs.drop_execs(&self.ctx);
+        *graphs = Graphs::new(enabled);
+    }
+
+    /// Whether decode steps are recorded as graphs (off after a failure to record or run one).
+    pub fn graphs_enabled(&self) -> bool {
+        lock(&self.graphs).enabled()
+    }
+
+    /// What the backend did with graphs so far.
+    pub fn graph_stats(&self) -> GraphStats {
+        lock(&self.graphs).stats()
+    }
+
+    /// Ends the graph capture of this pass, if one is in progress, and runs the recorded graph.
+    fn finish_graph(&self) {
+        let mut graphs = lock(&self.graphs);
+        if graphs.is_capturing() {
+            graphs.finish(&self.ctx, self.failed.load(Ordering::Acquire));
         }
     }
 
@@ -208,6 +242,15 @@ impl Drop for GpuBackend {
     fn drop(&mut self) {
         // The trimmer holds the pool; stop it before the buffers and the context go.
         self.trimmer = None;
+        let graphs = self
+            .graphs
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        graphs.discard(&self.ctx);
+        graphs.drop_execs(&self.ctx);
+        if graphs.stats().launched > 0 {
+            tracing::info!(device = self.ctx.device(), "{}", graphs.stats().summary());
+        }
     }
 }
 
@@ -404,9 +447,19 @@ impl Backend for GpuBackend {
     }
 
     fn begin_forward(&self, batch: &Batch, plan: &AttentionPlan, out_rows: &[usize]) {
+        // A capture left open by a pass that never reached its end is dropped, not run.
+        lock(&self.graphs).discard(&self.ctx);
         self.run("uploading the batch", || {
             lock(&self.batch).upload(&self.ctx, batch, plan, out_rows)
         });
+        if !self.failed.load(Ordering::Acquire) {
+            lock(&self.graphs).begin(&self.ctx, batch.len(), out_rows.len());
+        }
+    }
+
+    fn end_forward(&self) -> bool {
+        self.finish_graph();
+        lock(&self.graphs).take_redo()
     }
 
     fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
@@ -489,7 +542,10 @@ impl Backend for GpuBackend {
 
     fn read(&self, buf: &GpuBuf, len: usize, out: &mut Vec<f32>) {
         out.clear();
-        if len == 0 {
+        // The recorded pass runs now, before its results are read.
+        self.finish_graph();
+        if len == 0 || lock(&self.graphs).redo_pending() {
+            // A pass to be run again leaves no results behind (see `end_forward`).
             return;
         }
         self.run("reading results", || {

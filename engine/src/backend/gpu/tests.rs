@@ -280,3 +280,285 @@ fn a_large_batch_gets_a_buffer_of_its_own_that_goes_with_it() {
         "the large batch's buffer is gone once batches fit the permanent one"
     );
 }
+
+/// A backend whose host driver runs `ember_scale_f32` and `ember_add_f32` (Rust twins of the
+/// kernels' signatures), for graph tests: the driver is returned to count launches.
+fn backend_with_kernels() -> (GpuBackend, Arc<HostDriver>, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    for spec in ember_gpu::kernels::KERNEL_MODULES {
+        let path = dir.path().join("host").join(format!("{}.hsaco", spec.stem));
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, b"host code object").unwrap();
+    }
+    let driver = Arc::new(HostDriver::new(HostDriverConfig::default()));
+    // ember_scale_f32(float* out, const float* x, float scale, uint32_t n)
+    driver.register_kernel("ember_scale_f32", |launch| {
+        let (out, x) = (launch.ptr_arg(0)?, launch.ptr_arg(1)?);
+        let scale = launch.f32_arg(2)?;
+        let n = launch.u32_arg(3)? as usize;
+        let values: Vec<f32> = launch.read_f32(x, n)?.iter().map(|v| v * scale).collect();
+        launch.write_f32(out, &values)
+    });
+    // ember_add_f32(float* out, const float* a, const float* b, uint32_t n, uint32_t n_b)
+    driver.register_kernel("ember_add_f32", |launch| {
+        let (out, a, b) = (launch.ptr_arg(0)?, launch.ptr_arg(1)?, launch.ptr_arg(2)?);
+        let n = launch.u32_arg(3)? as usize;
+        let n_b = launch.u32_arg(4)? as usize;
+        let a = launch.read_f32(a, n)?;
+        let b = launch.read_f32(b, n_b)?;
+        let values: Vec<f32> = a.iter().enumerate().map(|(i, v)| v + b[i % n_b]).collect();
+        launch.write_f32(out, &values)
+    });
+    let dyn_driver: Arc<dyn Driver> = driver.clone();
+    let pool = DevicePool::with_kind(
+        dyn_driver,
+        0,
+        PoolKind::Caching,
+        "test".to_string(),
+        PoolConfig::default(),
+    )
+    .expect("host pool");
+    let ctx = GpuContext::with_options(
+        Arc::new(pool),
+        Arc::new(KernelLibrary::new(dir.path().to_path_buf())),
+        &GpuContextOptions { disable_blas: true },
+    )
+    .expect("host context");
+    let backend = GpuBackend::new(ctx, "host", "host test device".into(), false);
+    backend.set_graphs(true);
+    (backend, driver, dir)
+}
+
+fn upload_f32(b: &GpuBackend, buf: &GpuBuf, values: &[f32]) {
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    b.context()
+        .upload(buf.ptr("test", values.len()).unwrap(), &bytes)
+        .unwrap();
+}
+
+/// A stand-in for a forward pass of `n` tokens: begin, `x = x * factor + bias` twice, read,
+/// end. Returns what was read and whether the backend asked for the pass again.
+fn step(b: &GpuBackend, n: usize, x: &mut GpuBuf, bias: &GpuBuf, factor: f32) -> (Vec<f32>, bool) {
+    let tokens: Vec<u32> = (0..n as u32).collect();
+    let batch = Batch::for_sequence(0, 0, &tokens, false);
+    let plan = AttentionPlan {
+        id: 1000 + n as u64,
+        block_size: 32,
+        slots: (0..n as u32).collect(),
+        positions: (0..n as u32).collect(),
+        table_of_token: vec![0; n],
+        tables: vec![vec![0]],
+    };
+    b.begin_forward(&batch, &plan, &[n - 1]);
+    let len = 4 * n;
+    let mut out = Vec::new();
+    let body = |x: &mut GpuBuf, out: &mut Vec<f32>| {
+        for _ in 0..2 {
+            b.scale(x, len, factor);
+            b.add_inplace(x, bias, len);
+        }
+        b.read(x, len, out);
+    };
+    body(x, &mut out);
+    let redo = b.end_forward();
+    if redo {
+        body(x, &mut out);
+    }
+    (out, redo)
+}
+
+fn expected_step(x: &mut [f32], bias: &[f32], factor: f32) -> Vec<f32> {
+    for _ in 0..2 {
+        for (v, b) in x.iter_mut().zip(bias) {
+            *v = *v * factor + b;
+        }
+    }
+    x.to_vec()
+}
+
+#[test]
+fn decode_steps_replay_a_graph_with_the_results_of_direct_launches() {
+    let (b, driver, _dir) = backend_with_kernels();
+    let mut x = b.alloc(64);
+    let bias = b.alloc(64);
+    let mut host_x: Vec<f32> = (0..64).map(|i| i as f32 * 0.25 - 3.0).collect();
+    let host_bias: Vec<f32> = (0..64).map(|i| 1.0 - i as f32 * 0.125).collect();
+    upload_f32(&b, &x, &host_x);
+    upload_f32(&b, &bias, &host_bias);
+
+    for (i, factor) in [0.5f32, 2.0, -1.5].into_iter().enumerate() {
+        let (out, redo) = step(&b, 1, &mut x, &bias, factor);
+        assert!(!redo);
+        assert_eq!(b.take_failure(), None);
+        let expected = expected_step(&mut host_x[..4], &host_bias[..4], factor);
+        assert_eq!(out, expected, "step {i}");
+        let stats = b.graph_stats();
+        assert_eq!(stats.launched, i as u64 + 1);
+        assert_eq!(
+            stats.instantiated, 1,
+            "one shape, updated in place after the first step"
+        );
+        assert_eq!(stats.updated, i as u64);
+    }
+    assert_eq!(driver.direct_launches(), 0, "every op ran inside a graph");
+    assert_eq!(driver.graph_launches(), 3);
+    let summary = b.graph_stats().summary();
+    assert!(
+        summary.starts_with("3 graph steps (2 updated in place, 1 instantiated, 0 redone)"),
+        "{summary}"
+    );
+
+    // Another small shape gets a graph of its own; a large batch launches directly.
+    let (out, _) = step(&b, 8, &mut x, &bias, 1.0);
+    assert_eq!(out, expected_step(&mut host_x[..32], &host_bias[..32], 1.0));
+    assert_eq!(b.graph_stats().instantiated, 2);
+    let (out, _) = step(&b, 16, &mut x, &bias, 1.0);
+    assert_eq!(out, expected_step(&mut host_x[..64], &host_bias[..64], 1.0));
+    assert_eq!(b.graph_stats().launched, 4, "no graph for 16 tokens");
+    assert_eq!(driver.direct_launches(), 4);
+}
+
+#[test]
+fn graphs_off_give_the_same_results_with_plain_launches() {
+    let (b, driver, _dir) = backend_with_kernels();
+    b.set_graphs(false);
+    let mut x = b.alloc(4);
+    let bias = b.alloc(4);
+    let mut host_x = vec![1.0f32, -2.0, 3.5, 0.25];
+    let host_bias = vec![0.5f32, 0.5, -1.0, 2.0];
+    upload_f32(&b, &x, &host_x);
+    upload_f32(&b, &bias, &host_bias);
+    let (out, redo) = step(&b, 1, &mut x, &bias, 3.0);
+    assert!(!redo);
+    assert_eq!(out, expected_step(&mut host_x, &host_bias, 3.0));
+    assert_eq!(driver.graph_launches(), 0);
+    assert_eq!(driver.direct_launches(), 4);
+}
+
+#[test]
+fn a_capture_that_cannot_start_falls_back_to_plain_launches() {
+    let (b, driver, _dir) = backend_with_kernels();
+    driver.fail_graphs(true);
+    let mut x = b.alloc(4);
+    let bias = b.alloc(4);
+    let mut host_x = vec![1.0f32, 2.0, 3.0, 4.0];
+    let host_bias = vec![-1.0f32; 4];
+    upload_f32(&b, &x, &host_x);
+    upload_f32(&b, &bias, &host_bias);
+    let (out, redo) = step(&b, 1, &mut x, &bias, 2.0);
+    assert!(!redo, "the pass ran directly from the start");
+    assert_eq!(b.take_failure(), None);
+    assert_eq!(out, expected_step(&mut host_x, &host_bias, 2.0));
+    assert!(!b.graphs_enabled(), "graphs are off after the failed start");
+    assert_eq!(driver.direct_launches(), 4);
+    // Later steps do not try again.
+    driver.fail_graphs(false);
+    let (out, _) = step(&b, 1, &mut x, &bias, 2.0);
+    assert_eq!(out, expected_step(&mut host_x, &host_bias, 2.0));
+    assert_eq!(driver.graph_launches(), 0);
+}
+
+#[test]
+fn an_aborted_capture_runs_the_pass_again_with_plain_launches() {
+    let (b, driver, _dir) = backend_with_kernels();
+    let mut x = b.alloc(4);
+    let bias = b.alloc(4);
+    let mut host_x = vec![1.0f32, 2.0, 3.0, 4.0];
+    let host_bias = vec![0.5f32; 4];
+    upload_f32(&b, &x, &host_x);
+    upload_f32(&b, &bias, &host_bias);
+    let batch = Batch::for_sequence(0, 0, &[3], false);
+    let plan = AttentionPlan {
+        id: 5,
+        block_size: 32,
+        slots: vec![0],
+        positions: vec![0],
+        table_of_token: vec![0],
+        tables: vec![vec![0]],
+    };
+    b.begin_forward(&batch, &plan, &[0]);
+    b.scale(&mut x, 4, 2.0);
+    // New rope frequency factors are uploaded, which a capture cannot record.
+    let mut rope = b.rope_table_new();
+    let factors = [1.0f32, 2.0];
+    let params = RopeParams {
+        n_dims: 4,
+        freq_base: 10000.0,
+        freq_scale: 1.0,
+        freq_factors: Some(&factors),
+    };
+    b.rope_table(&[0], &params, &mut rope);
+    b.add_inplace(&mut x, &bias, 4);
+    let mut out = vec![1.0];
+    b.read(&x, 4, &mut out);
+    assert!(out.is_empty(), "no results from a pass that must run again");
+    assert!(b.end_forward(), "the pass must run again");
+    assert_eq!(b.take_failure(), None);
+    assert_eq!(b.graph_stats().redone, 1);
+    assert!(b.graphs_enabled(), "one abort does not turn graphs off");
+    // The repeat runs directly; the scale recorded before the abort never ran, and the add after
+    // it ran directly, so the repeat starts from x + bias (a real pass recomputes its inputs).
+    upload_f32(&b, &x, &host_x);
+    b.scale(&mut x, 4, 2.0);
+    b.rope_table(&[0], &params, &mut rope);
+    b.add_inplace(&mut x, &bias, 4);
+    b.read(&x, 4, &mut out);
+    assert!(!b.end_forward());
+    for v in &mut host_x {
+        *v = *v * 2.0 + 0.5;
+    }
+    assert_eq!(out, host_x);
+    assert_eq!(driver.graph_launches(), 0);
+    // The next step records again.
+    let (out, redo) = step(&b, 1, &mut x, &bias, 1.0);
+    assert!(!redo);
+    assert_eq!(out, expected_step(&mut host_x, &host_bias, 1.0));
+    assert_eq!(driver.graph_launches(), 1);
+}
+
+#[test]
+fn a_pool_trim_drops_the_cached_graphs() {
+    let (b, _driver, _dir) = backend_with_kernels();
+    let mut x = b.alloc(4);
+    let bias = b.alloc(4);
+    let mut host_x = vec![1.0f32, 2.0, 3.0, 4.0];
+    let host_bias = vec![0.5f32; 4];
+    upload_f32(&b, &x, &host_x);
+    upload_f32(&b, &bias, &host_bias);
+    step(&b, 1, &mut x, &bias, 2.0);
+    step(&b, 1, &mut x, &bias, 2.0);
+    assert_eq!(b.graph_stats().instantiated, 1);
+    // Memory given back to the driver: the cached graph is dropped and made anew.
+    drop(b.alloc(1 << 20));
+    b.pool().trim_now().unwrap();
+    let (out, _) = step(&b, 1, &mut x, &bias, 2.0);
+    expected_step(&mut host_x, &host_bias, 2.0);
+    expected_step(&mut host_x, &host_bias, 2.0);
+    assert_eq!(out, expected_step(&mut host_x, &host_bias, 2.0));
+    let stats = b.graph_stats();
+    assert_eq!(stats.instantiated, 2);
+    assert_eq!(stats.updated, 1);
+}
+
+#[test]
+fn an_op_failing_inside_a_capture_fails_the_pass_alone() {
+    let (b, driver, _dir) = backend_with_kernels();
+    let mut x = b.alloc(4);
+    let bias = b.alloc(4);
+    upload_f32(&b, &x, &[1.0; 4]);
+    upload_f32(&b, &bias, &[1.0; 4]);
+    b.inject_out_of_memory();
+    let (out, redo) = step(&b, 1, &mut x, &bias, 2.0);
+    assert!(!redo, "a failed pass is not repeated");
+    assert!(out.is_empty());
+    assert!(b.take_failure().is_some_and(|f| f.out_of_memory));
+    assert_eq!(driver.graph_launches(), 0);
+    assert!(b.graphs_enabled());
+    // The next pass records and runs.
+    let (out, _) = step(&b, 1, &mut x, &bias, 2.0);
+    assert_eq!(
+        out,
+        vec![7.0; 4],
+        "the failed pass ran nothing: (1*2+1)*2+1"
+    );
+}
