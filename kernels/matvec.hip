@@ -135,70 +135,82 @@ EMBER_DEVICE void ember_load_q8_group(const int8_t* xq, const float2* xds, uint3
 // of the block must call this.
 template <int ACT>
 EMBER_DEVICE void ember_mv_quantize(int8_t* xq, float2* xds, const float* x, uint32_t n_values, uint32_t n_cols) {
+    constexpr int BATCH = 4;
     const int lane = (int)(threadIdx.x % 32);
     const uint32_t team = threadIdx.x / 32, n_teams = blockDim.x / 32;
-    // The trip count is the same for the whole block, so every shuffle has every lane of its wave.
-    for (uint32_t base = 0; base < n_values; base += 256 * n_teams) {
-        const uint32_t i = base + 256 * team + 8 * (uint32_t)lane;
-        const bool valid = i < n_values;
-        float v[8];
-        if (valid) {
-            const float4 a = *(const float4*)(x + i), b = *(const float4*)(x + i + 4);
-            v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-        } else {
+    // BATCH chunks' loads of x are issued before any of them is used (every block waits for this
+    // before its first weight load). The trip counts are the same for the whole block, so every
+    // shuffle has every lane of its wave.
+    for (uint32_t batch = 0; batch < n_values; batch += BATCH * 256 * n_teams) {
+        float values[BATCH][8];
 #pragma unroll
-            for (int k = 0; k < 8; ++k) v[k] = 0.0f;
-        }
-        int q[8];
-        float d;
-        if (ACT == EMBER_ACT_Q8_K) {
-            // The value of largest magnitude, the first one on ties: (magnitude, index) pairs
-            // reduced over the team, larger magnitude first, then smaller index.
-            float best = 0.0f, best_abs = 0.0f;
-            int best_index = 0x7fffffff;
+        for (int c = 0; c < BATCH; ++c) {
+            const uint32_t i = batch + (c * n_teams + team) * 256 + 8 * (uint32_t)lane;
+            if (i < n_values) {
+                const float4 a = *(const float4*)(x + i), b = *(const float4*)(x + i + 4);
+                values[c][0] = a.x, values[c][1] = a.y, values[c][2] = a.z, values[c][3] = a.w;
+                values[c][4] = b.x, values[c][5] = b.y, values[c][6] = b.z, values[c][7] = b.w;
+            } else {
 #pragma unroll
-            for (int k = 0; k < 8; ++k)
-                if (fabsf(v[k]) > best_abs) best_abs = fabsf(v[k]), best = v[k], best_index = (int)i + k;
-#pragma unroll
-            for (int mask = 16; mask > 0; mask >>= 1) {
-                const float other = ember_shfl_xor(best, mask), other_abs = ember_shfl_xor(best_abs, mask);
-                const int other_index = ember_shfl_xor_int(best_index, mask);
-                if (other_abs > best_abs || (other_abs == best_abs && other_index < best_index))
-                    best = other, best_abs = other_abs, best_index = other_index;
+                for (int k = 0; k < 8; ++k) values[c][k] = 0.0f;
             }
-            const float iscale = best_abs > 0.0f ? -127.0f / best : 0.0f;
-#pragma unroll
-            for (int k = 0; k < 8; ++k) q[k] = min((int)rintf(__fmul_rn(iscale, v[k])), 127);
-            d = best_abs > 0.0f ? 1.0f / iscale : 0.0f;
-        } else {
-            float amax = 0.0f;
-#pragma unroll
-            for (int k = 0; k < 8; ++k) amax = fmaxf(amax, fabsf(v[k]));
-            amax = fmaxf(amax, ember_shfl_xor(amax, 1));
-            amax = fmaxf(amax, ember_shfl_xor(amax, 2));
-            const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
-            // |v id| <= 127 up to the rounding of id, which the clamp absorbs (the CPU's
-            // saturating conversion does the same).
-#pragma unroll
-            for (int k = 0; k < 8; ++k) q[k] = max(-128, min(127, (int)rintf(__fmul_rn(v[k], id))));
-            d = amax / 127.0f;
         }
-        int sum = 0;
 #pragma unroll
-        for (int k = 0; k < 8; ++k) sum += q[k];
-        sum += ember_shfl_xor_int(sum, 1);
-        sum += ember_shfl_xor_int(sum, 2);
-        if (valid) {
-            int2 packed;
-            packed.x = (q[0] & 0xff) | ((q[1] & 0xff) << 8) | ((q[2] & 0xff) << 16) | ((uint32_t)(q[3] & 0xff) << 24);
-            packed.y = (q[4] & 0xff) | ((q[5] & 0xff) << 8) | ((q[6] & 0xff) << 16) | ((uint32_t)(q[7] & 0xff) << 24);
-            *(int2*)(xq + ember_mv_xq_offset(n_cols, i / n_cols, i % n_cols)) = packed;
-            if (lane % 4 == 0) {
-                float2 ds;
-                if (ACT == EMBER_ACT_Q8_K) ds = make_float2(d, (float)sum);
-                else if (ACT == EMBER_ACT_Q8_0) ds = make_float2(__half2float(__float2half_rn(d)), (float)sum);
-                else ds = make_float2(__half2float(__float2half_rn(d)), __half2float(__float2half_rn(__fmul_rn((float)sum, d))));
-                xds[i / 32] = ds;
+        for (int c = 0; c < BATCH; ++c) {
+            const uint32_t i = batch + (c * n_teams + team) * 256 + 8 * (uint32_t)lane;
+            const bool valid = i < n_values;
+            const float* v = values[c];
+            int q[8];
+            float d;
+            if (ACT == EMBER_ACT_Q8_K) {
+                // The value of largest magnitude, the first one on ties: (magnitude, index) pairs
+                // reduced over the team, larger magnitude first, then smaller index.
+                float best = 0.0f, best_abs = 0.0f;
+                int best_index = 0x7fffffff;
+#pragma unroll
+                for (int k = 0; k < 8; ++k)
+                    if (fabsf(v[k]) > best_abs) best_abs = fabsf(v[k]), best = v[k], best_index = (int)i + k;
+#pragma unroll
+                for (int mask = 16; mask > 0; mask >>= 1) {
+                    const float other = ember_shfl_xor(best, mask), other_abs = ember_shfl_xor(best_abs, mask);
+                    const int other_index = ember_shfl_xor_int(best_index, mask);
+                    if (other_abs > best_abs || (other_abs == best_abs && other_index < best_index))
+                        best = other, best_abs = other_abs, best_index = other_index;
+                }
+                const float iscale = best_abs > 0.0f ? -127.0f / best : 0.0f;
+#pragma unroll
+                for (int k = 0; k < 8; ++k) q[k] = min((int)rintf(__fmul_rn(iscale, v[k])), 127);
+                d = best_abs > 0.0f ? 1.0f / iscale : 0.0f;
+            } else {
+                float amax = 0.0f;
+#pragma unroll
+                for (int k = 0; k < 8; ++k) amax = fmaxf(amax, fabsf(v[k]));
+                amax = fmaxf(amax, ember_shfl_xor(amax, 1));
+                amax = fmaxf(amax, ember_shfl_xor(amax, 2));
+                const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+                // |v id| <= 127 up to the rounding of id, which the clamp absorbs (the CPU's
+                // saturating conversion does the same).
+#pragma unroll
+                for (int k = 0; k < 8; ++k) q[k] = max(-128, min(127, (int)rintf(__fmul_rn(v[k], id))));
+                d = amax / 127.0f;
+            }
+            int sum = 0;
+#pragma unroll
+            for (int k = 0; k < 8; ++k) sum += q[k];
+            sum += ember_shfl_xor_int(sum, 1);
+            sum += ember_shfl_xor_int(sum, 2);
+            if (valid) {
+                int2 packed;
+                packed.x = (q[0] & 0xff) | ((q[1] & 0xff) << 8) | ((q[2] & 0xff) << 16) | ((uint32_t)(q[3] & 0xff) << 24);
+                packed.y = (q[4] & 0xff) | ((q[5] & 0xff) << 8) | ((q[6] & 0xff) << 16) | ((uint32_t)(q[7] & 0xff) << 24);
+                *(int2*)(xq + ember_mv_xq_offset(n_cols, i / n_cols, i % n_cols)) = packed;
+                if (lane % 4 == 0) {
+                    float2 ds;
+                    if (ACT == EMBER_ACT_Q8_K) ds = make_float2(d, (float)sum);
+                    else if (ACT == EMBER_ACT_Q8_0) ds = make_float2(__half2float(__float2half_rn(d)), (float)sum);
+                    else ds = make_float2(__half2float(__float2half_rn(d)), __half2float(__float2half_rn(__fmul_rn((float)sum, d))));
+                    xds[i / 32] = ds;
+                }
             }
         }
     }
@@ -210,13 +222,16 @@ EMBER_DEVICE int8_t* ember_mv_shared() {
     return (int8_t*)ember_mv_shared_memory;
 }
 
-// ---- int8 path: one struct per format with ACT, UNIT_VALUES and dot<NT>(row, unit, ...) ----
+// ---- int8 path: one struct per format with ACT, UNIT_VALUES and dot<NT, SHARE>(row, unit, ...) ----
+// dot adds the unit's products with tokens 0..n_tokens-1 to acc. With SHARE, tokens n_tokens..NT-1
+// repeat the last token instead of ending the loop (their sums are never stored): the code is then
+// branch-free, so a caller that unrolls over several rows gets each activation load once.
 
 // q4_0 (18 bytes: half d, qs[16]): unit = one block. value = d (q - 8).
 struct EmberMvQ4_0 {
     static constexpr int ACT = EMBER_ACT_Q8_0;
     static constexpr int BLOCK_VALUES = 32, BLOCK_BYTES = 18, UNIT_VALUES = 32;
-    template <int NT>
+    template <int NT, bool SHARE>
     EMBER_DEVICE void dot(const uint8_t* row, int u, const int8_t* xq, const float2* xds, uint32_t n_cols, int n_tokens, float* acc) {
         const uint8_t* b = row + BLOCK_BYTES * u;
         const float d = ember_mv_half(b);
@@ -224,9 +239,10 @@ struct EmberMvQ4_0 {
         ember_load_words_a2<4>(b + 2, qs);
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
-            if (t >= n_tokens) break;
+            if (!SHARE && t >= n_tokens) break;
+            const int tt = SHARE ? min(t, n_tokens - 1) : t;
             EmberQ8Group x;
-            ember_load_q8_group(xq, xds, n_cols, t, u, &x);
+            ember_load_q8_group(xq, xds, n_cols, tt, u, &x);
             int s = 0;
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
@@ -243,7 +259,7 @@ struct EmberMvQ4_0 {
 struct EmberMvQ4_1 {
     static constexpr int ACT = EMBER_ACT_Q8_1;
     static constexpr int BLOCK_VALUES = 32, BLOCK_BYTES = 20, UNIT_VALUES = 32;
-    template <int NT>
+    template <int NT, bool SHARE>
     EMBER_DEVICE void dot(const uint8_t* row, int u, const int8_t* xq, const float2* xds, uint32_t n_cols, int n_tokens, float* acc) {
         const uint8_t* b = row + BLOCK_BYTES * u;
         const float d = ember_mv_half(b), m = ember_mv_half(b + 2);
@@ -251,9 +267,10 @@ struct EmberMvQ4_1 {
         const uint32_t qs[4] = {p[0], p[1], p[2], p[3]};
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
-            if (t >= n_tokens) break;
+            if (!SHARE && t >= n_tokens) break;
+            const int tt = SHARE ? min(t, n_tokens - 1) : t;
             EmberQ8Group x;
-            ember_load_q8_group(xq, xds, n_cols, t, u, &x);
+            ember_load_q8_group(xq, xds, n_cols, tt, u, &x);
             int s = 0;
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
@@ -269,7 +286,7 @@ struct EmberMvQ4_1 {
 struct EmberMvQ5_0 {
     static constexpr int ACT = EMBER_ACT_Q8_0;
     static constexpr int BLOCK_VALUES = 32, BLOCK_BYTES = 22, UNIT_VALUES = 32;
-    template <int NT>
+    template <int NT, bool SHARE>
     EMBER_DEVICE void dot(const uint8_t* row, int u, const int8_t* xq, const float2* xds, uint32_t n_cols, int n_tokens, float* acc) {
         const uint8_t* b = row + BLOCK_BYTES * u;
         const float d = ember_mv_half(b);
@@ -284,9 +301,10 @@ struct EmberMvQ5_0 {
         }
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
-            if (t >= n_tokens) break;
+            if (!SHARE && t >= n_tokens) break;
+            const int tt = SHARE ? min(t, n_tokens - 1) : t;
             EmberQ8Group x;
-            ember_load_q8_group(xq, xds, n_cols, t, u, &x);
+            ember_load_q8_group(xq, xds, n_cols, tt, u, &x);
             int s = 0;
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
@@ -302,7 +320,7 @@ struct EmberMvQ5_0 {
 struct EmberMvQ5_1 {
     static constexpr int ACT = EMBER_ACT_Q8_1;
     static constexpr int BLOCK_VALUES = 32, BLOCK_BYTES = 24, UNIT_VALUES = 32;
-    template <int NT>
+    template <int NT, bool SHARE>
     EMBER_DEVICE void dot(const uint8_t* row, int u, const int8_t* xq, const float2* xds, uint32_t n_cols, int n_tokens, float* acc) {
         const uint8_t* b = row + BLOCK_BYTES * u;
         const float d = ember_mv_half(b), m = ember_mv_half(b + 2);
@@ -317,9 +335,10 @@ struct EmberMvQ5_1 {
         }
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
-            if (t >= n_tokens) break;
+            if (!SHARE && t >= n_tokens) break;
+            const int tt = SHARE ? min(t, n_tokens - 1) : t;
             EmberQ8Group x;
-            ember_load_q8_group(xq, xds, n_cols, t, u, &x);
+            ember_load_q8_group(xq, xds, n_cols, tt, u, &x);
             int s = 0;
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
@@ -335,7 +354,7 @@ struct EmberMvQ5_1 {
 struct EmberMvQ8_0 {
     static constexpr int ACT = EMBER_ACT_Q8_0;
     static constexpr int BLOCK_VALUES = 32, BLOCK_BYTES = 34, UNIT_VALUES = 32;
-    template <int NT>
+    template <int NT, bool SHARE>
     EMBER_DEVICE void dot(const uint8_t* row, int u, const int8_t* xq, const float2* xds, uint32_t n_cols, int n_tokens, float* acc) {
         const uint8_t* b = row + BLOCK_BYTES * u;
         const float d = ember_mv_half(b);
@@ -343,9 +362,10 @@ struct EmberMvQ8_0 {
         ember_load_words_a2<8>(b + 2, qs);
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
-            if (t >= n_tokens) break;
+            if (!SHARE && t >= n_tokens) break;
+            const int tt = SHARE ? min(t, n_tokens - 1) : t;
             EmberQ8Group x;
-            ember_load_q8_group(xq, xds, n_cols, t, u, &x);
+            ember_load_q8_group(xq, xds, n_cols, tt, u, &x);
             int s = 0;
 #pragma unroll
             for (int i = 0; i < 8; ++i) s = ember_dp4a((int)qs[i], x.q[i], s);
@@ -373,7 +393,7 @@ EMBER_DEVICE void ember_mv_scale_min_k4(int j, uint32_t w0, uint32_t w1, uint32_
 struct EmberMvQ4_K {
     static constexpr int ACT = EMBER_ACT_Q8_K;
     static constexpr int BLOCK_VALUES = 256, BLOCK_BYTES = 144, UNIT_VALUES = 64;
-    template <int NT>
+    template <int NT, bool SHARE>
     EMBER_DEVICE void dot(const uint8_t* row, int u, const int8_t* xq, const float2* xds, uint32_t n_cols, int n_tokens, float* acc) {
         const int super_block = u >> 2, k = u & 3;
         const uint8_t* b = row + BLOCK_BYTES * super_block;
@@ -391,10 +411,11 @@ struct EmberMvQ4_K {
         const int g = 8 * super_block + 2 * k;
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
-            if (t >= n_tokens) break;
+            if (!SHARE && t >= n_tokens) break;
+            const int tt = SHARE ? min(t, n_tokens - 1) : t;
             EmberQ8Group xa, xb;
-            ember_load_q8_group(xq, xds, n_cols, t, g, &xa);
-            ember_load_q8_group(xq, xds, n_cols, t, g + 1, &xb);
+            ember_load_q8_group(xq, xds, n_cols, tt, g, &xa);
+            ember_load_q8_group(xq, xds, n_cols, tt, g + 1, &xb);
             int sa = 0, sb = 0;
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
@@ -412,7 +433,7 @@ struct EmberMvQ4_K {
 struct EmberMvQ5_K {
     static constexpr int ACT = EMBER_ACT_Q8_K;
     static constexpr int BLOCK_VALUES = 256, BLOCK_BYTES = 176, UNIT_VALUES = 64;
-    template <int NT>
+    template <int NT, bool SHARE>
     EMBER_DEVICE void dot(const uint8_t* row, int u, const int8_t* xq, const float2* xds, uint32_t n_cols, int n_tokens, float* acc) {
         const int super_block = u >> 2, k = u & 3;
         const uint8_t* b = row + BLOCK_BYTES * super_block;
@@ -439,10 +460,11 @@ struct EmberMvQ5_K {
         const int g = 8 * super_block + 2 * k;
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
-            if (t >= n_tokens) break;
+            if (!SHARE && t >= n_tokens) break;
+            const int tt = SHARE ? min(t, n_tokens - 1) : t;
             EmberQ8Group xa, xb;
-            ember_load_q8_group(xq, xds, n_cols, t, g, &xa);
-            ember_load_q8_group(xq, xds, n_cols, t, g + 1, &xb);
+            ember_load_q8_group(xq, xds, n_cols, tt, g, &xa);
+            ember_load_q8_group(xq, xds, n_cols, tt, g + 1, &xb);
             int sa = 0, sb = 0;
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
@@ -462,7 +484,7 @@ struct EmberMvQ5_K {
 struct EmberMvQ6_K {
     static constexpr int ACT = EMBER_ACT_Q8_K;
     static constexpr int BLOCK_VALUES = 256, BLOCK_BYTES = 210, UNIT_VALUES = 64;
-    template <int NT>
+    template <int NT, bool SHARE>
     EMBER_DEVICE void dot(const uint8_t* row, int u, const int8_t* xq, const float2* xds, uint32_t n_cols, int n_tokens, float* acc) {
         const int super_block = u >> 2, h = (u >> 1) & 1, c = u & 1;
         const uint8_t* b = row + BLOCK_BYTES * super_block;
@@ -481,10 +503,11 @@ struct EmberMvQ6_K {
         const int g = 8 * super_block + 4 * h + c;
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
-            if (t >= n_tokens) break;
+            if (!SHARE && t >= n_tokens) break;
+            const int tt = SHARE ? min(t, n_tokens - 1) : t;
             EmberQ8Group xa, xb;
-            ember_load_q8_group(xq, xds, n_cols, t, g, &xa);
-            ember_load_q8_group(xq, xds, n_cols, t, g + 2, &xb);
+            ember_load_q8_group(xq, xds, n_cols, tt, g, &xa);
+            ember_load_q8_group(xq, xds, n_cols, tt, g + 2, &xb);
             int sa0 = 0, sa1 = 0, sb0 = 0, sb1 = 0;
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
@@ -512,11 +535,19 @@ EMBER_DEVICE void ember_matvec_store(float* y, float* acc, uint32_t r, bool vali
     }
 }
 
-// LANES lanes (8, 16 or 32) share a row, so a warp holds EMBER_WAVE_SIZE / LANES rows; warps walk
-// the rows grid-stride, all lanes of a warp together (the reductions need every lane).
-template <typename F, int NT, int LANES>
+// Rows a lane group of the exported int8 kernels computes at once (the ROWS parameter of
+// ember_matvec_int8). With ROWS > 1 each activation word read from shared memory serves several
+// rows (the row loop is unrolled and branch-free, so the compiler loads it once), which cuts the
+// shared-memory traffic that bounds the multi-token kernels, at the price of registers.
+// kernels/tests/harness_matvec.cu times ROWS = 2 against this default.
+#define EMBER_MATVEC_ROWS 1
+
+// LANES lanes (8, 16 or 32) share a row, so a warp holds EMBER_WAVE_SIZE / LANES row groups of
+// ROWS rows; warps walk the rows grid-stride, all lanes of a warp together (the reductions need
+// every lane).
+template <typename F, int NT, int LANES, int ROWS = EMBER_MATVEC_ROWS>
 EMBER_DEVICE void ember_matvec_int8(float* y, const uint8_t* w, const float* x, uint32_t n_rows, uint32_t n_cols, uint32_t n_tokens) {
-    constexpr int ROWS_PER_WARP = EMBER_WAVE_SIZE / LANES;
+    constexpr int ROWS_PER_WARP = EMBER_WAVE_SIZE / LANES, R = ROWS;
     const int tokens = (int)min(n_tokens, (uint32_t)NT);
     int8_t* xq = ember_mv_shared();
     float2* xds = (float2*)(xq + (size_t)tokens * n_cols);
@@ -530,18 +561,29 @@ EMBER_DEVICE void ember_matvec_int8(float* y, const uint8_t* w, const float* x, 
     const size_t row_bytes = (size_t)(n_cols / F::BLOCK_VALUES) * F::BLOCK_BYTES;
     const int n_units = (int)(n_cols / F::UNIT_VALUES);
     F format;
-    for (uint32_t first = warp * ROWS_PER_WARP; first < n_rows; first += gridDim.x * warps_per_block * ROWS_PER_WARP) {
-        const uint32_t r = first + group;
-        const bool valid = r < n_rows;
-        float acc[NT];
+    for (uint32_t first = warp * ROWS_PER_WARP * R; first < n_rows; first += gridDim.x * warps_per_block * ROWS_PER_WARP * R) {
+        // Rows first + group + k ROWS_PER_WARP; a row past the end computes row r[0] again and
+        // is not stored (no branch inside the unit loop, so the activation loads are shared).
+        uint32_t r[R];
+        bool valid[R];
+        const uint8_t* rows[R];
+        float acc[R][NT];
 #pragma unroll
-        for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
-        if (valid) {
-            const uint8_t* row = w + (size_t)r * row_bytes;
-#pragma unroll 2
-            for (int u = sub; u < n_units; u += LANES) format.template dot<NT>(row, u, xq, xds, n_cols, tokens, acc);
+        for (int k = 0; k < R; ++k) {
+            r[k] = first + group + k * ROWS_PER_WARP;
+            valid[k] = r[k] < n_rows;
+            rows[k] = w + (size_t)(valid[k] ? r[k] : r[0]) * row_bytes;
+#pragma unroll
+            for (int t = 0; t < NT; ++t) acc[k][t] = 0.0f;
         }
-        ember_matvec_store<NT, LANES>(y, acc, r, valid, n_rows, tokens);
+        if (valid[0]) {
+#pragma unroll 2
+            for (int u = sub; u < n_units; u += LANES)
+#pragma unroll
+                for (int k = 0; k < R; ++k) format.template dot<NT, (R > 1)>(rows[k], u, xq, xds, n_cols, tokens, acc[k]);
+        }
+#pragma unroll
+        for (int k = 0; k < R; ++k) ember_matvec_store<NT, LANES>(y, acc[k], r[k], valid[k], n_rows, tokens);
     }
 }
 

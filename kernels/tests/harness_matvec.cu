@@ -70,19 +70,33 @@ static size_t shared_for(Format f, int tokens, int n_cols) { return quantised(f)
 
 // Variants of the exported kernels with other lanes-per-row counts (the exported ones use
 // EMBER_MATVEC_LANES): tested and timed only with EMBER_MATVEC_SWEEP=1.
-template <typename F, int NT, int LANES>
+template <typename F, int NT, int LANES, int ROWS = EMBER_MATVEC_ROWS>
 __global__ void variant_int8(float* y, const uint8_t* w, const float* x, uint32_t n_rows, uint32_t n_cols, uint32_t n_tokens) {
-    ember_matvec_int8<F, NT, LANES>(y, w, x, n_rows, n_cols, n_tokens);
+    ember_matvec_int8<F, NT, LANES, ROWS>(y, w, x, n_rows, n_cols, n_tokens);
+}
+
+// The exported int8 kernel with two rows per lane group (ROWS = 2), for 1, 2, 4 and 8 tokens:
+// tested and timed against the exported ROWS = EMBER_MATVEC_ROWS at every run.
+template <typename F>
+static void launch_two_rows(int tokens, int grid, size_t shared, float* y, const uint8_t* w, const float* x, int n_rows, int n_cols) {
+    const int t = EMBER_MATVEC_THREADS;
+    constexpr int L = EMBER_MATVEC_LANES;
+    if (tokens == 1) variant_int8<F, 1, L, 2><<<grid, t, shared>>>(y, w, x, n_rows, n_cols, tokens);
+    else if (tokens == 2) variant_int8<F, 2, L, 2><<<grid, t, shared>>>(y, w, x, n_rows, n_cols, tokens);
+    else if (tokens <= 4) variant_int8<F, 4, L, 2><<<grid, t, shared>>>(y, w, x, n_rows, n_cols, tokens);
+    else variant_int8<F, 8, L, 2><<<grid, t, shared>>>(y, w, x, n_rows, n_cols, tokens);
 }
 template <typename F, int NT, int LANES>
 __global__ void variant_float(float* y, const uint8_t* w, const float* x, uint32_t n_rows, uint32_t n_cols, uint32_t n_tokens) {
     ember_matvec_float<F, NT, LANES>(y, w, x, n_rows, n_cols, n_tokens);
 }
 
-// A kernel configuration: the exported kernel (lanes 0) or a variant, and its block size.
+// A kernel configuration: the exported kernel (lanes 0), the exported one with two rows per lane
+// group (lanes -2), or a lanes-per-row variant, and its block size.
 struct Variant {
     int lanes, threads;
 };
+static const Variant TWO_ROWS = {-2, EMBER_MATVEC_THREADS};
 
 template <int NT, int LANES>
 static void launch_variant(Format f, int grid, int threads, size_t shared, float* y, const uint8_t* w, const float* x, int n_rows,
@@ -108,6 +122,17 @@ static void launch(Format f, int tokens, int grid, float* y, const uint8_t* w, c
         KERNELS[f].k[kernel_slot(tokens)]<<<grid, EMBER_MATVEC_THREADS, shared>>>(y, w, x, n_rows, n_cols, tokens);
         return;
     }
+    if (variant.lanes == TWO_ROWS.lanes) {
+        switch (f) {
+            case Q4_0: launch_two_rows<EmberMvQ4_0>(tokens, grid, shared, y, w, x, n_rows, n_cols); break;
+            case Q8_0: launch_two_rows<EmberMvQ8_0>(tokens, grid, shared, y, w, x, n_rows, n_cols); break;
+            case Q4_K: launch_two_rows<EmberMvQ4_K>(tokens, grid, shared, y, w, x, n_rows, n_cols); break;
+            case Q5_K: launch_two_rows<EmberMvQ5_K>(tokens, grid, shared, y, w, x, n_rows, n_cols); break;
+            case Q6_K: launch_two_rows<EmberMvQ6_K>(tokens, grid, shared, y, w, x, n_rows, n_cols); break;
+            default: std::fprintf(stderr, "no two-row kernels for %s\n", FORMATS[f].name); std::exit(2);
+        }
+        return;
+    }
     // Variants are compiled for 1 and 8 tokens.
     const int t = variant.threads;
     if (tokens == 1) {
@@ -123,8 +148,8 @@ static void launch(Format f, int tokens, int grid, float* y, const uint8_t* w, c
 
 // The grid ops::matvec launches: every row group one row, at most 1024 blocks (MAX_GRID).
 static int grid_for(int n_rows, Variant variant) {
-    const int lanes = variant.lanes ? variant.lanes : EMBER_MATVEC_LANES;
-    const int rows_per_block = variant.threads / lanes;
+    const int lanes = variant.lanes > 0 ? variant.lanes : EMBER_MATVEC_LANES;
+    const int rows_per_block = variant.threads / lanes * (variant.lanes == TWO_ROWS.lanes ? 2 : EMBER_MATVEC_ROWS);
     return std::min(1024, (n_rows + rows_per_block - 1) / rows_per_block);
 }
 
@@ -273,7 +298,7 @@ static void test_format(Format f, int n_rows, int n_cols, Variant variant = {0, 
     double worst_kernel = 0.0, worst_bound = 0.0;
     const int act = act_of(f);
     for (int tokens = 1; tokens <= 8; ++tokens) {
-        if (variant.lanes && tokens != 1 && tokens != 8) continue;  // variants exist for 1 and 8 tokens
+        if (variant.lanes > 0 && tokens != 1 && tokens != 8) continue;  // variants exist for 1 and 8 tokens
         const std::vector<float> x = awkward_activations((size_t)tokens * n_cols);
         // x̂ per value, and the Q8_1 correction m (s - d sum q) per block.
         std::vector<double> xh(x.size());
@@ -320,7 +345,8 @@ static void test_format(Format f, int n_rows, int n_cols, Variant variant = {0, 
         }
     }
     char name[160], what[48] = "1..8 tokens";
-    if (variant.lanes) std::snprintf(what, sizeof what, "%d lanes/row, %d threads, 1+8 tokens", variant.lanes, variant.threads);
+    if (variant.lanes > 0) std::snprintf(what, sizeof what, "%d lanes/row, %d threads, 1+8 tokens", variant.lanes, variant.threads);
+    else if (variant.lanes == TWO_ROWS.lanes) std::snprintf(what, sizeof what, "2 rows/lane group, 1..8 tokens");
     std::snprintf(name, sizeof name, "matvec_%s %dx%d, %s: |y - W x^| / (1e-5 sum |w x^|)", FORMATS[f].name, n_rows, n_cols, what);
     report(name, worst_kernel, 1.0);
     std::snprintf(name, sizeof name, "matvec_%s %dx%d, %s: |y - W x| / quantisation bound", FORMATS[f].name, n_rows, n_cols, what);
@@ -328,44 +354,50 @@ static void test_format(Format f, int n_rows, int n_cols, Variant variant = {0, 
 }
 
 // Weight bandwidth: median of 30 launches (CUDA events around each), cycling through enough
-// copies of the matrix that none is still in L2 when it is read again. One matrix serves every
-// (token count, kernel configuration) run of a shape. Token counts whose activations exceed the
-// shared memory of one launch are split as ops::matvec splits them.
-static void benchmark(Format f, int n_rows, int n_cols, const std::vector<std::pair<int, Variant>>& runs) {
-    const std::vector<uint8_t> w = random_matrix(f, n_rows, n_cols);
+// copies of the matrix that none is still in L2 when it is read again. One random matrix serves
+// both decode shapes (its blocks are independent, so the same bytes are a 14336x4096 and a
+// 4096x14336 matrix) and every (token count, kernel configuration) run of a shape. Token counts
+// whose activations exceed the shared memory of one launch are split as ops::matvec splits them.
+static void benchmark(Format f, const std::vector<std::pair<int, Variant>> (&runs)[2]) {
+    const int shapes[2][2] = {{14336, 4096}, {4096, 14336}};
+    const std::vector<uint8_t> w = random_matrix(f, shapes[0][0], shapes[0][1]);
     const size_t bytes = w.size();
-    const size_t copies = std::max<size_t>(2, (size_t)std::ceil(3.0 * 64e6 / (double)bytes));
+    const size_t copies = std::max<size_t>(2, (size_t)std::ceil(1.5 * 64e6 / (double)bytes));
     std::vector<DeviceBuffer<uint8_t>*> matrices;
     for (size_t i = 0; i < copies; ++i) matrices.push_back(new DeviceBuffer<uint8_t>(w));
     cudaEvent_t start, stop;
     CHECK_CUDA(cudaEventCreate(&start));
     CHECK_CUDA(cudaEventCreate(&stop));
-    for (const auto& run : runs) {
-        const int tokens = run.first;
-        const Variant variant = run.second;
-        int per_launch = tokens;
-        while (quantised(f) && shared_for(f, per_launch, n_cols) > 48 * 1024) --per_launch;
-        const std::vector<float> x = random_floats((size_t)tokens * n_cols);
-        DeviceBuffer<float> dx(x), dy((size_t)tokens * n_rows);
-        const int grid = grid_for(n_rows, variant);
-        std::vector<float> samples;
-        for (int i = 0; i < 33; ++i) {
-            CHECK_CUDA(cudaEventRecord(start));
-            for (int first = 0; first < tokens; first += per_launch)
-                launch(f, std::min(per_launch, tokens - first), grid, dy.ptr + (size_t)first * n_rows, matrices[i % copies]->ptr,
-                       dx.ptr + (size_t)first * n_cols, n_rows, n_cols, variant);
-            CHECK_CUDA(cudaEventRecord(stop));
-            CHECK_CUDA(cudaEventSynchronize(stop));
-            float ms = 0;
-            CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
-            if (i >= 3) samples.push_back(ms);  // the first launches load the module and warm the clocks
+    for (int shape = 0; shape < 2; ++shape) {
+        const int n_rows = shapes[shape][0], n_cols = shapes[shape][1];
+        for (const auto& run : runs[shape]) {
+            const int tokens = run.first;
+            const Variant variant = run.second;
+            int per_launch = tokens;
+            while (quantised(f) && shared_for(f, per_launch, n_cols) > 48 * 1024) --per_launch;
+            const std::vector<float> x = random_floats((size_t)tokens * n_cols);
+            DeviceBuffer<float> dx(x), dy((size_t)tokens * n_rows);
+            const int grid = grid_for(n_rows, variant);
+            std::vector<float> samples;
+            for (int i = 0; i < 33; ++i) {
+                CHECK_CUDA(cudaEventRecord(start));
+                for (int first = 0; first < tokens; first += per_launch)
+                    launch(f, std::min(per_launch, tokens - first), grid, dy.ptr + (size_t)first * n_rows, matrices[i % copies]->ptr,
+                           dx.ptr + (size_t)first * n_cols, n_rows, n_cols, variant);
+                CHECK_CUDA(cudaEventRecord(stop));
+                CHECK_CUDA(cudaEventSynchronize(stop));
+                float ms = 0;
+                CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+                if (i >= 3) samples.push_back(ms);  // the first launches load the module and warm the clocks
+            }
+            sync();
+            const double seconds = median(samples) / 1e3;
+            char config[48] = "exported";
+            if (variant.lanes > 0) std::snprintf(config, sizeof config, "%2d lanes/row %3d threads", variant.lanes, variant.threads);
+            else if (variant.lanes == TWO_ROWS.lanes) std::snprintf(config, sizeof config, "2 rows/lane group");
+            std::printf("INFO matvec_%-5s %5dx%-5d %d token(s) [%s, %d launch(es)]: %7.1f us, %6.0f GB/s of weights\n", FORMATS[f].name,
+                        n_rows, n_cols, tokens, config, (tokens + per_launch - 1) / per_launch, seconds * 1e6, bytes / seconds / 1e9);
         }
-        sync();
-        const double seconds = median(samples) / 1e3;
-        char config[48] = "exported";
-        if (variant.lanes) std::snprintf(config, sizeof config, "%2d lanes/row %3d threads", variant.lanes, variant.threads);
-        std::printf("INFO matvec_%-5s %5dx%-5d %d token(s) [%s, %d launch(es)]: %7.1f us, %6.0f GB/s of weights\n", FORMATS[f].name,
-                    n_rows, n_cols, tokens, config, (tokens + per_launch - 1) / per_launch, seconds * 1e6, bytes / seconds / 1e9);
     }
     for (auto* m : matrices) delete m;
     CHECK_CUDA(cudaEventDestroy(start));
@@ -378,6 +410,7 @@ int main() {
         test_format((Format)fi, 37, 768);
         test_format((Format)fi, 101, 2048);
     }
+    for (Format f : {Q4_0, Q8_0, Q4_K, Q5_K, Q6_K}) test_format(f, 37, 768, TWO_ROWS);
     const bool sweep = std::getenv("EMBER_MATVEC_SWEEP") != nullptr;
     const Variant variants[] = {{8, 128}, {16, 128}, {32, 128}, {8, 256}, {16, 256}, {32, 256}};
     if (sweep)
@@ -391,14 +424,15 @@ int main() {
         for (int fi = F32; fi <= Q6_K; ++fi) {
             const Format f = (Format)fi;
             const bool main_format = f == Q4_0 || f == Q8_0 || f == Q4_K || f == Q5_K || f == Q6_K || f == F16;
+            std::vector<std::pair<int, Variant>> runs[2];
             for (int shape = 0; shape < 2; ++shape) {
-                std::vector<std::pair<int, Variant>> runs = {{1, exported}};
-                if (main_format) runs.insert(runs.end(), {{2, exported}, {8, exported}});
+                runs[shape] = {{1, exported}};
+                if (main_format) runs[shape].insert(runs[shape].end(), {{2, exported}, {8, exported}});
+                if (main_format && f != F16) runs[shape].insert(runs[shape].end(), {{1, TWO_ROWS}, {2, TWO_ROWS}, {8, TWO_ROWS}});
                 if (sweep && main_format)
-                    for (const Variant& v : variants) runs.push_back({1, v}), runs.push_back({8, v});
-                if (shape == 0) benchmark(f, 14336, 4096, runs);
-                else benchmark(f, 4096, 14336, runs);
+                    for (const Variant& v : variants) runs[shape].push_back({1, v}), runs[shape].push_back({8, v});
             }
+            benchmark(f, runs);
         }
     }
     return finish("harness_matvec");

@@ -7,7 +7,13 @@
 //! quantized types), with GGML's reference rounding.
 //!
 //! Layout of the crate: [`blocks`] (block layouts), `scalar` (the reference), `x86` and
-//! `aarch64` (SIMD twins of the scalar kernels), `matmul` (tiling and threading).
+//! `aarch64` (SIMD twins of the scalar kernels), `matmul` (tiling and threading),
+//! `repack_order` (Q4_K in the order of llama.cpp's repacked x86 kernels).
+//!
+//! Beyond the same mathematics, the x86 paths sum in GGML's order where llama.cpp's reference
+//! numbers depend on it: Q4_1, Q5_1, Q4_0, Q5_0, Q8_0 and Q6_K give, at every batch size and
+//! strategy, exactly what GGML's AVX2 `vec_dot` (or llamafile's `tinyBLAS`, which sums alike)
+//! gives, and Q4_K matrices that llama.cpp repacks follow its repacked GEMV/GEMM steps.
 
 pub mod blocks;
 mod matmul;

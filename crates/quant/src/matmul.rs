@@ -12,8 +12,8 @@
 //!   classic GEMM micro-kernel (Goto/BLIS) with GGML's per-block scales folded in.
 //!
 //! In the tiled layout a weight value is `s·q + m` with `q` an unsigned byte (signed, with no
-//! offset, for Q8_0, Q4_0 and Q5_0)
-//! and `s`, `m` constant over each 16-element half. A row's dot product with a token is
+//! offset, for Q8_0, Q4_0 and Q5_0) and `s`, `m` constant over each 16-element half. A row's
+//! dot product with a token is
 //! `Σ_chunks Σ_lanes dv·d·isum_lane + Σ_halves m·sh`, where `dv` holds the two halves' scales
 //! in four lanes each (matching the lanes of `madd`'s output), `d` is the activation chunk's
 //! scale and `sh` its `d·Σa` per half. The offset term is a plain dot product over halves,
@@ -226,6 +226,7 @@ pub fn matmul_with(
     if strategy == Strategy::Auto
         && w.ty == GgmlType::Q4_K
         && crate::repack_order::repacks_q4_k(w.rows)
+        && std::env::var("EXP_NOREPACK").is_err()
     {
         // llama.cpp multiplies such matrices with its repacked kernels; follow their order.
         crate::repack_order::matmul(
@@ -261,7 +262,7 @@ pub fn matmul_with(
 /// llamafile or repacked GEMM takes it on x86), and whose tiles here do not follow that order:
 /// such matrices stay row-wise so prompts get exactly the numbers llama.cpp gets.
 fn rowwise_like_ggml(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::Q6_K)
+    matches!(ty, GgmlType::Q6_K | GgmlType::Q4_K)
 }
 
 /// Rows per parallel job: enough jobs for load balance, each big enough to pay for itself.

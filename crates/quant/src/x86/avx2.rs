@@ -409,8 +409,54 @@ fn vec_dot_k4<const FIVE: bool>(w: &[u8], a: &[u8]) -> f32 {
     sumf
 }
 
+/// Q4_K in GGML's order (`ggml_vec_dot_q4_K_q8_K`, AVX2): per super-block the 8 integer lane
+/// sums are fused into one accumulator with `d_a·d_w`, and the min terms, four lanes of
+/// `min·Σa` pairs, into a second one with `-d_a·dmin_w`; the min lanes are reduced as
+/// `(m0 + m2) + (m1 + m3)` and added to `hsum_float_8` of the first.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub fn vec_dot_q4_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
+    let low = _mm256_set1_epi8(0x0F);
+    let mut acc = _mm256_setzero_ps();
+    let mut acc_m = _mm_setzero_ps();
+    for (x, y) in w.chunks_exact(q4_k::SIZE).zip(a.chunks_exact(q8_k::SIZE)) {
+        let d8 = f32::from_le_bytes([y[0], y[1], y[2], y[3]]);
+        let d = d8 * f16_at(x, q4_k::D);
+        let dmin = -d8 * f16_at(x, q4_k::DMIN);
+        let (sc, mn) = k4_scales_mins(&x[q4_k::SCALES..q4_k::SCALES + 12]);
+        // Σa over 32 elements: the 16-element sums added in pairs (`hadd`).
+        let bs = q8k_bsums(y);
+        let q8s = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256::<1>(bs));
+        let mins: [i16; 8] = std::array::from_fn(|j| mn[j] as i16);
+        // SAFETY: `mins` is 8 i16 = 16 readable bytes; unaligned load.
+        let mins_v = unsafe { _mm_loadu_si128(mins.as_ptr().cast()) };
+        let prod = _mm_madd_epi16(mins_v, q8s);
+        acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m);
+        let mut isum = _mm256_setzero_si256();
+        for j in 0..4 {
+            let q = load32(&x[q4_k::QS + 32 * j..]);
+            let lo = _mm256_and_si256(q, low);
+            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), low);
+            let pl = _mm256_madd_epi16(
+                _mm256_set1_epi16(sc[2 * j] as i16),
+                _mm256_maddubs_epi16(lo, load32(&y[q8_k::QS + 64 * j..])),
+            );
+            let ph = _mm256_madd_epi16(
+                _mm256_set1_epi16(sc[2 * j + 1] as i16),
+                _mm256_maddubs_epi16(hi, load32(&y[q8_k::QS + 64 * j + 32..])),
+            );
+            isum = _mm256_add_epi32(isum, _mm256_add_epi32(pl, ph));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(isum), acc);
+    }
+    let m = _mm_add_ps(acc_m, _mm_movehl_ps(acc_m, acc_m));
+    let m = _mm_add_ss(m, _mm_movehdup_ps(m));
+    hsum_ps(acc) + _mm_cvtss_f32(m)
+}
+
+/// Q4_K with the sums of [`vec_dot_k4`] (kept for Q5_K's shape).
+#[allow(dead_code)]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn vec_dot_q4_k_q8_k_plain(w: &[u8], a: &[u8]) -> f32 {
     vec_dot_k4::<false>(w, a)
 }
 

@@ -3,8 +3,11 @@
 //! weight chunk used `T` times and each activation chunk `R` times.
 //!
 //! Per row, token and 32-element chunk: `maddubs` + `madd` (exact i32 sums of 8 lanes),
-//! conversion to f32, and one FMA with the combined scale `dv·d`; the offset term adds one FMA
-//! per row, token and eight halves. [`run_panel`] sweeps a panel over a range of tokens so
+//! conversion to f32, and one FMA with the combined scale `dv·d`. Signed formats (Q8_0, Q4_0,
+//! Q5_0) then reduce the lanes as GGML's `hsum_float_8`; Q8_1 formats (Q4_1, Q5_1) add their
+//! per-block `m·s` terms by a scalar FMA chain, as `ggml_vec_dot_q4_1_q8_1` does, so both give
+//! exactly GGML's `vec_dot`; the other formats add one FMA per row, token and eight halves for
+//! their offsets. [`run_panel`] sweeps a panel over a range of tokens so
 //! that the per-call set-up is paid once per panel, not once per tile.
 
 use std::arch::x86_64::*;

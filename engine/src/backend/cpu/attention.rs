@@ -6,11 +6,18 @@
 //! splits by KV head instead. Masking is by position: a token sees positions `0..=pos` of its own
 //! sequence, or the last `window` of them on sliding-window layers.
 //!
-//! The arithmetic follows GGML's CPU flash attention with an f16 cache, because that is what
-//! llama.cpp runs by default and its outputs carry its rounding: the query is rounded to f16
-//! before the dot products, the softmax is computed online (running maximum and sum), and the
-//! value accumulator is rounded to f16 after every key. Matching this rounding, not just the
-//! mathematics, is what makes greedy continuations agree token for token.
+//! The arithmetic is GGML's CPU flash attention with an f16 cache, path for path, because that
+//! is what llama.cpp runs by default and its outputs carry its rounding (the models amplify an
+//! ulp of difference, so the same mathematics is not enough):
+//! - batches of fewer than [`F32_PATH_MIN_TOKENS`] queries ([`attend`], GGML's `one_chunk`): the
+//!   query rounded to f16, scores by `ggml_vec_dot_f16`, an online softmax key by key with
+//!   `expf`, and the value accumulator rounded to f16 after every key;
+//! - larger batches ([`attend_f32`], GGML's tiled path): f32 queries, keys in tiles of 64
+//!   positions, GGML's vectorised `expf`, f32 accumulators;
+//! - a single token over a cache view of 512 cells or more ([`attend_split`], GGML's split-KV
+//!   path): the view cut into one chunk per thread, each attended like `one_chunk`, the
+//!   partial results merged in chunk order. The split follows the thread count, as llama.cpp's
+//!   does.
 
 use std::ops::Range;
 

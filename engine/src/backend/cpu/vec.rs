@@ -1,9 +1,11 @@
-//! f32 vector kernels of the CPU backend (dot products and scaled adds for attention), chosen at
-//! run time: an AVX2+FMA build of the same loops where the CPU has it, the portable one elsewhere.
+//! f32 vector kernels of the CPU backend, chosen at run time: an AVX2+FMA build of the same loops
+//! where the CPU has it, the portable one elsewhere.
 //!
-//! The loops are written over fixed 8-wide lanes so the compiler vectorizes them without having
-//! to reassociate float additions; the `#[target_feature]` copies only change which instructions
-//! it may use.
+//! Most of them reproduce a GGML kernel of llama.cpp's AVX-512 build operation for operation
+//! (`ggml_v_expf`/`ggml_v_silu`, `ggml_vec_dot_f16`, `ggml_vec_mad_f16`, the tiled attention's
+//! `simd_gemm` and `ggml_vec_soft_max_f32`): each output element sees the same sequence of
+//! roundings, so 8-lane AVX2 code gives what 16-lane AVX-512 code gives. The portable twins are
+//! written lane for lane the same way, and the tests hold them to bit equality.
 
 use std::sync::OnceLock;
 
