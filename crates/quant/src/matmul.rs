@@ -226,7 +226,6 @@ pub fn matmul_with(
     if strategy == Strategy::Auto
         && w.ty == GgmlType::Q4_K
         && crate::repack_order::repacks_q4_k(w.rows)
-        && std::env::var("EXP_NOREPACK").is_err()
     {
         // llama.cpp multiplies such matrices with its repacked kernels; follow their order.
         crate::repack_order::matmul(
@@ -259,8 +258,9 @@ pub fn matmul_with(
 }
 
 /// Whether GGML's CPU backend computes `ty` by one `vec_dot` per output at every batch size (no
-/// llamafile or repacked GEMM takes it on x86), and whose tiles here do not follow that order:
-/// such matrices stay row-wise so prompts get exactly the numbers llama.cpp gets.
+/// llamafile or repacked GEMM takes it on x86; for Q4_K, matrices whose rows are not a multiple
+/// of 8 and so stay unpacked), and whose tiles here do not follow that order: such matrices stay
+/// row-wise so prompts get exactly the numbers llama.cpp gets.
 fn rowwise_like_ggml(ty: GgmlType) -> bool {
     matches!(ty, GgmlType::Q6_K | GgmlType::Q4_K)
 }

@@ -66,10 +66,18 @@ fn legacy_formats_match_vec_dot_bit_for_bit() {
 }
 
 #[test]
-fn q6_k_matches_vec_dot_bit_for_bit() {
-    for (j, &(rows, n)) in [(5, 1), (12, 16), (9, 30)].iter().enumerate() {
+fn unpacked_k_quants_match_vec_dot_bit_for_bit() {
+    // Q4_K with rows not a multiple of 8 is not repacked by llama.cpp: `vec_dot` throughout.
+    let cases = [
+        (GgmlType::Q6_K, 5, 1),
+        (GgmlType::Q6_K, 12, 16),
+        (GgmlType::Q6_K, 9, 30),
+        (GgmlType::Q4_K, 5, 1),
+        (GgmlType::Q4_K, 13, 16),
+    ];
+    for (j, &(ty, rows, n)) in cases.iter().enumerate() {
         let mut rng = Rng::new(7 + j as u64);
-        let (ty, cols) = (GgmlType::Q6_K, 512);
+        let cols = 512;
         let data = random_weights(&mut rng, ty, rows * cols, false);
         let w = QMatrix::new(ty, rows, cols, &data).unwrap();
         let x = test_data(&mut rng, n * cols, 1.0);

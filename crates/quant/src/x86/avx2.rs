@@ -425,7 +425,10 @@ pub fn vec_dot_q4_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
         let (sc, mn) = k4_scales_mins(&x[q4_k::SCALES..q4_k::SCALES + 12]);
         // Σa over 32 elements: the 16-element sums added in pairs (`hadd`).
         let bs = q8k_bsums(y);
-        let q8s = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256::<1>(bs));
+        let q8s = _mm_hadd_epi16(
+            _mm256_castsi256_si128(bs),
+            _mm256_extracti128_si256::<1>(bs),
+        );
         let mins: [i16; 8] = std::array::from_fn(|j| mn[j] as i16);
         // SAFETY: `mins` is 8 i16 = 16 readable bytes; unaligned load.
         let mins_v = unsafe { _mm_loadu_si128(mins.as_ptr().cast()) };
@@ -451,13 +454,6 @@ pub fn vec_dot_q4_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
     let m = _mm_add_ps(acc_m, _mm_movehl_ps(acc_m, acc_m));
     let m = _mm_add_ss(m, _mm_movehdup_ps(m));
     hsum_ps(acc) + _mm_cvtss_f32(m)
-}
-
-/// Q4_K with the sums of [`vec_dot_k4`] (kept for Q5_K's shape).
-#[allow(dead_code)]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn vec_dot_q4_k_q8_k_plain(w: &[u8], a: &[u8]) -> f32 {
-    vec_dot_k4::<false>(w, a)
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
