@@ -777,3 +777,261 @@ EMBER_MATVEC_FLOAT(ember_matvec_f16_t1, EmberMvF16, 1)
 EMBER_MATVEC_FLOAT(ember_matvec_f16_t8, EmberMvF16, 8)
 EMBER_MATVEC_FLOAT(ember_matvec_bf16_t1, EmberMvBF16, 1)
 EMBER_MATVEC_FLOAT(ember_matvec_bf16_t8, EmberMvBF16, 8)
+
+// ---- Fused FFN input: y[t, r] = act(gate_r . x[t]) * (up_r . x[t]) for one token (decode) ----
+//
+// Gate and up have the same format and shape. Each lane group computes gate row r and up row r
+// from the one copy of the quantised activations, with the very arithmetic of the plain kernels
+// above (same units per lane, same order of the partial sums, same shuffle reduction), then
+// applies the activation with the expressions of elementwise.hip's ember_silu_mul_f32 and
+// ember_gelu_mul_f32, so the result equals matvec(gate), matvec(up), then the element-wise
+// kernel, in one launch instead of three. Launch as the plain t1 kernels (same block, grid and
+// shared memory).
+#define EMBER_GLU_SILU 0
+#define EMBER_GLU_GELU 1
+
+template <int GLU>
+EMBER_DEVICE float ember_mv_glu(float g, float u) {
+    if (GLU == EMBER_GLU_SILU) return g / (1.0f + expf(-g)) * u;
+    const float sqrt_2_over_pi = 0.7978845608028654f;
+    float gelu;
+    if (g <= -10.0f) {
+        gelu = 0.0f;
+    } else if (g >= 10.0f) {
+        gelu = g;
+    } else {
+        const float h = __half2float(__float2half(g));
+        gelu = 0.5f * h * (1.0f + tanhf(sqrt_2_over_pi * h * (1.0f + 0.044715f * h * h)));
+        gelu = __half2float(__float2half(gelu));
+    }
+    return gelu * u;
+}
+
+// The gate and up sums of one token reduced over the LANES lanes of a row group (the order of
+// ember_matvec_store), combined and written by lane 0 of a group with a row.
+template <int LANES, int GLU>
+EMBER_DEVICE void ember_matvec_glu_store(float* y, float g, float u, uint32_t r, bool valid) {
+    const int sub = (int)(threadIdx.x % LANES);
+#pragma unroll
+    for (int mask = LANES / 2; mask > 0; mask >>= 1) g += ember_shfl_xor(g, mask);
+#pragma unroll
+    for (int mask = LANES / 2; mask > 0; mask >>= 1) u += ember_shfl_xor(u, mask);
+    if (valid && sub == 0) y[r] = ember_mv_glu<GLU>(g, u);
+}
+
+template <typename F, int LANES, int GLU>
+EMBER_DEVICE void ember_matvec_glu_int8(float* y, const uint8_t* wg, const uint8_t* wu, const float* x, uint32_t n_rows, uint32_t n_cols) {
+    constexpr int ROWS_PER_WARP = EMBER_WAVE_SIZE / LANES;
+    int8_t* xq = ember_mv_shared();
+    float2* xds = (float2*)(xq + (size_t)n_cols);
+    ember_mv_quantize<F::ACT>(xq, xds, x, n_cols, n_cols);
+    __syncthreads();
+
+    const int sub = (int)(threadIdx.x % LANES);
+    const uint32_t warps_per_block = blockDim.x / EMBER_WAVE_SIZE;
+    const uint32_t warp = blockIdx.x * warps_per_block + threadIdx.x / EMBER_WAVE_SIZE;
+    const uint32_t group = (threadIdx.x % EMBER_WAVE_SIZE) / LANES;
+    const size_t row_bytes = (size_t)(n_cols / F::BLOCK_VALUES) * F::BLOCK_BYTES;
+    const int n_units = (int)(n_cols / F::UNIT_VALUES);
+    F format;
+    for (uint32_t first = warp * ROWS_PER_WARP; first < n_rows; first += gridDim.x * warps_per_block * ROWS_PER_WARP) {
+        const uint32_t r = first + group;
+        const bool valid = r < n_rows;
+        float g[1] = {0.0f}, u[1] = {0.0f};
+        if (valid) {
+            const uint8_t* gate_row = wg + (size_t)r * row_bytes;
+            const uint8_t* up_row = wu + (size_t)r * row_bytes;
+#pragma unroll 2
+            for (int k = sub; k < n_units; k += LANES) {
+                format.template dot<1, false>(gate_row, k, xq, xds, n_cols, 1, g);
+                format.template dot<1, false>(up_row, k, xq, xds, n_cols, 1, u);
+            }
+        }
+        ember_matvec_glu_store<LANES, GLU>(y, g[0], u[0], r, valid);
+    }
+}
+
+template <typename F, int LANES, int GLU>
+EMBER_DEVICE void ember_matvec_glu_float(float* y, const uint8_t* wg, const uint8_t* wu, const float* x, uint32_t n_rows, uint32_t n_cols) {
+    constexpr int ROWS_PER_WARP = EMBER_WAVE_SIZE / LANES;
+    const int sub = (int)(threadIdx.x % LANES);
+    const uint32_t warps_per_block = blockDim.x / EMBER_WAVE_SIZE;
+    const uint32_t warp = blockIdx.x * warps_per_block + threadIdx.x / EMBER_WAVE_SIZE;
+    const uint32_t group = (threadIdx.x % EMBER_WAVE_SIZE) / LANES;
+    F format;
+    for (uint32_t first = warp * ROWS_PER_WARP; first < n_rows; first += gridDim.x * warps_per_block * ROWS_PER_WARP) {
+        const uint32_t r = first + group;
+        const bool valid = r < n_rows;
+        float acc[2] = {0.0f, 0.0f};
+        if (valid) {
+            const uint8_t* rows[2] = {wg + (size_t)r * F::row_bytes(n_cols), wu + (size_t)r * F::row_bytes(n_cols)};
+            for (int c = 8 * sub; c < (int)n_cols; c += 8 * LANES) {
+                const float4* xp = (const float4*)(x + c);
+                const float4 a = xp[0], b = xp[1];
+#pragma unroll
+                for (int k = 0; k < 2; ++k) {
+                    float v[8];
+                    format.load8(rows[k], c, v);
+                    acc[k] += v[0] * format.round_x(a.x) + v[1] * format.round_x(a.y) + v[2] * format.round_x(a.z) +
+                              v[3] * format.round_x(a.w) + v[4] * format.round_x(b.x) + v[5] * format.round_x(b.y) +
+                              v[6] * format.round_x(b.z) + v[7] * format.round_x(b.w);
+                }
+            }
+        }
+        ember_matvec_glu_store<LANES, GLU>(y, acc[0], acc[1], r, valid);
+    }
+}
+
+// ember_matvec_{swiglu,geglu}_<format>_t1(float* y, const uint8_t* w_gate, const uint8_t* w_up,
+// const float* x, uint32_t n_rows, uint32_t n_cols): one token, y [n_rows].
+#define EMBER_MATVEC_GLU_INT8(name, format, glu)                                                                                  \
+    EMBER_KERNEL void name(float* y, const uint8_t* wg, const uint8_t* wu, const float* x, uint32_t n_rows, uint32_t n_cols) { \
+        ember_matvec_glu_int8<format, EMBER_MATVEC_LANES, glu>(y, wg, wu, x, n_rows, n_cols);                                     \
+    }
+
+#define EMBER_MATVEC_GLU_FLOAT(name, format, glu)                                                                                 \
+    EMBER_KERNEL void name(float* y, const uint8_t* wg, const uint8_t* wu, const float* x, uint32_t n_rows, uint32_t n_cols) { \
+        ember_matvec_glu_float<format, EMBER_MATVEC_LANES, glu>(y, wg, wu, x, n_rows, n_cols);                                    \
+    }
+
+EMBER_MATVEC_GLU_INT8(ember_matvec_swiglu_q4_0_t1, EmberMvQ4_0, EMBER_GLU_SILU)
+EMBER_MATVEC_GLU_INT8(ember_matvec_geglu_q4_0_t1, EmberMvQ4_0, EMBER_GLU_GELU)
+EMBER_MATVEC_GLU_INT8(ember_matvec_swiglu_q4_1_t1, EmberMvQ4_1, EMBER_GLU_SILU)
+EMBER_MATVEC_GLU_INT8(ember_matvec_geglu_q4_1_t1, EmberMvQ4_1, EMBER_GLU_GELU)
+EMBER_MATVEC_GLU_INT8(ember_matvec_swiglu_q5_0_t1, EmberMvQ5_0, EMBER_GLU_SILU)
+EMBER_MATVEC_GLU_INT8(ember_matvec_geglu_q5_0_t1, EmberMvQ5_0, EMBER_GLU_GELU)
+EMBER_MATVEC_GLU_INT8(ember_matvec_swiglu_q5_1_t1, EmberMvQ5_1, EMBER_GLU_SILU)
+EMBER_MATVEC_GLU_INT8(ember_matvec_geglu_q5_1_t1, EmberMvQ5_1, EMBER_GLU_GELU)
+EMBER_MATVEC_GLU_INT8(ember_matvec_swiglu_q8_0_t1, EmberMvQ8_0, EMBER_GLU_SILU)
+EMBER_MATVEC_GLU_INT8(ember_matvec_geglu_q8_0_t1, EmberMvQ8_0, EMBER_GLU_GELU)
+EMBER_MATVEC_GLU_INT8(ember_matvec_swiglu_q4_k_t1, EmberMvQ4_K, EMBER_GLU_SILU)
+EMBER_MATVEC_GLU_INT8(ember_matvec_geglu_q4_k_t1, EmberMvQ4_K, EMBER_GLU_GELU)
+EMBER_MATVEC_GLU_INT8(ember_matvec_swiglu_q5_k_t1, EmberMvQ5_K, EMBER_GLU_SILU)
+EMBER_MATVEC_GLU_INT8(ember_matvec_geglu_q5_k_t1, EmberMvQ5_K, EMBER_GLU_GELU)
+EMBER_MATVEC_GLU_INT8(ember_matvec_swiglu_q6_k_t1, EmberMvQ6_K, EMBER_GLU_SILU)
+EMBER_MATVEC_GLU_INT8(ember_matvec_geglu_q6_k_t1, EmberMvQ6_K, EMBER_GLU_GELU)
+EMBER_MATVEC_GLU_FLOAT(ember_matvec_swiglu_f32_t1, EmberMvF32, EMBER_GLU_SILU)
+EMBER_MATVEC_GLU_FLOAT(ember_matvec_geglu_f32_t1, EmberMvF32, EMBER_GLU_GELU)
+EMBER_MATVEC_GLU_FLOAT(ember_matvec_swiglu_f16_t1, EmberMvF16, EMBER_GLU_SILU)
+EMBER_MATVEC_GLU_FLOAT(ember_matvec_geglu_f16_t1, EmberMvF16, EMBER_GLU_GELU)
+EMBER_MATVEC_GLU_FLOAT(ember_matvec_swiglu_bf16_t1, EmberMvBF16, EMBER_GLU_SILU)
+EMBER_MATVEC_GLU_FLOAT(ember_matvec_geglu_bf16_t1, EmberMvBF16, EMBER_GLU_GELU)
+
+// ---- Several matrices sharing one input, one token: y_s = W_s x for s < 3 (Q, K and V) ----
+//
+// The matrices have the same format and column count; their rows are walked as one list of
+// rows0 + rows1 + rows2 rows (a row group finds its matrix by its index), so one launch and one
+// quantisation of x per block serve all of them. Each row is computed exactly as the plain t1
+// kernels compute it (same units per lane, same order, same reduction): the values equal three
+// ember_matvec_<format>_t1 launches. A segment with 0 rows is never touched (its pointers may be
+// null). Launch as the plain t1 kernels with the grid of the total row count.
+struct EmberMvSegments {
+    float* y[3];
+    const uint8_t* w[3];
+    uint32_t rows[3];
+};
+
+// The matrix of row r of the combined list, and r's index in it.
+EMBER_DEVICE int ember_mv_segment_of(const EmberMvSegments& s, uint32_t r, uint32_t* local) {
+    if (r < s.rows[0]) {
+        *local = r;
+        return 0;
+    }
+    r -= s.rows[0];
+    if (r < s.rows[1]) {
+        *local = r;
+        return 1;
+    }
+    *local = r - s.rows[1];
+    return 2;
+}
+
+template <typename F, int LANES>
+EMBER_DEVICE void ember_matvec_multi_int8(const EmberMvSegments& s, const float* x, uint32_t n_cols) {
+    constexpr int ROWS_PER_WARP = EMBER_WAVE_SIZE / LANES;
+    int8_t* xq = ember_mv_shared();
+    float2* xds = (float2*)(xq + (size_t)n_cols);
+    ember_mv_quantize<F::ACT>(xq, xds, x, n_cols, n_cols);
+    __syncthreads();
+
+    const uint32_t n_rows = s.rows[0] + s.rows[1] + s.rows[2];
+    const int sub = (int)(threadIdx.x % LANES);
+    const uint32_t warps_per_block = blockDim.x / EMBER_WAVE_SIZE;
+    const uint32_t warp = blockIdx.x * warps_per_block + threadIdx.x / EMBER_WAVE_SIZE;
+    const uint32_t group = (threadIdx.x % EMBER_WAVE_SIZE) / LANES;
+    const size_t row_bytes = (size_t)(n_cols / F::BLOCK_VALUES) * F::BLOCK_BYTES;
+    const int n_units = (int)(n_cols / F::UNIT_VALUES);
+    F format;
+    for (uint32_t first = warp * ROWS_PER_WARP; first < n_rows; first += gridDim.x * warps_per_block * ROWS_PER_WARP) {
+        const uint32_t r = first + group;
+        const bool valid = r < n_rows;
+        uint32_t local = 0;
+        const int seg = valid ? ember_mv_segment_of(s, r, &local) : 0;
+        float acc[1] = {0.0f};
+        if (valid) {
+            const uint8_t* row = s.w[seg] + (size_t)local * row_bytes;
+#pragma unroll 2
+            for (int u = sub; u < n_units; u += LANES) format.template dot<1, false>(row, u, xq, xds, n_cols, 1, acc);
+        }
+        ember_matvec_store<1, LANES>(s.y[seg], acc, local, valid, s.rows[seg], 1);
+    }
+}
+
+template <typename F, int LANES>
+EMBER_DEVICE void ember_matvec_multi_float(const EmberMvSegments& s, const float* x, uint32_t n_cols) {
+    constexpr int ROWS_PER_WARP = EMBER_WAVE_SIZE / LANES;
+    const uint32_t n_rows = s.rows[0] + s.rows[1] + s.rows[2];
+    const int sub = (int)(threadIdx.x % LANES);
+    const uint32_t warps_per_block = blockDim.x / EMBER_WAVE_SIZE;
+    const uint32_t warp = blockIdx.x * warps_per_block + threadIdx.x / EMBER_WAVE_SIZE;
+    const uint32_t group = (threadIdx.x % EMBER_WAVE_SIZE) / LANES;
+    F format;
+    for (uint32_t first = warp * ROWS_PER_WARP; first < n_rows; first += gridDim.x * warps_per_block * ROWS_PER_WARP) {
+        const uint32_t r = first + group;
+        const bool valid = r < n_rows;
+        uint32_t local = 0;
+        const int seg = valid ? ember_mv_segment_of(s, r, &local) : 0;
+        float acc[1] = {0.0f};
+        if (valid) {
+            const uint8_t* row = s.w[seg] + (size_t)local * F::row_bytes(n_cols);
+            for (int c = 8 * sub; c < (int)n_cols; c += 8 * LANES) {
+                float v[8];
+                format.load8(row, c, v);
+                const float4* xp = (const float4*)(x + c);
+                const float4 a = xp[0], b = xp[1];
+                acc[0] += v[0] * format.round_x(a.x) + v[1] * format.round_x(a.y) + v[2] * format.round_x(a.z) +
+                          v[3] * format.round_x(a.w) + v[4] * format.round_x(b.x) + v[5] * format.round_x(b.y) +
+                          v[6] * format.round_x(b.z) + v[7] * format.round_x(b.w);
+            }
+        }
+        ember_matvec_store<1, LANES>(s.y[seg], acc, local, valid, s.rows[seg], 1);
+    }
+}
+
+// ember_matvec3_<format>_t1(float* y0, float* y1, float* y2, const uint8_t* w0, const uint8_t* w1,
+// const uint8_t* w2, const float* x, uint32_t rows0, uint32_t rows1, uint32_t rows2, uint32_t n_cols)
+#define EMBER_MATVEC3_INT8(name, format)                                                                                           \
+    EMBER_KERNEL void name(float* y0, float* y1, float* y2, const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, const float* x, \
+                           uint32_t rows0, uint32_t rows1, uint32_t rows2, uint32_t n_cols) {                                       \
+        const EmberMvSegments s = {{y0, y1, y2}, {w0, w1, w2}, {rows0, rows1, rows2}};                                              \
+        ember_matvec_multi_int8<format, EMBER_MATVEC_LANES>(s, x, n_cols);                                                          \
+    }
+
+#define EMBER_MATVEC3_FLOAT(name, format)                                                                                          \
+    EMBER_KERNEL void name(float* y0, float* y1, float* y2, const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, const float* x, \
+                           uint32_t rows0, uint32_t rows1, uint32_t rows2, uint32_t n_cols) {                                       \
+        const EmberMvSegments s = {{y0, y1, y2}, {w0, w1, w2}, {rows0, rows1, rows2}};                                              \
+        ember_matvec_multi_float<format, EMBER_MATVEC_LANES>(s, x, n_cols);                                                         \
+    }
+
+EMBER_MATVEC3_INT8(ember_matvec3_q4_0_t1, EmberMvQ4_0)
+EMBER_MATVEC3_INT8(ember_matvec3_q4_1_t1, EmberMvQ4_1)
+EMBER_MATVEC3_INT8(ember_matvec3_q5_0_t1, EmberMvQ5_0)
+EMBER_MATVEC3_INT8(ember_matvec3_q5_1_t1, EmberMvQ5_1)
+EMBER_MATVEC3_INT8(ember_matvec3_q8_0_t1, EmberMvQ8_0)
+EMBER_MATVEC3_INT8(ember_matvec3_q4_k_t1, EmberMvQ4_K)
+EMBER_MATVEC3_INT8(ember_matvec3_q5_k_t1, EmberMvQ5_K)
+EMBER_MATVEC3_INT8(ember_matvec3_q6_k_t1, EmberMvQ6_K)
+EMBER_MATVEC3_FLOAT(ember_matvec3_f32_t1, EmberMvF32)
+EMBER_MATVEC3_FLOAT(ember_matvec3_f16_t1, EmberMvF16)
+EMBER_MATVEC3_FLOAT(ember_matvec3_bf16_t1, EmberMvBF16)

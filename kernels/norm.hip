@@ -43,3 +43,29 @@ EMBER_KERNEL void ember_rms_norm_f32(float* out, const float* x, const float* we
     const float scale = 1.0f / sqrtf(mean + eps);
     for (uint32_t c = threadIdx.x; c < n_cols; c += blockDim.x) out_row[c] = row[c] * scale * weight[c];
 }
+
+// Fused residual add and RMS normalisation (decode: one launch instead of two per transition).
+// For each row r: x[r, c] += proj[r, c]; out[r, c] = rms_norm(x[r, :]) * weight[c].
+// Thread t owns the same columns and sums its squares in the same order as ember_rms_norm_f32
+// does with the same block size, and the sum goes through the same block reduction, so the
+// result is bit for bit that of ember_add_f32 followed by ember_rms_norm_f32 (ops::add_rms_norm
+// launches the block size ops::rms_norm would). One block per row. `out` must not alias `x`
+// or `proj`.
+EMBER_KERNEL void ember_add_rms_norm_f32(float* out, float* x, const float* proj, const float* weight, uint32_t n_cols, float eps) {
+    __shared__ double scratch[EMBER_MAX_WARPS];
+    float* row = x + (size_t)blockIdx.x * n_cols;
+    const float* proj_row = proj + (size_t)blockIdx.x * n_cols;
+    float* out_row = out + (size_t)blockIdx.x * n_cols;
+    double sum = 0.0;
+    for (uint32_t c = threadIdx.x; c < n_cols; c += blockDim.x) {
+        const float value = row[c] + proj_row[c];
+        row[c] = value;
+        const float square = value * value;
+        sum += (double)square;
+    }
+    sum = ember_block_sum_f64(sum, scratch);
+    const float mean = (float)(sum / (double)n_cols);
+    const float scale = 1.0f / sqrtf(mean + eps);
+    // Each thread reads back only the columns it wrote itself.
+    for (uint32_t c = threadIdx.x; c < n_cols; c += blockDim.x) out_row[c] = row[c] * scale * weight[c];
+}

@@ -45,3 +45,96 @@ EMBER_KERNEL void ember_rope_neox_f32(float* x, const int32_t* positions, const 
         v[i + half_dims] = a * s + b * c;
     }
 }
+
+// Fused decode step after the Q/K/V projections: rope of the q heads, rope of the k heads, and
+// the store of the roped k row and the v row into the paged KV cache as f16 (what
+// ember_rope_*_f32 twice and attention.hip's ember_kv_store_f16 do, in one launch). Every value
+// goes through the same expressions as in those kernels, so q, k and the cache get the same bits.
+// q [n_tokens, n_heads, head_dim] and k [n_tokens, n_kv_heads, head_dim] are rotated in place;
+// v [n_tokens, n_kv_heads, head_dim]. Token t goes to slot slots[t] (block slots[t] / block_size
+// of k_blocks / v_blocks, u64 addresses), skipped when negative or when either block address is
+// 0, as ember_kv_store_f16 does. Launch: grid = n_tokens * (n_heads + n_kv_heads), one block per
+// head (q heads first), any block size.
+template <bool NEOX>
+EMBER_DEVICE void ember_rope_pair(uint32_t i, uint32_t half_dims, uint32_t* ia, uint32_t* ib) {
+    *ia = NEOX ? i : 2 * i;
+    *ib = NEOX ? i + half_dims : 2 * i + 1;
+}
+
+template <bool NEOX>
+EMBER_DEVICE void ember_rope_kv_store(float* q, float* k, const float* v, const int32_t* positions, const float* freq_factors,
+                                      uint32_t n_tokens, uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim, uint32_t n_dims,
+                                      float theta_scale, float freq_scale, const uint64_t* k_blocks, const uint64_t* v_blocks,
+                                      const int32_t* slots, uint32_t block_size) {
+    const uint32_t half_dims = n_dims / 2;
+    const uint32_t q_heads = n_tokens * n_heads;
+    if (blockIdx.x < q_heads) {
+        const uint32_t token = blockIdx.x / n_heads;
+        float* x = q + (size_t)blockIdx.x * head_dim;
+        for (uint32_t i = threadIdx.x; i < half_dims; i += blockDim.x) {
+            float c, s;
+            ember_rope_angle(positions[token], i, theta_scale, freq_scale, freq_factors, &c, &s);
+            uint32_t ia, ib;
+            ember_rope_pair<NEOX>(i, half_dims, &ia, &ib);
+            const float a = x[ia], b = x[ib];
+            x[ia] = a * c - b * s;
+            x[ib] = a * s + b * c;
+        }
+        return;
+    }
+    const uint32_t kv_head = blockIdx.x - q_heads;
+    const uint32_t token = kv_head / n_kv_heads, head = kv_head % n_kv_heads;
+    float* x = k + (size_t)kv_head * head_dim;
+    const float* vx = v + (size_t)kv_head * head_dim;
+    ember_half* k_out = nullptr;
+    ember_half* v_out = nullptr;
+    const int32_t slot = slots[token];
+    if (slot >= 0) {
+        const uint32_t block = (uint32_t)slot / block_size, offset = (uint32_t)slot % block_size;
+        k_out = (ember_half*)k_blocks[block];
+        v_out = (ember_half*)v_blocks[block];
+        if (k_out == nullptr || v_out == nullptr) {
+            k_out = v_out = nullptr;
+        } else {
+            const size_t at = (size_t)offset * n_kv_heads * head_dim + (size_t)head * head_dim;
+            k_out += at;
+            v_out += at;
+        }
+    }
+    for (uint32_t i = threadIdx.x; i < half_dims; i += blockDim.x) {
+        float c, s;
+        ember_rope_angle(positions[token], i, theta_scale, freq_scale, freq_factors, &c, &s);
+        uint32_t ia, ib;
+        ember_rope_pair<NEOX>(i, half_dims, &ia, &ib);
+        const float a = x[ia], b = x[ib];
+        const float ra = a * c - b * s, rb = a * s + b * c;
+        x[ia] = ra;
+        x[ib] = rb;
+        if (k_out) {
+            k_out[ia] = __float2half_rn(ra);
+            k_out[ib] = __float2half_rn(rb);
+        }
+    }
+    if (k_out) {
+        // The values past n_dims are not rotated; each thread stores only values no other
+        // thread writes.
+        for (uint32_t c = n_dims + threadIdx.x; c < head_dim; c += blockDim.x) k_out[c] = __float2half_rn(x[c]);
+        for (uint32_t c = threadIdx.x; c < head_dim; c += blockDim.x) v_out[c] = __float2half_rn(vx[c]);
+    }
+}
+
+EMBER_KERNEL void ember_rope_kv_store_norm_f32(float* q, float* k, const float* v, const int32_t* positions, const float* freq_factors,
+                                               uint32_t n_tokens, uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,
+                                               uint32_t n_dims, float theta_scale, float freq_scale, const uint64_t* k_blocks,
+                                               const uint64_t* v_blocks, const int32_t* slots, uint32_t block_size) {
+    ember_rope_kv_store<false>(q, k, v, positions, freq_factors, n_tokens, n_heads, n_kv_heads, head_dim, n_dims, theta_scale, freq_scale,
+                               k_blocks, v_blocks, slots, block_size);
+}
+
+EMBER_KERNEL void ember_rope_kv_store_neox_f32(float* q, float* k, const float* v, const int32_t* positions, const float* freq_factors,
+                                               uint32_t n_tokens, uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,
+                                               uint32_t n_dims, float theta_scale, float freq_scale, const uint64_t* k_blocks,
+                                               const uint64_t* v_blocks, const int32_t* slots, uint32_t block_size) {
+    ember_rope_kv_store<true>(q, k, v, positions, freq_factors, n_tokens, n_heads, n_kv_heads, head_dim, n_dims, theta_scale, freq_scale,
+                              k_blocks, v_blocks, slots, block_size);
+}

@@ -127,6 +127,27 @@ static void test_norm_softmax_argmax() {
     report("rms_norm_f32 (in place, 640 threads)", max_abs_diff(dx.download(), expected), 1e-5);
     dx.upload(x);
 
+    // Fused residual add + norm against add then rms_norm with the block size ops uses for this
+    // row length (2304 -> 1024 threads) and a short-row one (640): bit-exact, same arithmetic.
+    const std::vector<float> proj = random_floats(n_rows * n_cols, -3, 3);
+    DeviceBuffer<float> dproj(proj), dfused(n_rows * n_cols), dsum(x);
+    for (uint32_t threads : {1024u, 640u}) {
+        dx.upload(x);
+        dsum.upload(x);
+        ember_add_f32<<<64, 256>>>(dx.ptr, dx.ptr, dproj.ptr, n_rows * n_cols, n_rows * n_cols);
+        ember_rms_norm_f32<<<n_rows, threads>>>(dout.ptr, dx.ptr, dw.ptr, n_cols, 1e-6f);
+        ember_add_rms_norm_f32<<<n_rows, threads>>>(dfused.ptr, dsum.ptr, dproj.ptr, dw.ptr, n_cols, 1e-6f);
+        sync();
+        const std::vector<float> want = dout.download(), got = dfused.download();
+        const std::vector<float> want_x = dx.download(), got_x = dsum.download();
+        uint32_t differ = 0;
+        for (size_t i = 0; i < want.size(); ++i) differ += want[i] != got[i] || want_x[i] != got_x[i];
+        report(threads == 1024u ? "add_rms_norm_f32 vs add + rms_norm (differing values, 1024 threads)"
+                                : "add_rms_norm_f32 vs add + rms_norm (differing values, 640 threads)",
+               differ, 0.0);
+    }
+    dx.upload(x);
+
     ember_softmax_f32<<<n_rows, 512>>>(dout.ptr, dx.ptr, n_cols, 0.7f);
     sync();
     for (uint32_t r = 0; r < n_rows; ++r) {
@@ -191,6 +212,60 @@ static void test_rope() {
         // ulps of the angle's magnitude-scaled error (2^-24 * 1.6e4 = 1e-3 worst case).
         const std::string name = std::string(neox ? "rope_neox_f32" : "rope_norm_f32") + (with_factors ? " (freq factors)" : "") + ", n_dims < head_dim";
         report(name, max_abs_diff(dx.download(), expected), 1e-3);
+    }
+
+    // Fused rope(q) + rope(k) + K/V store against the separate rope launches and the f16 store
+    // rule of ember_kv_store_f16 (round to nearest even): the same expressions, so q, k and both
+    // caches must match bit for bit (differing values counted, tolerance 0). 5 tokens of 4 q heads
+    // and 2 kv heads; 2 blocks of 4 slots. Token 2 has no slot (-1) and tokens 0 and 4 land in
+    // block 1, which has no V memory: all three are skipped, as ember_kv_store_f16 skips them.
+    {
+        const uint32_t n_kv_heads = 2, block_size = 4, row = n_kv_heads * head_dim;
+        const std::vector<float> k = random_floats(n_tokens * row), v = random_floats(n_tokens * row);
+        const std::vector<int32_t> slots = {5, 0, -1, 2, 7};  // blocks 1, 0, none, 0, 1
+        for (int variant = 0; variant < 2; ++variant) {
+            const bool neox = variant == 1;
+            DeviceBuffer<float> dq(x), dk(k), dv(v), rq(x), rk(k), df(factors);
+            DeviceBuffer<int32_t> dp(pos), ds(slots);
+            // Zeroed caches of 2 blocks; block 0 has K and V memory, block 1 only K memory.
+            DeviceBuffer<uint16_t> kc((size_t)2 * block_size * row), vc((size_t)2 * block_size * row);
+            const std::vector<uint64_t> kt = {(uint64_t)(uintptr_t)kc.ptr, (uint64_t)(uintptr_t)(kc.ptr + block_size * row)};
+            const std::vector<uint64_t> vt = {(uint64_t)(uintptr_t)vc.ptr, 0};
+            DeviceBuffer<uint64_t> dkt(kt), dvt(vt);
+            if (neox) {
+                ember_rope_neox_f32<<<n_tokens * n_heads, 32>>>(rq.ptr, dp.ptr, df.ptr, n_heads, head_dim, n_dims, theta_scale, freq_scale);
+                ember_rope_neox_f32<<<n_tokens * n_kv_heads, 32>>>(rk.ptr, dp.ptr, df.ptr, n_kv_heads, head_dim, n_dims, theta_scale, freq_scale);
+                ember_rope_kv_store_neox_f32<<<n_tokens * (n_heads + n_kv_heads), 64>>>(dq.ptr, dk.ptr, dv.ptr, dp.ptr, df.ptr, n_tokens, n_heads,
+                                                                                       n_kv_heads, head_dim, n_dims, theta_scale, freq_scale,
+                                                                                       dkt.ptr, dvt.ptr, ds.ptr, block_size);
+            } else {
+                ember_rope_norm_f32<<<n_tokens * n_heads, 32>>>(rq.ptr, dp.ptr, df.ptr, n_heads, head_dim, n_dims, theta_scale, freq_scale);
+                ember_rope_norm_f32<<<n_tokens * n_kv_heads, 32>>>(rk.ptr, dp.ptr, df.ptr, n_kv_heads, head_dim, n_dims, theta_scale, freq_scale);
+                ember_rope_kv_store_norm_f32<<<n_tokens * (n_heads + n_kv_heads), 64>>>(dq.ptr, dk.ptr, dv.ptr, dp.ptr, df.ptr, n_tokens, n_heads,
+                                                                                       n_kv_heads, head_dim, n_dims, theta_scale, freq_scale,
+                                                                                       dkt.ptr, dvt.ptr, ds.ptr, block_size);
+            }
+            sync();
+            const std::vector<float> gq = dq.download(), wq = rq.download(), gk = dk.download(), wk = rk.download();
+            const std::vector<uint16_t> gkc = kc.download(), gvc = vc.download();
+            uint32_t differ = 0;
+            for (size_t i = 0; i < gq.size(); ++i) differ += std::memcmp(&gq[i], &wq[i], 4) != 0;
+            for (size_t i = 0; i < gk.size(); ++i) differ += std::memcmp(&gk[i], &wk[i], 4) != 0;
+            std::vector<uint16_t> want_k(gkc.size(), 0), want_v(gvc.size(), 0);
+            for (uint32_t t = 0; t < n_tokens; ++t) {
+                const int32_t slot = slots[t];
+                if (slot < 0 || (uint32_t)slot / block_size >= 1) continue;  // block 1 has no V memory: skipped
+                for (uint32_t c = 0; c < row; ++c) {
+                    want_k[(size_t)slot * row + c] = to_half_bits(wk[(size_t)t * row + c]);
+                    want_v[(size_t)slot * row + c] = to_half_bits(v[(size_t)t * row + c]);
+                }
+            }
+            for (size_t i = 0; i < gkc.size(); ++i) differ += gkc[i] != want_k[i];
+            for (size_t i = 0; i < gvc.size(); ++i) differ += gvc[i] != want_v[i];
+            report(neox ? "rope_kv_store_neox_f32 vs rope + rope + f16 store (differing values)"
+                        : "rope_kv_store_norm_f32 vs rope + rope + f16 store (differing values)",
+                   differ, 0.0);
+        }
     }
 }
 

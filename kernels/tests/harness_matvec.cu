@@ -3,7 +3,10 @@
 // double-precision CPU reference; the in-kernel activation rounding bit for bit against a host
 // twin of the CPU backend's quantisers (crates/quant; the Rust tests of crates/gpu/src/ops/
 // matvec.rs check the same twin against crates/quant itself); then the weight bandwidth of the
-// decode shapes of a Llama-3-8B (14336x4096 and 4096x14336) at 1, 2 and 8 tokens.
+// decode shapes of a Llama-3-8B (14336x4096 and 4096x14336) at 1, 2 and 8 tokens. The fused
+// decode kernels (ember_matvec_{swiglu,geglu}_*_t1: gate, up and activation in one; and
+// ember_matvec3_*_t1: up to three matrices sharing x) are checked bit for bit against the
+// unfused launches they replace, and the fused FFN input is timed against the three launches.
 //
 // Build and run on an NVIDIA machine (repository root), or through kernels/tests/run-nvcc.sh:
 //   nvcc -std=c++17 -O2 -arch=sm_90 -x cu -I kernels kernels/tests/harness_matvec.cu -o target/harness_matvec
@@ -22,6 +25,7 @@
 // quantisation itself, |W (x - x̂)| <= sum_i (d_i / 2) |w_i| (+ the f16 rounding of d), which is
 // checked too. f16 and bf16 weights use x̂ = x rounded to f16 / bf16 (the CPU's rule), f32 x̂ = x.
 #include "../matvec.hip"
+#include "../elementwise.hip"
 
 #include "harness_common.h"
 
@@ -353,6 +357,192 @@ static void test_format(Format f, int n_rows, int n_cols, Variant variant = {0, 
     report(name, worst_bound, 1.0);
 }
 
+typedef void (*GluKernel)(float*, const uint8_t*, const uint8_t*, const float*, uint32_t, uint32_t);
+
+// The fused gate/up kernels of `f` ({swiglu, geglu}); nullptr where there are none (q2_K, q3_K).
+static void glu_kernels(Format f, GluKernel out[2]) {
+    out[0] = out[1] = nullptr;
+    switch (f) {
+#define EMBER_GLU_CASE(F, name)                     \
+    case F:                                         \
+        out[0] = ember_matvec_swiglu_##name##_t1;   \
+        out[1] = ember_matvec_geglu_##name##_t1;    \
+        break;
+        EMBER_GLU_CASE(F32, f32)
+        EMBER_GLU_CASE(F16, f16)
+        EMBER_GLU_CASE(BF16, bf16)
+        EMBER_GLU_CASE(Q4_0, q4_0)
+        EMBER_GLU_CASE(Q4_1, q4_1)
+        EMBER_GLU_CASE(Q5_0, q5_0)
+        EMBER_GLU_CASE(Q5_1, q5_1)
+        EMBER_GLU_CASE(Q8_0, q8_0)
+        EMBER_GLU_CASE(Q4_K, q4_k)
+        EMBER_GLU_CASE(Q5_K, q5_k)
+        EMBER_GLU_CASE(Q6_K, q6_k)
+#undef EMBER_GLU_CASE
+        default: break;
+    }
+}
+
+// The fused gate/up/activation kernels against the unfused sequence they replace (the t1 matvec
+// of gate, of up, then ember_silu_mul_f32 / ember_gelu_mul_f32): the same arithmetic in the same
+// order, so every value must be equal bit for bit (counted as differing values, tolerance 0). Two
+// grids: the one ops launches and 3 blocks that stride over the rows. Scaled activations push the
+// GELU inputs across its +-10 limits too.
+static void test_glu(Format f, int n_rows, int n_cols) {
+    GluKernel fused[2];
+    glu_kernels(f, fused);
+    if (!fused[0]) return;
+    const std::vector<uint8_t> wg = random_matrix(f, n_rows, n_cols), wu = random_matrix(f, n_rows, n_cols);
+    DeviceBuffer<uint8_t> dwg(wg), dwu(wu);
+    std::vector<float> x = awkward_activations((size_t)n_cols);
+    for (float& v : x) v *= 4.0f;
+    DeviceBuffer<float> dx(x), dg(n_rows), du(n_rows), dref(n_rows), dfused(n_rows);
+    const size_t shared = shared_for(f, 1, n_cols);
+    uint32_t differ[2] = {0, 0};
+    for (int a = 0; a < 2; ++a)
+        for (int grid : {grid_for(n_rows, {0, EMBER_MATVEC_THREADS}), 3}) {
+            CHECK_CUDA(cudaMemset(dfused.ptr, 0xff, (size_t)n_rows * sizeof(float)));
+            KERNELS[f].k[0]<<<grid, EMBER_MATVEC_THREADS, shared>>>(dg.ptr, dwg.ptr, dx.ptr, n_rows, n_cols, 1);
+            KERNELS[f].k[0]<<<grid, EMBER_MATVEC_THREADS, shared>>>(du.ptr, dwu.ptr, dx.ptr, n_rows, n_cols, 1);
+            if (a == 0) ember_silu_mul_f32<<<4, 256>>>(dref.ptr, dg.ptr, du.ptr, n_rows);
+            else ember_gelu_mul_f32<<<4, 256>>>(dref.ptr, dg.ptr, du.ptr, n_rows);
+            fused[a]<<<grid, EMBER_MATVEC_THREADS, shared>>>(dfused.ptr, dwg.ptr, dwu.ptr, dx.ptr, n_rows, n_cols);
+            sync();
+            const std::vector<float> want = dref.download(), got = dfused.download();
+            for (int r = 0; r < n_rows; ++r) differ[a] += std::memcmp(&want[r], &got[r], sizeof(float)) != 0;
+        }
+    char name[160];
+    std::snprintf(name, sizeof name, "matvec_swiglu_%s %dx%d vs matvec + matvec + silu_mul (differing values)", FORMATS[f].name, n_rows, n_cols);
+    report(name, differ[0], 0.0);
+    std::snprintf(name, sizeof name, "matvec_geglu_%s %dx%d vs matvec + matvec + gelu_mul (differing values)", FORMATS[f].name, n_rows, n_cols);
+    report(name, differ[1], 0.0);
+}
+
+typedef void (*Matvec3Kernel)(float*, float*, float*, const uint8_t*, const uint8_t*, const uint8_t*, const float*, uint32_t, uint32_t,
+                              uint32_t, uint32_t);
+
+// The multi-matrix kernel of `f` (nullptr for q2_K, q3_K).
+static Matvec3Kernel matvec3_kernel(Format f) {
+    switch (f) {
+        case F32: return ember_matvec3_f32_t1;
+        case F16: return ember_matvec3_f16_t1;
+        case BF16: return ember_matvec3_bf16_t1;
+        case Q4_0: return ember_matvec3_q4_0_t1;
+        case Q4_1: return ember_matvec3_q4_1_t1;
+        case Q5_0: return ember_matvec3_q5_0_t1;
+        case Q5_1: return ember_matvec3_q5_1_t1;
+        case Q8_0: return ember_matvec3_q8_0_t1;
+        case Q4_K: return ember_matvec3_q4_k_t1;
+        case Q5_K: return ember_matvec3_q5_k_t1;
+        case Q6_K: return ember_matvec3_q6_k_t1;
+        default: return nullptr;
+    }
+}
+
+// Q, K and V in one launch against three t1 launches: the same arithmetic per row, so equal bit
+// for bit (differing values counted, tolerance 0); also two matrices with an empty third segment
+// (null pointers), and a grid of 3 blocks that must stride over the combined rows.
+static void test_matvec3(Format f, int n_cols) {
+    const Matvec3Kernel kernel = matvec3_kernel(f);
+    if (!kernel) return;
+    const int rows[3] = {37, 11, 19};
+    std::vector<DeviceBuffer<uint8_t>*> w;
+    std::vector<DeviceBuffer<float>*> want, got;
+    for (int s = 0; s < 3; ++s) {
+        w.push_back(new DeviceBuffer<uint8_t>(random_matrix(f, rows[s], n_cols)));
+        want.push_back(new DeviceBuffer<float>((size_t)rows[s]));
+        got.push_back(new DeviceBuffer<float>((size_t)rows[s]));
+    }
+    const std::vector<float> x = awkward_activations((size_t)n_cols);
+    DeviceBuffer<float> dx(x);
+    const size_t shared = shared_for(f, 1, n_cols);
+    uint32_t differ = 0;
+    for (int segments : {3, 2})
+        for (int grid : {grid_for(rows[0] + rows[1] + (segments == 3 ? rows[2] : 0), {0, EMBER_MATVEC_THREADS}), 3}) {
+            for (int s = 0; s < 3; ++s) {
+                CHECK_CUDA(cudaMemset(got[s]->ptr, 0xff, (size_t)rows[s] * sizeof(float)));
+                KERNELS[f].k[0]<<<grid_for(rows[s], {0, EMBER_MATVEC_THREADS}), EMBER_MATVEC_THREADS, shared>>>(
+                    want[s]->ptr, w[s]->ptr, dx.ptr, rows[s], n_cols, 1);
+            }
+            if (segments == 3)
+                kernel<<<grid, EMBER_MATVEC_THREADS, shared>>>(got[0]->ptr, got[1]->ptr, got[2]->ptr, w[0]->ptr, w[1]->ptr, w[2]->ptr, dx.ptr,
+                                                              rows[0], rows[1], rows[2], n_cols);
+            else
+                kernel<<<grid, EMBER_MATVEC_THREADS, shared>>>(got[0]->ptr, got[1]->ptr, nullptr, w[0]->ptr, w[1]->ptr, nullptr, dx.ptr,
+                                                              rows[0], rows[1], 0, n_cols);
+            sync();
+            for (int s = 0; s < segments; ++s) {
+                const std::vector<float> a = want[s]->download(), b = got[s]->download();
+                for (int r = 0; r < rows[s]; ++r) differ += std::memcmp(&a[r], &b[r], sizeof(float)) != 0;
+            }
+            if (segments == 2) {
+                // The empty third segment is left alone.
+                const std::vector<float> untouched = got[2]->download();
+                for (float v : untouched) {
+                    uint32_t bits;
+                    std::memcpy(&bits, &v, 4);
+                    differ += bits != 0xffffffffu;
+                }
+            }
+        }
+    for (int s = 0; s < 3; ++s) {
+        delete w[s];
+        delete want[s];
+        delete got[s];
+    }
+    char name[160];
+    std::snprintf(name, sizeof name, "matvec3_%s 37+11+19 x %d vs three t1 launches (differing values)", FORMATS[f].name, n_cols);
+    report(name, differ, 0.0);
+}
+
+// Time of the FFN input of a Llama-3-8B decode step (gate and up 14336x4096, one token): the
+// fused SwiGLU kernel against the three launches it replaces. Median of 30, matrices cycled
+// through enough copies that L2 does not hold them.
+static void benchmark_glu(Format f) {
+    GluKernel fused[2];
+    glu_kernels(f, fused);
+    if (!fused[0]) return;
+    const int n_rows = 14336, n_cols = 4096;
+    const std::vector<uint8_t> w = random_matrix(f, n_rows, n_cols);
+    const size_t copies = std::max<size_t>(2, (size_t)std::ceil(1.5 * 64e6 / (double)w.size()));
+    std::vector<DeviceBuffer<uint8_t>*> matrices;
+    for (size_t i = 0; i < copies; ++i) matrices.push_back(new DeviceBuffer<uint8_t>(w));
+    DeviceBuffer<float> dx(random_floats(n_cols)), dg(n_rows), du(n_rows);
+    const size_t shared = shared_for(f, 1, n_cols);
+    const int grid = grid_for(n_rows, {0, EMBER_MATVEC_THREADS});
+    cudaEvent_t start, stop;
+    CHECK_CUDA(cudaEventCreate(&start));
+    CHECK_CUDA(cudaEventCreate(&stop));
+    double us[2];
+    for (int fuse = 0; fuse < 2; ++fuse) {
+        std::vector<float> samples;
+        for (int i = 0; i < 33; ++i) {
+            const uint8_t* a = matrices[(2 * i) % copies]->ptr;
+            const uint8_t* b = matrices[(2 * i + 1) % copies]->ptr;
+            CHECK_CUDA(cudaEventRecord(start));
+            if (fuse) {
+                fused[0]<<<grid, EMBER_MATVEC_THREADS, shared>>>(dg.ptr, a, b, dx.ptr, n_rows, n_cols);
+            } else {
+                KERNELS[f].k[0]<<<grid, EMBER_MATVEC_THREADS, shared>>>(dg.ptr, a, dx.ptr, n_rows, n_cols, 1);
+                KERNELS[f].k[0]<<<grid, EMBER_MATVEC_THREADS, shared>>>(du.ptr, b, dx.ptr, n_rows, n_cols, 1);
+                ember_silu_mul_f32<<<(n_rows + 255) / 256, 256>>>(dg.ptr, dg.ptr, du.ptr, n_rows);
+            }
+            CHECK_CUDA(cudaEventRecord(stop));
+            CHECK_CUDA(cudaEventSynchronize(stop));
+            float ms = 0;
+            CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+            if (i >= 3) samples.push_back(ms);
+        }
+        us[fuse] = median(samples) * 1e3;
+    }
+    std::printf("INFO ffn gate+up+swiglu %-5s 14336x4096 1 token: unfused %7.1f us, fused %7.1f us (%6.0f GB/s of weights)\n",
+                FORMATS[f].name, us[0], us[1], 2.0 * w.size() / (us[1] * 1e-6) / 1e9);
+    for (auto* m : matrices) delete m;
+    CHECK_CUDA(cudaEventDestroy(start));
+    CHECK_CUDA(cudaEventDestroy(stop));
+}
+
 // Weight bandwidth: median of 30 launches (CUDA events around each), cycling through enough
 // copies of the matrix that none is still in L2 when it is read again. One random matrix serves
 // both decode shapes (its blocks are independent, so the same bytes are a 14336x4096 and a
@@ -411,6 +601,12 @@ int main() {
         test_format((Format)fi, 101, 2048);
     }
     for (Format f : {Q4_0, Q8_0, Q4_K, Q5_K, Q6_K}) test_format(f, 37, 768, TWO_ROWS);
+    for (int fi = F32; fi <= Q6_K; ++fi) {
+        test_glu((Format)fi, 37, 768);
+        test_glu((Format)fi, 101, 2048);
+        test_matvec3((Format)fi, 768);
+        test_matvec3((Format)fi, 4096);
+    }
     const bool sweep = std::getenv("EMBER_MATVEC_SWEEP") != nullptr;
     const Variant variants[] = {{8, 128}, {16, 128}, {32, 128}, {8, 256}, {16, 256}, {32, 256}};
     if (sweep)
@@ -434,6 +630,7 @@ int main() {
             }
             benchmark(f, runs);
         }
+        for (Format f : {Q4_0, Q4_K, Q6_K, F16}) benchmark_glu(f);
     }
     return finish("harness_matvec");
 }

@@ -30,6 +30,7 @@ use ember_gguf::{Gguf, TensorInfo};
 
 use crate::batch::Batch;
 use crate::kv_cache::AttentionPlan;
+use crate::model::FfnActivation;
 
 /// An error raised by a backend while placing weights or allocating memory.
 #[derive(Debug, thiserror::Error)]
@@ -174,6 +175,29 @@ pub trait Backend: Send + Sync + Sized + 'static {
             self.matmul(w, x, n_tokens, out);
         }
     }
+    /// The gated input of a feed-forward block: `gate = act(w_gate x) * (w_up x)` for
+    /// `n_tokens` rows of `x` (`n_ff` values per row of `gate`), the activation as
+    /// [`Backend::swiglu`] / [`Backend::geglu`] compute it. `up` is scratch of the same size; what
+    /// it holds afterwards is unspecified (a device backend may fuse both projections and the
+    /// activation into one kernel and never write it).
+    #[allow(clippy::too_many_arguments)]
+    fn ffn_gate_up(
+        &self,
+        w_gate: &Self::Matrix,
+        w_up: &Self::Matrix,
+        x: &Self::Buf,
+        n_tokens: usize,
+        n_ff: usize,
+        activation: FfnActivation,
+        gate: &mut Self::Buf,
+        up: &mut Self::Buf,
+    ) {
+        self.matmul_shared(&[w_gate, w_up], x, n_tokens, &mut [&mut *gate, &mut *up]);
+        match activation {
+            FfnActivation::SwiGlu => self.swiglu(gate, up, n_tokens * n_ff),
+            FfnActivation::GeGlu => self.geglu(gate, up, n_tokens * n_ff),
+        }
+    }
     /// RMS normalisation of `n_rows` rows of `dim` values, times `weight` (length `dim`).
     fn rms_norm(
         &self,
@@ -195,6 +219,24 @@ pub trait Backend: Send + Sync + Sized + 'static {
     );
     /// `dst[i] += src[i]` for `len` values.
     fn add_inplace(&self, dst: &mut Self::Buf, src: &Self::Buf, len: usize);
+    /// The residual add fused with the following normalisation: `x[i] += proj[i]` for
+    /// `n_rows * dim` values, then `out = rms_norm(x) * weight` (as [`Backend::rms_norm`]). A
+    /// device backend runs it as one kernel; the values are those of the two ops. `out` is a
+    /// buffer other than `x` and `proj`.
+    #[allow(clippy::too_many_arguments)]
+    fn add_rms_norm(
+        &self,
+        x: &mut Self::Buf,
+        proj: &Self::Buf,
+        weight: &Self::Vector,
+        n_rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut Self::Buf,
+    ) {
+        self.add_inplace(x, proj, n_rows * dim);
+        self.rms_norm(x, weight, n_rows, dim, eps, out);
+    }
     /// `x[r * dim + i] += bias[i]` for `n_rows` rows.
     fn add_bias(&self, x: &mut Self::Buf, bias: &Self::Vector, n_rows: usize, dim: usize);
     /// `x[i] *= scale` for `len` values.
@@ -244,6 +286,28 @@ pub trait Backend: Send + Sync + Sized + 'static {
         v: &Self::Buf,
         plan: &AttentionPlan,
     );
+    /// [`Backend::rope`] of `q` (`n_heads` heads) and of `k` (`n_kv_heads` heads), then
+    /// [`Backend::kv_store`] of the rotated `k` and of `v` into `layer`. A device backend runs
+    /// the three as one kernel with the same values; `plan` covers the same `n_tokens` tokens.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_kv_store(
+        &self,
+        q: &mut Self::Buf,
+        k: &mut Self::Buf,
+        v: &Self::Buf,
+        table: &Self::RopeTable,
+        n_tokens: usize,
+        n_heads: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+        mode: RopeMode,
+        layer: &mut Self::KvLayer,
+        plan: &AttentionPlan,
+    ) {
+        self.rope(q, table, n_tokens, n_heads, head_dim, mode);
+        self.rope(k, table, n_tokens, n_kv_heads, head_dim, mode);
+        self.kv_store(layer, k, v, plan);
+    }
     /// Causal multi-head attention of the batch's queries over the cache, through the block tables
     /// of `plan`. `q` has `n_heads * head_dim` values per token; the layer has `n_kv_heads` heads
     /// (grouped-query attention when fewer). Keys older than `window` positions are masked when a

@@ -5,7 +5,6 @@
 //! A [`Context`] owns the paged KV cache and every scratch buffer; buffers grow to the largest
 //! batch seen and are then reused, so decoding allocates nothing per token in the layer loop.
 
-use super::arch::FfnActivation;
 use super::{ContextParams, ForwardError, Model};
 use crate::backend::{Backend, RopeParams};
 use crate::batch::{Batch, SeqId};
@@ -271,12 +270,18 @@ fn run_layers<B: Backend>(model: &Model<B>, ctx: &mut Context<B>, batch: &Batch)
     // Rows still flowing through the network: every token, until the last layer drops the ones
     // whose logits nobody asked for (as llama.cpp does with `inp_out_ids`).
     let mut n_rows = n;
+    // Whether `xn` already holds this layer's attention input: the previous layer's last residual
+    // add ran fused with this layer's norm (`Backend::add_rms_norm`, one kernel on a device).
+    let mut xn_ready = false;
     for (il, (lw, shape)) in w.layers.iter().zip(&hp.layers).enumerate() {
         let (n_head, n_head_kv) = (shape.n_head, shape.n_head_kv);
         let (q_len, kv_len) = (n_head * hd, n_head_kv * hd);
 
         // Attention block.
-        b.rms_norm(&bufs.x, &lw.attn_norm, n, n_embd, eps, &mut bufs.xn);
+        if !xn_ready {
+            b.rms_norm(&bufs.x, &lw.attn_norm, n, n_embd, eps, &mut bufs.xn);
+        }
+        xn_ready = false;
         b.matmul_shared(
             &[&lw.wq, &lw.wk, &lw.wv],
             &bufs.xn,
@@ -303,15 +308,27 @@ fn run_layers<B: Backend>(model: &Model<B>, ctx: &mut Context<B>, batch: &Batch)
         } else {
             &bufs.rope_global
         };
-        b.rope(&mut bufs.q, rope, n, n_head, hd, mode);
-        b.rope(&mut bufs.k, rope, n, n_head_kv, hd, mode);
+        // Rope of q and k and the K/V store (one kernel on a device); the query scaling below
+        // touches only q, so doing it after the store leaves every value as before.
+        b.rope_kv_store(
+            &mut bufs.q,
+            &mut bufs.k,
+            &bufs.v,
+            rope,
+            n,
+            n_head,
+            n_head_kv,
+            hd,
+            mode,
+            kv.layer_mut(il),
+            plan,
+        );
         let kq_scale = if arch.scales_queries() {
             b.scale(&mut bufs.q, n * q_len, attn_scale);
             1.0
         } else {
             attn_scale
         };
-        b.kv_store(kv.layer_mut(il), &bufs.k, &bufs.v, plan);
         let window = if shape.sliding_window {
             hp.sliding_window
         } else {
@@ -335,32 +352,54 @@ fn run_layers<B: Backend>(model: &Model<B>, ctx: &mut Context<B>, batch: &Batch)
         if let Some(norm) = &lw.post_attn_norm {
             b.rms_norm_inplace(&mut bufs.proj, norm, n, n_embd, eps);
         }
-        b.add_inplace(&mut bufs.x, &bufs.proj, n * n_embd);
-
+        // Feed-forward block.
         if il + 1 == hp.n_layer && n_out < n {
+            b.add_inplace(&mut bufs.x, &bufs.proj, n * n_embd);
             b.gather_rows(&bufs.x, n_embd, out_rows, &mut bufs.xn);
             std::mem::swap(&mut bufs.x, &mut bufs.xn);
             n_rows = n_out;
+            b.rms_norm(&bufs.x, &lw.ffn_norm, n_rows, n_embd, eps, &mut bufs.xn);
+        } else {
+            b.add_rms_norm(
+                &mut bufs.x,
+                &bufs.proj,
+                &lw.ffn_norm,
+                n_rows,
+                n_embd,
+                eps,
+                &mut bufs.xn,
+            );
         }
-
-        // Feed-forward block.
         let n_ff = shape.n_ff;
-        b.rms_norm(&bufs.x, &lw.ffn_norm, n_rows, n_embd, eps, &mut bufs.xn);
-        b.matmul_shared(
-            &[&lw.ffn_gate, &lw.ffn_up],
+        b.ffn_gate_up(
+            &lw.ffn_gate,
+            &lw.ffn_up,
             &bufs.xn,
             n_rows,
-            &mut [&mut bufs.gate, &mut bufs.up],
+            n_ff,
+            arch.ffn_activation(),
+            &mut bufs.gate,
+            &mut bufs.up,
         );
-        match arch.ffn_activation() {
-            FfnActivation::SwiGlu => b.swiglu(&mut bufs.gate, &bufs.up, n_rows * n_ff),
-            FfnActivation::GeGlu => b.geglu(&mut bufs.gate, &bufs.up, n_rows * n_ff),
-        }
         b.matmul(&lw.ffn_down, &bufs.gate, n_rows, &mut bufs.proj);
         if let Some(norm) = &lw.post_ffn_norm {
             b.rms_norm_inplace(&mut bufs.proj, norm, n_rows, n_embd, eps);
         }
-        b.add_inplace(&mut bufs.x, &bufs.proj, n_rows * n_embd);
+        match w.layers.get(il + 1) {
+            Some(next) => {
+                b.add_rms_norm(
+                    &mut bufs.x,
+                    &bufs.proj,
+                    &next.attn_norm,
+                    n_rows,
+                    n_embd,
+                    eps,
+                    &mut bufs.xn,
+                );
+                xn_ready = true;
+            }
+            None => b.add_inplace(&mut bufs.x, &bufs.proj, n_rows * n_embd),
+        }
     }
 
     // Output rows: after the last layer `x` holds exactly them when some were dropped.

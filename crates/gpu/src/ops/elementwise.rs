@@ -135,6 +135,60 @@ pub fn rms_norm(
     }
 }
 
+/// Residual add fused with the next RMS normalisation: `x[r] += proj[r]`, then
+/// `out[r] = rms_norm(x[r]) * weight` for `n_rows` rows of `dim` values. Gives exactly the values
+/// of [`add`] followed by [`rms_norm`] (same block size, so the same summation order), in one
+/// launch. `out` must be a buffer other than `x` and `proj`.
+#[allow(clippy::too_many_arguments)]
+pub fn add_rms_norm(
+    ctx: &GpuContext,
+    x: DevicePtr,
+    proj: DevicePtr,
+    weight: DevicePtr,
+    n_rows: usize,
+    dim: usize,
+    eps: f32,
+    out: DevicePtr,
+) -> Result<(), OpsError> {
+    const OP: &str = "add_rms_norm";
+    if n_rows == 0 {
+        return Ok(());
+    }
+    if out == x || out == proj {
+        return Err(OpsError::shape(
+            OP,
+            "an output buffer other than x and proj",
+            "the same buffer",
+        ));
+    }
+    let n_rows = as_u32(OP, "the row count", n_rows)?;
+    let dim = as_u32(OP, "the row length", dim)?;
+    if dim == 0 {
+        return Err(OpsError::shape(OP, "a row length above 0", "0"));
+    }
+    let args = KernelArgs::new()
+        .arg(ptr(out))
+        .arg(ptr(x))
+        .arg(ptr(proj))
+        .arg(ptr(weight))
+        .arg(KernelArg::U32(dim))
+        .arg(KernelArg::F32(eps));
+    // The block size rms_norm uses: the same threads own the same columns, so the sum of squares
+    // is taken in the same order and the result is bit for bit that of add + rms_norm.
+    let threads = dim.next_multiple_of(64).clamp(64, 1024);
+    // SAFETY: ember_add_rms_norm_f32(float* out, float* x, const float* proj, const float*
+    // weight, uint32_t n_cols, float eps); one block per row touches only that row of x, proj and
+    // out, and dim weights.
+    unsafe {
+        ctx.launch(
+            KernelModule::Norm,
+            "ember_add_rms_norm_f32",
+            LaunchConfig::linear(n_rows, threads),
+            &args,
+        )
+    }
+}
+
 /// Checks an element count and launches a grid-stride kernel of `module`.
 /// An element count for a grid-stride kernel. The kernels index with 32-bit counters, and the
 /// last stride must not wrap around 2^32, so counts stay below 2^31.
@@ -334,6 +388,121 @@ pub fn rope(
     // uint32_t n_heads, uint32_t head_dim, uint32_t n_dims, float theta_scale, float freq_scale);
     // block b rotates head b of x (n_tokens * n_heads heads) reading positions[b / n_heads] and,
     // when not null, n_dims / 2 factors.
+    unsafe {
+        ctx.launch(
+            KernelModule::Rope,
+            name,
+            LaunchConfig::linear(n_blocks, threads),
+            &args,
+        )
+    }
+}
+
+/// The arguments of [`rope_kv_store`].
+#[derive(Clone, Copy, Debug)]
+pub struct RopeKvStoreArgs {
+    /// f32 `[n_tokens, n_heads, head_dim]`, rotated in place.
+    pub q: DevicePtr,
+    /// f32 `[n_tokens, n_kv_heads, head_dim]`, rotated in place and stored.
+    pub k: DevicePtr,
+    /// f32 `[n_tokens, n_kv_heads, head_dim]`, stored.
+    pub v: DevicePtr,
+    /// i32 `[n_tokens]`: the position of each token.
+    pub positions: DevicePtr,
+    /// `n_dims / 2` f32 frequency divisors, or none.
+    pub freq_factors: Option<DevicePtr>,
+    pub n_tokens: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub n_dims: usize,
+    pub mode: RopeMode,
+    pub freq_base: f32,
+    pub freq_scale: f32,
+    /// u64 device addresses of the K blocks and the V blocks (as [`super::kv_store`] takes them).
+    pub k_blocks: DevicePtr,
+    pub v_blocks: DevicePtr,
+    /// i32 `[n_tokens]`: `block * block_size + offset`, negative for none.
+    pub slots: DevicePtr,
+    pub block_size: usize,
+}
+
+/// [`rope`] of q, [`rope`] of k and [`super::kv_store`] of the rotated k and of v, in one launch
+/// with the same values (the same expressions in one kernel, kernels/rope.hip). For the decode
+/// step, where the three are tiny launches each.
+pub fn rope_kv_store(ctx: &GpuContext, a: &RopeKvStoreArgs) -> Result<(), OpsError> {
+    const OP: &str = "rope_kv_store";
+    if a.n_tokens == 0 || a.head_dim == 0 || (a.n_heads == 0 && a.n_kv_heads == 0) {
+        return Ok(());
+    }
+    if !a.n_dims.is_multiple_of(2) || a.n_dims > a.head_dim {
+        return Err(OpsError::shape(
+            OP,
+            format!(
+                "an even rotated dimension count of at most the head size {}",
+                a.head_dim
+            ),
+            format!("{}", a.n_dims),
+        ));
+    }
+    if a.block_size == 0 {
+        return Err(OpsError::shape(OP, "a block size above 0", "0"));
+    }
+    let heads = a.n_heads.saturating_add(a.n_kv_heads);
+    let n_blocks = as_u32(OP, "tokens times heads", a.n_tokens.saturating_mul(heads))?;
+    as_u32(
+        OP,
+        "a KV row",
+        a.n_kv_heads
+            .saturating_mul(a.head_dim)
+            .saturating_mul(a.block_size),
+    )?;
+    // The same f32 value rope (and the CPU backend) multiplies by.
+    let theta_scale = if a.n_dims == 0 {
+        1.0
+    } else {
+        a.freq_base.powf(-2.0 / a.n_dims as f32)
+    };
+    let name = match a.mode {
+        RopeMode::Normal => "ember_rope_kv_store_norm_f32",
+        RopeMode::Neox => "ember_rope_kv_store_neox_f32",
+    };
+    let args = KernelArgs::new()
+        .arg(ptr(a.q))
+        .arg(ptr(a.k))
+        .arg(ptr(a.v))
+        .arg(ptr(a.positions))
+        .arg(ptr(a.freq_factors.unwrap_or(DevicePtr::NULL)))
+        .arg(KernelArg::U32(as_u32(OP, "the token count", a.n_tokens)?))
+        .arg(KernelArg::U32(as_u32(OP, "the head count", a.n_heads)?))
+        .arg(KernelArg::U32(as_u32(
+            OP,
+            "the KV head count",
+            a.n_kv_heads,
+        )?))
+        .arg(KernelArg::U32(as_u32(OP, "the head size", a.head_dim)?))
+        .arg(KernelArg::U32(as_u32(
+            OP,
+            "the rotated dimensions",
+            a.n_dims,
+        )?))
+        .arg(KernelArg::F32(theta_scale))
+        .arg(KernelArg::F32(a.freq_scale))
+        .arg(ptr(a.k_blocks))
+        .arg(ptr(a.v_blocks))
+        .arg(ptr(a.slots))
+        .arg(KernelArg::U32(as_u32(OP, "the block size", a.block_size)?));
+    let threads = ((a.head_dim / 2) as u32)
+        .next_multiple_of(32)
+        .clamp(32, 256);
+    // SAFETY: ember_rope_kv_store_{norm,neox}_f32(float* q, float* k, const float* v, const
+    // int32_t* positions, const float* freq_factors, uint32_t n_tokens, uint32_t n_heads,
+    // uint32_t n_kv_heads, uint32_t head_dim, uint32_t n_dims, float theta_scale, float
+    // freq_scale, const uint64_t* k_blocks, const uint64_t* v_blocks, const int32_t* slots,
+    // uint32_t block_size); block b < n_tokens * n_heads rotates head b of q, the others head
+    // b - n_tokens * n_heads of k and store it and the same head of v into the block its token's
+    // slot names (the caller's buffers hold n_tokens rows of each; the block tables as for
+    // kv_store).
     unsafe {
         ctx.launch(
             KernelModule::Rope,

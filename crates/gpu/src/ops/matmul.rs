@@ -29,7 +29,7 @@ use crate::kernels::KernelModule;
 use crate::pool::Purpose;
 
 use super::elementwise::convert_f32_to_f16;
-use super::matvec::matvec;
+use super::matvec::{has_glu_kernels, matvec, matvec_glu, matvec_multi, shared_fits_one_token};
 use super::{as_u32, DeviceMatrix, GpuContext, OpsError, WeightFormat};
 
 /// Up to this many tokens `matmul` uses the matrix-vector kernel; beyond, a GEMM. The
@@ -82,6 +82,124 @@ pub fn matmul(
     out: DevicePtr,
 ) -> Result<(), OpsError> {
     matmul_with(ctx, w, x, n_tokens, out, MatmulPath::Auto)
+}
+
+/// The gated activation of an FFN's input projections.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Glu {
+    /// SwiGLU: `silu(gate) * up` (as [`super::swiglu`]).
+    SwiGlu,
+    /// GeGLU: `gelu(gate) * up` (as [`super::geglu`]).
+    GeGlu,
+}
+
+/// Environment variable that turns the fused decode kernels off (`0`): [`matmul_glu`] and
+/// [`super::add_rms_norm`]'s callers then run the separate ops, for A/B measurements.
+pub const FUSION_ENV: &str = "EMBER_GPU_FUSION";
+
+/// Whether the fused decode kernels are used: unless [`FUSION_ENV`] is `0` (read once).
+pub fn fusion_enabled() -> bool {
+    static VALUE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *VALUE.get_or_init(|| std::env::var(FUSION_ENV).map_or(true, |v| v.trim() != "0"))
+}
+
+/// An FFN's gated input: `out[t] = act(gate x[t]) * (up x[t])` for `n_tokens` rows of x.
+/// For one token with `gate` and `up` in the same format and shape (the decode case) it is one
+/// kernel that reads both matrices once and writes only `out`, with the values of the unfused
+/// ops; otherwise it runs [`matmul`] for both (the up projection into `up_out`, a buffer of
+/// `n_tokens * up.rows` values) and the element-wise activation. `out` may not alias `x` or
+/// `up_out`.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_glu(
+    ctx: &GpuContext,
+    gate: &DeviceMatrix,
+    up: &DeviceMatrix,
+    x: DevicePtr,
+    n_tokens: usize,
+    glu: Glu,
+    out: DevicePtr,
+    up_out: DevicePtr,
+) -> Result<(), OpsError> {
+    let fused = n_tokens == 1
+        && fusion_enabled()
+        && matvec_max_tokens() >= 1
+        && gate.format == up.format
+        && gate.rows == up.rows
+        && gate.cols == up.cols
+        && has_glu_kernels(gate.format)
+        && gate.cols > 0
+        && gate.cols.is_multiple_of(32)
+        && shared_fits_one_token(gate.format, gate.cols);
+    let name = match glu {
+        Glu::SwiGlu => "swiglu",
+        Glu::GeGlu => "geglu",
+    };
+    if fused {
+        return matvec_glu(ctx, gate, up, x, name, out);
+    }
+    if gate.rows != up.rows {
+        return Err(OpsError::shape(
+            "matmul_glu",
+            format!("an up projection of {} rows like the gate", gate.rows),
+            format!("{}", up.rows),
+        ));
+    }
+    matmul(ctx, gate, x, n_tokens, out)?;
+    matmul(ctx, up, x, n_tokens, up_out)?;
+    let n = n_tokens * gate.rows;
+    match glu {
+        Glu::SwiGlu => super::swiglu(ctx, out, out, up_out, n),
+        Glu::GeGlu => super::geglu(ctx, out, out, up_out, n),
+    }
+}
+
+/// `outs[i] = ws[i] x` for several matrices sharing one input (Q, K and V), `n_tokens` rows of
+/// x. For one token, consecutive matrices of the same format and column count run as one launch
+/// (one pass over the activations; the values equal separate [`matmul`]s); everything else runs
+/// [`matmul`] per matrix.
+pub fn matmul_shared(
+    ctx: &GpuContext,
+    ws: &[&DeviceMatrix],
+    x: DevicePtr,
+    n_tokens: usize,
+    outs: &[DevicePtr],
+) -> Result<(), OpsError> {
+    if ws.len() != outs.len() {
+        return Err(OpsError::shape(
+            "matmul_shared",
+            format!("{} outputs, one per matrix", ws.len()),
+            format!("{}", outs.len()),
+        ));
+    }
+    let fusable = |w: &DeviceMatrix| {
+        n_tokens == 1
+            && fusion_enabled()
+            && matvec_max_tokens() >= 1
+            && has_glu_kernels(w.format)
+            && w.cols > 0
+            && w.cols.is_multiple_of(32)
+            && shared_fits_one_token(w.format, w.cols)
+    };
+    let mut i = 0;
+    while i < ws.len() {
+        // The run of matrices from i on that share i's format and column count (at most 3).
+        let mut end = i + 1;
+        while end < ws.len()
+            && end - i < 3
+            && fusable(ws[i])
+            && ws[end].format == ws[i].format
+            && ws[end].cols == ws[i].cols
+        {
+            end += 1;
+        }
+        if end - i >= 2 {
+            matvec_multi(ctx, &ws[i..end], x, &outs[i..end])?;
+        } else {
+            matmul(ctx, ws[i], x, n_tokens, outs[i])?;
+        }
+        i = end;
+    }
+    Ok(())
 }
 
 /// [`matmul`] on a chosen path.

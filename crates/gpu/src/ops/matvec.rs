@@ -64,6 +64,11 @@ fn tokens_per_launch(format: WeightFormat, cols: usize) -> Option<usize> {
         .find(|&tokens| shared_bytes(format, tokens, cols) <= MAX_SHARED_BYTES)
 }
 
+/// Whether one token's activations of `cols` values fit the shared memory of a launch.
+pub(crate) fn shared_fits_one_token(format: WeightFormat, cols: usize) -> bool {
+    tokens_per_launch(format, cols).is_some()
+}
+
 /// The kernel serving a launch of `tokens` tokens (1..=8): the smallest `_tN` with `N >= tokens`
 /// among those compiled.
 pub(crate) fn kernel_name(format: WeightFormat, tokens: usize) -> String {
@@ -143,6 +148,181 @@ pub(crate) fn matvec(
         }?;
     }
     Ok(())
+}
+
+/// Whether [`matvec_glu`] has kernels for `format` (every format with an int8 or float path;
+/// q2_K and q3_K have neither).
+pub(crate) fn has_glu_kernels(format: WeightFormat) -> bool {
+    has_int8_path(format) || !quantises_activations(format)
+}
+
+/// The fused gate/up kernel: `out = act(gate x) * (up x)` for ONE token, both matrices in the
+/// same format and of the same shape, in one pass over both (kernels/matvec.hip's
+/// ember_matvec_{swiglu,geglu}_<format>_t1). Each row's two dot products are the ones
+/// [`matvec`] computes (same lanes, same order), and the activation is the element-wise
+/// kernels' expression, so the values equal matvec, matvec, swiglu/geglu. The caller checked
+/// the formats, shapes and [`has_glu_kernels`].
+pub(crate) fn matvec_glu(
+    ctx: &GpuContext,
+    gate: &DeviceMatrix,
+    up: &DeviceMatrix,
+    x: DevicePtr,
+    activation: &str,
+    out: DevicePtr,
+) -> Result<(), OpsError> {
+    const OP: &str = "matvec_glu";
+    if gate.rows == 0 {
+        return Ok(());
+    }
+    if gate.format != up.format || gate.rows != up.rows || gate.cols != up.cols {
+        return Err(OpsError::shape(
+            OP,
+            format!(
+                "an up matrix like the gate ({} {}x{})",
+                gate.format, gate.rows, gate.cols
+            ),
+            format!("{} {}x{}", up.format, up.rows, up.cols),
+        ));
+    }
+    if !has_glu_kernels(gate.format) {
+        return Err(OpsError::shape(
+            OP,
+            "a format with fused gate/up kernels",
+            gate.format.to_string(),
+        ));
+    }
+    if gate.cols == 0 || !gate.cols.is_multiple_of(GROUP) {
+        return Err(OpsError::shape(
+            OP,
+            "a column count that is a positive multiple of 32",
+            format!("{}", gate.cols),
+        ));
+    }
+    if tokens_per_launch(gate.format, gate.cols).is_none() {
+        return Err(OpsError::shape(
+            OP,
+            format!(
+                "at most {} columns for {} weights (one token's int8 activations in 48 KiB of shared memory)",
+                MAX_SHARED_BYTES * 4 / 5,
+                gate.format
+            ),
+            format!("{}", gate.cols),
+        ));
+    }
+    let rows = as_u32(OP, "the row count", gate.rows)?;
+    let cols = as_u32(OP, "the column count", gate.cols)?;
+    let grid = rows.div_ceil(MATVEC_THREADS / MATVEC_LANES).min(MAX_GRID);
+    let config = LaunchConfig {
+        shared_mem_bytes: shared_bytes(gate.format, 1, gate.cols) as u32,
+        ..LaunchConfig::linear(grid, MATVEC_THREADS)
+    };
+    let args = KernelArgs::new()
+        .arg(KernelArg::Ptr(out))
+        .arg(KernelArg::Ptr(gate.ptr()))
+        .arg(KernelArg::Ptr(up.ptr()))
+        .arg(KernelArg::Ptr(x))
+        .arg(KernelArg::U32(rows))
+        .arg(KernelArg::U32(cols));
+    let name = format!(
+        "ember_matvec_{activation}_{}_t1",
+        gate.format.kernel_suffix()
+    );
+    // SAFETY: ember_matvec_{swiglu,geglu}_<format>_t1(float* y, const uint8_t* w_gate, const
+    // uint8_t* w_up, const float* x, uint32_t n_rows, uint32_t n_cols) with the dynamic shared
+    // memory of one token (checked above to fit 48 KiB); it reads both matrices (same shape,
+    // checked above; DeviceMatrix::new checked their buffers), one row of x and writes `rows`
+    // values of out.
+    unsafe { ctx.launch(KernelModule::MatVec, &name, config, &args) }
+}
+
+/// Several matrices of one format and column count times the same ONE token in one launch:
+/// `outs[i] = ws[i] x` for 2 or 3 matrices (kernels/matvec.hip's ember_matvec3_<format>_t1,
+/// which walks their rows as one list). Each row is computed as [`matvec`] computes it, so the
+/// values equal separate launches. The caller checked [`has_glu_kernels`] (the same formats
+/// have these kernels).
+pub(crate) fn matvec_multi(
+    ctx: &GpuContext,
+    ws: &[&DeviceMatrix],
+    x: DevicePtr,
+    outs: &[DevicePtr],
+) -> Result<(), OpsError> {
+    const OP: &str = "matvec_multi";
+    if !(2..=3).contains(&ws.len()) || ws.len() != outs.len() {
+        return Err(OpsError::shape(
+            OP,
+            "2 or 3 matrices and as many outputs",
+            format!("{} matrices and {} outputs", ws.len(), outs.len()),
+        ));
+    }
+    let (format, cols) = (ws[0].format, ws[0].cols);
+    if let Some(w) = ws.iter().find(|w| w.format != format || w.cols != cols) {
+        return Err(OpsError::shape(
+            OP,
+            format!("matrices like the first ({format} with {cols} columns)"),
+            format!("{} with {} columns", w.format, w.cols),
+        ));
+    }
+    if !has_glu_kernels(format) {
+        return Err(OpsError::shape(
+            OP,
+            "a format with multi-matrix kernels",
+            format.to_string(),
+        ));
+    }
+    if cols == 0 || !cols.is_multiple_of(GROUP) || !shared_fits_one_token(format, cols) {
+        return Err(OpsError::shape(
+            OP,
+            format!(
+                "a positive multiple of 32 columns, at most {}",
+                MAX_SHARED_BYTES * 4 / 5
+            ),
+            format!("{cols}"),
+        ));
+    }
+    let mut rows = [0u32; 3];
+    let mut weights = [DevicePtr::NULL; 3];
+    let mut ys = [DevicePtr::NULL; 3];
+    for (i, (w, &y)) in ws.iter().zip(outs).enumerate() {
+        rows[i] = as_u32(OP, "a row count", w.rows)?;
+        weights[i] = w.ptr();
+        ys[i] = y;
+    }
+    let total = rows.iter().try_fold(0u32, |a, &r| a.checked_add(r));
+    let Some(total) = total else {
+        return Err(OpsError::shape(
+            OP,
+            "fewer than 2^32 rows in all",
+            format!("{rows:?}"),
+        ));
+    };
+    if total == 0 {
+        return Ok(());
+    }
+    let grid = total.div_ceil(MATVEC_THREADS / MATVEC_LANES).min(MAX_GRID);
+    let config = LaunchConfig {
+        shared_mem_bytes: shared_bytes(format, 1, cols) as u32,
+        ..LaunchConfig::linear(grid, MATVEC_THREADS)
+    };
+    let mut args = KernelArgs::new();
+    for y in ys {
+        args = args.arg(KernelArg::Ptr(y));
+    }
+    for w in weights {
+        args = args.arg(KernelArg::Ptr(w));
+    }
+    args = args.arg(KernelArg::Ptr(x));
+    for r in rows {
+        args = args.arg(KernelArg::U32(r));
+    }
+    args = args.arg(KernelArg::U32(as_u32(OP, "the column count", cols)?));
+    let name = format!("ember_matvec3_{}_t1", format.kernel_suffix());
+    // SAFETY: ember_matvec3_<format>_t1(float* y0, float* y1, float* y2, const uint8_t* w0,
+    // const uint8_t* w1, const uint8_t* w2, const float* x, uint32_t rows0, uint32_t rows1,
+    // uint32_t rows2, uint32_t n_cols) with one token's shared memory (checked to fit); it reads
+    // each matrix (same format and columns, checked; DeviceMatrix::new checked the buffers) and
+    // one row of x, and writes rows_i values of y_i; an unused third segment has 0 rows and null
+    // pointers, which the kernel never touches.
+    unsafe { ctx.launch(KernelModule::MatVec, &name, config, &args) }
 }
 
 #[cfg(test)]
@@ -359,6 +539,183 @@ mod tests {
                 write_rows(l, y, rows, tokens, &out)
             });
         }
+        // ember_matvec_swiglu_f32_t1(float* y, const uint8_t* w_gate, const uint8_t* w_up,
+        // const float* x, uint32_t n_rows, uint32_t n_cols)
+        driver.register_kernel("ember_matvec_swiglu_f32_t1", |l| {
+            let (y, wg, wu, x) = (l.ptr_arg(0)?, l.ptr_arg(1)?, l.ptr_arg(2)?, l.ptr_arg(3)?);
+            let (rows, cols) = (l.u32_arg(4)? as usize, l.u32_arg(5)? as usize);
+            check_launch(l, "ember_matvec_swiglu_f32_t1", 1, 0)?;
+            let (wg, wu) = (l.read_f32(wg, rows * cols)?, l.read_f32(wu, rows * cols)?);
+            let x = l.read_f32(x, cols)?;
+            let out: Vec<f32> = (0..rows)
+                .map(|r| silu_mul(dot_row(&wg, &x, r), dot_row(&wu, &x, r)))
+                .collect();
+            write_rows(l, y, rows, 1, &out)
+        });
+        // ember_matvec3_f32_t1(float* y0, float* y1, float* y2, const uint8_t* w0, const
+        // uint8_t* w1, const uint8_t* w2, const float* x, uint32_t rows0, uint32_t rows1,
+        // uint32_t rows2, uint32_t n_cols)
+        driver.register_kernel("ember_matvec3_f32_t1", |l| {
+            MATVEC3_LAUNCHES.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let cols = l.u32_arg(10)? as usize;
+            check_launch(l, "ember_matvec3_f32_t1", 1, 0)?;
+            let rows: Vec<usize> = (7..10)
+                .map(|i| l.u32_arg(i).map(|r| r as usize))
+                .collect::<Result<_, _>>()?;
+            let total: usize = rows.iter().sum();
+            let grid = l.config().grid[0] as usize;
+            if grid == 0 || grid > total.div_ceil((MATVEC_THREADS / MATVEC_LANES) as usize) {
+                return Err(format!("grid {grid} for {total} rows"));
+            }
+            let x = l.read_f32(l.ptr_arg(6)?, cols)?;
+            for (s, &n) in rows.iter().enumerate() {
+                if n == 0 {
+                    continue;
+                }
+                let w = l.read_f32(l.ptr_arg(3 + s)?, n * cols)?;
+                let out: Vec<f32> = (0..n).map(|r| dot_row(&w, &x, r)).collect();
+                l.write_f32(l.ptr_arg(s)?, &out)?;
+            }
+            Ok(())
+        });
+        // ember_silu_mul_f32(float* out, const float* gate, const float* up, uint32_t n): the
+        // unfused path's activation.
+        driver.register_kernel("ember_silu_mul_f32", |l| {
+            let (out, gate, up) = (l.ptr_arg(0)?, l.ptr_arg(1)?, l.ptr_arg(2)?);
+            let n = l.u32_arg(3)? as usize;
+            let (gate, up) = (l.read_f32(gate, n)?, l.read_f32(up, n)?);
+            let values: Vec<f32> = gate
+                .iter()
+                .zip(&up)
+                .map(|(&g, &u)| silu_mul(g, u))
+                .collect();
+            l.write_f32(out, &values)
+        });
+    }
+
+    /// Launches of the ember_matvec3_f32_t1 twin (only the test of matmul_shared launches it).
+    static MATVEC3_LAUNCHES: std::sync::atomic::AtomicUsize =
+        std::sync::atomic::AtomicUsize::new(0);
+
+    fn dot_row(w: &[f32], x: &[f32], r: usize) -> f32 {
+        let cols = x.len();
+        (0..cols).map(|c| w[r * cols + c] * x[c]).sum()
+    }
+
+    fn silu_mul(g: f32, u: f32) -> f32 {
+        g / (1.0 + (-g).exp()) * u
+    }
+
+    #[test]
+    fn gate_and_up_fuse_for_one_token_and_fall_back_otherwise() {
+        let (ctx, _dir) = host_context(register_matvec_twins);
+        let (rows, cols) = (9usize, 64usize);
+        let (wg, wu) = (values(rows * cols, 1), values(rows * cols, 2));
+        let gate = DeviceMatrix::new(upload_f32(&ctx, &wg), WeightFormat::F32, rows, cols).unwrap();
+        let up = DeviceMatrix::new(upload_f32(&ctx, &wu), WeightFormat::F32, rows, cols).unwrap();
+        for n_tokens in [1usize, 3] {
+            let x = values(n_tokens * cols, 3 + n_tokens as u32);
+            let dx = upload_f32(&ctx, &x);
+            let out = upload_f32(&ctx, &vec![0.0; n_tokens * rows]);
+            let up_out = upload_f32(&ctx, &vec![0.0; n_tokens * rows]);
+            crate::ops::matmul_glu(
+                &ctx,
+                &gate,
+                &up,
+                dx.ptr(),
+                n_tokens,
+                crate::ops::Glu::SwiGlu,
+                out.ptr(),
+                up_out.ptr(),
+            )
+            .unwrap();
+            let expected: Vec<f32> = (0..n_tokens * rows)
+                .map(|i| {
+                    let xt = &x[(i / rows) * cols..][..cols];
+                    silu_mul(dot_row(&wg, xt, i % rows), dot_row(&wu, xt, i % rows))
+                })
+                .collect();
+            assert_eq!(
+                download_f32(&ctx, out.ptr(), n_tokens * rows),
+                expected,
+                "{n_tokens} tokens"
+            );
+            // Only the unfused path writes the up projection.
+            let up_values = download_f32(&ctx, up_out.ptr(), n_tokens * rows);
+            assert_eq!(up_values.iter().any(|&v| v != 0.0), n_tokens > 1);
+        }
+        // Mismatched matrices are refused by the fused kernel's wrapper.
+        let other = DeviceMatrix::new(
+            upload_f32(&ctx, &wu[..8 * cols]),
+            WeightFormat::F32,
+            8,
+            cols,
+        )
+        .unwrap();
+        let dx = upload_f32(&ctx, &values(cols, 9));
+        let error = matvec_glu(&ctx, &gate, &other, dx.ptr(), "swiglu", dx.ptr()).unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "matvec_glu: expected an up matrix like the gate (f32 9x64), found f32 8x64"
+        );
+        assert!(has_glu_kernels(WeightFormat::Q4K) && has_glu_kernels(WeightFormat::F16));
+        assert!(!has_glu_kernels(WeightFormat::Q3K));
+    }
+
+    #[test]
+    fn matrices_sharing_an_input_run_in_one_launch_per_format() {
+        let (ctx, _dir) = host_context(register_matvec_twins);
+        let cols = 64usize;
+        // q: 5 rows, k: 3 rows (f32), v: 4 rows (q8_0 with exact values).
+        let (wq, wk) = (values(5 * cols, 11), values(3 * cols, 12));
+        let mut q8 = Vec::new();
+        for block in 0..4 * cols / 32 {
+            q8.extend(f16::from_f32(1.0 / 64.0).to_le_bytes());
+            q8.extend((0..32).map(|i| ((block * 5 + i * 3) % 128) as u8 ^ 0x40));
+        }
+        let q = DeviceMatrix::new(upload_f32(&ctx, &wq), WeightFormat::F32, 5, cols).unwrap();
+        let k = DeviceMatrix::new(upload_f32(&ctx, &wk), WeightFormat::F32, 3, cols).unwrap();
+        let v = DeviceMatrix::new(upload_bytes(&ctx, &q8), WeightFormat::Q8_0, 4, cols).unwrap();
+        for n_tokens in [1usize, 2] {
+            let x = values(n_tokens * cols, 13);
+            let dx = upload_f32(&ctx, &x);
+            let outs: Vec<_> = [5usize, 3, 4]
+                .iter()
+                .map(|&r| upload_f32(&ctx, &vec![0.0; n_tokens * r]))
+                .collect();
+            let ptrs: Vec<DevicePtr> = outs.iter().map(|o| o.ptr()).collect();
+            let before = MATVEC3_LAUNCHES.load(std::sync::atomic::Ordering::SeqCst);
+            crate::ops::matmul_shared(&ctx, &[&q, &k, &v], dx.ptr(), n_tokens, &ptrs).unwrap();
+            // q and k (both f32) share one launch for one token; v (q8_0) runs alone.
+            let fused = MATVEC3_LAUNCHES.load(std::sync::atomic::Ordering::SeqCst) - before;
+            assert_eq!(fused, usize::from(n_tokens == 1), "{n_tokens} tokens");
+            let mut separate = Vec::new();
+            for (w, rows) in [(&q, 5usize), (&k, 3), (&v, 4)] {
+                let out = upload_f32(&ctx, &vec![0.0; n_tokens * rows]);
+                matvec(&ctx, w, dx.ptr(), n_tokens, out.ptr()).unwrap();
+                separate.push(download_f32(&ctx, out.ptr(), n_tokens * rows));
+            }
+            for (i, rows) in [5usize, 3, 4].into_iter().enumerate() {
+                assert_eq!(
+                    download_f32(&ctx, ptrs[i], n_tokens * rows),
+                    separate[i],
+                    "matrix {i}, {n_tokens} tokens"
+                );
+            }
+            for (i, &rows) in [5usize, 3].iter().enumerate() {
+                let w = if i == 0 { &wq } else { &wk };
+                let expected: Vec<f32> = (0..n_tokens * rows)
+                    .map(|j| dot_row(w, &x[(j / rows) * cols..][..cols], j % rows))
+                    .collect();
+                assert_eq!(separate[i], expected, "matrix {i}");
+            }
+        }
+        let dx = upload_f32(&ctx, &values(cols, 14));
+        let error = matvec_multi(&ctx, &[&q, &v], dx.ptr(), &[dx.ptr(), dx.ptr()]).unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "matvec_multi: expected matrices like the first (f32 with 64 columns), found q8_0 with 64 columns"
+        );
     }
 
     /// A `_tN` kernel serves at most N tokens, with the block size of matvec.hip and the shared

@@ -60,11 +60,12 @@ use crate::pool::{DevicePool, PoolBuffer, PoolError, Purpose};
 
 pub use attention::{attention, kv_store, AttentionArgs};
 pub use elementwise::{
-    add, argmax, convert_f32_to_f16, gather_rows, geglu, get_rows, rms_norm, rope, scale, softcap,
-    swiglu, RopeMode,
+    add, add_rms_norm, argmax, convert_f32_to_f16, gather_rows, geglu, get_rows, rms_norm, rope,
+    rope_kv_store, scale, softcap, swiglu, RopeKvStoreArgs, RopeMode,
 };
 pub use matmul::{
-    matmul, matmul_with, matvec_max_tokens, MatmulPath, MATVEC_MAX_TOKENS, MATVEC_MAX_TOKENS_ENV,
+    fusion_enabled, matmul, matmul_glu, matmul_shared, matmul_with, matvec_max_tokens, Glu,
+    MatmulPath, FUSION_ENV, MATVEC_MAX_TOKENS, MATVEC_MAX_TOKENS_ENV,
 };
 
 /// Environment variable that turns the BLAS library off (`1`): `matmul` then uses the tiled

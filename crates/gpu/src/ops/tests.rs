@@ -207,6 +207,25 @@ fn register_twins(driver: &HostDriver) {
         }
         Ok(())
     });
+    // ember_add_rms_norm_f32(float* out, float* x, const float* proj, const float* weight,
+    // uint32_t n_cols, float eps); one block per row.
+    driver.register_kernel("ember_add_rms_norm_f32", |l| {
+        let (out, x, proj, weight) = (l.ptr_arg(0)?, l.ptr_arg(1)?, l.ptr_arg(2)?, l.ptr_arg(3)?);
+        let (n_cols, eps) = (l.u32_arg(4)? as usize, l.f32_arg(5)?);
+        let weight = l.read_f32(weight, n_cols)?;
+        for row in 0..l.config().grid[0] as u64 {
+            let offset = row * n_cols as u64 * 4;
+            let a = l.read_f32(x.offset(offset), n_cols)?;
+            let b = l.read_f32(proj.offset(offset), n_cols)?;
+            let sum: Vec<f32> = a.iter().zip(&b).map(|(a, b)| a + b).collect();
+            l.write_f32(x.offset(offset), &sum)?;
+            let mean = sum.iter().map(|v| v * v).sum::<f32>() / n_cols as f32;
+            let inv = 1.0 / (mean + eps).sqrt();
+            let normed: Vec<f32> = sum.iter().zip(&weight).map(|(v, w)| v * inv * w).collect();
+            l.write_f32(out.offset(offset), &normed)?;
+        }
+        Ok(())
+    });
     // ember_rope_{norm,neox}_f32(float* x, const int32_t* positions, const float* freq_factors,
     // uint32_t n_heads, uint32_t head_dim, uint32_t n_dims, float theta_scale, float freq_scale);
     // one block per (token, head).
@@ -246,6 +265,85 @@ fn register_twins(driver: &HostDriver) {
                     v[ib] = a * theta.sin() + b * theta.cos();
                 }
                 l.write_f32(head, &v)?;
+            }
+            Ok(())
+        });
+    }
+    // ember_rope_kv_store_{norm,neox}_f32(float* q, float* k, const float* v, const int32_t*
+    // positions, const float* freq_factors, uint32_t n_tokens, uint32_t n_heads, uint32_t
+    // n_kv_heads, uint32_t head_dim, uint32_t n_dims, float theta_scale, float freq_scale, const
+    // uint64_t* k_blocks, const uint64_t* v_blocks, const int32_t* slots, uint32_t block_size);
+    // one block per head, q heads first.
+    for (name, neox) in [
+        ("ember_rope_kv_store_norm_f32", false),
+        ("ember_rope_kv_store_neox_f32", true),
+    ] {
+        driver.register_kernel(name, move |l| {
+            let (q, k, v) = (l.ptr_arg(0)?, l.ptr_arg(1)?, l.ptr_arg(2)?);
+            let (positions, factors) = (l.ptr_arg(3)?, l.ptr_arg(4)?);
+            let dims: Vec<usize> = (5..10)
+                .map(|i| l.u32_arg(i).map(|v| v as usize))
+                .collect::<Result<_, _>>()?;
+            let (n_tokens, n_heads, n_kv_heads, head_dim, n_dims) =
+                (dims[0], dims[1], dims[2], dims[3], dims[4]);
+            let (theta_scale, freq_scale) = (l.f32_arg(10)?, l.f32_arg(11)?);
+            let (k_blocks, v_blocks, slots) = (l.ptr_arg(12)?, l.ptr_arg(13)?, l.ptr_arg(14)?);
+            let block_size = l.u32_arg(15)? as usize;
+            if l.config().grid[0] as usize != n_tokens * (n_heads + n_kv_heads) {
+                return Err(format!("grid {:?}", l.config().grid));
+            }
+            let positions = read_i32(l, positions, n_tokens)?;
+            let slots = read_i32(l, slots, n_tokens)?;
+            let factors = if factors == DevicePtr::NULL {
+                vec![1.0; n_dims / 2]
+            } else {
+                l.read_f32(factors, n_dims / 2)?
+            };
+            let rotate = |head: &mut [f32], pos: i32| {
+                let mut theta_base = pos as f32;
+                for (i, factor) in factors.iter().enumerate() {
+                    let theta = freq_scale * (theta_base / factor);
+                    theta_base *= theta_scale;
+                    let (ia, ib) = if neox {
+                        (i, i + n_dims / 2)
+                    } else {
+                        (2 * i, 2 * i + 1)
+                    };
+                    let (a, b) = (head[ia], head[ib]);
+                    head[ia] = a * theta.cos() - b * theta.sin();
+                    head[ib] = a * theta.sin() + b * theta.cos();
+                }
+            };
+            for (x, heads) in [(q, n_heads), (k, n_kv_heads)] {
+                for block in 0..n_tokens * heads {
+                    let at = x.offset((block * head_dim * 4) as u64);
+                    let mut head = l.read_f32(at, head_dim)?;
+                    rotate(&mut head, positions[block / heads]);
+                    l.write_f32(at, &head)?;
+                }
+            }
+            let row = n_kv_heads * head_dim;
+            for (t, &slot) in slots.iter().enumerate() {
+                if slot < 0 {
+                    continue;
+                }
+                let (block, offset) = (slot as usize / block_size, slot as usize % block_size);
+                let mut addresses = [0u8; 16];
+                l.read(k_blocks.offset(block as u64 * 8), &mut addresses[..8])?;
+                l.read(v_blocks.offset(block as u64 * 8), &mut addresses[8..])?;
+                let k_at = u64::from_le_bytes(addresses[..8].try_into().unwrap());
+                let v_at = u64::from_le_bytes(addresses[8..].try_into().unwrap());
+                if k_at == 0 || v_at == 0 {
+                    continue;
+                }
+                for (src, dst) in [(k, k_at), (v, v_at)] {
+                    let values = l.read_f32(src.offset((t * row * 4) as u64), row)?;
+                    let bytes: Vec<u8> = values
+                        .iter()
+                        .flat_map(|&x| f16::from_f32(x).to_le_bytes())
+                        .collect();
+                    l.write(DevicePtr(dst).offset((offset * row * 2) as u64), &bytes)?;
+                }
             }
             Ok(())
         });
@@ -448,6 +546,63 @@ fn row_wrappers_launch_one_block_per_row() {
         }
     }
 
+    // The fused residual add + norm equals add followed by rms_norm, on every row.
+    let proj = values(n_rows * dim, 6);
+    let (dsum, dproj, fused) = (f.upload(&x), f.upload(&proj), f.zeros(n_rows * dim));
+    add_rms_norm(
+        &f.ctx,
+        dsum.ptr(),
+        dproj.ptr(),
+        dweight.ptr(),
+        n_rows,
+        dim,
+        1e-5,
+        fused.ptr(),
+    )
+    .unwrap();
+    let (dref, unfused) = (f.upload(&x), f.zeros(n_rows * dim));
+    add(
+        &f.ctx,
+        dref.ptr(),
+        dref.ptr(),
+        dproj.ptr(),
+        n_rows * dim,
+        n_rows * dim,
+    )
+    .unwrap();
+    rms_norm(
+        &f.ctx,
+        dref.ptr(),
+        dweight.ptr(),
+        n_rows,
+        dim,
+        1e-5,
+        unfused.ptr(),
+    )
+    .unwrap();
+    let sum: Vec<f32> = x.iter().zip(&proj).map(|(a, b)| a + b).collect();
+    assert_eq!(f.download(&dsum, n_rows * dim), sum, "residual");
+    assert_eq!(f.download(&dref, n_rows * dim), sum, "reference residual");
+    assert_eq!(
+        f.download(&fused, n_rows * dim),
+        f.download(&unfused, n_rows * dim)
+    );
+    let error = add_rms_norm(
+        &f.ctx,
+        dsum.ptr(),
+        dproj.ptr(),
+        dweight.ptr(),
+        n_rows,
+        dim,
+        1e-5,
+        dsum.ptr(),
+    )
+    .unwrap_err();
+    assert_eq!(
+        error.to_string(),
+        "add_rms_norm: expected an output buffer other than x and proj, found the same buffer"
+    );
+
     let rows = f.upload_i32(&[2, 0]);
     let gathered = f.zeros(2 * dim);
     gather_rows(&f.ctx, dx.ptr(), dim, rows.ptr(), 2, gathered.ptr()).unwrap();
@@ -535,6 +690,99 @@ fn rope_passes_positions_factors_and_the_cpu_theta_scale() {
         assert_eq!(got, expected, "{mode:?}");
         // Values past n_dims are untouched.
         assert_eq!(got[n_dims..head_dim], x[n_dims..head_dim]);
+    }
+}
+
+#[test]
+fn rope_kv_store_equals_rope_rope_and_kv_store() {
+    let f = fixture();
+    let (n_tokens, n_heads, n_kv_heads, head_dim, n_dims) =
+        (2usize, 4usize, 2usize, 8usize, 6usize);
+    let (block_size, row) = (4usize, n_kv_heads * head_dim);
+    let q = values(n_tokens * n_heads * head_dim, 21);
+    let k = values(n_tokens * row, 22);
+    let v = values(n_tokens * row, 23);
+    let positions = f.upload_i32(&[5, 9]);
+    let factors = f.upload(&[1.0, 2.0, 4.0]);
+    // Token 0 goes to block 1 slot 2; token 1 has no slot (padding).
+    let slots = f.upload_i32(&[block_size as i32 + 2, -1]);
+    for mode in [RopeMode::Normal, RopeMode::Neox] {
+        let (dq, dk, dv) = (f.upload(&q), f.upload(&k), f.upload(&v));
+        let k_cache = f.zeros(2 * block_size * row / 2);
+        let v_cache = f.zeros(2 * block_size * row / 2);
+        let tables: Vec<u8> = [0u64, k_cache.ptr().0, 0, v_cache.ptr().0]
+            .iter()
+            .flat_map(|a| a.to_le_bytes())
+            .collect();
+        let table = f.ctx.alloc(Purpose::Scratch, 32).unwrap();
+        f.ctx.upload(table.ptr(), &tables).unwrap();
+        let args = RopeKvStoreArgs {
+            q: dq.ptr(),
+            k: dk.ptr(),
+            v: dv.ptr(),
+            positions: positions.ptr(),
+            freq_factors: Some(factors.ptr()),
+            n_tokens,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            n_dims,
+            mode,
+            freq_base: 10_000.0,
+            freq_scale: 0.5,
+            k_blocks: table.ptr(),
+            v_blocks: table.ptr().offset(16),
+            slots: slots.ptr(),
+            block_size,
+        };
+        rope_kv_store(&f.ctx, &args).unwrap();
+        // The reference: the separate rope launches on copies.
+        let (rq, rk) = (f.upload(&q), f.upload(&k));
+        for (x, heads) in [(&rq, n_heads), (&rk, n_kv_heads)] {
+            rope(
+                &f.ctx,
+                x.ptr(),
+                positions.ptr(),
+                n_tokens,
+                heads,
+                head_dim,
+                n_dims,
+                mode,
+                10_000.0,
+                0.5,
+                Some(factors.ptr()),
+            )
+            .unwrap();
+        }
+        assert_eq!(
+            f.download(&dq, q.len()),
+            f.download(&rq, q.len()),
+            "{mode:?} q"
+        );
+        let roped_k = f.download(&rk, k.len());
+        assert_eq!(f.download(&dk, k.len()), roped_k, "{mode:?} k");
+        let mut cache = vec![0u8; block_size * row * 2];
+        f.ctx.download(k_cache.ptr().offset(0), &mut cache).unwrap();
+        let slot_bytes = |cache: &[u8]| -> Vec<f32> {
+            cache[2 * row * 2..3 * row * 2]
+                .chunks_exact(2)
+                .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect()
+        };
+        let to_f16 =
+            |x: &[f32]| -> Vec<f32> { x.iter().map(|&v| f16::from_f32(v).to_f32()).collect() };
+        assert_eq!(
+            slot_bytes(&cache),
+            to_f16(&roped_k[..row]),
+            "{mode:?} k cache"
+        );
+        f.ctx.download(v_cache.ptr(), &mut cache).unwrap();
+        assert_eq!(slot_bytes(&cache), to_f16(&v[..row]), "{mode:?} v cache");
+        // Only slot 2 of the block was written (token 1 had none).
+        let written = cache.iter().enumerate().filter(|(_, &b)| b != 0);
+        assert!(written
+            .into_iter()
+            .all(|(i, _)| (2 * row * 2..3 * row * 2).contains(&i)));
     }
 }
 

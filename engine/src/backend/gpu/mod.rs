@@ -44,6 +44,7 @@ use ember_gpu::{DevicePool, DevicePtr, PoolBuffer, Purpose};
 use super::{Backend, BackendError, OpFailure, RopeMode, RopeParams};
 use crate::batch::Batch;
 use crate::kv_cache::AttentionPlan;
+use crate::model::FfnActivation;
 use batch::BatchArrays;
 use graph::Graphs;
 pub use graph::{GraphStats, GRAPHS_ENV, GRAPH_MAX_TOKENS};
@@ -583,6 +584,80 @@ impl Backend for GpuBackend {
         });
     }
 
+    fn matmul_shared(
+        &self,
+        ws: &[&DeviceMatrix],
+        x: &GpuBuf,
+        n_tokens: usize,
+        outs: &mut [&mut GpuBuf],
+    ) {
+        // The fused kernels take up to three matrices (Q, K and V); more run one by one.
+        if ws.len() > 3 {
+            for (w, out) in ws.iter().zip(outs.iter_mut()) {
+                self.matmul(w, x, n_tokens, out);
+            }
+            return;
+        }
+        self.run("matmul", || {
+            let cols = ws.first().map_or(0, |w| w.cols);
+            if let Some(w) = ws.iter().find(|w| w.cols != cols) {
+                return Err(OpsError::Shape {
+                    op: "matmul_shared",
+                    expected: format!("matrices of {cols} columns"),
+                    found: format!("{} columns", w.cols),
+                });
+            }
+            let x_ptr = x.ptr("matmul", n_tokens * cols)?;
+            let mut ptrs = [DevicePtr::NULL; 3];
+            if ws.len() != outs.len() {
+                return Err(OpsError::Shape {
+                    op: "matmul_shared",
+                    expected: "one output per matrix".to_string(),
+                    found: format!("{} matrices, {} outputs", ws.len(), outs.len()),
+                });
+            }
+            for ((ptr, w), out) in ptrs.iter_mut().zip(ws).zip(outs.iter()) {
+                *ptr = out.ptr("matmul", n_tokens * w.rows)?;
+            }
+            ops::matmul_shared(&self.ctx, ws, x_ptr, n_tokens, &ptrs[..ws.len()])
+        });
+    }
+
+    fn ffn_gate_up(
+        &self,
+        w_gate: &DeviceMatrix,
+        w_up: &DeviceMatrix,
+        x: &GpuBuf,
+        n_tokens: usize,
+        n_ff: usize,
+        activation: FfnActivation,
+        gate: &mut GpuBuf,
+        up: &mut GpuBuf,
+    ) {
+        self.run("ffn_gate_up", || {
+            let x_ptr = x.ptr("ffn_gate_up", n_tokens * w_gate.cols)?;
+            let gate_ptr = gate.ptr("ffn_gate_up", n_tokens * n_ff)?;
+            let up_ptr = up.ptr("ffn_gate_up", n_tokens * n_ff)?;
+            if w_gate.rows != n_ff || w_up.rows != n_ff || w_up.cols != w_gate.cols {
+                return Err(OpsError::Shape {
+                    op: "ffn_gate_up",
+                    expected: format!("gate and up matrices of {n_ff} rows and equal columns"),
+                    found: format!(
+                        "{}x{} and {}x{}",
+                        w_gate.rows, w_gate.cols, w_up.rows, w_up.cols
+                    ),
+                });
+            }
+            let glu = match activation {
+                FfnActivation::SwiGlu => ops::Glu::SwiGlu,
+                FfnActivation::GeGlu => ops::Glu::GeGlu,
+            };
+            ops::matmul_glu(
+                &self.ctx, w_gate, w_up, x_ptr, n_tokens, glu, gate_ptr, up_ptr,
+            )
+        });
+    }
+
     fn rms_norm(
         &self,
         x: &GpuBuf,
@@ -628,6 +703,47 @@ impl Backend for GpuBackend {
             let dst_ptr = dst.ptr("add", len)?;
             let src_ptr = src.ptr("add", len)?;
             ops::add(&self.ctx, dst_ptr, dst_ptr, src_ptr, len, len)
+        });
+    }
+
+    fn add_rms_norm(
+        &self,
+        x: &mut GpuBuf,
+        proj: &GpuBuf,
+        weight: &GpuVector,
+        n_rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut GpuBuf,
+    ) {
+        self.run("add_rms_norm", || {
+            check_vector("add_rms_norm", weight, dim)?;
+            let x_ptr = x.ptr("add_rms_norm", n_rows * dim)?;
+            let proj_ptr = proj.ptr("add_rms_norm", n_rows * dim)?;
+            let out_ptr = out.ptr("add_rms_norm", n_rows * dim)?;
+            if !ops::fusion_enabled() {
+                let n = n_rows * dim;
+                ops::add(&self.ctx, x_ptr, x_ptr, proj_ptr, n, n)?;
+                return ops::rms_norm(
+                    &self.ctx,
+                    x_ptr,
+                    weight.buf.ptr(),
+                    n_rows,
+                    dim,
+                    eps,
+                    out_ptr,
+                );
+            }
+            ops::add_rms_norm(
+                &self.ctx,
+                x_ptr,
+                proj_ptr,
+                weight.buf.ptr(),
+                n_rows,
+                dim,
+                eps,
+                out_ptr,
+            )
         });
     }
 
@@ -849,6 +965,83 @@ impl Backend for GpuBackend {
                 n_tokens,
                 row,
                 layer.block_size,
+            )
+        });
+    }
+
+    fn rope_kv_store(
+        &self,
+        q: &mut GpuBuf,
+        k: &mut GpuBuf,
+        v: &GpuBuf,
+        table: &GpuRopeTable,
+        n_tokens: usize,
+        n_heads: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+        mode: RopeMode,
+        layer: &mut GpuKvLayer,
+        plan: &AttentionPlan,
+    ) {
+        if !ops::fusion_enabled() {
+            self.rope(q, table, n_tokens, n_heads, head_dim, mode);
+            self.rope(k, table, n_tokens, n_kv_heads, head_dim, mode);
+            self.kv_store(layer, k, v, plan);
+            return;
+        }
+        self.run("rope_kv_store", || {
+            if table.n_positions < n_tokens || table.positions == DevicePtr::NULL {
+                return Err(OpsError::Shape {
+                    op: "rope_kv_store",
+                    expected: format!("positions for {n_tokens} tokens"),
+                    found: format!("{} positions", table.n_positions),
+                });
+            }
+            if plan.n_tokens() != n_tokens
+                || layer.n_kv_heads != n_kv_heads
+                || layer.head_dim != head_dim
+            {
+                return Err(OpsError::Shape {
+                    op: "rope_kv_store",
+                    expected: format!(
+                        "a plan of {n_tokens} tokens and a layer of {n_kv_heads} heads of {head_dim}"
+                    ),
+                    found: format!(
+                        "{} tokens, {} heads of {}",
+                        plan.n_tokens(),
+                        layer.n_kv_heads,
+                        layer.head_dim
+                    ),
+                });
+            }
+            layer.sync_table(&self.ctx)?;
+            let row = n_kv_heads * head_dim;
+            let q_ptr = q.ptr("rope_kv_store", n_tokens * n_heads * head_dim)?;
+            let k_ptr = k.ptr("rope_kv_store", n_tokens * row)?;
+            let v_ptr = v.ptr("rope_kv_store", n_tokens * row)?;
+            let (k_blocks, v_blocks) = layer.tables()?;
+            let slots = lock(&self.batch).plan_ptr(plan, batch::Array::Slots)?;
+            ops::rope_kv_store(
+                &self.ctx,
+                &ops::RopeKvStoreArgs {
+                    q: q_ptr,
+                    k: k_ptr,
+                    v: v_ptr,
+                    positions: table.positions,
+                    freq_factors: table.factors.as_ref().map(|(_, buf)| buf.ptr()),
+                    n_tokens,
+                    n_heads,
+                    n_kv_heads,
+                    head_dim,
+                    n_dims: table.n_dims,
+                    mode: rope_mode(mode),
+                    freq_base: table.freq_base,
+                    freq_scale: table.freq_scale,
+                    k_blocks,
+                    v_blocks,
+                    slots,
+                    block_size: layer.block_size,
+                },
             )
         });
     }
