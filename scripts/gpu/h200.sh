@@ -66,7 +66,7 @@ ALL_PROMPTS=(
 N_PROMPTS="${N_PROMPTS:-2}"
 PROMPTS=("${ALL_PROMPTS[@]:0:$N_PROMPTS}")
 
-# llama.cpp on this H200, from /work/shared/anchors/h200-llamacpp.md (measured 2026-11-30,
+# llama.cpp on this H200, from the team's anchor file anchors/h200-llamacpp.md (measured 2026-11-30,
 # `llama-bench -p 512 -n 128 -fa 1 -ngl 99 -r 3`, synthetic llama models quantized with
 # llama-quantize): model key, test, tokens/s.
 ANCHORS="
