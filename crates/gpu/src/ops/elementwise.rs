@@ -121,8 +121,7 @@ pub fn rms_norm(
         .arg(ptr(weight))
         .arg(KernelArg::U32(dim))
         .arg(KernelArg::F32(eps));
-    // Wide rows get a full block; short ones a block of their own size (rounded to a warp).
-    let threads = dim.next_multiple_of(64).clamp(64, 1024);
+    let threads = norm_block_threads(dim);
     // SAFETY: ember_rms_norm_f32(float* out, const float* x, const float* weight, uint32_t n_cols,
     // float eps); one block per row touches only that row of x/out and dim weights.
     unsafe {
@@ -133,6 +132,13 @@ pub fn rms_norm(
             &args,
         )
     }
+}
+
+/// Threads per block of the row-normalisation kernels: wide rows get a full block, short ones a
+/// block of their own size (rounded to 64). `rms_norm` and `add_rms_norm` must agree on it, since
+/// the block size fixes the order in which a row's squares are summed.
+fn norm_block_threads(dim: u32) -> u32 {
+    dim.next_multiple_of(64).clamp(64, 1024)
 }
 
 /// Residual add fused with the next RMS normalisation: `x[r] += proj[r]`, then
@@ -173,9 +179,9 @@ pub fn add_rms_norm(
         .arg(ptr(weight))
         .arg(KernelArg::U32(dim))
         .arg(KernelArg::F32(eps));
-    // The block size rms_norm uses: the same threads own the same columns, so the sum of squares
-    // is taken in the same order and the result is bit for bit that of add + rms_norm.
-    let threads = dim.next_multiple_of(64).clamp(64, 1024);
+    // The block size rms_norm uses (one rule for both): the same threads own the same columns,
+    // so the sum of squares is taken in the same order, bit for bit that of add + rms_norm.
+    let threads = norm_block_threads(dim);
     // SAFETY: ember_add_rms_norm_f32(float* out, float* x, const float* proj, const float*
     // weight, uint32_t n_cols, float eps); one block per row touches only that row of x, proj and
     // out, and dim weights.
