@@ -465,11 +465,15 @@ pub fn vec_dot_q5_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
 pub fn vec_dot_q6_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
     // GGML's order (`ggml_vec_dot_q6_K_q8_K`, AVX2): per super-block the 8 lane sums (scales
     // applied in integers) are converted and fused into one accumulator with `d_a·d_w`, and the
-    // lanes are reduced once at the end.
+    // lanes are reduced once at the end. The weights' -32 offset is not applied value by value:
+    // the unsigned 6-bit values are multiplied as they are, and each lane then subtracts
+    // `32·(bsum[2l]·scale[2l] + bsum[2l+1]·scale[2l+1])` (the activations' 16-element sums
+    // against the weight scales, `madd` lane `l`), so every lane holds a different integer
+    // than an offset-first order would give, and the lanes round differently when converted.
+    // Checked bit for bit against a llama.cpp build (2026-10, AVX2) tensor by tensor.
     let mut acc = _mm256_setzero_ps();
     let low = _mm256_set1_epi8(0x0F);
     let mask2 = _mm256_set1_epi8(3);
-    let m32 = _mm256_set1_epi8(32);
     for (x, y) in w.chunks_exact(q6_k::SIZE).zip(a.chunks_exact(q8_k::SIZE)) {
         let sc = &x[q6_k::SCALES..q6_k::SCALES + 16];
         let mut isum = _mm256_setzero_si256();
@@ -495,14 +499,19 @@ pub fn vec_dot_q6_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
             for (k, q) in quarters.into_iter().enumerate() {
                 let e = 128 * c + 32 * k;
                 let yv = load32(&y[q8_k::QS + e..]);
-                let p =
-                    _mm256_sub_epi16(_mm256_maddubs_epi16(q, yv), _mm256_maddubs_epi16(m32, yv));
+                let p = _mm256_maddubs_epi16(q, yv);
                 let s = e / 16;
                 let p =
                     _mm256_madd_epi16(p, scale_pair(sc[s] as i8 as i16, sc[s + 1] as i8 as i16));
                 isum = _mm256_add_epi32(isum, p);
             }
         }
+        let mut scales = [0u8; 32];
+        scales[..16].copy_from_slice(sc);
+        let scales16 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(load32(&scales)));
+        let bsums = load32(&y[q8_k::BSUMS..]);
+        let offset = _mm256_slli_epi32::<5>(_mm256_madd_epi16(bsums, scales16));
+        isum = _mm256_sub_epi32(isum, offset);
         let d8 = f32::from_le_bytes([y[0], y[1], y[2], y[3]]);
         let d = _mm256_set1_ps(d8 * f16_at(x, q6_k::D));
         acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(isum), acc);
