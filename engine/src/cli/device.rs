@@ -1,6 +1,7 @@
 //! The device flags shared by every model-running subcommand (`run`, `bench`, `perplexity`,
 //! `stress`), so they parse and decide the same way: `--device`, `-ngl/--gpu-layers`,
-//! `--vram-budget`, `--memory-report`, `--allow-host-weights`, `--rocm-path`, `--kernels-dir`.
+//! `--vram-budget`, `--memory-report`, `--allow-host-weights`, `--rocm-path`, `--kernels-dir`,
+//! `--numerics`.
 //!
 //! clap has no multi-letter short flags, so llama.cpp's `-ngl N` is rewritten to
 //! `--gpu-layers N` before parsing ([`rewrite_ngl`]).
@@ -11,7 +12,7 @@ use std::str::FromStr;
 
 use clap::Args;
 
-use crate::backend::gpu::GpuKind;
+use crate::backend::gpu::{GpuKind, Numerics, NumericsError};
 
 /// Where to run, as `--device` names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -173,6 +174,13 @@ pub struct DeviceArgs {
     /// binary, or EMBER_KERNELS_DIR).
     #[arg(long, env = "EMBER_KERNELS_DIR")]
     pub kernels_dir: Option<PathBuf>,
+    /// How the GPU rounds: fast (the tuned kernels) or reference (every op bit-identical to the
+    /// CPU backend, so greedy output matches `--device cpu -t 2` and llama.cpp's reference
+    /// outputs; slower, no fused kernels or decode graphs). Default: EMBER_GPU_NUMERICS, else
+    /// fast. The reference mode reproduces the split attention of EMBER_REFERENCE_THREADS CPU
+    /// threads (default 2).
+    #[arg(long, value_name = "fast|reference")]
+    pub numerics: Option<Numerics>,
 }
 
 impl Default for DeviceArgs {
@@ -185,6 +193,7 @@ impl Default for DeviceArgs {
             allow_host_weights: false,
             rocm_path: None,
             kernels_dir: None,
+            numerics: None,
         }
     }
 }
@@ -213,6 +222,11 @@ pub enum PlacementError {
 }
 
 impl DeviceArgs {
+    /// The numerics mode a GPU runs in: `--numerics`, else `EMBER_GPU_NUMERICS`, else fast.
+    pub fn numerics(&self) -> Result<Numerics, NumericsError> {
+        Numerics::resolve(self.numerics)
+    }
+
     /// Decides where a model of `n_layer` layers runs. See the `-ngl` rules on [`DeviceArgs`].
     pub fn placement(&self, n_layer: usize) -> Result<Placement, PlacementError> {
         let all = match self.gpu_layers {
@@ -398,6 +412,46 @@ mod tests {
             placement(cuda0, Some(Count(0))),
             Err("-ngl 0 keeps every layer on the CPU, but --device cuda:0 asks for a GPU: drop -ngl 0 or use --device cpu".into())
         );
+    }
+
+    #[test]
+    fn numerics_flag_is_on_every_model_running_command() {
+        use clap::{CommandFactory, Parser};
+        let cli = crate::cli::Cli::command();
+        for name in ["run", "bench", "perplexity", "stress"] {
+            let sub = cli.find_subcommand(name).expect(name);
+            assert!(
+                sub.get_arguments()
+                    .any(|a| a.get_long() == Some("numerics")),
+                "{name} has no --numerics"
+            );
+        }
+        #[derive(Debug, Parser)]
+        struct Flags {
+            #[command(flatten)]
+            device: DeviceArgs,
+        }
+        let parse = |args: &[&str]| {
+            Flags::try_parse_from(std::iter::once("ember").chain(args.iter().copied()))
+                .map(|f| f.device.numerics)
+                .map_err(|e| e.to_string())
+        };
+        assert_eq!(parse(&[]), Ok(None), "absent: the environment decides");
+        assert_eq!(
+            parse(&["--numerics", "reference"]),
+            Ok(Some(Numerics::Reference))
+        );
+        assert_eq!(parse(&["--numerics=fast"]), Ok(Some(Numerics::Fast)));
+        let error = parse(&["--numerics", "exact"]).unwrap_err();
+        assert!(
+            error.contains("expected fast or reference, found \"exact\""),
+            "{error}"
+        );
+        let args = DeviceArgs {
+            numerics: Some(Numerics::Reference),
+            ..DeviceArgs::default()
+        };
+        assert_eq!(args.numerics(), Ok(Numerics::Reference), "the flag wins");
     }
 
     #[test]

@@ -1,8 +1,8 @@
 //! What every model-using subcommand does first: resolve `-m` (a path, or a pinned model fetched on
 //! first use), open the GGUF, load the tokenizer, decide the device from the device flags and the
 //! model's layer count, and load the weights there, with progress on stderr. On a GPU it also
-//! prints the device and why its memory pool was chosen, checks that the weights really are in
-//! VRAM, and prints the memory report when asked.
+//! prints the device, why its memory pool was chosen and the numerics mode, checks that the
+//! weights really are in VRAM, and prints the memory report when asked.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -18,7 +18,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use super::device::{DeviceArgs, Placement};
 use crate::backend::cpu::CpuBackend;
-use crate::backend::gpu::{self, GpuBackend, OpenOptions};
+use crate::backend::gpu::{self, GpuBackend, Numerics, OpenOptions};
 use crate::backend::Backend;
 use crate::batch::Batch;
 use crate::model::{architecture_of, ContextParams, HParams, Model};
@@ -202,12 +202,21 @@ pub fn load_on(spec: &str, threads: usize, device: &DeviceArgs) -> anyhow::Resul
             device: wanted,
             fall_back_to_cpu,
         } => {
+            let numerics = device.numerics()?;
+            if numerics == Numerics::Reference {
+                if let Some(error) = gpu::numerics::reference_unsupported(&hparams) {
+                    return Err(anyhow::Error::new(error)
+                        .context(format!("cannot load {} on a GPU", path.display())));
+                }
+            }
             let options = OpenOptions {
                 device: wanted,
                 rocm_path: device.rocm_path.clone(),
                 kernels_dir: device.kernels_dir.clone(),
                 budget: device.vram_budget,
                 idle_trim: true,
+                numerics: Some(numerics),
+                reference_threads: None,
             };
             match gpu::select(&options) {
                 Ok(selection) => Some((selection, options)),
@@ -250,6 +259,15 @@ pub fn load_on(spec: &str, threads: usize, device: &DeviceArgs) -> anyhow::Resul
         opened.pool_reason,
         opened.backend.context().blas()
     );
+    match opened.backend.numerics() {
+        Numerics::Fast => eprintln!("{}: fast numerics", opened.device),
+        Numerics::Reference => eprintln!(
+            "{}: reference numerics: every op bit-identical to the CPU backend with {} threads ({}); no fused kernels, no decode graphs",
+            opened.device,
+            opened.backend.reference_threads(),
+            gpu::REFERENCE_THREADS_ENV
+        ),
+    }
     let pool = Arc::clone(opened.backend.pool());
     let free_before = driver
         .mem_info(ordinal)

@@ -135,6 +135,7 @@ fn hint_for(e: &anyhow::Error) -> Option<String> {
             return Some(match g {
                 GpuOpenError::NoKernels { .. } => "run `ember devices` to see the architectures this build has kernels for; --device cpu runs without a GPU".into(),
                 GpuOpenError::Runtime { .. } => "install the GPU runtime (ROCm for hip, the NVIDIA driver for cuda), pass --rocm-path, or run with --device cpu".into(),
+                GpuOpenError::Numerics(_) => "--numerics and EMBER_GPU_NUMERICS take fast or reference; EMBER_REFERENCE_THREADS takes a thread count of at least 1".into(),
                 _ => "run `ember devices` to see the GPUs found, or run with --device cpu".into(),
             });
         }

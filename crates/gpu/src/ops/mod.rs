@@ -40,6 +40,9 @@
 
 mod attention;
 mod elementwise;
+mod exact_attention;
+mod exact_elementwise;
+mod exact_matmul;
 mod matmul;
 mod matvec;
 
@@ -63,6 +66,12 @@ pub use elementwise::{
     add, add_rms_norm, argmax, convert_f32_to_f16, gather_rows, geglu, get_rows, rms_norm, rope,
     rope_kv_store, scale, softcap, swiglu, RopeKvStoreArgs, RopeMode,
 };
+pub use exact_attention::{attention_exact, exp_exact, ExactExp, EXACT_MAX_HEAD_DIM};
+pub use exact_elementwise::{
+    add_exact, add_rms_norm_exact, gather_rows_exact, geglu_exact, get_rows_exact, kv_store_exact,
+    rms_norm_exact, rope_exact, scale_exact, swiglu_exact, GELU_TABLE_LEN,
+};
+pub use exact_matmul::matmul_exact;
 pub use matmul::{
     fusion_enabled, matmul, matmul_glu, matmul_shared, matmul_with, matvec_max_tokens, Glu,
     MatmulPath, FUSION_ENV, MATVEC_MAX_TOKENS, MATVEC_MAX_TOKENS_ENV,

@@ -1,8 +1,7 @@
 //! x86-64 SIMD kernels. `avx2` holds the dot products of every weight format and the tiled
-//! integer matmul kernel; `avx512` the VNNI tile kernel where the CPU has it.
+//! integer matmul kernel (also on AVX-512 machines, so results do not depend on the machine).
 
 pub mod avx2;
-pub mod avx512;
 pub mod tile;
 
 use crate::simd::Level;

@@ -140,6 +140,47 @@ impl CpuKvLayer {
     }
 }
 
+/// Check hook, not used by the engine: this backend's attention ([`Backend::attention`]) on plain
+/// data, for programs that hold another implementation to it bit for bit (the GPU's reference
+/// numerics mode, engine/examples/exact_attention_check.rs). `k_blocks[b]` and `v_blocks[b]` are
+/// physical block `b` of one layer in this backend's layout, `[kv_head][slot][dim]` f16
+/// (`plan.block_size * n_kv_heads * head_dim` values; blocks no table reaches may be empty).
+/// `plan` is the batch: `positions`, `table_of_token`, `tables` and `block_size` are read, and
+/// `slots` only for its length (the token count). `q` is `[n_tokens, n_heads, head_dim]` f32.
+/// Runs on a pool of `n_threads` threads, as a backend of that size would (the split of long
+/// single-token attention follows it). Returns `[n_tokens, n_heads, head_dim]` f32.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_reference(
+    k_blocks: &[Vec<f16>],
+    v_blocks: &[Vec<f16>],
+    n_kv_heads: usize,
+    head_dim: usize,
+    plan: &AttentionPlan,
+    q: &[f32],
+    n_heads: usize,
+    kq_scale: f32,
+    window: Option<usize>,
+    n_threads: usize,
+) -> Result<Vec<f32>, rayon::ThreadPoolBuildError> {
+    let layer = CpuKvLayer {
+        block_size: plan.block_size,
+        n_kv_heads,
+        head_dim,
+        k: k_blocks.to_vec(),
+        v: v_blocks.to_vec(),
+    };
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(n_threads.max(1))
+        .build()?;
+    let mut out = vec![0f32; plan.n_tokens() * n_heads * head_dim];
+    pool.install(|| {
+        attention::attention(
+            q, &layer, plan, n_heads, n_kv_heads, head_dim, kq_scale, window, &mut out,
+        )
+    });
+    Ok(out)
+}
+
 fn check_matrix(info: &TensorInfo) -> Result<(usize, usize), BackendError> {
     if !ember_quant::is_supported(info.ty) {
         return Err(BackendError::UnsupportedType {

@@ -20,6 +20,11 @@
 //! device graph after that upload and run with one launch ([`graph`]); `EMBER_GPU_GRAPHS=0`
 //! turns this off.
 //!
+//! Numerics ([`numerics`]): in the default `fast` mode the ops are the tuned kernels above; in
+//! `reference` mode every op runs through a bit-exact kernel (`ember_gpu::ops::*_exact`), one op
+//! per launch with no fused kernels and no graphs, so the logits equal the CPU backend's bit for
+//! bit. [`GpuBackend::set_numerics`] chooses; [`open()`] takes the choice from its options.
+//!
 //! Failures: the ops cannot return errors through the [`Backend`] trait, so the first failure is
 //! recorded with the op's name, later ops are skipped, and [`Backend::take_failure`] hands it to
 //! the forward pass, which fails alone (see the trait's module docs). One backend serves one
@@ -31,6 +36,7 @@
 
 mod batch;
 pub mod graph;
+pub mod numerics;
 pub mod open;
 mod trim;
 
@@ -48,6 +54,9 @@ use crate::model::FfnActivation;
 use batch::BatchArrays;
 use graph::Graphs;
 pub use graph::{GraphStats, GRAPHS_ENV, GRAPH_MAX_TOKENS};
+pub use numerics::{
+    Numerics, NumericsError, DEFAULT_REFERENCE_THREADS, NUMERICS_ENV, REFERENCE_THREADS_ENV,
+};
 pub use open::{open, select, GpuKind, GpuOpenError, GpuSelection, OpenOptions, Opened};
 use trim::IdleTrimmer;
 
@@ -76,6 +85,13 @@ pub struct GpuBackend {
     placed: Mutex<Vec<(String, DevicePtr, u64)>>,
     trimmer: Option<IdleTrimmer>,
     graphs: Mutex<Graphs>,
+    /// How the ops round (see [`numerics`]).
+    numerics: Numerics,
+    /// The CPU thread count whose split-KV attention the reference mode reproduces.
+    reference_threads: usize,
+    /// The CPU's f16 GELU table on the device ([`numerics::gelu_table`]), uploaded by the first
+    /// GeGLU of the reference mode.
+    gelu_table: Mutex<Option<PoolBuffer>>,
 }
 
 impl std::fmt::Debug for GpuBackend {
@@ -95,7 +111,8 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl GpuBackend {
     /// A backend over an opened context. `name` is the driver's (`cuda`, `hip`); `description`
-    /// says which device and pool, for headers. `idle_trim` starts the trimming thread.
+    /// says which device and pool, for headers. `idle_trim` starts the trimming thread. The
+    /// numerics are `fast` with [`DEFAULT_REFERENCE_THREADS`] (see [`GpuBackend::set_numerics`]).
     pub fn new(
         ctx: GpuContext,
         name: &'static str,
@@ -119,7 +136,92 @@ impl GpuBackend {
             placed: Mutex::new(Vec::new()),
             trimmer,
             graphs: Mutex::new(Graphs::from_env()),
+            numerics: Numerics::Fast,
+            reference_threads: DEFAULT_REFERENCE_THREADS,
+            gelu_table: Mutex::new(None),
         }
+    }
+
+    /// Chooses how the ops round (see [`numerics`]). `Reference` also turns decode graphs off:
+    /// the reference ops run one launch each, as the CPU runs them. Weights placed so far stay.
+    pub fn set_numerics(&mut self, numerics: Numerics) {
+        self.numerics = numerics;
+        if numerics == Numerics::Reference {
+            self.set_graphs(false);
+        }
+    }
+
+    /// How the ops round.
+    pub fn numerics(&self) -> Numerics {
+        self.numerics
+    }
+
+    /// Sets the CPU thread count whose split-KV attention the reference mode reproduces (0
+    /// counts as 1, as a one-thread CPU pool).
+    pub fn set_reference_threads(&mut self, threads: usize) {
+        self.reference_threads = threads.max(1);
+    }
+
+    /// The CPU thread count the reference mode reproduces.
+    pub fn reference_threads(&self) -> usize {
+        self.reference_threads
+    }
+
+    /// Whether the ops are the bit-exact ones.
+    fn reference(&self) -> bool {
+        self.numerics == Numerics::Reference
+    }
+
+    /// Copies `values` to the start of `buf` (which must hold at least as many), waiting for the
+    /// copy: for checks and tools that feed a backend op chosen inputs. A failure is recorded as
+    /// any op's is.
+    pub fn write(&self, buf: &mut GpuBuf, values: &[f32]) {
+        self.run("writing values", || {
+            let ptr = buf.ptr("write", values.len())?;
+            let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+            self.ctx.upload(ptr, &bytes)
+        });
+    }
+
+    /// The f16 bits of the K rows (`k == true`) or V rows of block `block` of `layer`, in the
+    /// device layout (`[slot][head][dim]`), downloaded: for checks of the KV store.
+    pub fn kv_block_bits(
+        &self,
+        layer: &GpuKvLayer,
+        block: usize,
+        k: bool,
+    ) -> Result<Vec<u16>, OpsError> {
+        let store = if k { &layer.k } else { &layer.v };
+        let Some(Some(buf)) = store.get(block) else {
+            return Err(OpsError::Shape {
+                op: "kv_block_bits",
+                expected: "a block with memory".into(),
+                found: format!("block {block}, which has none"),
+            });
+        };
+        let mut bytes = vec![0u8; layer.block_bytes() as usize];
+        self.ctx.download(buf.ptr(), &mut bytes)?;
+        Ok(bytes
+            .chunks_exact(2)
+            .map(|c| u16::from_le_bytes([c[0], c[1]]))
+            .collect())
+    }
+
+    /// The device copy of the CPU's GELU table, uploaded on first use.
+    fn gelu_table_ptr(&self) -> Result<DevicePtr, OpsError> {
+        let mut table = lock(&self.gelu_table);
+        if let Some(buf) = table.as_ref() {
+            return Ok(buf.ptr());
+        }
+        let bytes: Vec<u8> = numerics::gelu_table()
+            .iter()
+            .flat_map(|v| v.to_bits().to_le_bytes())
+            .collect();
+        debug_assert_eq!(bytes.len(), 2 * ops::GELU_TABLE_LEN);
+        let buf = self.upload_new(Purpose::Weights, &bytes)?;
+        let ptr = buf.ptr();
+        *table = Some(buf);
+        Ok(ptr)
     }
 
     /// Turns decode graphs on or off (they start as `EMBER_GPU_GRAPHS` says: on unless `0`).
@@ -312,7 +414,8 @@ pub struct GpuVector {
 }
 
 /// Rotary parameters and the batch's positions on the device (the cosines and sines are computed
-/// by the kernel).
+/// by the kernel). In reference mode the cosines and sines themselves, computed on the host as
+/// the CPU backend computes them.
 pub struct GpuRopeTable {
     n_dims: usize,
     freq_base: f32,
@@ -321,6 +424,12 @@ pub struct GpuRopeTable {
     n_positions: usize,
     /// The frequency divisors on the device, with the host values they were made from.
     factors: Option<(Vec<f32>, PoolBuffer)>,
+    /// Reference mode: `n_dims` cosines and sines per token ([`numerics::rope_cos_sin`]) on the
+    /// device, for `cos_sin_tokens` tokens; the buffer is kept and reused while large enough.
+    cos_sin: Option<PoolBuffer>,
+    cos_sin_tokens: usize,
+    /// Host staging of the cosines and sines.
+    cos_sin_host: Vec<f32>,
 }
 
 /// One layer's K/V storage: one K and one V buffer per physical block that has memory, and the
@@ -435,7 +544,13 @@ impl Backend for GpuBackend {
     }
 
     fn describe(&self) -> String {
-        self.description.clone()
+        match self.numerics {
+            Numerics::Fast => self.description.clone(),
+            Numerics::Reference => format!(
+                "{}, reference numerics ({} reference threads)",
+                self.description, self.reference_threads
+            ),
+        }
     }
 
     fn take_failure(&self) -> Option<OpFailure> {
@@ -453,7 +568,9 @@ impl Backend for GpuBackend {
         self.run("uploading the batch", || {
             lock(&self.batch).upload(&self.ctx, batch, plan, out_rows)
         });
-        if !self.failed.load(Ordering::Acquire) {
+        // The reference ops upload per-batch rotary tables mid-pass, which a capture cannot
+        // record; they run with plain launches.
+        if !self.failed.load(Ordering::Acquire) && !self.reference() {
             lock(&self.graphs).begin(&self.ctx, batch.len(), out_rows.len());
         }
     }
@@ -537,6 +654,16 @@ impl Backend for GpuBackend {
             let out_ptr = out.ptr("gather_rows", rows.len() * dim)?;
             let host: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
             let rows_ptr = self.batch_ptr(batch::Array::OutRows, &host)?;
+            if self.reference() {
+                return ops::gather_rows_exact(
+                    &self.ctx,
+                    src_ptr,
+                    dim,
+                    rows_ptr,
+                    rows.len(),
+                    out_ptr,
+                );
+            }
             ops::gather_rows(&self.ctx, src_ptr, dim, rows_ptr, rows.len(), out_ptr)
         });
     }
@@ -572,6 +699,9 @@ impl Backend for GpuBackend {
         self.run("get_rows", || {
             let out_ptr = out.ptr("get_rows", ids.len() * table.cols)?;
             let ids_ptr = self.batch_ptr(batch::Array::Tokens, ids)?;
+            if self.reference() {
+                return ops::get_rows_exact(&self.ctx, table, ids_ptr, ids.len(), scale, out_ptr);
+            }
             ops::get_rows(&self.ctx, table, ids_ptr, ids.len(), scale, out_ptr)
         });
     }
@@ -580,6 +710,9 @@ impl Backend for GpuBackend {
         self.run("matmul", || {
             let x_ptr = x.ptr("matmul", n_tokens * w.cols)?;
             let out_ptr = out.ptr("matmul", n_tokens * w.rows)?;
+            if self.reference() {
+                return ops::matmul_exact(&self.ctx, w, x_ptr, n_tokens, out_ptr);
+            }
             ops::matmul(&self.ctx, w, x_ptr, n_tokens, out_ptr)
         });
     }
@@ -591,8 +724,10 @@ impl Backend for GpuBackend {
         n_tokens: usize,
         outs: &mut [&mut GpuBuf],
     ) {
-        // The fused kernels take up to three matrices (Q, K and V); more run one by one.
-        if ws.len() > 3 {
+        // The fused kernels take up to three matrices (Q, K and V); more run one by one. So does
+        // the reference mode: the CPU quantizes the shared input once per matrix, each time to the
+        // same bits, so products one by one are its products.
+        if ws.len() > 3 || self.reference() {
             for (w, out) in ws.iter().zip(outs.iter_mut()) {
                 self.matmul(w, x, n_tokens, out);
             }
@@ -634,6 +769,15 @@ impl Backend for GpuBackend {
         gate: &mut GpuBuf,
         up: &mut GpuBuf,
     ) {
+        if self.reference() {
+            // The trait's default: both products, then the activation, as the CPU runs them.
+            self.matmul_shared(&[w_gate, w_up], x, n_tokens, &mut [&mut *gate, &mut *up]);
+            match activation {
+                FfnActivation::SwiGlu => self.swiglu(gate, up, n_tokens * n_ff),
+                FfnActivation::GeGlu => self.geglu(gate, up, n_tokens * n_ff),
+            }
+            return;
+        }
         self.run("ffn_gate_up", || {
             let x_ptr = x.ptr("ffn_gate_up", n_tokens * w_gate.cols)?;
             let gate_ptr = gate.ptr("ffn_gate_up", n_tokens * n_ff)?;
@@ -671,7 +815,12 @@ impl Backend for GpuBackend {
             check_vector("rms_norm", weight, dim)?;
             let x_ptr = x.ptr("rms_norm", n_rows * dim)?;
             let out_ptr = out.ptr("rms_norm", n_rows * dim)?;
-            ops::rms_norm(
+            let norm = if self.reference() {
+                ops::rms_norm_exact
+            } else {
+                ops::rms_norm
+            };
+            norm(
                 &self.ctx,
                 x_ptr,
                 weight.buf.ptr(),
@@ -694,7 +843,12 @@ impl Backend for GpuBackend {
         self.run("rms_norm", || {
             check_vector("rms_norm", weight, dim)?;
             let x_ptr = x.ptr("rms_norm", n_rows * dim)?;
-            ops::rms_norm(&self.ctx, x_ptr, weight.buf.ptr(), n_rows, dim, eps, x_ptr)
+            let norm = if self.reference() {
+                ops::rms_norm_exact
+            } else {
+                ops::rms_norm
+            };
+            norm(&self.ctx, x_ptr, weight.buf.ptr(), n_rows, dim, eps, x_ptr)
         });
     }
 
@@ -702,7 +856,12 @@ impl Backend for GpuBackend {
         self.run("add", || {
             let dst_ptr = dst.ptr("add", len)?;
             let src_ptr = src.ptr("add", len)?;
-            ops::add(&self.ctx, dst_ptr, dst_ptr, src_ptr, len, len)
+            let add = if self.reference() {
+                ops::add_exact
+            } else {
+                ops::add
+            };
+            add(&self.ctx, dst_ptr, dst_ptr, src_ptr, len, len)
         });
     }
 
@@ -721,6 +880,19 @@ impl Backend for GpuBackend {
             let x_ptr = x.ptr("add_rms_norm", n_rows * dim)?;
             let proj_ptr = proj.ptr("add_rms_norm", n_rows * dim)?;
             let out_ptr = out.ptr("add_rms_norm", n_rows * dim)?;
+            if self.reference() {
+                // One kernel with the values of add_inplace then rms_norm, as the CPU runs them.
+                return ops::add_rms_norm_exact(
+                    &self.ctx,
+                    x_ptr,
+                    proj_ptr,
+                    weight.buf.ptr(),
+                    n_rows,
+                    dim,
+                    eps,
+                    out_ptr,
+                );
+            }
             if !ops::fusion_enabled() {
                 let n = n_rows * dim;
                 ops::add(&self.ctx, x_ptr, x_ptr, proj_ptr, n, n)?;
@@ -751,13 +923,21 @@ impl Backend for GpuBackend {
         self.run("add_bias", || {
             check_vector("add_bias", bias, dim)?;
             let x_ptr = x.ptr("add_bias", n_rows * dim)?;
-            ops::add(&self.ctx, x_ptr, x_ptr, bias.buf.ptr(), n_rows * dim, dim)
+            let add = if self.reference() {
+                ops::add_exact
+            } else {
+                ops::add
+            };
+            add(&self.ctx, x_ptr, x_ptr, bias.buf.ptr(), n_rows * dim, dim)
         });
     }
 
     fn scale(&self, x: &mut GpuBuf, len: usize, scale: f32) {
         self.run("scale", || {
             let x_ptr = x.ptr("scale", len)?;
+            if self.reference() {
+                return ops::scale_exact(&self.ctx, x_ptr, x_ptr, scale, len);
+            }
             ops::scale(&self.ctx, x_ptr, x_ptr, scale, len)
         });
     }
@@ -766,6 +946,9 @@ impl Backend for GpuBackend {
         self.run("swiglu", || {
             let gate_ptr = gate.ptr("swiglu", len)?;
             let up_ptr = up.ptr("swiglu", len)?;
+            if self.reference() {
+                return ops::swiglu_exact(&self.ctx, gate_ptr, gate_ptr, up_ptr, len);
+            }
             ops::swiglu(&self.ctx, gate_ptr, gate_ptr, up_ptr, len)
         });
     }
@@ -774,12 +957,25 @@ impl Backend for GpuBackend {
         self.run("geglu", || {
             let gate_ptr = gate.ptr("geglu", len)?;
             let up_ptr = up.ptr("geglu", len)?;
+            if self.reference() {
+                let table = self.gelu_table_ptr()?;
+                return ops::geglu_exact(&self.ctx, gate_ptr, gate_ptr, up_ptr, table, len);
+            }
             ops::geglu(&self.ctx, gate_ptr, gate_ptr, up_ptr, len)
         });
     }
 
     fn softcap(&self, x: &mut GpuBuf, len: usize, cap: f32) {
         self.run("softcap", || {
+            if self.reference() {
+                // Refused at load (numerics::reference_unsupported); reached only by callers that
+                // skipped that check.
+                return Err(OpsError::Unsupported {
+                    op: "softcap",
+                    what: "reference numerics (the CPU's glibc tanhf has no bit-exact kernel)"
+                        .into(),
+                });
+            }
             let x_ptr = x.ptr("softcap", len)?;
             ops::softcap(&self.ctx, x_ptr, len, cap)
         });
@@ -793,6 +989,9 @@ impl Backend for GpuBackend {
             positions: DevicePtr::NULL,
             n_positions: 0,
             factors: None,
+            cos_sin: None,
+            cos_sin_tokens: 0,
+            cos_sin_host: Vec::new(),
         }
     }
 
@@ -802,6 +1001,28 @@ impl Backend for GpuBackend {
         table.freq_scale = params.freq_scale;
         table.positions = DevicePtr::NULL;
         table.n_positions = 0;
+        table.cos_sin_tokens = 0;
+        if self.reference() {
+            self.run("rope_table", || {
+                numerics::rope_cos_sin(positions, params, &mut table.cos_sin_host);
+                let bytes = f32_bytes(table.cos_sin_host.len());
+                if table.cos_sin.as_ref().is_none_or(|buf| buf.len() < bytes) {
+                    table.cos_sin = None;
+                    table.cos_sin = self.alloc_f32(table.cos_sin_host.len())?;
+                }
+                if let Some(buf) = &table.cos_sin {
+                    let host: Vec<u8> = table
+                        .cos_sin_host
+                        .iter()
+                        .flat_map(|v| v.to_le_bytes())
+                        .collect();
+                    self.ctx.upload(buf.ptr(), &host)?;
+                }
+                table.cos_sin_tokens = positions.len();
+                Ok(())
+            });
+            return;
+        }
         self.run("rope_table", || {
             table.positions = self.batch_ptr(batch::Array::Positions, positions)?;
             table.n_positions = positions.len();
@@ -833,6 +1054,33 @@ impl Backend for GpuBackend {
         head_dim: usize,
         mode: RopeMode,
     ) {
+        if self.reference() {
+            self.run("rope", || {
+                let cos_sin = match &table.cos_sin {
+                    Some(buf) if table.cos_sin_tokens >= n_tokens => buf.ptr(),
+                    _ if table.n_dims == 0 => return Ok(()),
+                    _ => {
+                        return Err(OpsError::Shape {
+                            op: "rope",
+                            expected: format!("rotary cosines and sines for {n_tokens} tokens"),
+                            found: format!("{} tokens", table.cos_sin_tokens),
+                        })
+                    }
+                };
+                let x_ptr = x.ptr("rope", n_tokens * n_heads * head_dim)?;
+                ops::rope_exact(
+                    &self.ctx,
+                    x_ptr,
+                    cos_sin,
+                    n_tokens,
+                    n_heads,
+                    head_dim,
+                    table.n_dims,
+                    rope_mode(mode),
+                )
+            });
+            return;
+        }
         self.run("rope", || {
             if table.n_positions < n_tokens || table.positions == DevicePtr::NULL {
                 return Err(OpsError::Shape {
@@ -955,7 +1203,12 @@ impl Backend for GpuBackend {
             let v_ptr = v.ptr("kv_store", n_tokens * row)?;
             let (k_blocks, v_blocks) = layer.tables()?;
             let slots = lock(&self.batch).plan_ptr(plan, batch::Array::Slots)?;
-            ops::kv_store(
+            let store = if self.reference() {
+                ops::kv_store_exact
+            } else {
+                ops::kv_store
+            };
+            store(
                 &self.ctx,
                 k_blocks,
                 v_blocks,
@@ -983,7 +1236,7 @@ impl Backend for GpuBackend {
         layer: &mut GpuKvLayer,
         plan: &AttentionPlan,
     ) {
-        if !ops::fusion_enabled() {
+        if !ops::fusion_enabled() || self.reference() {
             self.rope(q, table, n_tokens, n_heads, head_dim, mode);
             self.rope(k, table, n_tokens, n_kv_heads, head_dim, mode);
             self.kv_store(layer, k, v, plan);
@@ -1085,6 +1338,9 @@ impl Backend for GpuBackend {
                 softcap: None,
             };
             drop(arrays);
+            if self.reference() {
+                return ops::attention_exact(&self.ctx, &args, self.reference_threads);
+            }
             ops::attention(&self.ctx, &args)
         });
     }

@@ -1,7 +1,7 @@
 //! Finding and opening a GPU: loading the runtime (HIP or CUDA, at run time), checking that this
 //! build has kernels for the device's architecture, choosing the device's memory pool (the build
-//! manifest's VMM gate, then the start-up probe, then the caching pool with a reason) and
-//! creating the ops context.
+//! manifest's VMM gate, then the start-up probe, then the caching pool with a reason),
+//! creating the ops context, and setting the backend's numerics mode.
 
 use std::fmt;
 use std::path::PathBuf;
@@ -17,6 +17,7 @@ use ember_gpu::{
     StreamHandle,
 };
 
+use super::numerics::{self, Numerics, NumericsError};
 use super::GpuBackend;
 
 /// A GPU runtime.
@@ -57,6 +58,11 @@ pub struct OpenOptions {
     pub budget: Option<u64>,
     /// Run the idle-trimming thread (tests that drive trimming themselves turn it off).
     pub idle_trim: bool,
+    /// `--numerics`: how the ops round; `None` takes `EMBER_GPU_NUMERICS`, else `fast`.
+    pub numerics: Option<Numerics>,
+    /// The CPU thread count the reference numerics reproduce; `None` takes
+    /// `EMBER_REFERENCE_THREADS`, else 2.
+    pub reference_threads: Option<usize>,
 }
 
 /// Why no GPU could be opened.
@@ -108,6 +114,9 @@ pub enum GpuOpenError {
         ordinal: DeviceOrdinal,
         error: OpsError,
     },
+    /// The numerics settings (flag or environment) are not valid.
+    #[error(transparent)]
+    Numerics(#[from] NumericsError),
 }
 
 /// A device chosen to run on, before its pool and context exist.
@@ -276,6 +285,12 @@ pub fn open(selection: GpuSelection, options: &OpenOptions) -> Result<Opened, Gp
         info,
         kernels_dir,
     } = selection;
+    // Bad settings are refused before any device memory is touched.
+    let numerics = Numerics::resolve(options.numerics)?;
+    let reference_threads = match options.reference_threads {
+        Some(threads) => threads,
+        None => numerics::reference_threads_from_env()?,
+    };
     let kernels = Arc::new(KernelLibrary::new(kernels_dir));
     // The build's VMM gate is the run-time default; a development build has no gate and lets the
     // probe decide (as `ember devices` does).
@@ -324,7 +339,10 @@ pub fn open(selection: GpuSelection, options: &OpenOptions) -> Result<Opened, Gp
     })?;
     let device = format!("{kind}:{ordinal}");
     let description = format!("{device} {} ({}), {pool_kind} pool", info.name, info.arch);
-    let backend = GpuBackend::new(ctx, kind.name(), description, options.idle_trim);
+    let mut backend = GpuBackend::new(ctx, kind.name(), description, options.idle_trim);
+    backend.set_reference_threads(reference_threads);
+    backend.set_numerics(numerics);
+    tracing::info!(%device, %numerics, reference_threads, "numerics mode");
     Ok(Opened {
         backend,
         device,

@@ -562,3 +562,156 @@ fn an_op_failing_inside_a_capture_fails_the_pass_alone() {
         "the failed pass ran nothing: (1*2+1)*2+1"
     );
 }
+
+/// [`backend_with_kernels`] in reference numerics, its driver also running the exact kernels
+/// the graph-test step uses (`ember_exact_scale_f32`, `ember_exact_add_f32`, as twins).
+fn reference_backend_with_kernels() -> (GpuBackend, Arc<HostDriver>, tempfile::TempDir) {
+    let (mut b, driver, dir) = backend_with_kernels();
+    // ember_exact_scale_f32(float* out, const float* x, float scale, uint32_t n)
+    driver.register_kernel("ember_exact_scale_f32", |launch| {
+        let (out, x) = (launch.ptr_arg(0)?, launch.ptr_arg(1)?);
+        let scale = launch.f32_arg(2)?;
+        let n = launch.u32_arg(3)? as usize;
+        let values: Vec<f32> = launch.read_f32(x, n)?.iter().map(|v| v * scale).collect();
+        launch.write_f32(out, &values)
+    });
+    // ember_exact_add_f32(float* out, const float* a, const float* b, uint32_t n, uint32_t n_b)
+    driver.register_kernel("ember_exact_add_f32", |launch| {
+        let (out, a, b) = (launch.ptr_arg(0)?, launch.ptr_arg(1)?, launch.ptr_arg(2)?);
+        let n = launch.u32_arg(3)? as usize;
+        let n_b = launch.u32_arg(4)? as usize;
+        let a = launch.read_f32(a, n)?;
+        let b = launch.read_f32(b, n_b)?;
+        let values: Vec<f32> = a.iter().enumerate().map(|(i, v)| v + b[i % n_b]).collect();
+        launch.write_f32(out, &values)
+    });
+    b.set_numerics(Numerics::Reference);
+    (b, driver, dir)
+}
+
+#[test]
+fn reference_numerics_run_the_exact_kernels_without_graphs() {
+    let (b, driver, _dir) = reference_backend_with_kernels();
+    assert_eq!(b.numerics(), Numerics::Reference);
+    assert!(!b.graphs_enabled(), "reference numerics turn graphs off");
+    // Turning graphs back on does not make the reference mode record: its passes upload.
+    b.set_graphs(true);
+    let mut x = b.alloc(4);
+    let bias = b.alloc(4);
+    let mut host_x = vec![1.0f32, -2.0, 3.5, 0.25];
+    let host_bias = vec![0.5f32, 0.5, -1.0, 2.0];
+    b.write(&mut x, &host_x);
+    upload_f32(&b, &bias, &host_bias);
+    let (out, redo) = step(&b, 1, &mut x, &bias, 3.0);
+    assert!(!redo);
+    assert_eq!(b.take_failure(), None);
+    assert_eq!(out, expected_step(&mut host_x, &host_bias, 3.0));
+    assert_eq!(driver.graph_launches(), 0);
+    assert_eq!(
+        driver.direct_launches(),
+        4,
+        "two exact scales and two exact adds"
+    );
+}
+
+#[test]
+fn reference_numerics_name_themselves_and_refuse_soft_capping() {
+    let (mut b, _driver, _dir) = reference_backend_with_kernels();
+    assert_eq!(
+        b.describe(),
+        "host test device, reference numerics (2 reference threads)"
+    );
+    b.set_reference_threads(4);
+    assert_eq!(b.reference_threads(), 4);
+    assert!(b.describe().ends_with("(4 reference threads)"));
+    let mut x = b.alloc(4);
+    b.softcap(&mut x, 4, 30.0);
+    let failure = b.take_failure().expect("soft-capping is refused");
+    assert_eq!(failure.op, "softcap");
+    assert!(
+        failure.cause.contains("reference numerics"),
+        "{}",
+        failure.cause
+    );
+    assert!(!failure.out_of_memory);
+    // The fast mode is the default and keeps its description.
+    let fast = backend(None);
+    assert_eq!(fast.numerics(), Numerics::Fast);
+    assert_eq!(fast.describe(), "host test device");
+    assert_eq!(fast.reference_threads(), DEFAULT_REFERENCE_THREADS);
+}
+
+/// Runs `f` on a one-thread CPU backend inside its pool.
+fn with_cpu<R: Send>(f: impl FnOnce(&crate::backend::cpu::CpuBackend) -> R + Send) -> R {
+    let cpu = crate::backend::cpu::CpuBackend::new(1).expect("cpu backend");
+    cpu.install(|| f(&cpu))
+}
+
+#[test]
+fn the_host_gelu_table_is_the_cpu_backends() {
+    use half::f16;
+    let table = numerics::gelu_table();
+    assert_eq!(table.len(), ember_gpu::ops::GELU_TABLE_LEN);
+    // Every entry the exact kernel can read: inputs strictly inside (-10, 10), whose f16
+    // rounding is any f16 value in [-10, 10]. The CPU's geglu with up = 1 returns its table
+    // entry for x unchanged; ±9.999 round to ±10, reaching the two end entries.
+    let mut gate: Vec<f32> = (0..=u16::MAX)
+        .map(|bits| f16::from_bits(bits).to_f32())
+        .filter(|x| x.abs() < 10.0)
+        .collect();
+    gate.extend([9.999f32, -9.999]);
+    let len = gate.len();
+    let up = vec![1.0f32; len];
+    let cpu_out = with_cpu(|cpu| {
+        let mut g = gate.clone();
+        cpu.geglu(&mut g, &up, len);
+        g
+    });
+    for (x, got) in gate.iter().zip(&cpu_out) {
+        let want = table[f16::from_f32(*x).to_bits() as usize].to_f32();
+        assert_eq!(got.to_bits(), want.to_bits(), "x = {x}");
+    }
+}
+
+#[test]
+fn the_host_rope_table_is_the_cpu_backends() {
+    let factors: Vec<f32> = (0..128).map(|i| 1.0 + i as f32 * 0.37).collect();
+    let positions = [0u32, 1, 2, 7, 100, 511, 512, 4095, 30000];
+    for (n_dims, base, scale, with_factors) in [
+        (64usize, 10000.0f32, 1.0f32, false),
+        (128, 500000.0, 1.0, true),
+        (256, 1_000_000.0, 0.125, false),
+        (32, 10000.0, 0.25, true),
+    ] {
+        let params = RopeParams {
+            n_dims,
+            freq_base: base,
+            freq_scale: scale,
+            freq_factors: with_factors.then_some(&factors[..n_dims / 2]),
+        };
+        let mut host = Vec::new();
+        numerics::rope_cos_sin(&positions, &params, &mut host);
+        // The CPU's rope of heads of (1, 0) pairs gives back its cosines and sines exactly:
+        // fma(1, c, -(0 s)) = c and fma(1, s, 0 c) = s.
+        let n = positions.len();
+        let cpu_out = with_cpu(|cpu| {
+            let mut table = cpu.rope_table_new();
+            cpu.rope_table(&positions, &params, &mut table);
+            let mut x: Vec<f32> = (0..n * n_dims)
+                .map(|i| if i % 2 == 0 { 1.0 } else { 0.0 })
+                .collect();
+            cpu.rope(&mut x, &table, n, 1, n_dims, RopeMode::Normal);
+            x
+        });
+        assert_eq!(host.len(), cpu_out.len());
+        for (i, (h, c)) in host.iter().zip(&cpu_out).enumerate() {
+            assert_eq!(
+                h.to_bits(),
+                c.to_bits(),
+                "n_dims {n_dims}, token {}, value {}",
+                i / n_dims,
+                i % n_dims
+            );
+        }
+    }
+}

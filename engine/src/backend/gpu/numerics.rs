@@ -1,0 +1,329 @@
+//! The GPU backend's numerics modes: `fast` (the default: the tuned kernels, fused decode
+//! kernels and decode graphs, rounding as suits the GPU) and `reference` (every op through the
+//! bit-exact kernels of `ember_gpu::ops::*_exact`, so the logits equal the CPU backend's bit for
+//! bit and greedy generations match llama.cpp's reference outputs token for token).
+//!
+//! Reference mode turns the fused kernels and decode graphs off (each op runs on its own, as
+//! the CPU runs it) and computes on the host what the CPU takes from libm, with the CPU's own
+//! code: the rotary cosines and sines of each batch ([`rope_cos_sin`]) and the f16 GELU table
+//! ([`gelu_table`]), which the device then reads. What has no exact kernel is refused when the
+//! model is loaded ([`reference_unsupported`]): Gemma 2's final logit soft-capping (glibc's
+//! `tanhf` on the CPU, which differs between glibc releases and has no device port here).
+//!
+//! The CPU attention's split-KV path (a single token over 512 or more cached positions) cuts the
+//! cache into one chunk per CPU thread, so the CPU's thread count shows in its digits; the
+//! reference mode is told which count to reproduce: `EMBER_REFERENCE_THREADS`, default 2, the
+//! thread count of llama.cpp's reference runs (and of `top_logprobs`' default). A comparison
+//! with the CPU backend must run the CPU with that many threads (`--device cpu -t 2`).
+//!
+//! Selection: `--numerics fast|reference` on `ember run`, `bench`, `perplexity` (and `stress`),
+//! else `EMBER_GPU_NUMERICS`, else `fast`.
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::OnceLock;
+
+use half::f16;
+
+use crate::backend::RopeParams;
+use crate::model::HParams;
+
+/// Environment variable choosing the numerics mode when no `--numerics` flag does: `fast` or
+/// `reference`.
+pub const NUMERICS_ENV: &str = "EMBER_GPU_NUMERICS";
+
+/// Environment variable: the CPU thread count whose split-KV attention the reference mode
+/// reproduces (see the module docs).
+pub const REFERENCE_THREADS_ENV: &str = "EMBER_REFERENCE_THREADS";
+
+/// The reference thread count when [`REFERENCE_THREADS_ENV`] is not set: llama.cpp's reference
+/// outputs were made with 2 threads.
+pub const DEFAULT_REFERENCE_THREADS: usize = 2;
+
+/// How the GPU backend rounds. See the module docs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Numerics {
+    /// The tuned kernels (the default).
+    #[default]
+    Fast,
+    /// Every op bit-identical to the CPU backend's.
+    Reference,
+}
+
+impl Numerics {
+    pub const ALL: [Numerics; 2] = [Numerics::Fast, Numerics::Reference];
+
+    /// The name the flag and the environment variable take.
+    pub fn name(self) -> &'static str {
+        match self {
+            Numerics::Fast => "fast",
+            Numerics::Reference => "reference",
+        }
+    }
+
+    /// The mode [`NUMERICS_ENV`] names, `fast` when it is unset or empty.
+    pub fn from_env() -> Result<Numerics, NumericsError> {
+        Numerics::from_env_value(std::env::var(NUMERICS_ENV).ok().as_deref())
+    }
+
+    /// [`Numerics::from_env`] for a given value of the variable (`None`: unset).
+    pub fn from_env_value(value: Option<&str>) -> Result<Numerics, NumericsError> {
+        match value.map(str::trim) {
+            None | Some("") => Ok(Numerics::Fast),
+            Some(text) => parse(NUMERICS_ENV, text),
+        }
+    }
+
+    /// The mode to run in: the flag's when given, else the environment's.
+    pub fn resolve(flag: Option<Numerics>) -> Result<Numerics, NumericsError> {
+        match flag {
+            Some(numerics) => Ok(numerics),
+            None => Numerics::from_env(),
+        }
+    }
+}
+
+impl fmt::Display for Numerics {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Numerics {
+    type Err = NumericsError;
+
+    fn from_str(text: &str) -> Result<Numerics, NumericsError> {
+        parse("--numerics", text)
+    }
+}
+
+fn parse(source_name: &'static str, text: &str) -> Result<Numerics, NumericsError> {
+    let wanted = text.trim().to_ascii_lowercase();
+    Numerics::ALL
+        .into_iter()
+        .find(|n| n.name() == wanted)
+        .ok_or_else(|| NumericsError::UnknownMode {
+            source_name,
+            found: text.to_string(),
+        })
+}
+
+/// A numerics setting that could not be used; the message says what was expected.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NumericsError {
+    /// A flag or environment value that names no mode.
+    #[error("{source_name}: expected fast or reference, found {found:?}")]
+    UnknownMode {
+        source_name: &'static str,
+        found: String,
+    },
+    /// [`REFERENCE_THREADS_ENV`] is not a positive count.
+    #[error("{REFERENCE_THREADS_ENV}: expected a thread count of at least 1, found {found:?}")]
+    BadThreads { found: String },
+    /// The model needs an op the reference mode has no exact kernel for.
+    #[error("reference numerics cannot run this model: {reason}; use --numerics fast, or --device cpu for the reference results")]
+    Unsupported { reason: String },
+}
+
+/// The reference thread count [`REFERENCE_THREADS_ENV`] names, [`DEFAULT_REFERENCE_THREADS`]
+/// when it is unset or empty.
+pub fn reference_threads_from_env() -> Result<usize, NumericsError> {
+    reference_threads_from_value(std::env::var(REFERENCE_THREADS_ENV).ok().as_deref())
+}
+
+/// [`reference_threads_from_env`] for a given value of the variable (`None`: unset).
+pub fn reference_threads_from_value(value: Option<&str>) -> Result<usize, NumericsError> {
+    match value.map(str::trim) {
+        None | Some("") => Ok(DEFAULT_REFERENCE_THREADS),
+        Some(text) => match text.parse::<usize>() {
+            Ok(n) if n >= 1 => Ok(n),
+            _ => Err(NumericsError::BadThreads {
+                found: text.to_string(),
+            }),
+        },
+    }
+}
+
+/// Why the reference mode cannot run a model of these hyperparameters, if it cannot.
+pub fn reference_unsupported(hparams: &HParams) -> Option<NumericsError> {
+    if let Some(cap) = hparams.final_logit_softcap {
+        return Some(NumericsError::Unsupported {
+            reason: format!(
+                "the model soft-caps its logits (final_logit_softcapping = {cap}), and the CPU's tanhf (glibc) has no bit-exact device kernel"
+            ),
+        });
+    }
+    let head_dim = hparams.head_dim_k;
+    if head_dim > ember_gpu::ops::EXACT_MAX_HEAD_DIM {
+        return Some(NumericsError::Unsupported {
+            reason: format!(
+                "the exact attention handles heads of at most {} values, and this model's have {head_dim}",
+                ember_gpu::ops::EXACT_MAX_HEAD_DIM
+            ),
+        });
+    }
+    None
+}
+
+// The host twins below repeat, line for line, code of the CPU backend (engine/src/backend/cpu)
+// that is private to it; the reference mode must compute exactly the same values, which the
+// engine's unit tests (gpu/tests.rs) check against the CPU backend's own ops.
+
+const GELU_COEF_A: f32 = 0.044715;
+const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+
+/// `cpu::ops::gelu_tanh`: GELU with the tanh approximation, the inner `1 + a·x·x` fused as GGML's
+/// compiled code does.
+fn gelu_tanh(x: f32) -> f32 {
+    let inner = (GELU_COEF_A * x).mul_add(x, 1.0);
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * inner).tanh())
+}
+
+/// `cpu::ops::gelu_table`: GELU of every f16 value, rounded to f16, indexed by the input's bits.
+pub fn gelu_table() -> &'static [f16] {
+    static TABLE: OnceLock<Vec<f16>> = OnceLock::new();
+    TABLE.get_or_init(|| {
+        (0..=u16::MAX)
+            .map(|bits| f16::from_f32(gelu_tanh(f16::from_bits(bits).to_f32())))
+            .collect()
+    })
+}
+
+/// The cosines and sines `CpuBackend::rope_table` computes for `positions`: `out[t * n_dims +
+/// 2 i]` is the cosine of pair `i` of token `t`, the next value its sine (`out` is replaced).
+pub fn rope_cos_sin(positions: &[u32], params: &RopeParams<'_>, out: &mut Vec<f32>) {
+    let n_dims = params.n_dims;
+    out.clear();
+    out.resize(positions.len() * n_dims, 0.0);
+    if n_dims == 0 {
+        return;
+    }
+    let theta_scale = params.freq_base.powf(-2.0 / n_dims as f32);
+    for (t, &pos) in positions.iter().enumerate() {
+        let row = &mut out[t * n_dims..(t + 1) * n_dims];
+        // As GGML: the angle of pair i is pos * base^(-2i/n_dims), built by repeated
+        // multiplication in f32 so rounding matches its tables.
+        let mut theta_base = pos as f32;
+        for i in 0..n_dims / 2 {
+            let factor = params.freq_factors.map_or(1.0, |f| f[i]);
+            let theta = params.freq_scale * (theta_base / factor);
+            row[2 * i] = theta.cos();
+            row[2 * i + 1] = theta.sin();
+            theta_base *= theta_scale;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn modes_parse_from_the_flag_and_the_environment() {
+        assert_eq!("fast".parse(), Ok(Numerics::Fast));
+        assert_eq!(" Reference ".parse(), Ok(Numerics::Reference));
+        assert_eq!(
+            "exact".parse::<Numerics>().unwrap_err().to_string(),
+            "--numerics: expected fast or reference, found \"exact\""
+        );
+        assert_eq!(Numerics::from_env_value(None), Ok(Numerics::Fast));
+        assert_eq!(Numerics::from_env_value(Some(" ")), Ok(Numerics::Fast));
+        assert_eq!(
+            Numerics::from_env_value(Some("reference")),
+            Ok(Numerics::Reference)
+        );
+        assert_eq!(
+            Numerics::from_env_value(Some("ref"))
+                .unwrap_err()
+                .to_string(),
+            "EMBER_GPU_NUMERICS: expected fast or reference, found \"ref\""
+        );
+        for mode in Numerics::ALL {
+            assert_eq!(mode.name().parse(), Ok(mode));
+            assert_eq!(mode.to_string(), mode.name());
+            // A flag wins over whatever the environment says.
+            assert_eq!(Numerics::resolve(Some(mode)), Ok(mode));
+        }
+        assert_eq!(Numerics::default(), Numerics::Fast);
+    }
+
+    #[test]
+    fn reference_threads_default_to_two() {
+        assert_eq!(reference_threads_from_value(None), Ok(2));
+        assert_eq!(reference_threads_from_value(Some("")), Ok(2));
+        assert_eq!(reference_threads_from_value(Some(" 8 ")), Ok(8));
+        for bad in ["0", "-1", "two", "1.5"] {
+            assert_eq!(
+                reference_threads_from_value(Some(bad))
+                    .unwrap_err()
+                    .to_string(),
+                format!(
+                    "EMBER_REFERENCE_THREADS: expected a thread count of at least 1, found {bad:?}"
+                )
+            );
+        }
+    }
+
+    /// Hyperparameters of a small Llama, with the given head size and soft-capping.
+    fn hparams(head_dim: u32, softcap: Option<f32>) -> HParams {
+        use ember_gguf::{Metadata, Value};
+        let mut md = Metadata::new();
+        let n_head = 4u32;
+        for (key, value) in [
+            ("llama.context_length", Value::U32(4096)),
+            ("llama.embedding_length", Value::U32(n_head * head_dim)),
+            ("llama.block_count", Value::U32(2)),
+            ("llama.attention.head_count", Value::U32(n_head)),
+            ("llama.feed_forward_length", Value::U32(1024)),
+            ("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
+        ] {
+            md.insert(key, value).unwrap();
+        }
+        if let Some(cap) = softcap {
+            md.insert("llama.final_logit_softcapping", Value::F32(cap))
+                .unwrap();
+        }
+        HParams::from_metadata(crate::model::Architecture::Llama, &md).unwrap()
+    }
+
+    #[test]
+    fn reference_numerics_refuse_what_has_no_exact_kernel() {
+        assert_eq!(reference_unsupported(&hparams(64, None)), None);
+        assert_eq!(reference_unsupported(&hparams(256, None)), None);
+        let error = reference_unsupported(&hparams(64, Some(30.0))).expect("refused");
+        assert_eq!(
+            error.to_string(),
+            "reference numerics cannot run this model: the model soft-caps its logits (final_logit_softcapping = 30), and the CPU's tanhf (glibc) has no bit-exact device kernel; use --numerics fast, or --device cpu for the reference results"
+        );
+        let error = reference_unsupported(&hparams(512, None)).expect("refused");
+        assert!(
+            error
+                .to_string()
+                .contains("at most 256 values, and this model's have 512"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn rope_table_rows_hold_cosine_then_sine_per_pair() {
+        let params = RopeParams {
+            n_dims: 4,
+            freq_base: 10000.0,
+            freq_scale: 1.0,
+            freq_factors: None,
+        };
+        let mut out = Vec::new();
+        rope_cos_sin(&[0, 3], &params, &mut out);
+        assert_eq!(out.len(), 8);
+        assert_eq!(
+            &out[..4],
+            &[1.0, 0.0, 1.0, 0.0],
+            "position 0 turns by nothing"
+        );
+        assert_eq!(out[4], 3.0f32.cos());
+        assert_eq!(out[5], 3.0f32.sin());
+        let theta = 3.0 * 10000f32.powf(-0.5);
+        assert_eq!(out[6], theta.cos());
+        assert_eq!(out[7], theta.sin());
+    }
+}
