@@ -14,7 +14,12 @@
 #   golden       the real models in $MODELS_DIR on the GPU against tests/data/golden/greedy.jsonl
 #   bench        ember bench -ngl 99 -p 512 -n 128 -r 3 on the 1B and 8B models, beside llama.cpp
 #   memory       ember stress --memory-report on the largest model present
-#   all          kernels synth consistency golden bench memory (8B models only if written before
+#   exact        reference numerics (`--numerics reference`): exact_check (matmul), exact_attention_check,
+#                exact_ops_check, then exact_forward_check (GPU logits bit-identical to the CPU's)
+#                on $EXACT_SHAPES x $TYPES synthetic models of $EXACT_LAYERS layers, prompts of
+#                5 and 70 tokens, and on the real models in $MODELS_DIR with prompts of 6, 100
+#                and 600 tokens (the last takes the CPU's split-KV attention path)
+#   all          kernels synth consistency golden bench memory exact (8B models only if written before
 #                or SYNTH_8B=1)
 #
 # Environment (defaults in brackets):
@@ -26,6 +31,8 @@
 #   TYPES         types [all 14];  SMALL_LAYERS  layers of the small models [4; "full" keeps the shape's]
 #   N_PROMPTS [2 of 3]  N_TOKENS [16]  PPL_CHUNKS [4]  PPL_TYPES [q8_0 q4_k_m f16]  CPU_JOBS [8]
 #   MODELS_DIR    real models for `golden` [$EMBER_MODELS_DIR or ~/.cache/ember/models]
+#   EXACT_SHAPES  [smollm2-135m qwen2-0.5b qwen3-0.6b gemma3-270m]  EXACT_LAYERS [2]
+#   EMBER_GPU_NUMERICS=reference  every phase's GPU runs in reference numerics (e.g. `golden`)
 #   SYNTH_8B=1    make `synth`/`all` also write the 8B models;  FAST_8B=1  write them with --fast
 #   BIG_TYPES     types of the 1B and 8B models [q4_0 q4_k_m f16]
 #   CONSISTENCY_BIG=1  also compare CPU and GPU on the 1B models (full depth, real K-quant rows)
@@ -53,6 +60,9 @@ PPL_CHUNKS="${PPL_CHUNKS:-4}"
 PPL_TYPES="${PPL_TYPES:-q8_0 q4_k_m f16}"
 CPU_JOBS="${CPU_JOBS:-8}"
 BENCH_REPS="${BENCH_REPS:-3}"
+EXACT_SHAPES="${EXACT_SHAPES:-smollm2-135m qwen2-0.5b qwen3-0.6b gemma3-270m}"
+EXACT_LAYERS="${EXACT_LAYERS:-2}"
+EXAMPLES="$(dirname "$EMBER")/examples"
 MODELS_DIR="${MODELS_DIR:-${EMBER_MODELS_DIR:-$HOME/.cache/ember/models}}"
 KERNELS_ROOT="${EMBER_KERNELS_DIR:-$(dirname "$EMBER")/kernels}"
 export EMBER_KERNELS_DIR="$KERNELS_ROOT"
@@ -120,6 +130,55 @@ phase_kernels() {
     done
     say "kernels: $n cubins placed in $dest (run-nvcc.sh exit code $rc)"
     ((n > 0)) || return 1
+    return $rc
+}
+
+# ---------------------------------------------------------------------------------------------
+# Reference numerics: every GPU op bit-identical to the CPU backend's, checked op by op and on
+# whole forward passes (logits compared bit for bit at every step).
+phase_exact() {
+    local rc=0 x="$EXAMPLES"
+    need "$SYNTH" "$x/exact_check" "$x/exact_attention_check" "$x/exact_ops_check" "$x/exact_forward_check" || return 1
+    local check
+    for check in "exact_check --no-bench" "exact_attention_check --no-bench" "exact_ops_check --device $DEVICE"; do
+        local name="${check%% *}" log="$OUT/exact-${check%% *}.log"
+        # shellcheck disable=SC2086 # the check's flags are split on purpose
+        if "$x"/$check >"$log" 2>&1; then
+            say "PASS $name: $(grep -c '^PASS' "$log") checks bit-identical"
+        else
+            say "FAIL $name: $(grep -c '^FAIL' "$log") of $(grep -cE '^(PASS|FAIL)' "$log") checks differ (first: $(grep -m1 '^FAIL' "$log"))"
+            rc=1
+        fi
+    done
+    local dir="$WORK/exact" n=0 failed=0 shape ty len model
+    mkdir -p "$dir"
+    forward() { # MODEL LABEL FLAGS...
+        local model="$1" label="$2"
+        shift 2
+        n=$((n + 1))
+        if ! quiet "$x/exact_forward_check" "$model" --device "$DEVICE" "$@"; then
+            failed=$((failed + 1))
+            say "FAIL exact_forward_check $label $*"
+        fi
+    }
+    for shape in $EXACT_SHAPES; do
+        for ty in $TYPES; do
+            model="$dir/$shape-$ty-l$EXACT_LAYERS.gguf"
+            quiet "$SYNTH" --shape "$shape" --type "$ty" --layers "$EXACT_LAYERS" --output "$model" || {
+                say "FAIL ember-synth $shape $ty"
+                failed=$((failed + 1))
+                continue
+            }
+            for len in 5 70; do forward "$model" "$shape-$ty" --prompt-len "$len" --steps 4; done
+            rm -f "$model"
+        done
+    done
+    for model in "$MODELS_DIR"/*.gguf; do
+        [[ -e "$model" ]] || continue
+        for len in 6 100 600; do forward "$model" "$(basename "$model")" --prompt-len "$len" --steps 8; done
+    done
+    say "exact_forward_check: $((n - failed)) of $n runs bit-identical to the CPU"
+    ((failed == 0)) || rc=1
     return $rc
 }
 
@@ -490,10 +549,10 @@ main() {
     local phases=()
     for p in "$@"; do
         case "$p" in
-        all) phases+=(kernels synth consistency golden bench memory) ;;
-        kernels | synth | synth8b | consistency | golden | bench | memory) phases+=("$p") ;;
+        all) phases+=(kernels synth consistency golden bench memory exact) ;;
+        kernels | synth | synth8b | consistency | golden | bench | memory | exact) phases+=("$p") ;;
         *)
-            echo "unknown phase $p: expected kernels, synth, synth8b, consistency, golden, bench, memory or all" >&2
+            echo "unknown phase $p: expected kernels, synth, synth8b, consistency, golden, bench, memory, exact or all" >&2
             exit 2
             ;;
         esac
