@@ -7,6 +7,7 @@
 
 mod attention;
 mod ops;
+pub use ops::{gelu_table, rope_cos_sin};
 pub mod vec;
 
 use std::collections::HashMap;
@@ -392,25 +393,8 @@ impl Backend for CpuBackend {
     }
 
     fn rope_table(&self, positions: &[u32], params: &RopeParams<'_>, table: &mut CpuRopeTable) {
-        let n_dims = params.n_dims;
-        table.n_dims = n_dims;
-        table.values.clear();
-        table.values.resize(positions.len() * n_dims, 0.0);
-        let values = &mut table.values;
-        let theta_scale = params.freq_base.powf(-2.0 / n_dims as f32);
-        for (t, &pos) in positions.iter().enumerate() {
-            let row = &mut values[t * n_dims..(t + 1) * n_dims];
-            // As GGML: the angle of pair i is pos * base^(-2i/n_dims), built by repeated
-            // multiplication in f32 so rounding matches its tables.
-            let mut theta_base = pos as f32;
-            for i in 0..n_dims / 2 {
-                let factor = params.freq_factors.map_or(1.0, |f| f[i]);
-                let theta = params.freq_scale * (theta_base / factor);
-                row[2 * i] = theta.cos();
-                row[2 * i + 1] = theta.sin();
-                theta_base *= theta_scale;
-            }
-        }
+        table.n_dims = params.n_dims;
+        ops::rope_cos_sin(positions, params, &mut table.values);
     }
 
     fn rope(

@@ -5,7 +5,7 @@ use std::sync::OnceLock;
 use half::f16;
 use rayon::prelude::*;
 
-use crate::backend::RopeMode;
+use crate::backend::{RopeMode, RopeParams};
 
 /// Elements per rayon task for element-wise ops; smaller inputs run on one thread.
 const ELEMENTS_PER_TASK: usize = 1 << 14;
@@ -87,6 +87,32 @@ pub fn gelu_ggml(table: &[f16], x: f32) -> f32 {
         x
     } else {
         table[f16::from_f32(x).to_bits() as usize].to_f32()
+    }
+}
+
+/// The cosines and sines of every rotated pair of every token, as GGML's rope cache: `out[t *
+/// n_dims + 2 i]` is the cosine of pair `i` of token `t`, the next value its sine (`out` is
+/// replaced). The angle of pair `i` is `pos * base^(-2i/n_dims)`, built by repeated
+/// multiplication in f32 so the rounding matches GGML's tables. The GPU's reference numerics
+/// upload these same values.
+pub fn rope_cos_sin(positions: &[u32], params: &RopeParams<'_>, out: &mut Vec<f32>) {
+    let n_dims = params.n_dims;
+    out.clear();
+    out.resize(positions.len() * n_dims, 0.0);
+    if n_dims == 0 {
+        return;
+    }
+    let theta_scale = params.freq_base.powf(-2.0 / n_dims as f32);
+    for (t, &pos) in positions.iter().enumerate() {
+        let row = &mut out[t * n_dims..(t + 1) * n_dims];
+        let mut theta_base = pos as f32;
+        for i in 0..n_dims / 2 {
+            let factor = params.freq_factors.map_or(1.0, |f| f[i]);
+            let theta = params.freq_scale * (theta_base / factor);
+            row[2 * i] = theta.cos();
+            row[2 * i + 1] = theta.sin();
+            theta_base *= theta_scale;
+        }
     }
 }
 

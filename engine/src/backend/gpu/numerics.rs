@@ -21,11 +21,7 @@
 
 use std::fmt;
 use std::str::FromStr;
-use std::sync::OnceLock;
 
-use half::f16;
-
-use crate::backend::RopeParams;
 use crate::model::HParams;
 
 /// Environment variable choosing the numerics mode when no `--numerics` flag does: `fast` or
@@ -165,58 +161,14 @@ pub fn reference_unsupported(hparams: &HParams) -> Option<NumericsError> {
     None
 }
 
-// The host twins below repeat, line for line, code of the CPU backend (engine/src/backend/cpu)
-// that is private to it; the reference mode must compute exactly the same values, which the
-// engine's unit tests (gpu/tests.rs) check against the CPU backend's own ops.
-
-const GELU_COEF_A: f32 = 0.044715;
-const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-
-/// `cpu::ops::gelu_tanh`: GELU with the tanh approximation, the inner `1 + a·x·x` fused as GGML's
-/// compiled code does.
-fn gelu_tanh(x: f32) -> f32 {
-    let inner = (GELU_COEF_A * x).mul_add(x, 1.0);
-    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * inner).tanh())
-}
-
-/// `cpu::ops::gelu_table`: GELU of every f16 value, rounded to f16, indexed by the input's bits.
-pub fn gelu_table() -> &'static [f16] {
-    static TABLE: OnceLock<Vec<f16>> = OnceLock::new();
-    TABLE.get_or_init(|| {
-        (0..=u16::MAX)
-            .map(|bits| f16::from_f32(gelu_tanh(f16::from_bits(bits).to_f32())))
-            .collect()
-    })
-}
-
-/// The cosines and sines `CpuBackend::rope_table` computes for `positions`: `out[t * n_dims +
-/// 2 i]` is the cosine of pair `i` of token `t`, the next value its sine (`out` is replaced).
-pub fn rope_cos_sin(positions: &[u32], params: &RopeParams<'_>, out: &mut Vec<f32>) {
-    let n_dims = params.n_dims;
-    out.clear();
-    out.resize(positions.len() * n_dims, 0.0);
-    if n_dims == 0 {
-        return;
-    }
-    let theta_scale = params.freq_base.powf(-2.0 / n_dims as f32);
-    for (t, &pos) in positions.iter().enumerate() {
-        let row = &mut out[t * n_dims..(t + 1) * n_dims];
-        // As GGML: the angle of pair i is pos * base^(-2i/n_dims), built by repeated
-        // multiplication in f32 so rounding matches its tables.
-        let mut theta_base = pos as f32;
-        for i in 0..n_dims / 2 {
-            let factor = params.freq_factors.map_or(1.0, |f| f[i]);
-            let theta = params.freq_scale * (theta_base / factor);
-            row[2 * i] = theta.cos();
-            row[2 * i + 1] = theta.sin();
-            theta_base *= theta_scale;
-        }
-    }
-}
+// The host-side values the reference mode uploads are the CPU backend's own: the f16 GELU table
+// and the rotary cosines and sines, computed by the same functions.
+pub use crate::backend::cpu::{gelu_table, rope_cos_sin};
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::RopeParams;
 
     #[test]
     fn modes_parse_from_the_flag_and_the_environment() {
