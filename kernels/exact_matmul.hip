@@ -20,8 +20,9 @@
 //     `hsum_ps` (+ the chain). The CPU's 4-row matvec and its tiles give the same bits;
 //   * q6_K: AVX2 vec_dot at every token count (`rowwise_like_ggml`);
 //   * q4_K: rows a multiple of 8: llama.cpp's repacked order (repack_order.rs), per super-block
-//     (gemv: mode 1 tokens from gemm_tokens on) or per pair of sub-blocks (gemm: tokens below
-//     gemm_tokens); other row counts: AVX2 vec_dot;
+//     (gemv: mode 1 tokens from gemm_tokens on, i.e. batches of 1-3) or per pair of sub-blocks
+//     (gemm: tokens below gemm_tokens, i.e. every token of a batch of 4+); other row counts:
+//     AVX2 vec_dot;
 //   * q2_K, q3_K, q5_K: AVX2 vec_dot below 12 tokens (mode 0); from 12 tokens the CPU's tile
 //     kernel (x86/tile.rs, mode 1): per 32-value chunk one FMA of the lane sums by s16*d_a, then
 //     per 16-value half one FMA of m16 by d_a*bsum, lanes reduced by `hsum8` (hadd order) for

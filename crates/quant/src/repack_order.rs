@@ -1,9 +1,13 @@
 //! Q4_K matrix products in the order of llama.cpp's repacked x86 kernels.
 //!
 //! On x86 llama.cpp interleaves Q4_K weights with eight rows per block (`block_q4_Kx8`) when a
-//! matrix has a multiple of 8 rows, and multiplies them with `ggml_gemv_q4_K_8x8_q8_K` (one
-//! token, and the last `n % 4` tokens of a batch) and `ggml_gemm_q4_K_8x8_q8_K` (tokens in
-//! groups of four), not with `vec_dot`. Both keep every output in one float lane and form the
+//! matrix has a multiple of 8 rows, and multiplies them with `ggml_gemv_q4_K_8x8_q8_K` (batches
+//! of one to three tokens) and `ggml_gemm_q4_K_8x8_q8_K` (batches of four or more), not with
+//! `vec_dot`. In a batch of four or more, every token takes the gemm's float steps, the last
+//! `n % 4` included: that is what the reference outputs show (tests/data/golden: Gemma 3's
+//! greedy lines and the re-evaluated steps of prompts of 6, 7, 10 and 16 tokens agree only this
+//! way). llama.cpp of 2026-10 sends those last tokens through the gemv instead; ember follows
+//! the build that made the references. Both keep every output in one float lane and form the
 //! weight-scale and min terms in integers first; they differ in how often they turn those
 //! integers into floats:
 //! - gemv: once per 256-element super-block, `acc += I_b·(d_w·d_a)` and
@@ -148,8 +152,8 @@ fn dot_impl(w: &[u8], wm: &[WeightMeta], a: &[u8], am: &[ActMeta], per_pair: boo
 }
 
 /// `out[t·rows + r]` for every row `r` of `w` (`rows` rows of `row_bytes`) and token `t` of
-/// `acts` (`n_tokens` rows of `act_bytes`): tokens below `n_tokens - n_tokens % 4` take the
-/// gemm's steps, the rest the gemv's, as `forward_mul_mat_one_chunk` splits a batch.
+/// `acts` (`n_tokens` rows of `act_bytes`): batches of four or more tokens take the gemm's
+/// steps for every token, smaller ones the gemv's (see the module docs).
 pub(crate) fn matmul(
     w: &[u8],
     row_bytes: usize,
@@ -168,18 +172,14 @@ pub(crate) fn matmul(
         .chunks_exact(q8_k::SIZE)
         .map(act_meta)
         .collect();
-    let gemm_tokens = if n_tokens > 3 {
-        n_tokens - n_tokens % 4
-    } else {
-        0
-    };
+    let gemm = n_tokens > 3;
     let one = |r: usize, t: usize| {
         dot(
             &w[r * row_bytes..(r + 1) * row_bytes],
             &wm[r * nb..(r + 1) * nb],
             &acts[t * act_bytes..(t + 1) * act_bytes],
             &am[t * nb..(t + 1) * nb],
-            t < gemm_tokens,
+            gemm,
         )
     };
     if n_tokens == 1 {

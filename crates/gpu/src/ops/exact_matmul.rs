@@ -15,12 +15,12 @@
 //! Where the CPU's order depends on the call, this module decides and passes it as the kernel's
 //! `mode` ([`kernel_mode`]): Q2_K, Q3_K and Q5_K switch from `vec_dot` to the CPU's tile kernel at
 //! 12 tokens; Q4_K matrices whose row count is a multiple of 8 follow llama.cpp's repacked order,
-//! per pair of sub-blocks for the tokens of whole groups of four and per super-block for the rest.
+//! per pair of sub-blocks for every token of a batch of four or more, per super-block for smaller
+//! batches.
 //! The CPU's thread count and job split never change its bits, so nothing else is needed.
 //!
-//! On an AVX-512 VNNI CPU, `ember_quant::matmul` runs Q2_K, Q3_K and Q5_K prompts (12 tokens or
-//! more) through its AVX-512 tile kernel, whose float order differs from the AVX2 one followed
-//! here; every other format and token count gives the same bits on AVX2 and AVX-512 machines.
+//! `ember_quant::matmul` gives the same bits on AVX2 and AVX-512 machines (one tile kernel for
+//! both), so the order followed here holds for the CPU backend on any x86 machine.
 //!
 //! Scratch comes from the pool like the other ops' (released once the launches are queued; stream
 //! order keeps its reuse after them), so the op can be recorded in a graph once the pool holds a
@@ -135,18 +135,14 @@ fn scratch_layout(act: ActivationFormat, values: usize) -> Option<ScratchLayout>
 /// The kernel's `mode` and `gemm_tokens` for `n_tokens` tokens through a matrix of `rows` rows:
 /// the float order the CPU follows (see the module docs). `gemm_tokens` matters only for
 /// repacked Q4_K (mode 1): tokens below it take the gemm's steps, as `repack_order::matmul`
-/// splits a batch (`n - n % 4` tokens when there are more than 3, else none).
+/// does (every token of a batch of four or more, none of a smaller one).
 fn kernel_mode(format: WeightFormat, rows: usize, n_tokens: usize) -> (u32, u32) {
     match format {
         WeightFormat::Q2K | WeightFormat::Q3K | WeightFormat::Q5K => {
             (u32::from(n_tokens >= K_TILE_MIN_TOKENS), 0)
         }
         WeightFormat::Q4K if rows.is_multiple_of(8) => {
-            let gemm_tokens = if n_tokens > 3 {
-                n_tokens - n_tokens % 4
-            } else {
-                0
-            };
+            let gemm_tokens = if n_tokens > 3 { n_tokens } else { 0 };
             (1, gemm_tokens as u32)
         }
         _ => (0, 0),
@@ -423,12 +419,12 @@ mod tests {
             assert_eq!(kernel_mode(format, 64, 12), (1, 0), "{format}");
             assert_eq!(kernel_mode(format, 63, 300), (1, 0), "{format}");
         }
-        // Repacked Q4_K: whole groups of four take the gemm's steps, when there are more than 3.
+        // Repacked Q4_K: every token of a batch of four or more takes the gemm's steps.
         assert_eq!(kernel_mode(Q4K, 256, 1), (1, 0));
         assert_eq!(kernel_mode(Q4K, 256, 3), (1, 0));
         assert_eq!(kernel_mode(Q4K, 256, 4), (1, 4));
-        assert_eq!(kernel_mode(Q4K, 256, 7), (1, 4));
-        assert_eq!(kernel_mode(Q4K, 256, 65), (1, 64));
+        assert_eq!(kernel_mode(Q4K, 256, 7), (1, 7));
+        assert_eq!(kernel_mode(Q4K, 256, 65), (1, 65));
         // Row counts llama.cpp does not repack: vec_dot at every token count.
         assert_eq!(kernel_mode(Q4K, 260, 64), (0, 0));
         for format in [F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q6K] {
