@@ -479,21 +479,12 @@ mod tests {
     //! wrong grid or a wrong table layout fails here. That the kernels themselves round as the
     //! CPU does is checked on the GPU by the engine's `exact_ops_check` example.
 
-    use std::sync::Arc;
-
     use half::f16;
 
     use super::*;
-    use crate::driver::Driver;
-    use crate::host::{HostDriver, HostDriverConfig, HostLaunch};
-    use crate::kernels::{KernelLibrary, KERNEL_MODULES};
-    use crate::ops::GpuContextOptions;
-    use crate::pool::{DevicePool, PoolBuffer, PoolConfig, PoolKind, Purpose};
-
-    struct Fixture {
-        ctx: GpuContext,
-        _dir: tempfile::TempDir,
-    }
+    use crate::host::{HostDriver, HostLaunch};
+    use crate::ops::test_support::{host_fixture, Fixture};
+    use crate::pool::{PoolBuffer, Purpose};
 
     fn read_i32(launch: &HostLaunch<'_>, ptr: DevicePtr, n: usize) -> Result<Vec<i32>, String> {
         let mut bytes = vec![0u8; n * 4];
@@ -645,30 +636,7 @@ mod tests {
     }
 
     fn fixture() -> Fixture {
-        let dir = tempfile::tempdir().unwrap();
-        for spec in KERNEL_MODULES {
-            let path = dir.path().join("host").join(format!("{}.hsaco", spec.stem));
-            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-            std::fs::write(path, b"host code object").unwrap();
-        }
-        let driver = Arc::new(HostDriver::new(HostDriverConfig::default()));
-        register_twins(&driver);
-        let dyn_driver: Arc<dyn Driver> = driver.clone();
-        let pool = DevicePool::with_kind(
-            dyn_driver,
-            0,
-            PoolKind::Caching,
-            "test".to_string(),
-            PoolConfig::default(),
-        )
-        .unwrap();
-        let ctx = GpuContext::with_options(
-            Arc::new(pool),
-            Arc::new(KernelLibrary::new(dir.path().to_path_buf())),
-            &GpuContextOptions { disable_blas: true },
-        )
-        .unwrap();
-        Fixture { ctx, _dir: dir }
+        host_fixture(register_twins)
     }
 
     fn upload_f32(ctx: &GpuContext, values: &[f32]) -> PoolBuffer {

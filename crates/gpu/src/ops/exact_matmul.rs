@@ -339,16 +339,11 @@ mod tests {
     //! port, the wrapper's arguments, launch geometry and scratch layout; the kernels themselves
     //! are compared with the CPU on a GPU by the `exact_check` example.
 
-    use std::sync::Arc;
-
     use half::f16;
 
     use super::*;
-    use crate::driver::Driver;
-    use crate::host::{HostDriver, HostDriverConfig, HostLaunch};
-    use crate::kernels::{KernelLibrary, KERNEL_MODULES};
-    use crate::ops::GpuContextOptions;
-    use crate::pool::{DevicePool, PoolConfig, PoolKind};
+    use crate::host::{HostDriver, HostLaunch};
+    use crate::ops::test_support::{host_fixture, Fixture};
 
     #[test]
     fn every_kernel_name_is_exported_by_the_module() {
@@ -1103,36 +1098,8 @@ mod tests {
         Ok(())
     }
 
-    struct Fixture {
-        ctx: GpuContext,
-        _dir: tempfile::TempDir,
-    }
-
     fn fixture() -> Fixture {
-        let dir = tempfile::tempdir().unwrap();
-        for spec in KERNEL_MODULES {
-            let path = dir.path().join("host").join(format!("{}.hsaco", spec.stem));
-            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-            std::fs::write(path, b"host code object").unwrap();
-        }
-        let driver = Arc::new(HostDriver::new(HostDriverConfig::default()));
-        register_twins(&driver);
-        let dyn_driver: Arc<dyn Driver> = driver.clone();
-        let pool = DevicePool::with_kind(
-            dyn_driver,
-            0,
-            PoolKind::Caching,
-            "test".to_string(),
-            PoolConfig::default(),
-        )
-        .unwrap();
-        let ctx = GpuContext::with_options(
-            Arc::new(pool),
-            Arc::new(KernelLibrary::new(dir.path().to_path_buf())),
-            &GpuContextOptions { disable_blas: true },
-        )
-        .unwrap();
-        Fixture { ctx, _dir: dir }
+        host_fixture(register_twins)
     }
 
     /// xorshift64*, for reproducible inputs.

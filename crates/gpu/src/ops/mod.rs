@@ -797,6 +797,54 @@ pub(crate) fn stride_launch(n: u32) -> LaunchConfig {
 mod tests;
 
 #[cfg(test)]
+pub(crate) mod test_support {
+    //! A context on the host driver for the ops' unit tests.
+
+    use std::sync::Arc;
+
+    use super::{GpuContext, GpuContextOptions};
+    use crate::driver::Driver;
+    use crate::host::{HostDriver, HostDriverConfig};
+    use crate::kernels::{KernelLibrary, KERNEL_MODULES};
+    use crate::pool::{DevicePool, PoolConfig, PoolKind};
+
+    /// A context and the directory holding its stand-in code objects.
+    pub(crate) struct Fixture {
+        pub(crate) ctx: GpuContext,
+        _dir: tempfile::TempDir,
+    }
+
+    /// A context on the host driver, with a code object file for every module (the host driver
+    /// "contains" every registered kernel) and the Rust twins `register` adds to the driver.
+    pub(crate) fn host_fixture(register: impl FnOnce(&HostDriver)) -> Fixture {
+        let dir = tempfile::tempdir().unwrap();
+        for spec in KERNEL_MODULES {
+            let path = dir.path().join("host").join(format!("{}.hsaco", spec.stem));
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(path, b"host code object").unwrap();
+        }
+        let driver = Arc::new(HostDriver::new(HostDriverConfig::default()));
+        register(&driver);
+        let dyn_driver: Arc<dyn Driver> = driver.clone();
+        let pool = DevicePool::with_kind(
+            dyn_driver,
+            0,
+            PoolKind::Caching,
+            "test".to_string(),
+            PoolConfig::default(),
+        )
+        .unwrap();
+        let ctx = GpuContext::with_options(
+            Arc::new(pool),
+            Arc::new(KernelLibrary::new(dir.path().to_path_buf())),
+            &GpuContextOptions { disable_blas: true },
+        )
+        .unwrap();
+        Fixture { ctx, _dir: dir }
+    }
+}
+
+#[cfg(test)]
 mod capture_tests {
     //! Graph capture through the context on the host driver: recorded ops run only when the
     //! graph is launched, and a synchronous call ends the capture instead of failing.

@@ -11,9 +11,9 @@ use std::path::Path;
 
 use half::f16;
 
+use super::test_support::{host_fixture, Fixture};
 use super::*;
 use crate::host::{HostDriver, HostDriverConfig, HostLaunch};
-use crate::kernels::KERNEL_MODULES;
 use crate::pool::{PoolConfig, PoolKind};
 
 #[test]
@@ -67,39 +67,10 @@ fn matrix_shapes_are_checked() {
     );
 }
 
-struct Fixture {
-    ctx: GpuContext,
-    _dir: tempfile::TempDir,
-}
-
 /// A context on the host driver, with a code object file for every module (the host driver
 /// "contains" every registered kernel) and Rust twins of the kernels registered.
 fn fixture() -> Fixture {
-    let dir = tempfile::tempdir().unwrap();
-    for spec in KERNEL_MODULES {
-        let path = dir.path().join("host").join(format!("{}.hsaco", spec.stem));
-        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-        std::fs::write(path, b"host code object").unwrap();
-    }
-    let driver = Arc::new(HostDriver::new(HostDriverConfig::default()));
-    register_twins(&driver);
-    let dyn_driver: Arc<dyn Driver> = driver.clone();
-    let pool = DevicePool::with_kind(
-        dyn_driver,
-        0,
-        PoolKind::Caching,
-        "test".to_string(),
-        PoolConfig::default(),
-    )
-    .unwrap();
-    let kernels = Arc::new(KernelLibrary::new(dir.path().to_path_buf()));
-    let ctx = GpuContext::with_options(
-        Arc::new(pool),
-        kernels,
-        &GpuContextOptions { disable_blas: true },
-    )
-    .unwrap();
-    Fixture { ctx, _dir: dir }
+    host_fixture(register_twins)
 }
 
 fn read_i32(launch: &HostLaunch<'_>, ptr: DevicePtr, n: usize) -> Result<Vec<i32>, String> {
