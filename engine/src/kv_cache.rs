@@ -14,13 +14,11 @@ use std::collections::BTreeMap;
 
 use crate::backend::{Backend, OpFailure};
 use crate::batch::{Batch, SeqId};
+pub use crate::ops::AttentionPlan;
 
 /// Default tokens per block. 32 keeps block tables short and a block's K rows of one head in one
 /// contiguous run long enough for the dot-product loops.
 pub const DEFAULT_BLOCK_SIZE: usize = 32;
-
-/// Source of [`AttentionPlan::id`].
-static NEXT_PLAN_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 /// Why a batch could not be placed in the cache.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -58,38 +56,6 @@ pub enum KvError {
         seq_ids: usize,
         want_logits: usize,
     },
-}
-
-/// Where every token of a batch goes and what it attends to, derived from the block tables. It is
-/// plain host data so any backend can read (or upload) it.
-#[derive(Debug, Clone, Default)]
-pub struct AttentionPlan {
-    /// Unique per [`KvCache::plan`] call in the process (0: never planned), so a device backend
-    /// can tell whether the arrays it uploaded for a forward pass belong to this plan.
-    pub id: u64,
-    /// Token slots per block.
-    pub block_size: usize,
-    /// For each batch token, its slot: `block_id * block_size + offset`.
-    pub slots: Vec<u32>,
-    /// For each batch token, its position (it attends to positions `0..=position`).
-    pub positions: Vec<u32>,
-    /// For each batch token, the index of its sequence's table in `tables`.
-    pub table_of_token: Vec<u32>,
-    /// Block tables of the sequences in the batch.
-    pub tables: Vec<Vec<u32>>,
-}
-
-impl AttentionPlan {
-    /// The slot holding position `pos` of the sequence whose table is `table`.
-    #[inline]
-    pub fn slot(&self, table: &[u32], pos: usize) -> usize {
-        table[pos / self.block_size] as usize * self.block_size + pos % self.block_size
-    }
-
-    /// Number of tokens in the planned batch.
-    pub fn n_tokens(&self) -> usize {
-        self.slots.len()
-    }
 }
 
 #[derive(Debug, Clone, Default)]
@@ -318,7 +284,7 @@ impl<B: Backend> KvCache<B> {
             }
         }
 
-        plan.id = NEXT_PLAN_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        plan.id = AttentionPlan::next_id();
         plan.block_size = self.block_size;
         plan.slots.clear();
         plan.positions.clear();

@@ -29,8 +29,8 @@ use std::sync::Arc;
 use ember_gguf::{Gguf, TensorInfo};
 
 use crate::batch::Batch;
-use crate::kv_cache::AttentionPlan;
-use crate::model::FfnActivation;
+pub use crate::ops::{RopeMode, RopeParams};
+use crate::ops::{AttentionPlan, FfnActivation};
 
 /// An error raised by a backend while placing weights or allocating memory.
 #[derive(Debug, thiserror::Error)]
@@ -70,28 +70,6 @@ pub struct OpFailure {
     /// Whether the op failed for lack of device memory (out of memory or over the VRAM budget),
     /// which a caller may answer by retrying with less work at once.
     pub out_of_memory: bool,
-}
-
-/// How rotary position embedding pairs up the elements of a head.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RopeMode {
-    /// GGML's "normal" mode (Llama): pairs are adjacent elements `(2i, 2i + 1)`.
-    Normal,
-    /// GGML's NeoX mode (Qwen, Gemma): pairs are `(i, i + n_dims / 2)`.
-    Neox,
-}
-
-/// The frequencies of one rotary embedding, as GGML's `rope_ext` takes them.
-#[derive(Debug, Clone, PartialEq)]
-pub struct RopeParams<'a> {
-    /// How many leading elements of each head are rotated (even, at most the head size).
-    pub n_dims: usize,
-    /// Base of the geometric frequency sequence.
-    pub freq_base: f32,
-    /// Linear position scaling (1 / rope scaling factor).
-    pub freq_scale: f32,
-    /// Per-pair frequency divisors (Llama 3's `rope_freqs.weight`), `n_dims / 2` values.
-    pub freq_factors: Option<&'a [f32]>,
 }
 
 /// Compute primitives over device-resident buffers.

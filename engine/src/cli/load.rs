@@ -204,7 +204,7 @@ pub fn load_on(spec: &str, threads: usize, device: &DeviceArgs) -> anyhow::Resul
         } => {
             let numerics = device.numerics()?;
             if numerics == Numerics::Reference {
-                if let Some(error) = gpu::numerics::reference_unsupported(&hparams) {
+                if let Some(error) = gpu::numerics::reference_unsupported(hparams.head_dim_k, hparams.final_logit_softcap) {
                     return Err(anyhow::Error::new(error)
                         .context(format!("cannot load {} on a GPU", path.display())));
                 }

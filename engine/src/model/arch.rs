@@ -5,7 +5,8 @@
 //! embedding pairs elements, which optional tensors exist, which activation the FFN uses, and so
 //! on. Adding an architecture means adding a variant and answering those questions.
 
-use crate::backend::RopeMode;
+pub use crate::ops::FfnActivation;
+use crate::ops::RopeMode;
 
 /// A supported model architecture.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -18,15 +19,6 @@ pub enum Architecture {
     Qwen3,
     /// Gemma 3: sliding-window layers, GeGLU, QK-norm, pre and post norms, scaled embeddings.
     Gemma3,
-}
-
-/// The activation of the feed-forward network's gate.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FfnActivation {
-    /// `silu(gate) * up`.
-    SwiGlu,
-    /// `gelu_tanh(gate) * up`.
-    GeGlu,
 }
 
 impl Architecture {

@@ -25,7 +25,7 @@ use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
 use super::{vec, CpuKvLayer};
-use crate::kv_cache::AttentionPlan;
+use crate::ops::AttentionPlan;
 
 /// Most query tokens of one sequence served by one pass over the cache.
 const QUERY_TILE: usize = 32;

@@ -18,7 +18,7 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::{Backend, BackendError, RopeMode, RopeParams};
-use crate::kv_cache::AttentionPlan;
+use crate::ops::AttentionPlan;
 
 /// Rows per rayon task for the cheap row-wise ops; below this a single thread does the work.
 const ROWS_PER_TASK: usize = 8;

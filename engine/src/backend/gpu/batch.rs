@@ -6,7 +6,7 @@ use ember_gpu::ops::{GpuContext, OpsError};
 use ember_gpu::{DevicePtr, PoolBuffer, Purpose};
 
 use crate::batch::Batch;
-use crate::kv_cache::AttentionPlan;
+use crate::ops::AttentionPlan;
 
 /// One of the packed arrays.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -49,8 +49,7 @@ use ember_gpu::{DevicePool, DevicePtr, PoolBuffer, Purpose};
 
 use super::{Backend, BackendError, OpFailure, RopeMode, RopeParams};
 use crate::batch::Batch;
-use crate::kv_cache::AttentionPlan;
-use crate::model::FfnActivation;
+use crate::ops::{AttentionPlan, FfnActivation};
 use batch::BatchArrays;
 use graph::Graphs;
 pub use graph::{GraphStats, GRAPHS_ENV, GRAPH_MAX_TOKENS};

@@ -22,7 +22,6 @@
 use std::fmt;
 use std::str::FromStr;
 
-use crate::model::HParams;
 
 /// Environment variable choosing the numerics mode when no `--numerics` flag does: `fast` or
 /// `reference`.
@@ -140,16 +139,19 @@ pub fn reference_threads_from_value(value: Option<&str>) -> Result<usize, Numeri
     }
 }
 
-/// Why the reference mode cannot run a model of these hyperparameters, if it cannot.
-pub fn reference_unsupported(hparams: &HParams) -> Option<NumericsError> {
-    if let Some(cap) = hparams.final_logit_softcap {
+/// Why the reference mode cannot run a model whose attention heads have `head_dim` values and
+/// whose logits are soft-capped at `final_logit_softcap` (if they are), if it cannot.
+pub fn reference_unsupported(
+    head_dim: usize,
+    final_logit_softcap: Option<f32>,
+) -> Option<NumericsError> {
+    if let Some(cap) = final_logit_softcap {
         return Some(NumericsError::Unsupported {
             reason: format!(
                 "the model soft-caps its logits (final_logit_softcapping = {cap}), and the CPU's tanhf (glibc) has no bit-exact device kernel"
             ),
         });
     }
-    let head_dim = hparams.head_dim_k;
     if head_dim > ember_gpu::ops::EXACT_MAX_HEAD_DIM {
         return Some(NumericsError::Unsupported {
             reason: format!(
@@ -216,38 +218,16 @@ mod tests {
         }
     }
 
-    /// Hyperparameters of a small Llama, with the given head size and soft-capping.
-    fn hparams(head_dim: u32, softcap: Option<f32>) -> HParams {
-        use ember_gguf::{Metadata, Value};
-        let mut md = Metadata::new();
-        let n_head = 4u32;
-        for (key, value) in [
-            ("llama.context_length", Value::U32(4096)),
-            ("llama.embedding_length", Value::U32(n_head * head_dim)),
-            ("llama.block_count", Value::U32(2)),
-            ("llama.attention.head_count", Value::U32(n_head)),
-            ("llama.feed_forward_length", Value::U32(1024)),
-            ("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
-        ] {
-            md.insert(key, value).unwrap();
-        }
-        if let Some(cap) = softcap {
-            md.insert("llama.final_logit_softcapping", Value::F32(cap))
-                .unwrap();
-        }
-        HParams::from_metadata(crate::model::Architecture::Llama, &md).unwrap()
-    }
-
     #[test]
     fn reference_numerics_refuse_what_has_no_exact_kernel() {
-        assert_eq!(reference_unsupported(&hparams(64, None)), None);
-        assert_eq!(reference_unsupported(&hparams(256, None)), None);
-        let error = reference_unsupported(&hparams(64, Some(30.0))).expect("refused");
+        assert_eq!(reference_unsupported(64, None), None);
+        assert_eq!(reference_unsupported(256, None), None);
+        let error = reference_unsupported(64, Some(30.0)).expect("refused");
         assert_eq!(
             error.to_string(),
             "reference numerics cannot run this model: the model soft-caps its logits (final_logit_softcapping = 30), and the CPU's tanhf (glibc) has no bit-exact device kernel; use --numerics fast, or --device cpu for the reference results"
         );
-        let error = reference_unsupported(&hparams(512, None)).expect("refused");
+        let error = reference_unsupported(512, None).expect("refused");
         assert!(
             error
                 .to_string()
