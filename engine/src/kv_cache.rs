@@ -9,8 +9,19 @@
 //!
 //! The cache keeps the bookkeeping (which block belongs to whom) on the host; the K/V memory
 //! itself lives in the backend ([`Backend::KvLayer`]), one per layer, indexed by block id.
+//!
+//! **Prefix cache** (vLLM's automatic prefix caching, in the same spirit): a full block is named
+//! by its content, a hash chained over every token from the start of the sequence up to the
+//! block's end ([`KvCache::register_full_blocks`]). Blocks are reference-counted, so several
+//! sequences can share the blocks of a common prefix ([`KvCache::attach_prefix`]). When no
+//! sequence uses a named block any more it is kept, evictable, in least-recently-used order;
+//! allocation takes plain free blocks first and evicts the oldest cached ones only when those run
+//! out, and [`KvCache::evict_cached`] drops them all (before an idle trim gives memory back). A
+//! full block is never written again while shared: sequences only append, and a block is named
+//! only once it is full.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::hash::{Hash, Hasher};
 
 use crate::backend::{Backend, OpFailure};
 use crate::batch::{Batch, SeqId};
@@ -62,6 +73,10 @@ pub enum KvError {
 struct Sequence {
     blocks: Vec<u32>,
     len: usize,
+    /// Leading blocks already named in the prefix cache (or found unnameable), and the chained
+    /// hash of the last of them.
+    named: usize,
+    chain: u64,
 }
 
 /// Counts of the block pool, for tests, metrics and `ember info`.
@@ -69,10 +84,32 @@ struct Sequence {
 pub struct PoolStats {
     /// Blocks the pool may hand out in all.
     pub capacity: usize,
-    /// Blocks owned by sequences.
+    /// Blocks owned by sequences (a block shared by several counts once).
     pub used: usize,
-    /// Blocks that have memory (used ones and free ones kept for reuse).
+    /// Blocks that have memory (used ones, cached ones and free ones kept for reuse).
     pub resident: usize,
+    /// Blocks kept only by the prefix cache: no sequence uses them, and they are evicted first
+    /// when blocks run out.
+    pub cached: usize,
+}
+
+/// A block's name in the prefix cache: the chained hash, and what it was computed from, so that a
+/// hash collision can never hand out the wrong block.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct BlockName {
+    hash: u64,
+    parent: u64,
+    tokens: Box<[u32]>,
+}
+
+/// The chained hash of a block of `tokens` following a prefix whose hash is `parent` (0 for the
+/// first block). `DefaultHasher::new()` has fixed keys, so names are stable within the process.
+fn chain_hash(parent: u64, tokens: &[u32]) -> u64 {
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    parent.hash(&mut hasher);
+    tokens.hash(&mut hasher);
+    // 0 is reserved for "no parent".
+    hasher.finish().max(1)
 }
 
 /// The paged KV cache of one model instance.
@@ -86,6 +123,17 @@ pub struct KvCache<B: Backend> {
     seqs: BTreeMap<SeqId, Sequence>,
     capacity: usize,
     scratch_new_blocks: Vec<u32>,
+    /// Sequences using each block.
+    refs: Vec<u32>,
+    /// The prefix-cache name of each block, if it has one.
+    names: Vec<Option<BlockName>>,
+    /// Named blocks by hash.
+    by_hash: HashMap<u64, u32>,
+    /// Named blocks no sequence uses, by the tick of their last use (oldest first).
+    lru: BTreeMap<u64, u32>,
+    /// The tick under which each block sits in `lru`.
+    lru_tick: Vec<u64>,
+    tick: u64,
 }
 
 impl<B: Backend> KvCache<B> {
@@ -115,6 +163,12 @@ impl<B: Backend> KvCache<B> {
             seqs: BTreeMap::new(),
             capacity: capacity_blocks,
             scratch_new_blocks: Vec::new(),
+            refs: vec![0; capacity_blocks],
+            names: vec![None; capacity_blocks],
+            by_hash: HashMap::new(),
+            lru: BTreeMap::new(),
+            lru_tick: vec![0; capacity_blocks],
+            tick: 0,
         }
     }
 
@@ -142,8 +196,150 @@ impl<B: Backend> KvCache<B> {
     pub fn stats(&self) -> PoolStats {
         PoolStats {
             capacity: self.capacity,
-            used: self.capacity - self.free.len(),
+            used: self.capacity - self.free.len() - self.lru.len(),
             resident: self.resident.iter().filter(|&&r| r).count(),
+            cached: self.lru.len(),
+        }
+    }
+
+    /// Blocks a batch can still get: free ones plus cached ones that would be evicted.
+    pub fn available_blocks(&self) -> usize {
+        self.free.len() + self.lru.len()
+    }
+
+    /// Blocks `seq_id` needs beyond those it holds to grow to `new_len` tokens.
+    pub fn blocks_needed(&self, seq_id: SeqId, new_len: usize) -> usize {
+        let have = self.seqs.get(&seq_id).map_or(0, |s| s.blocks.len());
+        new_len.div_ceil(self.block_size).saturating_sub(have)
+    }
+
+    /// Sequences in the cache.
+    pub fn n_sequences(&self) -> usize {
+        self.seqs.len()
+    }
+
+    /// The cached blocks holding the longest run of whole blocks at the start of `tokens`, in
+    /// order (empty when the first block is not cached). Changes nothing; pass the result to
+    /// [`KvCache::attach_prefix`].
+    pub fn lookup_prefix(&self, tokens: &[u32]) -> Vec<u32> {
+        let mut found = Vec::new();
+        let mut parent = 0;
+        for chunk in tokens.chunks_exact(self.block_size) {
+            let hash = chain_hash(parent, chunk);
+            let Some(&block) = self.by_hash.get(&hash) else {
+                break;
+            };
+            let name = self.names[block as usize].as_ref();
+            if !name.is_some_and(|n| n.parent == parent && *n.tokens == *chunk) {
+                break;
+            }
+            found.push(block);
+            parent = hash;
+        }
+        found
+    }
+
+    /// Starts sequence `seq_id` (which must not exist) on the shared blocks `blocks` found by
+    /// [`KvCache::lookup_prefix`]: it holds `blocks.len() * block_size` tokens without computing
+    /// them.
+    pub fn attach_prefix(&mut self, seq_id: SeqId, blocks: &[u32]) {
+        debug_assert!(!self.seqs.contains_key(&seq_id), "sequence {seq_id} exists");
+        let mut chain = 0;
+        for &block in blocks {
+            let b = block as usize;
+            if self.refs[b] == 0 {
+                self.lru.remove(&self.lru_tick[b]);
+            }
+            self.refs[b] += 1;
+            chain = self.names[b].as_ref().map_or(0, |n| n.hash);
+        }
+        if blocks.is_empty() {
+            return;
+        }
+        self.seqs.insert(
+            seq_id,
+            Sequence {
+                blocks: blocks.to_vec(),
+                len: blocks.len() * self.block_size,
+                named: blocks.len(),
+                chain,
+            },
+        );
+    }
+
+    /// Names the full blocks of `seq_id` that are not named yet, given the sequence's tokens
+    /// (at least its cached length), so later sequences starting with the same tokens can share
+    /// them. A block whose content is already cached under another block stays unnamed.
+    pub fn register_full_blocks(&mut self, seq_id: SeqId, tokens: &[u32]) {
+        let block_size = self.block_size;
+        let Some(seq) = self.seqs.get_mut(&seq_id) else {
+            return;
+        };
+        let full = seq.len.min(tokens.len()) / block_size;
+        while seq.named < full {
+            let i = seq.named;
+            let chunk = &tokens[i * block_size..(i + 1) * block_size];
+            let hash = chain_hash(seq.chain, chunk);
+            let block = seq.blocks[i];
+            if self.names[block as usize].is_none() && !self.by_hash.contains_key(&hash) {
+                self.names[block as usize] = Some(BlockName {
+                    hash,
+                    parent: seq.chain,
+                    tokens: chunk.into(),
+                });
+                self.by_hash.insert(hash, block);
+            }
+            seq.chain = hash;
+            seq.named += 1;
+        }
+    }
+
+    /// Drops every cached block no sequence uses (their memory stays until [`KvCache::trim`]).
+    /// Returns how many were dropped.
+    pub fn evict_cached(&mut self) -> usize {
+        let n = self.lru.len();
+        while let Some((_, block)) = self.lru.pop_first() {
+            self.unname(block);
+            self.free.push(block);
+        }
+        n
+    }
+
+    fn unname(&mut self, block: u32) {
+        if let Some(name) = self.names[block as usize].take() {
+            self.by_hash.remove(&name.hash);
+        }
+    }
+
+    /// Takes a block for a sequence: a plain free block, else the least recently used cached
+    /// one (losing its name). The caller has checked that one exists.
+    fn take_block(&mut self) -> u32 {
+        let block = match self.free.pop() {
+            Some(block) => block,
+            None => {
+                let (_, block) = self.lru.pop_first().expect("available blocks were counted");
+                self.unname(block);
+                block
+            }
+        };
+        self.refs[block as usize] = 1;
+        block
+    }
+
+    /// Lets go of one sequence's hold on `block`: with no holder left, a named block goes to the
+    /// cache, any other to the free list.
+    fn release_block(&mut self, block: u32) {
+        let b = block as usize;
+        self.refs[b] = self.refs[b].saturating_sub(1);
+        if self.refs[b] > 0 {
+            return;
+        }
+        if self.names[b].is_some() {
+            self.tick += 1;
+            self.lru_tick[b] = self.tick;
+            self.lru.insert(self.tick, block);
+        } else {
+            self.free.push(block);
         }
     }
 
@@ -165,8 +361,10 @@ impl<B: Backend> KvCache<B> {
     /// Ends a sequence: its blocks go back to the pool (keeping their memory for reuse).
     pub fn free_sequence(&mut self, seq_id: SeqId) {
         if let Some(seq) = self.seqs.remove(&seq_id) {
-            // Pushed in reverse so the sequence's first blocks are the next ones handed out.
-            self.free.extend(seq.blocks.iter().rev());
+            // Released in reverse so the sequence's first blocks are the next ones handed out.
+            for &block in seq.blocks.iter().rev() {
+                self.release_block(block);
+            }
         }
     }
 
@@ -248,10 +446,10 @@ impl<B: Backend> KvCache<B> {
                 new_len.div_ceil(self.block_size).saturating_sub(have)
             })
             .sum();
-        if needed > self.free.len() {
+        if needed > self.available_blocks() {
             return Err(KvError::OutOfBlocks {
                 needed,
-                free: self.free.len(),
+                free: self.available_blocks(),
                 total: self.capacity,
             });
         }
@@ -263,11 +461,24 @@ impl<B: Backend> KvCache<B> {
             .keys()
             .map(|&seq_id| (seq_id, self.seqs.get(&seq_id).map(|s| s.blocks.len())))
             .collect();
+        let mut evicted_names: Vec<(u32, BlockName)> = Vec::new();
         for (&seq_id, &new_len) in &next_pos {
-            let seq = self.seqs.entry(seq_id).or_default();
-            while seq.blocks.len() * self.block_size < new_len {
-                let block = self.free.pop().expect("free blocks were counted above");
-                seq.blocks.push(block);
+            let have = self.seqs.get(&seq_id).map_or(0, |s| s.blocks.len());
+            for _ in have..new_len.div_ceil(self.block_size) {
+                // Keep what eviction takes, so a failed allocation can put it back.
+                let from_cache = self.free.is_empty();
+                let name_before = if from_cache {
+                    self.lru
+                        .first_key_value()
+                        .and_then(|(_, &b)| self.names[b as usize].clone().map(|n| (b, n)))
+                } else {
+                    None
+                };
+                let block = self.take_block();
+                if let Some(entry) = name_before {
+                    evicted_names.push(entry);
+                }
+                self.seqs.entry(seq_id).or_default().blocks.push(block);
                 if !self.resident[block as usize] {
                     self.resident[block as usize] = true;
                     self.scratch_new_blocks.push(block);
@@ -279,7 +490,7 @@ impl<B: Backend> KvCache<B> {
                 backend.kv_materialize(layer, &self.scratch_new_blocks);
             }
             if let Some(failure) = backend.take_failure() {
-                self.undo_allocation(backend, &before);
+                self.undo_allocation(backend, &before, evicted_names);
                 return Err(KvError::Memory(failure));
             }
         }
@@ -314,7 +525,12 @@ impl<B: Backend> KvCache<B> {
     /// Undoes the second pass of [`KvCache::plan`]: the blocks just handed to the sequences go
     /// back to the free list (in the order they came from), those just given memory lose it again,
     /// and sequences that did not exist before are removed.
-    fn undo_allocation(&mut self, backend: &B, before: &[(SeqId, Option<usize>)]) {
+    fn undo_allocation(
+        &mut self,
+        backend: &B,
+        before: &[(SeqId, Option<usize>)],
+        evicted_names: Vec<(u32, BlockName)>,
+    ) {
         for layer in &mut self.layers {
             backend.kv_release(layer, &self.scratch_new_blocks);
         }
@@ -322,13 +538,28 @@ impl<B: Backend> KvCache<B> {
             self.resident[block as usize] = false;
         }
         // Sequences were extended in ascending id order, popping from the end of the free list;
-        // pushing their new blocks back in the reverse order restores the list exactly.
+        // pushing their new blocks back in the reverse order restores the list exactly. Blocks
+        // taken from the prefix cache go back to it under their names (a block that lost its
+        // memory above was free, never cached, so cached blocks keep their contents).
+        let evicted: HashMap<u32, BlockName> = evicted_names.into_iter().collect();
         for &(seq_id, old_blocks) in before.iter().rev() {
             let Some(seq) = self.seqs.get_mut(&seq_id) else {
                 continue;
             };
             let added: Vec<u32> = seq.blocks.drain(old_blocks.unwrap_or(0)..).collect();
-            self.free.extend(added.iter().rev());
+            for &block in added.iter().rev() {
+                self.refs[block as usize] = 0;
+                match evicted.get(&block) {
+                    Some(name) => {
+                        self.by_hash.insert(name.hash, block);
+                        self.names[block as usize] = Some(name.clone());
+                        self.tick += 1;
+                        self.lru_tick[block as usize] = self.tick;
+                        self.lru.insert(self.tick, block);
+                    }
+                    None => self.free.push(block),
+                }
+            }
             if old_blocks.is_none() {
                 self.seqs.remove(&seq_id);
             }
@@ -357,7 +588,133 @@ impl<B: Backend> KvCache<B> {
             seq.len = len;
             let keep = len.div_ceil(block_size);
             let released: Vec<u32> = seq.blocks.drain(keep..).collect();
-            self.free.extend(released.iter().rev());
+            // Whole blocks past `len` keep their names and contents; a named block cut in the
+            // middle will be rewritten, so it loses its name (it is never shared: only the
+            // scheduler shares blocks, and it never truncates).
+            seq.named = seq.named.min(len / block_size);
+            let partial = (len % block_size != 0).then(|| seq.blocks[keep - 1]);
+            for &block in released.iter().rev() {
+                self.release_block(block);
+            }
+            if let Some(block) = partial {
+                self.unname(block);
+            }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::CpuBackend;
+
+    const BLOCK: usize = 4;
+
+    fn cache(backend: &CpuBackend, blocks: usize) -> KvCache<CpuBackend> {
+        KvCache::new(backend, &[(1, 8)], BLOCK, 64, blocks)
+    }
+
+    /// Feeds `tokens` to `seq_id` (continuing it) and names its full blocks.
+    fn feed(kv: &mut KvCache<CpuBackend>, backend: &CpuBackend, seq_id: SeqId, tokens: &[u32]) {
+        let start = kv.seq_len(seq_id);
+        let batch = Batch::for_sequence(seq_id, start as u32, &tokens[start..], false);
+        let mut plan = AttentionPlan::default();
+        kv.plan(backend, &batch, &mut plan).expect("fits");
+        kv.register_full_blocks(seq_id, tokens);
+    }
+
+    #[test]
+    fn a_shared_prefix_is_found_attached_and_kept_until_evicted() {
+        let backend = CpuBackend::new(1).expect("thread pool");
+        let mut kv = cache(&backend, 8);
+        let prompt: Vec<u32> = (0..10).collect();
+        feed(&mut kv, &backend, 0, &prompt);
+        // 10 tokens: two full blocks are named, the third is partial.
+        assert_eq!(kv.lookup_prefix(&prompt), kv.block_table(0)[..2].to_vec());
+        let shared = kv.lookup_prefix(&prompt[..9]);
+        assert_eq!(shared.len(), 2);
+        kv.attach_prefix(1, &shared);
+        assert_eq!(kv.seq_len(1), 8);
+        assert_eq!(kv.stats().used, 3, "two shared blocks and one private block");
+        // A different continuation after the shared blocks goes to new blocks.
+        let mut other = prompt[..8].to_vec();
+        other.extend([100, 101]);
+        feed(&mut kv, &backend, 1, &other);
+        assert_eq!(kv.block_table(1)[..2], kv.block_table(0)[..2]);
+        assert_ne!(kv.block_table(1)[2], kv.block_table(0)[2]);
+        assert_eq!(kv.stats().used, 4);
+
+        kv.free_sequence(0);
+        kv.free_sequence(1);
+        let stats = kv.stats();
+        assert_eq!(stats.used, 0);
+        assert_eq!(stats.cached, 2, "the two named blocks stay cached");
+        assert_eq!(kv.available_blocks(), 8);
+        assert_eq!(kv.lookup_prefix(&prompt).len(), 2);
+        assert_eq!(kv.evict_cached(), 2);
+        assert!(kv.lookup_prefix(&prompt).is_empty());
+        assert_eq!(kv.stats().cached, 0);
+    }
+
+    #[test]
+    fn a_prefix_that_differs_in_any_earlier_block_is_not_shared() {
+        let backend = CpuBackend::new(1).expect("thread pool");
+        let mut kv = cache(&backend, 8);
+        let prompt: Vec<u32> = (0..8).collect();
+        feed(&mut kv, &backend, 0, &prompt);
+        let mut changed = prompt.clone();
+        changed[0] = 99;
+        // The second block's tokens are equal, but its chain includes the first block.
+        assert!(kv.lookup_prefix(&changed).is_empty());
+        let mut tail_changed = prompt.clone();
+        tail_changed[5] = 99;
+        assert_eq!(kv.lookup_prefix(&tail_changed).len(), 1);
+    }
+
+    #[test]
+    fn cached_blocks_are_evicted_oldest_first_when_blocks_run_out() {
+        let backend = CpuBackend::new(1).expect("thread pool");
+        let mut kv = cache(&backend, 4);
+        let a: Vec<u32> = (0..4).collect();
+        let b: Vec<u32> = (10..14).collect();
+        feed(&mut kv, &backend, 0, &a);
+        kv.free_sequence(0);
+        feed(&mut kv, &backend, 1, &b);
+        kv.free_sequence(1);
+        assert_eq!(kv.stats().cached, 2);
+        // Four blocks needed, two free: the two cached ones are evicted, `a`'s (older) first.
+        let c: Vec<u32> = (20..34).collect();
+        feed(&mut kv, &backend, 2, &c[..12]);
+        assert_eq!(kv.stats().cached, 1);
+        assert!(kv.lookup_prefix(&a).is_empty());
+        assert_eq!(kv.lookup_prefix(&b).len(), 1);
+        let batch = Batch::for_sequence(2, 12, &c[12..14], false);
+        let mut plan = AttentionPlan::default();
+        kv.plan(&backend, &batch, &mut plan).expect("the last cached block is taken");
+        assert_eq!(kv.stats().cached, 0);
+        assert!(kv.lookup_prefix(&b).is_empty());
+        let batch = Batch::for_sequence(3, 0, &[1], false);
+        assert!(matches!(
+            kv.plan(&backend, &batch, &mut plan),
+            Err(KvError::OutOfBlocks { .. })
+        ));
+    }
+
+    #[test]
+    fn a_shared_block_is_freed_only_when_its_last_sequence_ends() {
+        let backend = CpuBackend::new(1).expect("thread pool");
+        let mut kv = cache(&backend, 4);
+        let prompt: Vec<u32> = (0..5).collect();
+        feed(&mut kv, &backend, 0, &prompt);
+        let shared = kv.lookup_prefix(&prompt[..4]);
+        kv.attach_prefix(1, &shared);
+        kv.free_sequence(0);
+        assert_eq!(kv.stats().used, 1, "sequence 1 still holds the shared block");
+        assert_eq!(kv.stats().cached, 0);
+        kv.free_sequence(1);
+        assert_eq!(kv.stats().cached, 1);
+        kv.evict_cached();
+        kv.trim(&backend, 0);
+        assert_eq!(kv.stats().resident, 0);
     }
 }

@@ -88,6 +88,12 @@ impl<B: Backend> Context<B> {
         &self.kv
     }
 
+    /// The KV cache, for the scheduler's prefix-cache bookkeeping (sharing blocks, naming them,
+    /// evicting them).
+    pub fn kv_mut(&mut self) -> &mut KvCache<B> {
+        &mut self.kv
+    }
+
     /// Tokens cached for a sequence.
     pub fn seq_len(&self, seq_id: SeqId) -> usize {
         self.kv.seq_len(seq_id)
