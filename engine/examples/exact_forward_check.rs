@@ -26,7 +26,7 @@ use ember::backend::cpu::CpuBackend;
 use ember::backend::gpu::{self, Numerics, OpenOptions};
 use ember::backend::{Backend, BackendError, OpFailure, RopeMode, RopeParams};
 use ember::batch::Batch;
-use ember::cli::device::DeviceSpec;
+use ember::device::DeviceSpec;
 use ember::kv_cache::AttentionPlan;
 use ember::model::{architecture_of, ContextParams, FfnActivation, HParams, Model};
 use ember_gguf::{Gguf, TensorInfo};

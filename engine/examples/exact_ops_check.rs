@@ -25,7 +25,7 @@ use ember::backend::cpu::CpuBackend;
 use ember::backend::gpu::{self, GpuBackend, Numerics, OpenOptions};
 use ember::backend::{Backend, RopeMode, RopeParams};
 use ember::batch::Batch;
-use ember::cli::device::DeviceSpec;
+use ember::device::DeviceSpec;
 use ember::kv_cache::{AttentionPlan, KvCache, DEFAULT_BLOCK_SIZE};
 use ember_gguf::{GgmlType, Gguf, GgufWriter};
 use half::f16;

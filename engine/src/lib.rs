@@ -9,14 +9,21 @@
 //! - [`batch`]: a batch of tokens from several sequences.
 //! - [`sample`]: turning logits into tokens.
 //! - [`generate`]: prompt evaluation and generation loops shared by the CLI and tests.
-//! - [`cli`]: the `ember` command line.
+//! - [`device`]: device choices (`cpu`, `cuda:N`, `hip:N`, GPU layers) and where a model goes.
+//! - [`load`]: resolving, opening and placing a model, reporting progress as events.
+//! - [`chat`]: chat templates and conversations rendered into prompt token ids.
+//!
+//! The `ember` command line (the binary's `cli` module) only parses flags and prints.
 
 pub mod backend;
 pub mod batch;
 pub mod build_manifest;
-pub mod cli;
+pub mod chat;
+pub mod device;
+pub mod engine;
 pub mod generate;
 pub mod kv_cache;
+pub mod load;
 pub mod model;
 pub mod models;
 pub mod ops;

@@ -1,8 +1,11 @@
-//! The `ember` command line; everything lives in the library's `cli` module.
+//! The `ember` command line: flags and terminal output in [`cli`], everything else in the
+//! `ember` library.
+
+mod cli;
 
 fn main() -> std::process::ExitCode {
     restore_default_sigpipe();
-    ember::cli::main()
+    cli::main()
 }
 
 /// Rust ignores SIGPIPE, so writing to a closed pipe (`ember info | head`) makes `println!` panic.

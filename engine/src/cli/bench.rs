@@ -9,12 +9,15 @@ use std::time::Instant;
 use anyhow::Context as _;
 use clap::{Args, ValueEnum};
 
+use ember::backend::Backend;
+use ember::batch::Batch;
+use ember::load::Loaded;
+use ember::model::ContextParams;
+use ember::sample::Pcg32;
+use ember::with_loaded;
+
 use super::device::DeviceArgs;
-use super::load::{self, with_loaded, Loaded};
-use crate::backend::Backend;
-use crate::batch::Batch;
-use crate::model::ContextParams;
-use crate::sample::Pcg32;
+use super::load;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum BenchFormat {
@@ -93,7 +96,7 @@ fn stats(samples: &[f64]) -> (f64, f64, f64) {
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let threads = if args.threads == 0 {
-        crate::backend::cpu::physical_cores()
+        ember::backend::cpu::physical_cores()
     } else {
         args.threads
     };
@@ -126,7 +129,7 @@ fn bench_on<B: Backend>(
     let run_pp = |n: usize, rng: &mut Pcg32, ctx: &mut _| -> anyhow::Result<f64> {
         let tokens: Vec<u32> = (0..n).map(|_| rng.next_u32() % n_vocab).collect();
         let batch = Batch::for_sequence(0, 0, &tokens, false);
-        crate::model::Context::clear(ctx);
+        ember::model::Context::clear(ctx);
         let start = Instant::now();
         model
             .forward(ctx, &batch)
@@ -193,7 +196,7 @@ fn bench_on<B: Backend>(
         }
     }
     drop(ctx);
-    loaded.finish();
+    load::finish(loaded);
     Ok(())
 }
 

@@ -1,149 +1,16 @@
 //! The device flags shared by every model-running subcommand (`run`, `bench`, `perplexity`,
-//! `stress`), so they parse and decide the same way: `--device`, `-ngl/--gpu-layers`,
-//! `--vram-budget`, `--memory-report`, `--allow-host-weights`, `--rocm-path`, `--kernels-dir`,
-//! `--numerics`.
+//! `stress`), so they parse the same way: `--device`, `-ngl/--gpu-layers`, `--vram-budget`,
+//! `--memory-report`, `--allow-host-weights`, `--rocm-path`, `--kernels-dir`, `--numerics`.
+//! What the values mean, and the placement rule, live in the library's [`ember::device`].
 //!
 //! clap has no multi-letter short flags, so llama.cpp's `-ngl N` is rewritten to
 //! `--gpu-layers N` before parsing ([`rewrite_ngl`]).
 
-use std::fmt;
 use std::path::PathBuf;
-use std::str::FromStr;
 
 use clap::Args;
-
-use crate::backend::gpu::{GpuKind, Numerics, NumericsError};
-
-/// Where to run, as `--device` names it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DeviceSpec {
-    /// The first GPU with kernels in this build, else the CPU.
-    Auto,
-    Cpu,
-    Gpu(GpuKind, usize),
-}
-
-impl fmt::Display for DeviceSpec {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            DeviceSpec::Auto => f.write_str("auto"),
-            DeviceSpec::Cpu => f.write_str("cpu"),
-            DeviceSpec::Gpu(kind, ordinal) => write!(f, "{kind}:{ordinal}"),
-        }
-    }
-}
-
-/// A flag value that could not be parsed; the message says what was expected.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{flag}: expected {expected}, found {found:?}")]
-pub struct FlagError {
-    pub flag: &'static str,
-    pub expected: &'static str,
-    pub found: String,
-}
-
-impl FromStr for DeviceSpec {
-    type Err = FlagError;
-
-    fn from_str(text: &str) -> Result<DeviceSpec, FlagError> {
-        let error = || FlagError {
-            flag: "--device",
-            expected: "auto, cpu, cuda:N or hip:N (N a device number such as 0)",
-            found: text.to_string(),
-        };
-        let lower = text.trim().to_ascii_lowercase();
-        match lower.as_str() {
-            "auto" => return Ok(DeviceSpec::Auto),
-            "cpu" => return Ok(DeviceSpec::Cpu),
-            _ => {}
-        }
-        let (kind, ordinal) = match lower.split_once(':') {
-            Some((kind, ordinal)) => (kind, Some(ordinal)),
-            None => (lower.as_str(), None),
-        };
-        let kind = match kind {
-            "cuda" => GpuKind::Cuda,
-            "hip" | "rocm" => GpuKind::Hip,
-            _ => return Err(error()),
-        };
-        let ordinal = match ordinal {
-            // `cuda` alone means the first device, as `cuda:0`.
-            None => 0,
-            Some(digits) if !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) => {
-                digits.parse().map_err(|_| error())?
-            }
-            Some(_) => return Err(error()),
-        };
-        Ok(DeviceSpec::Gpu(kind, ordinal))
-    }
-}
-
-/// `-ngl/--gpu-layers`: how many layers go on the GPU.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GpuLayers {
-    All,
-    Count(usize),
-}
-
-impl FromStr for GpuLayers {
-    type Err = FlagError;
-
-    fn from_str(text: &str) -> Result<GpuLayers, FlagError> {
-        let trimmed = text.trim();
-        if trimmed.eq_ignore_ascii_case("all") {
-            return Ok(GpuLayers::All);
-        }
-        // llama.cpp's -1 ("as many as fit") and its usual 99/999 both mean "all" here.
-        if trimmed == "-1" {
-            return Ok(GpuLayers::All);
-        }
-        trimmed
-            .parse::<usize>()
-            .map(GpuLayers::Count)
-            .map_err(|_| FlagError {
-                flag: "--gpu-layers",
-                expected: "a layer count (0 keeps the model on the CPU) or `all`",
-                found: text.to_string(),
-            })
-    }
-}
-
-/// Parses a memory size: a byte count, or a number with a unit (`8GiB`, `8G`, `512MiB`,
-/// `1.5GB`). K/M/G/T and KiB/MiB/GiB/TiB are binary; KB/MB/GB/TB are decimal.
-pub fn parse_size(text: &str) -> Result<u64, FlagError> {
-    let error = || FlagError {
-        flag: "--vram-budget",
-        expected: "a size such as 8GiB, 512MiB, 24G or a byte count",
-        found: text.to_string(),
-    };
-    let trimmed = text.trim();
-    let split = trimmed
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(trimmed.len());
-    let (number, unit) = trimmed.split_at(split);
-    let unit = unit.trim();
-    let multiplier: f64 = match unit.to_ascii_lowercase().as_str() {
-        "" | "b" => 1.0,
-        "k" | "kib" => 1024.0,
-        "m" | "mib" => 1024.0 * 1024.0,
-        "g" | "gib" => 1024.0 * 1024.0 * 1024.0,
-        "t" | "tib" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
-        "kb" => 1e3,
-        "mb" => 1e6,
-        "gb" => 1e9,
-        "tb" => 1e12,
-        _ => return Err(error()),
-    };
-    if number.is_empty() || number.matches('.').count() > 1 {
-        return Err(error());
-    }
-    let value: f64 = number.parse().map_err(|_| error())?;
-    let bytes = value * multiplier;
-    if !bytes.is_finite() || bytes < 1.0 || bytes >= u64::MAX as f64 {
-        return Err(error());
-    }
-    Ok(bytes.round() as u64)
-}
+use ember::backend::gpu::Numerics;
+use ember::device::{parse_size, DeviceOptions, DeviceSpec, GpuLayers};
 
 /// The device flags (flattened into each model-running subcommand).
 #[derive(Debug, Clone, Args)]
@@ -198,71 +65,25 @@ impl Default for DeviceArgs {
     }
 }
 
-/// Where the model goes, once the flags and the model's layer count are known.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Placement {
-    Cpu,
-    /// On a GPU: the given one, or the first usable one (falling back to the CPU when there is
-    /// none, with the reason printed).
-    Gpu {
-        device: Option<(GpuKind, usize)>,
-        fall_back_to_cpu: bool,
-    },
-}
-
-/// Flags that contradict each other or ask for something not supported.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum PlacementError {
-    #[error("-ngl {layers} puts layers on a GPU, but --device cpu keeps everything on the CPU: drop -ngl or choose --device auto, cuda:N or hip:N")]
-    LayersOnCpu { layers: usize },
-    #[error("-ngl 0 keeps every layer on the CPU, but --device {device} asks for a GPU: drop -ngl 0 or use --device cpu")]
-    NoLayersOnGpu { device: DeviceSpec },
-    #[error("-ngl {layers}: partial offload ({layers} of {n_layer} layers on the GPU) is not supported yet: use -ngl all (or -ngl {n_layer} or more) to run everything on the GPU, or -ngl 0 for the CPU")]
-    Partial { layers: usize, n_layer: usize },
-}
-
 impl DeviceArgs {
-    /// The numerics mode a GPU runs in: `--numerics`, else `EMBER_GPU_NUMERICS`, else fast.
-    pub fn numerics(&self) -> Result<Numerics, NumericsError> {
-        Numerics::resolve(self.numerics)
-    }
-
-    /// Decides where a model of `n_layer` layers runs. See the `-ngl` rules on [`DeviceArgs`].
-    pub fn placement(&self, n_layer: usize) -> Result<Placement, PlacementError> {
-        let all = match self.gpu_layers {
-            None | Some(GpuLayers::All) => None,
-            Some(GpuLayers::Count(n)) if n >= n_layer => None,
-            Some(GpuLayers::Count(n)) => Some(n),
-        };
-        match (self.device, all) {
-            (DeviceSpec::Cpu, None) if self.gpu_layers.is_none() => Ok(Placement::Cpu),
-            (DeviceSpec::Cpu, Some(0)) => Ok(Placement::Cpu),
-            (DeviceSpec::Cpu, _) => Err(PlacementError::LayersOnCpu {
-                layers: match self.gpu_layers {
-                    Some(GpuLayers::Count(n)) => n,
-                    _ => n_layer,
-                },
-            }),
-            (DeviceSpec::Auto, Some(0)) => Ok(Placement::Cpu),
-            (DeviceSpec::Gpu(..), Some(0)) => Err(PlacementError::NoLayersOnGpu {
-                device: self.device,
-            }),
-            (_, Some(layers)) => Err(PlacementError::Partial { layers, n_layer }),
-            (DeviceSpec::Auto, None) => Ok(Placement::Gpu {
-                device: None,
-                // An explicit -ngl asks for the GPU: no silent CPU fallback then.
-                fall_back_to_cpu: self.gpu_layers.is_none(),
-            }),
-            (DeviceSpec::Gpu(kind, ordinal), None) => Ok(Placement::Gpu {
-                device: Some((kind, ordinal)),
-                fall_back_to_cpu: false,
-            }),
+    /// The flags as the library's plain device options.
+    pub fn options(&self) -> DeviceOptions {
+        DeviceOptions {
+            device: self.device,
+            gpu_layers: self.gpu_layers,
+            vram_budget: self.vram_budget,
+            memory_report: self.memory_report,
+            allow_host_weights: self.allow_host_weights,
+            rocm_path: self.rocm_path.clone(),
+            kernels_dir: self.kernels_dir.clone(),
+            numerics: self.numerics,
         }
     }
 }
 
-/// Rewrites llama.cpp's `-ngl N` / `-ngl=N` into `--gpu-layers N` / `--gpu-layers=N` (clap has
-/// no multi-letter short flags). Arguments after `--` are left alone.
+/// Rewrites llama.cpp's `-ngl N` / `-ngl=N` into `--gpu-layers N` / `--gpu-layers=N`, and
+/// llama-server's `-np N` into `--parallel N` (clap has no multi-letter short flags). Arguments
+/// after `--` are left alone.
 pub fn rewrite_ngl(args: impl IntoIterator<Item = std::ffi::OsString>) -> Vec<std::ffi::OsString> {
     let mut out = Vec::new();
     let mut passthrough = false;
@@ -280,6 +101,11 @@ pub fn rewrite_ngl(args: impl IntoIterator<Item = std::ffi::OsString>) -> Vec<st
             Some(text) if text.starts_with("-ngl=") => {
                 out.push(format!("--gpu-layers={}", &text["-ngl=".len()..]).into())
             }
+            // llama-server's `-np N` (parallel sequences) for `ember serve`.
+            Some("-np") => out.push("--parallel".into()),
+            Some(text) if text.starts_with("-np=") => {
+                out.push(format!("--parallel={}", &text["-np=".len()..]).into())
+            }
             _ => out.push(arg),
         }
     }
@@ -289,130 +115,6 @@ pub fn rewrite_ngl(args: impl IntoIterator<Item = std::ffi::OsString>) -> Vec<st
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn device(text: &str) -> Result<DeviceSpec, String> {
-        text.parse::<DeviceSpec>().map_err(|e| e.to_string())
-    }
-
-    #[test]
-    fn device_strings() {
-        assert_eq!(device("auto"), Ok(DeviceSpec::Auto));
-        assert_eq!(device("CPU"), Ok(DeviceSpec::Cpu));
-        assert_eq!(device("cuda:0"), Ok(DeviceSpec::Gpu(GpuKind::Cuda, 0)));
-        assert_eq!(device("cuda"), Ok(DeviceSpec::Gpu(GpuKind::Cuda, 0)));
-        assert_eq!(device("hip:3"), Ok(DeviceSpec::Gpu(GpuKind::Hip, 3)));
-        assert_eq!(device("rocm:1"), Ok(DeviceSpec::Gpu(GpuKind::Hip, 1)));
-        for bad in [
-            "gpu", "cuda:", "cuda:x", "cuda:-1", "hip:1:2", "", "vulkan:0",
-        ] {
-            let error = device(bad).unwrap_err();
-            assert_eq!(
-                error,
-                format!("--device: expected auto, cpu, cuda:N or hip:N (N a device number such as 0), found {bad:?}")
-            );
-        }
-        assert_eq!(DeviceSpec::Gpu(GpuKind::Hip, 2).to_string(), "hip:2");
-    }
-
-    #[test]
-    fn sizes() {
-        let cases: &[(&str, u64)] = &[
-            ("8GiB", 8 << 30),
-            ("8G", 8 << 30),
-            ("8 gib", 8 << 30),
-            ("512MiB", 512 << 20),
-            ("1.5GiB", 3 << 29),
-            ("2GB", 2_000_000_000),
-            ("4096", 4096),
-            ("64k", 64 << 10),
-            ("1TiB", 1 << 40),
-        ];
-        for &(text, bytes) in cases {
-            assert_eq!(parse_size(text), Ok(bytes), "{text}");
-        }
-        for bad in ["", "GiB", "8XB", "-1G", "1.2.3G", "0", "0.1"] {
-            let error = parse_size(bad).unwrap_err().to_string();
-            assert!(
-                error.starts_with("--vram-budget: expected a size such as 8GiB"),
-                "{bad}: {error}"
-            );
-        }
-    }
-
-    #[test]
-    fn gpu_layer_values() {
-        assert_eq!("all".parse(), Ok(GpuLayers::All));
-        assert_eq!("-1".parse(), Ok(GpuLayers::All));
-        assert_eq!("99".parse(), Ok(GpuLayers::Count(99)));
-        assert_eq!("0".parse(), Ok(GpuLayers::Count(0)));
-        let error = "some".parse::<GpuLayers>().unwrap_err().to_string();
-        assert_eq!(error, "--gpu-layers: expected a layer count (0 keeps the model on the CPU) or `all`, found \"some\"");
-    }
-
-    fn placement(device: DeviceSpec, layers: Option<GpuLayers>) -> Result<Placement, String> {
-        let args = DeviceArgs {
-            device,
-            gpu_layers: layers,
-            ..DeviceArgs::default()
-        };
-        args.placement(32).map_err(|e| e.to_string())
-    }
-
-    #[test]
-    fn ngl_rules() {
-        use GpuLayers::{All, Count};
-        let cuda0 = DeviceSpec::Gpu(GpuKind::Cuda, 0);
-        let gpu = |device, fall_back_to_cpu| {
-            Ok(Placement::Gpu {
-                device,
-                fall_back_to_cpu,
-            })
-        };
-        assert_eq!(placement(DeviceSpec::Auto, None), gpu(None, true));
-        assert_eq!(placement(DeviceSpec::Auto, Some(All)), gpu(None, false));
-        assert_eq!(
-            placement(DeviceSpec::Auto, Some(Count(99))),
-            gpu(None, false)
-        );
-        assert_eq!(
-            placement(DeviceSpec::Auto, Some(Count(32))),
-            gpu(None, false)
-        );
-        assert_eq!(
-            placement(DeviceSpec::Auto, Some(Count(0))),
-            Ok(Placement::Cpu)
-        );
-        assert_eq!(placement(DeviceSpec::Cpu, None), Ok(Placement::Cpu));
-        assert_eq!(
-            placement(DeviceSpec::Cpu, Some(Count(0))),
-            Ok(Placement::Cpu)
-        );
-        assert_eq!(placement(cuda0, None), gpu(Some((GpuKind::Cuda, 0)), false));
-        assert_eq!(
-            placement(cuda0, Some(Count(99))),
-            gpu(Some((GpuKind::Cuda, 0)), false)
-        );
-        assert_eq!(
-            placement(DeviceSpec::Auto, Some(Count(16))),
-            Err("-ngl 16: partial offload (16 of 32 layers on the GPU) is not supported yet: use -ngl all (or -ngl 32 or more) to run everything on the GPU, or -ngl 0 for the CPU".into())
-        );
-        assert_eq!(
-            placement(cuda0, Some(Count(31))),
-            Err("-ngl 31: partial offload (31 of 32 layers on the GPU) is not supported yet: use -ngl all (or -ngl 32 or more) to run everything on the GPU, or -ngl 0 for the CPU".into())
-        );
-        assert_eq!(
-            placement(DeviceSpec::Cpu, Some(Count(99))),
-            Err("-ngl 99 puts layers on a GPU, but --device cpu keeps everything on the CPU: drop -ngl or choose --device auto, cuda:N or hip:N".into())
-        );
-        assert_eq!(
-            placement(DeviceSpec::Cpu, Some(All)),
-            Err("-ngl 32 puts layers on a GPU, but --device cpu keeps everything on the CPU: drop -ngl or choose --device auto, cuda:N or hip:N".into())
-        );
-        assert_eq!(
-            placement(cuda0, Some(Count(0))),
-            Err("-ngl 0 keeps every layer on the CPU, but --device cuda:0 asks for a GPU: drop -ngl 0 or use --device cpu".into())
-        );
-    }
 
     #[test]
     fn numerics_flag_is_on_every_model_running_command() {
@@ -451,7 +153,53 @@ mod tests {
             numerics: Some(Numerics::Reference),
             ..DeviceArgs::default()
         };
-        assert_eq!(args.numerics(), Ok(Numerics::Reference), "the flag wins");
+        assert_eq!(
+            args.options().numerics(),
+            Ok(Numerics::Reference),
+            "the flag wins"
+        );
+    }
+
+    #[test]
+    fn every_flag_reaches_the_device_options() {
+        use clap::Parser;
+        use ember::backend::gpu::GpuKind;
+        #[derive(Debug, Parser)]
+        struct Flags {
+            #[command(flatten)]
+            device: DeviceArgs,
+        }
+        let flags = Flags::try_parse_from([
+            "ember",
+            "--device",
+            "hip:1",
+            "--gpu-layers",
+            "all",
+            "--vram-budget",
+            "2GiB",
+            "--memory-report",
+            "--allow-host-weights",
+            "--rocm-path",
+            "rocm",
+            "--kernels-dir",
+            "kernels",
+            "--numerics",
+            "reference",
+        ])
+        .unwrap();
+        assert_eq!(
+            flags.device.options(),
+            DeviceOptions {
+                device: DeviceSpec::Gpu(GpuKind::Hip, 1),
+                gpu_layers: Some(GpuLayers::All),
+                vram_budget: Some(2 << 30),
+                memory_report: true,
+                allow_host_weights: true,
+                rocm_path: Some(PathBuf::from("rocm")),
+                kernels_dir: Some(PathBuf::from("kernels")),
+                numerics: Some(Numerics::Reference),
+            }
+        );
     }
 
     #[test]

@@ -5,8 +5,7 @@
 use std::path::PathBuf;
 
 use clap::Args;
-
-use crate::backend::cpu::physical_cores;
+use ember::backend::cpu::physical_cores;
 use ember_gpu::devices::{list, ListOptions};
 use ember_gpu::pool::PoolSelectOptions;
 
@@ -35,7 +34,7 @@ pub fn run(args: DevicesArgs) -> anyhow::Result<()> {
     );
     // The build's VMM gate is the run-time default; a development build has no gate and lets the
     // probe decide.
-    let vmm = crate::build_manifest::feature("vmm");
+    let vmm = ember::build_manifest::feature("vmm");
     let vmm_gate = vmm.is_none_or(|f| f.enabled);
     let vmm_reason = vmm.and_then(|f| f.reason.clone());
     let options = ListOptions {

@@ -5,9 +5,11 @@ use std::collections::BTreeMap;
 
 use clap::Args;
 
+use ember::backend::cpu::physical_cores;
+use ember::load::open_gguf;
+use ember::model::{architecture_of, HParams, DEFAULT_N_CTX};
+
 use super::load;
-use crate::backend::cpu::physical_cores;
-use crate::model::{architecture_of, HParams, DEFAULT_N_CTX};
 
 #[derive(Debug, Args)]
 pub struct InfoArgs {
@@ -44,7 +46,7 @@ pub fn scratch_bytes(hp: &HParams, n_vocab: usize, n: usize) -> usize {
 
 pub fn run(args: InfoArgs) -> anyhow::Result<()> {
     println!("ember {}", env!("CARGO_PKG_VERSION"));
-    println!("{}", crate::build_manifest::render_text().trim_end());
+    println!("{}", ember::build_manifest::render_text().trim_end());
     println!(
         "cpu: {} SIMD, {} physical cores",
         ember_quant::simd::detected(),
@@ -54,7 +56,7 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
         return Ok(());
     };
     let path = load::resolve_model(&spec)?;
-    let gguf = load::open_gguf(&path)?;
+    let gguf = open_gguf(&path)?;
     let arch = architecture_of(&gguf)?;
     let hp = HParams::from_metadata(arch, gguf.metadata())?;
     let n_vocab = gguf

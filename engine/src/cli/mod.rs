@@ -3,7 +3,7 @@
 //! next.
 
 mod bench;
-pub mod device;
+mod device;
 mod devices;
 mod info;
 mod load;
@@ -94,10 +94,12 @@ fn init_logging() {
 
 /// What to do next for the errors users hit most.
 fn hint_for(e: &anyhow::Error) -> Option<String> {
-    use crate::generate::PerplexityError;
-    use crate::kv_cache::KvError;
-    use crate::model::{ForwardError, ModelError};
-    use crate::models::PullError;
+    use ember::backend::gpu::GpuOpenError;
+    use ember::device::PlacementError;
+    use ember::generate::PerplexityError;
+    use ember::kv_cache::KvError;
+    use ember::model::{ForwardError, ModelError};
+    use ember::models::PullError;
     for cause in e.chain() {
         if let Some(p) = cause.downcast_ref::<PullError>() {
             return Some(match p {
@@ -130,8 +132,7 @@ fn hint_for(e: &anyhow::Error) -> Option<String> {
                 return Some("the device ran out of memory or of its --vram-budget: use a smaller batch (-b), a shorter context (-c), or a larger --vram-budget".into());
             }
         }
-        if let Some(g) = cause.downcast_ref::<crate::backend::gpu::GpuOpenError>() {
-            use crate::backend::gpu::GpuOpenError;
+        if let Some(g) = cause.downcast_ref::<GpuOpenError>() {
             return Some(match g {
                 GpuOpenError::NoKernels { .. } => "run `ember devices` to see the architectures this build has kernels for; --device cpu runs without a GPU".into(),
                 GpuOpenError::Runtime { .. } => "install the GPU runtime (ROCm for hip, the NVIDIA driver for cuda), pass --rocm-path, or run with --device cpu".into(),
@@ -139,7 +140,7 @@ fn hint_for(e: &anyhow::Error) -> Option<String> {
                 _ => "run `ember devices` to see the GPUs found, or run with --device cpu".into(),
             });
         }
-        if cause.downcast_ref::<device::PlacementError>().is_some() {
+        if cause.downcast_ref::<PlacementError>().is_some() {
             return Some("-ngl 0 runs on the CPU; -ngl all (or any count at least the model's layer count) runs on the GPU".into());
         }
         if let Some(PerplexityError::TooShort { .. }) = cause.downcast_ref::<PerplexityError>() {

@@ -1,5 +1,5 @@
 //! `ember perplexity`: perplexity of a model on a text file, by llama-perplexity's protocol
-//! (see [`crate::generate::perplexity`]), printed the way it prints it.
+//! (see [`ember::generate::perplexity`]), printed the way it prints it.
 
 use std::io::Write;
 use std::time::Instant;
@@ -7,11 +7,14 @@ use std::time::Instant;
 use anyhow::Context as _;
 use clap::Args;
 
+use ember::backend::Backend;
+use ember::generate;
+use ember::load::Loaded;
+use ember::model::ContextParams;
+use ember::with_loaded;
+
 use super::device::DeviceArgs;
-use super::load::{self, with_loaded, Loaded};
-use crate::backend::Backend;
-use crate::generate;
-use crate::model::ContextParams;
+use super::load;
 
 #[derive(Debug, Args)]
 pub struct PerplexityArgs {
@@ -94,6 +97,6 @@ fn perplexity_on<B: Backend>(
         start.elapsed().as_secs_f64()
     );
     drop(ctx);
-    loaded.finish();
+    load::finish(loaded);
     Ok(())
 }

@@ -1,10 +1,10 @@
-//! `ember pull`: fetch pinned models into the cache (see [`crate::models`]).
+//! `ember pull`: fetch pinned models into the cache (see [`ember::models`]).
 
 use anyhow::bail;
 use clap::Args;
+use ember::models;
 
 use super::load::BarProgress;
-use crate::models;
 
 #[derive(Debug, Args)]
 pub struct PullArgs {

@@ -1,18 +1,21 @@
 //! `ember run`: generate from a prompt, streaming text (or one JSON object at the end).
 
 use std::io::Write;
+use std::path::Path;
 use std::time::Instant;
 
-use anyhow::{bail, Context as _};
+use anyhow::bail;
 use clap::{Args, ValueEnum};
-use ember_tokenizer::{ChatMessage, ChatTemplate, Tokenizer};
+use ember::chat::{self, ChatError};
+use ember::engine::{Engine, EngineConfig, Event, FinishReason, GenerateRequest};
+use ember::model::DEFAULT_N_CTX;
+use ember::sample::SamplerParams;
+use ember::with_loaded;
+use ember_gguf::Gguf;
+use ember_tokenizer::{ChatMessage, Tokenizer};
 
 use super::device::DeviceArgs;
-use super::load::{self, with_loaded, Loaded};
-use crate::backend::Backend;
-use crate::generate::{self, StopReason};
-use crate::model::{ContextParams, DEFAULT_N_CTX};
-use crate::sample::{Sampler, SamplerParams};
+use super::load;
 
 /// Output format of `ember run`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -94,154 +97,160 @@ pub struct RunArgs {
     pub device: DeviceArgs,
 }
 
-/// The prompt's token ids as `run` evaluates them: through the chat template when asked, then
-/// tokenized with special tokens added and parsed (as llama.cpp does).
-pub fn prompt_ids(
+/// The prompt's token ids as `run` evaluates them: as one user message through the chat
+/// template when asked (`--chat` or `--chat-template-file`), else as plain text; tokenized with
+/// special tokens added and parsed (as llama.cpp does).
+fn prompt_ids(
     tokenizer: &Tokenizer,
-    gguf: &ember_gguf::Gguf,
+    gguf: &Gguf,
     prompt: &str,
     chat: bool,
-    template_file: Option<&std::path::Path>,
-) -> anyhow::Result<Vec<u32>> {
-    let text = if chat || template_file.is_some() {
-        let template = match template_file {
-            Some(path) => {
-                let source = std::fs::read_to_string(path)
-                    .with_context(|| format!("cannot read chat template {}", path.display()))?;
-                ChatTemplate::from_source(&source)
-                    .with_context(|| format!("bad chat template {}", path.display()))?
-            }
-            None => {
-                match ChatTemplate::from_gguf(gguf).context("bad chat template in the model")? {
-                    Some(t) => t,
-                    None => match ChatTemplate::builtin_for(tokenizer) {
-                        Some(t) => t,
-                        None => bail!(
-                            "the model has no chat template: pass one with --chat-template-file"
-                        ),
-                    },
-                }
-            }
-        };
-        let token_text = |id: Option<u32>| {
-            id.and_then(|t| tokenizer.token_text(t))
-                .unwrap_or("")
-                .to_string()
-        };
-        let bos = token_text(tokenizer.bos());
-        let eos = token_text(tokenizer.eos());
-        let rendered = template
-            .render(&[ChatMessage::new("user", prompt)], true, &bos, &eos)
-            .context("cannot render the chat template")?;
-        // Templates often write the BOS text themselves; tokenizing with add_special would then
-        // give two BOS tokens, so the template's copy is dropped (llama.cpp does the same).
-        match rendered.strip_prefix(bos.as_str()) {
-            Some(rest) if tokenizer.add_bos() && !bos.is_empty() => rest.to_string(),
-            _ => rendered,
-        }
-    } else {
-        prompt.to_string()
-    };
-    Ok(tokenizer.encode(&text, true, true))
+    template_file: Option<&Path>,
+) -> Result<Vec<u32>, ChatError> {
+    if !chat && template_file.is_none() {
+        return Ok(chat::plain_prompt_ids(tokenizer, prompt));
+    }
+    let template = chat::resolve_template(gguf, tokenizer, template_file)?;
+    chat::prompt_ids(
+        tokenizer,
+        template.as_ref(),
+        &[ChatMessage::new("user", prompt)],
+    )
 }
 
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let loaded = load::load_on(&args.model, args.threads, &args.device)?;
-    with_loaded!(loaded, |loaded| run_on(&loaded, &args))
-}
-
-fn run_on<B: Backend>(loaded: &Loaded<B>, args: &RunArgs) -> anyhow::Result<()> {
-    let model = &loaded.model;
-    let tokenizer = &loaded.tokenizer;
-    let prompt = match (&args.prompt_ids, &args.prompt) {
-        (Some(ids), _) => {
-            let n_vocab = model.n_vocab();
-            if let Some(bad) = ids.iter().find(|&&id| id as usize >= n_vocab) {
-                bail!("--prompt-ids: token id {bad} is out of range: the vocabulary has {n_vocab} tokens");
+    // The prompt is read with the model's tokenizer and template before the model moves to the
+    // engine thread.
+    let (prompt, n_ctx_train, load_time, memory_pool) = with_loaded!(&loaded, |l| {
+        let model = &l.model;
+        let prompt = match (&args.prompt_ids, &args.prompt) {
+            (Some(ids), _) => {
+                let n_vocab = model.n_vocab();
+                if let Some(bad) = ids.iter().find(|&&id| id as usize >= n_vocab) {
+                    bail!("--prompt-ids: token id {bad} is out of range: the vocabulary has {n_vocab} tokens");
+                }
+                ids.clone()
             }
-            ids.clone()
-        }
-        (None, Some(text)) => prompt_ids(
-            tokenizer,
-            model.gguf(),
-            text,
-            args.chat,
-            args.chat_template_file.as_deref(),
-        )?,
-        (None, None) => bail!("expected a prompt: pass -p TEXT or --prompt-ids IDS"),
-    };
+            (None, Some(text)) => prompt_ids(
+                &l.tokenizer,
+                model.gguf(),
+                text,
+                args.chat,
+                args.chat_template_file.as_deref(),
+            )?,
+            (None, None) => bail!("expected a prompt: pass -p TEXT or --prompt-ids IDS"),
+        };
+        let memory_pool = l.memory_report.then(|| l.pool.clone()).flatten();
+        (prompt, model.hparams().n_ctx_train, l.load_time, memory_pool)
+    });
     if prompt.is_empty() {
         bail!("the prompt is empty after tokenization: expected at least one token");
     }
     let n_ctx = args
         .ctx_size
-        .unwrap_or_else(|| model.hparams().n_ctx_train.min(DEFAULT_N_CTX));
+        .unwrap_or_else(|| n_ctx_train.min(DEFAULT_N_CTX));
     if prompt.len() >= n_ctx {
         bail!("the prompt has {} tokens: expected fewer than the context of {n_ctx} (use -c to enlarge it)", prompt.len());
     }
-    let mut ctx = model.new_context(ContextParams::with_ctx(n_ctx));
+    // One sequence, read in batches of -b tokens: the same forward passes as before the engine
+    // existed, so greedy output is unchanged.
+    let engine = Engine::start(
+        loaded,
+        EngineConfig {
+            parallel: 1,
+            max_queue: 0,
+            n_ctx,
+            kv_capacity_tokens: n_ctx,
+            ubatch: args.batch_size.max(1),
+            prefix_cache: false,
+            ..EngineConfig::default()
+        },
+    )?;
+    let result = generate_on(&engine, &args, prompt, load_time);
+    engine.shutdown();
+    if let Some(pool) = memory_pool {
+        load::print_memory_report_after_idle(&pool);
+    }
+    result
+}
+
+fn generate_on(
+    engine: &Engine,
+    args: &RunArgs,
+    prompt: Vec<u32>,
+    load_time: std::time::Duration,
+) -> anyhow::Result<()> {
     let seed = args.seed.unwrap_or_else(|| {
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64)
     });
-    let mut sampler = Sampler::new(SamplerParams {
-        temperature: args.temp,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        min_p: args.min_p,
-        repeat_penalty: args.repeat_penalty,
-        frequency_penalty: args.frequency_penalty,
-        presence_penalty: args.presence_penalty,
-        penalty_last_n: args.repeat_last_n,
-        seed,
-    });
-
+    let streaming = args.format == Format::Text;
+    let request = GenerateRequest {
+        prompt: prompt.clone(),
+        max_tokens: Some(args.n_predict),
+        sampling: SamplerParams {
+            temperature: args.temp,
+            top_k: args.top_k,
+            top_p: args.top_p,
+            min_p: args.min_p,
+            repeat_penalty: args.repeat_penalty,
+            frequency_penalty: args.frequency_penalty,
+            presence_penalty: args.presence_penalty,
+            penalty_last_n: args.repeat_last_n,
+            seed,
+        },
+        stop: Vec::new(),
+        // The JSON output records the two most likely tokens of every step.
+        logprobs: (!streaming).then_some(2),
+        ignore_eos: false,
+        report_eog: true,
+    };
+    let start = Instant::now();
+    let mut stream = engine.submit(request)?;
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
-    let mut decoder = ember_tokenizer::StreamDecoder::new(tokenizer);
     let mut text = String::new();
-    let start = Instant::now();
-    let mut first_token_at = None;
-    let streaming = args.format == Format::Text;
+    let mut tokens: Vec<u32> = Vec::new();
     let mut tops: Vec<Vec<(u32, f64)>> = Vec::new();
-    let (tokens, stop) = generate::generate_observed(
-        model,
-        &mut ctx,
-        0,
-        &prompt,
-        args.n_predict,
-        args.batch_size,
-        &mut sampler,
-        |t| tokenizer.is_eog(t),
-        |logits| {
-            if !streaming {
-                tops.push(generate::top_log_probs(logits, 2));
-            }
-        },
-        |t| {
-            first_token_at.get_or_insert_with(Instant::now);
-            if tokenizer.is_eog(t) {
-                return true;
-            }
-            let piece = decoder.push(t);
-            text.push_str(&piece);
-            if streaming {
+    let mut first_token_at = None;
+    let mut closed = false;
+    let finish = loop {
+        let Some(event) = stream.blocking_recv() else {
+            bail!("the engine stopped before the request ended");
+        };
+        match event {
+            Event::Tokens {
+                text: piece,
+                tokens: generated,
+            } => {
+                first_token_at.get_or_insert_with(Instant::now);
+                for token in &generated {
+                    tokens.push(token.id);
+                    tops.push(token.top.iter().map(|t| (t.id, t.logprob)).collect());
+                }
+                text.push_str(&piece);
                 // A closed pipe (`ember run ... | head`) ends generation quietly.
-                return out
-                    .write_all(piece.as_bytes())
-                    .and_then(|_| out.flush())
-                    .is_ok();
+                if streaming
+                    && !closed
+                    && out
+                        .write_all(piece.as_bytes())
+                        .and_then(|_| out.flush())
+                        .is_err()
+                {
+                    closed = true;
+                    stream.cancel();
+                }
             }
-            true
-        },
-    )?;
-    let rest = decoder.finish();
-    text.push_str(&rest);
+            Event::Done { finish_reason, .. } => break finish_reason,
+            Event::Failed { message } => bail!("generation failed: {message}"),
+        }
+    };
     let end = Instant::now();
     match args.format {
         Format::Text => {
-            let _ = writeln!(out, "{rest}");
+            let _ = writeln!(out);
         }
         Format::Json => {
             let steps: Vec<serde_json::Value> = tokens
@@ -275,15 +284,14 @@ fn run_on<B: Backend>(loaded: &Loaded<B>, args: &RunArgs) -> anyhow::Result<()> 
         prompt.len() as f64 / prompt_s.max(1e-9),
         tokens.len(),
         n_gen_timed as f64 / gen_s.max(1e-9),
-        match stop {
-            StopReason::EndOfGeneration => "end of generation",
-            StopReason::Length => "length",
-            StopReason::ContextFull => "context full",
-            StopReason::Stopped => "output closed",
+        match finish {
+            _ if closed => "output closed",
+            FinishReason::Stop => "end of generation",
+            FinishReason::Length => "length",
+            FinishReason::ContextFull => "context full",
+            FinishReason::Cancelled => "cancelled",
         },
-        loaded.load_time.as_secs_f64(),
+        load_time.as_secs_f64(),
     );
-    drop(ctx);
-    loaded.finish();
     Ok(())
 }

@@ -4,6 +4,7 @@ use std::io::Write;
 
 use anyhow::Context as _;
 use clap::Args;
+use ember::load::open_gguf;
 use ember_tokenizer::Tokenizer;
 
 use super::load;
@@ -30,7 +31,7 @@ pub struct TokenizeArgs {
 pub fn run(args: TokenizeArgs) -> anyhow::Result<()> {
     // Only the tokenizer is needed: the weights are not loaded.
     let path = load::resolve_model(&args.model)?;
-    let gguf = load::open_gguf(&path)?;
+    let gguf = open_gguf(&path)?;
     let tokenizer = Tokenizer::from_gguf(&gguf)
         .with_context(|| format!("cannot load the tokenizer of {}", path.display()))?;
     let ids = tokenizer.encode(&args.prompt, !args.no_bos, args.parse_special);

@@ -23,6 +23,10 @@ pub struct GenerateRequest {
     pub logprobs: Option<usize>,
     /// Keep generating past end-of-generation tokens (they are then ordinary tokens).
     pub ignore_eos: bool,
+    /// Send the end-of-generation token that ends the request in a last `Tokens` event (with no
+    /// text), for callers that record every token the model chose (`ember run --format json`).
+    /// It is never counted in `Usage::completion_tokens`.
+    pub report_eog: bool,
 }
 
 /// Most alternatives per token that `logprobs` may ask for (OpenAI's limit).
@@ -38,6 +42,7 @@ impl GenerateRequest {
             stop: Vec::new(),
             logprobs: None,
             ignore_eos: false,
+            report_eog: false,
         }
     }
 }

@@ -51,6 +51,7 @@ struct Sequence {
     max_tokens: Option<usize>,
     logprobs: Option<usize>,
     ignore_eos: bool,
+    report_eog: bool,
     sampler: Sampler,
     filter: TextFilter,
     /// Prompt tokens taken from the prefix cache at the first admission.
@@ -180,6 +181,7 @@ impl Scheduler {
             max_tokens: request.max_tokens,
             logprobs: request.logprobs,
             ignore_eos: request.ignore_eos,
+            report_eog: request.report_eog,
             sampler,
             filter: TextFilter::new(&request.stop),
             cached_tokens: 0,
@@ -502,11 +504,6 @@ impl Scheduler {
             let token = seq.sampler.sample(row_logits);
             seq.sampler.accept(token);
             seq.first_token_at.get_or_insert(now);
-            if self.tokenizer.is_eog(token) && !seq.ignore_eos {
-                self.ended.push((member.index, FinishReason::Stop, None));
-                continue;
-            }
-            let bytes = self.tokenizer.token_to_piece(token, false);
             let generated = GeneratedToken {
                 id: token,
                 logprob: seq.logprobs.map(|_| log_prob(row_logits, token as usize)),
@@ -521,8 +518,18 @@ impl Scheduler {
                         .collect(),
                     _ => Vec::new(),
                 },
-                bytes,
+                bytes: self.tokenizer.token_to_piece(token, false),
             };
+            if self.tokenizer.is_eog(token) && !seq.ignore_eos {
+                if seq.report_eog {
+                    let _ = seq.events.send(Event::Tokens {
+                        text: String::new(),
+                        tokens: vec![generated],
+                    });
+                }
+                self.ended.push((member.index, FinishReason::Stop, None));
+                continue;
+            }
             seq.tokens.push(token);
             seq.n_generated += 1;
             self.totals.generated_tokens += 1;

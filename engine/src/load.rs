@@ -1,0 +1,787 @@
+//! Loading a model to run: resolve the model name (a GGUF path, or a pinned model fetched on first
+//! use), open the GGUF file, load the tokenizer, decide the device from [`DeviceOptions`] and the
+//! model's layer count, and place the weights there. On a GPU it also checks that the weights
+//! really are in VRAM, runs one warm-up forward pass so the first request does not pay for kernel
+//! and BLAS set-up, and trims the pool to its post-load floor.
+//!
+//! Nothing here writes to the terminal: what a user may want to see (download and tensor
+//! progress, the device chosen, the numerics mode, the placement verdict, the CPU fallback, the
+//! memory report) is reported as [`LoadEvent`]s, and each front end (the command line, the server)
+//! shows them its own way.
+
+// `LoadError` holds the GPU's `GpuOpenError` (144 bytes) by value: boxing it would hide it from
+// callers that walk the source chain and downcast (the CLI's hints), and a load error is made
+// once per load, far from any hot path, so its size costs nothing that matters.
+#![allow(clippy::result_large_err)]
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ember_gguf::{Gguf, GgufError};
+use ember_gpu::blas::BlasStatus;
+use ember_gpu::placement::{self, PlacementPolicy, PlacementVerdict};
+use ember_gpu::pool::TrimOutcome;
+use ember_gpu::{DeviceInfo, DevicePool, DriverError, MemoryReport, PoolError};
+use ember_tokenizer::{Tokenizer, TokenizerError};
+
+use crate::backend::cpu::CpuBackend;
+use crate::backend::gpu::{
+    self, GpuBackend, GpuOpenError, GpuSelection, Numerics, NumericsError, OpenOptions, Opened,
+};
+use crate::backend::Backend;
+use crate::batch::Batch;
+use crate::device::{DeviceOptions, Placement, PlacementError};
+use crate::model::{architecture_of, ContextParams, ForwardError, HParams, Model, ModelError};
+use crate::models::{self, PullError, PullProgress};
+
+/// How long [`Loaded::report_memory_after_idle`] waits for the pool to trim itself.
+const IDLE_REPORT_WAIT: Duration = Duration::from_secs(3);
+
+/// Prompt tokens of the warm-up pass: enough to take the prefill path (batched matrix products)
+/// rather than the decode path.
+const WARM_UP_TOKENS: usize = 16;
+
+/// A model ready to run.
+pub struct Loaded<B: Backend> {
+    pub model: Model<B>,
+    /// Shared, so that an engine can hand it to request threads while the model stays on its own.
+    pub tokenizer: Arc<Tokenizer>,
+    pub path: PathBuf,
+    /// From the start of resolving the model to the end of the warm-up.
+    pub load_time: Duration,
+    /// The device's memory pool, on a GPU.
+    pub pool: Option<Arc<DevicePool>>,
+    /// A memory report was asked for (and the model runs on a GPU, which has one to give).
+    pub memory_report: bool,
+}
+
+/// A model loaded on whichever backend the device options chose.
+pub enum AnyLoaded {
+    Cpu(Box<Loaded<CpuBackend>>),
+    Gpu(Box<Loaded<GpuBackend>>),
+}
+
+/// Runs the same generic code on whichever backend a model was loaded on:
+/// `with_loaded!(any_loaded, |loaded| body)`, where `body` sees `loaded` as a
+/// `Box<Loaded<B>>` for the backend in use.
+#[macro_export]
+macro_rules! with_loaded {
+    ($any:expr, |$loaded:ident| $body:expr) => {
+        match $any {
+            $crate::load::AnyLoaded::Cpu($loaded) => $body,
+            $crate::load::AnyLoaded::Gpu($loaded) => $body,
+        }
+    };
+}
+
+/// What to load, and where.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadOptions {
+    /// A GGUF path, or a pinned model name (fetched into the cache on first use).
+    pub model: String,
+    /// CPU worker threads (0: the physical core count). Only used when the model runs on the
+    /// CPU.
+    pub threads: usize,
+    pub device: DeviceOptions,
+}
+
+/// What happens during a load (and in the memory report after a run), in the order it happens,
+/// for a front end to show.
+#[derive(Debug)]
+pub enum LoadEvent<'a> {
+    /// A line about fetching a pinned model: which package, where from, verified.
+    PullMessage(&'a str),
+    /// Bytes of a pinned model's file written so far, out of `total`.
+    PullBytes { done: u64, total: u64 },
+    /// The model file is known (fetched first when it was a pinned model not yet cached): any
+    /// download progress is over.
+    Resolved { path: &'a Path },
+    /// Weight tensors placed so far: first with `done` 0 before any is placed, then after each.
+    Tensors {
+        file_name: &'a str,
+        done: usize,
+        total: usize,
+    },
+    /// The GPU could not be used and `--device auto` lets the model run on the CPU instead.
+    CpuFallback { reason: &'a GpuOpenError },
+    /// The GPU the model will run on: what it is, why its memory pool kind was chosen, and
+    /// whether BLAS was loaded.
+    DeviceOpened {
+        /// The device's name as `--device` writes it (`cuda:0`).
+        device: &'a str,
+        info: &'a DeviceInfo,
+        pool_reason: &'a str,
+        blas: &'a BlasStatus,
+    },
+    /// How the GPU rounds; in reference numerics, which CPU thread count it reproduces.
+    Numerics {
+        device: &'a str,
+        numerics: Numerics,
+        reference_threads: usize,
+    },
+    /// The weights were found in VRAM (the verdict may still carry warnings).
+    WeightsPlaced {
+        device: &'a str,
+        verdict: &'a PlacementVerdict,
+    },
+    /// Device memory by purpose: after load, or after idle at the end of a run.
+    MemoryReport(&'a MemoryReport),
+    /// A memory report was asked for, but the model runs on the CPU: there is no device memory.
+    NoDeviceMemory,
+    /// The pool could not trim itself while waiting for idle before the final memory report
+    /// (the report still follows).
+    IdleTrimFailed(&'a PoolError),
+}
+
+/// Why a model could not be loaded. The underlying error is always the `source`, so callers can
+/// walk the chain to find it.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("cannot load {spec}")]
+    Pull {
+        spec: String,
+        #[source]
+        source: PullError,
+    },
+    #[error("cannot load {}", path.display())]
+    Gguf {
+        path: PathBuf,
+        #[source]
+        source: GgufError,
+    },
+    #[error("cannot load the tokenizer of {}", path.display())]
+    Tokenizer {
+        path: PathBuf,
+        #[source]
+        source: TokenizerError,
+    },
+    #[error("cannot load {}", path.display())]
+    Model {
+        path: PathBuf,
+        #[source]
+        source: ModelError,
+    },
+    #[error("cannot load {}", path.display())]
+    Placement {
+        path: PathBuf,
+        #[source]
+        source: PlacementError,
+    },
+    #[error("cannot load {} on a GPU", path.display())]
+    Numerics {
+        path: PathBuf,
+        #[source]
+        source: NumericsError,
+    },
+    #[error("cannot load {} on a GPU", path.display())]
+    Gpu {
+        path: PathBuf,
+        #[source]
+        source: GpuOpenError,
+    },
+    #[error("cannot start the CPU thread pool")]
+    CpuThreads(#[source] rayon::ThreadPoolBuildError),
+    #[error("cannot load {} on {device}", path.display())]
+    Weights {
+        path: PathBuf,
+        device: String,
+        #[source]
+        source: ModelError,
+    },
+    #[error("cannot read the free memory of {device}")]
+    FreeMemory {
+        device: String,
+        #[source]
+        source: DriverError,
+    },
+    #[error("cannot check where the weights live on {device}")]
+    ObservePlacement {
+        device: String,
+        #[source]
+        source: DriverError,
+    },
+    #[error("cannot load {} on {device}", path.display())]
+    WeightsNotInVram {
+        path: PathBuf,
+        device: String,
+        #[source]
+        source: placement::PlacementError,
+    },
+    #[error("the first forward pass on {device} failed")]
+    WarmUp {
+        device: String,
+        #[source]
+        source: ForwardError,
+    },
+    #[error("cannot trim the memory pool of {device}")]
+    Trim {
+        device: String,
+        #[source]
+        source: PoolError,
+    },
+}
+
+impl<B: Backend> Loaded<B> {
+    /// The memory report of the device, if on a GPU.
+    pub fn memory_report_now(&self) -> Option<MemoryReport> {
+        self.pool
+            .as_ref()
+            .map(|pool| MemoryReport::from_pools(&[DevicePool::clone(pool)]))
+    }
+
+    /// When a memory report was asked for: waits (at most 3 s) for the pool to trim itself after
+    /// the work, then reports the memory (at load, at peak, after idle) as a
+    /// [`LoadEvent::MemoryReport`]. Call it once the run's contexts are dropped, so the report
+    /// shows what idling gives back.
+    pub fn report_memory_after_idle(&self, on_event: &mut dyn FnMut(LoadEvent<'_>)) {
+        if !self.memory_report {
+            return;
+        }
+        let Some(pool) = &self.pool else {
+            on_event(LoadEvent::NoDeviceMemory);
+            return;
+        };
+        report_pool_memory_after_idle(pool, on_event);
+    }
+}
+
+/// Waits (at most 3 s) for `pool` to trim itself after the work, then reports its memory (at
+/// load, at peak, after idle) as a [`LoadEvent::MemoryReport`].
+pub fn report_pool_memory_after_idle(
+    pool: &Arc<DevicePool>,
+    on_event: &mut dyn FnMut(LoadEvent<'_>),
+) {
+    if let Err(error) = wait_for_idle_trim(pool, IDLE_REPORT_WAIT) {
+        on_event(LoadEvent::IdleTrimFailed(&error));
+    }
+    let report = MemoryReport::from_pools(&[DevicePool::clone(pool)]);
+    on_event(LoadEvent::MemoryReport(&report));
+}
+
+/// Waits until the pool has trimmed itself after idling (the backend's trimmer does it), or
+/// `limit` passes.
+pub fn wait_for_idle_trim(pool: &DevicePool, limit: Duration) -> Result<(), PoolError> {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        let idle_after = pool.config().idle_after;
+        // `trim_if_idle` is idempotent: it trims once per idle period, whoever asks.
+        match pool.trim_if_idle(Instant::now())? {
+            TrimOutcome::NotIdle { remaining } => {
+                std::thread::sleep(remaining.min(idle_after).max(Duration::from_millis(10)))
+            }
+            _ => return Ok(()),
+        }
+    }
+    Ok(())
+}
+
+/// Forwards the progress of fetching a pinned model as load events.
+struct PullEvents<'a> {
+    on_event: &'a mut dyn FnMut(LoadEvent<'_>),
+}
+
+impl PullProgress for PullEvents<'_> {
+    fn message(&mut self, text: &str) {
+        (self.on_event)(LoadEvent::PullMessage(text));
+    }
+
+    fn bytes(&mut self, done: u64, total: u64) {
+        (self.on_event)(LoadEvent::PullBytes { done, total });
+    }
+}
+
+/// The file a model name stands for: a GGUF path as given, or a pinned model's cached file,
+/// fetched and verified first when it is not cached yet.
+pub fn resolve_model(
+    spec: &str,
+    on_event: &mut dyn FnMut(LoadEvent<'_>),
+) -> Result<PathBuf, LoadError> {
+    let path = models::resolve(
+        spec,
+        &mut PullEvents {
+            on_event: &mut *on_event,
+        },
+    )
+    .map_err(|source| LoadError::Pull {
+        spec: spec.to_string(),
+        source,
+    })?;
+    on_event(LoadEvent::Resolved { path: &path });
+    Ok(path)
+}
+
+/// Opens a GGUF file, with an error naming it.
+pub fn open_gguf(path: &Path) -> Result<Arc<Gguf>, LoadError> {
+    Gguf::open(path)
+        .map(Arc::new)
+        .map_err(|source| LoadError::Gguf {
+            path: path.to_owned(),
+            source,
+        })
+}
+
+/// Resolves, opens and loads a model and its tokenizer where the device options say: on the CPU
+/// with `options.threads` threads, or on a GPU.
+pub fn load(
+    options: &LoadOptions,
+    on_event: &mut dyn FnMut(LoadEvent<'_>),
+) -> Result<AnyLoaded, LoadError> {
+    let start = Instant::now();
+    let path = resolve_model(&options.model, on_event)?;
+    let gguf = open_gguf(&path)?;
+    let tokenizer = Tokenizer::from_gguf(&gguf).map_err(|source| LoadError::Tokenizer {
+        path: path.clone(),
+        source,
+    })?;
+    let model_error = |source| LoadError::Model {
+        path: path.clone(),
+        source,
+    };
+    let architecture = architecture_of(&gguf).map_err(model_error)?;
+    let hparams = HParams::from_metadata(architecture, gguf.metadata()).map_err(model_error)?;
+    let device = &options.device;
+    let placement = device
+        .placement(hparams.n_layer)
+        .map_err(|source| LoadError::Placement {
+            path: path.clone(),
+            source,
+        })?;
+    let gpu_device = match placement {
+        Placement::Cpu => None,
+        Placement::Gpu {
+            device: wanted,
+            fall_back_to_cpu,
+        } => select_gpu(&path, &hparams, device, wanted, fall_back_to_cpu, on_event)?,
+    };
+    let common = Common {
+        gguf,
+        tokenizer: Arc::new(tokenizer),
+        path,
+        start,
+    };
+    match gpu_device {
+        None => {
+            if device.memory_report {
+                on_event(LoadEvent::NoDeviceMemory);
+            }
+            let loaded = load_on_cpu(common, options.threads, on_event)?;
+            Ok(AnyLoaded::Cpu(Box::new(loaded)))
+        }
+        Some((selection, open_options)) => {
+            let loaded = load_on_gpu(common, selection, &open_options, device, on_event)?;
+            Ok(AnyLoaded::Gpu(Box::new(loaded)))
+        }
+    }
+}
+
+/// What a load has made before it knows the backend.
+struct Common {
+    gguf: Arc<Gguf>,
+    tokenizer: Arc<Tokenizer>,
+    path: PathBuf,
+    start: Instant,
+}
+
+impl Common {
+    fn file_name(&self) -> String {
+        self.path
+            .file_name()
+            .map(|name| name.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    }
+}
+
+/// Chooses the GPU to open; `None` when the CPU is used instead (only where the placement
+/// allows falling back, after reporting why).
+fn select_gpu(
+    path: &Path,
+    hparams: &HParams,
+    device: &DeviceOptions,
+    wanted: Option<(gpu::GpuKind, usize)>,
+    fall_back_to_cpu: bool,
+    on_event: &mut dyn FnMut(LoadEvent<'_>),
+) -> Result<Option<(GpuSelection, OpenOptions)>, LoadError> {
+    let numerics_error = |source| LoadError::Numerics {
+        path: path.to_owned(),
+        source,
+    };
+    let numerics = device.numerics().map_err(numerics_error)?;
+    if numerics == Numerics::Reference {
+        if let Some(error) =
+            gpu::numerics::reference_unsupported(hparams.head_dim_k, hparams.final_logit_softcap)
+        {
+            return Err(numerics_error(error));
+        }
+    }
+    let open_options = OpenOptions {
+        device: wanted,
+        rocm_path: device.rocm_path.clone(),
+        kernels_dir: device.kernels_dir.clone(),
+        budget: device.vram_budget,
+        idle_trim: true,
+        numerics: Some(numerics),
+        reference_threads: None,
+    };
+    match gpu::select(&open_options) {
+        Ok(selection) => Ok(Some((selection, open_options))),
+        Err(reason) if fall_back_to_cpu => {
+            on_event(LoadEvent::CpuFallback { reason: &reason });
+            Ok(None)
+        }
+        Err(source) => Err(LoadError::Gpu {
+            path: path.to_owned(),
+            source,
+        }),
+    }
+}
+
+/// Places the weights on `backend`, reporting each tensor.
+fn load_weights<B: Backend>(
+    gguf: Arc<Gguf>,
+    backend: B,
+    file_name: &str,
+    on_event: &mut dyn FnMut(LoadEvent<'_>),
+) -> Result<Model<B>, ModelError> {
+    on_event(LoadEvent::Tensors {
+        file_name,
+        done: 0,
+        total: gguf.tensors().len(),
+    });
+    Model::from_gguf(gguf, backend, &mut |done, total| {
+        on_event(LoadEvent::Tensors {
+            file_name,
+            done,
+            total,
+        })
+    })
+}
+
+fn load_on_cpu(
+    common: Common,
+    threads: usize,
+    on_event: &mut dyn FnMut(LoadEvent<'_>),
+) -> Result<Loaded<CpuBackend>, LoadError> {
+    let backend = CpuBackend::new(threads).map_err(LoadError::CpuThreads)?;
+    let file_name = common.file_name();
+    let Common {
+        gguf,
+        tokenizer,
+        path,
+        start,
+    } = common;
+    let model =
+        load_weights(gguf, backend, &file_name, on_event).map_err(|source| LoadError::Model {
+            path: path.clone(),
+            source,
+        })?;
+    Ok(Loaded {
+        model,
+        tokenizer,
+        path,
+        load_time: start.elapsed(),
+        pool: None,
+        // The CPU has no device memory: [`LoadEvent::NoDeviceMemory`] has said so already.
+        memory_report: false,
+    })
+}
+
+fn load_on_gpu(
+    common: Common,
+    selection: GpuSelection,
+    open_options: &OpenOptions,
+    device: &DeviceOptions,
+    on_event: &mut dyn FnMut(LoadEvent<'_>),
+) -> Result<Loaded<GpuBackend>, LoadError> {
+    let file_name = common.file_name();
+    let Common {
+        gguf,
+        tokenizer,
+        path,
+        start,
+    } = common;
+    let driver = Arc::clone(&selection.driver);
+    let ordinal = selection.ordinal;
+    let Opened {
+        backend,
+        device: device_name,
+        info,
+        pool_reason,
+    } = gpu::open(selection, open_options).map_err(|source| LoadError::Gpu {
+        path: path.clone(),
+        source,
+    })?;
+    on_event(LoadEvent::DeviceOpened {
+        device: &device_name,
+        info: &info,
+        pool_reason: &pool_reason,
+        blas: backend.context().blas(),
+    });
+    on_event(LoadEvent::Numerics {
+        device: &device_name,
+        numerics: backend.numerics(),
+        reference_threads: backend.reference_threads(),
+    });
+    let pool = Arc::clone(backend.pool());
+    let free_before = driver
+        .mem_info(ordinal)
+        .map_err(|source| LoadError::FreeMemory {
+            device: device_name.clone(),
+            source,
+        })?
+        .free;
+    let model =
+        load_weights(gguf, backend, &file_name, on_event).map_err(|source| LoadError::Weights {
+            path: path.clone(),
+            device: device_name.clone(),
+            source,
+        })?;
+    let buffers = model.backend().placed_weights();
+    let views: Vec<(&str, ember_gpu::DevicePtr, u64)> = buffers
+        .iter()
+        .map(|(name, ptr, bytes)| (name.as_str(), *ptr, *bytes))
+        .collect();
+    let observation =
+        placement::observe(&*driver, ordinal, &views, free_before).map_err(|source| {
+            LoadError::ObservePlacement {
+                device: device_name.clone(),
+                source,
+            }
+        })?;
+    let policy = PlacementPolicy {
+        allow_host_weights: device.allow_host_weights,
+        ..PlacementPolicy::default()
+    };
+    let verdict = placement::evaluate(&observation, &policy).map_err(|source| {
+        LoadError::WeightsNotInVram {
+            path: path.clone(),
+            device: device_name.clone(),
+            source,
+        }
+    })?;
+    on_event(LoadEvent::WeightsPlaced {
+        device: &device_name,
+        verdict: &verdict,
+    });
+    warm_up(&model).map_err(|source| LoadError::WarmUp {
+        device: device_name.clone(),
+        source,
+    })?;
+    // The post-load floor: weights plus what the runtime keeps once it has run every kind of
+    // work (kernel modules, the BLAS workspace), with the warm-up's memory handed back.
+    pool.trim_now().map_err(|source| LoadError::Trim {
+        device: device_name.clone(),
+        source,
+    })?;
+    pool.mark_loaded();
+    let loaded = Loaded {
+        model,
+        tokenizer,
+        path,
+        load_time: start.elapsed(),
+        pool: Some(pool),
+        memory_report: device.memory_report,
+    };
+    if loaded.memory_report {
+        if let Some(report) = loaded.memory_report_now() {
+            on_event(LoadEvent::MemoryReport(&report));
+        }
+    }
+    Ok(loaded)
+}
+
+/// Runs one small forward pass (enough tokens for the prefill path, and a decode step) so the
+/// runtime loads its kernel modules and BLAS state now rather than during the first request, and
+/// so the post-load memory floor includes them.
+fn warm_up<B: Backend>(model: &Model<B>) -> Result<(), ForwardError> {
+    let n_vocab = model.n_vocab().max(1);
+    let tokens: Vec<u32> = (0..WARM_UP_TOKENS).map(|i| (i % n_vocab) as u32).collect();
+    let mut ctx = model.new_context(ContextParams::with_ctx(WARM_UP_TOKENS + 1));
+    model.forward(&mut ctx, &Batch::for_sequence(0, 0, &tokens, false))?;
+    model.forward(
+        &mut ctx,
+        &Batch::for_sequence(0, WARM_UP_TOKENS as u32, &tokens[..1], false),
+    )?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::error::Error as _;
+
+    use ember_gguf::{Array, GgmlType, GgufWriter, Value};
+
+    use super::*;
+    use crate::device::{DeviceSpec, GpuLayers};
+
+    const N_EMBD: usize = 8;
+    const N_FF: usize = 16;
+    const TOKENS: [&str; 4] = ["<s>", "</s>", "a", "b"];
+
+    /// A one-layer llama model with zero weights and a four-token vocabulary: enough to load,
+    /// not to say anything.
+    fn tiny_model() -> Vec<u8> {
+        let mut writer = GgufWriter::new();
+        let count = |n: usize| Value::U32(n as u32);
+        let strings = |items: &[&str]| {
+            Value::Array(Array::String(items.iter().map(|s| s.to_string()).collect()))
+        };
+        for (key, value) in [
+            ("general.architecture", Value::String("llama".into())),
+            ("llama.context_length", count(64)),
+            ("llama.embedding_length", count(N_EMBD)),
+            ("llama.block_count", count(1)),
+            ("llama.feed_forward_length", count(N_FF)),
+            ("llama.attention.head_count", count(2)),
+            ("llama.attention.head_count_kv", count(2)),
+            ("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-6)),
+            ("llama.rope.freq_base", Value::F32(10000.0)),
+            ("tokenizer.ggml.model", Value::String("gpt2".into())),
+            ("tokenizer.ggml.pre", Value::String("gpt-2".into())),
+            ("tokenizer.ggml.tokens", strings(&TOKENS)),
+            ("tokenizer.ggml.merges", strings(&[])),
+            ("tokenizer.ggml.bos_token_id", count(0)),
+            ("tokenizer.ggml.eos_token_id", count(1)),
+        ] {
+            writer.metadata(key, value);
+        }
+        let n_vocab = TOKENS.len();
+        let mut tensors = vec![
+            ("token_embd.weight".to_string(), vec![N_EMBD, n_vocab]),
+            ("output_norm.weight".to_string(), vec![N_EMBD]),
+        ];
+        for (name, dims) in [
+            ("attn_norm", vec![N_EMBD]),
+            ("attn_q", vec![N_EMBD, N_EMBD]),
+            ("attn_k", vec![N_EMBD, N_EMBD]),
+            ("attn_v", vec![N_EMBD, N_EMBD]),
+            ("attn_output", vec![N_EMBD, N_EMBD]),
+            ("ffn_norm", vec![N_EMBD]),
+            ("ffn_gate", vec![N_EMBD, N_FF]),
+            ("ffn_up", vec![N_EMBD, N_FF]),
+            ("ffn_down", vec![N_FF, N_EMBD]),
+        ] {
+            tensors.push((format!("blk.0.{name}.weight"), dims));
+        }
+        for (name, dims) in tensors {
+            let n_elements: usize = dims.iter().product();
+            let dims: Vec<u64> = dims.iter().map(|&d| d as u64).collect();
+            writer.tensor(&name, &dims, GgmlType::F32, vec![0; n_elements * 4]);
+        }
+        writer.to_bytes()
+    }
+
+    fn cpu_options(path: &Path) -> LoadOptions {
+        LoadOptions {
+            model: path.to_string_lossy().into_owned(),
+            threads: 1,
+            device: DeviceOptions {
+                device: DeviceSpec::Cpu,
+                ..DeviceOptions::default()
+            },
+        }
+    }
+
+    /// The events of a load, in a form tests can compare.
+    fn describe(event: &LoadEvent<'_>) -> String {
+        match event {
+            LoadEvent::Resolved { path } => format!("resolved {}", path.display()),
+            LoadEvent::Tensors {
+                file_name,
+                done,
+                total,
+            } => format!("tensors {file_name} {done}/{total}"),
+            LoadEvent::NoDeviceMemory => "no device memory".into(),
+            other => format!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_cpu_load_reports_each_step_and_gives_the_model_and_its_tokenizer() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tiny.gguf");
+        std::fs::write(&path, tiny_model()).unwrap();
+        let mut options = cpu_options(&path);
+        options.device.memory_report = true;
+        let mut events = Vec::new();
+        let loaded = load(&options, &mut |event| events.push(describe(&event))).unwrap();
+        let AnyLoaded::Cpu(loaded) = loaded else {
+            panic!("--device cpu loaded on a GPU");
+        };
+        // 2 global tensors and 9 per layer; no `output.weight`, so the embeddings are tied.
+        let n_tensors = 11;
+        let mut expected = vec![
+            format!("resolved {}", path.display()),
+            "no device memory".to_string(),
+        ];
+        expected
+            .extend((0..=n_tensors).map(|done| format!("tensors tiny.gguf {done}/{n_tensors}")));
+        assert_eq!(events, expected);
+        assert_eq!(loaded.path, path);
+        assert_eq!(loaded.tokenizer.vocab_size(), TOKENS.len());
+        assert_eq!(loaded.model.n_vocab(), TOKENS.len());
+        assert!(loaded.pool.is_none());
+        assert!(loaded.memory_report_now().is_none());
+
+        // The CPU's "nothing to report" was said at load; the end of a run says nothing more,
+        // unless a report is asked for again.
+        let mut after = Vec::new();
+        loaded.report_memory_after_idle(&mut |event| after.push(describe(&event)));
+        assert!(after.is_empty(), "{after:?}");
+        let mut loaded = loaded;
+        loaded.memory_report = true;
+        loaded.report_memory_after_idle(&mut |event| after.push(describe(&event)));
+        assert_eq!(after, ["no device memory"]);
+    }
+
+    #[test]
+    fn load_errors_name_the_model_and_keep_their_cause() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut events = Vec::new();
+
+        let unknown = LoadOptions {
+            model: "no-such-pinned-model".into(),
+            ..cpu_options(dir.path())
+        };
+        let error = load(&unknown, &mut |event| events.push(describe(&event)))
+            .err()
+            .unwrap();
+        assert!(matches!(error, LoadError::Pull { .. }), "{error:?}");
+        assert_eq!(error.to_string(), "cannot load no-such-pinned-model");
+        assert!(matches!(
+            error.source().unwrap().downcast_ref::<PullError>(),
+            Some(PullError::UnknownModel { .. })
+        ));
+
+        let not_gguf = dir.path().join("not.gguf");
+        std::fs::write(&not_gguf, b"not a gguf file").unwrap();
+        let error = load(&cpu_options(&not_gguf), &mut |event| {
+            events.push(describe(&event))
+        })
+        .err()
+        .unwrap();
+        assert_eq!(
+            error.to_string(),
+            format!("cannot load {}", not_gguf.display())
+        );
+        assert!(error.source().unwrap().is::<GgufError>(), "{error:?}");
+
+        let tiny = dir.path().join("tiny.gguf");
+        std::fs::write(&tiny, tiny_model()).unwrap();
+        let mut layers_on_cpu = cpu_options(&tiny);
+        layers_on_cpu.device.gpu_layers = Some(GpuLayers::All);
+        let error = load(&layers_on_cpu, &mut |event| events.push(describe(&event)))
+            .err()
+            .unwrap();
+        assert_eq!(error.to_string(), format!("cannot load {}", tiny.display()));
+        assert_eq!(
+            error.source().unwrap().downcast_ref::<PlacementError>(),
+            Some(&PlacementError::LayersOnCpu { layers: 1 })
+        );
+        // Nothing was placed before the errors.
+        assert!(
+            events.iter().all(|event| event.starts_with("resolved ")),
+            "{events:?}"
+        );
+    }
+}
