@@ -18,6 +18,12 @@
 //!   path): the view cut into one chunk per thread, each attended like `one_chunk`, the
 //!   partial results merged in chunk order. The split follows the thread count, as llama.cpp's
 //!   does.
+//!
+//! GGML picks the path by the size of the whole batch. ember picks it by the number of tokens each
+//! sequence has in the batch, which is the same thing for a batch of one sequence (so single runs
+//! keep llama.cpp's numbers) and keeps a sequence's results independent of whatever else a
+//! continuous-batching server puts in the same batch (so a request served among others gives what
+//! it gives alone).
 
 use std::ops::Range;
 
@@ -110,11 +116,29 @@ pub fn attention(
         window,
     };
     let tiles = query_tiles(plan);
-    let attend = if n_tokens >= F32_PATH_MIN_TOKENS && head_dim.is_multiple_of(16) {
-        attend_f32
-    } else {
-        attend
+    // Tokens of each sequence (by its table) in this batch: the path is chosen per sequence.
+    let mut per_table = vec![0usize; plan.tables.len()];
+    for &table in &plan.table_of_token {
+        per_table[table as usize] += 1;
+    }
+    let tokens_of = |t: usize| per_table[plan.table_of_token[t] as usize];
+    let f32_path = |t: usize| tokens_of(t) >= F32_PATH_MIN_TOKENS && head_dim.is_multiple_of(16);
+    let attend = |s: &Shape<'_>,
+                  tile: Range<usize>,
+                  kv_head: usize,
+                  out: &mut [f32],
+                  token_stride: usize,
+                  base: usize,
+                  scratch: &mut Scratch| {
+        if f32_path(tile.start) {
+            attend_f32(s, tile, kv_head, out, token_stride, base, scratch)
+        } else {
+            attend(s, tile, kv_head, out, token_stride, base, scratch)
+        }
     };
+    let n_chunks = rayon::current_num_threads().max(1);
+    // A sequence with one token in the batch over a long cache takes the split-KV path.
+    let split = |t: usize| tokens_of(t) == 1 && split_kv_len(plan.positions[t] as usize).is_some();
     if tiles.len() >= 2 * rayon::current_num_threads() {
         // Prompt processing: one task per tile, all KV heads.
         let mut parts = Vec::with_capacity(tiles.len());
@@ -128,32 +152,41 @@ pub fn attention(
             .into_par_iter()
             .for_each_init(Scratch::default, |scratch, (tile, part)| {
                 for kv_head in 0..n_kv_heads {
-                    attend(
-                        &shape,
-                        tile.clone(),
-                        kv_head,
-                        part,
-                        row_len,
-                        kv_head * group * head_dim,
-                        scratch,
-                    );
+                    if tile.len() == 1 && split(tile.start) {
+                        let at = kv_head * group * head_dim;
+                        attend_split(
+                            &shape,
+                            tile.start,
+                            kv_head,
+                            n_chunks,
+                            &mut part[at..at + group * head_dim],
+                        );
+                    } else {
+                        attend(
+                            &shape,
+                            tile.clone(),
+                            kv_head,
+                            part,
+                            row_len,
+                            kv_head * group * head_dim,
+                            scratch,
+                        );
+                    }
                 }
             });
-    } else if n_tokens == 1 && split_kv_len(plan.positions[0] as usize).is_some() {
-        // One token over a long cache: GGML's split-KV path, one KV chunk per thread.
-        let n_chunks = rayon::current_num_threads().max(1);
-        out[..row_len]
-            .par_chunks_mut(group * head_dim)
-            .enumerate()
-            .for_each(|(kv_head, part)| attend_split(&shape, 0, kv_head, n_chunks, part));
     } else {
-        // Decoding: one task per (token, KV head).
+        // Decoding: one task per (token, KV head); a token over a long cache takes GGML's
+        // split-KV path (one KV chunk per thread, merged in order).
         out[..n_tokens * row_len]
             .par_chunks_mut(group * head_dim)
             .enumerate()
             .for_each_init(Scratch::default, |scratch, (task, part)| {
                 let (t, kv_head) = (task / n_kv_heads, task % n_kv_heads);
-                attend(&shape, t..t + 1, kv_head, part, 0, 0, scratch);
+                if split(t) {
+                    attend_split(&shape, t, kv_head, n_chunks, part);
+                } else {
+                    attend(&shape, t..t + 1, kv_head, part, 0, 0, scratch);
+                }
             });
     }
 }
