@@ -592,7 +592,7 @@ impl<B: Backend> KvCache<B> {
             // middle will be rewritten, so it loses its name (it is never shared: only the
             // scheduler shares blocks, and it never truncates).
             seq.named = seq.named.min(len / block_size);
-            let partial = (len % block_size != 0).then(|| seq.blocks[keep - 1]);
+            let partial = (!len.is_multiple_of(block_size)).then(|| seq.blocks[keep - 1]);
             for &block in released.iter().rev() {
                 self.release_block(block);
             }
@@ -635,7 +635,11 @@ mod tests {
         assert_eq!(shared.len(), 2);
         kv.attach_prefix(1, &shared);
         assert_eq!(kv.seq_len(1), 8);
-        assert_eq!(kv.stats().used, 3, "two shared blocks and one private block");
+        assert_eq!(
+            kv.stats().used,
+            3,
+            "two shared blocks and one private block"
+        );
         // A different continuation after the shared blocks goes to new blocks.
         let mut other = prompt[..8].to_vec();
         other.extend([100, 101]);
@@ -690,7 +694,8 @@ mod tests {
         assert_eq!(kv.lookup_prefix(&b).len(), 1);
         let batch = Batch::for_sequence(2, 12, &c[12..14], false);
         let mut plan = AttentionPlan::default();
-        kv.plan(&backend, &batch, &mut plan).expect("the last cached block is taken");
+        kv.plan(&backend, &batch, &mut plan)
+            .expect("the last cached block is taken");
         assert_eq!(kv.stats().cached, 0);
         assert!(kv.lookup_prefix(&b).is_empty());
         let batch = Batch::for_sequence(3, 0, &[1], false);
@@ -709,7 +714,11 @@ mod tests {
         let shared = kv.lookup_prefix(&prompt[..4]);
         kv.attach_prefix(1, &shared);
         kv.free_sequence(0);
-        assert_eq!(kv.stats().used, 1, "sequence 1 still holds the shared block");
+        assert_eq!(
+            kv.stats().used,
+            1,
+            "sequence 1 still holds the shared block"
+        );
         assert_eq!(kv.stats().cached, 0);
         kv.free_sequence(1);
         assert_eq!(kv.stats().cached, 1);

@@ -28,3 +28,4 @@ pub mod model;
 pub mod models;
 pub mod ops;
 pub mod sample;
+pub mod server;

@@ -43,7 +43,10 @@ fn compare(model: &Model<CpuBackend>, prompt: &[u32], n_seqs: usize, next: u32) 
             batch.push(token, pos as u32, seq as u32, pos + 1 == prompt.len());
         }
     }
-    let logits = model.forward(&mut together, &batch).expect("forward").to_vec();
+    let logits = model
+        .forward(&mut together, &batch)
+        .expect("forward")
+        .to_vec();
     for seq in 0..n_seqs {
         assert_eq!(
             &logits[seq * n_vocab..(seq + 1) * n_vocab],
@@ -56,7 +59,10 @@ fn compare(model: &Model<CpuBackend>, prompt: &[u32], n_seqs: usize, next: u32) 
     for seq in 0..n_seqs {
         batch.push(next, prompt.len() as u32, seq as u32, true);
     }
-    let logits = model.forward(&mut together, &batch).expect("forward").to_vec();
+    let logits = model
+        .forward(&mut together, &batch)
+        .expect("forward")
+        .to_vec();
     for seq in 0..n_seqs {
         assert_eq!(
             &logits[seq * n_vocab..(seq + 1) * n_vocab],

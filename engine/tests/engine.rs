@@ -13,8 +13,7 @@ use std::time::{Duration, Instant};
 
 use ember::device::{DeviceOptions, DeviceSpec};
 use ember::engine::{
-    Engine, EngineConfig, Event, FinishReason, GenerateRequest, Health, RequestStream,
-    SubmitError,
+    Engine, EngineConfig, Event, FinishReason, GenerateRequest, Health, RequestStream, SubmitError,
 };
 use ember::generate;
 use ember::load::{self, AnyLoaded, LoadOptions};
@@ -145,10 +144,17 @@ fn a_shared_prefix_is_computed_once() {
     let first = prompt_ids(&engine, &format!("{system}Question: what is two plus two?"));
     let second = prompt_ids(&engine, &format!("{system}Question: name a colour."));
     assert!(first.len() > 100);
-    let (ids_first, _, _) = collect(engine.submit(GenerateRequest::greedy(first.clone(), 4)).unwrap());
+    let (ids_first, _, _) = collect(
+        engine
+            .submit(GenerateRequest::greedy(first.clone(), 4))
+            .unwrap(),
+    );
     let computed_before = engine.snapshot().totals.prompt_tokens_computed;
-    let (ids_second, _, _) =
-        collect(engine.submit(GenerateRequest::greedy(second.clone(), 4)).unwrap());
+    let (ids_second, _, _) = collect(
+        engine
+            .submit(GenerateRequest::greedy(second.clone(), 4))
+            .unwrap(),
+    );
     let totals = engine.snapshot().totals;
     let computed = totals.prompt_tokens_computed - computed_before;
     let shared = first
@@ -212,7 +218,10 @@ fn preempted_sequences_finish_with_the_same_output() {
         prefix_cache: false,
         ..EngineConfig::default()
     });
-    let prompts: Vec<Vec<u32>> = PROMPTS[..4].iter().map(|p| prompt_ids(&engine, p)).collect();
+    let prompts: Vec<Vec<u32>> = PROMPTS[..4]
+        .iter()
+        .map(|p| prompt_ids(&engine, p))
+        .collect();
     let solo: Vec<Vec<u32>> = prompts.iter().map(|p| reference_greedy(p, 30)).collect();
     let streams: Vec<RequestStream> = prompts
         .iter()
@@ -254,7 +263,10 @@ fn the_door_refuses_what_cannot_run() {
     ));
     assert!(matches!(
         engine.submit(GenerateRequest::greedy(vec![1; 64], 1)),
-        Err(SubmitError::PromptTooLong { prompt_tokens: 64, n_ctx: 64 })
+        Err(SubmitError::PromptTooLong {
+            prompt_tokens: 64,
+            n_ctx: 64
+        })
     ));
     // One running and one waiting fill parallel + max_queue; the third is refused at once.
     let mut long = GenerateRequest::greedy(vec![1; 8], 50);
@@ -262,7 +274,10 @@ fn the_door_refuses_what_cannot_run() {
     let a = engine.submit(long.clone()).expect("runs");
     let b = engine.submit(long.clone()).expect("waits");
     let started = Instant::now();
-    assert!(matches!(engine.submit(long), Err(SubmitError::QueueFull { .. })));
+    assert!(matches!(
+        engine.submit(long),
+        Err(SubmitError::QueueFull { .. })
+    ));
     assert!(started.elapsed() < Duration::from_millis(100));
     drop(a);
     drop(b);
@@ -280,7 +295,11 @@ fn the_door_refuses_what_cannot_run() {
 fn stop_strings_end_generation_without_their_text() {
     let engine = engine(EngineConfig::default());
     let prompt = prompt_ids(&engine, PROMPTS[2]);
-    let (_, full, _) = collect(engine.submit(GenerateRequest::greedy(prompt.clone(), 24)).unwrap());
+    let (_, full, _) = collect(
+        engine
+            .submit(GenerateRequest::greedy(prompt.clone(), 24))
+            .unwrap(),
+    );
     // Stop at a piece of text from the middle of the output.
     let chars: Vec<char> = full.chars().collect();
     assert!(chars.len() > 12, "{full:?}");
@@ -331,7 +350,12 @@ fn health_reports_a_stalled_step_and_recovers() {
     let started = Instant::now();
     let mut saw_stall = false;
     while started.elapsed() < Duration::from_secs(5) {
-        if let Health::Stalled { step_running_for, running, .. } = engine.health() {
+        if let Health::Stalled {
+            step_running_for,
+            running,
+            ..
+        } = engine.health()
+        {
             assert!(step_running_for.is_some());
             assert_eq!(running.len(), 1);
             saw_stall = true;
@@ -361,4 +385,3 @@ fn wait_idle(engine: &Engine) -> std::sync::Arc<ember::engine::Snapshot> {
         std::thread::sleep(Duration::from_millis(10));
     }
 }
-

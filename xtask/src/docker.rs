@@ -4,8 +4,9 @@
 //! builds the real Dockerfile on a local debootstrapped image where the official images cannot be
 //! pulled.
 //!
-//! The build context is a folder of its own holding only the Dockerfile and the packaged artifact,
-//! so nothing else of the checkout is sent to the daemon or can end up in the image.
+//! The build context is a folder of its own holding only the files of `docker/` that the image
+//! takes (the Dockerfile and its entrypoint and health-check scripts) and the packaged artifact, so
+//! nothing else of the checkout is sent to the daemon or can end up in the image.
 //!
 //! This module also reads what `targets.toml` implies for a target's build manifest (features with
 //! state and reason) and compares a package's `manifest.json` with it; `cargo xtask smoke` uses
@@ -20,6 +21,9 @@ use xshell::{cmd, Shell};
 
 use crate::targets::{self, Feature, FeatureState, Os, Target};
 use crate::{build, manifest, package};
+
+/// The files of `docker/` that go into the build context (copied with their permissions).
+const CONTEXT_FILES: [&str; 3] = ["Dockerfile", "entrypoint.sh", "healthcheck.sh"];
 
 /// Image labels the Dockerfile sets and the smoke test reads back.
 pub const LABEL_TARGET: &str = "io.ember.target";
@@ -89,11 +93,10 @@ impl crate::flags::Docker {
             })?;
         }
         std::fs::create_dir_all(&context_dir)?;
-        std::fs::copy(
-            root.join("docker").join("Dockerfile"),
-            context_dir.join("Dockerfile"),
-        )
-        .context("copying docker/Dockerfile into the build context")?;
+        for file in CONTEXT_FILES {
+            std::fs::copy(root.join("docker").join(file), context_dir.join(file))
+                .with_context(|| format!("copying docker/{file} into the build context"))?;
+        }
         // A copy, not a hard link: a build rewriting the archive in place while the image is
         // built must not change what goes into it. The copy is checked against the package's
         // `.sha256`, which catches an archive caught mid-write.
@@ -426,10 +429,15 @@ mod tests {
         let healthcheck = find("HEALTHCHECK");
         assert_eq!(healthcheck.len(), 1);
         assert!(
-            healthcheck[0].contains("CMD [\"/opt/ember/ember\""),
+            healthcheck[0].ends_with("CMD [\"/usr/local/bin/ember-healthcheck\"]"),
             "{healthcheck:?}"
         );
-        assert_eq!(find("ENTRYPOINT"), vec!["[\"/opt/ember/ember\"]"]);
+        assert_eq!(
+            find("ENTRYPOINT"),
+            vec!["[\"/usr/local/bin/ember-entrypoint\"]"]
+        );
+        assert_eq!(find("CMD"), vec!["[\"serve\"]"]);
+        assert_eq!(find("EXPOSE"), vec!["8080"]);
         assert_eq!(find("ENV"), vec!["EMBER_MODELS_DIR=/models"]);
         assert_eq!(find("VOLUME"), vec!["[\"/models\"]"]);
         let labels = find("LABEL").join(" ");
@@ -451,9 +459,16 @@ mod tests {
                 pair.join(" ")
             );
         }
-        // The artifact is the only context input the Dockerfile reads.
+        // The artifact and the two scripts are the only context inputs the Dockerfile reads.
         let inputs: Vec<&str> = find("ADD").into_iter().chain(find("COPY")).collect();
-        assert_eq!(inputs, vec!["ember.tar.gz /opt/ember-dist/"]);
+        assert_eq!(
+            inputs,
+            vec![
+                "ember.tar.gz /opt/ember-dist/",
+                "entrypoint.sh /usr/local/bin/ember-entrypoint",
+                "healthcheck.sh /usr/local/bin/ember-healthcheck"
+            ]
+        );
         let readme =
             std::fs::read_to_string(crate::project_root().join("docker/README.md")).unwrap();
         for pair in GPU_RUN_ARGS.chunks(2) {

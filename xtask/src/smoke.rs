@@ -13,13 +13,19 @@
 //! - `ember devices` lists devices; where the target's GPU is absent it says so and the GPU checks
 //!   are skipped, never silently;
 //! - a real model from `models.toml` answers "The capital of France is" greedily with the ids of
-//!   `tests/data/golden/greedy.jsonl`, by the rule of `tests/data/golden/README.md`.
+//!   `tests/data/golden/greedy.jsonl`, by the rule of `tests/data/golden/README.md`;
+//! - for images, the default command serves: `IMAGE -m /models/x.gguf` with port 8080 published
+//!   answers `/health`, turns healthy by the image's HEALTHCHECK, answers a chat completion through
+//!   the official `openai` Python client (`tests/server/smoke_chat.py`, in the venv of the server
+//!   tests), serves `/metrics` with the vLLM-named series, and on SIGTERM finishes the stream it is
+//!   serving, answers `/health` 503 meanwhile, and exits 0.
 //!
 //! All checks run even when one fails, so one run shows everything that is wrong.
 
 use std::collections::BTreeMap;
 use std::fmt;
 use std::io::Read;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -32,6 +38,8 @@ use xshell::Shell;
 use crate::docker::{self, ExpectedManifest};
 use crate::targets::{self, Feature, FeatureState, Os};
 use crate::wine;
+
+mod http;
 
 /// The prompt every smoke run answers; its reference output is in `greedy.jsonl`.
 const SMOKE_PROMPT: &str = "The capital of France is";
@@ -73,8 +81,8 @@ impl crate::flags::Smoke {
         check_info(&mut report, &subject, &expected, &model);
         check_devices(&mut report, &subject);
         check_generation(&mut report, &subject, &root, &model)?;
-        if let Runner::Container { image, .. } = &subject.runner {
-            check_health(&mut report, image);
+        if let Runner::Container { .. } = &subject.runner {
+            check_serve(&mut report, sh, &root, &subject.runner, &model);
         }
 
         println!(
@@ -268,8 +276,9 @@ impl Subject {
             version,
             runner,
             manifest_json,
-            package_summary: "non-root user, HEALTHCHECK, entrypoint and labels as documented"
-                .to_string(),
+            package_summary:
+                "non-root user, HEALTHCHECK, entrypoint, command, port and labels as documented"
+                    .to_string(),
             package_problems,
             info_takes_model: false,
         })
@@ -596,51 +605,512 @@ fn check_info(
     }
 }
 
-/// Starts the image with a placeholder main process (the default command exits at once) and waits
-/// for Docker to run its HEALTHCHECK, with the interval shortened so the check takes seconds.
-fn check_health(report: &mut Report, image: &str) {
-    let name = format!("ember-smoke-health-{}", std::process::id());
-    let started = run_capture(
-        Command::new("docker").args([
-            "run",
-            "--detach",
-            "--name",
-            &name,
-            "--health-interval",
-            "1s",
-            "--health-start-period",
-            "0s",
-            "--health-retries",
-            "1",
-            "--entrypoint",
-            "sleep",
-            image,
-            "120",
-        ]),
-        Duration::from_secs(60),
-    );
-    let verdict = match started {
-        Ok(output) if output.success() => wait_for_health(&name, Duration::from_secs(60)),
-        Ok(output) => Err(format!(
-            "expected the container to start, found exit status {:?}; {}",
-            output.status,
-            output.stderr_tail()
-        )),
-        Err(error) => Err(format!("{error:#}")),
+/// The image's default command serves. Started as docker/README.md documents (`IMAGE -m
+/// /models/x.gguf` with port 8080 published, here on a free loopback port of the host), the
+/// container must answer `/health`, turn healthy by its own HEALTHCHECK, answer a chat completion
+/// through the official `openai` Python client, serve `/metrics` with the series inference gateways
+/// scrape, and on SIGTERM finish the stream it is serving, refuse new work, and exit 0.
+fn check_serve(report: &mut Report, sh: &Shell, root: &Path, runner: &Runner, model: &ModelFile) {
+    if !model.path.is_file() {
+        return report.fail(
+            "serve",
+            &format!(
+                "expected the model file {} (model {} of models.toml), found none; fetch the pinned models first",
+                model.path.display(),
+                model.name
+            ),
+        );
+    }
+    let container = match ServingContainer::start(runner, model) {
+        Ok(container) => container,
+        Err(error) => return report.fail("serve", &format!("{error:#}")),
     };
-    // Best effort: the container may not exist when `docker run` failed.
-    let _ = duct::cmd!("docker", "rm", "--force", &name)
-        .stdout_null()
-        .stderr_null()
-        .unchecked()
-        .run();
-    match verdict {
+    let (address, waited) = match container.wait_until_serving(Duration::from_secs(300)) {
+        Ok(serving) => serving,
+        Err(problem) => return report.fail("serve", &problem),
+    };
+    report.pass(
+        "serve",
+        &format!(
+            "`IMAGE -m {}` answers /health 200 on {address} after {:.1} s",
+            runner.model_path(model),
+            waited.as_secs_f64()
+        ),
+    );
+    match wait_for_health(&container.name, Duration::from_secs(60)) {
         Ok(waited) => report.pass(
             "healthcheck",
-            &format!("healthy after {:.1} s", waited.as_secs_f64()),
+            &format!(
+                "Docker's HEALTHCHECK (/health) says healthy after {:.1} s",
+                waited.as_secs_f64()
+            ),
         ),
         Err(problem) => report.fail("healthcheck", &problem),
     }
+    check_chat_through_openai(report, sh, root, address);
+    check_health_and_metrics(report, address);
+    check_drain(report, &container, address);
+}
+
+/// The port the image's server listens on inside the container (the Dockerfile's EXPOSE).
+const CONTAINER_SERVER_PORT: u16 = 8080;
+/// Where the Dockerfile installs its entrypoint script.
+const CONTAINER_ENTRYPOINT: &str = "/usr/local/bin/ember-entrypoint";
+
+/// A container running the image's default command, removed when dropped.
+struct ServingContainer {
+    name: String,
+}
+
+impl ServingContainer {
+    fn start(runner: &Runner, model: &ModelFile) -> Result<ServingContainer> {
+        let Runner::Container { image, models_dir } = runner else {
+            bail!("expected a container image to serve from, found another kind of subject");
+        };
+        let name = format!("ember-smoke-serve-{}", std::process::id());
+        // Not `--rm`: the exit status and the logs are read after the container has stopped.
+        // The health interval is shortened so Docker's verdict comes in seconds.
+        let mut command = Command::new("docker").args([
+            "run".to_string(),
+            "--detach".to_string(),
+            "--name".to_string(),
+            name.clone(),
+            "--health-interval".to_string(),
+            "1s".to_string(),
+            "-p".to_string(),
+            format!("127.0.0.1::{CONTAINER_SERVER_PORT}"),
+            "-v".to_string(),
+            format!("{}:{CONTAINER_MODELS_DIR}:ro", models_dir.display()),
+        ]);
+        if Path::new("/dev/kfd").exists() && Path::new("/dev/dri").exists() {
+            command = command.args(docker::GPU_RUN_ARGS);
+        }
+        let command = command.args([image.clone(), "-m".to_string(), runner.model_path(model)]);
+        println!("  $ {}", command.display());
+        let container = ServingContainer { name };
+        let output = run_capture(command, Duration::from_secs(120))?;
+        if !output.success() {
+            bail!(
+                "expected the container to start, found exit status {:?}; {}",
+                output.status,
+                output.stderr_tail()
+            );
+        }
+        Ok(container)
+    }
+
+    /// Waits until `/health` answers 200 on the published port, showing progress; returns the
+    /// address and how long it took.
+    fn wait_until_serving(&self, timeout: Duration) -> Result<(SocketAddr, Duration), String> {
+        let started = Instant::now();
+        let address = self
+            .published_address()
+            .map_err(|error| format!("{error:#}"))?;
+        let mut last_progress = Instant::now();
+        loop {
+            let last_answer = match http::get(address, "/health", Duration::from_secs(5)) {
+                Ok((200, _)) => return Ok((address, started.elapsed())),
+                Ok((status, body)) => format!("{status} {}", truncate(body.trim(), 200)),
+                Err(error) => format!("{error:#}"),
+            };
+            let state = self.state();
+            if state != "running" {
+                return Err(format!(
+                    "expected the server to keep running, found the container {state} (exit status {}) before /health answered 200; last answer: {last_answer}; {}",
+                    self.exit_status(),
+                    self.logs_tail()
+                ));
+            }
+            if started.elapsed() > timeout {
+                return Err(format!(
+                    "expected /health 200 within {} s, last answer: {last_answer}; {}",
+                    timeout.as_secs(),
+                    self.logs_tail()
+                ));
+            }
+            if last_progress.elapsed() >= Duration::from_secs(5) {
+                println!(
+                    "        waiting for /health on {address}: {last_answer} ({:.0} s)",
+                    started.elapsed().as_secs_f64()
+                );
+                last_progress = Instant::now();
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    }
+
+    /// The host address Docker published the server's port on (`docker port`).
+    fn published_address(&self) -> Result<SocketAddr> {
+        let port = format!("{CONTAINER_SERVER_PORT}/tcp");
+        let output = run_capture(
+            Command::new("docker").args(["port", self.name.as_str(), port.as_str()]),
+            Duration::from_secs(30),
+        )?;
+        if !output.success() {
+            bail!(
+                "expected `docker port {} {port}` to name the published port, found exit status {:?}; {}",
+                self.name,
+                output.status,
+                output.stderr_tail()
+            );
+        }
+        // One line per published address; the loopback one was asked for.
+        output
+            .stdout
+            .lines()
+            .find_map(|line| line.trim().parse::<SocketAddr>().ok())
+            .with_context(|| {
+                format!(
+                    "expected `docker port` to print HOST:PORT, found {:?}",
+                    output.stdout.trim()
+                )
+            })
+    }
+
+    fn inspect(&self, format: &str) -> String {
+        run_capture(
+            Command::new("docker").args(["inspect", "--format", format, self.name.as_str()]),
+            Duration::from_secs(30),
+        )
+        .map(|output| output.stdout.trim().to_string())
+        .unwrap_or_else(|error| format!("unknown ({error:#})"))
+    }
+
+    fn state(&self) -> String {
+        self.inspect("{{.State.Status}}")
+    }
+
+    fn exit_status(&self) -> String {
+        self.inspect("{{.State.ExitCode}}")
+    }
+
+    /// The container's last lines of output, for failure messages.
+    fn logs_tail(&self) -> String {
+        match run_capture(
+            Command::new("docker").args(["logs", "--tail", "20", self.name.as_str()]),
+            Duration::from_secs(30),
+        ) {
+            Ok(output) => {
+                let lines: Vec<&str> = output
+                    .stdout
+                    .lines()
+                    .chain(output.stderr.lines())
+                    .filter(|line| !line.trim().is_empty())
+                    .collect();
+                format!("container logs: {}", lines.join(" | "))
+            }
+            Err(error) => format!("container logs unavailable: {error:#}"),
+        }
+    }
+}
+
+impl Drop for ServingContainer {
+    fn drop(&mut self) {
+        // Best effort: the container may not exist when `docker run` failed.
+        let _ = duct::cmd!("docker", "rm", "--force", &self.name)
+            .stdout_null()
+            .stderr_null()
+            .unchecked()
+            .run();
+    }
+}
+
+/// `tests/server/smoke_chat.py`: one chat completion through the pinned `openai` client, in the
+/// venv that `cargo xtask test` uses for the server tests.
+fn check_chat_through_openai(report: &mut Report, sh: &Shell, root: &Path, address: SocketAddr) {
+    let python = match crate::test::server_test_python(sh, root) {
+        Ok(python) => python,
+        Err(error) => return report.fail("chat", &format!("{error:#}")),
+    };
+    let script = root.join("tests").join("server").join("smoke_chat.py");
+    let command = Command::new(python.as_os_str()).args([
+        script.as_os_str().to_owned(),
+        address.ip().to_string().into(),
+        address.port().to_string().into(),
+    ]);
+    println!("  $ {}", command.display());
+    match run_capture(command, Duration::from_secs(300)) {
+        Ok(output) if output.success() => {
+            report.pass("chat", &format!("openai client: {}", output.stdout.trim()))
+        }
+        Ok(output) => report.fail(
+            "chat",
+            &format!(
+                "expected smoke_chat.py to exit 0, found {:?}; {}",
+                output.status,
+                output.stderr_tail()
+            ),
+        ),
+        Err(error) => report.fail("chat", &format!("{error:#}")),
+    }
+}
+
+fn check_health_and_metrics(report: &mut Report, address: SocketAddr) {
+    let timeout = Duration::from_secs(30);
+    match http::get(address, "/health", timeout) {
+        Ok((200, body)) => match serde_json::from_str::<serde_json::Value>(&body) {
+            Ok(health) if health["status"] == "ok" => {
+                report.pass("health", "/health: 200 {\"status\":\"ok\"}")
+            }
+            _ => report.fail(
+                "health",
+                &format!("expected /health to answer {{\"status\":\"ok\"}}, found {body:?}"),
+            ),
+        },
+        Ok((status, body)) => report.fail(
+            "health",
+            &format!(
+                "expected /health 200, found {status} {}",
+                truncate(&body, 200)
+            ),
+        ),
+        Err(error) => report.fail("health", &format!("{error:#}")),
+    }
+    let series = [
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:gpu_cache_usage_perc",
+    ];
+    match http::get(address, "/metrics", timeout) {
+        Ok((200, body)) => {
+            let missing: Vec<&str> = series
+                .iter()
+                .copied()
+                .filter(|name| !metric_has_sample(&body, name))
+                .collect();
+            if missing.is_empty() {
+                report.pass(
+                    "metrics",
+                    &format!(
+                        "/metrics: 200, {} lines, with {}",
+                        body.lines().count(),
+                        series.join(", ")
+                    ),
+                );
+            } else {
+                report.fail(
+                    "metrics",
+                    &format!(
+                        "expected samples of {} in /metrics, found none",
+                        missing.join(", ")
+                    ),
+                );
+            }
+        }
+        Ok((status, body)) => report.fail(
+            "metrics",
+            &format!(
+                "expected /metrics 200, found {status} {}",
+                truncate(&body, 200)
+            ),
+        ),
+        Err(error) => report.fail("metrics", &format!("{error:#}")),
+    }
+}
+
+/// Whether Prometheus text has a sample line of the metric `name` (with or without labels).
+fn metric_has_sample(text: &str, name: &str) -> bool {
+    text.lines().any(|line| {
+        line.strip_prefix(name).is_some_and(|rest| {
+            (rest.starts_with('{') || rest.starts_with(' '))
+                && rest
+                    .rsplit(' ')
+                    .next()
+                    .is_some_and(|value| value.parse::<f64>().is_ok())
+        })
+    })
+}
+
+/// What the streaming request of the drain check saw, in order.
+enum StreamEvent {
+    Status(u16),
+    Data(String),
+    End,
+    Failed(String),
+}
+
+/// SIGTERM while a stream is being served: the stream goes on to its end, `/health` says 503
+/// meanwhile, and the container exits 0 (ember is PID 1: the entrypoint execs it).
+fn check_drain(report: &mut Report, container: &ServingContainer, address: SocketAddr) {
+    match drain_verdict(container, address) {
+        Ok(summary) => report.pass("drain", &summary),
+        Err(problem) => report.fail("drain", &format!("{problem}; {}", container.logs_tail())),
+    }
+}
+
+fn drain_verdict(container: &ServingContainer, address: SocketAddr) -> Result<String, String> {
+    let timeout = Duration::from_secs(120);
+    let model = served_model(address).map_err(|error| format!("{error:#}"))?;
+    // Counting goes on well past 128 tokens, so the stream is still running when SIGTERM comes.
+    let body = serde_json::json!({
+        "model": model,
+        "prompt": "1, 2, 3, 4, 5,",
+        "max_tokens": 128,
+        "temperature": 0,
+        "stream": true,
+    })
+    .to_string();
+    let (sender, receiver) = std::sync::mpsc::channel();
+    let streamer = std::thread::spawn(move || {
+        let send = |event| sender.send(event).is_ok();
+        let mut response =
+            match http::request(address, "POST", "/v1/completions", Some(&body), timeout) {
+                Ok(response) => response,
+                Err(error) => return send(StreamEvent::Failed(format!("{error:#}"))),
+            };
+        if !send(StreamEvent::Status(response.status)) {
+            return false;
+        }
+        let mut events = http::EventReader::default();
+        loop {
+            match response.next_piece() {
+                Ok(Some(piece)) => {
+                    for data in events.push(&piece) {
+                        if !send(StreamEvent::Data(data)) {
+                            return false;
+                        }
+                    }
+                }
+                Ok(None) => return send(StreamEvent::End),
+                Err(error) => return send(StreamEvent::Failed(format!("{error:#}"))),
+            }
+        }
+    });
+    let next = |what: &str| {
+        receiver.recv_timeout(timeout).map_err(|_| {
+            format!(
+                "expected {what} within {} s, found nothing",
+                timeout.as_secs()
+            )
+        })
+    };
+    match next("the stream's status")? {
+        StreamEvent::Status(200) => {}
+        StreamEvent::Status(status) => {
+            return Err(format!(
+                "expected the streaming request to get 200, found {status}"
+            ))
+        }
+        StreamEvent::Failed(error) => return Err(format!("streaming request: {error}")),
+        StreamEvent::Data(_) | StreamEvent::End => {
+            return Err("expected a status first".to_string())
+        }
+    }
+    let mut chunks_before = 0;
+    let mut chunks_after = 0;
+    let mut done = false;
+    let mut finish_reason = None;
+    let mut record = |data: &str, after_signal: bool| {
+        if data == "[DONE]" {
+            done = true;
+            return;
+        }
+        if after_signal {
+            chunks_after += 1;
+        } else {
+            chunks_before += 1;
+        }
+        if let Ok(chunk) = serde_json::from_str::<serde_json::Value>(data) {
+            if let Some(reason) = chunk["choices"][0]["finish_reason"].as_str() {
+                finish_reason = Some(reason.to_string());
+            }
+        }
+    };
+    match next("the first chunk")? {
+        StreamEvent::Data(data) => record(&data, false),
+        StreamEvent::End => {
+            return Err("expected chunks, found the stream ended without any".to_string())
+        }
+        StreamEvent::Failed(error) => return Err(format!("streaming request: {error}")),
+        StreamEvent::Status(_) => return Err("expected one status".to_string()),
+    }
+
+    let kill = run_capture(
+        Command::new("docker").args(["kill", "--signal", "TERM", container.name.as_str()]),
+        Duration::from_secs(30),
+    )
+    .map_err(|error| format!("{error:#}"))?;
+    if !kill.success() {
+        return Err(format!(
+            "`docker kill --signal TERM` failed: {}",
+            kill.stderr_tail()
+        ));
+    }
+    let health_while_draining = match http::get(address, "/health", Duration::from_secs(10)) {
+        Ok((status, _)) => status,
+        Err(error) => {
+            return Err(format!(
+                "expected /health to answer 503 while draining, found no answer: {error:#}"
+            ))
+        }
+    };
+
+    loop {
+        match next("the rest of the stream after SIGTERM")? {
+            StreamEvent::Data(data) => record(&data, true),
+            StreamEvent::End => break,
+            StreamEvent::Failed(error) => {
+                return Err(format!(
+                    "the stream broke after SIGTERM ({chunks_after} chunks after it): {error}"
+                ))
+            }
+            StreamEvent::Status(_) => return Err("expected one status".to_string()),
+        }
+    }
+    let _ = streamer.join();
+    let waited = run_capture(
+        Command::new("docker").args(["wait", container.name.as_str()]),
+        timeout,
+    )
+    .map_err(|error| format!("{error:#}"))?;
+    let exit_status = waited.stdout.trim().to_string();
+
+    let mut problems = Vec::new();
+    if health_while_draining != 503 {
+        problems.push(format!(
+            "expected /health 503 while draining, found {health_while_draining}"
+        ));
+    }
+    if chunks_after == 0 {
+        problems.push(format!(
+            "expected the stream to go on after SIGTERM, found it had ended before ({chunks_before} chunks): nothing was drained"
+        ));
+    }
+    if !done || finish_reason.is_none() {
+        problems.push(format!(
+            "expected the stream to end with a finish_reason and [DONE], found finish_reason {finish_reason:?}, [DONE] {done}"
+        ));
+    }
+    if exit_status != "0" {
+        problems.push(format!(
+            "expected exit status 0 after the drain, found {exit_status:?}"
+        ));
+    }
+    if problems.is_empty() {
+        Ok(format!(
+            "SIGTERM during a stream: {chunks_after} more chunks, finish_reason {}, [DONE]; /health 503 meanwhile; exit status 0",
+            finish_reason.unwrap_or_default()
+        ))
+    } else {
+        Err(problems.join("; "))
+    }
+}
+
+/// The first model `/v1/models` lists.
+fn served_model(address: SocketAddr) -> Result<String> {
+    let (status, body) = http::get(address, "/v1/models", Duration::from_secs(30))?;
+    if status != 200 {
+        bail!(
+            "expected /v1/models 200, found {status} {}",
+            truncate(&body, 200)
+        );
+    }
+    let models: serde_json::Value =
+        serde_json::from_str(&body).with_context(|| format!("parsing /v1/models: {body:?}"))?;
+    models["data"][0]["id"]
+        .as_str()
+        .map(str::to_string)
+        .with_context(|| format!("expected /v1/models to list a model id, found {body:?}"))
 }
 
 fn wait_for_health(container: &str, timeout: Duration) -> Result<Duration, String> {
@@ -802,6 +1272,10 @@ struct ImageConfig {
     healthcheck: Option<serde_json::Value>,
     #[serde(rename = "Entrypoint", default)]
     entrypoint: Option<Vec<String>>,
+    #[serde(rename = "Cmd", default)]
+    cmd: Option<Vec<String>>,
+    #[serde(rename = "ExposedPorts", default)]
+    exposed_ports: Option<BTreeMap<String, serde_json::Value>>,
     #[serde(rename = "Labels", default)]
     labels: Option<BTreeMap<String, String>>,
     #[serde(rename = "Env", default)]
@@ -821,11 +1295,32 @@ fn check_image_config(config: &ImageConfig) -> Vec<String> {
     {
         problems.push("expected a HEALTHCHECK, found none".to_string());
     }
-    let expected_entrypoint = vec![format!("{CONTAINER_EMBER_DIR}/ember")];
+    let expected_entrypoint = vec![CONTAINER_ENTRYPOINT.to_string()];
     if config.entrypoint.as_ref() != Some(&expected_entrypoint) {
         problems.push(format!(
             "expected entrypoint {expected_entrypoint:?}, found {:?}",
             config.entrypoint
+        ));
+    }
+    let expected_cmd = vec!["serve".to_string()];
+    if config.cmd.as_ref() != Some(&expected_cmd) {
+        problems.push(format!(
+            "expected the default command {expected_cmd:?}, found {:?}",
+            config.cmd
+        ));
+    }
+    let port = format!("{CONTAINER_SERVER_PORT}/tcp");
+    if !config
+        .exposed_ports
+        .as_ref()
+        .is_some_and(|ports| ports.contains_key(&port))
+    {
+        problems.push(format!(
+            "expected the image to expose {port}, found {:?}",
+            config
+                .exposed_ports
+                .as_ref()
+                .map(|ports| ports.keys().collect::<Vec<_>>())
         ));
     }
     let models_env = format!("EMBER_MODELS_DIR={CONTAINER_MODELS_DIR}");
@@ -2045,7 +2540,7 @@ mod tests {
         let config = |json: &str| serde_json::from_str::<ImageConfig>(json).unwrap();
         let run = docker::GPU_RUN_ARGS.join(" ");
         let good = format!(
-            r#"{{"User":"ember","Healthcheck":{{"Test":["CMD","/opt/ember/ember","info"]}},"Entrypoint":["/opt/ember/ember"],"Env":["PATH=/usr/bin","EMBER_MODELS_DIR=/models"],"Labels":{{"{}":"docker run {run} IMAGE"}}}}"#,
+            r#"{{"User":"ember","Healthcheck":{{"Test":["CMD","/usr/local/bin/ember-healthcheck"]}},"Entrypoint":["/usr/local/bin/ember-entrypoint"],"Cmd":["serve"],"ExposedPorts":{{"8080/tcp":{{}}}},"Env":["PATH=/usr/bin","EMBER_MODELS_DIR=/models"],"Labels":{{"{}":"docker run {run} IMAGE"}}}}"#,
             docker::LABEL_RUN
         );
         assert_eq!(check_image_config(&config(&good)), Vec::<String>::new());
@@ -2055,7 +2550,7 @@ mod tests {
             vec![r#"expected a non-root USER, found "0:0""#.to_string()]
         );
         let no_health = good.replace(
-            r#""Healthcheck":{"Test":["CMD","/opt/ember/ember","info"]}"#,
+            r#""Healthcheck":{"Test":["CMD","/usr/local/bin/ember-healthcheck"]}"#,
             r#""Healthcheck":null"#,
         );
         assert_eq!(
@@ -2064,5 +2559,18 @@ mod tests {
         );
         let no_kfd = good.replace("--device /dev/kfd", "");
         assert!(check_image_config(&config(&no_kfd))[0].contains("--device /dev/kfd"));
+        // The image of before the server: `ember` as the entrypoint and `info` as the command.
+        let info_image = good
+            .replace("/usr/local/bin/ember-entrypoint", "/opt/ember/ember")
+            .replace(r#""Cmd":["serve"]"#, r#""Cmd":["info"]"#)
+            .replace(r#""ExposedPorts":{"8080/tcp":{}},"#, "");
+        assert_eq!(
+            check_image_config(&config(&info_image)),
+            vec![
+                r#"expected entrypoint ["/usr/local/bin/ember-entrypoint"], found Some(["/opt/ember/ember"])"#.to_string(),
+                r#"expected the default command ["serve"], found Some(["info"])"#.to_string(),
+                "expected the image to expose 8080/tcp, found None".to_string(),
+            ]
+        );
     }
 }

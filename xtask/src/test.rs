@@ -1,7 +1,9 @@
 //! `cargo xtask test`: the project's one "run all tests" entry point.
 //!
 //! In order, each under its own header: fetch the pinned models, `cargo test --workspace
-//! --release`, `cargo test -p xtask`, then the toolchain checks: kernels for every target, a wrong
+//! --release`, the server tests through the official `openai` Python client (`pytest
+//! tests/server`, in a venv under `target/` built from the pinned `tests/server/requirements.txt`),
+//! `cargo test -p xtask`, then the toolchain checks: kernels for every target, a wrong
 //! target name failing, the gfx1201 and gfx1151 artifacts and their manifests and `ember info`,
 //! the Windows artifact under wine, the release matrix and its drift detection, actionlint, and
 //! the container image with its smoke test. Every step runs even after an earlier one failed (a
@@ -112,6 +114,10 @@ impl crate::flags::Test {
                 cmd!(sh, "{cargo} test --workspace --release --no-fail-fast").run()?;
                 Ok(())
             }),
+            step(
+                "server tests through the openai client (pytest tests/server)",
+                || server_tests(sh, &root, &cargo),
+            ),
             step("cargo test -p xtask", || {
                 cmd!(sh, "{cargo} test -p xtask").run()?;
                 Ok(())
@@ -494,6 +500,100 @@ fn actionlint(sh: &Shell, root: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Where the server tests' Python environment lives, and the stamp that says what it was built from.
+const SERVER_TESTS_VENV: &str = "target/server-tests-venv";
+const SERVER_TESTS_REQUIREMENTS: &str = "tests/server/requirements.txt";
+const VENV_STAMP: &str = "ember-requirements.stamp";
+/// What installs `python3` with `venv` and `ensurepip` on a fresh Debian machine.
+pub const SETUP_PYTHON: &str = ".ci/setup-python.sh";
+
+/// The Python of the venv that the server tests and the image smoke test use, with the pinned
+/// `openai` client, httpx and pytest installed. Built once and reused while the requirements file
+/// and the system Python are unchanged (a stamp in the venv records both), so a CI run that
+/// changed neither installs nothing.
+pub fn server_test_python(sh: &Shell, root: &Path) -> Result<PathBuf> {
+    let venv = root.join(SERVER_TESTS_VENV);
+    let python = venv.join("bin").join("python");
+    let requirements = root.join(SERVER_TESTS_REQUIREMENTS);
+    let requirements_text = std::fs::read(&requirements)
+        .with_context(|| format!("reading {}", requirements.display()))?;
+    let system_python = cmd!(sh, "python3 --version")
+        .quiet()
+        .read()
+        .with_context(|| format!("python3 not found: run {SETUP_PYTHON}"))?;
+    let stamp = format!(
+        "{}  {SERVER_TESTS_REQUIREMENTS}\n{}\n",
+        hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&requirements_text)),
+        system_python.trim()
+    );
+    let stamp_path = venv.join(VENV_STAMP);
+    if python.is_file() && std::fs::read_to_string(&stamp_path).ok().as_deref() == Some(&stamp) {
+        println!(
+            "python: reusing {} ({} unchanged)",
+            venv.display(),
+            SERVER_TESTS_REQUIREMENTS
+        );
+        return Ok(python);
+    }
+    println!(
+        "python: creating {} from {SERVER_TESTS_REQUIREMENTS} ({})",
+        venv.display(),
+        system_python.trim()
+    );
+    cmd!(sh, "python3 -m venv --clear {venv}")
+        .run()
+        .with_context(|| {
+            format!("`python3 -m venv` failed (Debian needs python3-venv): run {SETUP_PYTHON}")
+        })?;
+    cmd!(
+        sh,
+        "{python} -m pip install --quiet --disable-pip-version-check --no-input -r {requirements}"
+    )
+    .run()
+    .with_context(|| {
+        format!(
+            "installing {SERVER_TESTS_REQUIREMENTS} into {}",
+            venv.display()
+        )
+    })?;
+    // Written last: an interrupted install leaves no stamp, so the next run starts over.
+    std::fs::write(&stamp_path, stamp)
+        .with_context(|| format!("writing {}", stamp_path.display()))?;
+    Ok(python)
+}
+
+/// `pytest tests/server` against the release `ember` that `cargo test --workspace --release`
+/// built (built here only when it is missing, so this step never rebuilds with other features).
+fn server_tests(sh: &Shell, root: &Path, cargo: &str) -> Result<()> {
+    let ember = root.join("target").join("release").join("ember");
+    if !ember.is_file() {
+        println!("server tests: {} is missing; building it", ember.display());
+        cmd!(sh, "{cargo} build --release -p ember").run()?;
+    }
+    let python = server_test_python(sh, root)?;
+    // std::process rather than xshell: the exit status itself matters (5 is "no tests").
+    let status = std::process::Command::new(&python)
+        .args(["-m", "pytest", "tests/server"])
+        .current_dir(root)
+        .env("EMBER_BIN", &ember)
+        // No __pycache__ folders in the source tree.
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .status()
+        .with_context(|| format!("starting {} -m pytest", python.display()))?;
+    pytest_verdict(status.code())
+}
+
+/// What pytest's exit status means for the step. pytest exits 5 when it collected no tests, which
+/// must fail the step: a suite that silently stopped running is not a passing suite.
+fn pytest_verdict(code: Option<i32>) -> Result<()> {
+    match code {
+        Some(0) => Ok(()),
+        Some(5) => bail!("pytest collected no tests in tests/server (exit status 5)"),
+        Some(code) => bail!("pytest tests/server failed (exit status {code})"),
+        None => bail!("pytest tests/server was killed by a signal"),
+    }
+}
+
 fn docker_and_smoke(sh: &Shell, base: &str, image: &str, model: &str) -> Result<()> {
     if toolchain::which("docker").is_none()
         || cmd!(sh, "docker info")
@@ -521,6 +621,21 @@ fn docker_and_smoke(sh: &Shell, base: &str, image: &str, model: &str) -> Result<
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pytest_exit_statuses() {
+        assert!(pytest_verdict(Some(0)).is_ok());
+        let message = |code| pytest_verdict(code).unwrap_err().to_string();
+        assert_eq!(
+            message(Some(5)),
+            "pytest collected no tests in tests/server (exit status 5)"
+        );
+        assert_eq!(
+            message(Some(1)),
+            "pytest tests/server failed (exit status 1)"
+        );
+        assert_eq!(message(None), "pytest tests/server was killed by a signal");
+    }
 
     #[test]
     fn feature_lines_match_render_text() {

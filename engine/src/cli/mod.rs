@@ -10,6 +10,7 @@ mod load;
 mod perplexity;
 mod pull;
 mod run;
+mod serve;
 mod stress;
 mod tokenize;
 
@@ -44,6 +45,10 @@ pub enum Command {
     /// Load test: waves of concurrent sequences with mixed prompt lengths, tokens/s and device
     /// memory per wave, and whether memory returns to the post-load floor when idle.
     Stress(stress::StressArgs),
+    /// Serve the model over HTTP: OpenAI-compatible routes (/v1/chat/completions,
+    /// /v1/completions, /v1/models), /health, /metrics, and llama-server's /props, /slots,
+    /// /tokenize and /detokenize.
+    Serve(serve::ServeArgs),
 }
 
 /// Runs the command line; the process's exit code.
@@ -70,6 +75,7 @@ pub fn main() -> ExitCode {
         Command::Pull(args) => pull::run(args),
         Command::Devices(args) => devices::run(args),
         Command::Stress(args) => stress::run(args),
+        Command::Serve(args) => serve::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -142,7 +142,12 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             (None, None) => bail!("expected a prompt: pass -p TEXT or --prompt-ids IDS"),
         };
         let memory_pool = l.memory_report.then(|| l.pool.clone()).flatten();
-        (prompt, model.hparams().n_ctx_train, l.load_time, memory_pool)
+        (
+            prompt,
+            model.hparams().n_ctx_train,
+            l.load_time,
+            memory_pool,
+        )
     });
     if prompt.is_empty() {
         bail!("the prompt is empty after tokenization: expected at least one token");

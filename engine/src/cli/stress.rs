@@ -86,7 +86,8 @@ pub fn run(args: StressArgs) -> anyhow::Result<()> {
         );
     }
     const MAX_TOKENS: usize = 1 << 24;
-    if args.parallel > 4096 || args.prompts.iter().any(|&p| p > MAX_TOKENS) || args.gen > MAX_TOKENS {
+    if args.parallel > 4096 || args.prompts.iter().any(|&p| p > MAX_TOKENS) || args.gen > MAX_TOKENS
+    {
         bail!(
             "--parallel at most 4096, --prompts and --gen at most {MAX_TOKENS} tokens: found {}, {:?} and {}",
             args.parallel,
@@ -111,9 +112,7 @@ pub fn run(args: StressArgs) -> anyhow::Result<()> {
     let longest = args.prompts.iter().copied().max().unwrap_or(1);
     // The oversized request's prompt: long enough that its KV cache alone exceeds the budget.
     let oom_prompt_len = match (args.oom_request, args.device.vram_budget) {
-        (true, Some(budget)) => {
-            (budget / kv_per_token).saturating_add(1) as usize * 5 / 4 + 1
-        }
+        (true, Some(budget)) => (budget / kv_per_token).saturating_add(1) as usize * 5 / 4 + 1,
         _ => 0,
     };
     let n_ctx = longest.max(oom_prompt_len) + args.gen + 1;
@@ -235,9 +234,8 @@ fn stress_on(
 ) -> anyhow::Result<()> {
     let mut rng = Pcg32::new(args.seed);
     let mut oom_failures_seen = 0;
-    let mut random_prompt = |len: usize| -> Vec<u32> {
-        (0..len).map(|_| rng.next_u32() % n_vocab).collect()
-    };
+    let mut random_prompt =
+        |len: usize| -> Vec<u32> { (0..len).map(|_| rng.next_u32() % n_vocab).collect() };
     for wave in 0..args.waves {
         let prompts: Vec<Vec<u32>> = (0..args.parallel)
             .map(|i| random_prompt(args.prompts[(wave * args.parallel + i) % args.prompts.len()]))

@@ -454,7 +454,10 @@ impl Engine {
 
     /// Renders a conversation through the model's chat template (with the assistant's turn
     /// opened) and tokenizes it as the model reads it.
-    pub fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, crate::chat::ChatError> {
+    pub fn chat_prompt(
+        &self,
+        messages: &[ChatMessage],
+    ) -> Result<Vec<u32>, crate::chat::ChatError> {
         crate::chat::prompt_ids(
             &self.inner.tokenizer,
             self.inner.chat_template.as_deref(),
@@ -635,8 +638,8 @@ pub fn health_of(snapshot: &Snapshot, watchdog: Duration, now: Instant) -> Healt
     let pending = !snapshot.running.is_empty() || snapshot.waiting > 0;
     let step_too_long = step_running_for.is_some_and(|d| d > watchdog);
     // A loop that stopped going round (not in a step, yet no heartbeat) is as stuck as a step.
-    let loop_silent = step_running_for.is_none()
-        && now.saturating_duration_since(snapshot.heartbeat) > watchdog;
+    let loop_silent =
+        step_running_for.is_none() && now.saturating_duration_since(snapshot.heartbeat) > watchdog;
     let no_progress = pending && since_last_step > watchdog && step_running_for.is_none();
     if step_too_long || loop_silent || no_progress {
         return Health::Stalled {
@@ -664,7 +667,10 @@ impl RequestStream {
     }
 
     fn note(&mut self, event: &Option<Event>) {
-        if matches!(event, None | Some(Event::Done { .. } | Event::Failed { .. })) {
+        if matches!(
+            event,
+            None | Some(Event::Done { .. } | Event::Failed { .. })
+        ) {
             self.ended = true;
         }
     }

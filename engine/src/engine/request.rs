@@ -153,7 +153,9 @@ pub enum SubmitError {
         n_vocab: usize,
     },
     /// The prompt (plus at least one generated token) does not fit in the context.
-    #[error("the prompt has {prompt_tokens} tokens: expected fewer than the context of {n_ctx} tokens")]
+    #[error(
+        "the prompt has {prompt_tokens} tokens: expected fewer than the context of {n_ctx} tokens"
+    )]
     PromptTooLong { prompt_tokens: usize, n_ctx: usize },
     /// The request needs more KV blocks than the whole cache has, so it could never run.
     #[error("the request needs {needed_blocks} KV blocks of {block_size} tokens ({needed_tokens} tokens), the cache has {total_blocks} blocks in all")]

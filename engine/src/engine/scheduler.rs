@@ -111,7 +111,11 @@ pub struct StepReport {
 }
 
 impl Scheduler {
-    pub(crate) fn new(config: EngineConfig, tokenizer: Arc<Tokenizer>, shared: Arc<Shared>) -> Self {
+    pub(crate) fn new(
+        config: EngineConfig,
+        tokenizer: Arc<Tokenizer>,
+        shared: Arc<Shared>,
+    ) -> Self {
         Scheduler {
             config,
             tokenizer,
@@ -225,7 +229,11 @@ impl Scheduler {
 
     /// Ends every request with a failure (the engine is stopping on an error).
     pub fn fail_all(&mut self, message: &str) {
-        let sequences: Vec<Sequence> = self.waiting.drain(..).chain(self.running.drain(..)).collect();
+        let sequences: Vec<Sequence> = self
+            .waiting
+            .drain(..)
+            .chain(self.running.drain(..))
+            .collect();
         for seq in sequences {
             self.end(seq, FinishReason::Cancelled, Some(message.to_string()));
         }
@@ -435,8 +443,11 @@ impl Scheduler {
         if let Err(error) = self.run_pass(model, ctx, &members) {
             self.totals.failed_steps += 1;
             if members.len() == 1 {
-                self.ended
-                    .push((members[0].index, FinishReason::Cancelled, Some(error.to_string())));
+                self.ended.push((
+                    members[0].index,
+                    FinishReason::Cancelled,
+                    Some(error.to_string()),
+                ));
             } else {
                 tracing::warn!(%error, sequences = members.len(), "a batch failed; retrying each sequence alone");
                 for member in &members {
@@ -444,8 +455,11 @@ impl Scheduler {
                     report.passes += 1;
                     report.tokens += member.count;
                     if let Err(error) = self.run_pass(model, ctx, std::slice::from_ref(member)) {
-                        self.ended
-                            .push((member.index, FinishReason::Cancelled, Some(error.to_string())));
+                        self.ended.push((
+                            member.index,
+                            FinishReason::Cancelled,
+                            Some(error.to_string()),
+                        ));
                     }
                 }
             }
@@ -457,7 +471,7 @@ impl Scheduler {
     /// Removes the sequences that ended in this step, highest index first so indices stay valid.
     fn finish_ended<B: Backend>(&mut self, ctx: &mut Context<B>) {
         let mut ended = std::mem::take(&mut self.ended);
-        ended.sort_by(|a, b| b.0.cmp(&a.0));
+        ended.sort_by_key(|e| std::cmp::Reverse(e.0));
         ended.dedup_by_key(|e| e.0);
         for (index, reason, failure) in ended.drain(..) {
             let seq = self.running.remove(index);

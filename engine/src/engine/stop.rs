@@ -105,7 +105,10 @@ impl TextFilter {
 
     /// Byte offset in `held` of the earliest complete stop string.
     fn earliest_stop(&self) -> Option<usize> {
-        self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min()
+        self.stops
+            .iter()
+            .filter_map(|s| self.held.find(s.as_str()))
+            .min()
     }
 
     /// Bytes at the end of `held` that are a proper prefix of some stop string (so they must wait),
@@ -116,7 +119,9 @@ impl TextFilter {
             let max = (stop.len() - 1).min(self.held.len());
             for len in (keep + 1..=max).rev() {
                 let start = self.held.len() - len;
-                if self.held.is_char_boundary(start) && stop.as_bytes().starts_with(&self.held.as_bytes()[start..]) {
+                if self.held.is_char_boundary(start)
+                    && stop.as_bytes().starts_with(&self.held.as_bytes()[start..])
+                {
                     keep = len;
                     break;
                 }
@@ -149,7 +154,10 @@ mod tests {
 
     #[test]
     fn text_without_stops_passes_through() {
-        assert_eq!(run(&[], &[b"Hello", b", ", b"world"]), ("Hello, world".into(), None));
+        assert_eq!(
+            run(&[], &[b"Hello", b", ", b"world"]),
+            ("Hello, world".into(), None)
+        );
     }
 
     #[test]
@@ -198,7 +206,10 @@ mod tests {
     #[test]
     fn stops_match_multibyte_text_at_character_boundaries() {
         assert_eq!(
-            run(&["\u{e9}t\u{e9}"], &["caf\u{e9} \u{e9}".as_bytes(), "t\u{e9}!".as_bytes()]),
+            run(
+                &["\u{e9}t\u{e9}"],
+                &["caf\u{e9} \u{e9}".as_bytes(), "t\u{e9}!".as_bytes()]
+            ),
             ("caf\u{e9} ".into(), Some(1))
         );
     }

@@ -133,7 +133,11 @@ struct Worker<'a> {
 }
 
 impl Worker<'_> {
-    fn snapshot<B: Backend>(&self, scheduler: &Scheduler, ctx: &crate::model::Context<B>) -> Snapshot {
+    fn snapshot<B: Backend>(
+        &self,
+        scheduler: &Scheduler,
+        ctx: &crate::model::Context<B>,
+    ) -> Snapshot {
         let now = Instant::now();
         let stats = ctx.kv_stats();
         Snapshot {
@@ -219,14 +223,19 @@ fn run<B: Backend>(loaded: Loaded<B>, shared: &Arc<Shared>, commands: &mpsc::Rec
                 // The step is about to run: publish that, with what it holds, so a pass that
                 // never returns is visible to `/health` while this thread is stuck in it.
                 let now = Instant::now();
-                let mut snapshot = (**shared.snapshot.lock().unwrap_or_else(|e| e.into_inner())).clone();
+                let mut snapshot =
+                    (**shared.snapshot.lock().unwrap_or_else(|e| e.into_inner())).clone();
                 snapshot.heartbeat = now;
                 snapshot.step_started = Some(now);
                 snapshot.running = slots.to_vec();
                 shared.publish(snapshot);
                 if let Some((stall_step, stall_for)) = config.fault_stall {
                     if stall_step == step_number {
-                        tracing::warn!(step = step_number, seconds = stall_for.as_secs_f64(), "fault injection: stalling this step");
+                        tracing::warn!(
+                            step = step_number,
+                            seconds = stall_for.as_secs_f64(),
+                            "fault injection: stalling this step"
+                        );
                         std::thread::sleep(stall_for);
                     }
                 }
