@@ -480,7 +480,9 @@ fn main() -> anyhow::Result<()> {
         Gguf::open(&args.model).with_context(|| format!("cannot open {}", args.model.display()))?,
     );
     let hparams = HParams::from_metadata(architecture_of(&gguf)?, gguf.metadata())?;
-    if let Some(error) = gpu::numerics::reference_unsupported(hparams.head_dim_k, hparams.final_logit_softcap) {
+    if let Some(error) =
+        gpu::numerics::reference_unsupported(hparams.head_dim_k, hparams.final_logit_softcap)
+    {
         bail!(error);
     }
     let cpu = Model::from_gguf(

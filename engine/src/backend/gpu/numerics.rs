@@ -22,7 +22,6 @@
 use std::fmt;
 use std::str::FromStr;
 
-
 /// Environment variable choosing the numerics mode when no `--numerics` flag does: `fast` or
 /// `reference`.
 pub const NUMERICS_ENV: &str = "EMBER_GPU_NUMERICS";
