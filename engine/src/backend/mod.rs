@@ -29,8 +29,8 @@ use std::sync::Arc;
 use ember_gguf::{Gguf, TensorInfo};
 
 use crate::batch::Batch;
-pub use crate::ops::{RopeMode, RopeParams};
 use crate::ops::{AttentionPlan, FfnActivation};
+pub use crate::ops::{RopeMode, RopeParams};
 
 /// An error raised by a backend while placing weights or allocating memory.
 #[derive(Debug, thiserror::Error)]
