@@ -185,6 +185,17 @@ impl Sampler {
 
     /// Chooses the next token from one row of logits. Does not call [`Sampler::accept`].
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        if self.params.temperature <= 0.0 && !self.penalties_active() {
+            // Greedy without penalties: the arg-max, read straight from the logits (the same
+            // choice as through the candidate list: the first largest, NaN never chosen).
+            let mut best = (0u32, f32::NEG_INFINITY);
+            for (id, &l) in logits.iter().enumerate() {
+                if l > best.1 {
+                    best = (id as u32, l);
+                }
+            }
+            return best.0;
+        }
         self.candidates.clear();
         self.candidates
             .extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l)));
@@ -299,6 +310,23 @@ mod tests {
     fn greedy_picks_the_argmax() {
         let mut s = Sampler::new(SamplerParams::greedy());
         assert_eq!(s.sample(&[0.1, 3.0, -2.0, 2.9]), 1);
+    }
+
+    #[test]
+    fn greedy_takes_the_first_largest_and_never_nan() {
+        let mut s = Sampler::new(SamplerParams::greedy());
+        assert_eq!(s.sample(&[f32::NAN, 1.0, 3.0, 3.0, f32::NEG_INFINITY]), 2);
+        assert_eq!(s.sample(&[f32::NAN, f32::NAN]), 0);
+        // With a penalty window the candidate path decides, and agrees where nothing repeats.
+        let mut penalised = Sampler::new(SamplerParams {
+            repeat_penalty: 1.5,
+            ..SamplerParams::greedy()
+        });
+        penalised.accept(0);
+        assert_eq!(
+            penalised.sample(&[f32::NAN, 1.0, 3.0, 3.0, f32::NEG_INFINITY]),
+            2
+        );
     }
 
     #[test]

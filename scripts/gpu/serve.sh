@@ -12,6 +12,7 @@
 #      `ember serve` on Llama 3.2 1B Q4_0, /metrics before and after, then device memory against
 #      the post-load floor after 2 s of idle.
 #
+# The llama.cpp part runs last so that ember's figures come back even if its build is slow.
 # Usage (on the GPU machine, from the repository root):
 #   OUT=$OUT EMBER=path/to/ember SYNTH=path/to/ember-synth LLAMA_SRC=llama-src.tgz \
 #       scripts/gpu/serve.sh
@@ -32,7 +33,11 @@ LLAMA_SRC="${LLAMA_SRC:-}"
 DEVICE="${DEVICE:-cuda:0}"
 BIG="${BIG:-llama3-8b}"
 SMALL="${SMALL:-llama3.2-1b}"
-mkdir -p "$OUT" "$MODELS"
+# Logs go to LOGS and come back as one archive in $OUT (the device tool returns few files).
+LOGS="$MODELS/logs"
+rm -rf "$LOGS"
+mkdir -p "$OUT" "$MODELS" "$LOGS"
+trap 'tar czf "$OUT/serve-logs.tgz" -C "$MODELS" logs' EXIT
 if [[ "$DEVICE" == cpu ]]; then
     DEVICE_FLAGS=(--device cpu -t "$(nproc)")
 else
@@ -47,8 +52,12 @@ t() { echo "[t=$((SECONDS - start))s] $*"; }
 t "kernels for $ARCH"
 [[ "$DEVICE" == cpu ]] && ARCH=none
 (if [[ "$ARCH" == none ]]; then exit 0; fi
- bash "$ROOT/kernels/tests/run-nvcc.sh" "$ARCH" "$MODELS/kbuild" >"$OUT/kernels.log" 2>&1
- mkdir -p "$EMBER_KERNELS_DIR/$ARCH" && cp "$MODELS"/kbuild/*.cubin "$EMBER_KERNELS_DIR/$ARCH/") &
+ # Cubins only (the harnesses are scripts/gpu/h200.sh kernels' business), several at once.
+ mkdir -p "$EMBER_KERNELS_DIR/$ARCH"
+ ls "$ROOT"/kernels/*.hip | xargs -P "${KERNEL_JOBS:-6}" -I{} sh -c \
+     'nvcc -cubin -arch="$1" -O3 -std=c++17 -x cu -I "$2/kernels" -o "$3/$(basename "$4" .hip).cubin" "$4" || echo "FAILED $4"' \
+     _ "$ARCH" "$ROOT" "$EMBER_KERNELS_DIR/$ARCH" {} >"$LOGS/kernels.log" 2>&1
+ ! grep -q FAILED "$LOGS/kernels.log") &
 kernels_pid=$!
 llama_pid=
 if [[ -n "$LLAMA_SRC" ]]; then
@@ -56,16 +65,16 @@ if [[ -n "$LLAMA_SRC" ]]; then
     (mkdir -p "$MODELS/llama" && tar xzf "$LLAMA_SRC" -C "$MODELS/llama" &&
         cd "$MODELS/llama/llama.cpp" &&
         cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a -DLLAMA_CURL=OFF \
-            -DLLAMA_BUILD_SERVER=OFF -DCMAKE_BUILD_TYPE=Release >"$OUT/llama-build.log" 2>&1 &&
-        cmake --build build -j 12 --target llama-batched-bench >>"$OUT/llama-build.log" 2>&1) &
+            -DLLAMA_BUILD_SERVER=OFF -DCMAKE_BUILD_TYPE=Release >"$LOGS/llama-build.log" 2>&1 &&
+        cmake --build build -j "${LLAMA_JOBS:-10}" --target llama-batched-bench >>"$LOGS/llama-build.log" 2>&1) &
     llama_pid=$!
 fi
 t "models"
 BIG_MODEL="$MODELS/$BIG-q4_k_m.gguf"
 SMALL_MODEL="$MODELS/$SMALL-q4_0.gguf"
-[[ -s "$BIG_MODEL" ]] || "$SYNTH" --shape "$BIG" --type q4_k_m --fast -o "$BIG_MODEL" >"$OUT/synth.log" 2>&1
-[[ -s "$SMALL_MODEL" ]] || "$SYNTH" --shape "$SMALL" --type q4_0 --fast -o "$SMALL_MODEL" >>"$OUT/synth.log" 2>&1
-wait "$kernels_pid" || { t "kernels failed"; tail -20 "$OUT/kernels.log"; exit 1; }
+[[ -s "$BIG_MODEL" ]] || "$SYNTH" --shape "$BIG" --type q4_k_m --fast -o "$BIG_MODEL" >"$LOGS/synth.log" 2>&1
+[[ -s "$SMALL_MODEL" ]] || "$SYNTH" --shape "$SMALL" --type q4_0 --fast -o "$SMALL_MODEL" >>"$LOGS/synth.log" 2>&1
+wait "$kernels_pid" || { t "kernels failed"; tail -20 "$LOGS/kernels.log"; exit 1; }
 [[ "$ARCH" == none ]] || t "kernels ready: $(ls "$EMBER_KERNELS_DIR/$ARCH" | wc -l) cubins"
 
 # Starts `ember serve` on MODEL with extra flags; sets SERVER_PID and PORT.
@@ -94,35 +103,36 @@ stop_server() {
 
 # 2. Throughput.
 t "ember serve on $BIG Q4_K_M: sweep $SWEEP"
-if serve "$OUT/serve-8b.log" "$BIG_MODEL" --parallel 64 --max-queue 256 -c 1024 --kv-tokens 70000 --ubatch 2048; then
+if serve "$LOGS/serve-8b.log" "$BIG_MODEL" --parallel 64 --max-queue 256 -c 1024 --kv-tokens 70000 --ubatch 2048; then
     python3 "$ROOT/scripts/load.py" --url "http://127.0.0.1:$PORT" --sweep "$SWEEP" \
-        --prompt-tokens 512 --max-tokens 128 --stream --ignore-eos | tee "$OUT/sweep-ember.txt"
-    metrics "$PORT" >"$OUT/metrics-8b.txt" 2>&1
+        --prompt-tokens 512 --max-tokens 128 --stream --ignore-eos | tee "$LOGS/sweep-ember.txt"
+    metrics "$PORT" >"$LOGS/metrics-8b.txt" 2>&1
     stop_server
 fi
+
+# 3. Soak and memory.
+t "soak: $SOAK mixed requests on $SMALL Q4_0"
+if serve "$LOGS/serve-1b.log" "$SMALL_MODEL" --parallel 16 --max-queue 512 -c 8300 --kv-tokens 140000 --ubatch 2048; then
+    python3 "$ROOT/scripts/load.py" --url "http://127.0.0.1:$PORT" --soak "$SOAK" --clients 16 \
+        --max-tokens 64 --stream | tee "$LOGS/soak.txt"
+    if [[ "$DEVICE" != cpu ]]; then
+        nvidia-smi --query-gpu=memory.used --format=csv,noheader | sed 's/^/device memory used after the soak and 2 s idle (nvidia-smi): /'
+    fi
+    metrics "$PORT" | grep -E "^ember_device_memory|^ember_kv|^ember_prompt|^vllm:" | tee "$LOGS/metrics-soak.txt"
+    stop_server
+fi
+# 4. llama.cpp on the same file and workload, then the side-by-side table.
 if [[ -n "$llama_pid" ]]; then
     t "waiting for the llama.cpp build"
     if wait "$llama_pid"; then
         bench="$MODELS/llama/llama.cpp/build/bin/llama-batched-bench"
         t "llama-batched-bench on the same file and workload"
         "$bench" -m "$BIG_MODEL" -ngl 99 -fa on -c 73728 -b 2048 -ub 512 \
-            -npp 512 -ntg 128 -npl "$SWEEP" 2>"$OUT/llama-bench.err" | tee "$OUT/sweep-llama.txt"
+            -npp 512 -ntg 128 -npl "$SWEEP" 2>"$LOGS/llama-bench.err" | tee "$LOGS/sweep-llama.txt"
     else
         t "llama.cpp build failed"
-        tail -30 "$OUT/llama-build.log"
+        tail -30 "$LOGS/llama-build.log"
     fi
 fi
-python3 "$ROOT/scripts/gpu/compare_sweep.py" "$OUT/sweep-ember.txt" "$OUT/sweep-llama.txt" | tee "$OUT/sweep-table.md"
-
-# 3. Soak and memory.
-t "soak: $SOAK mixed requests on $SMALL Q4_0"
-if serve "$OUT/serve-1b.log" "$SMALL_MODEL" --parallel 16 --max-queue 512 -c 8300 --kv-tokens 140000 --ubatch 2048; then
-    python3 "$ROOT/scripts/load.py" --url "http://127.0.0.1:$PORT" --soak "$SOAK" --clients 16 \
-        --max-tokens 64 --stream | tee "$OUT/soak.txt"
-    if [[ "$DEVICE" != cpu ]]; then
-        nvidia-smi --query-gpu=memory.used --format=csv,noheader | sed 's/^/device memory used after the soak and 2 s idle (nvidia-smi): /'
-    fi
-    metrics "$PORT" | grep -E "^ember_device_memory|^ember_kv|^ember_prompt|^vllm:" | tee "$OUT/metrics-soak.txt"
-    stop_server
-fi
+python3 "$ROOT/scripts/gpu/compare_sweep.py" "$LOGS/sweep-ember.txt" "$LOGS/sweep-llama.txt" | tee "$LOGS/sweep-table.md"
 t "done"

@@ -9,14 +9,20 @@
 //! ```
 //!
 //! Every op's launch wrapper runs on random inputs: `matmul` for every weight format with 1, 7, 64
-//! and 300 tokens through each path (matrix-vector, BLAS GEMM, the tiled fallback kernel), and the
+//! and 300 tokens through each path (matrix-vector, BLAS GEMM, the tiled fallback kernel), the
+//! quantised matrix path (mmq) for 9, 16, 33, 64 and 100 tokens on every format it covers, and the
 //! element-wise and row-wise ops. Host references are computed in f64 from weights dequantised by
 //! ember-quant (the CPU engine's own code). Tolerances, stated per path:
 //! - tiled GEMM: exact dequantisation, f32 accumulation: 1e-5 of `sum |w x|` (reordering bound);
 //! - BLAS: weights and activations rounded to f16 (2^-11 relative each), f32 accumulation:
 //!   1.5e-3 of `sum |w x|`;
-//! - matrix-vector: activations may be quantised to 8 bits per 32-value block (q8_1, GGML's
-//!   scheme), an error of at most `max|x| / 254` per value: 1/127 of `sum |w| * max|x|`.
+//! - matrix-vector and mmq: activations may be quantised to 8 bits per 32-value block (q8_1,
+//!   GGML's scheme), an error of at most `max|x| / 254` per value: 1/127 of `sum |w| * max|x|`;
+//! - mmq against the CPU backend's own matmul (ember-quant, same activation rounding, same
+//!   integer dot products per group): the group terms differ only in f32 association and are
+//!   added in another order, at most `cols / 32` roundings of 2^-24 of the terms' magnitudes
+//!   (1.2e-5 for 4096 columns), and the terms (minimum terms included) stay within a few times
+//!   `sum |w x^|` for these matrices: 1e-4 of `sum |w x^|`, x^ the quantised activations.
 //!
 //! With no GPU (no CUDA or HIP driver, or no device) it says so and exits 0. Any failed check
 //! makes it exit 1.
@@ -255,6 +261,114 @@ fn check_matmul(
         }
     }
     Ok(())
+}
+
+/// The quantised matrix path (mmq) on every format it covers: against f64 with the matrix-vector
+/// tolerance, and against the CPU backend's own matmul. Shapes: 300 rows (a partial row tile),
+/// 77 x 4096 (two row tiles: split along K, so partial sums and their reduction run), and 130 x
+/// 800 for the 32-value formats (800 columns end in a partial K step).
+fn check_mmq(
+    checker: &mut Checker,
+    ctx: &GpuContext,
+    rng: &mut Rng,
+    quick: bool,
+) -> Result<(), ops::OpsError> {
+    let token_counts: &[usize] = if quick {
+        &[9, 64]
+    } else {
+        &[9, 16, 33, 64, 100]
+    };
+    for format in WeightFormat::ALL
+        .into_iter()
+        .filter(|&f| ops::has_mmq_kernels(f))
+    {
+        let mut shapes = vec![(300usize, 1024usize), (77, 4096)];
+        if format.block_values() == 32 {
+            shapes.push((130, 800));
+        }
+        for (rows, cols) in shapes {
+            let (bytes, w) = random_matrix(rng, format, rows, cols);
+            let matrix = device_matrix(ctx, format, rows, cols, &bytes)?;
+            for &n_tokens in token_counts {
+                let x = rng.floats(n_tokens * cols, -1.0, 1.0);
+                let name = format!("matmul {format} {rows}x{cols}, {n_tokens} tokens, mmq");
+                let result = (|| {
+                    let dx = upload_f32(ctx, &x)?;
+                    // Poisoned, so an output the kernels never write fails the check.
+                    let dout = upload_f32(ctx, &vec![f32::NAN; n_tokens * rows])?;
+                    ops::matmul_with(
+                        ctx,
+                        &matrix,
+                        dx.ptr(),
+                        n_tokens,
+                        dout.ptr(),
+                        MatmulPath::Mmq,
+                    )?;
+                    download_f32(ctx, &dout, n_tokens * rows)
+                })();
+                let out = match result {
+                    Ok(out) => out,
+                    Err(error) => {
+                        checker.fail(&name, &error);
+                        continue;
+                    }
+                };
+                let (_, rel_w_xmax) = matmul_errors(&out, &w, &x, rows, cols, n_tokens);
+                checker.report(&format!("{name} (/sum|w|max|x|)"), rel_w_xmax, 1.0 / 127.0);
+                match cpu_matmul(format, rows, cols, &bytes, &x, n_tokens) {
+                    Ok((cpu, magnitude)) => {
+                        let worst = out
+                            .iter()
+                            .zip(&cpu)
+                            .zip(&magnitude)
+                            .map(|((&g, &c), &m)| (g as f64 - c as f64).abs() / (m + 1e-30))
+                            .fold(0.0f64, |a, b| if b.is_nan() { f64::NAN } else { a.max(b) });
+                        checker.report(&format!("{name} vs CPU (/sum|w x^|)"), worst, 1e-4);
+                    }
+                    Err(error) => checker.fail(&format!("{name} vs CPU"), &error),
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The CPU backend's matmul of `bytes` (a `rows` x `cols` matrix in `format`) with `x`, and per
+/// output `sum |w x^|`, x^ the activations as the CPU quantised them.
+fn cpu_matmul(
+    format: WeightFormat,
+    rows: usize,
+    cols: usize,
+    bytes: &[u8],
+    x: &[f32],
+    n_tokens: usize,
+) -> Result<(Vec<f32>, Vec<f64>), ember_quant::QuantError> {
+    let ty = ggml_type(format);
+    let matrix = ember_quant::QMatrix {
+        ty,
+        rows,
+        cols,
+        data: bytes,
+    };
+    let mut out = vec![0f32; n_tokens * rows];
+    ember_quant::matmul_f32(&matrix, x, n_tokens, &mut out)?;
+    let act_ty = ember_quant::vec_dot_type(ty);
+    let act = ember_quant::quantize_activations(act_ty, x, n_tokens, cols)?;
+    let mut w = vec![0f32; rows * cols];
+    ember_quant::dequantize(ty, bytes, &mut w)?;
+    let mut magnitude = vec![0f64; n_tokens * rows];
+    let mut x_hat = vec![0f32; cols];
+    for t in 0..n_tokens {
+        ember_quant::dequantize(act_ty, act.row(t), &mut x_hat)?;
+        for r in 0..rows {
+            magnitude[t * rows + r] = w[r * cols..(r + 1) * cols]
+                .iter()
+                .zip(&x_hat)
+                .map(|(&a, &b)| (a as f64 * b as f64).abs())
+                .sum();
+        }
+    }
+    Ok((out, magnitude))
 }
 
 fn check_elementwise(
@@ -715,6 +829,7 @@ fn run() -> Result<Option<usize>, Box<dyn std::error::Error>> {
             "matmul",
             check_matmul(&mut checker, &blas_ctx, &tiled_ctx, &mut rng, quick),
         ),
+        ("mmq", check_mmq(&mut checker, &blas_ctx, &mut rng, quick)),
     ] {
         if let Err(error) = result {
             checker.fail(name, &error);

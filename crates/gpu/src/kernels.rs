@@ -38,6 +38,7 @@ pub enum KernelModule {
     ExactElementwise,
     ExactAttention,
     ExactMatmul,
+    Mmq,
 }
 
 /// A module's file stem and the functions it exports.
@@ -298,6 +299,40 @@ pub const KERNEL_MODULES: &[ModuleSpec] = &[
             "ember_exact_matmul_q4_k",
             "ember_exact_matmul_q5_k",
             "ember_exact_matmul_q6_k",
+        ],
+    },
+    ModuleSpec {
+        module: KernelModule::Mmq,
+        stem: "mmq",
+        functions: &[
+            "ember_mmq_quantize_q8_0",
+            "ember_mmq_quantize_q8_1",
+            "ember_mmq_quantize_q8_k",
+            "ember_mmq_q4_0_n16",
+            "ember_mmq_q4_0_n32",
+            "ember_mmq_q4_0_n64",
+            "ember_mmq_q4_1_n16",
+            "ember_mmq_q4_1_n32",
+            "ember_mmq_q4_1_n64",
+            "ember_mmq_q5_0_n16",
+            "ember_mmq_q5_0_n32",
+            "ember_mmq_q5_0_n64",
+            "ember_mmq_q5_1_n16",
+            "ember_mmq_q5_1_n32",
+            "ember_mmq_q5_1_n64",
+            "ember_mmq_q8_0_n16",
+            "ember_mmq_q8_0_n32",
+            "ember_mmq_q8_0_n64",
+            "ember_mmq_q4_k_n16",
+            "ember_mmq_q4_k_n32",
+            "ember_mmq_q4_k_n64",
+            "ember_mmq_q5_k_n16",
+            "ember_mmq_q5_k_n32",
+            "ember_mmq_q5_k_n64",
+            "ember_mmq_q6_k_n16",
+            "ember_mmq_q6_k_n32",
+            "ember_mmq_q6_k_n64",
+            "ember_mmq_reduce",
         ],
     },
 ];
@@ -670,6 +705,7 @@ mod tests {
             KernelModule::Attention,
             KernelModule::Gemm,
             KernelModule::ExactMatmul,
+            KernelModule::Mmq,
         ] {
             for f in module.spec().functions {
                 assert!(seen.insert(*f), "{f} listed twice");

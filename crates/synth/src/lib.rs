@@ -1,5 +1,6 @@
 //! Synthetic GGUF models: the shapes of real models (Llama 3.1 8B, Llama 3.2 1B, SmolLM2, Qwen 2
-//! and 3, Gemma 3) with random weights, in any type ember runs, and a working BPE tokenizer.
+//! and 3, Gemma 3, the Qwen3-30B-A3B mixture of experts) with random weights, in any type ember
+//! runs, and a working BPE tokenizer.
 //!
 //! They exist for GPU work: speed benchmarks need 1B and 8B models that cannot be downloaded
 //! here, and CPU-versus-GPU consistency tests need every architecture in every type. Weights are
@@ -24,7 +25,7 @@ use std::time::Instant;
 
 use ember_gguf::{Array, GgmlType, GgufWriter, Value};
 
-pub use shapes::{Shape, TokenizerStyle, SHAPE_NAMES};
+pub use shapes::{MoeShape, Shape, ShapeOverrides, TokenizerStyle, SHAPE_NAMES};
 pub use types::{Plan, Role, TypeSpec, TYPE_NAMES};
 pub use weights::Init;
 
@@ -47,6 +48,8 @@ pub enum SynthError {
     },
     #[error("{what}: expected at least 1, found 0")]
     Zero { what: &'static str },
+    #[error("shape {shape}: {reason}")]
+    BadShape { shape: String, reason: String },
     #[error("quantization failed: {0}")]
     Quant(#[from] ember_quant::QuantError),
     #[error("cannot write {path}: {message}")]
@@ -137,6 +140,15 @@ const FFN_DOWN_GAIN: f32 = 1.7;
 /// RMS 3 keeps the bias near one logit standard deviation.
 const RESIDUAL_RMS: f32 = 3.0;
 
+/// Standard deviation of a mixture-of-experts router's logits. Its input is RMS-normalised, so
+/// rows of std `ROUTER_GAIN / sqrt(n_embd)` give logits of std `ROUTER_GAIN`: the softmax over
+/// experts is then clearly peaked (the top expert of 128 typically takes a few times the weight
+/// of the eighth), and the gap between the last chosen expert and the first one left out is
+/// typically about a tenth of a logit, far above the rounding of the router product (a few
+/// millionths of a logit at a width of 2048), so implementations that round differently rarely
+/// choose different experts.
+const ROUTER_GAIN: f32 = 2.0;
+
 /// The same for Gemma 3, whose embeddings enter multiplied by `sqrt(n_embd)` (RMS
 /// [`LOGIT_STD`]) and whose layer outputs are RMS-normalised before the residual add, so the
 /// post-norm weights set their scale: 45 brings the self-bias of a 640-wide model to about 5.
@@ -149,7 +161,13 @@ const GEMMA_RESIDUAL_RMS: f32 = 45.0;
 /// projections are scaled by `RESIDUAL_RMS / sqrt(2 n_layer)` (as GPT-2's initialisation) so
 /// that the 2 n_layer residual additions sum to [`RESIDUAL_RMS`] whatever the depth (Gemma's
 /// post-norm weights do the same with [`GEMMA_RESIDUAL_RMS`]); the output projection gives
-/// logits of std [`LOGIT_STD`]. Untied token embeddings are standard normal (Gemma, which
+/// logits of std [`LOGIT_STD`]. Mixture-of-experts layers replace the FFN by a router (logits of
+/// std [`ROUTER_GAIN`], always F32, as llama-quantize leaves `ffn_gate_inp`) and stacked experts
+/// scaled like the dense FFN, except that the down projections are `sqrt(n_expert_used)` times
+/// larger: a token's output is the weighted mean of its experts' outputs (weights summing to
+/// 1), and a mean of `k` independent outputs has `1/sqrt(k)` of their RMS when the weights are
+/// equal, so without the factor the layers would add less than [`RESIDUAL_RMS`] and the
+/// input token's embedding would dominate the logits. Untied token embeddings are standard normal (Gemma, which
 /// multiplies them by `sqrt(n_embd)`, gets `1/sqrt(n_embd)`); tied ones serve as the output
 /// projection and take its scale.
 pub fn tensor_list(opts: &SynthOptions) -> Result<Vec<TensorSpec>, SynthError> {
@@ -173,6 +191,17 @@ pub fn tensor_list(opts: &SynthOptions) -> Result<Vec<TensorSpec>, SynthError> {
         n_layer: s.n_layer,
     };
     let (e, ff, q, kv, hd) = (s.n_embd, s.n_ff, s.q_dim(), s.kv_dim(), s.head_dim);
+    if let Some(m) = s.moe {
+        for (what, v) in [
+            ("n_expert", m.n_expert),
+            ("n_expert_used", m.n_expert_used),
+            ("n_ff_expert", m.n_ff_expert),
+        ] {
+            if v == 0 {
+                return Err(SynthError::Zero { what });
+            }
+        }
+    }
     let inv_sqrt = |n: usize| 1.0 / (n as f32).sqrt();
     let residual_scale = RESIDUAL_RMS * inv_sqrt(2 * s.n_layer);
     let post_norm_center = GEMMA_RESIDUAL_RMS * inv_sqrt(2 * s.n_layer);
@@ -283,30 +312,71 @@ pub fn tensor_list(opts: &SynthOptions) -> Result<Vec<TensorSpec>, SynthError> {
             list.push(post_norm(n("post_attention_norm.weight")));
         }
         list.push(norm(n("ffn_norm.weight"), e));
-        list.push(matrix(
-            n("ffn_gate.weight"),
-            Role::FfnGate,
-            il,
-            e,
-            ff,
-            inv_sqrt(e),
-        ));
-        list.push(matrix(
-            n("ffn_up.weight"),
-            Role::FfnUp,
-            il,
-            e,
-            ff,
-            inv_sqrt(e),
-        ));
-        list.push(matrix(
-            n("ffn_down.weight"),
-            Role::FfnDown,
-            il,
-            ff,
-            e,
-            FFN_DOWN_GAIN * residual_scale * inv_sqrt(ff),
-        ));
+        if let Some(m) = s.moe {
+            let (n_expert, eff) = (m.n_expert as u64, m.n_ff_expert);
+            let experts =
+                |name: String, role: Role, cols: usize, rows: usize, std: f32| TensorSpec {
+                    name,
+                    dims: vec![cols as u64, rows as u64, n_expert],
+                    ty: plan.tensor_type(role, il, cols),
+                    init: Init::Normal { std },
+                };
+            list.push(TensorSpec {
+                name: n("ffn_gate_inp.weight"),
+                dims: vec![e as u64, n_expert],
+                ty: GgmlType::F32,
+                init: Init::Normal {
+                    std: ROUTER_GAIN * inv_sqrt(e),
+                },
+            });
+            list.push(experts(
+                n("ffn_gate_exps.weight"),
+                Role::FfnGate,
+                e,
+                eff,
+                inv_sqrt(e),
+            ));
+            list.push(experts(
+                n("ffn_up_exps.weight"),
+                Role::FfnUp,
+                e,
+                eff,
+                inv_sqrt(e),
+            ));
+            let mean_gain = (m.n_expert_used as f32).sqrt();
+            list.push(experts(
+                n("ffn_down_exps.weight"),
+                Role::FfnDown,
+                eff,
+                e,
+                FFN_DOWN_GAIN * mean_gain * residual_scale * inv_sqrt(eff),
+            ));
+        } else {
+            list.push(matrix(
+                n("ffn_gate.weight"),
+                Role::FfnGate,
+                il,
+                e,
+                ff,
+                inv_sqrt(e),
+            ));
+            list.push(matrix(
+                n("ffn_up.weight"),
+                Role::FfnUp,
+                il,
+                e,
+                ff,
+                inv_sqrt(e),
+            ));
+            list.push(matrix(
+                n("ffn_down.weight"),
+                Role::FfnDown,
+                il,
+                ff,
+                e,
+                FFN_DOWN_GAIN * residual_scale * inv_sqrt(ff),
+            ));
+        }
         if s.post_norms {
             list.push(post_norm(n("post_ffw_norm.weight")));
         }
@@ -372,6 +442,16 @@ pub fn metadata(opts: &SynthOptions) -> Result<Vec<(String, Value)>, SynthError>
     ];
     if let Some(window) = s.sliding_window {
         md.push((format!("{a}.attention.sliding_window"), Value::U32(window)));
+    }
+    if let Some(m) = s.moe {
+        md.extend([
+            (format!("{a}.expert_count"), u32_of(m.n_expert)),
+            (format!("{a}.expert_used_count"), u32_of(m.n_expert_used)),
+            (
+                format!("{a}.expert_feed_forward_length"),
+                u32_of(m.n_ff_expert),
+            ),
+        ]);
     }
     md.extend([
         ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),

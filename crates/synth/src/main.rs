@@ -6,12 +6,13 @@ use std::process::ExitCode;
 
 use anyhow::Context as _;
 use clap::Parser;
-use ember_synth::{write_model, Shape, SynthError, SynthOptions, TypeSpec};
+use ember_synth::{write_model, Shape, ShapeOverrides, SynthError, SynthOptions, TypeSpec};
 
 /// Write a synthetic GGUF model: a real model's shape, random weights (deterministic from the
 /// seed, scaled so activations and logits stay sane), a working byte-level BPE tokenizer.
 ///
-/// Shapes: llama3-8b, llama3.2-1b, smollm2-135m, qwen2-0.5b, qwen3-0.6b, gemma3-270m.
+/// Shapes: llama3-8b, llama3.2-1b, smollm2-135m, qwen2-0.5b, qwen3-0.6b, gemma3-270m,
+/// qwen3-30b-a3b (a mixture of experts: --experts, --experts-used and --expert-ff shrink it).
 /// Types: f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q2_k, q3_k, q4_k, q5_k, q6_k, and the
 /// mix q4_k_m. Like llama-quantize, quantized types put the output projection in Q6_K (Q8_0 for
 /// q8_0) and fall back to another type where rows are not whole blocks; --pure puts every matrix
@@ -28,13 +29,8 @@ struct Args {
     /// Seed of the random weights.
     #[arg(long, default_value_t = 1)]
     seed: u64,
-    /// Use this many layers instead of the shape's.
-    #[arg(long)]
-    layers: Option<usize>,
-    /// Use this many tokens instead of the shape's vocabulary size (at least 256 plus the
-    /// special tokens).
-    #[arg(long)]
-    vocab: Option<usize>,
+    #[command(flatten)]
+    overrides: ShapeOverrides,
     /// Every matrix in the given type, as `llama-quantize --pure`.
     #[arg(long)]
     pure: bool,
@@ -66,12 +62,7 @@ fn run(args: Args) -> anyhow::Result<()> {
     let mut shape = Shape::named(&args.shape).ok_or_else(|| SynthError::UnknownShape {
         found: args.shape.clone(),
     })?;
-    if let Some(n) = args.layers {
-        shape.n_layer = n;
-    }
-    if let Some(n) = args.vocab {
-        shape.n_vocab = n;
-    }
+    args.overrides.apply(&mut shape)?;
     let types = TypeSpec::parse(&args.ty).ok_or_else(|| SynthError::UnknownType {
         found: args.ty.clone(),
     })?;

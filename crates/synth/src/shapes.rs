@@ -2,6 +2,8 @@
 //! Gemma 3 270M from the GGUF file of `models.toml`), which synthetic models copy with random
 //! weights.
 
+use crate::SynthError;
+
 /// The tokenizer conventions a shape's vocabulary follows: special tokens, BOS handling, the
 /// pre-tokenizer name and the chat template.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,6 +54,17 @@ impl Llama3RopeScaling {
     }
 }
 
+/// The mixture of experts of a shape whose FFN layers route each token to a few experts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoeShape {
+    /// Experts per layer.
+    pub n_expert: usize,
+    /// Experts each token goes through.
+    pub n_expert_used: usize,
+    /// Rows of each expert's gate and up projections.
+    pub n_ff_expert: usize,
+}
+
 /// Everything about a model's shape that its GGUF metadata and tensor list need.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Shape {
@@ -81,16 +94,20 @@ pub struct Shape {
     pub post_norms: bool,
     /// Sliding-window attention (Gemma 3: five local layers to one global).
     pub sliding_window: Option<u32>,
+    /// A mixture of experts in place of the FFN of every layer (`n_ff` is then only the dense
+    /// size the metadata states, as real conversions write it).
+    pub moe: Option<MoeShape>,
 }
 
 /// The named shapes, in the order `--help` lists them.
-pub const SHAPE_NAMES: [&str; 6] = [
+pub const SHAPE_NAMES: [&str; 7] = [
     "llama3-8b",
     "llama3.2-1b",
     "smollm2-135m",
     "qwen2-0.5b",
     "qwen3-0.6b",
     "gemma3-270m",
+    "qwen3-30b-a3b",
 ];
 
 /// Llama 3.1 8B and Llama 3.2 1B share this scaling (factor 8 and 32 respectively).
@@ -126,6 +143,7 @@ impl Shape {
             qk_norm: false,
             post_norms: false,
             sliding_window: None,
+            moe: None,
         };
         let shape = match name {
             // Meta Llama 3.1 8B (config.json of meta-llama/Llama-3.1-8B).
@@ -215,6 +233,33 @@ impl Shape {
                 sliding_window: Some(512),
                 ..llama
             },
+            // Qwen3-30B-A3B (config.json of Qwen/Qwen3-30B-A3B): Qwen3's attention, 128 experts
+            // of 768 rows in every layer, 8 used per token (normalised top-k weights), no shared
+            // expert, untied embeddings; `n_ff` is its `intermediate_size`, which the converter
+            // writes as `feed_forward_length`.
+            "qwen3-30b-a3b" => Shape {
+                architecture: "qwen3moe",
+                tokenizer: TokenizerStyle::Qwen,
+                n_vocab: 151_936,
+                n_embd: 2048,
+                n_layer: 48,
+                n_head: 32,
+                n_head_kv: 4,
+                head_dim: 128,
+                n_ff: 6144,
+                n_ctx_train: 40_960,
+                rms_eps: 1e-6,
+                rope_freq_base: 1_000_000.0,
+                rope_scaling: None,
+                tied_embeddings: false,
+                qk_norm: true,
+                moe: Some(MoeShape {
+                    n_expert: 128,
+                    n_expert_used: 8,
+                    n_ff_expert: 768,
+                }),
+                ..llama
+            },
             _ => return None,
         };
         Some(shape)
@@ -234,7 +279,15 @@ impl Shape {
     pub fn n_params(&self) -> u64 {
         let (e, ff) = (self.n_embd as u64, self.n_ff as u64);
         let (q, kv) = (self.q_dim() as u64, self.kv_dim() as u64);
-        let mut per_layer = e * q + 2 * e * kv + q * e + 3 * e * ff + 2 * e;
+        let ffn = match self.moe {
+            // The router (one row per expert) and every expert's three projections.
+            Some(m) => {
+                let n_expert = m.n_expert as u64;
+                e * n_expert + 3 * e * m.n_ff_expert as u64 * n_expert
+            }
+            None => 3 * e * ff,
+        };
+        let mut per_layer = e * q + 2 * e * kv + q * e + ffn + 2 * e;
         if self.qkv_bias {
             per_layer += q + 2 * kv;
         }
@@ -249,9 +302,176 @@ impl Shape {
     }
 }
 
+/// Changes to a named shape: a smaller model of the same family (fewer layers, a smaller
+/// vocabulary, narrower layers, fewer experts) for tests that need the architecture, not the
+/// size. The flags of `ember-synth`; [`ShapeOverrides::to_args`] writes them back.
+#[derive(Debug, Clone, Default, PartialEq, Eq, clap::Args)]
+pub struct ShapeOverrides {
+    /// Use this many layers instead of the shape's.
+    #[arg(long)]
+    pub layers: Option<usize>,
+    /// Use this many tokens instead of the shape's vocabulary size (at least 256 plus the
+    /// special tokens).
+    #[arg(long)]
+    pub vocab: Option<usize>,
+    /// Use this embedding width instead of the shape's.
+    #[arg(long)]
+    pub embd: Option<usize>,
+    /// Use this many attention heads instead of the shape's.
+    #[arg(long)]
+    pub heads: Option<usize>,
+    /// Use this many KV heads instead of the shape's (a divisor of the heads).
+    #[arg(long = "kv-heads")]
+    pub kv_heads: Option<usize>,
+    /// Use this head size instead of the shape's.
+    #[arg(long = "head-dim")]
+    pub head_dim: Option<usize>,
+    /// Use this dense FFN size instead of the shape's.
+    #[arg(long)]
+    pub ff: Option<usize>,
+    /// Use this many experts per layer instead of the shape's (mixture-of-experts shapes).
+    #[arg(long)]
+    pub experts: Option<usize>,
+    /// Route each token to this many experts instead of the shape's.
+    #[arg(long = "experts-used")]
+    pub experts_used: Option<usize>,
+    /// Use this many rows for each expert's gate and up projections instead of the shape's.
+    #[arg(long = "expert-ff")]
+    pub expert_ff: Option<usize>,
+}
+
+impl ShapeOverrides {
+    /// Applies the overrides to `shape`, checking that the result is still a consistent shape.
+    pub fn apply(&self, shape: &mut Shape) -> Result<(), SynthError> {
+        let bad = |reason: String| SynthError::BadShape {
+            shape: shape.name.clone(),
+            reason,
+        };
+        if shape.moe.is_none()
+            && (self.experts.is_some() || self.experts_used.is_some() || self.expert_ff.is_some())
+        {
+            return Err(bad(
+                "--experts, --experts-used and --expert-ff apply to mixture-of-experts shapes only"
+                    .into(),
+            ));
+        }
+        let mut s = shape.clone();
+        let set = |field: &mut usize, value: Option<usize>| {
+            if let Some(v) = value {
+                *field = v;
+            }
+        };
+        set(&mut s.n_layer, self.layers);
+        set(&mut s.n_vocab, self.vocab);
+        set(&mut s.n_embd, self.embd);
+        set(&mut s.n_head, self.heads);
+        set(&mut s.n_head_kv, self.kv_heads);
+        set(&mut s.head_dim, self.head_dim);
+        set(&mut s.n_ff, self.ff);
+        if let Some(m) = &mut s.moe {
+            set(&mut m.n_expert, self.experts);
+            set(&mut m.n_expert_used, self.experts_used);
+            set(&mut m.n_ff_expert, self.expert_ff);
+        }
+        if s.n_head_kv == 0 || !s.n_head.is_multiple_of(s.n_head_kv) {
+            return Err(bad(format!(
+                "{} KV heads do not divide {} heads",
+                s.n_head_kv, s.n_head
+            )));
+        }
+        if !s.head_dim.is_multiple_of(2) {
+            return Err(bad(format!("head size {} is odd", s.head_dim)));
+        }
+        if let Some(m) = s.moe {
+            if m.n_expert_used == 0 || m.n_expert_used > m.n_expert {
+                return Err(bad(format!(
+                    "{} experts used of {}: expected from 1 to the expert count",
+                    m.n_expert_used, m.n_expert
+                )));
+            }
+        }
+        *shape = s;
+        Ok(())
+    }
+
+    /// The `ember-synth` flags that give these overrides, in a fixed order.
+    pub fn to_args(&self) -> Vec<String> {
+        [
+            ("--layers", self.layers),
+            ("--vocab", self.vocab),
+            ("--embd", self.embd),
+            ("--heads", self.heads),
+            ("--kv-heads", self.kv_heads),
+            ("--head-dim", self.head_dim),
+            ("--ff", self.ff),
+            ("--experts", self.experts),
+            ("--experts-used", self.experts_used),
+            ("--expert-ff", self.expert_ff),
+        ]
+        .into_iter()
+        .filter_map(|(flag, v)| v.map(|v| [flag.to_string(), v.to_string()]))
+        .flatten()
+        .collect()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn overrides_shrink_a_shape_and_refuse_inconsistent_ones() {
+        let overrides = ShapeOverrides {
+            layers: Some(3),
+            embd: Some(128),
+            heads: Some(8),
+            kv_heads: Some(1),
+            expert_ff: Some(32),
+            ..ShapeOverrides::default()
+        };
+        let mut s = Shape::named("qwen3-30b-a3b").unwrap();
+        overrides.apply(&mut s).unwrap();
+        assert_eq!((s.n_layer, s.n_embd, s.n_head, s.n_head_kv), (3, 128, 8, 1));
+        assert_eq!(
+            s.moe,
+            Some(MoeShape {
+                n_expert: 128,
+                n_expert_used: 8,
+                n_ff_expert: 32
+            })
+        );
+        assert_eq!(
+            overrides.to_args().join(" "),
+            "--layers 3 --embd 128 --heads 8 --kv-heads 1 --expert-ff 32"
+        );
+        let mut dense = Shape::named("qwen3-0.6b").unwrap();
+        let e = ShapeOverrides {
+            experts: Some(4),
+            ..ShapeOverrides::default()
+        }
+        .apply(&mut dense)
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("mixture-of-experts shapes only"),
+            "{e}"
+        );
+        let e = ShapeOverrides {
+            heads: Some(6),
+            kv_heads: Some(4),
+            ..ShapeOverrides::default()
+        }
+        .apply(&mut dense)
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("4 KV heads do not divide 6 heads"),
+            "{e}"
+        );
+        assert_eq!(
+            dense,
+            Shape::named("qwen3-0.6b").unwrap(),
+            "unchanged on error"
+        );
+    }
 
     #[test]
     fn every_name_has_a_consistent_shape() {
@@ -260,6 +480,9 @@ mod tests {
             assert_eq!(s.name, name);
             assert_eq!(s.n_head % s.n_head_kv, 0, "{name}");
             assert_eq!(s.head_dim % 2, 0, "{name}");
+            if let Some(m) = s.moe {
+                assert!(m.n_expert_used <= m.n_expert, "{name}");
+            }
         }
         assert!(Shape::named("llama3-70b").is_none());
     }
@@ -271,6 +494,8 @@ mod tests {
         assert!((billions("llama3-8b") - 8.03).abs() < 0.01);
         assert!((billions("llama3.2-1b") - 1.236).abs() < 0.01);
         assert!((billions("smollm2-135m") - 0.1345).abs() < 0.001);
+        // Qwen3-30B-A3B: 30.5 B parameters in all.
+        assert!((billions("qwen3-30b-a3b") - 30.53).abs() < 0.01);
     }
 
     #[test]

@@ -19,7 +19,8 @@ use ember_synth::{write_model, Shape, SynthOptions, TypeSpec, SHAPE_NAMES, TYPE_
 use ember_tokenizer::Tokenizer;
 
 /// A shape of the family of `name` small enough for a debug-build test: rows of 256 elements so
-/// every K-quant applies (SmolLM2 keeps a 576-like odd width of 320 to exercise the fallback).
+/// every K-quant applies (SmolLM2 keeps a 576-like odd width of 320 to exercise the fallback);
+/// mixtures of experts keep 8 experts of 256 rows, 2 used per token.
 fn small(name: &str) -> Shape {
     let mut s = Shape::named(name).unwrap();
     s.n_layer = if s.sliding_window.is_some() { 6 } else { 2 };
@@ -32,6 +33,11 @@ fn small(name: &str) -> Shape {
     s.n_head_kv = if s.n_head_kv == 1 { 1 } else { 2 };
     if s.sliding_window.is_some() {
         s.sliding_window = Some(4);
+    }
+    if let Some(moe) = &mut s.moe {
+        moe.n_expert = 8;
+        moe.n_expert_used = 2;
+        moe.n_ff_expert = 256;
     }
     if name == "smollm2-135m" {
         s.n_embd = 320;
@@ -142,7 +148,7 @@ fn pure_types_are_used_for_every_matrix() {
     let dir = tempfile::tempdir().unwrap();
     let gguf = write(small("llama3-8b"), "q3_k", true, 1, dir.path());
     for t in gguf.tensors() {
-        let expected = if t.dims.len() == 2 {
+        let expected = if t.dims.len() >= 2 {
             GgmlType::Q3_K
         } else {
             GgmlType::F32

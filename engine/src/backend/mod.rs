@@ -54,6 +54,64 @@ pub enum BackendError {
         expected: String,
         found: String,
     },
+    /// The model needs a feature this backend does not have yet.
+    #[error("tensor {tensor}: {feature} (architecture {architecture}) is not built for the {backend} backend yet: run the model on the CPU (--device cpu)")]
+    NotBuilt {
+        tensor: String,
+        feature: &'static str,
+        architecture: String,
+        backend: &'static str,
+    },
+}
+
+/// How a mixture-of-experts router turns a token's router logits into expert probabilities.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertGating {
+    /// A softmax over all experts (Qwen3-MoE, Qwen 3.5 MoE, Gemma 4).
+    Softmax,
+    /// An independent sigmoid per expert (DeepSeek V3 and its descendants).
+    Sigmoid,
+}
+
+/// How a mixture-of-experts layer picks and weighs its experts, as llama.cpp's `build_moe_ffn`
+/// does: probabilities from the router logits by [`ExpertGating`], the `n_expert_used` most
+/// probable experts (ties to the lower index), their probabilities as weights, divided by their
+/// sum when `normalize_weights` (the sum clamped below at 2^-14, the smallest normal f16), then
+/// multiplied by `weights_scale` when there is one.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MoeRouting {
+    pub n_expert: usize,
+    pub n_expert_used: usize,
+    pub gating: ExpertGating,
+    pub normalize_weights: bool,
+    pub weights_scale: Option<f32>,
+}
+
+/// A shared expert: a gated FFN every token goes through beside its routed experts (Qwen 3.5
+/// MoE), its output optionally scaled per token by `sigmoid(gate_inp x)` before it is added.
+pub struct SharedExpert<'a, M> {
+    /// Plain matrices (placed with [`Backend::matrix`]): `n_ff` rows each for gate and up.
+    pub gate: &'a M,
+    pub up: &'a M,
+    pub down: &'a M,
+    pub n_ff: usize,
+    /// One row: the per-token gate of the shared expert's output.
+    pub gate_inp: Option<&'a M>,
+}
+
+/// The experts of one mixture-of-experts layer, as [`Backend::moe_ffn`] takes them.
+pub struct MoeFfn<'a, M> {
+    /// Stacked expert projections placed with [`Backend::expert_matrix`]: expert `e`'s gate and
+    /// up are rows `e * n_ff .. (e + 1) * n_ff` of `gate` and `up`, its down projection rows
+    /// `e * n_embd .. (e + 1) * n_embd` of `down`.
+    pub gate: &'a M,
+    pub up: &'a M,
+    pub down: &'a M,
+    /// Rows of each expert's gate and up projections.
+    pub n_ff: usize,
+    pub activation: FfnActivation,
+    pub routing: MoeRouting,
+    pub shared: Option<SharedExpert<'a, M>>,
 }
 
 /// An op that failed on a device backend: which op, and why. Recorded by the backend and
@@ -125,6 +183,24 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// Bytes of weight memory a matrix takes on this backend that are not shared with the file
     /// mapping (0 for the CPU backend, which reads weights in place).
     fn matrix_private_bytes(&self, matrix: &Self::Matrix) -> usize;
+    /// Places the stacked matrices of a mixture-of-experts layer: a 3-D tensor of `info.dims[2]`
+    /// experts, each `info.dims[1]` rows of `info.dims[0]` columns, for [`Backend::moe_ffn`]. A
+    /// backend without mixture-of-experts support refuses it (the default), so such a model
+    /// fails at load time, before any token runs.
+    fn expert_matrix(
+        &self,
+        gguf: &Arc<Gguf>,
+        info: &TensorInfo,
+    ) -> Result<Self::Matrix, BackendError> {
+        Err(BackendError::NotBuilt {
+            tensor: info.name.clone(),
+            feature: "mixture of experts",
+            architecture: gguf
+                .architecture()
+                .map_or_else(|e| format!("unreadable: {e}"), str::to_string),
+            backend: self.name(),
+        })
+    }
 
     /// A zeroed buffer of `len` values.
     fn alloc(&self, len: usize) -> Self::Buf;
@@ -175,6 +251,44 @@ pub trait Backend: Send + Sync + Sized + 'static {
             FfnActivation::SwiGlu => self.swiglu(gate, up, n_tokens * n_ff),
             FfnActivation::GeGlu => self.geglu(gate, up, n_tokens * n_ff),
         }
+    }
+    /// The router logits of a mixture-of-experts layer: `out[t] = router * x[t]` for `n_tokens`
+    /// rows, one logit per expert, as [`Backend::matmul`] computes them (the default). Which
+    /// experts a token gets can hinge on the last bits of these logits, so a backend that
+    /// reproduces llama.cpp's rounding elsewhere does so here too (the CPU does).
+    fn moe_router(
+        &self,
+        router: &Self::Matrix,
+        x: &Self::Buf,
+        n_tokens: usize,
+        out: &mut Self::Buf,
+    ) {
+        self.matmul(router, x, n_tokens, out);
+    }
+    /// The feed-forward block of a mixture-of-experts layer for `n_tokens` rows of `x` (the
+    /// normalised input, `n_embd` values per row): each token's experts chosen from its row of
+    /// `router_logits` (`routing.n_expert` values per token, computed by the model code, which
+    /// lets an architecture route on another input than the experts see) by [`MoeRouting`];
+    /// each chosen expert's gated FFN (`down(act(gate x) * up x)`) on the token; the outputs
+    /// weighted and summed in the order of the ranking; plus the shared expert when there is
+    /// one. `out` gets `n_tokens` rows of `n_embd` values (it is not added to).
+    ///
+    /// Only reachable with matrices placed by [`Backend::expert_matrix`]; the default refuses
+    /// those, so a backend that implements one implements both, and the default body here is
+    /// never run.
+    fn moe_ffn(
+        &self,
+        moe: &MoeFfn<'_, Self::Matrix>,
+        router_logits: &Self::Buf,
+        x: &Self::Buf,
+        n_tokens: usize,
+        out: &mut Self::Buf,
+    ) {
+        let _ = (moe, router_logits, x, n_tokens, out);
+        unreachable!(
+            "the {} backend places no expert matrices, so no model can reach its moe_ffn",
+            self.name()
+        );
     }
     /// RMS normalisation of `n_rows` rows of `dim` values, times `weight` (length `dim`).
     fn rms_norm(

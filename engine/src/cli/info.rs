@@ -85,6 +85,19 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
         "heads: {}, KV heads: {}, FFN: {}",
         l0.n_head, l0.n_head_kv, l0.n_ff
     );
+    if let Some(moe) = hp.moe {
+        let shared = moe
+            .n_ff_shared
+            .map_or_else(|| "none".to_string(), |n| format!("1 of FFN {n}"));
+        println!(
+            "experts: {} per layer, {} used per token, expert FFN {}, shared: {shared}, routing: {:?}{}",
+            moe.n_expert,
+            moe.n_expert_used,
+            moe.n_ff_expert,
+            moe.gating,
+            if moe.normalize_weights { ", weights normalised" } else { "" }
+        );
+    }
     println!(
         "rms eps: {:e}, rope: {} dims, base {}, {:?}",
         hp.rms_eps, hp.rope_n_dims, hp.rope_freq_base, hp.rope_scaling

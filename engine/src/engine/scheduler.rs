@@ -22,6 +22,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use ember_tokenizer::Tokenizer;
+use rayon::prelude::*;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::request::{Event, FinishReason, GeneratedToken, Timings, TopLogprob, Usage};
@@ -504,36 +505,51 @@ impl Scheduler {
         let n_ctx = self.config.n_ctx;
         let logits = model.forward(ctx, &self.batch)?;
         let now = Instant::now();
-        let mut row = 0;
+        // Sampling (and log-probabilities) of every sequence with logits, in parallel: each
+        // sequence has its own sampler, and a pass over the vocabulary per sequence is the
+        // engine thread's largest cost per step with many sequences running.
+        let mut row_of: Vec<Option<usize>> = vec![None; self.running.len()];
+        for (row, member) in members.iter().filter(|m| m.logits).enumerate() {
+            row_of[member.index] = Some(row);
+        }
+        let tokenizer = &self.tokenizer;
+        let mut picks: Vec<Option<GeneratedToken>> = self
+            .running
+            .par_iter_mut()
+            .zip(row_of.par_iter())
+            .map(|(seq, row)| {
+                let row = (*row)?;
+                let row_logits = &logits[row * n_vocab..(row + 1) * n_vocab];
+                let token = seq.sampler.sample(row_logits);
+                seq.sampler.accept(token);
+                Some(GeneratedToken {
+                    id: token,
+                    logprob: seq.logprobs.map(|_| log_prob(row_logits, token as usize)),
+                    top: match seq.logprobs {
+                        Some(n) if n > 0 => top_log_probs(row_logits, n)
+                            .into_iter()
+                            .map(|(id, logprob)| TopLogprob {
+                                id,
+                                bytes: tokenizer.token_to_piece(id, false),
+                                logprob,
+                            })
+                            .collect(),
+                        _ => Vec::new(),
+                    },
+                    bytes: tokenizer.token_to_piece(token, false),
+                })
+            })
+            .collect();
         for member in members {
             let seq = &mut self.running[member.index];
             seq.n_computed += member.count;
             let prompt_part = seq.n_prompt.saturating_sub(seq.n_computed - member.count);
             self.totals.prompt_tokens_computed += member.count.min(prompt_part) as u64;
-            if !member.logits {
+            let Some(generated) = picks[member.index].take() else {
                 continue;
-            }
-            let row_logits = &logits[row * n_vocab..(row + 1) * n_vocab];
-            row += 1;
-            let token = seq.sampler.sample(row_logits);
-            seq.sampler.accept(token);
-            seq.first_token_at.get_or_insert(now);
-            let generated = GeneratedToken {
-                id: token,
-                logprob: seq.logprobs.map(|_| log_prob(row_logits, token as usize)),
-                top: match seq.logprobs {
-                    Some(n) if n > 0 => top_log_probs(row_logits, n)
-                        .into_iter()
-                        .map(|(id, logprob)| TopLogprob {
-                            id,
-                            bytes: self.tokenizer.token_to_piece(id, false),
-                            logprob,
-                        })
-                        .collect(),
-                    _ => Vec::new(),
-                },
-                bytes: self.tokenizer.token_to_piece(token, false),
             };
+            let token = generated.id;
+            seq.first_token_at.get_or_insert(now);
             if self.tokenizer.is_eog(token) && !seq.ignore_eos {
                 if seq.report_eog {
                     let _ = seq.events.send(Event::Tokens {

@@ -5,6 +5,7 @@
 //! embedding pairs elements, which optional tensors exist, which activation the FFN uses, and so
 //! on. Adding an architecture means adding a variant and answering those questions.
 
+use crate::backend::ExpertGating;
 pub use crate::ops::FfnActivation;
 use crate::ops::RopeMode;
 
@@ -19,15 +20,33 @@ pub enum Architecture {
     Qwen3,
     /// Gemma 3: sliding-window layers, GeGLU, QK-norm, pre and post norms, scaled embeddings.
     Gemma3,
+    /// Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3's attention with a mixture of experts
+    /// in place of the FFN in every layer (softmax routing, normalised weights, no shared
+    /// expert).
+    Qwen3Moe,
+}
+
+/// How an architecture's mixture-of-experts layers route and what they hold, where llama.cpp
+/// fixes it in the architecture's graph code rather than reading it from the file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoeRules {
+    pub gating: ExpertGating,
+    /// Whether the chosen experts' weights are divided by their sum.
+    pub normalize_weights: bool,
+    /// Whether layers carry a shared expert (`ffn_{gate,up,down}_shexp`).
+    pub shared_expert: Presence,
+    /// Whether the shared expert's output is gated per token (`ffn_gate_inp_shexp`).
+    pub shared_expert_gate: Presence,
 }
 
 impl Architecture {
     /// Every supported architecture.
-    pub const ALL: [Architecture; 4] = [
+    pub const ALL: [Architecture; 5] = [
         Architecture::Llama,
         Architecture::Qwen2,
         Architecture::Qwen3,
         Architecture::Gemma3,
+        Architecture::Qwen3Moe,
     ];
 
     /// The `general.architecture` value, which is also the prefix of its metadata keys.
@@ -37,6 +56,7 @@ impl Architecture {
             Architecture::Qwen2 => "qwen2",
             Architecture::Qwen3 => "qwen3",
             Architecture::Gemma3 => "gemma3",
+            Architecture::Qwen3Moe => "qwen3moe",
         }
     }
 
@@ -54,7 +74,10 @@ impl Architecture {
     pub fn rope_mode(self) -> RopeMode {
         match self {
             Architecture::Llama => RopeMode::Normal,
-            Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Gemma3 => RopeMode::Neox,
+            Architecture::Qwen2
+            | Architecture::Qwen3
+            | Architecture::Gemma3
+            | Architecture::Qwen3Moe => RopeMode::Neox,
         }
     }
 
@@ -64,13 +87,16 @@ impl Architecture {
         match self {
             Architecture::Qwen2 => Presence::Required,
             Architecture::Llama => Presence::Optional,
-            Architecture::Qwen3 | Architecture::Gemma3 => Presence::Absent,
+            Architecture::Qwen3 | Architecture::Gemma3 | Architecture::Qwen3Moe => Presence::Absent,
         }
     }
 
     /// Whether each Q and K head is RMS-normalised before rotary embedding.
     pub fn qk_norm(self) -> bool {
-        matches!(self, Architecture::Qwen3 | Architecture::Gemma3)
+        matches!(
+            self,
+            Architecture::Qwen3 | Architecture::Gemma3 | Architecture::Qwen3Moe
+        )
     }
 
     /// Whether the attention and FFN outputs are RMS-normalised before the residual add.
@@ -83,6 +109,21 @@ impl Architecture {
         match self {
             Architecture::Gemma3 => FfnActivation::GeGlu,
             _ => FfnActivation::SwiGlu,
+        }
+    }
+
+    /// The mixture-of-experts rules when the architecture's FFN layers are mixtures of experts
+    /// (then `<arch>.expert_count` and `<arch>.expert_used_count` are required).
+    pub fn moe(self) -> Option<MoeRules> {
+        match self {
+            // llama.cpp's qwen3moe graph passes softmax gating and normalisation as constants.
+            Architecture::Qwen3Moe => Some(MoeRules {
+                gating: ExpertGating::Softmax,
+                normalize_weights: true,
+                shared_expert: Presence::Absent,
+                shared_expert_gate: Presence::Absent,
+            }),
+            _ => None,
         }
     }
 

@@ -1,12 +1,15 @@
 //! The forward pass shared by every architecture: a pre-norm decoder-only transformer, following
-//! llama.cpp's graphs (`build_llama`, `build_qwen2`, `build_qwen3`, `build_gemma3`) op for op so
-//! the numbers agree with it.
+//! llama.cpp's graphs (`build_llama`, `build_qwen2`, `build_qwen3`, `build_gemma3`, and for
+//! `qwen3moe` Qwen3's attention with `build_moe_ffn` in place of the FFN) op for op so the
+//! numbers agree with it. A mixture-of-experts FFN is the router product here and one backend op
+//! ([`Backend::moe_ffn`]) for the routing and the experts.
 //!
 //! A [`Context`] owns the paged KV cache and every scratch buffer; buffers grow to the largest
 //! batch seen and are then reused, so decoding allocates nothing per token in the layer loop.
 
+use super::weights::FfnWeights;
 use super::{ContextParams, ForwardError, Model};
-use crate::backend::{Backend, RopeParams};
+use crate::backend::{Backend, MoeFfn, RopeParams, SharedExpert};
 use crate::batch::{Batch, SeqId};
 use crate::kv_cache::{AttentionPlan, KvCache, PoolStats};
 
@@ -24,6 +27,8 @@ struct Buffers<B: Backend> {
     proj: B::Buf,
     gate: B::Buf,
     up: B::Buf,
+    /// Router logits of a mixture-of-experts layer.
+    router: B::Buf,
     logits: B::Buf,
     rope_global: B::RopeTable,
     rope_local: B::RopeTable,
@@ -63,6 +68,7 @@ impl<B: Backend> Context<B> {
             proj: b.alloc(0),
             gate: b.alloc(0),
             up: b.alloc(0),
+            router: b.alloc(0),
             logits: b.alloc(0),
             rope_global: b.rope_table_new(),
             rope_local: b.rope_table_new(),
@@ -146,6 +152,7 @@ impl<B: Backend> Context<B> {
             &mut bufs.proj,
             &mut bufs.gate,
             &mut bufs.up,
+            &mut bufs.router,
             &mut bufs.logits,
         ] {
             *buf = b.alloc(0);
@@ -234,7 +241,15 @@ fn run_layers<B: Backend>(model: &Model<B>, ctx: &mut Context<B>, batch: &Batch)
         .map(|l| l.n_head_kv * hd)
         .max()
         .unwrap_or(0);
-    let max_ff = hp.layers.iter().map(|l| l.n_ff).max().unwrap_or(0);
+    // Mixture-of-experts layers keep their expert activations in the backend's own scratch.
+    let max_ff = hp
+        .layers
+        .iter()
+        .filter(|l| !l.moe)
+        .map(|l| l.n_ff)
+        .max()
+        .unwrap_or(0);
+    let n_expert = hp.moe.map_or(0, |m| m.n_expert);
     b.ensure_len(&mut bufs.x, n * n_embd);
     b.ensure_len(&mut bufs.xn, n * n_embd);
     b.ensure_len(&mut bufs.proj, n * n_embd);
@@ -244,6 +259,7 @@ fn run_layers<B: Backend>(model: &Model<B>, ctx: &mut Context<B>, batch: &Batch)
     b.ensure_len(&mut bufs.v, n * max_kv);
     b.ensure_len(&mut bufs.gate, n * max_ff);
     b.ensure_len(&mut bufs.up, n * max_ff);
+    b.ensure_len(&mut bufs.router, n * n_expert);
     b.ensure_len(&mut bufs.logits, n_out * n_vocab);
 
     let embed_scale = if arch.scales_embeddings() {
@@ -376,18 +392,41 @@ fn run_layers<B: Backend>(model: &Model<B>, ctx: &mut Context<B>, batch: &Batch)
                 &mut bufs.xn,
             );
         }
-        let n_ff = shape.n_ff;
-        b.ffn_gate_up(
-            &lw.ffn_gate,
-            &lw.ffn_up,
-            &bufs.xn,
-            n_rows,
-            n_ff,
-            arch.ffn_activation(),
-            &mut bufs.gate,
-            &mut bufs.up,
-        );
-        b.matmul(&lw.ffn_down, &bufs.gate, n_rows, &mut bufs.proj);
+        match &lw.ffn {
+            FfnWeights::Dense { gate, up, down } => {
+                b.ffn_gate_up(
+                    gate,
+                    up,
+                    &bufs.xn,
+                    n_rows,
+                    shape.n_ff,
+                    arch.ffn_activation(),
+                    &mut bufs.gate,
+                    &mut bufs.up,
+                );
+                b.matmul(down, &bufs.gate, n_rows, &mut bufs.proj);
+            }
+            FfnWeights::Moe(moe) => {
+                let params = &moe.params;
+                b.moe_router(&moe.router, &bufs.xn, n_rows, &mut bufs.router);
+                let op = MoeFfn {
+                    gate: &moe.gate_exps,
+                    up: &moe.up_exps,
+                    down: &moe.down_exps,
+                    n_ff: params.n_ff_expert,
+                    activation: arch.ffn_activation(),
+                    routing: params.routing(),
+                    shared: moe.shared.as_ref().map(|s| SharedExpert {
+                        gate: &s.gate,
+                        up: &s.up,
+                        down: &s.down,
+                        n_ff: s.n_ff,
+                        gate_inp: s.gate_inp.as_ref(),
+                    }),
+                };
+                b.moe_ffn(&op, &bufs.router, &bufs.xn, n_rows, &mut bufs.proj);
+            }
+        }
         if let Some(norm) = &lw.post_ffn_norm {
             b.rms_norm_inplace(&mut bufs.proj, norm, n_rows, n_embd, eps);
         }

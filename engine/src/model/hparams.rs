@@ -6,14 +6,16 @@
 
 use ember_gguf::Metadata;
 
-use super::arch::Architecture;
+use super::arch::{Architecture, Presence};
 use super::ModelError;
+use crate::backend::{ExpertGating, MoeRouting};
 
 /// Upper bounds on sizes, far above any real model, so a hostile file cannot make the loader
 /// allocate or loop without end.
 const MAX_LAYERS: usize = 4096;
 const MAX_HEADS: usize = 4096;
 const MAX_DIM: usize = 1 << 20;
+const MAX_EXPERTS: usize = 4096;
 
 /// How positions are stretched for contexts longer than the training one.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -32,6 +34,43 @@ pub struct LayerShape {
     pub n_ff: usize,
     /// Whether the layer uses sliding-window attention (and the local rotary base).
     pub sliding_window: bool,
+    /// Whether the layer's FFN is a mixture of experts (see [`HParams::moe`]); `n_ff` is then
+    /// the dense size the metadata states, which the layer does not use.
+    pub moe: bool,
+}
+
+/// The mixture of experts of a model whose FFN layers route each token to a few experts.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MoeParams {
+    /// Experts per layer (`<arch>.expert_count`).
+    pub n_expert: usize,
+    /// Experts each token goes through (`<arch>.expert_used_count`).
+    pub n_expert_used: usize,
+    /// Rows of each expert's gate and up projections (`<arch>.expert_feed_forward_length`,
+    /// else the dense FFN size divided by the experts used, as llama.cpp does).
+    pub n_ff_expert: usize,
+    /// Rows of the shared expert's gate and up projections when layers have one
+    /// (`<arch>.expert_shared_feed_forward_length`, else the dense FFN size).
+    pub n_ff_shared: Option<usize>,
+    /// Whether the shared expert's output is gated per token.
+    pub shared_expert_gate: bool,
+    pub gating: ExpertGating,
+    pub normalize_weights: bool,
+    /// A factor on the chosen weights after normalisation, when the model has one.
+    pub weights_scale: Option<f32>,
+}
+
+impl MoeParams {
+    /// The routing rule the backend op takes.
+    pub fn routing(&self) -> MoeRouting {
+        MoeRouting {
+            n_expert: self.n_expert,
+            n_expert_used: self.n_expert_used,
+            gating: self.gating,
+            normalize_weights: self.normalize_weights,
+            weights_scale: self.weights_scale,
+        }
+    }
 }
 
 /// The hyperparameters of a model.
@@ -60,6 +99,8 @@ pub struct HParams {
     pub final_logit_softcap: Option<f32>,
     /// Vocabulary size from metadata when present (else the embedding table decides).
     pub n_vocab_metadata: Option<usize>,
+    /// The mixture of experts, for architectures whose FFN layers are mixtures of experts.
+    pub moe: Option<MoeParams>,
 }
 
 /// Gemma 3 alternates five sliding-window layers with one global layer (llama.cpp's
@@ -219,12 +260,14 @@ impl HParams {
             ),
             _ => (None, None),
         };
+        let moe = read_moe(&k, architecture, n_ff[0])?;
         let layers = (0..n_layer)
             .map(|il| LayerShape {
                 n_head: n_head[il],
                 n_head_kv: n_head_kv[il],
                 n_ff: n_ff[il],
                 sliding_window: swa_period.is_some_and(|p| il % p < p - 1),
+                moe: moe.is_some(),
             })
             .collect();
         let final_logit_softcap = k.positive_f32_opt("final_logit_softcapping")?;
@@ -246,6 +289,7 @@ impl HParams {
             sliding_window,
             final_logit_softcap,
             n_vocab_metadata,
+            moe,
         })
     }
 
@@ -261,6 +305,49 @@ impl HParams {
     pub fn attention_scale(&self) -> f32 {
         1.0 / (self.head_dim_k as f32).sqrt()
     }
+}
+
+/// The mixture-of-experts hyperparameters of `architecture`, `None` for dense architectures.
+fn read_moe(
+    k: &Keys<'_>,
+    architecture: Architecture,
+    n_ff_dense: usize,
+) -> Result<Option<MoeParams>, ModelError> {
+    let Some(rules) = architecture.moe() else {
+        return Ok(None);
+    };
+    let n_expert = k.usize_req("expert_count", MAX_EXPERTS)?;
+    let n_expert_used = k.usize_req("expert_used_count", n_expert)?;
+    let n_ff_expert = match k.usize_opt("expert_feed_forward_length", MAX_DIM)? {
+        Some(n) => n,
+        None if n_ff_dense / n_expert_used > 0 => n_ff_dense / n_expert_used,
+        None => {
+            return Err(ModelError::BadHyperparameter {
+                key: k.key("expert_feed_forward_length"),
+                expected: format!(
+                    "a value (the dense size {n_ff_dense} is smaller than the {n_expert_used} experts used)"
+                ),
+                found: "no value".into(),
+            })
+        }
+    };
+    let n_ff_shared = match rules.shared_expert {
+        Presence::Absent => None,
+        Presence::Required | Presence::Optional => Some(
+            k.usize_opt("expert_shared_feed_forward_length", MAX_DIM)?
+                .unwrap_or(n_ff_dense),
+        ),
+    };
+    Ok(Some(MoeParams {
+        n_expert,
+        n_expert_used,
+        n_ff_expert,
+        n_ff_shared,
+        shared_expert_gate: rules.shared_expert_gate != Presence::Absent,
+        gating: rules.gating,
+        normalize_weights: rules.normalize_weights,
+        weights_scale: None,
+    }))
 }
 
 fn read_rope_scaling(k: &Keys<'_>) -> Result<RopeScaling, ModelError> {

@@ -8,6 +8,8 @@
 mod arch;
 mod forward;
 mod hparams;
+#[cfg(test)]
+mod tests;
 mod weights;
 
 use std::path::Path;
@@ -15,10 +17,10 @@ use std::sync::Arc;
 
 use ember_gguf::{Gguf, GgufError};
 
-pub use arch::{Architecture, FfnActivation, Presence};
+pub use arch::{Architecture, FfnActivation, MoeRules, Presence};
 pub use forward::Context;
-pub use hparams::{HParams, LayerShape, RopeScaling};
-pub use weights::{LayerWeights, Weights};
+pub use hparams::{HParams, LayerShape, MoeParams, RopeScaling};
+pub use weights::{FfnWeights, LayerWeights, MoeWeights, SharedExpertWeights, Weights};
 
 use crate::backend::{Backend, BackendError, OpFailure};
 use crate::batch::Batch;

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use ember_gguf::{GgmlType, Gguf, TensorInfo};
 
 use super::arch::Presence;
-use super::hparams::HParams;
+use super::hparams::{HParams, MoeParams};
 use super::ModelError;
 use crate::backend::Backend;
 
@@ -28,10 +28,44 @@ pub struct LayerWeights<B: Backend> {
     pub k_norm: Option<B::Vector>,
     pub post_attn_norm: Option<B::Vector>,
     pub ffn_norm: B::Vector,
-    pub ffn_gate: B::Matrix,
-    pub ffn_up: B::Matrix,
-    pub ffn_down: B::Matrix,
+    pub ffn: FfnWeights<B>,
     pub post_ffn_norm: Option<B::Vector>,
+}
+
+/// The feed-forward block of a layer.
+pub enum FfnWeights<B: Backend> {
+    /// A gated FFN: `down(act(gate x) * up x)`.
+    Dense {
+        gate: B::Matrix,
+        up: B::Matrix,
+        down: B::Matrix,
+    },
+    /// A mixture of experts.
+    Moe(MoeWeights<B>),
+}
+
+/// The tensors of a mixture-of-experts FFN, with the hyperparameters they were loaded for.
+pub struct MoeWeights<B: Backend> {
+    pub params: MoeParams,
+    /// `ffn_gate_inp`: one row of router logits per expert.
+    pub router: B::Matrix,
+    /// `ffn_{gate,up,down}_exps`: every expert's projection, stacked in one 3-D tensor and placed
+    /// with [`Backend::expert_matrix`].
+    pub gate_exps: B::Matrix,
+    pub up_exps: B::Matrix,
+    pub down_exps: B::Matrix,
+    pub shared: Option<SharedExpertWeights<B>>,
+}
+
+/// The shared expert of a mixture-of-experts FFN (`ffn_*_shexp`).
+pub struct SharedExpertWeights<B: Backend> {
+    /// Rows of the gate and up projections.
+    pub n_ff: usize,
+    pub gate: B::Matrix,
+    pub up: B::Matrix,
+    pub down: B::Matrix,
+    /// `ffn_gate_inp_shexp`: one row, the per-token gate of the shared expert's output.
+    pub gate_inp: Option<B::Matrix>,
 }
 
 /// All weights of a model.
@@ -89,6 +123,80 @@ impl<B: Backend> Loader<'_, B> {
     fn matrix(&mut self, name: &str, cols: usize, rows: usize) -> Result<B::Matrix, ModelError> {
         let info = self.find(name, &[cols, rows])?;
         Ok(self.backend.matrix(self.gguf, &info)?)
+    }
+
+    /// A one-row matrix stored as a vector (`dims [cols]`), such as a per-token gate.
+    fn row_matrix(&mut self, name: &str, cols: usize) -> Result<B::Matrix, ModelError> {
+        let info = self.find(name, &[cols])?;
+        Ok(self.backend.matrix(self.gguf, &info)?)
+    }
+
+    /// The stacked matrices of `n_expert` experts, each `rows` x `cols`.
+    fn experts(
+        &mut self,
+        name: &str,
+        cols: usize,
+        rows: usize,
+        n_expert: usize,
+    ) -> Result<B::Matrix, ModelError> {
+        let info = self.find(name, &[cols, rows, n_expert])?;
+        Ok(self.backend.expert_matrix(self.gguf, &info)?)
+    }
+
+    fn present(&self, name: &str, presence: Presence) -> bool {
+        match presence {
+            Presence::Required => true,
+            Presence::Optional => self.gguf.tensor(name).is_some(),
+            Presence::Absent => false,
+        }
+    }
+
+    /// The FFN of layer `il`: dense, or the mixture of experts `hp.moe` describes.
+    fn ffn(&mut self, hp: &HParams, il: usize, n_ff: usize) -> Result<FfnWeights<B>, ModelError> {
+        let name = |suffix: &str| format!("blk.{il}.{suffix}");
+        let n_embd = hp.n_embd;
+        let (Some(moe), true) = (&hp.moe, hp.layers[il].moe) else {
+            return Ok(FfnWeights::Dense {
+                gate: self.matrix(&name("ffn_gate.weight"), n_embd, n_ff)?,
+                up: self.matrix(&name("ffn_up.weight"), n_embd, n_ff)?,
+                down: self.matrix(&name("ffn_down.weight"), n_ff, n_embd)?,
+            });
+        };
+        let rules = hp.architecture.moe();
+        let (n_expert, n_ff_expert) = (moe.n_expert, moe.n_ff_expert);
+        let router = self.matrix(&name("ffn_gate_inp.weight"), n_embd, n_expert)?;
+        let gate_exps =
+            self.experts(&name("ffn_gate_exps.weight"), n_embd, n_ff_expert, n_expert)?;
+        let up_exps = self.experts(&name("ffn_up_exps.weight"), n_embd, n_ff_expert, n_expert)?;
+        let down_exps =
+            self.experts(&name("ffn_down_exps.weight"), n_ff_expert, n_embd, n_expert)?;
+        let shared_presence = rules.map_or(Presence::Absent, |r| r.shared_expert);
+        let shared = match moe.n_ff_shared {
+            Some(n_ff) if self.present(&name("ffn_gate_shexp.weight"), shared_presence) => {
+                let gate_presence = rules.map_or(Presence::Absent, |r| r.shared_expert_gate);
+                let gate_inp_name = name("ffn_gate_inp_shexp.weight");
+                Some(SharedExpertWeights {
+                    n_ff,
+                    gate: self.matrix(&name("ffn_gate_shexp.weight"), n_embd, n_ff)?,
+                    up: self.matrix(&name("ffn_up_shexp.weight"), n_embd, n_ff)?,
+                    down: self.matrix(&name("ffn_down_shexp.weight"), n_ff, n_embd)?,
+                    gate_inp: if self.present(&gate_inp_name, gate_presence) {
+                        Some(self.row_matrix(&gate_inp_name, n_embd)?)
+                    } else {
+                        None
+                    },
+                })
+            }
+            _ => None,
+        };
+        Ok(FfnWeights::Moe(MoeWeights {
+            params: *moe,
+            router,
+            gate_exps,
+            up_exps,
+            down_exps,
+            shared,
+        }))
     }
 
     fn vector(&mut self, name: &str, len: usize) -> Result<B::Vector, ModelError> {
@@ -208,9 +316,7 @@ impl<B: Backend> Weights<B> {
                     None
                 },
                 ffn_norm: loader.vector(&name("ffn_norm.weight"), n_embd)?,
-                ffn_gate: loader.matrix(&name("ffn_gate.weight"), n_embd, shape.n_ff)?,
-                ffn_up: loader.matrix(&name("ffn_up.weight"), n_embd, shape.n_ff)?,
-                ffn_down: loader.matrix(&name("ffn_down.weight"), shape.n_ff, n_embd)?,
+                ffn: loader.ffn(hp, il, shape.n_ff)?,
                 post_ffn_norm: if arch.post_norms() {
                     Some(loader.vector(&name("post_ffw_norm.weight"), n_embd)?)
                 } else {

@@ -1,8 +1,14 @@
 //! `matmul`: `out[t] = W x[t]` for a weight matrix in any [`WeightFormat`] and f32 activations.
 //!
-//! Three paths, chosen by the number of tokens:
+//! Four paths, chosen by the number of tokens:
 //! - decode (at most [`MATVEC_MAX_TOKENS`] tokens): the quantised matrix-vector kernel
 //!   (`ops::matvec`), which reads each weight once per token straight from its blocks;
+//! - batched decode and short prompts (up to [`MMQ_MAX_TOKENS`] tokens, integer formats but q2_K
+//!   and q3_K): the quantised matrix kernel (`ops::mmq`), which reads each weight block once per
+//!   64 tokens and multiplies int8 tiles, with the activations rounded as for the matrix-vector
+//!   kernel. On GPUs with int8 tensor cores it takes over from the matrix-vector kernel below
+//!   [`MATVEC_MAX_TOKENS`] already (from 4 tokens for the k-quants, 8 for the others: see
+//!   [`auto_path`]);
 //! - prefill with BLAS: the weights are expanded to f16 in scratch memory (`dequantize.hip`), the
 //!   activations converted to f16, and the vendor GEMM multiplies them with f32 accumulation. The
 //!   expansion is a memory pass over the weights, small next to the GEMM's arithmetic once many
@@ -30,10 +36,13 @@ use crate::pool::Purpose;
 
 use super::elementwise::convert_f32_to_f16;
 use super::matvec::{has_glu_kernels, matvec, matvec_glu, matvec_multi, shared_fits_one_token};
+use super::mmq::{has_mmq_kernels, mmq};
 use super::{as_u32, DeviceMatrix, GpuContext, OpsError, WeightFormat};
 
-/// Up to this many tokens `matmul` uses the matrix-vector kernel; beyond, a GEMM. The
-/// environment variable [`MATVEC_MAX_TOKENS_ENV`] overrides it (for measuring the crossover).
+/// Up to this many tokens `matmul` uses the matrix-vector kernel; beyond, the quantised matrix
+/// kernel or a GEMM. On GPUs with int8 tensor cores the quantised matrix kernel takes over earlier
+/// for the formats it covers (see [`auto_path`]). The environment variable
+/// [`MATVEC_MAX_TOKENS_ENV`] overrides it, for every format (for measuring the crossover).
 pub const MATVEC_MAX_TOKENS: usize = 8;
 
 /// Environment variable overriding [`MATVEC_MAX_TOKENS`] (a positive integer).
@@ -52,6 +61,29 @@ pub fn matvec_max_tokens() -> usize {
     })
 }
 
+/// Up to this many tokens `matmul` uses the quantised matrix kernel (`ops::mmq`) for the formats
+/// it covers; beyond, the BLAS GEMM (or the tiled kernel without BLAS). Measured on an H200
+/// against dequantisation plus cuBLAS on the Llama-3.1-8B shapes (`examples/matmul_bench.rs`):
+/// at 64 tokens mmq is 1.2 to 1.6 times faster for q4_K on every shape and within 8% either way
+/// for q4_0 and q6_K; from 96 tokens on the GEMM wins except on the smallest matrices.
+/// The environment variable [`MMQ_MAX_TOKENS_ENV`] overrides it (`0` turns the path off).
+pub const MMQ_MAX_TOKENS: usize = 64;
+
+/// Environment variable overriding [`MMQ_MAX_TOKENS`] (a non-negative integer).
+pub const MMQ_MAX_TOKENS_ENV: &str = "EMBER_MMQ_MAX_TOKENS";
+
+/// The token count up to which `matmul` takes the quantised matrix path: [`MMQ_MAX_TOKENS_ENV`]
+/// when set to an integer (read once), else [`MMQ_MAX_TOKENS`].
+pub fn mmq_max_tokens() -> usize {
+    static VALUE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *VALUE.get_or_init(|| {
+        std::env::var(MMQ_MAX_TOKENS_ENV)
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .unwrap_or(MMQ_MAX_TOKENS)
+    })
+}
+
 /// Which implementation [`matmul_with`] uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MatmulPath {
@@ -59,6 +91,9 @@ pub enum MatmulPath {
     Auto,
     /// The matrix-vector kernel, whatever the token count.
     MatVec,
+    /// The quantised matrix kernel, whatever the token count (an error for formats it does not
+    /// cover: f32, f16, bf16, q2_K, q3_K).
+    Mmq,
     /// Dequantise to f16 and call the vendor GEMM (an error without BLAS).
     Blas,
     /// ember's tiled GEMM kernel.
@@ -202,6 +237,57 @@ pub fn matmul_shared(
     Ok(())
 }
 
+/// Whether [`MATVEC_MAX_TOKENS_ENV`] was set (read once): the matrix-vector boundary then holds
+/// for every format and device.
+fn matvec_max_tokens_overridden() -> bool {
+    static VALUE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *VALUE.get_or_init(|| std::env::var_os(MATVEC_MAX_TOKENS_ENV).is_some())
+}
+
+/// Whether `arch` is an NVIDIA architecture with int8 tensor-core instructions (`sm_80` and
+/// newer), where the quantised matrix kernel multiplies on them.
+fn has_int8_tensor_cores(arch: &str) -> bool {
+    arch.strip_prefix("sm_")
+        .map(|digits| digits.trim_end_matches(|c: char| c.is_ascii_alphabetic()))
+        .and_then(|digits| digits.parse::<u32>().ok())
+        .is_some_and(|number| number >= 80)
+}
+
+/// The smallest token count for which [`auto_path`] prefers the quantised matrix kernel over the
+/// matrix-vector kernel. With int8 tensor cores, measured on an H200 over the matrices of a
+/// Llama-3.1-8B layer (`examples/matmul_bench.rs`): from 4 tokens for the k-quants, whose
+/// matrix-vector kernels fit only two tokens of a 14336-column row in shared memory and so read
+/// the FFN's down projection once per two tokens (a q4_K layer's seven matrices at 4 tokens:
+/// 184 us against 246 us; at 8 tokens 185 us against 469 us), and from 8 tokens for the 32-value
+/// formats (a q4_0 layer at 8 tokens: 246 us against 300 us; at 4, 245 us against 161 us).
+/// Elsewhere the boundary stays at [`matvec_max_tokens`].
+fn mmq_min_tokens(ctx: &GpuContext, format: WeightFormat) -> usize {
+    if matvec_max_tokens_overridden() || !has_int8_tensor_cores(ctx.arch()) {
+        return matvec_max_tokens() + 1;
+    }
+    if format.block_values() == 256 {
+        4
+    } else {
+        8
+    }
+}
+
+/// The path [`matmul`] takes for `n_tokens` tokens of `w` on `ctx` (never `Auto`).
+pub fn auto_path(ctx: &GpuContext, w: &DeviceMatrix, n_tokens: usize) -> MatmulPath {
+    let mmq = has_mmq_kernels(w.format) && n_tokens <= mmq_max_tokens();
+    if mmq && n_tokens >= mmq_min_tokens(ctx, w.format) {
+        MatmulPath::Mmq
+    } else if n_tokens <= matvec_max_tokens() {
+        MatmulPath::MatVec
+    } else if mmq {
+        MatmulPath::Mmq
+    } else if ctx.blas_handle().is_some() {
+        MatmulPath::Blas
+    } else {
+        MatmulPath::Tiled
+    }
+}
+
 /// [`matmul`] on a chosen path.
 pub fn matmul_with(
     ctx: &GpuContext,
@@ -227,13 +313,12 @@ pub fn matmul_with(
         ));
     }
     let path = match path {
-        MatmulPath::Auto if n_tokens <= matvec_max_tokens() => MatmulPath::MatVec,
-        MatmulPath::Auto if ctx.blas_handle().is_some() => MatmulPath::Blas,
-        MatmulPath::Auto => MatmulPath::Tiled,
+        MatmulPath::Auto => auto_path(ctx, w, n_tokens),
         other => other,
     };
     match path {
         MatmulPath::MatVec => matvec(ctx, w, x, n_tokens, out),
+        MatmulPath::Mmq => mmq(ctx, w, x, n_tokens, out),
         MatmulPath::Blas => matmul_blas(ctx, w, x, n_tokens, out),
         MatmulPath::Tiled | MatmulPath::Auto => matmul_tiled(ctx, w, x, n_tokens, out),
     }
@@ -390,4 +475,19 @@ fn matmul_tiled(
         first += count;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::has_int8_tensor_cores;
+
+    #[test]
+    fn int8_tensor_cores_are_recognised_by_architecture() {
+        for arch in ["sm_80", "sm_86", "sm_90", "sm_90a", "sm_120"] {
+            assert!(has_int8_tensor_cores(arch), "{arch}");
+        }
+        for arch in ["sm_75", "sm_70", "gfx1201", "gfx942", "host", "sm_"] {
+            assert!(!has_int8_tensor_cores(arch), "{arch}");
+        }
+    }
 }

@@ -45,6 +45,7 @@ mod exact_elementwise;
 mod exact_matmul;
 mod matmul;
 mod matvec;
+mod mmq;
 
 use std::collections::HashMap;
 use std::fmt;
@@ -73,9 +74,11 @@ pub use exact_elementwise::{
 };
 pub use exact_matmul::matmul_exact;
 pub use matmul::{
-    fusion_enabled, matmul, matmul_glu, matmul_shared, matmul_with, matvec_max_tokens, Glu,
-    MatmulPath, FUSION_ENV, MATVEC_MAX_TOKENS, MATVEC_MAX_TOKENS_ENV,
+    auto_path, fusion_enabled, matmul, matmul_glu, matmul_shared, matmul_with, matvec_max_tokens,
+    mmq_max_tokens, Glu, MatmulPath, FUSION_ENV, MATVEC_MAX_TOKENS, MATVEC_MAX_TOKENS_ENV,
+    MMQ_MAX_TOKENS, MMQ_MAX_TOKENS_ENV,
 };
+pub use mmq::{has_mmq_kernels, MMQ_TARGET_BLOCKS, MMQ_TARGET_BLOCKS_ENV};
 
 /// Environment variable that turns the BLAS library off (`1`): `matmul` then uses the tiled
 /// kernel for prefill. For comparisons and for hosts whose BLAS misbehaves.

@@ -6,6 +6,7 @@
 //! the split, so single-token decoding does not drown in scheduling overhead.
 
 mod attention;
+mod moe;
 mod ops;
 pub use ops::{gelu_table, rope_cos_sin};
 pub mod vec;
@@ -17,7 +18,7 @@ use ember_gguf::{GgmlType, Gguf, TensorInfo};
 use half::f16;
 use rayon::prelude::*;
 
-use super::{Backend, BackendError, RopeMode, RopeParams};
+use super::{Backend, BackendError, MoeFfn, RopeMode, RopeParams};
 use crate::ops::AttentionPlan;
 
 /// Rows per rayon task for the cheap row-wise ops; below this a single thread does the work.
@@ -30,6 +31,8 @@ pub struct CpuBackend {
     /// Quantized-activation buffers reused across matmuls, one per (activation type, row
     /// length), so the forward pass does not allocate them for every matrix product.
     activations: Mutex<HashMap<(GgmlType, usize), ember_quant::QuantizedActivations>>,
+    /// Routing and expert buffers of the mixture-of-experts op, reused across layers and passes.
+    moe_scratch: Mutex<moe::Scratch>,
 }
 
 impl std::fmt::Debug for CpuBackend {
@@ -68,7 +71,48 @@ fn physical_cores_from_cpuinfo() -> Option<usize> {
     (!cores.is_empty()).then_some(cores.len())
 }
 
+/// `out[t * rows + r] = dot(w.row(r), acts.row(t))`. Shapes were checked when the matrix was
+/// placed and the buffers are sized by the model code from the same hyperparameters, so this
+/// cannot fail on any input file.
+fn products(
+    w: &ember_quant::QMatrix<'_>,
+    acts: &ember_quant::QuantizedActivations,
+    out: &mut [f32],
+) {
+    ember_quant::matmul(w, acts, out).expect("matmul shapes match");
+}
+
 impl CpuBackend {
+    /// Runs `f` with `x` (`n_tokens` rows of `cols`) quantized to the dot-product type of
+    /// weights of type `weight_type`, in a buffer kept for the next call with the same type and
+    /// row length, so the forward pass does not allocate one per matrix product.
+    fn with_activations<R>(
+        &self,
+        weight_type: GgmlType,
+        cols: usize,
+        x: &[f32],
+        n_tokens: usize,
+        f: impl FnOnce(&ember_quant::QuantizedActivations) -> R,
+    ) -> R {
+        let vdt = ember_quant::vec_dot_type(weight_type);
+        // The forward pass runs its ops from one thread at a time, so the lock is uncontended; a
+        // poisoned lock only means an earlier product panicked, and the buffer is rewritten whole.
+        let mut buffers = self
+            .activations
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let acts = match buffers.entry((vdt, cols)) {
+            std::collections::hash_map::Entry::Occupied(entry) => entry.into_mut(),
+            std::collections::hash_map::Entry::Vacant(entry) => entry.insert(
+                ember_quant::QuantizedActivations::empty(vdt, cols)
+                    .expect("vec_dot_type is an activation type"),
+            ),
+        };
+        acts.requantize(x, n_tokens)
+            .expect("activation shape matches the matrix");
+        f(acts)
+    }
+
     /// A backend with `n_threads` worker threads (0 means [`physical_cores`]).
     pub fn new(n_threads: usize) -> Result<CpuBackend, rayon::ThreadPoolBuildError> {
         let n_threads = if n_threads == 0 {
@@ -84,6 +128,7 @@ impl CpuBackend {
             pool,
             n_threads,
             activations: Mutex::new(HashMap::new()),
+            moe_scratch: Mutex::new(moe::Scratch::default()),
         })
     }
 
@@ -93,12 +138,16 @@ impl CpuBackend {
     }
 }
 
-/// A weight matrix read in place from the file mapping.
+/// A weight matrix read in place from the file mapping, or a stack of equally shaped matrices
+/// (the experts of a mixture-of-experts layer, one 3-D tensor).
 pub struct CpuMatrix {
     gguf: Arc<Gguf>,
     info: TensorInfo,
+    /// Rows of one matrix of the stack.
     rows: usize,
     cols: usize,
+    /// Matrices in the stack: 1 for a plain matrix.
+    n_stacked: usize,
 }
 
 impl CpuMatrix {
@@ -106,9 +155,23 @@ impl CpuMatrix {
         self.gguf.tensor_data(&self.info)
     }
 
+    /// All rows of every matrix of the stack.
     fn qmatrix(&self) -> ember_quant::QMatrix<'_> {
-        ember_quant::QMatrix::new(self.info.ty, self.rows, self.cols, self.data())
-            .expect("the matrix's shape and size were checked when it was placed")
+        ember_quant::QMatrix::new(
+            self.info.ty,
+            self.rows * self.n_stacked,
+            self.cols,
+            self.data(),
+        )
+        .expect("the matrix's shape and size were checked when it was placed")
+    }
+
+    /// Matrix `index` of the stack: a view of its contiguous bytes, nothing copied.
+    fn stacked(&self, index: usize) -> ember_quant::QMatrix<'_> {
+        let bytes = self.data().len() / self.n_stacked;
+        let data = &self.data()[index * bytes..(index + 1) * bytes];
+        ember_quant::QMatrix::new(self.info.ty, self.rows, self.cols, data)
+            .expect("the stack's shape and size were checked when it was placed")
     }
 }
 
@@ -203,6 +266,44 @@ fn check_matrix(info: &TensorInfo) -> Result<(usize, usize), BackendError> {
     Ok((rows, cols))
 }
 
+/// A matrix (or a stack of `n_stacked` matrices) of `rows` x `cols` read in place, after checking
+/// that the file holds exactly its bytes.
+fn place(
+    gguf: &Arc<Gguf>,
+    info: &TensorInfo,
+    rows: usize,
+    cols: usize,
+    n_stacked: usize,
+) -> Result<CpuMatrix, BackendError> {
+    let matrix = CpuMatrix {
+        gguf: Arc::clone(gguf),
+        info: info.clone(),
+        rows,
+        cols,
+        n_stacked,
+    };
+    let total_rows = rows.checked_mul(n_stacked);
+    let checked = match total_rows {
+        Some(total) => ember_quant::QMatrix::new(info.ty, total, cols, matrix.data())
+            .map(|_| ())
+            .map_err(|e| e.to_string()),
+        None => Err("the row count overflows".to_string()),
+    };
+    checked.map_err(|found| BackendError::BadTensor {
+        tensor: info.name.clone(),
+        expected: if n_stacked == 1 {
+            format!("{rows} rows of {cols} {} values", info.ty.name())
+        } else {
+            format!(
+                "{n_stacked} matrices of {rows} rows of {cols} {} values",
+                info.ty.name()
+            )
+        },
+        found,
+    })?;
+    Ok(matrix)
+}
+
 fn supported_types() -> String {
     GgmlType::ALL
         .iter()
@@ -229,20 +330,35 @@ impl Backend for CpuBackend {
 
     fn matrix(&self, gguf: &Arc<Gguf>, info: &TensorInfo) -> Result<CpuMatrix, BackendError> {
         let (rows, cols) = check_matrix(info)?;
-        let matrix = CpuMatrix {
-            gguf: Arc::clone(gguf),
-            info: info.clone(),
-            rows,
-            cols,
-        };
-        ember_quant::QMatrix::new(info.ty, rows, cols, matrix.data()).map_err(|e| {
-            BackendError::BadTensor {
+        place(gguf, info, rows, cols, 1)
+    }
+
+    fn expert_matrix(
+        &self,
+        gguf: &Arc<Gguf>,
+        info: &TensorInfo,
+    ) -> Result<CpuMatrix, BackendError> {
+        if !ember_quant::is_supported(info.ty) {
+            return Err(BackendError::UnsupportedType {
                 tensor: info.name.clone(),
-                expected: format!("{rows} rows of {cols} {} values", info.ty.name()),
-                found: e.to_string(),
+                ty: info.ty.name().to_string(),
+                backend: "cpu",
+                supported: supported_types(),
+            });
+        }
+        let [cols, rows, n_stacked] = match info.dims[..] {
+            [cols, rows, n] if cols > 0 && rows > 0 && n > 0 => {
+                [cols as usize, rows as usize, n as usize]
             }
-        })?;
-        Ok(matrix)
+            _ => {
+                return Err(BackendError::BadTensor {
+                    tensor: info.name.clone(),
+                    expected: "a stack of matrices (3 dimensions, none of them 0)".into(),
+                    found: format!("dims {:?}", info.dims),
+                })
+            }
+        };
+        place(gguf, info, rows, cols, n_stacked)
     }
 
     fn vector(&self, gguf: &Arc<Gguf>, info: &TensorInfo) -> Result<Vec<f32>, BackendError> {
@@ -301,27 +417,29 @@ impl Backend for CpuBackend {
 
     fn matmul(&self, w: &CpuMatrix, x: &Vec<f32>, n_tokens: usize, out: &mut Vec<f32>) {
         let q = w.qmatrix();
-        let x = &x[..n_tokens * w.cols];
-        let out = &mut out[..n_tokens * w.rows];
-        let vdt = ember_quant::vec_dot_type(w.info.ty);
-        // Shapes were checked when the matrix was placed and the buffers are sized by the model
-        // code from the same hyperparameters, so these cannot fail on any input file.
-        // The forward pass calls matmul from one thread at a time, so the lock is uncontended; a
-        // poisoned lock only means an earlier matmul panicked, and the buffer is rewritten whole.
-        let mut buffers = self
-            .activations
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let acts = match buffers.entry((vdt, w.cols)) {
-            std::collections::hash_map::Entry::Occupied(entry) => entry.into_mut(),
-            std::collections::hash_map::Entry::Vacant(entry) => entry.insert(
-                ember_quant::QuantizedActivations::empty(vdt, w.cols)
-                    .expect("vec_dot_type is an activation type"),
-            ),
-        };
-        acts.requantize(x, n_tokens)
-            .expect("activation shape matches the matrix");
-        ember_quant::matmul(&q, acts, out).expect("matmul shapes match");
+        let out = &mut out[..n_tokens * q.rows];
+        self.with_activations(q.ty, q.cols, &x[..n_tokens * q.cols], n_tokens, |acts| {
+            products(&q, acts, out)
+        });
+    }
+
+    fn moe_router(&self, router: &CpuMatrix, x: &Vec<f32>, n_tokens: usize, out: &mut Vec<f32>) {
+        if router.info.ty == GgmlType::F32 {
+            moe::router_f32(router, x, n_tokens, out);
+        } else {
+            self.matmul(router, x, n_tokens, out);
+        }
+    }
+
+    fn moe_ffn(
+        &self,
+        moe: &MoeFfn<'_, CpuMatrix>,
+        router_logits: &Vec<f32>,
+        x: &Vec<f32>,
+        n_tokens: usize,
+        out: &mut Vec<f32>,
+    ) {
+        moe::moe_ffn(self, moe, router_logits, x, n_tokens, out);
     }
 
     fn rms_norm(

@@ -305,6 +305,67 @@ fn dot_f16_ggml_portable(a: &[f32], b: &[f32]) -> f32 {
     sum as f32
 }
 
+/// GGML's `ggml_vec_dot_f32` on its AVX-512 path (a product of one f32 row with one token, the
+/// path of a one-token F32 matrix product): four 16-lane FMA accumulators over runs of 64,
+/// summed `(a0 + a2) + (a1 + a3)`, then `_mm512_reduce_add_ps`; a tail shorter than 64 is added
+/// product by product with FMA (GCC contracts GGML's `sumf += x[i]*y[i]`).
+#[inline]
+pub fn dot_f32_ggml(a: &[f32], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: `has_avx2` checked at run time that the CPU supports AVX2 and FMA.
+        return unsafe { exact::dot_f32_ggml(a, b) };
+    }
+    dot_f32_ggml_portable(a, b)
+}
+
+#[inline(always)]
+fn dot_f32_ggml_portable(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let np = n / 64 * 64;
+    let mut acc = [[0f32; 16]; 4];
+    for base in (0..np).step_by(64) {
+        for (j, accj) in acc.iter_mut().enumerate() {
+            for (i, v) in accj.iter_mut().enumerate() {
+                let k = base + 16 * j + i;
+                *v = a[k].mul_add(b[k], *v);
+            }
+        }
+    }
+    let lanes: [f32; 16] =
+        std::array::from_fn(|i| (acc[0][i] + acc[2][i]) + (acc[1][i] + acc[3][i]));
+    let mut sum = reduce16(&lanes);
+    for k in np..n {
+        sum = a[k].mul_add(b[k], sum);
+    }
+    sum
+}
+
+/// The dot product of llamafile's `tinyBLAS` F32 kernel in llama.cpp's AVX-512 build (the path
+/// of F32 matrix products over two or more tokens whose rows are whole runs of 16): one 16-lane
+/// FMA accumulator over the row, then `_mm512_reduce_add_ps`. `a.len()` must be a multiple of
+/// 16.
+#[inline]
+pub fn dot_f32_tinyblas(a: &[f32], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: `has_avx2` checked at run time that the CPU supports AVX2 and FMA.
+        return unsafe { exact::dot_f32_tinyblas(a, b) };
+    }
+    dot_f32_tinyblas_portable(a, b)
+}
+
+#[inline(always)]
+fn dot_f32_tinyblas_portable(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    for (ra, rb) in a.chunks_exact(16).zip(b.chunks_exact(16)) {
+        for i in 0..16 {
+            acc[i] = ra[i].mul_add(rb[i], acc[i]);
+        }
+    }
+    reduce16(&acc)
+}
+
 /// `_mm512_reduce_add_ps`: halves added lane-wise until one value is left.
 #[inline]
 fn reduce16(v: &[f32; 16]) -> f32 {
@@ -359,23 +420,50 @@ pub fn softmax_tile(kq: &mut [f32; KV_TILE], max: f32) -> f64 {
     let mut sum = 0f64;
     for run in kq.chunks_exact_mut(16) {
         let mut v = [0f32; 16];
-        #[cfg(target_arch = "x86_64")]
-        if has_avx2() {
-            // SAFETY: `has_avx2` checked at run time that the CPU supports AVX2 and FMA.
-            unsafe { exact::exp_minus(run, max, &mut v) };
-        } else {
-            v.iter_mut()
-                .zip(run.iter())
-                .for_each(|(o, &x)| *o = expf_ggml(x - max));
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        v.iter_mut()
-            .zip(run.iter())
-            .for_each(|(o, &x)| *o = expf_ggml(x - max));
+        exp_minus16(run, max, &mut v);
         run.copy_from_slice(&v);
         sum += reduce16(&v) as f64;
     }
     sum
+}
+
+/// `out[i] = expf(run[i] - max)` for a run of 16, with GGML's AVX-512 `expf`.
+#[inline]
+fn exp_minus16(run: &[f32], max: f32, out: &mut [f32; 16]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: `has_avx2` checked at run time that the CPU supports AVX2 and FMA.
+        return unsafe { exact::exp_minus(run, max, out) };
+    }
+    out.iter_mut()
+        .zip(run.iter())
+        .for_each(|(o, &x)| *o = expf_ggml(x - max));
+}
+
+/// The softmax of one row as `ggml_soft_max` (no mask, scale 1) computes it in llama.cpp's
+/// AVX-512 build: the maximum; `expf(x - max)` with GGML's `expf`, each run of 16 summed in f32
+/// by halving and the runs added in f64 (`ggml_vec_soft_max_f32`); a tail shorter than 16 with
+/// the C library's `expf`, added value by value; then every value times `(float)(1 / sum)`.
+/// `out` holds at least `x.len()` values.
+pub fn softmax_ggml(x: &[f32], out: &mut [f32]) {
+    let max = x
+        .iter()
+        .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+    let full = x.len() / 16 * 16;
+    let mut sum = 0f64;
+    for (run, dst) in x[..full].chunks_exact(16).zip(out.chunks_exact_mut(16)) {
+        let mut v = [0f32; 16];
+        exp_minus16(run, max, &mut v);
+        dst.copy_from_slice(&v);
+        sum += reduce16(&v) as f64;
+    }
+    for (&xi, o) in x[full..].iter().zip(&mut out[full..x.len()]) {
+        let v = (xi - max).exp();
+        sum += v as f64;
+        *o = v;
+    }
+    let scale = (1.0 / sum) as f32;
+    out[..x.len()].iter_mut().for_each(|v| *v *= scale);
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -494,6 +582,19 @@ mod exact {
         sum as f32
     }
 
+    // The two f32 dot products below are their portable twins compiled with FMA enabled: every
+    // lane's sequence of fused operations is fixed by the code, so vectorising it changes
+    // nothing but the speed.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_f32_ggml(a: &[f32], b: &[f32]) -> f32 {
+        super::dot_f32_ggml_portable(a, b)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_f32_tinyblas(a: &[f32], b: &[f32]) -> f32 {
+        super::dot_f32_tinyblas_portable(a, b)
+    }
+
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn kq_tile(q: &[f32], kt: &[f32], out: &mut [f32; super::KV_TILE]) {
         super::kq_tile_portable(q, kt, out)
@@ -591,6 +692,24 @@ mod tests {
                 "n = {n}"
             );
         }
+        for n in [16usize, 64, 100, 128, 2048] {
+            let a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+            let b: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos() * 3.0).collect();
+            assert_eq!(
+                dot_f32_ggml(&a, &b).to_bits(),
+                dot_f32_ggml_portable(&a, &b).to_bits(),
+                "n = {n}"
+            );
+            if n % 16 == 0 {
+                assert_eq!(
+                    dot_f32_tinyblas(&a, &b).to_bits(),
+                    dot_f32_tinyblas_portable(&a, &b).to_bits(),
+                    "n = {n}"
+                );
+            }
+            let exact: f64 = a.iter().zip(&b).map(|(&x, &y)| x as f64 * y as f64).sum();
+            assert!((dot_f32_ggml(&a, &b) as f64 - exact).abs() < 1e-4 * n as f64);
+        }
         let q: Vec<f32> = (0..64).map(|i| (i as f32 * 0.3).sin()).collect();
         let kt: Vec<f32> = (0..64 * KV_TILE).map(|i| (i as f32 * 0.07).cos()).collect();
         let (mut fast, mut slow) = ([0f32; KV_TILE], [0f32; KV_TILE]);
@@ -617,6 +736,36 @@ mod tests {
         assert_eq!(sum, want);
         assert!(kq[40..].iter().all(|&p| p == 0.0));
         assert_eq!(kq[39], 1.0);
+    }
+
+    #[test]
+    fn ggml_softmax_runs_of_sixteen_then_a_libm_tail_sum_to_one() {
+        for n in [1usize, 8, 16, 128, 131] {
+            let x: Vec<f32> = (0..n)
+                .map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.3)
+                .collect();
+            let mut out = vec![0f32; n];
+            softmax_ggml(&x, &mut out);
+            let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let full = n / 16 * 16;
+            let mut sum = 0f64;
+            let mut want: Vec<f32> = Vec::with_capacity(n);
+            for run in x[..full].chunks_exact(16) {
+                let v: [f32; 16] = std::array::from_fn(|i| expf_ggml(run[i] - max));
+                sum += reduce16(&v) as f64;
+                want.extend(v);
+            }
+            for &xi in &x[full..] {
+                let v = (xi - max).exp();
+                sum += v as f64;
+                want.push(v);
+            }
+            let scale = (1.0 / sum) as f32;
+            want.iter_mut().for_each(|v| *v *= scale);
+            assert_eq!(out, want, "n = {n}");
+            let total: f64 = out.iter().map(|&p| p as f64).sum();
+            assert!((total - 1.0).abs() < 1e-5, "n = {n}: {total}");
+        }
     }
 
     #[test]

@@ -10,11 +10,15 @@
 //! How (the step is re-recorded every time, as llama.cpp does, so per-step scalars such as the
 //! attention length and reallocated buffers are simply part of the new recording):
 //! 1. [`Graphs::begin`] (from `begin_forward`, after the per-batch arrays were uploaded): for a
-//!    batch of at most [`GRAPH_MAX_TOKENS`] tokens, start capturing the context's stream.
+//!    batch of at most [`GRAPH_MAX_TOKENS`] tokens (one decode step of up to 64 sequences),
+//!    start capturing the context's stream.
 //! 2. The layer loop queues its ops; they are recorded, not run.
 //! 3. [`Graphs::finish`] (from `read` before the logits are downloaded, or from `end_forward`):
 //!    end the capture, update the executable graph cached for this batch shape (or instantiate
-//!    one when the runtime refuses the update), launch it.
+//!    one when the runtime refuses the update), launch it. Executable graphs are cached per
+//!    shape, at most [`MAX_CACHED_GRAPHS`] of them; the least recently used goes first when a
+//!    new shape needs room (a server whose batch size wanders over 1..64 keeps its common
+//!    shapes without holding a graph for every size it ever saw).
 //!
 //! Fallbacks: if the capture cannot start, the pass runs with plain launches and graphs are
 //! turned off for this backend (logged once). If it was aborted midway (an op had to wait for the
@@ -34,9 +38,14 @@ use ember_gpu::ops::{GpuContext, OpsError};
 /// Environment variable: `0` turns decode graphs off.
 pub const GRAPHS_ENV: &str = "EMBER_GPU_GRAPHS";
 
-/// Batches of at most this many tokens are recorded as graphs (decode steps, small speculative
-/// or parallel batches); larger ones are compute-bound and launch directly.
-pub const GRAPH_MAX_TOKENS: usize = 8;
+/// Batches of at most this many tokens are recorded as graphs: decode steps of up to 64
+/// sequences at once (whose matrix products read the weights once, so the step is still short
+/// and its launches would cost as much as its work), small speculative or parallel batches.
+/// Larger ones are prompt chunks, compute-bound, and launch directly.
+pub const GRAPH_MAX_TOKENS: usize = 64;
+
+/// Executable graphs kept at once (one per batch shape), least recently used dropped first.
+pub const MAX_CACHED_GRAPHS: usize = 32;
 
 /// Aborted captures in a row after which graphs are turned off (something in every step waits
 /// for the device, so recording is wasted work).
@@ -55,6 +64,8 @@ pub struct GraphStats {
     pub launched: u64,
     /// Captures that could not be run (the pass ran again with plain launches).
     pub redone: u64,
+    /// Cached executable graphs dropped to make room for another shape.
+    pub evicted: u64,
     /// CPU time from the start of each capture to its end: queueing the pass's ops.
     pub record_time: Duration,
     /// CPU time spent updating or instantiating executable graphs.
@@ -71,7 +82,7 @@ impl GraphStats {
             format!("{:.1} us", (total / steps).as_secs_f64() * 1e6)
         };
         format!(
-            "{} graph steps ({} updated in place, {} instantiated, {} redone); per step: record {}, update {}, launch {}",
+            "{} graph steps ({} updated in place, {} instantiated, {} redone); per step: record {}, update {}, launch {}; {} cached graphs evicted",
             self.launched,
             self.updated,
             self.instantiated,
@@ -79,6 +90,7 @@ impl GraphStats {
             per_step(self.record_time),
             per_step(self.update_time),
             per_step(self.launch_time),
+            self.evicted,
         )
     }
 }
@@ -102,7 +114,7 @@ pub(super) struct Graphs {
     /// The last capture could not be run: the model code must run the pass again.
     redo: bool,
     aborts_in_a_row: u32,
-    execs: Vec<(GraphKey, GraphExecHandle)>,
+    execs: LruCache<GraphKey, GraphExecHandle>,
     /// The pool's trim generation the cached graphs were made under.
     trim_generation: u64,
     stats: GraphStats,
@@ -122,7 +134,7 @@ impl Graphs {
             capturing: None,
             redo: false,
             aborts_in_a_row: 0,
-            execs: Vec::new(),
+            execs: LruCache::new(MAX_CACHED_GRAPHS),
             trim_generation: 0,
             stats: GraphStats::default(),
         }
@@ -228,7 +240,7 @@ impl Graphs {
     /// Destroys every cached executable graph (the backend is going away, or memory they refer
     /// to may be gone).
     pub(super) fn drop_execs(&mut self, ctx: &GpuContext) {
-        for (_, exec) in self.execs.drain(..) {
+        for exec in self.execs.drain() {
             if let Err(error) = ctx.destroy_graph_exec(exec) {
                 tracing::debug!(%error, "destroying a cached graph failed");
             }
@@ -244,27 +256,23 @@ impl Graphs {
     /// Updates (or instantiates) the executable graph for `key` to `graph` and launches it.
     fn run(&mut self, ctx: &GpuContext, key: GraphKey, graph: GraphHandle) -> Result<(), OpsError> {
         let started = Instant::now();
-        let slot = self.execs.iter().position(|(k, _)| *k == key);
-        let exec = match slot {
-            Some(index) => {
-                let exec = self.execs[index].1;
-                match ctx.update_graph(exec, graph) {
-                    Ok(true) => {
-                        self.stats.updated += 1;
-                        exec
-                    }
-                    refused => {
-                        if let Err(error) = refused {
-                            tracing::debug!(%error, "graph update failed; instantiating anew");
-                        }
-                        self.execs.swap_remove(index);
-                        if let Err(error) = ctx.destroy_graph_exec(exec) {
-                            tracing::debug!(%error, "destroying a refused graph failed");
-                        }
-                        self.instantiate(ctx, key, graph)?
-                    }
+        let exec = match self.execs.get(&key) {
+            Some(exec) => match ctx.update_graph(exec, graph) {
+                Ok(true) => {
+                    self.stats.updated += 1;
+                    exec
                 }
-            }
+                refused => {
+                    if let Err(error) = refused {
+                        tracing::debug!(%error, "graph update failed; instantiating anew");
+                    }
+                    self.execs.remove(&key);
+                    if let Err(error) = ctx.destroy_graph_exec(exec) {
+                        tracing::debug!(%error, "destroying a refused graph failed");
+                    }
+                    self.instantiate(ctx, key, graph)?
+                }
+            },
             None => self.instantiate(ctx, key, graph)?,
         };
         let launching = Instant::now();
@@ -290,7 +298,12 @@ impl Graphs {
     ) -> Result<GraphExecHandle, OpsError> {
         let exec = ctx.instantiate_graph(graph)?;
         self.stats.instantiated += 1;
-        self.execs.push((key, exec));
+        if let Some(evicted) = self.execs.insert(key, exec) {
+            self.stats.evicted += 1;
+            if let Err(error) = ctx.destroy_graph_exec(evicted) {
+                tracing::debug!(%error, "destroying an evicted graph failed");
+            }
+        }
         Ok(exec)
     }
 
@@ -308,5 +321,91 @@ impl Graphs {
         }
         self.enabled = false;
         self.drop_execs(ctx);
+    }
+}
+
+/// A small cache that keeps at most `capacity` entries and drops the least recently used one to
+/// make room. Lookups are linear: the cache holds a few dozen entries and is used once per step.
+#[derive(Debug)]
+struct LruCache<K, V> {
+    capacity: usize,
+    /// Least recently used first.
+    entries: Vec<(K, V)>,
+}
+
+impl<K: PartialEq + Copy, V: Copy> LruCache<K, V> {
+    fn new(capacity: usize) -> LruCache<K, V> {
+        LruCache {
+            capacity: capacity.max(1),
+            entries: Vec::new(),
+        }
+    }
+
+    /// The value of `key`, now the most recently used.
+    fn get(&mut self, key: &K) -> Option<V> {
+        let index = self.entries.iter().position(|(k, _)| k == key)?;
+        let entry = self.entries.remove(index);
+        let value = entry.1;
+        self.entries.push(entry);
+        Some(value)
+    }
+
+    /// Adds (or replaces) `key` as the most recently used entry; returns the value it replaced
+    /// or the least recently used value evicted to make room.
+    fn insert(&mut self, key: K, value: V) -> Option<V> {
+        if let Some(old) = self.remove(&key) {
+            self.entries.push((key, value));
+            return Some(old);
+        }
+        let evicted = if self.entries.len() >= self.capacity {
+            Some(self.entries.remove(0).1)
+        } else {
+            None
+        };
+        self.entries.push((key, value));
+        evicted
+    }
+
+    fn remove(&mut self, key: &K) -> Option<V> {
+        let index = self.entries.iter().position(|(k, _)| k == key)?;
+        Some(self.entries.remove(index).1)
+    }
+
+    /// Removes every entry, least recently used first.
+    fn drain(&mut self) -> impl Iterator<Item = V> + '_ {
+        self.entries.drain(..).map(|(_, v)| v)
+    }
+}
+
+#[cfg(test)]
+mod lru_tests {
+    use super::LruCache;
+
+    #[test]
+    fn the_least_recently_used_entry_makes_room() {
+        let mut cache = LruCache::new(3);
+        assert_eq!(cache.insert(1, 10), None);
+        assert_eq!(cache.insert(2, 20), None);
+        assert_eq!(cache.insert(3, 30), None);
+        // Using 1 makes 2 the least recently used.
+        assert_eq!(cache.get(&1), Some(10));
+        assert_eq!(cache.insert(4, 40), Some(20));
+        assert_eq!(cache.get(&2), None);
+        assert_eq!(cache.insert(5, 50), Some(30));
+        assert_eq!(cache.drain().collect::<Vec<_>>(), [10, 40, 50]);
+        assert_eq!(cache.get(&1), None);
+    }
+
+    #[test]
+    fn replacing_and_removing_keep_the_bound() {
+        let mut cache = LruCache::new(2);
+        cache.insert(1, 10);
+        cache.insert(2, 20);
+        // A key already present is replaced in place, nothing else is evicted.
+        assert_eq!(cache.insert(1, 11), Some(10));
+        assert_eq!(cache.remove(&2), Some(20));
+        assert_eq!(cache.insert(3, 30), None);
+        assert_eq!(cache.insert(4, 40), Some(11));
+        assert_eq!(cache.drain().collect::<Vec<_>>(), [30, 40]);
     }
 }

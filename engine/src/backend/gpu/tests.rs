@@ -379,10 +379,12 @@ fn expected_step(x: &mut [f32], bias: &[f32], factor: f32) -> Vec<f32> {
 #[test]
 fn decode_steps_replay_a_graph_with_the_results_of_direct_launches() {
     let (b, driver, _dir) = backend_with_kernels();
-    let mut x = b.alloc(64);
-    let bias = b.alloc(64);
-    let mut host_x: Vec<f32> = (0..64).map(|i| i as f32 * 0.25 - 3.0).collect();
-    let host_bias: Vec<f32> = (0..64).map(|i| 1.0 - i as f32 * 0.125).collect();
+    // Four values per token, for batches up to one token past the largest graphed one.
+    let len = 4 * (super::graph::GRAPH_MAX_TOKENS + 1);
+    let mut x = b.alloc(len);
+    let bias = b.alloc(len);
+    let mut host_x: Vec<f32> = (0..len).map(|i| (i % 64) as f32 * 0.25 - 3.0).collect();
+    let host_bias: Vec<f32> = (0..len).map(|i| 1.0 - (i % 64) as f32 * 0.125).collect();
     upload_f32(&b, &x, &host_x);
     upload_f32(&b, &bias, &host_bias);
 
@@ -408,13 +410,24 @@ fn decode_steps_replay_a_graph_with_the_results_of_direct_launches() {
         "{summary}"
     );
 
-    // Another small shape gets a graph of its own; a large batch launches directly.
+    // Other small shapes get graphs of their own; a batch past the largest graphed size
+    // launches directly.
     let (out, _) = step(&b, 8, &mut x, &bias, 1.0);
     assert_eq!(out, expected_step(&mut host_x[..32], &host_bias[..32], 1.0));
     assert_eq!(b.graph_stats().instantiated, 2);
     let (out, _) = step(&b, 16, &mut x, &bias, 1.0);
     assert_eq!(out, expected_step(&mut host_x[..64], &host_bias[..64], 1.0));
-    assert_eq!(b.graph_stats().launched, 4, "no graph for 16 tokens");
+    assert_eq!(b.graph_stats().instantiated, 3);
+    assert_eq!(b.graph_stats().launched, 5);
+    assert_eq!(driver.direct_launches(), 0);
+    let (out, _) = step(&b, super::graph::GRAPH_MAX_TOKENS + 1, &mut x, &bias, 1.0);
+    assert_eq!(out, expected_step(&mut host_x, &host_bias, 1.0));
+    assert_eq!(
+        b.graph_stats().launched,
+        5,
+        "no graph past {} tokens",
+        super::graph::GRAPH_MAX_TOKENS
+    );
     assert_eq!(driver.direct_launches(), 4);
 }
 
