@@ -62,29 +62,7 @@ fn collect(mut stream: RequestStream) -> (Vec<u32>, String, FinishReason) {
 
 /// Greedy tokens of the plain generation loop (what `ember run --temp 0` computes).
 fn reference_greedy(prompt: &[u32], n: usize) -> Vec<u32> {
-    let AnyLoaded::Cpu(loaded) = load_model() else {
-        panic!("expected the CPU backend");
-    };
-    let model = &loaded.model;
-    let mut ctx = model.new_context(ContextParams::with_ctx(512));
-    let mut sampler = Sampler::new(SamplerParams::greedy());
-    let tokenizer = &loaded.tokenizer;
-    let (tokens, _) = generate::generate(
-        model,
-        &mut ctx,
-        0,
-        prompt,
-        n,
-        512,
-        &mut sampler,
-        |t| tokenizer.is_eog(t),
-        |_| true,
-    )
-    .expect("generation runs");
-    tokens
-        .into_iter()
-        .filter(|&t| !tokenizer.is_eog(t))
-        .collect()
+    reference_greedy_split(prompt, 0, n)
 }
 
 const PROMPTS: [&str; 6] = [
@@ -179,14 +157,17 @@ fn a_shared_prefix_is_computed_once() {
     assert_eq!(ids_second, reference_greedy_split(&second, cached, 4));
 }
 
-/// [`reference_greedy`] with the prompt read as two batches, `prompt[..split]` then the rest.
+/// [`reference_greedy`] with the prompt read as two batches, `prompt[..split]` then the rest
+/// (one batch when `split` is 0).
 fn reference_greedy_split(prompt: &[u32], split: usize, n: usize) -> Vec<u32> {
     let AnyLoaded::Cpu(loaded) = load_model() else {
         panic!("expected the CPU backend");
     };
     let model = &loaded.model;
     let mut ctx = model.new_context(ContextParams::with_ctx(512));
-    generate::eval_tokens(model, &mut ctx, 0, &prompt[..split], 512).expect("prefix");
+    if split > 0 {
+        generate::eval_tokens(model, &mut ctx, 0, &prompt[..split], 512).expect("prefix");
+    }
     let mut sampler = Sampler::new(SamplerParams::greedy());
     let tokenizer = &loaded.tokenizer;
     let (tokens, _) = generate::generate(
