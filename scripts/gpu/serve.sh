@@ -16,7 +16,7 @@
 # Usage (on the GPU machine, from the repository root):
 #   OUT=$OUT EMBER=path/to/ember SYNTH=path/to/ember-synth LLAMA_SRC=llama-src.tgz \
 #       scripts/gpu/serve.sh
-# Knobs: SOAK (default 2000), SWEEP (default 1,8,32,64), MODELS (default /tmp/ember-serve),
+# Knobs: SOAK (default 2000), SWEEP (default 1,8,32,64), MODELS (default: ember-serve in $TMPDIR),
 # ARCH (default sm_90). Prints figures; asserts nothing about speed.
 set -uo pipefail
 
@@ -24,7 +24,7 @@ ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 OUT="${OUT:-$ROOT/target/h200-logs}"
 EMBER="${EMBER:-$ROOT/target/release/ember}"
 SYNTH="${SYNTH:-$ROOT/target/release/ember-synth}"
-MODELS="${MODELS:-/tmp/ember-serve}"
+MODELS="${MODELS:-${TMPDIR:-/tmp}/ember-serve}"
 ARCH="${ARCH:-sm_90}"
 SOAK="${SOAK:-2000}"
 SWEEP="${SWEEP:-1,8,32,64}"
