@@ -21,7 +21,6 @@ use clap::Args;
 use ember::backend::Backend;
 use ember::engine::{Engine, EngineConfig, Event, GenerateRequest, RequestStream};
 use ember::kv_cache::DEFAULT_BLOCK_SIZE;
-use ember::model::Model;
 use ember::sample::Pcg32;
 use ember::with_loaded;
 use ember_gpu::pool::format_bytes;
@@ -101,7 +100,7 @@ pub fn run(args: StressArgs) -> anyhow::Result<()> {
     let loaded = load::load_on(&args.model, args.threads, &args.device)?;
     let (pool, kv_per_token, n_vocab, description) = with_loaded!(&loaded, |l| (
         l.pool.clone(),
-        kv_bytes_per_token(&l.model),
+        l.model.hparams().kv_bytes_per_token() as u64,
         l.model.n_vocab() as u32,
         format!("{} on {}", l.path.display(), l.model.backend().describe()),
     ));
@@ -165,15 +164,6 @@ fn memory_line(pool: &DevicePool) -> String {
         format_bytes(usage.purpose(Purpose::Scratch).current),
         format_bytes(usage.held),
     )
-}
-
-/// Bytes of KV cache one token takes on every layer together (f16 K and V).
-fn kv_bytes_per_token<B: Backend>(model: &Model<B>) -> u64 {
-    let hp = model.hparams();
-    hp.layers
-        .iter()
-        .map(|l| (2 * l.n_head_kv * hp.head_dim_k * 2) as u64)
-        .sum()
 }
 
 /// What one request of a wave produced.

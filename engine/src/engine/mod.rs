@@ -378,8 +378,6 @@ pub enum EngineError {
     Config(#[from] ConfigError),
     #[error("cannot start the engine thread: {0}")]
     Thread(#[from] std::io::Error),
-    #[error("bad chat template in the model: {0}")]
-    ChatTemplate(#[from] ember_tokenizer::TokenizerError),
     #[error("cannot prepare the chat template: {0}")]
     Chat(String),
 }

@@ -41,8 +41,9 @@ fn describe_on<B: Backend>(loaded: &Loaded<B>) -> Result<Described, EngineError>
     let model = &loaded.model;
     let gguf = model.gguf();
     let hparams = model.hparams();
-    let own_template = ChatTemplate::from_gguf(gguf)?;
-    let has_chat_template = own_template.is_some();
+    // Whether the file carries its own template; `resolve_template` below compiles it (or the
+    // built-in one), so it is not compiled twice here.
+    let has_chat_template = gguf.metadata().contains_key("tokenizer.chat_template");
     let template = crate::chat::resolve_template(gguf, &loaded.tokenizer, None)
         .map_err(|e| EngineError::Chat(e.to_string()))?;
     let info = ModelInfo {
@@ -113,16 +114,6 @@ pub(super) fn spawn(
         })
 }
 
-/// Bytes of K and V one block takes on all layers (f16 K and V, as every backend stores them).
-fn kv_bytes_per_block<B: Backend>(loaded: &Loaded<B>, block_size: usize) -> usize {
-    let hp = loaded.model.hparams();
-    hp.layers
-        .iter()
-        .map(|l| 2 * l.n_head_kv * hp.head_dim_k * 2)
-        .sum::<usize>()
-        * block_size
-}
-
 struct Worker<'a> {
     shared: &'a Shared,
     started_at: Instant,
@@ -183,7 +174,7 @@ fn run<B: Backend>(loaded: Loaded<B>, shared: &Arc<Shared>, commands: &mpsc::Rec
         steps: 0,
         last_step_finished: None,
         last_step_tokens: 0,
-        bytes_per_block: kv_bytes_per_block(&loaded, config.kv_block_size),
+        bytes_per_block: loaded.model.hparams().kv_bytes_per_token() * config.kv_block_size,
     };
     let mut idle_since: Option<Instant> = Some(Instant::now());
     let mut trimmed = true;

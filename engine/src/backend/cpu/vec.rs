@@ -284,7 +284,11 @@ pub fn dot_f16_ggml(a: &[f32], b: &[f32]) -> f32 {
     dot_f16_ggml_portable(a, b)
 }
 
-fn dot_f16_ggml_portable(a: &[f32], b: &[f32]) -> f32 {
+/// The common body of GGML's 64-wide dot products: four 16-lane FMA accumulators over the runs
+/// of 64, folded `(a0 + a2) + (a1 + a3)`. Returns the length, the end of the last whole run, and
+/// the 16 lanes; the callers differ only in how they add the tail.
+#[inline(always)]
+fn fma_lanes_64(a: &[f32], b: &[f32]) -> (usize, usize, [f32; 16]) {
     let n = a.len().min(b.len());
     let np = n / 64 * 64;
     let mut acc = [[0f32; 16]; 4];
@@ -298,6 +302,11 @@ fn dot_f16_ggml_portable(a: &[f32], b: &[f32]) -> f32 {
     }
     let lanes: [f32; 16] =
         std::array::from_fn(|i| (acc[0][i] + acc[2][i]) + (acc[1][i] + acc[3][i]));
+    (n, np, lanes)
+}
+
+fn dot_f16_ggml_portable(a: &[f32], b: &[f32]) -> f32 {
+    let (n, np, lanes) = fma_lanes_64(a, b);
     let mut sum = reduce16(&lanes) as f64;
     for k in np..n {
         sum += (a[k] * b[k]) as f64;
@@ -321,19 +330,7 @@ pub fn dot_f32_ggml(a: &[f32], b: &[f32]) -> f32 {
 
 #[inline(always)]
 fn dot_f32_ggml_portable(a: &[f32], b: &[f32]) -> f32 {
-    let n = a.len().min(b.len());
-    let np = n / 64 * 64;
-    let mut acc = [[0f32; 16]; 4];
-    for base in (0..np).step_by(64) {
-        for (j, accj) in acc.iter_mut().enumerate() {
-            for (i, v) in accj.iter_mut().enumerate() {
-                let k = base + 16 * j + i;
-                *v = a[k].mul_add(b[k], *v);
-            }
-        }
-    }
-    let lanes: [f32; 16] =
-        std::array::from_fn(|i| (acc[0][i] + acc[2][i]) + (acc[1][i] + acc[3][i]));
+    let (n, np, lanes) = fma_lanes_64(a, b);
     let mut sum = reduce16(&lanes);
     for k in np..n {
         sum = a[k].mul_add(b[k], sum);
