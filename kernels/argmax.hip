@@ -1,9 +1,9 @@
 // Greedy sampling: the index of the largest logit of each row.
 #include "ember_compat.h"
 
-// CPU op: out[r] = the smallest c with x[r, c] == max_c x[r, c] (ties go to the lowest index,
-// NaNs are never chosen unless the row is all NaN, then 0). One block per row, block size a
-// multiple of the warp size, at most 1024.
+// CPU op (greedy_token): out[r] = the smallest c with x[r, c] == max_c x[r, c] (ties go to the
+// lowest index; NaN and -inf are never chosen; a row with nothing else gives 0). One block per
+// row, block size a multiple of the warp size, at most 1024.
 EMBER_KERNEL void ember_argmax_f32(int32_t* out, const float* x, uint32_t n_cols) {
     __shared__ float best_values[EMBER_MAX_WARPS];
     __shared__ int best_indices[EMBER_MAX_WARPS];
@@ -12,7 +12,8 @@ EMBER_KERNEL void ember_argmax_f32(int32_t* out, const float* x, uint32_t n_cols
     int best_index = 0x7fffffff;
     for (uint32_t c = threadIdx.x; c < n_cols; c += blockDim.x) {
         const float v = row[c];
-        if (v > best || (v == best && (int)c < best_index)) {
+        // Strides visit c in increasing order, so a tie never replaces; -inf never enters.
+        if (v > best) {
             best = v;
             best_index = (int)c;
         }

@@ -123,6 +123,20 @@ pub fn argmax(values: &[f32]) -> Option<usize> {
     best.map(|(i, _)| i)
 }
 
+/// Greedy decoding's choice: the index of the largest logit, the first one on ties; NaN and
+/// -inf are never chosen, and a row with nothing else gives 0. The rule of every backend's
+/// `argmax_rows` (the device kernel included), so greedy tokens are the same wherever the arg-max
+/// is taken.
+pub fn greedy_token(logits: &[f32]) -> u32 {
+    let mut best = (0u32, f32::NEG_INFINITY);
+    for (id, &l) in logits.iter().enumerate() {
+        if l > best.1 {
+            best = (id as u32, l);
+        }
+    }
+    best.0
+}
+
 /// Log-softmax of `logits` computed in f64 for stability; used by perplexity and by tests that
 /// compare probabilities.
 pub fn log_softmax(logits: &[f32]) -> Vec<f64> {
@@ -177,6 +191,13 @@ impl Sampler {
         self.recent.clear();
     }
 
+    /// Whether the next [`Sampler::sample`] is the plain arg-max of the logits ([`greedy_token`]):
+    /// greedy, with no penalty in effect. The engine then lets the backend take the arg-max
+    /// where the logits are.
+    pub fn is_plain_greedy(&self) -> bool {
+        self.params.temperature <= 0.0 && !self.penalties_active()
+    }
+
     fn penalties_active(&self) -> bool {
         let p = &self.params;
         !self.recent.is_empty()
@@ -188,13 +209,7 @@ impl Sampler {
         if self.params.temperature <= 0.0 && !self.penalties_active() {
             // Greedy without penalties: the arg-max, read straight from the logits (the same
             // choice as through the candidate list: the first largest, NaN never chosen).
-            let mut best = (0u32, f32::NEG_INFINITY);
-            for (id, &l) in logits.iter().enumerate() {
-                if l > best.1 {
-                    best = (id as u32, l);
-                }
-            }
-            return best.0;
+            return greedy_token(logits);
         }
         self.candidates.clear();
         self.candidates

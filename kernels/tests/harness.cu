@@ -161,6 +161,8 @@ static void test_norm_softmax_argmax() {
     std::vector<float> logits = random_floats(n_rows * 49152, -10, 10);
     logits[3 * 49152 + 777] = 50.0f;  // a tie: the lower index must win
     logits[3 * 49152 + 40000] = 50.0f;
+    logits[4 * 49152] = NAN;  // NaN is never chosen, even as the first value of a row
+    for (int c = 0; c < 49152; ++c) logits[5 * 49152 + c] = c % 3 ? -INFINITY : NAN;  // nothing: 0
     DeviceBuffer<float> dl(logits);
     DeviceBuffer<int32_t> didx(n_rows);
     ember_argmax_f32<<<n_rows, 1024>>>(didx.ptr, dl.ptr, 49152);
@@ -168,12 +170,14 @@ static void test_norm_softmax_argmax() {
     const std::vector<int32_t> idx = didx.download();
     uint32_t wrong = 0;
     for (uint32_t r = 0; r < n_rows; ++r) {
+        // engine/src/sample.rs greedy_token: the first largest, NaN and -inf never chosen.
         int best = 0;
-        for (int c = 1; c < 49152; ++c)
-            if (logits[r * 49152 + c] > logits[r * 49152 + best]) best = c;
+        float best_value = -INFINITY;
+        for (int c = 0; c < 49152; ++c)
+            if (logits[r * 49152 + c] > best_value) best = c, best_value = logits[r * 49152 + c];
         wrong += idx[r] != best;
     }
-    report("argmax_f32 (wrong rows, ties to lowest)", wrong, 0.0);
+    report("argmax_f32 (wrong rows, ties to lowest, NaN and -inf never chosen)", wrong, 0.0);
 }
 
 static void test_rope() {

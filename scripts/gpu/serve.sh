@@ -15,9 +15,9 @@
 # The llama.cpp part runs last so that ember's figures come back even if its build is slow.
 # Usage (on the GPU machine, from the repository root):
 #   OUT=$OUT EMBER=path/to/ember SYNTH=path/to/ember-synth LLAMA_SRC=llama-src.tgz \
-#       scripts/gpu/serve.sh
+#       scripts/gpu/serve.sh     (or LLAMA_BIN=folder instead of LLAMA_SRC)
 # Knobs: SOAK (default 2000), SWEEP (default 1,8,32,64), MODELS (default: ember-serve in $TMPDIR),
-# ARCH (default sm_90). Prints figures; asserts nothing about speed.
+# ARCH (default sm_90), LLAMA_EXTRA_TARGETS. Prints figures; asserts nothing about speed.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -29,6 +29,10 @@ ARCH="${ARCH:-sm_90}"
 SOAK="${SOAK:-2000}"
 SWEEP="${SWEEP:-1,8,32,64}"
 LLAMA_SRC="${LLAMA_SRC:-}"
+# More llama.cpp tools to build beside llama-batched-bench (space-separated CMake targets).
+LLAMA_EXTRA_TARGETS="${LLAMA_EXTRA_TARGETS:-}"
+# Or a folder holding llama-batched-bench and its libraries, built from source in an earlier call.
+LLAMA_BIN="${LLAMA_BIN:-}"
 # DEVICE=cpu runs everything on the CPU with small models (to test this script itself).
 DEVICE="${DEVICE:-cuda:0}"
 BIG="${BIG:-llama3-8b}"
@@ -66,7 +70,7 @@ if [[ -n "$LLAMA_SRC" ]]; then
         cd "$MODELS/llama/llama.cpp" &&
         cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a -DLLAMA_CURL=OFF \
             -DLLAMA_BUILD_SERVER=OFF -DCMAKE_BUILD_TYPE=Release >"$LOGS/llama-build.log" 2>&1 &&
-        cmake --build build -j "${LLAMA_JOBS:-10}" --target llama-batched-bench >>"$LOGS/llama-build.log" 2>&1) &
+        cmake --build build -j "${LLAMA_JOBS:-10}" --target llama-batched-bench $LLAMA_EXTRA_TARGETS >>"$LOGS/llama-build.log" 2>&1) &
     llama_pid=$!
 fi
 t "models"
@@ -122,10 +126,15 @@ if serve "$LOGS/serve-1b.log" "$SMALL_MODEL" --parallel 16 --max-queue 512 -c 83
     stop_server
 fi
 # 4. llama.cpp on the same file and workload, then the side-by-side table.
-if [[ -n "$llama_pid" ]]; then
-    t "waiting for the llama.cpp build"
-    if wait "$llama_pid"; then
+if [[ -n "$llama_pid" || -n "$LLAMA_BIN" ]]; then
+    if [[ -n "$LLAMA_BIN" ]]; then
+        bench="$LLAMA_BIN/llama-batched-bench"
+        export LD_LIBRARY_PATH="$LLAMA_BIN${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    else
+        t "waiting for the llama.cpp build"
         bench="$MODELS/llama/llama.cpp/build/bin/llama-batched-bench"
+    fi
+    if [[ -n "$LLAMA_BIN" ]] || wait "$llama_pid"; then
         t "llama-batched-bench on the same file and workload"
         "$bench" -m "$BIG_MODEL" -ngl 99 -fa on -c 73728 -b 2048 -ub 512 \
             -npp 512 -ntg 128 -npl "$SWEEP" 2>"$LOGS/llama-bench.err" | tee "$LOGS/sweep-llama.txt"

@@ -210,6 +210,20 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn gather_rows(&self, src: &Self::Buf, dim: usize, rows: &[usize], out: &mut Self::Buf);
     /// Copies the first `len` values of `buf` to host memory (replacing the contents of `out`).
     fn read(&self, buf: &Self::Buf, len: usize, out: &mut Vec<f32>);
+    /// Greedy sampling where the values live: `out[r]` (replacing the contents of `out`) is the
+    /// index of the largest of the `n_cols` values of row `r` of `x`, for `n_rows` rows, by
+    /// [`crate::sample::greedy_token`]'s rule (the first largest; NaN and -inf never chosen; 0
+    /// when nothing else is). Only the indices reach host memory, not the rows: for the logits of a
+    /// batch of greedy sequences that is 4 bytes a sequence instead of the whole vocabulary.
+    /// `scratch` is a buffer the op may use (a device backend writes the indices there first).
+    fn argmax_rows(
+        &self,
+        x: &Self::Buf,
+        n_rows: usize,
+        n_cols: usize,
+        scratch: &mut Self::Buf,
+        out: &mut Vec<u32>,
+    );
 
     /// `out[t] = table.row(ids[t]) * scale`, each row dequantized to f32.
     fn get_rows(&self, table: &Self::Matrix, ids: &[u32], scale: f32, out: &mut Self::Buf);

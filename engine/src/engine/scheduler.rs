@@ -482,39 +482,17 @@ impl Scheduler {
         self.ended = ended;
     }
 
-    /// One forward pass over `members`; on success their tokens are in the cache and every
-    /// member with logits has sampled its next token.
-    fn run_pass<B: Backend>(
+    /// Sampling (and log-probabilities) of every sequence with a row of logits (`row_of`), in
+    /// parallel: each sequence has its own sampler, and a pass over the vocabulary per sequence
+    /// is the engine thread's largest cost per step with many sequences running.
+    fn sample_rows(
         &mut self,
-        model: &Model<B>,
-        ctx: &mut Context<B>,
-        members: &[Member],
-    ) -> Result<(), ForwardError> {
-        self.batch.clear();
-        for member in members {
-            let seq = &self.running[member.index];
-            let seq_id = seq.seq_id.expect("running sequences have a sequence id");
-            for offset in 0..member.count {
-                let pos = seq.n_computed + offset;
-                let last = offset + 1 == member.count;
-                self.batch
-                    .push(seq.tokens[pos], pos as u32, seq_id, last && member.logits);
-            }
-        }
-        let n_vocab = model.n_vocab();
-        let n_ctx = self.config.n_ctx;
-        let logits = model.forward(ctx, &self.batch)?;
-        let now = Instant::now();
-        // Sampling (and log-probabilities) of every sequence with logits, in parallel: each
-        // sequence has its own sampler, and a pass over the vocabulary per sequence is the
-        // engine thread's largest cost per step with many sequences running.
-        let mut row_of: Vec<Option<usize>> = vec![None; self.running.len()];
-        for (row, member) in members.iter().filter(|m| m.logits).enumerate() {
-            row_of[member.index] = Some(row);
-        }
+        logits: &[f32],
+        n_vocab: usize,
+        row_of: &[Option<usize>],
+    ) -> Vec<Option<GeneratedToken>> {
         let tokenizer = &self.tokenizer;
-        let mut picks: Vec<Option<GeneratedToken>> = self
-            .running
+        self.running
             .par_iter_mut()
             .zip(row_of.par_iter())
             .map(|(seq, row)| {
@@ -539,7 +517,63 @@ impl Scheduler {
                     bytes: tokenizer.token_to_piece(token, false),
                 })
             })
-            .collect();
+            .collect()
+    }
+
+    /// One forward pass over `members`; on success their tokens are in the cache and every
+    /// member with logits has sampled its next token.
+    fn run_pass<B: Backend>(
+        &mut self,
+        model: &Model<B>,
+        ctx: &mut Context<B>,
+        members: &[Member],
+    ) -> Result<(), ForwardError> {
+        self.batch.clear();
+        for member in members {
+            let seq = &self.running[member.index];
+            let seq_id = seq.seq_id.expect("running sequences have a sequence id");
+            for offset in 0..member.count {
+                let pos = seq.n_computed + offset;
+                let last = offset + 1 == member.count;
+                self.batch
+                    .push(seq.tokens[pos], pos as u32, seq_id, last && member.logits);
+            }
+        }
+        let n_vocab = model.n_vocab();
+        let n_ctx = self.config.n_ctx;
+        let tokenizer = &self.tokenizer;
+        let mut row_of: Vec<Option<usize>> = vec![None; self.running.len()];
+        for (row, member) in members.iter().filter(|m| m.logits).enumerate() {
+            row_of[member.index] = Some(row);
+        }
+        // When every sequence that samples in this pass picks the plain arg-max and wants no
+        // log-probabilities, the backend takes the arg-max where the logits are and only the
+        // token ids come back (on a device: 4 bytes a sequence instead of the vocabulary).
+        let plain_greedy = members.iter().filter(|m| m.logits).all(|m| {
+            let seq = &self.running[m.index];
+            seq.logprobs.is_none() && seq.sampler.is_plain_greedy()
+        });
+        let mut picks: Vec<Option<GeneratedToken>> = if plain_greedy {
+            let greedy = model.forward_greedy(ctx, &self.batch)?;
+            self.running
+                .iter_mut()
+                .zip(&row_of)
+                .map(|(seq, row)| {
+                    let token = greedy[(*row)?];
+                    seq.sampler.accept(token);
+                    Some(GeneratedToken {
+                        id: token,
+                        logprob: None,
+                        top: Vec::new(),
+                        bytes: tokenizer.token_to_piece(token, false),
+                    })
+                })
+                .collect()
+        } else {
+            let logits = model.forward(ctx, &self.batch)?;
+            self.sample_rows(logits, n_vocab, &row_of)
+        };
+        let now = Instant::now();
         for member in members {
             let seq = &mut self.running[member.index];
             seq.n_computed += member.count;

@@ -30,6 +30,8 @@ struct Buffers<B: Backend> {
     /// Router logits of a mixture-of-experts layer.
     router: B::Buf,
     logits: B::Buf,
+    /// The arg-max indices of a greedy readout, where the backend keeps them.
+    argmax: B::Buf,
     rope_global: B::RopeTable,
     rope_local: B::RopeTable,
 }
@@ -41,7 +43,11 @@ pub struct Context<B: Backend> {
     plan: AttentionPlan,
     bufs: Buffers<B>,
     out_rows: Vec<usize>,
-    logits: Vec<f32>,
+    /// What the current pass hands back: logits rows, or only their arg-max.
+    readout: Readout,
+    pub(super) logits: Vec<f32>,
+    /// Greedy tokens of the last forward pass read out by arg-max.
+    pub(super) greedy: Vec<u32>,
     /// Sequence lengths before the current batch (see `forward`).
     lens_before: Vec<(SeqId, usize)>,
 }
@@ -70,6 +76,7 @@ impl<B: Backend> Context<B> {
             up: b.alloc(0),
             router: b.alloc(0),
             logits: b.alloc(0),
+            argmax: b.alloc(0),
             rope_global: b.rope_table_new(),
             rope_local: b.rope_table_new(),
         };
@@ -79,7 +86,9 @@ impl<B: Backend> Context<B> {
             plan: AttentionPlan::default(),
             bufs,
             out_rows: Vec::new(),
+            readout: Readout::Logits,
             logits: Vec::new(),
+            greedy: Vec::new(),
             lens_before: Vec::new(),
         }
     }
@@ -154,6 +163,7 @@ impl<B: Backend> Context<B> {
             &mut bufs.up,
             &mut bufs.router,
             &mut bufs.logits,
+            &mut bufs.argmax,
         ] {
             *buf = b.alloc(0);
         }
@@ -162,11 +172,23 @@ impl<B: Backend> Context<B> {
     }
 }
 
-pub(super) fn forward<'c, B: Backend>(
+/// What a forward pass hands back for the rows that asked for output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Readout {
+    /// Each row's logits, `n_vocab` values.
+    Logits,
+    /// Each row's greedy token ([`crate::sample::greedy_token`]), taken by the backend where
+    /// the logits are, so only the indices cross to host memory.
+    Argmax,
+}
+
+/// Evaluates `batch`; the output is in `ctx.logits` or `ctx.greedy` as `readout` asks.
+pub(super) fn forward<B: Backend>(
     model: &Model<B>,
-    ctx: &'c mut Context<B>,
+    ctx: &mut Context<B>,
     batch: &Batch,
-) -> Result<&'c [f32], ForwardError> {
+    readout: Readout,
+) -> Result<(), ForwardError> {
     if batch.is_empty() {
         return Err(ForwardError::EmptyBatch);
     }
@@ -199,6 +221,7 @@ pub(super) fn forward<'c, B: Backend>(
     ctx.kv.plan(backend, batch, &mut ctx.plan)?;
     ctx.out_rows.clear();
     ctx.out_rows.extend(batch.output_rows());
+    ctx.readout = readout;
     backend.begin_forward(batch, &ctx.plan, &ctx.out_rows);
     backend.install(|| run_layers(model, ctx, batch));
     if backend.end_forward() {
@@ -209,9 +232,10 @@ pub(super) fn forward<'c, B: Backend>(
             ctx.kv.rollback_sequence(seq_id, len);
         }
         ctx.logits.clear();
+        ctx.greedy.clear();
         return Err(ForwardError::Backend(failure));
     }
-    Ok(&ctx.logits)
+    Ok(())
 }
 
 fn run_layers<B: Backend>(model: &Model<B>, ctx: &mut Context<B>, batch: &Batch) {
@@ -229,7 +253,9 @@ fn run_layers<B: Backend>(model: &Model<B>, ctx: &mut Context<B>, batch: &Batch)
         plan,
         bufs,
         out_rows,
+        readout,
         logits,
+        greedy,
         ..
     } = ctx;
     let n_out = out_rows.len();
@@ -453,6 +479,7 @@ fn run_layers<B: Backend>(model: &Model<B>, ctx: &mut Context<B>, batch: &Batch)
         std::mem::swap(&mut bufs.x, &mut bufs.xn);
     }
     logits.clear();
+    greedy.clear();
     if n_out == 0 {
         return;
     }
@@ -462,5 +489,8 @@ fn run_layers<B: Backend>(model: &Model<B>, ctx: &mut Context<B>, batch: &Batch)
     if let Some(cap) = hp.final_logit_softcap {
         b.softcap(&mut bufs.logits, n_out * n_vocab, cap);
     }
-    b.read(&bufs.logits, n_out * n_vocab, logits);
+    match readout {
+        Readout::Logits => b.read(&bufs.logits, n_out * n_vocab, logits),
+        Readout::Argmax => b.argmax_rows(&bufs.logits, n_out, n_vocab, &mut bufs.argmax, greedy),
+    }
 }

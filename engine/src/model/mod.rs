@@ -212,7 +212,22 @@ impl<B: Backend> Model<B> {
         ctx: &'c mut Context<B>,
         batch: &Batch,
     ) -> Result<&'c [f32], ForwardError> {
-        forward::forward(self, ctx, batch)
+        forward::forward(self, ctx, batch, forward::Readout::Logits)?;
+        Ok(&ctx.logits)
+    }
+
+    /// Evaluates `batch` like [`Model::forward`] but returns, for each token that asked for
+    /// output, only its greedy token ([`crate::sample::greedy_token`] of its logits): the
+    /// backend takes the arg-max where the logits are, so a device copies back 4 bytes per
+    /// sequence instead of the whole vocabulary. The same tokens as greedy sampling of
+    /// [`Model::forward`]'s logits.
+    pub fn forward_greedy<'c>(
+        &self,
+        ctx: &'c mut Context<B>,
+        batch: &Batch,
+    ) -> Result<&'c [u32], ForwardError> {
+        forward::forward(self, ctx, batch, forward::Readout::Argmax)?;
+        Ok(&ctx.greedy)
     }
 }
 

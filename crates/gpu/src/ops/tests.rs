@@ -353,8 +353,14 @@ fn register_twins(driver: &HostDriver) {
         let mut bytes = Vec::new();
         for row in 0..l.config().grid[0] as usize {
             let values = l.read_f32(x.offset((row * n_cols * 4) as u64), n_cols)?;
-            let best = (0..n_cols).fold(0, |b, c| if values[c] > values[b] { c } else { b });
-            bytes.extend((best as i32).to_le_bytes());
+            // The greedy rule: the first largest; NaN and -inf never chosen; 0 otherwise.
+            let mut best = (0usize, f32::NEG_INFINITY);
+            for (c, &v) in values.iter().enumerate() {
+                if v > best.1 {
+                    best = (c, v);
+                }
+            }
+            bytes.extend((best.0 as i32).to_le_bytes());
         }
         l.write(out, &bytes)
     });

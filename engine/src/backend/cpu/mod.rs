@@ -399,6 +399,22 @@ impl Backend for CpuBackend {
         out.extend_from_slice(&buf[..len]);
     }
 
+    fn argmax_rows(
+        &self,
+        x: &Vec<f32>,
+        n_rows: usize,
+        n_cols: usize,
+        _scratch: &mut Vec<f32>,
+        out: &mut Vec<u32>,
+    ) {
+        out.clear();
+        out.extend(
+            x[..n_rows * n_cols]
+                .chunks_exact(n_cols.max(1))
+                .map(crate::sample::greedy_token),
+        );
+    }
+
     fn get_rows(&self, table: &CpuMatrix, ids: &[u32], scale: f32, out: &mut Vec<f32>) {
         let cols = table.cols;
         let q = table.qmatrix();

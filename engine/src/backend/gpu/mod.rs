@@ -694,6 +694,37 @@ impl Backend for GpuBackend {
         });
     }
 
+    fn argmax_rows(
+        &self,
+        x: &GpuBuf,
+        n_rows: usize,
+        n_cols: usize,
+        scratch: &mut GpuBuf,
+        out: &mut Vec<u32>,
+    ) {
+        out.clear();
+        // The recorded pass runs now, before its results are read (as in `read`).
+        self.finish_graph();
+        if n_rows == 0 || lock(&self.graphs).redo_pending() {
+            return;
+        }
+        self.ensure_len(scratch, n_rows);
+        self.run("argmax", || {
+            let x_ptr = x.ptr("argmax", n_rows * n_cols)?;
+            let index_ptr = scratch.ptr("argmax", n_rows)?;
+            ops::argmax(&self.ctx, x_ptr, n_rows, n_cols, index_ptr)?;
+            let mut bytes = vec![0u8; n_rows * 4];
+            self.ctx.download(index_ptr, &mut bytes)?;
+            // The kernel writes non-negative i32s below `n_cols`.
+            out.extend(
+                bytes
+                    .chunks_exact(4)
+                    .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+            );
+            Ok(())
+        });
+    }
+
     fn get_rows(&self, table: &DeviceMatrix, ids: &[u32], scale: f32, out: &mut GpuBuf) {
         self.run("get_rows", || {
             let out_ptr = out.ptr("get_rows", ids.len() * table.cols)?;
