@@ -80,8 +80,13 @@ EMBER_DEVICE size_t ember_mv_xq_offset(uint32_t n_cols, uint32_t t, uint32_t v) 
 // neighbouring lanes and a Q8_K super-block is the whole team. Products are rounded separately
 // (__fmul_rn) so that no multiply-add contraction changes the rounding the CPU does. Every lane
 // of the block must call this.
+//
+// With `rows` (the grouped products of mixture-of-experts layers), row t of the activations is
+// row rows[t] / row_div of x instead of row t: each expert's block gathers the rows routed to it.
+// n_cols is a multiple of 32, so the 8 values of a lane never straddle two rows.
 template <int ACT>
-EMBER_DEVICE void ember_mv_quantize(int8_t* xq, float2* xds, const float* x, uint32_t n_values, uint32_t n_cols) {
+EMBER_DEVICE void ember_mv_quantize(int8_t* xq, float2* xds, const float* x, uint32_t n_values, uint32_t n_cols,
+                                    const int32_t* rows = nullptr, uint32_t row_div = 1) {
     constexpr int BATCH = 4;
     const int lane = (int)(threadIdx.x % 32);
     const uint32_t team = threadIdx.x / 32, n_teams = blockDim.x / 32;
@@ -94,7 +99,8 @@ EMBER_DEVICE void ember_mv_quantize(int8_t* xq, float2* xds, const float* x, uin
         for (int c = 0; c < BATCH; ++c) {
             const uint32_t i = batch + (c * n_teams + team) * 256 + 8 * (uint32_t)lane;
             if (i < n_values) {
-                const float4 a = *(const float4*)(x + i), b = *(const float4*)(x + i + 4);
+                const float* src = rows ? x + (size_t)((uint32_t)rows[i / n_cols] / row_div) * n_cols + i % n_cols : x + i;
+                const float4 a = *(const float4*)src, b = *(const float4*)(src + 4);
                 values[c][0] = a.x, values[c][1] = a.y, values[c][2] = a.z, values[c][3] = a.w;
                 values[c][4] = b.x, values[c][5] = b.y, values[c][6] = b.z, values[c][7] = b.w;
             } else {

@@ -866,3 +866,82 @@ EMBER_MATVEC3_INT8(ember_matvec3_q6_k_t1, EmberMvQ6_K)
 EMBER_MATVEC3_FLOAT(ember_matvec3_f32_t1, EmberMvF32)
 EMBER_MATVEC3_FLOAT(ember_matvec3_f16_t1, EmberMvF16)
 EMBER_MATVEC3_FLOAT(ember_matvec3_bf16_t1, EmberMvBF16)
+
+// ---- grouped products of mixture-of-experts layers ----
+//
+// y[p] = W[expert of p] x[p / x_div] for the (token, rank) pairs p that a batch routes, W a stack
+// of experts of n_rows rows each (expert_bytes apart). The pairs come sorted by expert (`pairs`)
+// and cut into tiles of at most NT pairs of one expert (`tiles`: int32 [expert, first, count, 0]
+// per tile slot, count 0 for an unused slot); moe.hip's ember_moe_tiles builds both on the
+// device, so nothing waits for the host and the op can be captured in a graph. Block (bx, slot)
+// gathers its tile's activation rows into shared memory, rounded as ember_matvec_int8 rounds
+// them, and walks the rows of its expert grid-stride over bx: an expert's weights are read once
+// per tile of up to NT pairs that chose it, and an expert nobody chose is never read. x_div is
+// the number of ranks for the gate and up products (pair p reads token p / n_used) and 1 for the
+// down product (pair p reads its own row). Each output is one dot product, computed as
+// ember_matvec_int8 with ROWS = 1 computes it, so a pair's values do not depend on which pairs
+// share its tile. Launch: block EMBER_MATVEC_THREADS, grid (any, tile slots), dynamic shared
+// memory ember_matvec_shared_bytes(NT, n_cols).
+template <typename F, int NT, int LANES>
+EMBER_DEVICE void ember_moe_matvec_int8(float* y, const uint8_t* w, const float* x, const int32_t* pairs, const int32_t* tiles,
+                                        uint32_t n_rows, uint32_t n_cols, uint64_t expert_bytes, uint32_t x_div) {
+    constexpr int ROWS_PER_WARP = EMBER_WAVE_SIZE / LANES;
+    const int32_t* tile = tiles + 4 * (size_t)blockIdx.y;
+    const int tokens = min(tile[2], NT);
+    if (tokens <= 0) return;  // the whole block leaves, before any barrier
+    const int32_t* tile_pairs = pairs + tile[1];
+    w += (size_t)tile[0] * expert_bytes;
+    int8_t* xq = ember_mv_shared();
+    float2* xds = (float2*)(xq + (size_t)tokens * n_cols);
+    ember_mv_quantize<F::ACT>(xq, xds, x, (uint32_t)tokens * n_cols, n_cols, tile_pairs, x_div);
+    __syncthreads();
+
+    const int sub = (int)(threadIdx.x % LANES);
+    const uint32_t warps_per_block = blockDim.x / EMBER_WAVE_SIZE;
+    const uint32_t warp = blockIdx.x * warps_per_block + threadIdx.x / EMBER_WAVE_SIZE;
+    const uint32_t group = (threadIdx.x % EMBER_WAVE_SIZE) / LANES;
+    const size_t row_bytes = (size_t)(n_cols / F::BLOCK_VALUES) * F::BLOCK_BYTES;
+    const int n_units = (int)(n_cols / F::UNIT_VALUES);
+    F format;
+    for (uint32_t first = warp * ROWS_PER_WARP; first < n_rows; first += gridDim.x * warps_per_block * ROWS_PER_WARP) {
+        const uint32_t r = first + group;
+        const bool valid = r < n_rows;
+        float acc[NT];
+#pragma unroll
+        for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
+        if (valid) {
+            const uint8_t* row = w + (size_t)r * row_bytes;
+#pragma unroll 2
+            for (int u = sub; u < n_units; u += LANES) format.template dot<NT, false>(row, u, xq, xds, n_cols, tokens, acc);
+        }
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            float sum = acc[t];
+#pragma unroll
+            for (int mask = LANES / 2; mask > 0; mask >>= 1) sum += ember_shfl_xor(sum, mask);
+            if (valid && sub == 0 && t < tokens) y[(size_t)tile_pairs[t] * n_rows + r] = sum;
+        }
+    }
+}
+
+// Pairs per tile of the exported grouped kernels (crates/gpu/src/ops/moe.rs cuts tiles of this
+// many pairs).
+#define EMBER_MOE_TILE 8
+
+// ember_moe_matvec_<format>(float* y, const uint8_t* w, const float* x, const int32_t* pairs,
+// const int32_t* tiles, uint32_t n_rows, uint32_t n_cols, uint64_t expert_bytes, uint32_t x_div)
+#define EMBER_MOE_MATVEC(name, format)                                                                                \
+    EMBER_KERNEL void name(float* y, const uint8_t* w, const float* x, const int32_t* pairs, const int32_t* tiles,   \
+                           uint32_t n_rows, uint32_t n_cols, uint64_t expert_bytes, uint32_t x_div) {                \
+        ember_moe_matvec_int8<format, EMBER_MOE_TILE, EMBER_MATVEC_LANES>(y, w, x, pairs, tiles, n_rows, n_cols,     \
+                                                                         expert_bytes, x_div);                        \
+    }
+
+EMBER_MOE_MATVEC(ember_moe_matvec_q4_0, EmberMvQ4_0)
+EMBER_MOE_MATVEC(ember_moe_matvec_q4_1, EmberMvQ4_1)
+EMBER_MOE_MATVEC(ember_moe_matvec_q5_0, EmberMvQ5_0)
+EMBER_MOE_MATVEC(ember_moe_matvec_q5_1, EmberMvQ5_1)
+EMBER_MOE_MATVEC(ember_moe_matvec_q8_0, EmberMvQ8_0)
+EMBER_MOE_MATVEC(ember_moe_matvec_q4_k, EmberMvQ4_K)
+EMBER_MOE_MATVEC(ember_moe_matvec_q5_k, EmberMvQ5_K)
+EMBER_MOE_MATVEC(ember_moe_matvec_q6_k, EmberMvQ6_K)

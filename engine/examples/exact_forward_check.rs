@@ -176,6 +176,19 @@ impl<B: Backend> Backend for Trace<B> {
     fn read(&self, buf: &B::Buf, len: usize, out: &mut Vec<f32>) {
         self.inner.read(buf, len, out)
     }
+    fn argmax_rows(
+        &self,
+        x: &B::Buf,
+        n_rows: usize,
+        n_cols: usize,
+        scratch: &mut B::Buf,
+        out: &mut Vec<u32>,
+    ) {
+        self.inner.argmax_rows(x, n_rows, n_cols, scratch, out)
+    }
+    fn release_op_scratch(&self) {
+        self.inner.release_op_scratch()
+    }
     fn get_rows(&self, table: &Self::Matrix, ids: &[u32], scale: f32, out: &mut B::Buf) {
         self.inner.get_rows(&table.inner, ids, scale, out);
         self.snap("get_rows (embedding)", out, ids.len() * table.cols);

@@ -749,6 +749,18 @@ mod faulty {
                 self.cpu.read(buf, len, out)
             }
         }
+        fn argmax_rows(
+            &self,
+            x: &Buf,
+            n_rows: usize,
+            n_cols: usize,
+            scratch: &mut Buf,
+            out: &mut Vec<u32>,
+        ) {
+            if self.go("argmax_rows") {
+                self.cpu.argmax_rows(x, n_rows, n_cols, scratch, out)
+            }
+        }
         fn get_rows(&self, t: &Matrix, ids: &[u32], scale: f32, out: &mut Buf) {
             if self.go("get_rows") {
                 self.cpu.get_rows(t, ids, scale, out)

@@ -39,6 +39,7 @@ pub enum KernelModule {
     ExactAttention,
     ExactMatmul,
     Mmq,
+    Moe,
 }
 
 /// A module's file stem and the functions it exports.
@@ -186,6 +187,14 @@ pub const KERNEL_MODULES: &[ModuleSpec] = &[
             "ember_matvec3_q4_k_t1",
             "ember_matvec3_q5_k_t1",
             "ember_matvec3_q6_k_t1",
+            "ember_moe_matvec_q4_0",
+            "ember_moe_matvec_q4_1",
+            "ember_moe_matvec_q5_0",
+            "ember_moe_matvec_q5_1",
+            "ember_moe_matvec_q8_0",
+            "ember_moe_matvec_q4_k",
+            "ember_moe_matvec_q5_k",
+            "ember_moe_matvec_q6_k",
             "ember_matvec3_f32_t1",
             "ember_matvec3_f16_t1",
             "ember_matvec3_bf16_t1",
@@ -333,6 +342,16 @@ pub const KERNEL_MODULES: &[ModuleSpec] = &[
             "ember_mmq_q6_k_n32",
             "ember_mmq_q6_k_n64",
             "ember_mmq_reduce",
+        ],
+    },
+    ModuleSpec {
+        module: KernelModule::Moe,
+        stem: "moe",
+        functions: &[
+            "ember_moe_route_f32",
+            "ember_moe_tiles",
+            "ember_moe_combine_f32",
+            "ember_moe_add_gated_f32",
         ],
     },
 ];
@@ -706,6 +725,7 @@ mod tests {
             KernelModule::Gemm,
             KernelModule::ExactMatmul,
             KernelModule::Mmq,
+            KernelModule::Moe,
         ] {
             for f in module.spec().functions {
                 assert!(seen.insert(*f), "{f} listed twice");

@@ -202,6 +202,11 @@ pub trait Backend: Send + Sync + Sized + 'static {
         })
     }
 
+    /// Gives back the scratch memory the backend's own ops keep between calls (the expert
+    /// activations of [`Backend::moe_ffn`]); the next such op allocates it again. Called with
+    /// the model's activation buffers when a context goes idle.
+    fn release_op_scratch(&self) {}
+
     /// A zeroed buffer of `len` values.
     fn alloc(&self, len: usize) -> Self::Buf;
     /// Makes sure `buf` holds at least `len` values, keeping its allocation when it already does.

@@ -169,6 +169,7 @@ impl<B: Backend> Context<B> {
         }
         bufs.rope_global = b.rope_table_new();
         bufs.rope_local = b.rope_table_new();
+        b.release_op_scratch();
     }
 }
 

@@ -46,6 +46,7 @@ mod exact_matmul;
 mod matmul;
 mod matvec;
 mod mmq;
+mod moe;
 
 use std::collections::HashMap;
 use std::fmt;
@@ -79,6 +80,10 @@ pub use matmul::{
     MMQ_MAX_TOKENS, MMQ_MAX_TOKENS_ENV,
 };
 pub use mmq::{has_mmq_kernels, MMQ_TARGET_BLOCKS, MMQ_TARGET_BLOCKS_ENV};
+pub use moe::{
+    has_moe_kernels, moe_add_gated, moe_combine, moe_matvec, moe_route, moe_tile_slots, moe_tiles,
+    MOE_MAX_EXPERTS, MOE_TILE,
+};
 
 /// Environment variable that turns the BLAS library off (`1`): `matmul` then uses the tiled
 /// kernel for prefill. For comparisons and for hosts whose BLAS misbehaves.

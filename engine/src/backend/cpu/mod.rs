@@ -458,6 +458,13 @@ impl Backend for CpuBackend {
         moe::moe_ffn(self, moe, router_logits, x, n_tokens, out);
     }
 
+    fn release_op_scratch(&self) {
+        *self
+            .moe_scratch
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = moe::Scratch::default();
+    }
+
     fn rms_norm(
         &self,
         x: &Vec<f32>,

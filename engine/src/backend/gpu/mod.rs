@@ -47,7 +47,7 @@ use ember_gguf::{Gguf, TensorInfo};
 use ember_gpu::ops::{self, AttentionArgs, DeviceMatrix, GpuContext, OpsError, WeightFormat};
 use ember_gpu::{DevicePool, DevicePtr, PoolBuffer, Purpose};
 
-use super::{Backend, BackendError, OpFailure, RopeMode, RopeParams};
+use super::{Backend, BackendError, ExpertGating, MoeFfn, OpFailure, RopeMode, RopeParams};
 use crate::batch::Batch;
 use crate::ops::{AttentionPlan, FfnActivation};
 use batch::BatchArrays;
@@ -91,6 +91,26 @@ pub struct GpuBackend {
     /// The CPU's f16 GELU table on the device ([`numerics::gelu_table`]), uploaded by the first
     /// GeGLU of the reference mode.
     gelu_table: Mutex<Option<PoolBuffer>>,
+    /// Scratch of the mixture-of-experts layers ([`Backend::moe_ffn`]), grown to the largest
+    /// batch and given back with the other activation buffers ([`Backend::release_op_scratch`]).
+    moe_scratch: Mutex<MoeScratch>,
+}
+
+/// Device buffers of [`GpuBackend::moe_ffn`]; the i32 arrays (experts, pairs, tiles) live in
+/// f32-sized buffers (4 bytes a value either way).
+#[derive(Default)]
+struct MoeScratch {
+    experts: GpuBuf,
+    weights: GpuBuf,
+    pairs: GpuBuf,
+    tiles: GpuBuf,
+    gate: GpuBuf,
+    up: GpuBuf,
+    routed: GpuBuf,
+    shared_gate: GpuBuf,
+    shared_up: GpuBuf,
+    shared_out: GpuBuf,
+    shared_logit: GpuBuf,
 }
 
 impl std::fmt::Debug for GpuBackend {
@@ -138,6 +158,7 @@ impl GpuBackend {
             numerics: Numerics::Fast,
             reference_threads: DEFAULT_REFERENCE_THREADS,
             gelu_table: Mutex::new(None),
+            moe_scratch: Mutex::new(MoeScratch::default()),
         }
     }
 
@@ -377,6 +398,7 @@ fn f32_bytes(len: usize) -> u64 {
 
 /// An f32 activation buffer on the device. `buf` is `None` for an empty buffer, or when its
 /// allocation failed (the failure is recorded and ops on it are skipped).
+#[derive(Default)]
 pub struct GpuBuf {
     buf: Option<PoolBuffer>,
     len: usize,
@@ -723,6 +745,194 @@ impl Backend for GpuBackend {
             );
             Ok(())
         });
+    }
+
+    fn expert_matrix(
+        &self,
+        gguf: &Arc<Gguf>,
+        info: &TensorInfo,
+    ) -> Result<DeviceMatrix, BackendError> {
+        let architecture = || {
+            gguf.architecture()
+                .map_or_else(|e| format!("unreadable: {e}"), str::to_string)
+        };
+        if self.reference() {
+            return Err(BackendError::NotBuilt {
+                tensor: info.name.clone(),
+                feature: "mixture of experts in reference numerics (--numerics fast runs it)",
+                architecture: architecture(),
+                backend: self.name,
+            });
+        }
+        let format = weight_format(info)?;
+        if !ops::has_moe_kernels(format) {
+            return Err(BackendError::UnsupportedType {
+                tensor: info.name.clone(),
+                ty: format.to_string(),
+                backend: self.name,
+                supported: "q4_0, q4_1, q5_0, q5_1, q8_0, q4_K, q5_K, q6_K for expert weights"
+                    .into(),
+            });
+        }
+        let &[cols, rows, n_expert] = info.dims.as_slice() else {
+            return Err(BackendError::BadTensor {
+                tensor: info.name.clone(),
+                expected: "a stack of experts (3 dimensions)".into(),
+                found: format!("dims {:?}", info.dims),
+            });
+        };
+        let (cols, rows) = (cols as usize, rows as usize * n_expert as usize);
+        let expected =
+            DeviceMatrix::bytes_for(format, rows, cols).map_err(|e| device_error(&info.name, e))?;
+        let data = gguf.tensor_data(info);
+        if data.len() != expected {
+            return Err(BackendError::BadTensor {
+                tensor: info.name.clone(),
+                expected: format!(
+                    "{expected} bytes for {n_expert} experts of {cols} {format} columns"
+                ),
+                found: format!("{} bytes", data.len()),
+            });
+        }
+        let buf = self
+            .upload_new(Purpose::Weights, data)
+            .map_err(|e| device_error(&info.name, e))?;
+        lock(&self.placed).push((info.name.clone(), buf.ptr(), buf.len()));
+        DeviceMatrix::new(buf, format, rows, cols).map_err(|e| device_error(&info.name, e))
+    }
+
+    fn moe_ffn(
+        &self,
+        moe: &MoeFfn<'_, DeviceMatrix>,
+        router_logits: &GpuBuf,
+        x: &GpuBuf,
+        n_tokens: usize,
+        out: &mut GpuBuf,
+    ) {
+        if n_tokens == 0 {
+            return;
+        }
+        let routing = &moe.routing;
+        let (n_expert, n_used) = (routing.n_expert, routing.n_expert_used);
+        let n_embd = moe.gate.cols;
+        let n_ff = moe.n_ff;
+        let n_pairs = n_tokens * n_used;
+        let slots = ops::moe_tile_slots(n_pairs, n_expert);
+        let mut guard = lock(&self.moe_scratch);
+        let s = &mut *guard;
+        self.ensure_len(&mut s.experts, n_pairs);
+        self.ensure_len(&mut s.weights, n_pairs);
+        self.ensure_len(&mut s.pairs, n_pairs);
+        self.ensure_len(&mut s.tiles, 4 * slots);
+        self.ensure_len(&mut s.gate, n_pairs * n_ff);
+        self.ensure_len(&mut s.up, n_pairs * n_ff);
+        self.ensure_len(&mut s.routed, n_pairs * n_embd);
+        // Routing, the sort into tiles, and the gate and up products of every pair.
+        self.run("moe_ffn", || {
+            let op = "moe_ffn";
+            if moe.gate.rows != n_expert * n_ff
+                || moe.up.rows != n_expert * n_ff
+                || moe.up.cols != n_embd
+                || moe.down.rows != n_expert * n_embd
+                || moe.down.cols != n_ff
+            {
+                return Err(OpsError::Shape {
+                    op,
+                    expected: format!(
+                        "{n_expert} experts of {n_ff}x{n_embd} (gate, up) and {n_embd}x{n_ff} (down)"
+                    ),
+                    found: format!(
+                        "{}x{}, {}x{}, {}x{} in all",
+                        moe.gate.rows, moe.gate.cols, moe.up.rows, moe.up.cols, moe.down.rows,
+                        moe.down.cols
+                    ),
+                });
+            }
+            let logits = router_logits.ptr(op, n_tokens * n_expert)?;
+            let x_ptr = x.ptr(op, n_tokens * n_embd)?;
+            let experts = s.experts.ptr(op, n_pairs)?;
+            let weights = s.weights.ptr(op, n_pairs)?;
+            let pairs = s.pairs.ptr(op, n_pairs)?;
+            let tiles = s.tiles.ptr(op, 4 * slots)?;
+            ops::moe_route(
+                &self.ctx,
+                logits,
+                n_tokens,
+                n_expert,
+                n_used,
+                routing.gating == ExpertGating::Sigmoid,
+                routing.normalize_weights,
+                routing.weights_scale.unwrap_or(1.0),
+                experts,
+                weights,
+            )?;
+            ops::moe_tiles(&self.ctx, experts, n_pairs, n_expert, pairs, tiles)?;
+            let gate = s.gate.ptr(op, n_pairs * n_ff)?;
+            let up = s.up.ptr(op, n_pairs * n_ff)?;
+            for (w, y) in [(moe.gate, gate), (moe.up, up)] {
+                ops::moe_matvec(&self.ctx, w, n_expert, x_ptr, n_used, pairs, tiles, n_pairs, y)?;
+            }
+            Ok(())
+        });
+        match moe.activation {
+            FfnActivation::SwiGlu => self.swiglu(&mut s.gate, &s.up, n_pairs * n_ff),
+            FfnActivation::GeGlu => self.geglu(&mut s.gate, &s.up, n_pairs * n_ff),
+        }
+        // The down product of every pair, then each token's weighted sum in rank order.
+        self.run("moe_ffn", || {
+            let op = "moe_ffn";
+            let h = s.gate.ptr(op, n_pairs * n_ff)?;
+            let pairs = s.pairs.ptr(op, n_pairs)?;
+            let tiles = s.tiles.ptr(op, 4 * slots)?;
+            let routed = s.routed.ptr(op, n_pairs * n_embd)?;
+            ops::moe_matvec(
+                &self.ctx, moe.down, n_expert, h, 1, pairs, tiles, n_pairs, routed,
+            )?;
+            let weights = s.weights.ptr(op, n_pairs)?;
+            let out_ptr = out.ptr(op, n_tokens * n_embd)?;
+            ops::moe_combine(
+                &self.ctx, routed, weights, n_tokens, n_used, n_embd, out_ptr,
+            )
+        });
+        if let Some(shared) = &moe.shared {
+            let n_ff = shared.n_ff;
+            self.ensure_len(&mut s.shared_gate, n_tokens * n_ff);
+            self.ensure_len(&mut s.shared_up, n_tokens * n_ff);
+            self.ensure_len(&mut s.shared_out, n_tokens * n_embd);
+            self.ffn_gate_up(
+                shared.gate,
+                shared.up,
+                x,
+                n_tokens,
+                n_ff,
+                moe.activation,
+                &mut s.shared_gate,
+                &mut s.shared_up,
+            );
+            self.matmul(shared.down, &s.shared_gate, n_tokens, &mut s.shared_out);
+            match shared.gate_inp {
+                Some(gate_inp) => {
+                    self.ensure_len(&mut s.shared_logit, n_tokens);
+                    self.matmul(gate_inp, x, n_tokens, &mut s.shared_logit);
+                    self.run("moe_ffn", || {
+                        let op = "moe_ffn";
+                        ops::moe_add_gated(
+                            &self.ctx,
+                            out.ptr(op, n_tokens * n_embd)?,
+                            s.shared_out.ptr(op, n_tokens * n_embd)?,
+                            s.shared_logit.ptr(op, n_tokens)?,
+                            n_tokens,
+                            n_embd,
+                        )
+                    });
+                }
+                None => self.add_inplace(out, &s.shared_out, n_tokens * n_embd),
+            }
+        }
+    }
+
+    fn release_op_scratch(&self) {
+        *lock(&self.moe_scratch) = MoeScratch::default();
     }
 
     fn get_rows(&self, table: &DeviceMatrix, ids: &[u32], scale: f32, out: &mut GpuBuf) {
