@@ -8,7 +8,9 @@
 //! until [`KvCache::trim`] hands it back to the backend.
 //!
 //! The cache keeps the bookkeeping (which block belongs to whom) on the host; the K/V memory
-//! itself lives in the backend ([`Backend::KvLayer`]), one per layer, indexed by block id.
+//! itself lives in the backend ([`Backend::KvLayer`]), one per layer that attends over the
+//! cache, indexed by block id. The linear-attention layers of hybrid models keep a fixed-size
+//! state per sequence instead, in [`crate::recurrent_state`] beside this cache.
 //!
 //! **Prefix cache** (vLLM's automatic prefix caching, in the same spirit): a full block is named
 //! by its content, a hash chained over every token from the start of the sequence up to the

@@ -6,6 +6,7 @@
 //! - [`ops`]: plain descriptions shared by the model, the KV cache and the backends (a leaf).
 //! - [`backend`]: the ops the model is written in, with the CPU implementation.
 //! - [`kv_cache`]: the paged KV cache (block tables, block pool).
+//! - [`recurrent_state`]: per-sequence recurrent states of hybrid (linear-attention) models.
 //! - [`batch`]: a batch of tokens from several sequences.
 //! - [`sample`]: turning logits into tokens.
 //! - [`generate`]: prompt evaluation and generation loops shared by the CLI and tests.
@@ -27,5 +28,6 @@ pub mod load;
 pub mod model;
 pub mod models;
 pub mod ops;
+pub mod recurrent_state;
 pub mod sample;
 pub mod server;

@@ -57,13 +57,68 @@ MODELS = {
             "stacks would go through GGML's separate tiled mul_mat_id path."
         ),
     },
+    "qwen35-tiny": {
+        "shape": "qwen3.5-27b",
+        "type": "q8_0",
+        "seed": 12,
+        "pure": False,
+        "overrides": {
+            "layers": 4,
+            "vocab": 1024,
+            "embd": 128,
+            "heads": 4,
+            "kv_heads": 1,
+            "head_dim": 64,
+            "ff": 256,
+            "linear_k_heads": 2,
+            "linear_v_heads": 4,
+            "linear_head_dim": 32,
+        },
+        "why": (
+            "Qwen3.5-27B's structure at a width of 128, 4 layers: three Gated DeltaNet layers (2 "
+            "key heads and 4 value heads of 32, so value heads share key heads; a 4-tap causal "
+            "convolution; gated RMS norm) and one gated full-attention layer (query gate, QK-norm, "
+            "interleaved multi-section rope on 16 of 64 dims, sections [11, 11, 10, 0]), dense "
+            "FFN, untied embeddings, 1024 tokens. Q8_0 weights as for qwen3moe-tiny. llama.cpp's "
+            "CPU backend runs the fused ggml_gated_delta_net op for the prompt (the sequential "
+            "recurrence; its chunked graph form is only used where the fused op is missing)."
+        ),
+    },
+    "qwen35moe-tiny": {
+        "shape": "qwen3.5-35b-a3b",
+        "type": "q8_0",
+        "seed": 13,
+        "pure": False,
+        "overrides": {
+            "layers": 4,
+            "vocab": 1024,
+            "embd": 128,
+            "heads": 4,
+            "kv_heads": 1,
+            "head_dim": 64,
+            "experts": 16,
+            "experts_used": 4,
+            "expert_ff": 32,
+            "shared_ff": 64,
+            "linear_k_heads": 2,
+            "linear_v_heads": 4,
+            "linear_head_dim": 32,
+        },
+        "why": (
+            "Qwen3.5-35B-A3B's structure at a width of 128, 4 layers (three Gated DeltaNet, one "
+            "gated full attention, as qwen35-tiny) with a mixture of 16 experts of 32 rows, 4 used "
+            "per token (normalised softmax routing), plus a shared expert of 64 rows scaled by "
+            "sigmoid(ffn_gate_inp_shexp x) in every layer, 1024 tokens. Q8_0 weights."
+        ),
+    },
 }
 
 N_TOKENS = 64
 TOKEN_SEED = 20261202
 OVERRIDE_ORDER = [
     "layers", "vocab", "embd", "heads", "kv_heads", "head_dim", "ff",
-    "experts", "experts_used", "expert_ff",
+    "experts", "experts_used", "expert_ff", "shared_ff",
+    "linear_k_heads", "linear_v_heads", "linear_head_dim",
 ]
 
 

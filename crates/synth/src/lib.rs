@@ -267,51 +267,134 @@ pub fn tensor_list(opts: &SynthOptions) -> Result<Vec<TensorSpec>, SynthError> {
     for il in 0..s.n_layer {
         let n = |suffix: &str| format!("blk.{il}.{suffix}");
         list.push(norm(n("attn_norm.weight"), e));
-        list.push(matrix(
-            n("attn_q.weight"),
-            Role::AttnQ,
-            il,
-            e,
-            q,
-            QK_GAIN * inv_sqrt(e),
-        ));
-        list.push(matrix(
-            n("attn_k.weight"),
-            Role::AttnK,
-            il,
-            e,
-            kv,
-            QK_GAIN * inv_sqrt(e),
-        ));
-        list.push(matrix(
-            n("attn_v.weight"),
-            Role::AttnV,
-            il,
-            e,
-            kv,
-            inv_sqrt(e),
-        ));
-        if s.qkv_bias {
-            for (name, len) in [("attn_q.bias", q), ("attn_k.bias", kv), ("attn_v.bias", kv)] {
-                list.push(vector(n(name), len, Init::Normal { std: 0.3 }));
+        match s.linear {
+            Some(l) if l.is_linear(il) => {
+                let (ch, vd, nv) = (l.conv_channels(), l.value_dim(), l.n_v_heads);
+                list.push(matrix(
+                    n("attn_qkv.weight"),
+                    Role::AttnQ,
+                    il,
+                    e,
+                    ch,
+                    inv_sqrt(e),
+                ));
+                list.push(matrix(
+                    n("attn_gate.weight"),
+                    Role::AttnQ,
+                    il,
+                    e,
+                    vd,
+                    inv_sqrt(e),
+                ));
+                // The convolution keeps the channels at unit scale; the decay
+                // `exp(softplus(alpha + dt) * a)` sits mostly between 0.6 and 0.95 per token,
+                // so the state remembers a few tokens to a few tens.
+                list.push(TensorSpec {
+                    name: n("ssm_conv1d.weight"),
+                    dims: vec![l.conv_kernel as u64, ch as u64],
+                    ty: GgmlType::F32,
+                    init: Init::Normal {
+                        std: inv_sqrt(l.conv_kernel),
+                    },
+                });
+                list.push(vector(
+                    n("ssm_dt.bias"),
+                    nv,
+                    Init::Uniform {
+                        center: 0.0,
+                        spread: 0.5,
+                    },
+                ));
+                list.push(vector(
+                    n("ssm_a"),
+                    nv,
+                    Init::Uniform {
+                        center: -0.2,
+                        spread: 0.1,
+                    },
+                ));
+                list.push(matrix(
+                    n("ssm_beta.weight"),
+                    Role::AttnK,
+                    il,
+                    e,
+                    nv,
+                    inv_sqrt(e),
+                ));
+                list.push(matrix(
+                    n("ssm_alpha.weight"),
+                    Role::AttnK,
+                    il,
+                    e,
+                    nv,
+                    inv_sqrt(e),
+                ));
+                list.push(norm(n("ssm_norm.weight"), l.head_dim));
+                list.push(matrix(
+                    n("ssm_out.weight"),
+                    Role::AttnOutput,
+                    il,
+                    vd,
+                    e,
+                    residual_scale * inv_sqrt(vd),
+                ));
+            }
+            _ => {
+                list.push(matrix(
+                    n("attn_q.weight"),
+                    Role::AttnQ,
+                    il,
+                    e,
+                    s.q_rows(),
+                    QK_GAIN * inv_sqrt(e),
+                ));
+                list.push(matrix(
+                    n("attn_k.weight"),
+                    Role::AttnK,
+                    il,
+                    e,
+                    kv,
+                    QK_GAIN * inv_sqrt(e),
+                ));
+                list.push(matrix(
+                    n("attn_v.weight"),
+                    Role::AttnV,
+                    il,
+                    e,
+                    kv,
+                    inv_sqrt(e),
+                ));
+                if s.qkv_bias {
+                    for (name, len) in
+                        [("attn_q.bias", q), ("attn_k.bias", kv), ("attn_v.bias", kv)]
+                    {
+                        list.push(vector(n(name), len, Init::Normal { std: 0.3 }));
+                    }
+                }
+                if s.qk_norm {
+                    list.push(norm(n("attn_q_norm.weight"), hd));
+                    list.push(norm(n("attn_k_norm.weight"), hd));
+                }
+                list.push(matrix(
+                    n("attn_output.weight"),
+                    Role::AttnOutput,
+                    il,
+                    q,
+                    e,
+                    residual_scale * inv_sqrt(q),
+                ));
             }
         }
-        if s.qk_norm {
-            list.push(norm(n("attn_q_norm.weight"), hd));
-            list.push(norm(n("attn_k_norm.weight"), hd));
-        }
-        list.push(matrix(
-            n("attn_output.weight"),
-            Role::AttnOutput,
-            il,
-            q,
-            e,
-            residual_scale * inv_sqrt(q),
-        ));
         if s.post_norms {
             list.push(post_norm(n("post_attention_norm.weight")));
         }
-        list.push(norm(n("ffn_norm.weight"), e));
+        // Qwen 3.5 names the norm before the FFN after the attention block it follows.
+        let ffn_norm = if s.linear.is_some() {
+            "post_attention_norm.weight"
+        } else {
+            "ffn_norm.weight"
+        };
+        list.push(norm(n(ffn_norm), e));
         if let Some(m) = s.moe {
             let (n_expert, eff) = (m.n_expert as u64, m.n_ff_expert);
             let experts =
@@ -351,6 +434,40 @@ pub fn tensor_list(opts: &SynthOptions) -> Result<Vec<TensorSpec>, SynthError> {
                 e,
                 FFN_DOWN_GAIN * mean_gain * residual_scale * inv_sqrt(eff),
             ));
+            if let Some(sff) = m.n_ff_shared {
+                // The shared expert adds to the routed mean; its gate's logits have unit
+                // scale, so `sigmoid` passes about half of it.
+                list.push(TensorSpec {
+                    name: n("ffn_gate_inp_shexp.weight"),
+                    dims: vec![e as u64],
+                    ty: GgmlType::F32,
+                    init: Init::Normal { std: inv_sqrt(e) },
+                });
+                list.push(matrix(
+                    n("ffn_gate_shexp.weight"),
+                    Role::FfnGate,
+                    il,
+                    e,
+                    sff,
+                    inv_sqrt(e),
+                ));
+                list.push(matrix(
+                    n("ffn_up_shexp.weight"),
+                    Role::FfnUp,
+                    il,
+                    e,
+                    sff,
+                    inv_sqrt(e),
+                ));
+                list.push(matrix(
+                    n("ffn_down_shexp.weight"),
+                    Role::FfnDown,
+                    il,
+                    sff,
+                    e,
+                    FFN_DOWN_GAIN * residual_scale * inv_sqrt(sff),
+                ));
+            }
         } else {
             list.push(matrix(
                 n("ffn_gate.weight"),
@@ -437,7 +554,10 @@ pub fn metadata(opts: &SynthOptions) -> Result<Vec<(String, Value)>, SynthError>
             Value::F32(s.rms_eps),
         ),
         (format!("{a}.rope.freq_base"), Value::F32(s.rope_freq_base)),
-        (format!("{a}.rope.dimension_count"), u32_of(s.head_dim)),
+        (
+            format!("{a}.rope.dimension_count"),
+            u32_of(s.rope_dims.unwrap_or(s.head_dim)),
+        ),
         (format!("{a}.vocab_size"), u32_of(s.n_vocab)),
     ];
     if let Some(window) = s.sliding_window {
@@ -452,6 +572,31 @@ pub fn metadata(opts: &SynthOptions) -> Result<Vec<(String, Value)>, SynthError>
                 u32_of(m.n_ff_expert),
             ),
         ]);
+        if let Some(sff) = m.n_ff_shared {
+            md.push((
+                format!("{a}.expert_shared_feed_forward_length"),
+                u32_of(sff),
+            ));
+        }
+    }
+    if let Some(l) = s.linear {
+        md.extend([
+            (format!("{a}.ssm.conv_kernel"), u32_of(l.conv_kernel)),
+            (format!("{a}.ssm.state_size"), u32_of(l.head_dim)),
+            (format!("{a}.ssm.group_count"), u32_of(l.n_k_heads)),
+            (format!("{a}.ssm.time_step_rank"), u32_of(l.n_v_heads)),
+            (format!("{a}.ssm.inner_size"), u32_of(l.value_dim())),
+            (
+                format!("{a}.full_attention_interval"),
+                u32_of(l.full_attention_interval),
+            ),
+        ]);
+    }
+    if let Some(sections) = s.rope_sections {
+        md.push((
+            format!("{a}.rope.dimension_sections"),
+            Value::Array(Array::I32(sections.iter().map(|&v| v as i32).collect())),
+        ));
     }
     md.extend([
         ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),

@@ -63,6 +63,44 @@ pub struct MoeShape {
     pub n_expert_used: usize,
     /// Rows of each expert's gate and up projections.
     pub n_ff_expert: usize,
+    /// Rows of the shared expert's gate and up projections, when layers have one (its output
+    /// is then gated by `sigmoid(ffn_gate_inp_shexp x)`, as in Qwen 3.5 MoE).
+    pub n_ff_shared: Option<usize>,
+}
+
+/// The Gated DeltaNet layers of a hybrid shape (Qwen 3.5): every layer is one except each
+/// `full_attention_interval`-th, which is gated full attention.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LinearShape {
+    /// Taps of the causal convolution (`linear_conv_kernel_dim`).
+    pub conv_kernel: usize,
+    /// Query and key heads (`linear_num_key_heads`).
+    pub n_k_heads: usize,
+    /// Value heads (`linear_num_value_heads`), a multiple of the key heads.
+    pub n_v_heads: usize,
+    /// Size of every query, key and value head (`linear_key_head_dim` = `linear_value_head_dim`).
+    pub head_dim: usize,
+    pub full_attention_interval: usize,
+}
+
+impl LinearShape {
+    pub fn key_dim(&self) -> usize {
+        self.n_k_heads * self.head_dim
+    }
+
+    pub fn value_dim(&self) -> usize {
+        self.n_v_heads * self.head_dim
+    }
+
+    /// Channels of the convolution: queries, keys and values.
+    pub fn conv_channels(&self) -> usize {
+        2 * self.key_dim() + self.value_dim()
+    }
+
+    /// Whether layer `il` is a linear-attention layer.
+    pub fn is_linear(&self, il: usize) -> bool {
+        !(il + 1).is_multiple_of(self.full_attention_interval)
+    }
 }
 
 /// Everything about a model's shape that its GGUF metadata and tensor list need.
@@ -97,10 +135,17 @@ pub struct Shape {
     /// A mixture of experts in place of the FFN of every layer (`n_ff` is then only the dense
     /// size the metadata states, as real conversions write it).
     pub moe: Option<MoeShape>,
+    /// Gated DeltaNet layers between the full-attention ones (Qwen 3.5); the full-attention
+    /// layers then have a query gate (the Q projection gives `2 * head_dim` rows per head).
+    pub linear: Option<LinearShape>,
+    /// Rotated elements per head when fewer than the head size (Qwen 3.5: a quarter).
+    pub rope_dims: Option<usize>,
+    /// `rope.dimension_sections` of a multi-section rope (Qwen 3.5's interleaved one).
+    pub rope_sections: Option<[u32; 4]>,
 }
 
 /// The named shapes, in the order `--help` lists them.
-pub const SHAPE_NAMES: [&str; 7] = [
+pub const SHAPE_NAMES: [&str; 9] = [
     "llama3-8b",
     "llama3.2-1b",
     "smollm2-135m",
@@ -108,7 +153,25 @@ pub const SHAPE_NAMES: [&str; 7] = [
     "qwen3-0.6b",
     "gemma3-270m",
     "qwen3-30b-a3b",
+    "qwen3.5-27b",
+    "qwen3.5-35b-a3b",
 ];
+
+/// Qwen 3.5's linear-attention layers in both published sizes here: 16 key heads of 128, a
+/// 4-tap convolution, one full-attention layer in four (the value heads differ).
+const fn qwen35_linear(n_v_heads: usize) -> LinearShape {
+    LinearShape {
+        conv_kernel: 4,
+        n_k_heads: 16,
+        n_v_heads,
+        head_dim: 128,
+        full_attention_interval: 4,
+    }
+}
+
+/// The `mrope_section` of Qwen 3.5's configs, with the fourth section llama.cpp's converter
+/// adds.
+const QWEN35_ROPE_SECTIONS: [u32; 4] = [11, 11, 10, 0];
 
 /// Llama 3.1 8B and Llama 3.2 1B share this scaling (factor 8 and 32 respectively).
 const fn llama3_scaling(factor: f32) -> Llama3RopeScaling {
@@ -144,6 +207,9 @@ impl Shape {
             post_norms: false,
             sliding_window: None,
             moe: None,
+            linear: None,
+            rope_dims: None,
+            rope_sections: None,
         };
         let shape = match name {
             // Meta Llama 3.1 8B (config.json of meta-llama/Llama-3.1-8B).
@@ -257,7 +323,67 @@ impl Shape {
                     n_expert: 128,
                     n_expert_used: 8,
                     n_ff_expert: 768,
+                    n_ff_shared: None,
                 }),
+                ..llama
+            },
+            // Qwen3.5-27B (the text config of Qwen/Qwen3.5-27B's config.json, as
+            // conversion/qwen.py's Qwen3_5TextModel writes it): 64 layers, three of four Gated
+            // DeltaNet (16 key heads and 48 value heads of 128, a 4-tap convolution), the
+            // fourth gated full attention (24 heads, 4 KV heads of 256, QK-norm, rope on a
+            // quarter of each head with interleaved sections [11, 11, 10], base 1e7), a dense
+            // FFN of 17408, untied embeddings over 248320 tokens.
+            "qwen3.5-27b" => Shape {
+                architecture: "qwen35",
+                tokenizer: TokenizerStyle::Qwen,
+                n_vocab: 248_320,
+                n_embd: 5120,
+                n_layer: 64,
+                n_head: 24,
+                n_head_kv: 4,
+                head_dim: 256,
+                n_ff: 17_408,
+                n_ctx_train: 262_144,
+                rms_eps: 1e-6,
+                rope_freq_base: 10_000_000.0,
+                rope_scaling: None,
+                tied_embeddings: false,
+                qk_norm: true,
+                linear: Some(qwen35_linear(48)),
+                rope_dims: Some(64),
+                rope_sections: Some(QWEN35_ROPE_SECTIONS),
+                ..llama
+            },
+            // Qwen3.5-35B-A3B (the text config of Qwen/Qwen3.5-35B-A3B's config.json, as
+            // conversion/qwen.py's Qwen3_5MoeTextModel writes it): 40 layers, three of four
+            // Gated DeltaNet (16 key heads and 32 value heads of 128), the fourth gated full
+            // attention (16 heads, 2 KV heads of 256); in every layer 256 experts of 512 rows,
+            // 8 used per token, plus a shared expert of 512 rows gated per token.
+            "qwen3.5-35b-a3b" => Shape {
+                architecture: "qwen35moe",
+                tokenizer: TokenizerStyle::Qwen,
+                n_vocab: 248_320,
+                n_embd: 2048,
+                n_layer: 40,
+                n_head: 16,
+                n_head_kv: 2,
+                head_dim: 256,
+                n_ff: 512,
+                n_ctx_train: 262_144,
+                rms_eps: 1e-6,
+                rope_freq_base: 10_000_000.0,
+                rope_scaling: None,
+                tied_embeddings: false,
+                qk_norm: true,
+                moe: Some(MoeShape {
+                    n_expert: 256,
+                    n_expert_used: 8,
+                    n_ff_expert: 512,
+                    n_ff_shared: Some(512),
+                }),
+                linear: Some(qwen35_linear(32)),
+                rope_dims: Some(64),
+                rope_sections: Some(QWEN35_ROPE_SECTIONS),
                 ..llama
             },
             _ => return None,
@@ -275,30 +401,65 @@ impl Shape {
         self.n_head_kv * self.head_dim
     }
 
+    /// Rows of the Q projection: twice the query width when full-attention layers have a
+    /// query gate (hybrid shapes).
+    pub fn q_rows(&self) -> usize {
+        if self.linear.is_some() {
+            2 * self.q_dim()
+        } else {
+            self.q_dim()
+        }
+    }
+
     /// Parameters of the tensors the model file holds.
     pub fn n_params(&self) -> u64 {
         let (e, ff) = (self.n_embd as u64, self.n_ff as u64);
         let (q, kv) = (self.q_dim() as u64, self.kv_dim() as u64);
         let ffn = match self.moe {
-            // The router (one row per expert) and every expert's three projections.
+            // The router (one row per expert) and every expert's three projections, plus the
+            // shared expert and its one-row gate.
             Some(m) => {
                 let n_expert = m.n_expert as u64;
-                e * n_expert + 3 * e * m.n_ff_expert as u64 * n_expert
+                let shared = m.n_ff_shared.map_or(0, |s| 3 * e * s as u64 + e);
+                e * n_expert + 3 * e * m.n_ff_expert as u64 * n_expert + shared
             }
             None => 3 * e * ff,
         };
-        let mut per_layer = e * q + 2 * e * kv + q * e + ffn + 2 * e;
+        let mut attention = e * self.q_rows() as u64 + 2 * e * kv + q * e;
         if self.qkv_bias {
-            per_layer += q + 2 * kv;
+            attention += q + 2 * kv;
         }
         if self.qk_norm {
-            per_layer += 2 * self.head_dim as u64;
+            attention += 2 * self.head_dim as u64;
         }
+        let mut per_layer = ffn + 2 * e;
         if self.post_norms {
             per_layer += 2 * e;
         }
+        let mut total = 0;
+        for il in 0..self.n_layer {
+            total += per_layer;
+            total += match self.linear {
+                Some(l) if l.is_linear(il) => {
+                    let (ch, vd, nv) = (
+                        l.conv_channels() as u64,
+                        l.value_dim() as u64,
+                        l.n_v_heads as u64,
+                    );
+                    // qkv, z, beta, alpha, the convolution, dt bias, A, the norm, the output.
+                    e * ch
+                        + e * vd
+                        + 2 * e * nv
+                        + l.conv_kernel as u64 * ch
+                        + 2 * nv
+                        + l.head_dim as u64
+                        + vd * e
+                }
+                _ => attention,
+            };
+        }
         let embeddings = e * self.n_vocab as u64 * if self.tied_embeddings { 1 } else { 2 };
-        embeddings + e + per_layer * self.n_layer as u64
+        embeddings + e + total
     }
 }
 
@@ -338,6 +499,18 @@ pub struct ShapeOverrides {
     /// Use this many rows for each expert's gate and up projections instead of the shape's.
     #[arg(long = "expert-ff")]
     pub expert_ff: Option<usize>,
+    /// Use this many rows for the shared expert's gate and up projections (shapes with one).
+    #[arg(long = "shared-ff")]
+    pub shared_ff: Option<usize>,
+    /// Use this many query and key heads in the linear-attention layers (hybrid shapes).
+    #[arg(long = "linear-k-heads")]
+    pub linear_k_heads: Option<usize>,
+    /// Use this many value heads in the linear-attention layers (a multiple of the key heads).
+    #[arg(long = "linear-v-heads")]
+    pub linear_v_heads: Option<usize>,
+    /// Use this head size in the linear-attention layers.
+    #[arg(long = "linear-head-dim")]
+    pub linear_head_dim: Option<usize>,
 }
 
 impl ShapeOverrides {
@@ -352,6 +525,21 @@ impl ShapeOverrides {
         {
             return Err(bad(
                 "--experts, --experts-used and --expert-ff apply to mixture-of-experts shapes only"
+                    .into(),
+            ));
+        }
+        if self.shared_ff.is_some() && shape.moe.and_then(|m| m.n_ff_shared).is_none() {
+            return Err(bad(
+                "--shared-ff applies to shapes with a shared expert only".into(),
+            ));
+        }
+        if shape.linear.is_none()
+            && (self.linear_k_heads.is_some()
+                || self.linear_v_heads.is_some()
+                || self.linear_head_dim.is_some())
+        {
+            return Err(bad(
+                "--linear-k-heads, --linear-v-heads and --linear-head-dim apply to hybrid shapes only"
                     .into(),
             ));
         }
@@ -372,6 +560,18 @@ impl ShapeOverrides {
             set(&mut m.n_expert, self.experts);
             set(&mut m.n_expert_used, self.experts_used);
             set(&mut m.n_ff_expert, self.expert_ff);
+            if let (Some(shared), Some(v)) = (&mut m.n_ff_shared, self.shared_ff) {
+                *shared = v;
+            }
+        }
+        if let Some(l) = &mut s.linear {
+            set(&mut l.n_k_heads, self.linear_k_heads);
+            set(&mut l.n_v_heads, self.linear_v_heads);
+            set(&mut l.head_dim, self.linear_head_dim);
+        }
+        if let (Some(dims), Some(_)) = (&mut s.rope_dims, self.head_dim) {
+            // A narrower head keeps the shape's rotated fraction (a quarter for Qwen 3.5).
+            *dims = (*dims * s.head_dim / shape.head_dim).max(2) & !1;
         }
         if s.n_head_kv == 0 || !s.n_head.is_multiple_of(s.n_head_kv) {
             return Err(bad(format!(
@@ -381,6 +581,17 @@ impl ShapeOverrides {
         }
         if !s.head_dim.is_multiple_of(2) {
             return Err(bad(format!("head size {} is odd", s.head_dim)));
+        }
+        if let Some(l) = s.linear {
+            if l.n_k_heads == 0 || l.n_v_heads == 0 || !l.n_v_heads.is_multiple_of(l.n_k_heads) {
+                return Err(bad(format!(
+                    "{} linear-attention value heads are not a multiple of {} key heads",
+                    l.n_v_heads, l.n_k_heads
+                )));
+            }
+            if l.head_dim == 0 {
+                return Err(bad("linear-attention head size 0".into()));
+            }
         }
         if let Some(m) = s.moe {
             if m.n_expert_used == 0 || m.n_expert_used > m.n_expert {
@@ -407,6 +618,10 @@ impl ShapeOverrides {
             ("--experts", self.experts),
             ("--experts-used", self.experts_used),
             ("--expert-ff", self.expert_ff),
+            ("--shared-ff", self.shared_ff),
+            ("--linear-k-heads", self.linear_k_heads),
+            ("--linear-v-heads", self.linear_v_heads),
+            ("--linear-head-dim", self.linear_head_dim),
         ]
         .into_iter()
         .filter_map(|(flag, v)| v.map(|v| [flag.to_string(), v.to_string()]))
@@ -437,7 +652,8 @@ mod tests {
             Some(MoeShape {
                 n_expert: 128,
                 n_expert_used: 8,
-                n_ff_expert: 32
+                n_ff_expert: 32,
+                n_ff_shared: None,
             })
         );
         assert_eq!(
@@ -496,6 +712,18 @@ mod tests {
         assert!((billions("smollm2-135m") - 0.1345).abs() < 0.001);
         // Qwen3-30B-A3B: 30.5 B parameters in all.
         assert!((billions("qwen3-30b-a3b") - 30.53).abs() < 0.01);
+        // Qwen3.5-27B and Qwen3.5-35B-A3B without their vision towers and MTP blocks (which
+        // the synthetic files leave out): about 26.9 B and 34.7 B.
+        assert!(
+            (billions("qwen3.5-27b") - 26.9).abs() < 0.1,
+            "{}",
+            billions("qwen3.5-27b")
+        );
+        assert!(
+            (billions("qwen3.5-35b-a3b") - 34.7).abs() < 0.1,
+            "{}",
+            billions("qwen3.5-35b-a3b")
+        );
     }
 
     #[test]

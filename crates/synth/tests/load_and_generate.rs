@@ -38,6 +38,17 @@ fn small(name: &str) -> Shape {
         moe.n_expert = 8;
         moe.n_expert_used = 2;
         moe.n_ff_expert = 256;
+        if let Some(shared) = &mut moe.n_ff_shared {
+            *shared = 256;
+        }
+    }
+    // Hybrids: three linear-attention layers and one full-attention layer.
+    if let Some(linear) = &mut s.linear {
+        s.n_layer = 4;
+        linear.n_k_heads = 2;
+        linear.n_v_heads = 4;
+        linear.head_dim = 64;
+        s.rope_dims = Some(16);
     }
     if name == "smollm2-135m" {
         s.n_embd = 320;

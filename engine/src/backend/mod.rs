@@ -114,6 +114,38 @@ pub struct MoeFfn<'a, M> {
     pub shared: Option<SharedExpert<'a, M>>,
 }
 
+/// The fixed parts of one Gated DeltaNet layer (Qwen 3.5's linear attention), as
+/// [`Backend::gated_delta_net`] takes them. Shapes: `n_k_heads` query and key heads and
+/// `n_v_heads` value heads, all of `head_dim` values; value head `h` reads query and key head
+/// `h % n_k_heads` (llama.cpp's converter orders the value heads so that this tiling is right).
+pub struct GatedDeltaNet<'a, V> {
+    /// `conv_kernel` taps per channel, channel by channel (Q, K, then V channels).
+    pub conv: &'a V,
+    /// Added to the decay input before the softplus, one per value head.
+    pub dt_bias: &'a V,
+    /// The decay rate (`-exp(A_log)`), one per value head.
+    pub a: &'a V,
+    /// The RMS norm weight of each value head's output (`head_dim` values).
+    pub norm: &'a V,
+    pub conv_kernel: usize,
+    pub n_k_heads: usize,
+    pub n_v_heads: usize,
+    pub head_dim: usize,
+    pub eps: f32,
+}
+
+/// One sequence's part of a [`Backend::gated_delta_net`] call: its rows in the batch, in
+/// position order, and its state in the layer, read and then replaced by the state after the
+/// rows.
+pub struct SequenceState<'a> {
+    pub rows: &'a [usize],
+    /// The last `conv_kernel - 1` convolution inputs of each channel, channel by channel.
+    pub conv: &'a mut [f32],
+    /// One `head_dim` x `head_dim` matrix per value head: row `j` (a value index) holds the
+    /// state's column over the key index, as GGML stores it.
+    pub ssm: &'a mut [f32],
+}
+
 /// An op that failed on a device backend: which op, and why. Recorded by the backend and
 /// returned by [`Backend::take_failure`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -306,6 +338,65 @@ pub trait Backend: Send + Sync + Sized + 'static {
         let _ = (moe, router_logits, x, n_tokens, out);
         unreachable!(
             "the {} backend places no expert matrices, so no model can reach its moe_ffn",
+            self.name()
+        );
+    }
+    /// Whether the backend runs the ops of hybrid models' linear-attention layers
+    /// ([`Backend::gated_delta_net`], [`Backend::split_query_gate`],
+    /// [`Backend::mul_sigmoid`]). A backend without them (the default) refuses such models at
+    /// load time, so those ops' default bodies are never run.
+    fn linear_attention_supported(&self) -> bool {
+        false
+    }
+    /// Splits a gated query projection (`n_tokens` rows of `n_heads` heads, each `head_dim`
+    /// query values followed by `head_dim` gate values) into `q` and `gate`, `n_heads *
+    /// head_dim` values per row each.
+    fn split_query_gate(
+        &self,
+        q_full: &Self::Buf,
+        n_tokens: usize,
+        n_heads: usize,
+        head_dim: usize,
+        q: &mut Self::Buf,
+        gate: &mut Self::Buf,
+    ) {
+        let _ = (q_full, n_tokens, n_heads, head_dim, q, gate);
+        unreachable!(
+            "the {} backend refuses models with a query gate at load",
+            self.name()
+        );
+    }
+    /// `x[i] *= sigmoid(gate[i])` for `len` values.
+    fn mul_sigmoid(&self, x: &mut Self::Buf, gate: &Self::Buf, len: usize) {
+        let _ = (x, gate, len);
+        unreachable!(
+            "the {} backend refuses models with a query gate at load",
+            self.name()
+        );
+    }
+    /// The core of a Gated DeltaNet layer, after its input projections, as llama.cpp computes
+    /// it: for each sequence in `states`, the causal convolution of its `qkv` rows (`2 *
+    /// n_k_heads * head_dim + n_v_heads * head_dim` channels) continuing its convolution
+    /// state, SiLU, L2 normalisation of each query and key head, then per value head the gated
+    /// delta rule over its tokens in order (decay `exp(softplus(alpha + dt_bias) * a)`, write
+    /// strength `sigmoid(beta)`, queries scaled by `1 / sqrt(head_dim)`), and each head's output
+    /// RMS-normalised times `norm` times `silu(z)`. `out` gets `n_v_heads * head_dim` values
+    /// per row of the batch (rows of no sequence in `states` are left as they are); the states
+    /// are replaced by those after the sequences' rows.
+    #[allow(clippy::too_many_arguments)]
+    fn gated_delta_net(
+        &self,
+        op: &GatedDeltaNet<'_, Self::Vector>,
+        qkv: &Self::Buf,
+        z: &Self::Buf,
+        beta: &Self::Buf,
+        alpha: &Self::Buf,
+        states: &mut [SequenceState<'_>],
+        out: &mut Self::Buf,
+    ) {
+        let _ = (op, qkv, z, beta, alpha, states, out);
+        unreachable!(
+            "the {} backend refuses linear-attention models at load",
             self.name()
         );
     }

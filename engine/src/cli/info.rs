@@ -32,15 +32,22 @@ fn mib(bytes: f64) -> String {
 /// logits of one output row.
 pub fn scratch_bytes(hp: &HParams, n_vocab: usize, n: usize) -> usize {
     let hd = hp.head_dim_k;
-    let max_q = hp.layers.iter().map(|l| l.n_head * hd).max().unwrap_or(0);
-    let max_kv = hp
-        .layers
-        .iter()
-        .map(|l| l.n_head_kv * hd)
-        .max()
-        .unwrap_or(0);
+    let attention = || hp.layers.iter().filter(|l| !l.recurrent);
+    // A query gate doubles the query projection's output (and needs the gate split off).
+    let q_factor = if hp.architecture.hybrid_recurrent() {
+        4
+    } else {
+        2
+    };
+    let max_q = attention().map(|l| l.n_head * hd).max().unwrap_or(0);
+    let max_kv = attention().map(|l| l.n_head_kv * hd).max().unwrap_or(0);
     let max_ff = hp.layers.iter().map(|l| l.n_ff).max().unwrap_or(0);
-    let floats = n * (3 * hp.n_embd + 2 * max_q + 2 * max_kv + 2 * max_ff) + 2 * n_vocab;
+    // A linear-attention layer's inputs: convolution channels, output gate, two per head.
+    let linear = hp.linear_attention.map_or(0, |l| {
+        l.conv_channels() + 2 * l.value_dim() + 2 * l.n_v_heads
+    });
+    let floats =
+        n * (3 * hp.n_embd + q_factor * max_q + 2 * max_kv + 2 * max_ff + linear) + 2 * n_vocab;
     floats * 4
 }
 
@@ -85,10 +92,31 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
         "heads: {}, KV heads: {}, FFN: {}",
         l0.n_head, l0.n_head_kv, l0.n_ff
     );
+    if let Some(linear) = hp.linear_attention {
+        let n_linear = hp.layers.iter().filter(|l| l.recurrent).count();
+        let kinds: String = hp
+            .layers
+            .iter()
+            .map(|l| if l.recurrent { 'L' } else { 'F' })
+            .collect();
+        println!(
+            "layer kinds: {} full attention (query-gated), {n_linear} linear (Gated DeltaNet): {kinds}",
+            hp.n_layer - n_linear
+        );
+        println!(
+            "linear attention: {} key heads, {} value heads of {}, convolution of {} taps",
+            linear.n_k_heads, linear.n_v_heads, linear.head_v_dim, linear.conv_kernel
+        );
+    }
     if let Some(moe) = hp.moe {
         let shared = moe
             .n_ff_shared
             .map_or_else(|| "none".to_string(), |n| format!("1 of FFN {n}"));
+        let shared = if moe.shared_expert_gate && moe.n_ff_shared.is_some() {
+            format!("{shared}, gated per token")
+        } else {
+            shared
+        };
         println!(
             "experts: {} per layer, {} used per token, expert FFN {}, shared: {shared}, routing: {:?}{}",
             moe.n_expert,
@@ -133,7 +161,16 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
         "  weights: {} memory-mapped from the file (read in place, not copied)",
         mib(gguf.file_size() as f64)
     );
-    println!("  KV cache (f16): {} per token, {} for a full context of {n_ctx} (allocated in blocks as used)", mib(kv_token as f64), mib((kv_token * n_ctx) as f64));
+    let n_kv_layers = hp.layers.iter().filter(|l| !l.recurrent).count();
+    println!("  KV cache (f16, {n_kv_layers} of {} layers): {} per token, {} for a full context of {n_ctx} (allocated in blocks as used)", hp.n_layer, mib(kv_token as f64), mib((kv_token * n_ctx) as f64));
+    let state = hp.recurrent_state_bytes_per_sequence();
+    if state > 0 {
+        println!(
+            "  recurrent state (f32, {} linear layers): {} per sequence, whatever its length (made when it starts, freed when it ends)",
+            hp.layers.iter().filter(|l| l.recurrent).count(),
+            mib(state as f64)
+        );
+    }
     println!(
         "  scratch: {} for a batch of {} tokens",
         mib(scratch_bytes(&hp, n_vocab, args.batch_size) as f64),

@@ -211,6 +211,9 @@ pub struct KvSnapshot {
     pub resident_blocks: usize,
     /// Bytes of K and V one block takes on all layers together.
     pub bytes_per_block: usize,
+    /// Bytes of recurrent state held by live sequences beside the KV blocks (hybrid models'
+    /// linear-attention layers: a fixed size per sequence; 0 for other models).
+    pub recurrent_state_bytes: usize,
 }
 
 impl KvSnapshot {

@@ -15,6 +15,13 @@
 //!   budget) changes nothing in the cache; its sequences are retried one by one, and only those
 //!   that fail alone fail.
 //! - **Cancellation** frees a sequence's blocks before the next step.
+//! - **Hybrid models** (linear-attention layers with a recurrent state per sequence, see
+//!   [`crate::recurrent_state`]) run without the prefix cache: a cached prefix's KV blocks would
+//!   come without the recurrent state at that prefix, which is not kept. Preemption frees the
+//!   state with the blocks and recomputes from the start, as for any model. A failed pass cannot
+//!   give their states back, so it ends their sequences; the one-by-one retry then fails them
+//!   with a position error instead of computing on a wrong state (on the CPU, the only backend
+//!   that runs these models, a pass does not fail once its layers run).
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
@@ -310,9 +317,10 @@ impl Scheduler {
             let seq_id = self.take_seq_id();
             let front = &self.waiting[0];
             let n_known = front.tokens.len();
+            let prefix_cache = self.config.prefix_cache && !ctx.has_recurrent_state();
             let kv = ctx.kv_mut();
             let mut cached = 0;
-            if self.config.prefix_cache {
+            if prefix_cache {
                 // At least the last known token is computed, for its logits.
                 let blocks = kv.lookup_prefix(&front.tokens[..n_known - 1]);
                 kv.attach_prefix(seq_id, &blocks);
@@ -619,7 +627,7 @@ impl Scheduler {
             }
         }
         // Name the blocks that just filled, so later prompts with the same start share them.
-        if self.config.prefix_cache {
+        if self.config.prefix_cache && !ctx.has_recurrent_state() {
             for member in members {
                 let seq = &self.running[member.index];
                 if let Some(seq_id) = seq.seq_id {

@@ -147,6 +147,7 @@ impl Worker<'_> {
                 cached_blocks: stats.cached,
                 resident_blocks: stats.resident,
                 bytes_per_block: self.bytes_per_block,
+                recurrent_state_bytes: ctx.state_stats().bytes,
             },
             totals: scheduler.totals(),
             draining: self.shared.draining.load(Ordering::Acquire),
@@ -163,6 +164,12 @@ fn run<B: Backend>(loaded: Loaded<B>, shared: &Arc<Shared>, commands: &mpsc::Rec
         kv_block_size: config.kv_block_size,
         kv_capacity_tokens: config.kv_capacity_tokens,
     });
+    if config.prefix_cache && ctx.has_recurrent_state() {
+        tracing::info!(
+            "prefix cache off: the model's linear-attention layers keep a recurrent state per \
+             sequence, which a cached prefix would not carry"
+        );
+    }
     let mut scheduler = Scheduler::new(
         config.clone(),
         Arc::clone(&loaded.tokenizer),

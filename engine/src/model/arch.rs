@@ -24,6 +24,13 @@ pub enum Architecture {
     /// in place of the FFN in every layer (softmax routing, normalised weights, no shared
     /// expert).
     Qwen3Moe,
+    /// Qwen 3.5 / 3.6 dense (`qwen35`): a hybrid of Gated DeltaNet linear-attention layers with a
+    /// short causal convolution and a per-sequence recurrent state, and every few layers gated
+    /// full attention (a query gate, QK-norm, partial interleaved multi-section rope).
+    Qwen35,
+    /// Qwen 3.5 / 3.6 mixture of experts (`qwen35moe`): Qwen 3.5's layers with a mixture of
+    /// experts plus a sigmoid-gated shared expert in place of the FFN.
+    Qwen35Moe,
 }
 
 /// How an architecture's mixture-of-experts layers route and what they hold, where llama.cpp
@@ -41,12 +48,14 @@ pub struct MoeRules {
 
 impl Architecture {
     /// Every supported architecture.
-    pub const ALL: [Architecture; 5] = [
+    pub const ALL: [Architecture; 7] = [
         Architecture::Llama,
         Architecture::Qwen2,
         Architecture::Qwen3,
         Architecture::Gemma3,
         Architecture::Qwen3Moe,
+        Architecture::Qwen35,
+        Architecture::Qwen35Moe,
     ];
 
     /// The `general.architecture` value, which is also the prefix of its metadata keys.
@@ -57,6 +66,8 @@ impl Architecture {
             Architecture::Qwen3 => "qwen3",
             Architecture::Gemma3 => "gemma3",
             Architecture::Qwen3Moe => "qwen3moe",
+            Architecture::Qwen35 => "qwen35",
+            Architecture::Qwen35Moe => "qwen35moe",
         }
     }
 
@@ -70,14 +81,19 @@ impl Architecture {
         Architecture::ALL.map(|a| a.name()).join(", ")
     }
 
-    /// How rotary embedding pairs elements (llama.cpp's `llama_model_rope_type`).
+    /// How rotary embedding pairs elements (llama.cpp's `llama_model_rope_type`). Qwen 3.5's
+    /// interleaved multi-section rope (`IMROPE`) pairs elements as NeoX does; for text every
+    /// section has the token's position, which makes it NeoX rope exactly (see
+    /// `HParams::rope_sections`).
     pub fn rope_mode(self) -> RopeMode {
         match self {
             Architecture::Llama => RopeMode::Normal,
             Architecture::Qwen2
             | Architecture::Qwen3
             | Architecture::Gemma3
-            | Architecture::Qwen3Moe => RopeMode::Neox,
+            | Architecture::Qwen3Moe
+            | Architecture::Qwen35
+            | Architecture::Qwen35Moe => RopeMode::Neox,
         }
     }
 
@@ -87,7 +103,11 @@ impl Architecture {
         match self {
             Architecture::Qwen2 => Presence::Required,
             Architecture::Llama => Presence::Optional,
-            Architecture::Qwen3 | Architecture::Gemma3 | Architecture::Qwen3Moe => Presence::Absent,
+            Architecture::Qwen3
+            | Architecture::Gemma3
+            | Architecture::Qwen3Moe
+            | Architecture::Qwen35
+            | Architecture::Qwen35Moe => Presence::Absent,
         }
     }
 
@@ -95,8 +115,29 @@ impl Architecture {
     pub fn qk_norm(self) -> bool {
         matches!(
             self,
-            Architecture::Qwen3 | Architecture::Gemma3 | Architecture::Qwen3Moe
+            Architecture::Qwen3
+                | Architecture::Gemma3
+                | Architecture::Qwen3Moe
+                | Architecture::Qwen35
+                | Architecture::Qwen35Moe
         )
+    }
+
+    /// Whether the model is a hybrid whose linear-attention layers (Gated DeltaNet) keep a
+    /// recurrent state per sequence; its full-attention layers then have a query gate (the Q
+    /// projection gives each head's query and its gate).
+    pub fn hybrid_recurrent(self) -> bool {
+        matches!(self, Architecture::Qwen35 | Architecture::Qwen35Moe)
+    }
+
+    /// The name of the norm before the FFN: Qwen 3.5 calls it the post-attention norm (it
+    /// normalises the residual stream after the attention block's add, like every other
+    /// architecture's FFN norm).
+    pub fn ffn_norm_name(self) -> &'static str {
+        match self {
+            Architecture::Qwen35 | Architecture::Qwen35Moe => "post_attention_norm.weight",
+            _ => "ffn_norm.weight",
+        }
     }
 
     /// Whether the attention and FFN outputs are RMS-normalised before the residual add.
@@ -122,6 +163,15 @@ impl Architecture {
                 normalize_weights: true,
                 shared_expert: Presence::Absent,
                 shared_expert_gate: Presence::Absent,
+            }),
+            // llama.cpp's qwen35moe graph: softmax gating, normalised weights, a shared expert
+            // whose output is scaled by `sigmoid(ffn_gate_inp_shexp x)` (both required by its
+            // loader).
+            Architecture::Qwen35Moe => Some(MoeRules {
+                gating: ExpertGating::Softmax,
+                normalize_weights: true,
+                shared_expert: Presence::Required,
+                shared_expert_gate: Presence::Required,
             }),
             _ => None,
         }

@@ -1,17 +1,25 @@
 //! The forward pass shared by every architecture: a pre-norm decoder-only transformer, following
 //! llama.cpp's graphs (`build_llama`, `build_qwen2`, `build_qwen3`, `build_gemma3`, and for
-//! `qwen3moe` Qwen3's attention with `build_moe_ffn` in place of the FFN) op for op so the
-//! numbers agree with it. A mixture-of-experts FFN is the router product here and one backend op
-//! ([`Backend::moe_ffn`]) for the routing and the experts.
+//! `qwen3moe` Qwen3's attention with `build_moe_ffn` in place of the FFN, and for `qwen35` /
+//! `qwen35moe` llama.cpp's qwen35 graphs) op for op so the numbers agree with it. A
+//! mixture-of-experts FFN is the router product here and one backend op ([`Backend::moe_ffn`])
+//! for the routing and the experts. A hybrid's linear-attention layer is its four input
+//! products here and one backend op ([`Backend::gated_delta_net`]) for the convolution, the
+//! delta rule and the gated norm, over the sequences' recurrent states; its full-attention
+//! layers split a gate off the query projection and multiply the attention output by
+//! `sigmoid(gate)` before the output projection.
 //!
-//! A [`Context`] owns the paged KV cache and every scratch buffer; buffers grow to the largest
-//! batch seen and are then reused, so decoding allocates nothing per token in the layer loop.
+//! A [`Context`] owns the paged KV cache (for the layers that attend over it), the recurrent
+//! states of hybrid models ([`crate::recurrent_state`]) and every scratch buffer; buffers grow
+//! to the largest batch seen and are then reused, so decoding allocates nothing per token in
+//! the layer loop.
 
-use super::weights::FfnWeights;
-use super::{ContextParams, ForwardError, Model};
-use crate::backend::{Backend, MoeFfn, RopeParams, SharedExpert};
+use super::weights::{FfnWeights, MixerWeights};
+use super::{ContextParams, ForwardError, Model, TruncateError};
+use crate::backend::{Backend, GatedDeltaNet, MoeFfn, RopeParams, SharedExpert};
 use crate::batch::{Batch, SeqId};
 use crate::kv_cache::{AttentionPlan, KvCache, PoolStats};
+use crate::recurrent_state::{RecurrentStates, StateStats};
 
 /// Activation buffers of one forward pass.
 struct Buffers<B: Backend> {
@@ -29,6 +37,15 @@ struct Buffers<B: Backend> {
     up: B::Buf,
     /// Router logits of a mixture-of-experts layer.
     router: B::Buf,
+    /// A gated query projection (query and gate of each head) and the gate split from it.
+    q_full: B::Buf,
+    q_gate: B::Buf,
+    /// Inputs of a linear-attention layer: the convolution channels, the output gate, and the
+    /// per-head write strength and decay logits.
+    lin_qkv: B::Buf,
+    lin_z: B::Buf,
+    lin_beta: B::Buf,
+    lin_alpha: B::Buf,
     logits: B::Buf,
     /// The arg-max indices of a greedy readout, where the backend keeps them.
     argmax: B::Buf,
@@ -36,10 +53,18 @@ struct Buffers<B: Backend> {
     rope_local: B::RopeTable,
 }
 
-/// The state of one model instance: its KV cache and scratch buffers.
+/// The state of one model instance: its KV cache, the recurrent states of hybrid models, and
+/// scratch buffers.
 pub struct Context<B: Backend> {
     params: ContextParams,
+    /// KV blocks of the layers that attend over the cache (every layer but the linear-attention
+    /// ones); `kv_layer_of[il]` is layer `il`'s index in it.
     kv: KvCache<B>,
+    kv_layer_of: Vec<Option<usize>>,
+    /// Recurrent states of the linear-attention layers (empty for other models).
+    states: RecurrentStates,
+    /// The batch's rows grouped by sequence, in position order, for the linear-attention op.
+    seq_groups: Vec<(SeqId, Vec<usize>)>,
     plan: AttentionPlan,
     bufs: Buffers<B>,
     out_rows: Vec<usize>,
@@ -58,12 +83,24 @@ impl<B: Backend> Context<B> {
         let b = &model.backend;
         let block_size = params.kv_block_size.max(1);
         let capacity_blocks = params.kv_capacity_tokens.max(1).div_ceil(block_size);
-        let shapes: Vec<(usize, usize)> = hp
-            .layers
-            .iter()
-            .map(|l| (l.n_head_kv, hp.head_dim_k))
-            .collect();
+        let mut kv_layer_of = Vec::with_capacity(hp.n_layer);
+        let mut shapes: Vec<(usize, usize)> = Vec::new();
+        for l in &hp.layers {
+            if l.recurrent {
+                kv_layer_of.push(None);
+            } else {
+                kv_layer_of.push(Some(shapes.len()));
+                shapes.push((l.n_head_kv, hp.head_dim_k));
+            }
+        }
         let kv = KvCache::new(b, &shapes, block_size, params.n_ctx, capacity_blocks);
+        let n_recurrent = hp.layers.iter().filter(|l| l.recurrent).count();
+        let states = match &hp.linear_attention {
+            Some(linear) if n_recurrent > 0 => {
+                RecurrentStates::new(n_recurrent, linear.conv_state_len(), linear.ssm_state_len())
+            }
+            _ => RecurrentStates::new(0, 0, 0),
+        };
         let bufs = Buffers {
             x: b.alloc(0),
             xn: b.alloc(0),
@@ -75,6 +112,12 @@ impl<B: Backend> Context<B> {
             gate: b.alloc(0),
             up: b.alloc(0),
             router: b.alloc(0),
+            q_full: b.alloc(0),
+            q_gate: b.alloc(0),
+            lin_qkv: b.alloc(0),
+            lin_z: b.alloc(0),
+            lin_beta: b.alloc(0),
+            lin_alpha: b.alloc(0),
             logits: b.alloc(0),
             argmax: b.alloc(0),
             rope_global: b.rope_table_new(),
@@ -83,6 +126,9 @@ impl<B: Backend> Context<B> {
         Context {
             params,
             kv,
+            kv_layer_of,
+            states,
+            seq_groups: Vec::new(),
             plan: AttentionPlan::default(),
             bufs,
             out_rows: Vec::new(),
@@ -114,24 +160,55 @@ impl<B: Backend> Context<B> {
         self.kv.seq_len(seq_id)
     }
 
-    /// Ends a sequence, returning its KV blocks to the pool.
+    /// Ends a sequence, returning its KV blocks to the pool and freeing its recurrent states.
     pub fn free_sequence(&mut self, seq_id: SeqId) {
         self.kv.free_sequence(seq_id);
+        self.states.free_sequence(seq_id);
     }
 
-    /// Drops the tokens of `seq_id` from position `len` on.
-    pub fn truncate_sequence(&mut self, seq_id: SeqId, len: usize) {
+    /// Drops the tokens of `seq_id` from position `len` on. A model with recurrent state (see
+    /// [`crate::recurrent_state`]) cannot cut a sequence back: there truncating to 0 ends the
+    /// sequence and any other shorter length is refused, leaving the sequence as it was.
+    pub fn truncate_sequence(&mut self, seq_id: SeqId, len: usize) -> Result<(), TruncateError> {
+        let current = self.kv.seq_len(seq_id);
+        if len >= current {
+            return Ok(());
+        }
+        if self.states.is_used() {
+            if len > 0 {
+                return Err(TruncateError::RecurrentState {
+                    seq_id,
+                    len,
+                    current,
+                });
+            }
+            self.free_sequence(seq_id);
+            return Ok(());
+        }
         self.kv.truncate_sequence(seq_id, len);
+        Ok(())
     }
 
     /// Ends every sequence.
     pub fn clear(&mut self) {
         self.kv.clear();
+        self.states.clear();
     }
 
     /// KV block pool counts.
     pub fn kv_stats(&self) -> PoolStats {
         self.kv.stats()
+    }
+
+    /// Whether the model keeps a recurrent state per sequence (a hybrid with linear-attention
+    /// layers): such sequences cannot share a cached prefix or be cut back.
+    pub fn has_recurrent_state(&self) -> bool {
+        self.states.is_used()
+    }
+
+    /// Recurrent state counts (zero for models without linear-attention layers).
+    pub fn state_stats(&self) -> StateStats {
+        self.states.stats()
     }
 
     /// Logits of the last forward pass.
@@ -162,6 +239,12 @@ impl<B: Backend> Context<B> {
             &mut bufs.gate,
             &mut bufs.up,
             &mut bufs.router,
+            &mut bufs.q_full,
+            &mut bufs.q_gate,
+            &mut bufs.lin_qkv,
+            &mut bufs.lin_z,
+            &mut bufs.lin_beta,
+            &mut bufs.lin_alpha,
             &mut bufs.logits,
             &mut bufs.argmax,
         ] {
@@ -220,6 +303,20 @@ pub(super) fn forward<B: Backend>(
         }
     }
     ctx.kv.plan(backend, batch, &mut ctx.plan)?;
+    if ctx.states.is_used() {
+        ctx.seq_groups.clear();
+        for (row, &seq_id) in batch.seq_ids.iter().enumerate() {
+            match ctx.seq_groups.iter_mut().find(|(s, _)| *s == seq_id) {
+                Some((_, rows)) => rows.push(row),
+                None => ctx.seq_groups.push((seq_id, vec![row])),
+            }
+        }
+        // Rows of a sequence in position order (the plan checked the positions follow on).
+        for (_, rows) in &mut ctx.seq_groups {
+            rows.sort_by_key(|&r| batch.positions[r]);
+        }
+        ctx.states.ensure(ctx.seq_groups.iter().map(|(s, _)| *s));
+    }
     ctx.out_rows.clear();
     ctx.out_rows.extend(batch.output_rows());
     ctx.readout = readout;
@@ -230,7 +327,14 @@ pub(super) fn forward<B: Backend>(
     }
     if let Some(failure) = backend.take_failure() {
         for &(seq_id, len) in &ctx.lens_before {
-            ctx.kv.rollback_sequence(seq_id, len);
+            if ctx.states.is_used() {
+                // The recurrent states already absorbed the batch and cannot be rewound: the
+                // sequence ends (see `crate::recurrent_state`).
+                ctx.kv.free_sequence(seq_id);
+                ctx.states.free_sequence(seq_id);
+            } else {
+                ctx.kv.rollback_sequence(seq_id, len);
+            }
         }
         ctx.logits.clear();
         ctx.greedy.clear();
@@ -251,6 +355,9 @@ fn run_layers<B: Backend>(model: &Model<B>, ctx: &mut Context<B>, batch: &Batch)
     let n_vocab = w.n_vocab;
     let Context {
         kv,
+        kv_layer_of,
+        states,
+        seq_groups,
         plan,
         bufs,
         out_rows,
@@ -261,13 +368,22 @@ fn run_layers<B: Backend>(model: &Model<B>, ctx: &mut Context<B>, batch: &Batch)
     } = ctx;
     let n_out = out_rows.len();
 
-    let max_q = hp.layers.iter().map(|l| l.n_head * hd).max().unwrap_or(0);
+    let max_q = hp
+        .layers
+        .iter()
+        .filter(|l| !l.recurrent)
+        .map(|l| l.n_head * hd)
+        .max()
+        .unwrap_or(0);
     let max_kv = hp
         .layers
         .iter()
+        .filter(|l| !l.recurrent)
         .map(|l| l.n_head_kv * hd)
         .max()
         .unwrap_or(0);
+    // The attention output buffer also takes a linear-attention layer's output.
+    let max_attn = max_q.max(hp.linear_attention.map_or(0, |l| l.value_dim()));
     // Mixture-of-experts layers keep their expert activations in the backend's own scratch.
     let max_ff = hp
         .layers
@@ -281,7 +397,17 @@ fn run_layers<B: Backend>(model: &Model<B>, ctx: &mut Context<B>, batch: &Batch)
     b.ensure_len(&mut bufs.xn, n * n_embd);
     b.ensure_len(&mut bufs.proj, n * n_embd);
     b.ensure_len(&mut bufs.q, n * max_q);
-    b.ensure_len(&mut bufs.attn, n * max_q);
+    b.ensure_len(&mut bufs.attn, n * max_attn);
+    if arch.hybrid_recurrent() {
+        b.ensure_len(&mut bufs.q_full, n * 2 * max_q);
+        b.ensure_len(&mut bufs.q_gate, n * max_q);
+    }
+    if let Some(linear) = &hp.linear_attention {
+        b.ensure_len(&mut bufs.lin_qkv, n * linear.conv_channels());
+        b.ensure_len(&mut bufs.lin_z, n * linear.value_dim());
+        b.ensure_len(&mut bufs.lin_beta, n * linear.n_v_heads);
+        b.ensure_len(&mut bufs.lin_alpha, n * linear.n_v_heads);
+    }
     b.ensure_len(&mut bufs.k, n * max_kv);
     b.ensure_len(&mut bufs.v, n * max_kv);
     b.ensure_len(&mut bufs.gate, n * max_ff);
@@ -322,81 +448,143 @@ fn run_layers<B: Backend>(model: &Model<B>, ctx: &mut Context<B>, batch: &Batch)
     // Whether `xn` already holds this layer's attention input: the previous layer's last residual
     // add ran fused with this layer's norm (`Backend::add_rms_norm`, one kernel on a device).
     let mut xn_ready = false;
+    // Index of the next linear-attention layer among them (its slot in the state store).
+    let mut recurrent_index = 0;
     for (il, (lw, shape)) in w.layers.iter().zip(&hp.layers).enumerate() {
         let (n_head, n_head_kv) = (shape.n_head, shape.n_head_kv);
         let (q_len, kv_len) = (n_head * hd, n_head_kv * hd);
 
-        // Attention block.
+        // Attention (or linear-attention) block.
         if !xn_ready {
             b.rms_norm(&bufs.x, &lw.attn_norm, n, n_embd, eps, &mut bufs.xn);
         }
         xn_ready = false;
-        b.matmul_shared(
-            &[&lw.wq, &lw.wk, &lw.wv],
-            &bufs.xn,
-            n,
-            &mut [&mut bufs.q, &mut bufs.k, &mut bufs.v],
-        );
-        if let Some(bias) = &lw.bq {
-            b.add_bias(&mut bufs.q, bias, n, q_len);
-        }
-        if let Some(bias) = &lw.bk {
-            b.add_bias(&mut bufs.k, bias, n, kv_len);
-        }
-        if let Some(bias) = &lw.bv {
-            b.add_bias(&mut bufs.v, bias, n, kv_len);
-        }
-        if let Some(norm) = &lw.q_norm {
-            b.rms_norm_inplace(&mut bufs.q, norm, n * n_head, hd, eps);
-        }
-        if let Some(norm) = &lw.k_norm {
-            b.rms_norm_inplace(&mut bufs.k, norm, n * n_head_kv, hd, eps);
-        }
-        let rope = if shape.sliding_window {
-            &bufs.rope_local
-        } else {
-            &bufs.rope_global
-        };
-        // Rope of q and k and the K/V store (one kernel on a device); the query scaling below
-        // touches only q, so doing it after the store leaves every value as before.
-        b.rope_kv_store(
-            &mut bufs.q,
-            &mut bufs.k,
-            &bufs.v,
-            rope,
-            n,
-            n_head,
-            n_head_kv,
-            hd,
-            mode,
-            kv.layer_mut(il),
-            plan,
-        );
-        let kq_scale = if arch.scales_queries() {
-            b.scale(&mut bufs.q, n * q_len, attn_scale);
-            1.0
-        } else {
-            attn_scale
-        };
-        let window = if shape.sliding_window {
-            hp.sliding_window
-        } else {
-            None
-        };
-        b.attention(
-            &bufs.q,
-            kv.layer(il),
-            plan,
-            n_head,
-            n_head_kv,
-            hd,
-            kq_scale,
-            window,
-            &mut bufs.attn,
-        );
-        b.matmul(&lw.wo, &bufs.attn, n, &mut bufs.proj);
-        if let Some(bias) = &lw.bo {
-            b.add_bias(&mut bufs.proj, bias, n, n_embd);
+        match &lw.mixer {
+            MixerWeights::Linear(lin) => {
+                // `has_recurrent_state` layers exist only with these hyperparameters.
+                let linear = hp
+                    .linear_attention
+                    .as_ref()
+                    .expect("a linear-attention layer in a model without its hyperparameters");
+                b.matmul_shared(
+                    &[&lin.qkv, &lin.gate, &lin.beta, &lin.alpha],
+                    &bufs.xn,
+                    n,
+                    &mut [
+                        &mut bufs.lin_qkv,
+                        &mut bufs.lin_z,
+                        &mut bufs.lin_beta,
+                        &mut bufs.lin_alpha,
+                    ],
+                );
+                let op = GatedDeltaNet {
+                    conv: &lin.conv,
+                    dt_bias: &lin.dt_bias,
+                    a: &lin.a,
+                    norm: &lin.norm,
+                    conv_kernel: linear.conv_kernel,
+                    n_k_heads: linear.n_k_heads,
+                    n_v_heads: linear.n_v_heads,
+                    head_dim: linear.head_v_dim,
+                    eps,
+                };
+                let mut seq_states = states.layer_states(recurrent_index, seq_groups);
+                recurrent_index += 1;
+                b.gated_delta_net(
+                    &op,
+                    &bufs.lin_qkv,
+                    &bufs.lin_z,
+                    &bufs.lin_beta,
+                    &bufs.lin_alpha,
+                    &mut seq_states,
+                    &mut bufs.attn,
+                );
+                b.matmul(&lin.out, &bufs.attn, n, &mut bufs.proj);
+            }
+            MixerWeights::Attention(att) => {
+                let kv_index = kv_layer_of[il].expect("an attention layer without KV storage");
+                if att.query_gate {
+                    b.matmul_shared(
+                        &[&att.wq, &att.wk, &att.wv],
+                        &bufs.xn,
+                        n,
+                        &mut [&mut bufs.q_full, &mut bufs.k, &mut bufs.v],
+                    );
+                    b.split_query_gate(&bufs.q_full, n, n_head, hd, &mut bufs.q, &mut bufs.q_gate);
+                } else {
+                    b.matmul_shared(
+                        &[&att.wq, &att.wk, &att.wv],
+                        &bufs.xn,
+                        n,
+                        &mut [&mut bufs.q, &mut bufs.k, &mut bufs.v],
+                    );
+                }
+                if let Some(bias) = &att.bq {
+                    b.add_bias(&mut bufs.q, bias, n, q_len);
+                }
+                if let Some(bias) = &att.bk {
+                    b.add_bias(&mut bufs.k, bias, n, kv_len);
+                }
+                if let Some(bias) = &att.bv {
+                    b.add_bias(&mut bufs.v, bias, n, kv_len);
+                }
+                if let Some(norm) = &att.q_norm {
+                    b.rms_norm_inplace(&mut bufs.q, norm, n * n_head, hd, eps);
+                }
+                if let Some(norm) = &att.k_norm {
+                    b.rms_norm_inplace(&mut bufs.k, norm, n * n_head_kv, hd, eps);
+                }
+                let rope = if shape.sliding_window {
+                    &bufs.rope_local
+                } else {
+                    &bufs.rope_global
+                };
+                // Rope of q and k and the K/V store (one kernel on a device); the query scaling
+                // below touches only q, so doing it after the store leaves every value as
+                // before.
+                b.rope_kv_store(
+                    &mut bufs.q,
+                    &mut bufs.k,
+                    &bufs.v,
+                    rope,
+                    n,
+                    n_head,
+                    n_head_kv,
+                    hd,
+                    mode,
+                    kv.layer_mut(kv_index),
+                    plan,
+                );
+                let kq_scale = if arch.scales_queries() {
+                    b.scale(&mut bufs.q, n * q_len, attn_scale);
+                    1.0
+                } else {
+                    attn_scale
+                };
+                let window = if shape.sliding_window {
+                    hp.sliding_window
+                } else {
+                    None
+                };
+                b.attention(
+                    &bufs.q,
+                    kv.layer(kv_index),
+                    plan,
+                    n_head,
+                    n_head_kv,
+                    hd,
+                    kq_scale,
+                    window,
+                    &mut bufs.attn,
+                );
+                if att.query_gate {
+                    b.mul_sigmoid(&mut bufs.attn, &bufs.q_gate, n * q_len);
+                }
+                b.matmul(&att.wo, &bufs.attn, n, &mut bufs.proj);
+                if let Some(bias) = &att.bo {
+                    b.add_bias(&mut bufs.proj, bias, n, n_embd);
+                }
+            }
         }
         if let Some(norm) = &lw.post_attn_norm {
             b.rms_norm_inplace(&mut bufs.proj, norm, n, n_embd, eps);

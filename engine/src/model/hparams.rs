@@ -37,6 +37,53 @@ pub struct LayerShape {
     /// Whether the layer's FFN is a mixture of experts (see [`HParams::moe`]); `n_ff` is then
     /// the dense size the metadata states, which the layer does not use.
     pub moe: bool,
+    /// Whether the layer is a linear-attention layer (Gated DeltaNet, see
+    /// [`HParams::linear_attention`]) with a recurrent state per sequence instead of KV blocks;
+    /// `n_head` and `n_head_kv` then describe the full-attention layers, not this one.
+    pub recurrent: bool,
+}
+
+/// The Gated DeltaNet layers of a hybrid model (Qwen 3.5), from the `<arch>.ssm.*` keys as
+/// llama.cpp's converter writes them: `conv_kernel` (linear_conv_kernel_dim), `state_size` (the
+/// key head size), `group_count` (key heads), `time_step_rank` (value heads) and `inner_size`
+/// (value heads times the value head size).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LinearAttention {
+    /// Taps of the causal convolution over the Q, K and V channels.
+    pub conv_kernel: usize,
+    pub n_k_heads: usize,
+    pub n_v_heads: usize,
+    /// Size of each key (and query) head; equal to the value head size.
+    pub head_k_dim: usize,
+    pub head_v_dim: usize,
+}
+
+impl LinearAttention {
+    /// Width of the concatenated query (and key) heads.
+    pub fn key_dim(&self) -> usize {
+        self.n_k_heads * self.head_k_dim
+    }
+
+    /// Width of the concatenated value heads (and of the output gate `z`).
+    pub fn value_dim(&self) -> usize {
+        self.n_v_heads * self.head_v_dim
+    }
+
+    /// Channels the convolution runs over: Q, K and V.
+    pub fn conv_channels(&self) -> usize {
+        2 * self.key_dim() + self.value_dim()
+    }
+
+    /// Floats of one layer's convolution state: the last `conv_kernel - 1` inputs per channel.
+    pub fn conv_state_len(&self) -> usize {
+        (self.conv_kernel - 1) * self.conv_channels()
+    }
+
+    /// Floats of one layer's recurrent state: a `head_v_dim` x `head_k_dim` matrix per value
+    /// head.
+    pub fn ssm_state_len(&self) -> usize {
+        self.n_v_heads * self.head_v_dim * self.head_k_dim
+    }
 }
 
 /// The mixture of experts of a model whose FFN layers route each token to a few experts.
@@ -101,6 +148,8 @@ pub struct HParams {
     pub n_vocab_metadata: Option<usize>,
     /// The mixture of experts, for architectures whose FFN layers are mixtures of experts.
     pub moe: Option<MoeParams>,
+    /// The linear-attention layers of a hybrid model (see [`LayerShape::recurrent`]).
+    pub linear_attention: Option<LinearAttention>,
 }
 
 /// Gemma 3 alternates five sliding-window layers with one global layer (llama.cpp's
@@ -190,14 +239,41 @@ impl HParams {
         };
         let n_ctx_train = k.usize_req("context_length", u32::MAX as usize)?;
         let n_embd = k.usize_req("embedding_length", MAX_DIM)?;
-        let n_layer = k.usize_req("block_count", MAX_LAYERS)?;
-        let n_head = k.per_layer("attention.head_count", n_layer, 1, MAX_HEADS)?;
+        let n_layer_all = k.usize_req("block_count", MAX_LAYERS)?;
+        // Qwen 3.5 files may carry multi-token-prediction blocks after the trunk
+        // (`nextn_predict_layers`, counted in `block_count`); the main pass never runs them.
+        let n_layer = if architecture.hybrid_recurrent() {
+            let n_nextn = md.get_u32_opt(&k.key("nextn_predict_layers"))?.unwrap_or(0) as usize;
+            if n_nextn >= n_layer_all {
+                return Err(ModelError::BadHyperparameter {
+                    key: k.key("nextn_predict_layers"),
+                    expected: format!("fewer than the {n_layer_all} blocks"),
+                    found: n_nextn.to_string(),
+                });
+            }
+            n_layer_all - n_nextn
+        } else {
+            n_layer_all
+        };
+        let trunk = |mut v: Vec<usize>| {
+            v.truncate(n_layer);
+            v
+        };
+        let n_head = trunk(k.per_layer("attention.head_count", n_layer_all, 1, MAX_HEADS)?);
         let n_head_kv = if md.contains_key(&k.key("attention.head_count_kv")) {
-            k.per_layer("attention.head_count_kv", n_layer, 1, MAX_HEADS)?
+            trunk(k.per_layer("attention.head_count_kv", n_layer_all, 1, MAX_HEADS)?)
         } else {
             n_head.clone()
         };
-        let n_ff = k.per_layer("feed_forward_length", n_layer, 1, MAX_DIM)?;
+        // Qwen 3.5 MoE conversions may leave the dense size out (the config has none); the
+        // expert size stands in for it, as it does in llama.cpp's shared-expert default.
+        let n_ff = if architecture == Architecture::Qwen35Moe
+            && !md.contains_key(&k.key("feed_forward_length"))
+        {
+            vec![k.usize_req("expert_feed_forward_length", MAX_DIM)?; n_layer]
+        } else {
+            trunk(k.per_layer("feed_forward_length", n_layer_all, 1, MAX_DIM)?)
+        };
         let default_head_dim = n_embd / n_head[0];
         let head_dim_k = k
             .usize_opt("attention.key_length", MAX_DIM)?
@@ -261,6 +337,16 @@ impl HParams {
             _ => (None, None),
         };
         let moe = read_moe(&k, architecture, n_ff[0])?;
+        let (linear_attention, recurrent) = if architecture.hybrid_recurrent() {
+            check_rope_sections(&k, rope_n_dims)?;
+            let linear = read_linear_attention(&k)?;
+            (
+                Some(linear),
+                read_recurrent_layers(&k, n_layer_all, n_layer)?,
+            )
+        } else {
+            (None, vec![false; n_layer])
+        };
         let layers = (0..n_layer)
             .map(|il| LayerShape {
                 n_head: n_head[il],
@@ -268,6 +354,7 @@ impl HParams {
                 n_ff: n_ff[il],
                 sliding_window: swa_period.is_some_and(|p| il % p < p - 1),
                 moe: moe.is_some(),
+                recurrent: recurrent[il],
             })
             .collect();
         let final_logit_softcap = k.positive_f32_opt("final_logit_softcapping")?;
@@ -290,15 +377,33 @@ impl HParams {
             final_logit_softcap,
             n_vocab_metadata,
             moe,
+            linear_attention,
         })
     }
 
-    /// Bytes of K and V cache per token (f16 storage), summed over layers.
+    /// Bytes of K and V cache per token (f16 storage), summed over the layers that attend
+    /// through the KV cache (linear-attention layers keep a recurrent state instead).
     pub fn kv_bytes_per_token(&self) -> usize {
         self.layers
             .iter()
+            .filter(|l| !l.recurrent)
             .map(|l| 2 * l.n_head_kv * self.head_dim_k * 2)
             .sum()
+    }
+
+    /// Bytes of recurrent state (f32 convolution and delta-rule states) one sequence holds,
+    /// summed over the linear-attention layers; 0 for models without them.
+    pub fn recurrent_state_bytes_per_sequence(&self) -> usize {
+        let Some(linear) = &self.linear_attention else {
+            return 0;
+        };
+        let n_recurrent = self.layers.iter().filter(|l| l.recurrent).count();
+        n_recurrent * (linear.conv_state_len() + linear.ssm_state_len()) * 4
+    }
+
+    /// Whether any layer keeps a recurrent state per sequence.
+    pub fn has_recurrent_state(&self) -> bool {
+        self.layers.iter().any(|l| l.recurrent)
     }
 
     /// The attention scale: `1 / sqrt(head size)`.
@@ -348,6 +453,132 @@ fn read_moe(
         normalize_weights: rules.normalize_weights,
         weights_scale: None,
     }))
+}
+
+/// The Gated DeltaNet hyperparameters of a hybrid model.
+fn read_linear_attention(k: &Keys<'_>) -> Result<LinearAttention, ModelError> {
+    let conv_kernel = k.usize_req("ssm.conv_kernel", 64)?;
+    let head_k_dim = k.usize_req("ssm.state_size", MAX_DIM)?;
+    let n_k_heads = k.usize_req("ssm.group_count", MAX_HEADS)?;
+    let n_v_heads = k.usize_req("ssm.time_step_rank", MAX_HEADS)?;
+    let d_inner = k.usize_req("ssm.inner_size", MAX_DIM)?;
+    if conv_kernel < 2 {
+        return Err(ModelError::BadHyperparameter {
+            key: k.key("ssm.conv_kernel"),
+            expected: "at least 2 taps".into(),
+            found: conv_kernel.to_string(),
+        });
+    }
+    if !n_v_heads.is_multiple_of(n_k_heads) {
+        return Err(ModelError::BadHyperparameter {
+            key: k.key("ssm.time_step_rank"),
+            expected: format!("a multiple of the {n_k_heads} key heads (ssm.group_count)"),
+            found: n_v_heads.to_string(),
+        });
+    }
+    if !d_inner.is_multiple_of(n_v_heads) || d_inner / n_v_heads != head_k_dim {
+        return Err(ModelError::BadHyperparameter {
+            key: k.key("ssm.inner_size"),
+            expected: format!(
+                "{n_v_heads} value heads of the key head size {head_k_dim} (ssm.state_size), {}",
+                n_v_heads * head_k_dim
+            ),
+            found: d_inner.to_string(),
+        });
+    }
+    Ok(LinearAttention {
+        conv_kernel,
+        n_k_heads,
+        n_v_heads,
+        head_k_dim,
+        head_v_dim: d_inner / n_v_heads,
+    })
+}
+
+/// Which of the first `n_layer` layers are linear-attention layers: the
+/// `attention.recurrent_layers` flags when present, else every layer but each
+/// `full_attention_interval`-th (default 4), as llama.cpp's loader decides.
+fn read_recurrent_layers(
+    k: &Keys<'_>,
+    n_layer_all: usize,
+    n_layer: usize,
+) -> Result<Vec<bool>, ModelError> {
+    let key = k.key("attention.recurrent_layers");
+    let recurrent = match k.md.get(&key) {
+        Some(ember_gguf::Value::Array(ember_gguf::Array::Bool(flags))) => {
+            if flags.len() != n_layer_all {
+                return Err(ModelError::BadHyperparameter {
+                    key,
+                    expected: format!("one flag per block ({n_layer_all})"),
+                    found: format!("{} flags", flags.len()),
+                });
+            }
+            flags[..n_layer].to_vec()
+        }
+        Some(other) => {
+            return Err(ModelError::BadHyperparameter {
+                key,
+                expected: "an array of bool".into(),
+                found: other.type_name().to_string(),
+            })
+        }
+        None => {
+            let interval = k
+                .usize_opt("full_attention_interval", MAX_LAYERS)?
+                .unwrap_or(4);
+            (0..n_layer).map(|il| (il + 1) % interval != 0).collect()
+        }
+    };
+    if recurrent.iter().all(|&r| r) {
+        return Err(ModelError::BadHyperparameter {
+            key: k.key("full_attention_interval"),
+            expected: "at least one full-attention layer".into(),
+            found: format!("{n_layer} linear-attention layers"),
+        });
+    }
+    Ok(recurrent)
+}
+
+/// Checks `rope.dimension_sections` of a Qwen 3.5 model. Its interleaved multi-section rope
+/// gives rotary pair `i` the position of section `i % 3` (temporal, height, width) while `i` is
+/// below three times that section's size, else the fourth section's position. For text the
+/// first three are the token's position and the fourth is 0 (llama.cpp's
+/// `llm_graph_input_pos`), so the rope is NeoX rope exactly when every rotated pair falls in
+/// one of the first three sections, as in the published models (`[11, 11, 10, 0]` over 32
+/// pairs). Other layouts are refused rather than computed wrongly.
+fn check_rope_sections(k: &Keys<'_>, rope_n_dims: usize) -> Result<(), ModelError> {
+    let key = k.key("rope.dimension_sections");
+    let sections = k.md.get_u32_array_lossless(&key)?;
+    let found = format!("{sections:?}");
+    let bad = |expected: String| ModelError::BadHyperparameter {
+        key: key.clone(),
+        expected,
+        found: found.clone(),
+    };
+    if sections.len() != 4 {
+        return Err(bad("4 section sizes".into()));
+    }
+    let s: Vec<usize> = sections.iter().map(|&v| v as usize).collect();
+    let total: usize = s.iter().sum();
+    if total == 0 {
+        return Err(bad("at least one non-empty section".into()));
+    }
+    for pair in 0..rope_n_dims / 2 {
+        let sector = pair % total;
+        let text_section = match sector % 3 {
+            0 => sector < 3 * s[0],
+            1 => sector < 3 * s[1],
+            _ => sector < 3 * s[2],
+        };
+        if !text_section {
+            return Err(bad(format!(
+                "sections that give each of the {} rotary pairs the token position (pair {pair} \
+                 falls in the fourth section, which is not supported)",
+                rope_n_dims / 2
+            )));
+        }
+    }
+    Ok(())
 }
 
 fn read_rope_scaling(k: &Keys<'_>) -> Result<RopeScaling, ModelError> {

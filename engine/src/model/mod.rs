@@ -19,8 +19,11 @@ use ember_gguf::{Gguf, GgufError};
 
 pub use arch::{Architecture, FfnActivation, MoeRules, Presence};
 pub use forward::Context;
-pub use hparams::{HParams, LayerShape, MoeParams, RopeScaling};
-pub use weights::{FfnWeights, LayerWeights, MoeWeights, SharedExpertWeights, Weights};
+pub use hparams::{HParams, LayerShape, LinearAttention, MoeParams, RopeScaling};
+pub use weights::{
+    AttentionWeights, FfnWeights, LayerWeights, LinearAttentionWeights, MixerWeights, MoeWeights,
+    SharedExpertWeights, Weights,
+};
 
 use crate::backend::{Backend, BackendError, OpFailure};
 use crate::batch::Batch;
@@ -100,6 +103,19 @@ impl ForwardError {
             _ => false,
         }
     }
+}
+
+/// Why a sequence could not be cut back to a shorter length.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum TruncateError {
+    /// The model keeps a recurrent state per sequence, which holds only the state after the
+    /// sequence's last token.
+    #[error("sequence {seq_id}: cannot truncate to {len} of its {current} tokens: the model's linear-attention layers keep a recurrent state that cannot be cut back (only truncation to 0, which ends the sequence, is possible)")]
+    RecurrentState {
+        seq_id: crate::batch::SeqId,
+        len: usize,
+        current: usize,
+    },
 }
 
 /// Sizes of a [`Context`].

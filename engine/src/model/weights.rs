@@ -9,13 +9,32 @@ use std::sync::Arc;
 use ember_gguf::{GgmlType, Gguf, TensorInfo};
 
 use super::arch::Presence;
-use super::hparams::{HParams, MoeParams};
+use super::hparams::{HParams, LinearAttention, MoeParams};
 use super::ModelError;
-use crate::backend::Backend;
+use crate::backend::{Backend, BackendError};
 
 /// The weights of one transformer block.
 pub struct LayerWeights<B: Backend> {
     pub attn_norm: B::Vector,
+    /// The token mixer: attention over the KV cache, or a linear-attention layer.
+    pub mixer: MixerWeights<B>,
+    pub post_attn_norm: Option<B::Vector>,
+    pub ffn_norm: B::Vector,
+    pub ffn: FfnWeights<B>,
+    pub post_ffn_norm: Option<B::Vector>,
+}
+
+/// The token-mixing block of a layer.
+pub enum MixerWeights<B: Backend> {
+    Attention(AttentionWeights<B>),
+    /// A Gated DeltaNet layer of a hybrid model.
+    Linear(LinearAttentionWeights<B>),
+}
+
+/// The weights of a (multi-head, grouped-query) attention block.
+pub struct AttentionWeights<B: Backend> {
+    /// The query projection; with a query gate (Qwen 3.5) it gives each head's query followed
+    /// by that head's gate, `2 * head_dim` rows per head.
     pub wq: B::Matrix,
     pub wk: B::Matrix,
     pub wv: B::Matrix,
@@ -26,10 +45,31 @@ pub struct LayerWeights<B: Backend> {
     pub bo: Option<B::Vector>,
     pub q_norm: Option<B::Vector>,
     pub k_norm: Option<B::Vector>,
-    pub post_attn_norm: Option<B::Vector>,
-    pub ffn_norm: B::Vector,
-    pub ffn: FfnWeights<B>,
-    pub post_ffn_norm: Option<B::Vector>,
+    /// Whether the query projection carries a per-element output gate (`sigmoid(gate)` times
+    /// the attention output, before the output projection).
+    pub query_gate: bool,
+}
+
+/// The weights of a Gated DeltaNet layer (llama.cpp's names in brackets).
+pub struct LinearAttentionWeights<B: Backend> {
+    /// `attn_qkv`: the Q, K and V channels the convolution runs over.
+    pub qkv: B::Matrix,
+    /// `attn_gate`: `z`, the gate of the output norm.
+    pub gate: B::Matrix,
+    /// `ssm_beta`: one logit per value head, the write strength `sigmoid(beta)`.
+    pub beta: B::Matrix,
+    /// `ssm_alpha`: one value per value head, the decay input.
+    pub alpha: B::Matrix,
+    /// `ssm_conv1d`: `conv_kernel` taps per channel.
+    pub conv: B::Vector,
+    /// `ssm_dt.bias`: added to `alpha` before the softplus.
+    pub dt_bias: B::Vector,
+    /// `ssm_a`: `-exp(A_log)` per value head, the decay rate.
+    pub a: B::Vector,
+    /// `ssm_norm`: the RMS norm weight of each value head's output.
+    pub norm: B::Vector,
+    /// `ssm_out`: the output projection.
+    pub out: B::Matrix,
 }
 
 /// The feed-forward block of a layer.
@@ -200,8 +240,74 @@ impl<B: Backend> Loader<'_, B> {
     }
 
     fn vector(&mut self, name: &str, len: usize) -> Result<B::Vector, ModelError> {
-        let info = self.find(name, &[len])?;
+        self.vector_dims(name, &[len])
+    }
+
+    /// A tensor of any dims read as one f32 vector (row-major, the first dim fastest).
+    fn vector_dims(&mut self, name: &str, dims: &[usize]) -> Result<B::Vector, ModelError> {
+        let info = self.find(name, dims)?;
         Ok(self.backend.vector(self.gguf, &info)?)
+    }
+
+    /// The attention block of layer `il`.
+    fn attention(&mut self, hp: &HParams, il: usize) -> Result<AttentionWeights<B>, ModelError> {
+        let name = |suffix: &str| format!("blk.{il}.{suffix}");
+        let arch = hp.architecture;
+        let (n_embd, hd) = (hp.n_embd, hp.head_dim_k);
+        let shape = &hp.layers[il];
+        let (q_out, kv_out) = (shape.n_head * hd, shape.n_head_kv * hd);
+        let query_gate = arch.hybrid_recurrent();
+        let q_rows = if query_gate { 2 * q_out } else { q_out };
+        Ok(AttentionWeights {
+            wq: self.matrix(&name("attn_q.weight"), n_embd, q_rows)?,
+            wk: self.matrix(&name("attn_k.weight"), n_embd, kv_out)?,
+            wv: self.matrix(&name("attn_v.weight"), n_embd, kv_out)?,
+            wo: self.matrix(&name("attn_output.weight"), q_out, n_embd)?,
+            bq: self.vector_if(arch.qkv_bias(), &name("attn_q.bias"), q_out)?,
+            bk: self.vector_if(arch.qkv_bias(), &name("attn_k.bias"), kv_out)?,
+            bv: self.vector_if(arch.qkv_bias(), &name("attn_v.bias"), kv_out)?,
+            bo: match arch.qkv_bias() {
+                Presence::Absent => None,
+                _ => self.vector_opt(&name("attn_output.bias"), n_embd)?,
+            },
+            q_norm: if arch.qk_norm() {
+                Some(self.vector(&name("attn_q_norm.weight"), hd)?)
+            } else {
+                None
+            },
+            k_norm: if arch.qk_norm() {
+                Some(self.vector(&name("attn_k_norm.weight"), hd)?)
+            } else {
+                None
+            },
+            query_gate,
+        })
+    }
+
+    /// The Gated DeltaNet block of layer `il`.
+    fn linear_attention(
+        &mut self,
+        hp: &HParams,
+        linear: &LinearAttention,
+        il: usize,
+    ) -> Result<LinearAttentionWeights<B>, ModelError> {
+        let name = |suffix: &str| format!("blk.{il}.{suffix}");
+        let n_embd = hp.n_embd;
+        let (value_dim, n_v_heads) = (linear.value_dim(), linear.n_v_heads);
+        Ok(LinearAttentionWeights {
+            qkv: self.matrix(&name("attn_qkv.weight"), n_embd, linear.conv_channels())?,
+            gate: self.matrix(&name("attn_gate.weight"), n_embd, value_dim)?,
+            beta: self.matrix(&name("ssm_beta.weight"), n_embd, n_v_heads)?,
+            alpha: self.matrix(&name("ssm_alpha.weight"), n_embd, n_v_heads)?,
+            conv: self.vector_dims(
+                &name("ssm_conv1d.weight"),
+                &[linear.conv_kernel, linear.conv_channels()],
+            )?,
+            dt_bias: self.vector(&name("ssm_dt.bias"), n_v_heads)?,
+            a: self.vector(&name("ssm_a"), n_v_heads)?,
+            norm: self.vector(&name("ssm_norm.weight"), linear.head_v_dim)?,
+            out: self.matrix(&name("ssm_out.weight"), value_dim, n_embd)?,
+        })
     }
 
     fn vector_opt(&mut self, name: &str, len: usize) -> Result<Option<B::Vector>, ModelError> {
@@ -282,40 +388,33 @@ impl<B: Backend> Weights<B> {
             None => None,
         };
 
-        let hd = hp.head_dim_k;
+        if hp.has_recurrent_state() && !backend.linear_attention_supported() {
+            return Err(ModelError::Backend(BackendError::NotBuilt {
+                tensor: "blk.0.ssm_conv1d.weight".into(),
+                feature: "linear attention (Gated DeltaNet) with recurrent state",
+                architecture: arch.name().to_string(),
+                backend: backend.name(),
+            }));
+        }
         let mut layers = Vec::with_capacity(hp.n_layer);
         for (il, shape) in hp.layers.iter().enumerate() {
             let name = |suffix: &str| format!("blk.{il}.{suffix}");
-            let (q_out, kv_out) = (shape.n_head * hd, shape.n_head_kv * hd);
+            let attn_norm = loader.vector(&name("attn_norm.weight"), n_embd)?;
+            let mixer = match (&hp.linear_attention, shape.recurrent) {
+                (Some(linear), true) => {
+                    MixerWeights::Linear(loader.linear_attention(hp, linear, il)?)
+                }
+                _ => MixerWeights::Attention(loader.attention(hp, il)?),
+            };
             layers.push(LayerWeights {
-                attn_norm: loader.vector(&name("attn_norm.weight"), n_embd)?,
-                wq: loader.matrix(&name("attn_q.weight"), n_embd, q_out)?,
-                wk: loader.matrix(&name("attn_k.weight"), n_embd, kv_out)?,
-                wv: loader.matrix(&name("attn_v.weight"), n_embd, kv_out)?,
-                wo: loader.matrix(&name("attn_output.weight"), q_out, n_embd)?,
-                bq: loader.vector_if(arch.qkv_bias(), &name("attn_q.bias"), q_out)?,
-                bk: loader.vector_if(arch.qkv_bias(), &name("attn_k.bias"), kv_out)?,
-                bv: loader.vector_if(arch.qkv_bias(), &name("attn_v.bias"), kv_out)?,
-                bo: match arch.qkv_bias() {
-                    Presence::Absent => None,
-                    _ => loader.vector_opt(&name("attn_output.bias"), n_embd)?,
-                },
-                q_norm: if arch.qk_norm() {
-                    Some(loader.vector(&name("attn_q_norm.weight"), hd)?)
-                } else {
-                    None
-                },
-                k_norm: if arch.qk_norm() {
-                    Some(loader.vector(&name("attn_k_norm.weight"), hd)?)
-                } else {
-                    None
-                },
+                attn_norm,
+                mixer,
                 post_attn_norm: if arch.post_norms() {
                     Some(loader.vector(&name("post_attention_norm.weight"), n_embd)?)
                 } else {
                     None
                 },
-                ffn_norm: loader.vector(&name("ffn_norm.weight"), n_embd)?,
+                ffn_norm: loader.vector(&name(arch.ffn_norm_name()), n_embd)?,
                 ffn: loader.ffn(hp, il, shape.n_ff)?,
                 post_ffn_norm: if arch.post_norms() {
                     Some(loader.vector(&name("post_ffw_norm.weight"), n_embd)?)

@@ -437,10 +437,11 @@ impl EngineCollector {
     ) -> Result<(), std::fmt::Error> {
         let kv_bytes = (kv.resident_blocks * kv.bytes_per_block) as u64;
         let prefix_bytes = (kv.cached_blocks * kv.bytes_per_block) as u64;
+        let state_bytes = kv.recurrent_state_bytes as u64;
         let Some(engine) = self.served.engine.get() else {
             return Ok(());
         };
-        const MEMORY_HELP: &str = "Device memory in use by purpose: weights, kv (the KV cache's blocks holding memory), scratch, and prefix_cache (the part of kv kept only by the prefix cache).";
+        const MEMORY_HELP: &str = "Device memory in use by purpose: weights, kv (the KV cache's blocks holding memory), scratch, prefix_cache (the part of kv kept only by the prefix cache), and recurrent_state (the per-sequence state of hybrid models' linear-attention layers, in host memory).";
         if engine.pool().is_none() {
             let device = || vec![("device", "cpu".to_string())];
             let with = |purpose: &str| {
@@ -456,6 +457,7 @@ impl EngineCollector {
                 &[
                     (with("kv"), ConstGauge::new(kv_bytes as i64)),
                     (with("prefix_cache"), ConstGauge::new(prefix_bytes as i64)),
+                    (with("recurrent_state"), ConstGauge::new(state_bytes as i64)),
                 ],
             );
         }

@@ -6,6 +6,7 @@
 //! the split, so single-token decoding does not drown in scheduling overhead.
 
 mod attention;
+mod delta_net;
 mod moe;
 mod ops;
 pub use ops::{gelu_table, rope_cos_sin};
@@ -18,7 +19,7 @@ use ember_gguf::{GgmlType, Gguf, TensorInfo};
 use half::f16;
 use rayon::prelude::*;
 
-use super::{Backend, BackendError, MoeFfn, RopeMode, RopeParams};
+use super::{Backend, BackendError, GatedDeltaNet, MoeFfn, RopeMode, RopeParams, SequenceState};
 use crate::ops::AttentionPlan;
 
 /// Rows per rayon task for the cheap row-wise ops; below this a single thread does the work.
@@ -463,6 +464,49 @@ impl Backend for CpuBackend {
             .moe_scratch
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner) = moe::Scratch::default();
+    }
+
+    fn linear_attention_supported(&self) -> bool {
+        true
+    }
+
+    fn split_query_gate(
+        &self,
+        q_full: &Vec<f32>,
+        n_tokens: usize,
+        n_heads: usize,
+        head_dim: usize,
+        q: &mut Vec<f32>,
+        gate: &mut Vec<f32>,
+    ) {
+        let width = n_heads * head_dim;
+        for t in 0..n_tokens {
+            for h in 0..n_heads {
+                let src = &q_full[(t * n_heads + h) * 2 * head_dim..][..2 * head_dim];
+                let dst = (t * width + h * head_dim)..(t * width + (h + 1) * head_dim);
+                q[dst.clone()].copy_from_slice(&src[..head_dim]);
+                gate[dst].copy_from_slice(&src[head_dim..]);
+            }
+        }
+    }
+
+    fn mul_sigmoid(&self, x: &mut Vec<f32>, gate: &Vec<f32>, len: usize) {
+        ops::par_zip(&mut x[..len], &gate[..len], |v, g| {
+            *v *= delta_net::sigmoid(g)
+        });
+    }
+
+    fn gated_delta_net(
+        &self,
+        op: &GatedDeltaNet<'_, Vec<f32>>,
+        qkv: &Vec<f32>,
+        z: &Vec<f32>,
+        beta: &Vec<f32>,
+        alpha: &Vec<f32>,
+        states: &mut [SequenceState<'_>],
+        out: &mut Vec<f32>,
+    ) {
+        delta_net::gated_delta_net(op, qkv, z, beta, alpha, states, out);
     }
 
     fn rms_norm(

@@ -34,7 +34,7 @@ pub fn par_chunks(dst: &mut [f32], src: &[f32], f: impl Fn(&mut [f32], &[f32]) +
 
 /// `1 / sqrt(mean(x^2) + eps)`, the sum of squares accumulated in f64 as GGML does.
 #[inline]
-fn rms_scale(x: &[f32], eps: f32) -> f32 {
+pub(super) fn rms_scale(x: &[f32], eps: f32) -> f32 {
     let sum: f64 = x.iter().map(|&v| (v * v) as f64).sum();
     let mean = (sum / x.len() as f64) as f32;
     1.0 / (mean + eps).sqrt()
