@@ -215,6 +215,41 @@ pub fn perplexity<B: Backend>(
     bos: Option<u32>,
     mut on_chunk: impl FnMut(ChunkReport),
 ) -> Result<Perplexity, PerplexityError> {
+    perplexity_rows(
+        model,
+        ctx,
+        tokens,
+        n_ctx,
+        n_batch,
+        bos,
+        |_| {},
+        &mut on_chunk,
+    )
+}
+
+/// One scored position of a perplexity run: the logits at `pos` of chunk `chunk`, which predict
+/// `next`.
+pub struct ScoredRow<'a> {
+    pub chunk: usize,
+    pub pos: usize,
+    pub logits: &'a [f32],
+    pub next: u32,
+}
+
+/// [`perplexity`], also handing every scored row of logits to `on_row` in order (chunk by chunk,
+/// position by position: the order of llama-perplexity's base-logits file, see
+/// [`crate::kl_divergence`]).
+#[allow(clippy::too_many_arguments)]
+pub fn perplexity_rows<B: Backend>(
+    model: &Model<B>,
+    ctx: &mut Context<B>,
+    tokens: &[u32],
+    n_ctx: usize,
+    n_batch: usize,
+    bos: Option<u32>,
+    mut on_row: impl FnMut(ScoredRow<'_>),
+    mut on_chunk: impl FnMut(ChunkReport),
+) -> Result<Perplexity, PerplexityError> {
     if n_ctx < 4 {
         return Err(PerplexityError::ContextTooSmall { n_ctx });
     }
@@ -258,7 +293,14 @@ pub fn perplexity<B: Backend>(
                 (batch_start..batch_end).filter(|&p| p >= first && p + 1 < n_ctx);
             for (row, pos) in scored_positions.enumerate() {
                 let target = tokens[start + pos + 1] as usize;
-                let nll = -log_prob(&logits[row * n_vocab..(row + 1) * n_vocab], target);
+                let row_logits = &logits[row * n_vocab..(row + 1) * n_vocab];
+                on_row(ScoredRow {
+                    chunk: index,
+                    pos,
+                    logits: row_logits,
+                    next: target as u32,
+                });
+                let nll = -log_prob(row_logits, target);
                 nll_sum += nll;
                 nll2_sum += nll * nll;
                 count += 1;

@@ -23,6 +23,7 @@ pub mod chat;
 pub mod device;
 pub mod engine;
 pub mod generate;
+pub mod kl_divergence;
 pub mod kv_cache;
 pub mod load;
 pub mod model;

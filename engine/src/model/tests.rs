@@ -261,7 +261,8 @@ fn the_gpu_backend_places_stacked_experts_and_refuses_them_where_it_has_no_kerne
         .to_string();
     assert!(
         e.starts_with("tensor blk.0.ffn_gate_exps.weight: type ")
-            && e.to_lowercase().contains("f16 is not supported by the host backend")
+            && e.to_lowercase()
+                .contains("f16 is not supported by the host backend")
             && e.contains("q4_K, q5_K, q6_K for expert weights"),
         "{e}"
     );
