@@ -23,6 +23,7 @@ pub mod device;
 pub mod engine;
 pub mod generate;
 pub mod kv_cache;
+pub mod limits;
 pub mod load;
 pub mod model;
 pub mod models;

@@ -41,8 +41,10 @@ pub struct PerplexityArgs {
 }
 
 pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
-    let text = std::fs::read_to_string(&args.file)
-        .with_context(|| format!("cannot read {}", args.file.display()))?;
+    let text = ember::limits::read_text_file(&args.file, ember::limits::MAX_TEXT_FILE_BYTES)
+        .context("-f")?;
+    ember::limits::check_context(args.ctx_size, 1, 0, None)
+        .map_err(|e| anyhow::anyhow!("-c {}: {e}", args.ctx_size))?;
     let loaded = load::load_on(&args.model, args.threads, &args.device)?;
     with_loaded!(loaded, |loaded| perplexity_on(&loaded, &args, &text))
 }
@@ -54,6 +56,19 @@ fn perplexity_on<B: Backend>(
 ) -> anyhow::Result<()> {
     let model = &loaded.model;
     let tokenizer = &loaded.tokenizer;
+    // The KV cache of a model on the CPU is in this process's memory.
+    let memory = loaded
+        .pool
+        .is_none()
+        .then(ember::limits::available_memory)
+        .flatten();
+    ember::limits::check_context(
+        args.ctx_size,
+        1,
+        model.hparams().kv_bytes_per_token(),
+        memory,
+    )
+    .map_err(|e| anyhow::anyhow!("-c {}: {e}", args.ctx_size))?;
     let mut tokens = tokenizer.encode(text, true, false);
     if let Some(max) = args.chunks {
         tokens.truncate(max.saturating_mul(args.ctx_size));
