@@ -34,13 +34,10 @@ pub enum ChatError {
     /// template.
     #[error("the model has no chat template: pass one with --chat-template-file")]
     NoTemplate,
-    /// The template file could not be read.
-    #[error("cannot read chat template {}", path.display())]
-    TemplateUnreadable {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    /// The template file could not be read (or is not a regular file of at most
+    /// [`crate::limits::MAX_TEMPLATE_FILE_BYTES`]).
+    #[error("cannot read the chat template file")]
+    TemplateUnreadable(#[source] crate::limits::FileError),
     /// The template does not compile (or the model's template metadata is not a string).
     #[error("bad chat template {origin}")]
     TemplateInvalid {
@@ -61,11 +58,8 @@ pub fn resolve_template(
     template_file: Option<&Path>,
 ) -> Result<Option<ChatTemplate>, ChatError> {
     if let Some(path) = template_file {
-        let source =
-            std::fs::read_to_string(path).map_err(|source| ChatError::TemplateUnreadable {
-                path: path.to_owned(),
-                source,
-            })?;
+        let source = crate::limits::read_text_file(path, crate::limits::MAX_TEMPLATE_FILE_BYTES)
+            .map_err(ChatError::TemplateUnreadable)?;
         let template =
             ChatTemplate::from_source(&source).map_err(|source| ChatError::TemplateInvalid {
                 origin: TemplateOrigin::File(path.to_owned()),
@@ -333,12 +327,20 @@ mod tests {
         let tokenizer = tokenizer(true);
         let error = resolve_template(&gguf(None), &tokenizer, Some(&missing)).unwrap_err();
         assert!(
-            matches!(error, ChatError::TemplateUnreadable { .. }),
+            matches!(error, ChatError::TemplateUnreadable(_)),
             "{error:?}"
         );
-        assert_eq!(
-            error.to_string(),
-            format!("cannot read chat template {}", missing.display())
+        assert_eq!(error.to_string(), "cannot read the chat template file");
+        let cause = std::error::Error::source(&error).unwrap().to_string();
+        assert!(
+            cause.starts_with(&format!("cannot read {}: ", missing.display())),
+            "{cause}"
+        );
+        let error = resolve_template(&gguf(None), &tokenizer, Some(dir.path())).unwrap_err();
+        let cause = std::error::Error::source(&error).unwrap().to_string();
+        assert!(
+            cause.ends_with("expected a regular file, found a directory"),
+            "{cause}"
         );
 
         let broken = dir.path().join("broken.jinja");

@@ -96,7 +96,8 @@ pub fn generate_observed<B: Backend>(
     mut on_logits: impl FnMut(&[f32]),
     mut on_token: impl FnMut(u32) -> bool,
 ) -> Result<(Vec<u32>, StopReason), ForwardError> {
-    let mut generated = Vec::with_capacity(n_predict);
+    // Generation stops at the end of the context, so that bounds the tokens whatever `n_predict`.
+    let mut generated = Vec::with_capacity(n_predict.min(ctx.params().n_ctx));
     if n_predict == 0 {
         return Ok((generated, StopReason::Length));
     }

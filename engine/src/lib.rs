@@ -25,6 +25,7 @@ pub mod engine;
 pub mod generate;
 pub mod kl_divergence;
 pub mod kv_cache;
+pub mod limits;
 pub mod load;
 pub mod model;
 pub mod models;

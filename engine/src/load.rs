@@ -134,6 +134,9 @@ pub enum LoadEvent<'a> {
     IdleTrimFailed(&'a PoolError),
 }
 
+/// The token embedding table every architecture has; its rows are the tokens the model reads.
+const TOKEN_EMBEDDING: &str = "token_embd.weight";
+
 /// Why a model could not be loaded. The underlying error is always the `source`, so callers can
 /// walk the chain to find it.
 #[derive(Debug, thiserror::Error)]
@@ -179,6 +182,14 @@ pub enum LoadError {
         path: PathBuf,
         #[source]
         source: GpuOpenError,
+    },
+    /// The tokenizer has tokens the embedding table has no row for: the first such token the
+    /// model read would fail the forward pass, so the file is refused at load.
+    #[error("cannot load {}: the tokenizer has {tokens} tokens, expected at most the {rows} rows of {TOKEN_EMBEDDING}", path.display())]
+    VocabLargerThanEmbedding {
+        path: PathBuf,
+        tokens: usize,
+        rows: u64,
     },
     #[error("cannot start the CPU thread pool")]
     CpuThreads(#[source] rayon::ThreadPoolBuildError),
@@ -334,6 +345,18 @@ pub fn load(
         path: path.clone(),
         source,
     })?;
+    if let Some(rows) = gguf
+        .tensor(TOKEN_EMBEDDING)
+        .and_then(|info| info.dims.get(1).copied())
+    {
+        if tokenizer.vocab_size() as u64 > rows {
+            return Err(LoadError::VocabLargerThanEmbedding {
+                path,
+                tokens: tokenizer.vocab_size(),
+                rows,
+            });
+        }
+    }
     let model_error = |source| LoadError::Model {
         path: path.clone(),
         source,

@@ -3,6 +3,11 @@
 
 mod cli;
 
+/// The system allocator, counting what chat-template renders hold so that a template building
+/// huge values is stopped at its budget ([`ember_tokenizer::RENDER_MEMORY_BYTES`]).
+#[global_allocator]
+static ALLOCATOR: ember_tokenizer::RenderBudgetAllocator = ember_tokenizer::RenderBudgetAllocator;
+
 fn main() -> std::process::ExitCode {
     restore_default_sigpipe();
     cli::main()

@@ -56,6 +56,129 @@ impl SamplerParams {
     }
 }
 
+/// A sampling parameter that takes a real number: its `ember` flag, its request field, and the
+/// range every caller (the command line, the server, the engine's door) accepts. The one place
+/// these limits are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SamplingParam {
+    Temperature,
+    TopP,
+    MinP,
+    RepeatPenalty,
+    PresencePenalty,
+    FrequencyPenalty,
+}
+
+impl SamplingParam {
+    /// Every parameter, in the order [`SamplerParams::validate`] checks them.
+    pub const ALL: [SamplingParam; 6] = [
+        SamplingParam::Temperature,
+        SamplingParam::TopP,
+        SamplingParam::MinP,
+        SamplingParam::RepeatPenalty,
+        SamplingParam::PresencePenalty,
+        SamplingParam::FrequencyPenalty,
+    ];
+
+    /// The `ember run` flag that sets it.
+    pub fn flag(self) -> &'static str {
+        match self {
+            SamplingParam::Temperature => "--temp",
+            SamplingParam::TopP => "--top-p",
+            SamplingParam::MinP => "--min-p",
+            SamplingParam::RepeatPenalty => "--repeat-penalty",
+            SamplingParam::PresencePenalty => "--presence-penalty",
+            SamplingParam::FrequencyPenalty => "--frequency-penalty",
+        }
+    }
+
+    /// The request field (OpenAI's and llama-server's name) that sets it.
+    pub fn field(self) -> &'static str {
+        match self {
+            SamplingParam::Temperature => "temperature",
+            SamplingParam::TopP => "top_p",
+            SamplingParam::MinP => "min_p",
+            SamplingParam::RepeatPenalty => "repeat_penalty",
+            SamplingParam::PresencePenalty => "presence_penalty",
+            SamplingParam::FrequencyPenalty => "frequency_penalty",
+        }
+    }
+
+    /// The accepted values, both ends included (OpenAI's ranges where it has one; a repetition
+    /// penalty must be positive, so that dividing by it keeps the logits' order).
+    pub fn range(self) -> (f64, f64) {
+        match self {
+            SamplingParam::Temperature => (0.0, 2.0),
+            SamplingParam::TopP | SamplingParam::MinP => (0.0, 1.0),
+            SamplingParam::RepeatPenalty => (0.01, 10.0),
+            SamplingParam::PresencePenalty | SamplingParam::FrequencyPenalty => (-2.0, 2.0),
+        }
+    }
+
+    fn value(self, params: &SamplerParams) -> f32 {
+        match self {
+            SamplingParam::Temperature => params.temperature,
+            SamplingParam::TopP => params.top_p,
+            SamplingParam::MinP => params.min_p,
+            SamplingParam::RepeatPenalty => params.repeat_penalty,
+            SamplingParam::PresencePenalty => params.presence_penalty,
+            SamplingParam::FrequencyPenalty => params.frequency_penalty,
+        }
+    }
+}
+
+/// A sampling parameter outside its range (NaN and the infinities included).
+#[derive(Debug, Clone, Copy, PartialEq, thiserror::Error)]
+#[error("{} {value}: expected a number from {} to {}", .param.field(), .param.range().0, .param.range().1)]
+pub struct SamplingError {
+    pub param: SamplingParam,
+    pub value: f32,
+}
+
+impl SamplingError {
+    /// The same message naming the command-line flag instead of the request field.
+    pub fn for_flag(&self) -> String {
+        let (min, max) = self.param.range();
+        format!(
+            "{} {}: expected a number from {min} to {max}",
+            self.param.flag(),
+            self.value
+        )
+    }
+}
+
+impl SamplerParams {
+    /// Checks every real-valued parameter against [`SamplingParam::range`]: the first one
+    /// outside it (NaN and the infinities never inside) is the error.
+    pub fn validate(&self) -> Result<(), SamplingError> {
+        for param in SamplingParam::ALL {
+            let value = param.value(self);
+            let (min, max) = param.range();
+            // The bounds rounded to f32 as a flag's value is, so `--repeat-penalty 0.01` passes.
+            if !(value.is_finite() && (min as f32..=max as f32).contains(&value)) {
+                return Err(SamplingError { param, value });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What a backend's `argmax_rows` gives for a row of logits that holds NaN or +inf (where the
+/// backend checks: the CPU does, a device kernel takes the arg-max of the finite values). Never a
+/// token id: a vocabulary has fewer than `u32::MAX` tokens.
+pub const NON_FINITE_ROW: u32 = u32::MAX;
+
+/// The error a sequence fails with when its logits hold NaN or +inf.
+pub const NON_FINITE_MESSAGE: &str = "the model computed NaN or infinite logits for the next token: expected finite values (the model file is broken, or this input overflows it)";
+
+/// Whether a row of logits can be sampled: no NaN and no +inf (-inf is a token ruled out, and
+/// is allowed). A model that computes such values is broken for that input, and every choice
+/// made from them would be arbitrary.
+pub fn logits_are_sane(logits: &[f32]) -> bool {
+    // One pass without branches per value: NaN and +inf are exactly the values `v < inf` rejects.
+    logits.iter().fold(true, |ok, &v| ok & (v < f32::INFINITY))
+}
+
 /// A small, fast, seedable generator: PCG-XSH-RR 32 (O'Neill 2014) with a splitmix64-scrambled
 /// seed. Written here so sampling is reproducible across platforms without another dependency.
 #[derive(Debug, Clone)]
@@ -449,6 +572,109 @@ mod tests {
         let frac = zeros as f64 / n as f64;
         // Standard error is sqrt(0.75 * 0.25 / 20000) ~= 0.003; 0.02 is over six of them.
         assert!((frac - 0.75).abs() < 0.02, "fraction of token 0: {frac}");
+    }
+
+    #[test]
+    fn validation_names_the_parameter_and_refuses_non_finite_values() {
+        assert_eq!(SamplerParams::default().validate(), Ok(()));
+        assert_eq!(SamplerParams::greedy().validate(), Ok(()));
+        let cases = [
+            (
+                SamplerParams {
+                    temperature: f32::NAN,
+                    ..Default::default()
+                },
+                SamplingParam::Temperature,
+            ),
+            (
+                SamplerParams {
+                    temperature: f32::INFINITY,
+                    ..Default::default()
+                },
+                SamplingParam::Temperature,
+            ),
+            (
+                SamplerParams {
+                    temperature: -1.0,
+                    ..Default::default()
+                },
+                SamplingParam::Temperature,
+            ),
+            (
+                SamplerParams {
+                    top_p: 2.0,
+                    ..Default::default()
+                },
+                SamplingParam::TopP,
+            ),
+            (
+                SamplerParams {
+                    min_p: 2.0,
+                    ..Default::default()
+                },
+                SamplingParam::MinP,
+            ),
+            (
+                SamplerParams {
+                    repeat_penalty: f32::NAN,
+                    ..Default::default()
+                },
+                SamplingParam::RepeatPenalty,
+            ),
+            (
+                SamplerParams {
+                    repeat_penalty: 0.0,
+                    ..Default::default()
+                },
+                SamplingParam::RepeatPenalty,
+            ),
+            (
+                SamplerParams {
+                    repeat_penalty: -1.0,
+                    ..Default::default()
+                },
+                SamplingParam::RepeatPenalty,
+            ),
+            (
+                SamplerParams {
+                    presence_penalty: f32::NEG_INFINITY,
+                    ..Default::default()
+                },
+                SamplingParam::PresencePenalty,
+            ),
+            (
+                SamplerParams {
+                    frequency_penalty: 3.0,
+                    ..Default::default()
+                },
+                SamplingParam::FrequencyPenalty,
+            ),
+        ];
+        for (params, param) in cases {
+            let error = params.validate().unwrap_err();
+            assert_eq!(error.param, param, "{params:?}");
+        }
+        let error = SamplerParams {
+            temperature: f32::NAN,
+            ..Default::default()
+        }
+        .validate()
+        .unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "temperature NaN: expected a number from 0 to 2"
+        );
+        assert_eq!(
+            error.for_flag(),
+            "--temp NaN: expected a number from 0 to 2"
+        );
+    }
+
+    #[test]
+    fn non_finite_logits_are_caught() {
+        assert!(logits_are_sane(&[0.0, -1.0, f32::NEG_INFINITY, f32::MAX]));
+        assert!(!logits_are_sane(&[0.0, f32::NAN, 1.0]));
+        assert!(!logits_are_sane(&[0.0, f32::INFINITY]));
     }
 
     #[test]

@@ -161,8 +161,9 @@ static void test_norm_softmax_argmax() {
     std::vector<float> logits = random_floats(n_rows * 49152, -10, 10);
     logits[3 * 49152 + 777] = 50.0f;  // a tie: the lower index must win
     logits[3 * 49152 + 40000] = 50.0f;
-    logits[4 * 49152] = NAN;  // NaN is never chosen, even as the first value of a row
-    for (int c = 0; c < 49152; ++c) logits[5 * 49152 + c] = c % 3 ? -INFINITY : NAN;  // nothing: 0
+    logits[4 * 49152 + 5] = NAN;  // a row holding NaN: -1
+    logits[5 * 49152 + 40000] = INFINITY;  // a row holding +inf: -1
+    for (int c = 0; c < 49152; ++c) logits[6 * 49152 + c] = -INFINITY;  // nothing to choose: 0
     DeviceBuffer<float> dl(logits);
     DeviceBuffer<int32_t> didx(n_rows);
     ember_argmax_f32<<<n_rows, 1024>>>(didx.ptr, dl.ptr, 49152);
@@ -170,14 +171,19 @@ static void test_norm_softmax_argmax() {
     const std::vector<int32_t> idx = didx.download();
     uint32_t wrong = 0;
     for (uint32_t r = 0; r < n_rows; ++r) {
-        // engine/src/sample.rs greedy_token: the first largest, NaN and -inf never chosen.
+        // engine/src/sample.rs: greedy_token (the first largest, -inf never chosen), or -1 for a
+        // row that logits_are_sane refuses (NaN or +inf).
         int best = 0;
         float best_value = -INFINITY;
-        for (int c = 0; c < 49152; ++c)
-            if (logits[r * 49152 + c] > best_value) best = c, best_value = logits[r * 49152 + c];
-        wrong += idx[r] != best;
+        bool bad = false;
+        for (int c = 0; c < 49152; ++c) {
+            const float v = logits[r * 49152 + c];
+            bad |= !(v < INFINITY);
+            if (v > best_value) best = c, best_value = v;
+        }
+        wrong += idx[r] != (bad ? -1 : best);
     }
-    report("argmax_f32 (wrong rows, ties to lowest, NaN and -inf never chosen)", wrong, 0.0);
+    report("argmax_f32 (wrong rows, ties to lowest, NaN/+inf rows -1, -inf rows 0)", wrong, 0.0);
 }
 
 static void test_rope() {

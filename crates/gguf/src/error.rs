@@ -64,6 +64,13 @@ pub enum GgufError {
         cap: u64,
         offset: u64,
     },
+    /// Metadata that would take more than [`crate::MAX_METADATA_MEMORY`] once parsed.
+    #[error("{context}: the metadata would take {needed} bytes of memory once parsed, over the cap of {cap}")]
+    MetadataOverCap {
+        context: String,
+        needed: u64,
+        cap: u64,
+    },
     /// A key, tensor name or string value that is not UTF-8.
     #[error("{context}: expected a UTF-8 string at offset {offset}, found invalid UTF-8")]
     InvalidUtf8 { context: String, offset: u64 },

@@ -54,6 +54,13 @@ pub const MAX_STRING_LEN: u64 = 64 << 20;
 /// of a few hundred thousand entries; 2^28 is a thousand times that.
 pub const MAX_ARRAY_LEN: u64 = 1 << 28;
 
+/// Most memory all metadata values may take once parsed, in bytes. A value can be larger in
+/// memory than in the file (an empty string is 8 bytes there and a 24-byte `String` here), so
+/// the file's size alone does not bound it. Real models' metadata (a vocabulary of 262,144 tokens
+/// with its scores and types, or 151,387 merges) takes a few tens of MiB; 256 MiB leaves room
+/// without letting a forged file claim the machine's memory.
+pub const MAX_METADATA_MEMORY: u64 = 256 << 20;
+
 /// Largest accepted `general.alignment`. Real files use 32 (the default) or a page size; 1 MiB
 /// bounds the padding a file can demand.
 pub const MAX_ALIGNMENT: u64 = 1 << 20;

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use crate::value::ValueType;
 use crate::{
     Array, GgmlType, GgufError, Metadata, TensorInfo, Value, MAX_ALIGNMENT, MAX_ARRAY_LEN,
-    MAX_NAME_LEN, MAX_STRING_LEN,
+    MAX_METADATA_MEMORY, MAX_NAME_LEN, MAX_STRING_LEN,
 };
 
 /// The default alignment of the data section and of tensor offsets when `general.alignment` is
@@ -213,8 +213,33 @@ fn read_name(cur: &mut Cursor<'_>, context: &dyn Fn() -> String) -> Result<Strin
     Ok(name)
 }
 
+/// The memory the parsed metadata takes so far, charged before each value is allocated and
+/// checked against [`MAX_METADATA_MEMORY`].
+struct MemoryBudget {
+    used: u64,
+}
+
+impl MemoryBudget {
+    /// One `String` in memory besides its bytes.
+    const STRING_BYTES: u64 = std::mem::size_of::<String>() as u64;
+
+    fn charge(&mut self, bytes: u64, context: &dyn Fn() -> String) -> Result<(), GgufError> {
+        let needed = self.used.saturating_add(bytes);
+        if needed > MAX_METADATA_MEMORY {
+            return Err(GgufError::MetadataOverCap {
+                context: context(),
+                needed,
+                cap: MAX_METADATA_MEMORY,
+            });
+        }
+        self.used = needed;
+        Ok(())
+    }
+}
+
 fn read_metadata(cur: &mut Cursor<'_>, n_kv: u64) -> Result<Metadata, GgufError> {
     let mut metadata = Metadata::new();
+    let mut budget = MemoryBudget { used: 0 };
     for i in 0..n_kv {
         let key = read_name(cur, &|| format!("key of metadata entry {i}"))?;
         let context = || format!("metadata key {key:?}");
@@ -226,13 +251,18 @@ fn read_metadata(cur: &mut Cursor<'_>, n_kv: u64) -> Result<Metadata, GgufError>
                 type_id,
                 offset: type_offset,
             })?;
-        let value = read_value(cur, &key, value_type)?;
+        let value = read_value(cur, &key, value_type, &mut budget)?;
         metadata.insert(key, value)?;
     }
     Ok(metadata)
 }
 
-fn read_value(cur: &mut Cursor<'_>, key: &str, value_type: ValueType) -> Result<Value, GgufError> {
+fn read_value(
+    cur: &mut Cursor<'_>,
+    key: &str,
+    value_type: ValueType,
+    budget: &mut MemoryBudget,
+) -> Result<Value, GgufError> {
     let context = || format!("metadata key {key:?}");
     let short = |s: Short| s.context(context());
     Ok(match value_type {
@@ -250,8 +280,12 @@ fn read_value(cur: &mut Cursor<'_>, key: &str, value_type: ValueType) -> Result<
             let offset = cur.offset();
             Value::Bool(bool_of(cur.u8().map_err(short)?, key, offset)?)
         }
-        ValueType::String => Value::String(read_string(cur, MAX_STRING_LEN, &context)?),
-        ValueType::Array => Value::Array(read_array(cur, key)?),
+        ValueType::String => {
+            let value = read_string(cur, MAX_STRING_LEN, &context)?;
+            budget.charge(value.len() as u64, &context)?;
+            Value::String(value)
+        }
+        ValueType::Array => Value::Array(read_array(cur, key, budget)?),
     })
 }
 
@@ -267,7 +301,11 @@ fn bool_of(byte: u8, key: &str, offset: u64) -> Result<bool, GgufError> {
     }
 }
 
-fn read_array(cur: &mut Cursor<'_>, key: &str) -> Result<Array, GgufError> {
+fn read_array(
+    cur: &mut Cursor<'_>,
+    key: &str,
+    budget: &mut MemoryBudget,
+) -> Result<Array, GgufError> {
     let context = || format!("metadata key {key:?}");
     let type_offset = cur.offset();
     let type_id = cur.u32().map_err(|s| s.context(context()))?;
@@ -306,12 +344,22 @@ fn read_array(cur: &mut Cursor<'_>, key: &str) -> Result<Array, GgufError> {
     }
     // len fits in memory from here on: the file holds at least `len` bytes.
     let n = len as usize;
+    // What the elements take in memory, before any is allocated: a string's `String`, or a
+    // fixed-size value as decoded (a bool is one byte, as in the file).
+    let element_memory = match element_type {
+        ValueType::String => MemoryBudget::STRING_BYTES,
+        _ => min_element_bytes,
+    };
+    let array_context = || format!("{} (array of {len} elements)", context());
+    budget.charge(len * element_memory, &array_context)?; // len <= 2^28: no overflow.
 
     if element_type == ValueType::String {
         let mut strings = Vec::with_capacity(n.min(MAX_INITIAL_CAPACITY));
         for i in 0..n {
             let item = || format!("metadata key {key:?}, element {i}");
-            strings.push(read_string(cur, MAX_STRING_LEN, &item)?);
+            let string = read_string(cur, MAX_STRING_LEN, &item)?;
+            budget.charge(string.len() as u64, &item)?;
+            strings.push(string);
         }
         return Ok(Array::String(strings));
     }

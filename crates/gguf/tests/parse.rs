@@ -764,3 +764,31 @@ fn metadata_built_in_memory_keeps_order_and_refuses_duplicates() {
         (vec!["b", "a"], 2, 1)
     );
 }
+
+#[test]
+fn arrays_are_bounded_by_the_memory_they_grow_to() {
+    // Empty strings: 8 bytes each in the file, a 24-byte `String` each in memory. Enough of them
+    // to pass the memory cap while the file holds every one.
+    let n = ember_gguf::MAX_METADATA_MEMORY / 24 + 1;
+    let header = Raw::new(0, 1).kv("tokens", 9, &cat(&[&8u32.to_le_bytes(), &le64(n)]));
+    let mut file = header.0;
+    file.resize(file.len() + 8 * n as usize, 0);
+    check_err(
+        file,
+        &format!(
+            "metadata key \"tokens\" (array of {n} elements): the metadata would take {} bytes of \
+             memory once parsed, over the cap of {}",
+            n * 24,
+            ember_gguf::MAX_METADATA_MEMORY
+        ),
+    );
+    // The cap is shared: two arrays of u64 that fit alone do not fit together.
+    let half = ember_gguf::MAX_METADATA_MEMORY / 8 / 2 + 1;
+    let mut raw = Raw::new(0, 2);
+    for key in ["a", "b"] {
+        raw = raw.kv(key, 9, &cat(&[&10u32.to_le_bytes(), &le64(half)]));
+        raw.0.resize(raw.0.len() + 8 * half as usize, 0);
+    }
+    let error = Gguf::from_bytes(raw.0).unwrap_err().to_string();
+    assert!(error.starts_with("metadata key \"b\" (array of"), "{error}");
+}

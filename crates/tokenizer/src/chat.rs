@@ -8,7 +8,10 @@
 //! without end fails instead of hanging, and its output is capped in size.
 
 use std::io;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use minijinja::{Environment, Error, ErrorKind, Value};
 use serde::{Deserialize, Serialize};
@@ -20,8 +23,23 @@ use crate::{Tokenizer, TokenizerError};
 /// build).
 pub const DEFAULT_FUEL: u64 = 20_000_000;
 
-/// Largest rendered prompt, in bytes (far above any context window's worth of text).
-const MAX_OUTPUT_BYTES: usize = 64 << 20;
+/// Largest rendered prompt, in bytes (several times a 128k-token context's worth of text, and
+/// small enough that tokenizing it stays within a few hundred megabytes).
+const MAX_OUTPUT_BYTES: usize = 16 << 20;
+
+/// Largest template source, in bytes: real templates are a few kilobytes (the largest known, with
+/// tool-use instructions, under 100 KB). A larger one is refused before it is compiled.
+pub const MAX_TEMPLATE_BYTES: usize = 1 << 20;
+
+/// Most memory one render may hold at once, in bytes, where the program counts it (with
+/// [`crate::RenderBudgetAllocator`] as its global allocator): eight times the largest output.
+pub const RENDER_MEMORY_BYTES: usize = 8 * MAX_OUTPUT_BYTES;
+
+/// Longest a render may take (the fuel stops a loop; this also stops slow single steps).
+pub const RENDER_TIME_LIMIT: Duration = Duration::from_secs(5);
+
+/// Stack of the thread a render runs on: the main thread's usual 8 MiB, for deep templates.
+const RENDER_STACK_BYTES: usize = 8 << 20;
 
 const TEMPLATE_NAME: &str = "chat_template";
 
@@ -44,9 +62,12 @@ impl ChatMessage {
 
 /// A compiled chat template.
 pub struct ChatTemplate {
-    env: Environment<'static>,
+    env: Arc<Environment<'static>>,
     source: String,
     fuel: u64,
+    /// Set when a render passed its memory budget: its thread is stopped for good, and later
+    /// renders are refused rather than stopping another.
+    over_budget: AtomicBool,
 }
 
 /// ChatML (`<|im_start|>role\ncontent<|im_end|>\n`), used by Qwen, SmolLM and many others.
@@ -91,6 +112,12 @@ impl ChatTemplate {
 
     /// Compiles a template from its Jinja source (for `--chat-template-file`).
     pub fn from_source(src: &str) -> Result<ChatTemplate, TokenizerError> {
+        if src.len() > MAX_TEMPLATE_BYTES {
+            return Err(TokenizerError::TemplateTooLarge {
+                size: src.len(),
+                max: MAX_TEMPLATE_BYTES,
+            });
+        }
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
@@ -101,15 +128,16 @@ impl ChatTemplate {
         env.add_template_owned(TEMPLATE_NAME, src.to_owned())
             .map_err(|e| TokenizerError::TemplateSyntax(describe(&e, DEFAULT_FUEL)))?;
         Ok(ChatTemplate {
-            env,
+            env: Arc::new(env),
             source: src.to_owned(),
             fuel: DEFAULT_FUEL,
+            over_budget: AtomicBool::new(false),
         })
     }
 
     /// Sets how many instructions one render may execute (default [`DEFAULT_FUEL`]).
     pub fn with_fuel(mut self, fuel: u64) -> ChatTemplate {
-        self.env.set_fuel(Some(fuel));
+        Arc::make_mut(&mut self.env).set_fuel(Some(fuel));
         self.fuel = fuel;
         self
     }
@@ -180,6 +208,8 @@ impl ChatTemplate {
         )
     }
 
+    /// Renders on a thread of its own, under the time limit and (where the program counts it)
+    /// the memory budget; a render past either is abandoned and reported.
     fn render_with(
         &self,
         messages: Value,
@@ -188,10 +218,14 @@ impl ChatTemplate {
         eos_token: &str,
         extra: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String, TokenizerError> {
-        let template = self
-            .env
-            .get_template(TEMPLATE_NAME)
-            .map_err(|e| TokenizerError::TemplateRender(describe(&e, self.fuel)))?;
+        let over_budget = || {
+            TokenizerError::TemplateRender(format!(
+                "it built values over {RENDER_MEMORY_BYTES} bytes: expected a template that builds its prompt from the messages"
+            ))
+        };
+        if self.over_budget.load(Ordering::Acquire) {
+            return Err(over_budget());
+        }
         let fixed = minijinja::context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
@@ -200,6 +234,55 @@ impl ChatTemplate {
         };
         // Later contexts only fill in names the earlier ones lack.
         let ctx = minijinja::context! { ..fixed, ..Value::from_serialize(extra) };
+        let env = Arc::clone(&self.env);
+        let fuel = self.fuel;
+        let budget = Arc::new(crate::budget::RenderBudget::new(RENDER_MEMORY_BYTES));
+        let thread_budget = Arc::clone(&budget);
+        let (sender, receiver) = mpsc::channel();
+        std::thread::Builder::new()
+            .name("chat-template".into())
+            .stack_size(RENDER_STACK_BYTES)
+            .spawn(move || {
+                crate::budget::set_current(Some(&thread_budget));
+                let result = render_on(&env, ctx, fuel);
+                crate::budget::set_current(None);
+                let _ = sender.send(result);
+            })
+            .map_err(|e| {
+                TokenizerError::TemplateRender(format!("cannot start its render thread: {e}"))
+            })?;
+        let start = Instant::now();
+        loop {
+            match receiver.recv_timeout(Duration::from_millis(10)) {
+                Ok(result) => return result,
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Err(TokenizerError::TemplateRender(
+                        "its render thread ended without a result".into(),
+                    ))
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    if budget.exceeded() {
+                        self.over_budget.store(true, Ordering::Release);
+                        return Err(over_budget());
+                    }
+                    if start.elapsed() > RENDER_TIME_LIMIT {
+                        return Err(TokenizerError::TemplateRender(format!(
+                            "it ran for over {} s: expected a template that ends",
+                            RENDER_TIME_LIMIT.as_secs()
+                        )));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// One render, on the calling thread: the output capped at [`MAX_OUTPUT_BYTES`].
+fn render_on(env: &Environment<'static>, ctx: Value, fuel: u64) -> Result<String, TokenizerError> {
+    let template = env
+        .get_template(TEMPLATE_NAME)
+        .map_err(|e| TokenizerError::TemplateRender(describe(&e, fuel)))?;
+    {
         let mut out = LimitedWriter {
             bytes: Vec::new(),
             overflowed: false,
@@ -210,7 +293,7 @@ impl ChatTemplate {
             Err(_) if out.overflowed => Err(TokenizerError::TemplateRender(format!(
                 "output exceeds {MAX_OUTPUT_BYTES} bytes: expected a prompt below that size"
             ))),
-            Err(e) => Err(TokenizerError::TemplateRender(describe(&e, self.fuel))),
+            Err(e) => Err(TokenizerError::TemplateRender(describe(&e, fuel))),
         }
     }
 }

@@ -67,6 +67,11 @@ pub enum TokenizerError {
     #[error("{0}")]
     PreTokenizer(String),
 
+    /// A chat template larger than [`crate::chat::MAX_TEMPLATE_BYTES`], refused before it is
+    /// compiled.
+    #[error("chat template is {size} bytes: expected at most {max}")]
+    TemplateTooLarge { size: usize, max: usize },
+
     /// A chat template that does not compile.
     #[error("chat template does not compile: {0}")]
     TemplateSyntax(String),

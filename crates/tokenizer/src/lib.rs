@@ -14,6 +14,7 @@
 //! tables), `tokenizer` (the public type), `chat` (templates).
 
 mod bpe;
+mod budget;
 mod chat;
 mod error;
 mod pretokenize;
@@ -22,6 +23,10 @@ mod tokenizer;
 mod unicode;
 mod vocab;
 
-pub use chat::{ChatMessage, ChatTemplate, DEFAULT_FUEL};
+pub use budget::RenderBudgetAllocator;
+pub use chat::{
+    ChatMessage, ChatTemplate, DEFAULT_FUEL, MAX_TEMPLATE_BYTES, RENDER_MEMORY_BYTES,
+    RENDER_TIME_LIMIT,
+};
 pub use error::TokenizerError;
 pub use tokenizer::{StreamDecoder, Tokenizer, TokenizerKind, TokenizerSpec};

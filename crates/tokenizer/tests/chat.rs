@@ -257,3 +257,20 @@ fn huge_output_is_refused() {
     let err = t.render(&[], false, "", "").unwrap_err();
     assert!(err.to_string().contains("output exceeds"), "{err}");
 }
+
+#[test]
+fn oversized_templates_are_refused_before_compiling() {
+    let src = format!(
+        "{{{{ '{}' }}}}",
+        "x".repeat(ember_tokenizer::MAX_TEMPLATE_BYTES)
+    );
+    let err = ChatTemplate::from_source(&src).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "chat template is {} bytes: expected at most {}",
+            src.len(),
+            ember_tokenizer::MAX_TEMPLATE_BYTES
+        )
+    );
+}

@@ -250,8 +250,10 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// Greedy sampling where the values live: `out[r]` (replacing the contents of `out`) is the
     /// index of the largest of the `n_cols` values of row `r` of `x`, for `n_rows` rows, by
     /// [`crate::sample::greedy_token`]'s rule (the first largest; NaN and -inf never chosen; 0
-    /// when nothing else is). Only the indices reach host memory, not the rows: for the logits of a
-    /// batch of greedy sequences that is 4 bytes a sequence instead of the whole vocabulary.
+    /// when nothing else is), or [`crate::sample::NON_FINITE_ROW`] for a row holding NaN or +inf
+    /// (every backend checks: the device kernel writes -1, which reads back as that value). Only
+    /// the indices reach host memory, not the rows: for the logits of a batch of greedy
+    /// sequences that is 4 bytes a sequence instead of the whole vocabulary.
     /// `scratch` is a buffer the op may use (a device backend writes the indices there first).
     fn argmax_rows(
         &self,

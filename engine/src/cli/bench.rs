@@ -95,6 +95,13 @@ fn stats(samples: &[f64]) -> (f64, f64, f64) {
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    ember::limits::check_positive(args.repetitions).map_err(|e| anyhow::anyhow!("-r {e}"))?;
+    for (flag, lengths) in [("-p", &args.n_prompt), ("-n", &args.n_gen)] {
+        for &n in lengths {
+            ember::limits::check_context(n, 1, 0, None)
+                .map_err(|e| anyhow::anyhow!("{flag} {n}: {e}"))?;
+        }
+    }
     let threads = if args.threads == 0 {
         ember::backend::cpu::physical_cores()
     } else {
@@ -112,7 +119,7 @@ fn bench_on<B: Backend>(
     let model = &loaded.model;
     let n_vocab = model.n_vocab() as u32;
     let device = model.backend().describe();
-    let reps = args.repetitions.max(1);
+    let reps = args.repetitions;
     let max_len = args
         .n_prompt
         .iter()
@@ -121,6 +128,14 @@ fn bench_on<B: Backend>(
         .max()
         .unwrap_or(0)
         .max(1);
+    // The KV cache of a model on the CPU is in this process's memory.
+    let memory = loaded
+        .pool
+        .is_none()
+        .then(ember::limits::available_memory)
+        .flatten();
+    ember::limits::check_context(max_len, 1, model.hparams().kv_bytes_per_token(), memory)
+        .map_err(|e| anyhow::anyhow!("-p/-n {max_len}: {e}"))?;
     let mut ctx = model.new_context(ContextParams::with_ctx(max_len));
     let mut rng = Pcg32::new(42);
     let mut results = Vec::new();

@@ -158,7 +158,9 @@ pub fn resolve_model(spec: &str) -> anyhow::Result<PathBuf> {
 
 /// Resolves, opens and loads a model and its tokenizer where the device flags say: on the CPU
 /// with `threads` threads (0 for the physical core count), or on a GPU; progress on stderr.
+/// A `-t` beyond the machine's available parallelism is refused before anything is loaded.
 pub fn load_on(spec: &str, threads: usize, device: &DeviceArgs) -> anyhow::Result<AnyLoaded> {
+    ember::limits::check_threads(threads).map_err(|e| anyhow::anyhow!("-t {e}"))?;
     let options = LoadOptions {
         model: spec.to_string(),
         threads,

@@ -62,7 +62,9 @@ pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
         .as_ref()
         .expect("clap requires --file without a base");
     let text =
-        std::fs::read_to_string(file).with_context(|| format!("cannot read {}", file.display()))?;
+        ember::limits::read_text_file(file, ember::limits::MAX_TEXT_FILE_BYTES).context("-f")?;
+    ember::limits::check_context(args.ctx_size, 1, 0, None)
+        .map_err(|e| anyhow::anyhow!("-c {}: {e}", args.ctx_size))?;
     let loaded = load::load_on(&args.model, args.threads, &args.device)?;
     with_loaded!(loaded, |loaded| perplexity_on(&loaded, &args, &text))
 }
@@ -81,6 +83,8 @@ fn kl_divergence_on<B: Backend>(
         .into());
     }
     let n_ctx = base.n_ctx;
+    ember::limits::check_context(n_ctx, 1, 0, None)
+        .map_err(|e| anyhow::anyhow!("the base logits' chunks of {n_ctx} tokens: {e}"))?;
     let n_chunk = args.chunks.unwrap_or(base.n_chunk).min(base.n_chunk);
     let tokens = base.tokens[..n_chunk * n_ctx].to_vec();
     let bos = if loaded.tokenizer.add_bos() {
@@ -161,6 +165,19 @@ fn perplexity_on<B: Backend>(
 ) -> anyhow::Result<()> {
     let model = &loaded.model;
     let tokenizer = &loaded.tokenizer;
+    // The KV cache of a model on the CPU is in this process's memory.
+    let memory = loaded
+        .pool
+        .is_none()
+        .then(ember::limits::available_memory)
+        .flatten();
+    ember::limits::check_context(
+        args.ctx_size,
+        1,
+        model.hparams().kv_bytes_per_token(),
+        memory,
+    )
+    .map_err(|e| anyhow::anyhow!("-c {}: {e}", args.ctx_size))?;
     let mut tokens = tokenizer.encode(text, true, false);
     if let Some(max) = args.chunks {
         tokens.truncate(max.saturating_mul(args.ctx_size));

@@ -118,43 +118,83 @@ fn prompt_ids(
     )
 }
 
+/// The sampling flags as engine parameters, checked ([`SamplerParams::validate`]).
+fn sampling(args: &RunArgs) -> anyhow::Result<SamplerParams> {
+    let seed = args.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+    });
+    let params = SamplerParams {
+        temperature: args.temp,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        min_p: args.min_p,
+        repeat_penalty: args.repeat_penalty,
+        frequency_penalty: args.frequency_penalty,
+        presence_penalty: args.presence_penalty,
+        penalty_last_n: args.repeat_last_n,
+        seed,
+    };
+    params
+        .validate()
+        .map_err(|e| anyhow::anyhow!("{}", e.for_flag()))?;
+    Ok(params)
+}
+
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
+    // Every flag is checked before the model is loaded.
+    let sampling = sampling(&args)?;
+    if let Some(n_ctx) = args.ctx_size {
+        ember::limits::check_context(n_ctx, 1, 0, None).map_err(|e| anyhow::anyhow!("-c: {e}"))?;
+    }
     let loaded = load::load_on(&args.model, args.threads, &args.device)?;
     // The prompt is read with the model's tokenizer and template before the model moves to the
     // engine thread.
-    let (prompt, n_ctx_train, load_time, memory_pool) = with_loaded!(&loaded, |l| {
-        let model = &l.model;
-        let prompt = match (&args.prompt_ids, &args.prompt) {
-            (Some(ids), _) => {
-                let n_vocab = model.n_vocab();
-                if let Some(bad) = ids.iter().find(|&&id| id as usize >= n_vocab) {
-                    bail!("--prompt-ids: token id {bad} is out of range: the vocabulary has {n_vocab} tokens");
+    let (prompt, n_ctx_train, kv_bytes_per_token, load_time, memory_pool) = with_loaded!(
+        &loaded,
+        |l| {
+            let model = &l.model;
+            let prompt = match (&args.prompt_ids, &args.prompt) {
+                (Some(ids), _) => {
+                    let n_vocab = model.n_vocab();
+                    if let Some(bad) = ids.iter().find(|&&id| id as usize >= n_vocab) {
+                        bail!("--prompt-ids: token id {bad} is out of range: the vocabulary has {n_vocab} tokens");
+                    }
+                    ids.clone()
                 }
-                ids.clone()
-            }
-            (None, Some(text)) => prompt_ids(
-                &l.tokenizer,
-                model.gguf(),
-                text,
-                args.chat,
-                args.chat_template_file.as_deref(),
-            )?,
-            (None, None) => bail!("expected a prompt: pass -p TEXT or --prompt-ids IDS"),
-        };
-        let memory_pool = l.memory_report.then(|| l.pool.clone()).flatten();
-        (
-            prompt,
-            model.hparams().n_ctx_train,
-            l.load_time,
-            memory_pool,
-        )
-    });
+                (None, Some(text)) => prompt_ids(
+                    &l.tokenizer,
+                    model.gguf(),
+                    text,
+                    args.chat,
+                    args.chat_template_file.as_deref(),
+                )?,
+                (None, None) => bail!("expected a prompt: pass -p TEXT or --prompt-ids IDS"),
+            };
+            let memory_pool = l.memory_report.then(|| l.pool.clone()).flatten();
+            (
+                prompt,
+                model.hparams().n_ctx_train,
+                model.hparams().kv_bytes_per_token(),
+                l.load_time,
+                memory_pool,
+            )
+        }
+    );
     if prompt.is_empty() {
         bail!("the prompt is empty after tokenization: expected at least one token");
     }
     let n_ctx = args
         .ctx_size
         .unwrap_or_else(|| n_ctx_train.min(DEFAULT_N_CTX));
+    // The KV cache of a model on the CPU is in this process's memory.
+    let memory = memory_pool
+        .is_none()
+        .then(ember::limits::available_memory)
+        .flatten();
+    ember::limits::check_context(n_ctx, 1, kv_bytes_per_token, memory)
+        .map_err(|e| anyhow::anyhow!("-c {n_ctx}: {e}"))?;
     if prompt.len() >= n_ctx {
         bail!("the prompt has {} tokens: expected fewer than the context of {n_ctx} (use -c to enlarge it)", prompt.len());
     }
@@ -172,7 +212,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             ..EngineConfig::default()
         },
     )?;
-    let result = generate_on(&engine, &args, prompt, load_time);
+    let result = generate_on(&engine, &args, sampling, prompt, load_time);
     engine.shutdown();
     if let Some(pool) = memory_pool {
         load::print_memory_report_after_idle(&pool);
@@ -183,29 +223,15 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
 fn generate_on(
     engine: &Engine,
     args: &RunArgs,
+    sampling: SamplerParams,
     prompt: Vec<u32>,
     load_time: std::time::Duration,
 ) -> anyhow::Result<()> {
-    let seed = args.seed.unwrap_or_else(|| {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64)
-    });
     let streaming = args.format == Format::Text;
     let request = GenerateRequest {
         prompt: prompt.clone(),
         max_tokens: Some(args.n_predict),
-        sampling: SamplerParams {
-            temperature: args.temp,
-            top_k: args.top_k,
-            top_p: args.top_p,
-            min_p: args.min_p,
-            repeat_penalty: args.repeat_penalty,
-            frequency_penalty: args.frequency_penalty,
-            presence_penalty: args.presence_penalty,
-            penalty_last_n: args.repeat_last_n,
-            seed,
-        },
+        sampling,
         stop: Vec::new(),
         // The JSON output records the two most likely tokens of every step.
         logprobs: (!streaming).then_some(2),

@@ -177,9 +177,17 @@ impl ServeArgs {
 /// Loads the model and starts the engine (on the loading thread).
 fn load_engine(args: &ServeArgs, fault_stall: Option<(u64, Duration)>) -> anyhow::Result<Engine> {
     let loaded = super::load::load_on(&args.model, args.threads, &args.device)?;
-    let n_ctx_train = match &loaded {
-        AnyLoaded::Cpu(loaded) => loaded.model.hparams().n_ctx_train,
-        AnyLoaded::Gpu(loaded) => loaded.model.hparams().n_ctx_train,
+    let (n_ctx_train, kv_bytes_per_token, on_cpu) = match &loaded {
+        AnyLoaded::Cpu(loaded) => (
+            loaded.model.hparams().n_ctx_train,
+            loaded.model.hparams().kv_bytes_per_token(),
+            loaded.pool.is_none(),
+        ),
+        AnyLoaded::Gpu(loaded) => (
+            loaded.model.hparams().n_ctx_train,
+            loaded.model.hparams().kv_bytes_per_token(),
+            loaded.pool.is_none(),
+        ),
     };
     let n_ctx = args
         .ctx_size
@@ -188,6 +196,10 @@ fn load_engine(args: &ServeArgs, fault_stall: Option<(u64, Duration)>) -> anyhow
         eprintln!("warning: --ctx-size {n_ctx} is beyond the {n_ctx_train} tokens the model was trained with; output past them may degrade");
     }
     let mut config = args.engine_config(n_ctx)?;
+    // On the CPU a full KV cache is in this process's memory.
+    let memory = on_cpu.then(ember::limits::available_memory).flatten();
+    ember::limits::check_kv_tokens(config.kv_capacity_tokens, kv_bytes_per_token, memory)
+        .map_err(|e| anyhow::anyhow!("--ctx-size x --parallel (or --kv-tokens): {e}"))?;
     config.fault_stall = fault_stall;
     let engine = Engine::start(loaded, config).context("cannot start the engine")?;
     let info = engine.model_info();

@@ -112,7 +112,7 @@ impl EngineConfig {
         };
         check("parallel", self.parallel, 1, 4096)?;
         check("max_queue", self.max_queue, 0, 1 << 20)?;
-        check("n_ctx", self.n_ctx, 2, 1 << 24)?;
+        check("n_ctx", self.n_ctx, 2, crate::limits::MAX_N_CTX)?;
         check("kv_block_size", self.kv_block_size, 1, 4096)?;
         check("ubatch", self.ubatch, 1, 1 << 16)?;
         check(
@@ -504,6 +504,7 @@ impl Engine {
                 n_ctx: config.n_ctx,
             });
         }
+        request.sampling.validate()?;
         if let Some(n) = request.logprobs {
             if n > MAX_TOP_LOGPROBS {
                 return Err(SubmitError::TooManyLogprobs {

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use crate::sample::SamplerParams;
+use crate::sample::{SamplerParams, SamplingError};
 
 /// One generation request: a tokenized prompt and how to continue it.
 #[derive(Debug, Clone, PartialEq)]
@@ -140,7 +140,7 @@ pub enum Event {
 }
 
 /// Why a request was not accepted. Each maps to an HTTP status in the server.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum SubmitError {
     /// The prompt has no tokens.
     #[error("the prompt is empty: expected at least one token")]
@@ -165,6 +165,9 @@ pub enum SubmitError {
         block_size: usize,
         total_blocks: usize,
     },
+    /// A sampling parameter is out of its range ([`SamplerParams::validate`]).
+    #[error(transparent)]
+    InvalidSampling(#[from] SamplingError),
     /// `logprobs` asks for more alternatives than allowed.
     #[error("top_logprobs {found}: expected at most {max}")]
     TooManyLogprobs { found: usize, max: usize },

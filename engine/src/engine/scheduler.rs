@@ -498,7 +498,7 @@ impl Scheduler {
         logits: &[f32],
         n_vocab: usize,
         row_of: &[Option<usize>],
-    ) -> Vec<Option<GeneratedToken>> {
+    ) -> Vec<Option<Result<GeneratedToken, String>>> {
         let tokenizer = &self.tokenizer;
         self.running
             .par_iter_mut()
@@ -506,9 +506,13 @@ impl Scheduler {
             .map(|(seq, row)| {
                 let row = (*row)?;
                 let row_logits = &logits[row * n_vocab..(row + 1) * n_vocab];
+                // Any choice made from NaN or +inf would be arbitrary: the sequence fails instead.
+                if !crate::sample::logits_are_sane(row_logits) {
+                    return Some(Err(crate::sample::NON_FINITE_MESSAGE.to_string()));
+                }
                 let token = seq.sampler.sample(row_logits);
                 seq.sampler.accept(token);
-                Some(GeneratedToken {
+                Some(Ok(GeneratedToken {
                     id: token,
                     logprob: seq.logprobs.map(|_| log_prob(row_logits, token as usize)),
                     top: match seq.logprobs {
@@ -523,7 +527,7 @@ impl Scheduler {
                         _ => Vec::new(),
                     },
                     bytes: tokenizer.token_to_piece(token, false),
-                })
+                }))
             })
             .collect()
     }
@@ -561,20 +565,24 @@ impl Scheduler {
             let seq = &self.running[m.index];
             seq.logprobs.is_none() && seq.sampler.is_plain_greedy()
         });
-        let mut picks: Vec<Option<GeneratedToken>> = if plain_greedy {
+        let mut picks: Vec<Option<Result<GeneratedToken, String>>> = if plain_greedy {
             let greedy = model.forward_greedy(ctx, &self.batch)?;
             self.running
                 .iter_mut()
                 .zip(&row_of)
                 .map(|(seq, row)| {
                     let token = greedy[(*row)?];
+                    // NON_FINITE_ROW, or any index a backend got wrong, is no token.
+                    if token as usize >= n_vocab {
+                        return Some(Err(crate::sample::NON_FINITE_MESSAGE.to_string()));
+                    }
                     seq.sampler.accept(token);
-                    Some(GeneratedToken {
+                    Some(Ok(GeneratedToken {
                         id: token,
                         logprob: None,
                         top: Vec::new(),
                         bytes: tokenizer.token_to_piece(token, false),
-                    })
+                    }))
                 })
                 .collect()
         } else {
@@ -587,8 +595,14 @@ impl Scheduler {
             seq.n_computed += member.count;
             let prompt_part = seq.n_prompt.saturating_sub(seq.n_computed - member.count);
             self.totals.prompt_tokens_computed += member.count.min(prompt_part) as u64;
-            let Some(generated) = picks[member.index].take() else {
-                continue;
+            let generated = match picks[member.index].take() {
+                None => continue,
+                Some(Ok(generated)) => generated,
+                Some(Err(message)) => {
+                    self.ended
+                        .push((member.index, FinishReason::Cancelled, Some(message)));
+                    continue;
+                }
             };
             let token = generated.id;
             seq.first_token_at.get_or_insert(now);

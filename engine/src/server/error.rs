@@ -202,6 +202,7 @@ impl ApiError {
                 ..ApiError::invalid(prompt_param, message)
             },
             SubmitError::TooManyLogprobs { .. } => ApiError::invalid(logprobs_param, message),
+            SubmitError::InvalidSampling(e) => ApiError::invalid(e.param.field(), message),
             SubmitError::QueueFull { .. } => ApiError {
                 code: Some("queue_full"),
                 retry_after: Some(RETRY_AFTER_QUEUE_FULL_SECONDS),

@@ -12,7 +12,7 @@ use serde_json::{Map, Value};
 
 use super::error::ApiError;
 use crate::engine::{GenerateRequest, MAX_TOP_LOGPROBS};
-use crate::sample::SamplerParams;
+use crate::sample::{SamplerParams, SamplingParam};
 
 /// OpenAI's limit on stop sequences.
 pub const MAX_STOP_SEQUENCES: usize = 4;
@@ -248,6 +248,13 @@ impl<'a> Fields<'a> {
 
 /// Reads the fields chat and text completions share. `max_logprobs_param` is checked by the
 /// callers, which differ in how logprobs are asked for.
+/// A sampling parameter's field, checked against its range ([`SamplingParam::range`], the same
+/// limits the command line and the engine apply).
+fn sampling_number(fields: &Fields<'_>, param: SamplingParam) -> Result<Option<f64>, ApiError> {
+    let (min, max) = param.range();
+    fields.number(param.field(), min, max)
+}
+
 fn common_params(fields: &Fields<'_>) -> Result<CommonParams, ApiError> {
     let model = fields.string("model")?.map(str::to_string);
     let stream = fields.bool("stream")?.unwrap_or(false);
@@ -269,28 +276,29 @@ fn common_params(fields: &Fields<'_>) -> Result<CommonParams, ApiError> {
     }
 
     let mut sampling = SamplerParams::default();
-    if let Some(t) = fields.number("temperature", 0.0, 2.0)? {
+    if let Some(t) = sampling_number(fields, SamplingParam::Temperature)? {
         sampling.temperature = t as f32;
     }
-    if let Some(p) = fields.number("top_p", 0.0, 1.0)? {
+    if let Some(p) = sampling_number(fields, SamplingParam::TopP)? {
         sampling.top_p = p as f32;
     }
     if let Some(k) = fields.integer("top_k", -1, i32::MAX as i64)? {
         // vLLM and llama-server take -1 (and 0) for "no top-k".
         sampling.top_k = k.max(0) as usize;
     }
-    if let Some(p) = fields.number("min_p", 0.0, 1.0)? {
+    if let Some(p) = sampling_number(fields, SamplingParam::MinP)? {
         sampling.min_p = p as f32;
     }
-    if let Some(p) = fields.number("presence_penalty", -2.0, 2.0)? {
+    if let Some(p) = sampling_number(fields, SamplingParam::PresencePenalty)? {
         sampling.presence_penalty = p as f32;
     }
-    if let Some(p) = fields.number("frequency_penalty", -2.0, 2.0)? {
+    if let Some(p) = sampling_number(fields, SamplingParam::FrequencyPenalty)? {
         sampling.frequency_penalty = p as f32;
     }
     // llama-server's and vLLM's names for the multiplicative repetition penalty.
     for name in ["repeat_penalty", "repetition_penalty"] {
-        if let Some(p) = fields.number(name, 0.01, 10.0)? {
+        let (min, max) = SamplingParam::RepeatPenalty.range();
+        if let Some(p) = fields.number(name, min, max)? {
             sampling.repeat_penalty = p as f32;
         }
     }

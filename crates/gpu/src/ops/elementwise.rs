@@ -551,7 +551,8 @@ pub fn gather_rows(
     }
 }
 
-/// `out[r] = argmax_c x[r, c]` (i32, ties to the lowest index) for `n_rows` rows of `n_cols`.
+/// `out[r] = argmax_c x[r, c]` (i32, ties to the lowest index, -inf never chosen), or -1 for a
+/// row holding NaN or +inf, for `n_rows` rows of `n_cols`.
 pub fn argmax(
     ctx: &GpuContext,
     x: DevicePtr,

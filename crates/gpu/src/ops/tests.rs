@@ -353,14 +353,16 @@ fn register_twins(driver: &HostDriver) {
         let mut bytes = Vec::new();
         for row in 0..l.config().grid[0] as usize {
             let values = l.read_f32(x.offset((row * n_cols * 4) as u64), n_cols)?;
-            // The greedy rule: the first largest; NaN and -inf never chosen; 0 otherwise.
+            // The greedy rule: the first largest, -inf never chosen, 0 for a row of -inf; -1 for
+            // a row holding NaN or +inf.
             let mut best = (0usize, f32::NEG_INFINITY);
             for (c, &v) in values.iter().enumerate() {
                 if v > best.1 {
                     best = (c, v);
                 }
             }
-            bytes.extend((best.0 as i32).to_le_bytes());
+            let bad = values.iter().any(|v| v.is_nan() || *v == f32::INFINITY);
+            bytes.extend((if bad { -1 } else { best.0 as i32 }).to_le_bytes());
         }
         l.write(out, &bytes)
     });

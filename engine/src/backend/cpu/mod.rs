@@ -409,11 +409,13 @@ impl Backend for CpuBackend {
         out: &mut Vec<u32>,
     ) {
         out.clear();
-        out.extend(
-            x[..n_rows * n_cols]
-                .chunks_exact(n_cols.max(1))
-                .map(crate::sample::greedy_token),
-        );
+        out.extend(x[..n_rows * n_cols].chunks_exact(n_cols.max(1)).map(|row| {
+            if crate::sample::logits_are_sane(row) {
+                crate::sample::greedy_token(row)
+            } else {
+                crate::sample::NON_FINITE_ROW
+            }
+        }));
     }
 
     fn get_rows(&self, table: &CpuMatrix, ids: &[u32], scale: f32, out: &mut Vec<f32>) {

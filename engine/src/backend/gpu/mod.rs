@@ -737,7 +737,9 @@ impl Backend for GpuBackend {
             ops::argmax(&self.ctx, x_ptr, n_rows, n_cols, index_ptr)?;
             let mut bytes = vec![0u8; n_rows * 4];
             self.ctx.download(index_ptr, &mut bytes)?;
-            // The kernel writes non-negative i32s below `n_cols`.
+            // The kernel writes i32s below `n_cols`, or -1 for a row holding NaN or +inf, whose
+            // bits are `NON_FINITE_ROW` read as a u32.
+            const _: () = assert!(crate::sample::NON_FINITE_ROW == (-1i32) as u32);
             out.extend(
                 bytes
                     .chunks_exact(4)
