@@ -1,5 +1,6 @@
 //! ember's CPU path against llama.cpp's logits on tiny synthetic models of architectures that
-//! have no small real checkpoint (the mixture-of-experts `qwen3moe` first).
+//! have no small real checkpoint (the mixture-of-experts `qwen3moe`, Gemma 4 shaped as
+//! 26B-A4B and as E2B).
 //!
 //! Each reference file under `tests/data/reference/` (written by
 //! `scripts/reference/reference_logits.py`) records the `ember-synth` options of its model, a
@@ -84,6 +85,11 @@ struct Overrides {
     experts: Option<usize>,
     experts_used: Option<usize>,
     expert_ff: Option<usize>,
+    window: Option<usize>,
+    global_head_dim: Option<usize>,
+    global_kv_heads: Option<usize>,
+    shared_kv_layers: Option<usize>,
+    per_layer_embd: Option<usize>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -121,6 +127,11 @@ fn synth_options(name: &str, synth: &Synth) -> SynthOptions {
         experts: o.experts,
         experts_used: o.experts_used,
         expert_ff: o.expert_ff,
+        window: o.window,
+        global_head_dim: o.global_head_dim,
+        global_kv_heads: o.global_kv_heads,
+        shared_kv_layers: o.shared_kv_layers,
+        per_layer_embd: o.per_layer_embd,
     };
     let mut command = vec![
         "ember-synth".to_string(),
@@ -261,6 +272,16 @@ fn check_against_llama_cpp(name: &str) {
 #[test]
 fn qwen3moe_tiny_matches_llama_cpp() {
     check_against_llama_cpp("qwen3moe-tiny");
+}
+
+#[test]
+fn gemma4_tiny_matches_llama_cpp() {
+    check_against_llama_cpp("gemma4-tiny");
+}
+
+#[test]
+fn gemma4_e2b_tiny_matches_llama_cpp() {
+    check_against_llama_cpp("gemma4-e2b-tiny");
 }
 
 #[test]

@@ -33,6 +33,9 @@ pub struct RunArgs {
     /// Model: a GGUF path, or a pinned model name (fetched on first use).
     #[arg(short = 'm', long)]
     pub model: String,
+    /// A multimodal projector (llama.cpp's `--mmproj`): refused, as ember runs text models only.
+    #[arg(long, value_name = "FILE")]
+    pub mmproj: Option<std::path::PathBuf>,
     /// The prompt.
     #[arg(
         short = 'p',
@@ -119,6 +122,13 @@ fn prompt_ids(
 }
 
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
+    if let Some(path) = &args.mmproj {
+        bail!(
+            "--mmproj {}: {}",
+            path.display(),
+            ember::model::MULTIMODAL_UNSUPPORTED
+        );
+    }
     let loaded = load::load_on(&args.model, args.threads, &args.device)?;
     // The prompt is read with the model's tokenizer and template before the model moves to the
     // engine thread.

@@ -1,12 +1,14 @@
-//! The forward pass shared by every architecture: a pre-norm decoder-only transformer, following
-//! llama.cpp's graphs (`build_llama`, `build_qwen2`, `build_qwen3`, `build_gemma3`, and for
-//! `qwen3moe` Qwen3's attention with `build_moe_ffn` in place of the FFN) op for op so the
-//! numbers agree with it. A mixture-of-experts FFN is the router product here and one backend op
+//! The forward pass shared by every architecture but Gemma 4: a pre-norm decoder-only
+//! transformer, following llama.cpp's graphs (`build_llama`, `build_qwen2`, `build_qwen3`,
+//! `build_gemma3`, and for `qwen3moe` Qwen3's attention with `build_moe_ffn` in place of the FFN)
+//! op for op so the numbers agree with it. Gemma 4 runs its own layer loop (`gemma4.rs`) over the same
+//! [`Context`]. A mixture-of-experts FFN is the router product here and one backend op
 //! ([`Backend::moe_ffn`]) for the routing and the experts.
 //!
 //! A [`Context`] owns the paged KV cache and every scratch buffer; buffers grow to the largest
 //! batch seen and are then reused, so decoding allocates nothing per token in the layer loop.
 
+use super::arch::Architecture;
 use super::weights::FfnWeights;
 use super::{ContextParams, ForwardError, Model};
 use crate::backend::{Backend, MoeFfn, RopeParams, SharedExpert};
@@ -14,34 +16,43 @@ use crate::batch::{Batch, SeqId};
 use crate::kv_cache::{AttentionPlan, KvCache, PoolStats};
 
 /// Activation buffers of one forward pass.
-struct Buffers<B: Backend> {
+pub(super) struct Buffers<B: Backend> {
     /// The residual stream.
-    x: B::Buf,
+    pub(super) x: B::Buf,
     /// Normalised input of the attention or FFN block.
-    xn: B::Buf,
-    q: B::Buf,
-    k: B::Buf,
-    v: B::Buf,
-    attn: B::Buf,
+    pub(super) xn: B::Buf,
+    pub(super) q: B::Buf,
+    pub(super) k: B::Buf,
+    pub(super) v: B::Buf,
+    pub(super) attn: B::Buf,
     /// Output of an attention or FFN block before the residual add.
-    proj: B::Buf,
-    gate: B::Buf,
-    up: B::Buf,
+    pub(super) proj: B::Buf,
+    pub(super) gate: B::Buf,
+    pub(super) up: B::Buf,
     /// Router logits of a mixture-of-experts layer.
-    router: B::Buf,
-    logits: B::Buf,
-    rope_global: B::RopeTable,
-    rope_local: B::RopeTable,
+    pub(super) router: B::Buf,
+    pub(super) logits: B::Buf,
+    /// Gemma 4: the experts' input and output beside the dense FFN's.
+    pub(super) moe_in: B::Buf,
+    pub(super) moe_out: B::Buf,
+    /// Gemma 4: every layer's per-layer input (`n_layer * width` values per token), one
+    /// layer's slice of it, and that slice's gate.
+    pub(super) per_layer_all: B::Buf,
+    pub(super) per_layer_proj: B::Buf,
+    pub(super) per_layer: B::Buf,
+    pub(super) per_layer_gate: B::Buf,
+    pub(super) rope_global: B::RopeTable,
+    pub(super) rope_local: B::RopeTable,
 }
 
 /// The state of one model instance: its KV cache and scratch buffers.
 pub struct Context<B: Backend> {
     params: ContextParams,
-    kv: KvCache<B>,
-    plan: AttentionPlan,
-    bufs: Buffers<B>,
-    out_rows: Vec<usize>,
-    logits: Vec<f32>,
+    pub(super) kv: KvCache<B>,
+    pub(super) plan: AttentionPlan,
+    pub(super) bufs: Buffers<B>,
+    pub(super) out_rows: Vec<usize>,
+    pub(super) logits: Vec<f32>,
     /// Sequence lengths before the current batch (see `forward`).
     lens_before: Vec<(SeqId, usize)>,
 }
@@ -52,10 +63,13 @@ impl<B: Backend> Context<B> {
         let b = &model.backend;
         let block_size = params.kv_block_size.max(1);
         let capacity_blocks = params.kv_capacity_tokens.max(1).div_ceil(block_size);
+        // Layers that reuse another layer's cache (Gemma 4) get no storage; they come last.
         let shapes: Vec<(usize, usize)> = hp
             .layers
             .iter()
-            .map(|l| (l.n_head_kv, hp.head_dim_k))
+            .enumerate()
+            .filter(|&(il, l)| l.kv_source == il)
+            .map(|(_, l)| (l.n_head_kv, l.head_dim))
             .collect();
         let kv = KvCache::new(b, &shapes, block_size, params.n_ctx, capacity_blocks);
         let bufs = Buffers {
@@ -70,6 +84,12 @@ impl<B: Backend> Context<B> {
             up: b.alloc(0),
             router: b.alloc(0),
             logits: b.alloc(0),
+            moe_in: b.alloc(0),
+            moe_out: b.alloc(0),
+            per_layer_all: b.alloc(0),
+            per_layer_proj: b.alloc(0),
+            per_layer: b.alloc(0),
+            per_layer_gate: b.alloc(0),
             rope_global: b.rope_table_new(),
             rope_local: b.rope_table_new(),
         };
@@ -154,6 +174,12 @@ impl<B: Backend> Context<B> {
             &mut bufs.up,
             &mut bufs.router,
             &mut bufs.logits,
+            &mut bufs.moe_in,
+            &mut bufs.moe_out,
+            &mut bufs.per_layer_all,
+            &mut bufs.per_layer_proj,
+            &mut bufs.per_layer,
+            &mut bufs.per_layer_gate,
         ] {
             *buf = b.alloc(0);
         }
@@ -200,9 +226,13 @@ pub(super) fn forward<'c, B: Backend>(
     ctx.out_rows.clear();
     ctx.out_rows.extend(batch.output_rows());
     backend.begin_forward(batch, &ctx.plan, &ctx.out_rows);
-    backend.install(|| run_layers(model, ctx, batch));
+    let run = match model.hparams.architecture {
+        Architecture::Gemma4 => super::gemma4::run_layers::<B>,
+        _ => run_layers::<B>,
+    };
+    backend.install(|| run(model, ctx, batch));
     if backend.end_forward() {
-        backend.install(|| run_layers(model, ctx, batch));
+        backend.install(|| run(model, ctx, batch));
     }
     if let Some(failure) = backend.take_failure() {
         for &(seq_id, len) in &ctx.lens_before {
@@ -279,7 +309,7 @@ fn run_layers<B: Backend>(model: &Model<B>, ctx: &mut Context<B>, batch: &Batch)
     let any_local = hp.layers.iter().any(|l| l.sliding_window);
     if any_local {
         let local = RopeParams {
-            n_dims: hp.rope_n_dims,
+            n_dims: hp.rope_n_dims_swa,
             freq_base: hp.rope_freq_base_swa,
             freq_scale: 1.0,
             freq_factors: None,
@@ -416,6 +446,7 @@ fn run_layers<B: Backend>(model: &Model<B>, ctx: &mut Context<B>, batch: &Batch)
                     n_ff: params.n_ff_expert,
                     activation: arch.ffn_activation(),
                     routing: params.routing(),
+                    expert_scale: None,
                     shared: moe.shared.as_ref().map(|s| SharedExpert {
                         gate: &s.gate,
                         up: &s.up,

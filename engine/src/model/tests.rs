@@ -31,6 +31,14 @@ fn tiny_moe(edit: impl FnOnce(&mut Vec<(String, Value)>, &mut Vec<TensorSpec>)) 
     }
     .apply(&mut shape)
     .unwrap();
+    write_edited(shape, edit)
+}
+
+/// The model of `shape` (Q8_0, seed 3) after `edit` changed its metadata or tensor list.
+pub(super) fn write_edited(
+    shape: Shape,
+    edit: impl FnOnce(&mut Vec<(String, Value)>, &mut Vec<TensorSpec>),
+) -> Arc<Gguf> {
     let opts = SynthOptions {
         shape,
         types: TypeSpec::parse("q8_0").unwrap(),
@@ -53,14 +61,14 @@ fn tiny_moe(edit: impl FnOnce(&mut Vec<(String, Value)>, &mut Vec<TensorSpec>)) 
     Arc::new(Gguf::from_bytes(writer.to_bytes()).unwrap())
 }
 
-fn load_error<B: Backend>(gguf: Arc<Gguf>, backend: B) -> String {
+pub(super) fn load_error<B: Backend>(gguf: Arc<Gguf>, backend: B) -> String {
     match Model::from_gguf(gguf, backend, &mut |_, _| {}) {
         Ok(_) => panic!("the model loaded"),
         Err(e) => e.to_string(),
     }
 }
 
-fn cpu() -> CpuBackend {
+pub(super) fn cpu() -> CpuBackend {
     CpuBackend::new(1).unwrap()
 }
 
@@ -167,6 +175,18 @@ fn a_backend_without_experts_refuses_them_at_load() {
     // The GPU backend over the host driver (real memory, no kernels): it has no
     // mixture-of-experts placement, so the default of `Backend::expert_matrix` refuses the first
     // stacked tensor and the load fails with the architecture named.
+    let gpu = host_gpu();
+    let e = Model::from_gguf(tiny_moe(|_, _| {}), gpu, &mut |_, _| {}).unwrap_err();
+    assert!(matches!(e, ModelError::Backend(_)), "{e:?}");
+    assert_eq!(
+        e.to_string(),
+        "tensor blk.0.ffn_gate_exps.weight: mixture of experts (architecture qwen3moe) is not \
+         built for the host backend yet: run the model on the CPU (--device cpu)"
+    );
+}
+
+/// The GPU backend over the host driver (real memory, no kernels).
+pub(super) fn host_gpu() -> crate::backend::gpu::GpuBackend {
     use ember_gpu::host::{HostDriver, HostDriverConfig};
     use ember_gpu::kernels::KernelLibrary;
     use ember_gpu::ops::{GpuContext, GpuContextOptions};
@@ -188,12 +208,5 @@ fn a_backend_without_experts_refuses_them_at_load() {
         &GpuContextOptions { disable_blas: true },
     )
     .unwrap();
-    let gpu = crate::backend::gpu::GpuBackend::new(ctx, "host", "host test device".into(), false);
-    let e = Model::from_gguf(tiny_moe(|_, _| {}), gpu, &mut |_, _| {}).unwrap_err();
-    assert!(matches!(e, ModelError::Backend(_)), "{e:?}");
-    assert_eq!(
-        e.to_string(),
-        "tensor blk.0.ffn_gate_exps.weight: mixture of experts (architecture qwen3moe) is not \
-         built for the host backend yet: run the model on the CPU (--device cpu)"
-    );
+    crate::backend::gpu::GpuBackend::new(ctx, "host", "host test device".into(), false)
 }
