@@ -341,6 +341,13 @@ pub fn load(
     let start = Instant::now();
     let path = resolve_model(&options.model, on_event)?;
     let gguf = open_gguf(&path)?;
+    let model_error = |source| LoadError::Model {
+        path: path.clone(),
+        source,
+    };
+    // The architecture first: a multimodal projector has no tokenizer, and deserves the clearer
+    // message.
+    let architecture = architecture_of(&gguf).map_err(model_error)?;
     let tokenizer = Tokenizer::from_gguf(&gguf).map_err(|source| LoadError::Tokenizer {
         path: path.clone(),
         source,
@@ -357,11 +364,6 @@ pub fn load(
             });
         }
     }
-    let model_error = |source| LoadError::Model {
-        path: path.clone(),
-        source,
-    };
-    let architecture = architecture_of(&gguf).map_err(model_error)?;
     let hparams = HParams::from_metadata(architecture, gguf.metadata()).map_err(model_error)?;
     let device = &options.device;
     let placement = device

@@ -1,8 +1,9 @@
 //! ember's CPU path against llama.cpp's logits on tiny synthetic models of architectures that
-//! have no small real checkpoint: the mixture-of-experts `qwen3moe`, and the Qwen 3.5 hybrids
-//! `qwen35` and `qwen35moe` (Gated DeltaNet linear attention with a recurrent state beside gated
-//! full attention; the latter with a gated shared expert). The hybrids are also checked for
-//! their recurrent form: a prompt followed by one-token decode steps against one batch.
+//! have no small real checkpoint: the mixture-of-experts `qwen3moe`, Gemma 4 shaped as 26B-A4B
+//! and as E2B, and the Qwen 3.5 hybrids `qwen35` and `qwen35moe` (Gated DeltaNet linear
+//! attention with a recurrent state beside gated full attention; the latter with a gated shared
+//! expert). The hybrids are also checked for their recurrent form: a prompt followed by
+//! one-token decode steps against one batch.
 //!
 //! Each reference file under `tests/data/reference/` (written by
 //! `scripts/reference/reference_logits.py`) records the `ember-synth` options of its model, a
@@ -92,6 +93,11 @@ struct Overrides {
     linear_k_heads: Option<usize>,
     linear_v_heads: Option<usize>,
     linear_head_dim: Option<usize>,
+    window: Option<usize>,
+    global_head_dim: Option<usize>,
+    global_kv_heads: Option<usize>,
+    shared_kv_layers: Option<usize>,
+    per_layer_embd: Option<usize>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -133,6 +139,11 @@ fn synth_options(name: &str, synth: &Synth) -> SynthOptions {
         linear_k_heads: o.linear_k_heads,
         linear_v_heads: o.linear_v_heads,
         linear_head_dim: o.linear_head_dim,
+        window: o.window,
+        global_head_dim: o.global_head_dim,
+        global_kv_heads: o.global_kv_heads,
+        shared_kv_layers: o.shared_kv_layers,
+        per_layer_embd: o.per_layer_embd,
     };
     let mut command = vec![
         "ember-synth".to_string(),
@@ -273,6 +284,16 @@ fn check_against_llama_cpp(name: &str) {
 #[test]
 fn qwen3moe_tiny_matches_llama_cpp() {
     check_against_llama_cpp("qwen3moe-tiny");
+}
+
+#[test]
+fn gemma4_tiny_matches_llama_cpp() {
+    check_against_llama_cpp("gemma4-tiny");
+}
+
+#[test]
+fn gemma4_e2b_tiny_matches_llama_cpp() {
+    check_against_llama_cpp("gemma4-e2b-tiny");
 }
 
 #[test]

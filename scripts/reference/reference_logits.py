@@ -7,6 +7,10 @@ fields), evaluates a fixed token sequence with llama.cpp's CPU backend in one ba
 per position the log-sum-exp of the full logit row and the 20 largest logits. The llama.cpp is
 the one scripts/reference/build_llama.sh builds (llama-cpp-python 0.3.36's vendored snapshot).
 
+The machine must have AVX-512 (the script refuses otherwise): ember's CPU kernels sum in the order
+of llama.cpp's AVX-512 build, and an AVX2-only build rounds differently enough to choose other
+experts now and then (on qwen3moe-tiny its logits differ from the AVX-512 ones by up to 0.4).
+
 Usage: scripts/reference/reference_logits.py [NAME ...]   (default: every reference model)
 Standard library only; needs cargo, cmake and a C compiler.
 """
@@ -111,6 +115,60 @@ MODELS = {
             "sigmoid(ffn_gate_inp_shexp x) in every layer, 1024 tokens. Q8_0 weights."
         ),
     },
+    "gemma4-tiny": {
+        "shape": "gemma4-26b-a4b",
+        "type": "q8_0",
+        "seed": 11,
+        "pure": False,
+        "overrides": {
+            "layers": 6,
+            "vocab": 1024,
+            "embd": 128,
+            "heads": 4,
+            "kv_heads": 2,
+            "head_dim": 32,
+            "ff": 64,
+            "expert_ff": 32,
+            "window": 16,
+            "global_head_dim": 64,
+            "global_kv_heads": 1,
+        },
+        "why": (
+            "Gemma 4 26B-A4B's structure at a width of 128: five sliding layers (head 32, 2 KV "
+            "heads, window 16 so the 64 tokens are masked) and one global layer (head 64, 1 KV "
+            "head, no attn_v: K serves as V, proportional rope through rope_freqs), 128 experts "
+            "of 32 rows (8 used) beside a dense GeGLU FFN of 64 rows in every layer with the "
+            "router input scale and per-expert output scales, value norm, layer output scales, "
+            "logit soft-cap. Q8_0 weights, for the reasons given for qwen3moe-tiny."
+        ),
+    },
+    "gemma4-e2b-tiny": {
+        "shape": "gemma4-e2b",
+        "type": "q8_0",
+        "seed": 12,
+        "pure": False,
+        "overrides": {
+            "layers": 10,
+            "vocab": 1024,
+            "embd": 128,
+            "heads": 4,
+            "kv_heads": 1,
+            "head_dim": 32,
+            "ff": 64,
+            "window": 16,
+            "global_head_dim": 64,
+            "global_kv_heads": 1,
+            "shared_kv_layers": 5,
+            "per_layer_embd": 32,
+        },
+        "why": (
+            "Gemma 4 E2B's structure at a width of 128: layers in groups of four sliding (head "
+            "32, window 16) and one global (head 64); the last 5 of 10 layers keep no cache and "
+            "attend over layers 3 (sliding) and 4 (global), with FFNs twice as wide; per-layer "
+            "token embeddings of 32 per layer. Q8_0 weights, for the reasons given for "
+            "qwen3moe-tiny."
+        ),
+    },
 }
 
 N_TOKENS = 64
@@ -119,6 +177,7 @@ OVERRIDE_ORDER = [
     "layers", "vocab", "embd", "heads", "kv_heads", "head_dim", "ff",
     "experts", "experts_used", "expert_ff", "shared_ff",
     "linear_k_heads", "linear_v_heads", "linear_head_dim",
+    "window", "global_head_dim", "global_kv_heads", "shared_kv_layers", "per_layer_embd",
 ]
 
 
@@ -174,6 +233,9 @@ def main(names):
         dumped = json.loads(run([dump_logits, str(model), str(THREADS), str(TOP_K),
                                  ",".join(map(str, tokens))],
                                 capture_output=True, text=True).stdout)
+        if "AVX512 = 1" not in dumped["system_info"]:
+            sys.exit(f"{name}: llama.cpp was built without AVX-512 ({dumped['system_info'].strip()}); "
+                     "regenerate the references on a machine with AVX-512")
         if dumped["n_vocab"] != n_vocab:
             sys.exit(f"{name}: llama.cpp reports {dumped['n_vocab']} tokens, expected {n_vocab}")
         reference = {

@@ -1,6 +1,6 @@
 //! Synthetic GGUF models: the shapes of real models (Llama 3.1 8B, Llama 3.2 1B, SmolLM2, Qwen 2
-//! and 3, Gemma 3, the Qwen3-30B-A3B mixture of experts) with random weights, in any type ember
-//! runs, and a working BPE tokenizer.
+//! and 3, Gemma 3, the Qwen3-30B-A3B mixture of experts, Gemma 4 26B-A4B and E2B) with random
+//! weights, in any type ember runs, and a working BPE tokenizer.
 //!
 //! They exist for GPU work: speed benchmarks need 1B and 8B models that cannot be downloaded
 //! here, and CPU-versus-GPU consistency tests need every architecture in every type. Weights are
@@ -201,6 +201,9 @@ pub fn tensor_list(opts: &SynthOptions) -> Result<Vec<TensorSpec>, SynthError> {
                 return Err(SynthError::Zero { what });
             }
         }
+    }
+    if let Some(g) = s.gemma4 {
+        return tensor_list_gemma4(s, &g, &plan);
     }
     let inv_sqrt = |n: usize| 1.0 / (n as f32).sqrt();
     let residual_scale = RESIDUAL_RMS * inv_sqrt(2 * s.n_layer);
@@ -515,6 +518,255 @@ pub fn tensor_list(opts: &SynthOptions) -> Result<Vec<TensorSpec>, SynthError> {
     Ok(list)
 }
 
+/// Gemma 4's tensors, named and shaped as llama.cpp's `llama_model_gemma4::load_arch_tensors`
+/// reads them, scaled as [`tensor_list`] describes for Gemma 3 (every block output and the
+/// per-layer embedding's output are RMS-normalised, so their norm weights set the residual
+/// scale). The router's input is RMS-normalised and scaled by `1/sqrt(n_embd)`, so its rows
+/// get std [`ROUTER_GAIN`] for logits of that std. The global layers' `rope_freqs` hold 1 for
+/// the rotated quarter of the pairs and 1e30 (no rotation) for the rest, as the converter
+/// writes proportional rope.
+fn tensor_list_gemma4(
+    s: &Shape,
+    g: &shapes::Gemma4Shape,
+    plan: &Plan,
+) -> Result<Vec<TensorSpec>, SynthError> {
+    let e = s.n_embd;
+    let width = g.n_embd_per_layer;
+    let inv_sqrt = |n: usize| 1.0 / (n as f32).sqrt();
+    // Each layer adds up to three normalised outputs (attention, FFN, per-layer embedding).
+    let n_adds = if width > 0 { 3 } else { 2 } * s.n_layer;
+    let post_norm_center = GEMMA_RESIDUAL_RMS * inv_sqrt(n_adds);
+    let output_std = LOGIT_STD * inv_sqrt(e);
+    let embd_std = if s.tied_embeddings {
+        output_std
+    } else {
+        inv_sqrt(e)
+    };
+    let matrix =
+        |name: String, role: Role, layer: usize, cols: usize, rows: usize, std: f32| TensorSpec {
+            name,
+            dims: vec![cols as u64, rows as u64],
+            ty: plan.tensor_type(role, layer, cols),
+            init: Init::Normal { std },
+        };
+    let vector = |name: String, len: usize, init: Init| TensorSpec {
+        name,
+        dims: vec![len as u64],
+        ty: GgmlType::F32,
+        init,
+    };
+    let around_one = |name: String, len: usize| {
+        vector(
+            name,
+            len,
+            Init::Uniform {
+                center: 1.0,
+                spread: NORM_SPREAD,
+            },
+        )
+    };
+    let post_norm = |name: String| {
+        vector(
+            name,
+            e,
+            Init::Uniform {
+                center: post_norm_center,
+                spread: NORM_SPREAD * post_norm_center,
+            },
+        )
+    };
+
+    let mut list = vec![matrix(
+        "token_embd.weight".into(),
+        Role::TokenEmbd,
+        0,
+        e,
+        s.n_vocab,
+        embd_std,
+    )];
+    if (0..s.n_layer).any(|il| !g.is_sliding(il)) {
+        let n_pairs = g.head_dim_global / 2;
+        let n_rotated = (g.head_dim_global as f32 * g.partial_rotary_global / 2.0) as usize;
+        let factors = (0..n_pairs)
+            .map(|i| if i < n_rotated { 1.0 } else { 1e30 })
+            .collect();
+        list.push(vector(
+            "rope_freqs.weight".into(),
+            n_pairs,
+            Init::Values(factors),
+        ));
+    }
+    if width > 0 {
+        let total = width * s.n_layer;
+        list.push(matrix(
+            "per_layer_token_embd.weight".into(),
+            Role::TokenEmbd,
+            0,
+            total,
+            s.n_vocab,
+            inv_sqrt(width),
+        ));
+        list.push(matrix(
+            "per_layer_model_proj.weight".into(),
+            Role::AttnQ,
+            0,
+            e,
+            total,
+            inv_sqrt(e),
+        ));
+        list.push(around_one("per_layer_proj_norm.weight".into(), width));
+    }
+    for il in 0..s.n_layer {
+        let n = |suffix: &str| format!("blk.{il}.{suffix}");
+        let hd = s.layer_head_dim(il);
+        let (q, kv) = (s.n_head * hd, s.layer_n_head_kv(il) * hd);
+        let ff = s.layer_n_ff(il);
+        list.push(around_one(n("attn_norm.weight"), e));
+        list.push(matrix(
+            n("attn_q.weight"),
+            Role::AttnQ,
+            il,
+            e,
+            q,
+            QK_GAIN * inv_sqrt(e),
+        ));
+        if s.layer_has_kv(il) {
+            list.push(matrix(
+                n("attn_k.weight"),
+                Role::AttnK,
+                il,
+                e,
+                kv,
+                QK_GAIN * inv_sqrt(e),
+            ));
+            if !g.k_eq_v_global || g.is_sliding(il) {
+                list.push(matrix(
+                    n("attn_v.weight"),
+                    Role::AttnV,
+                    il,
+                    e,
+                    kv,
+                    inv_sqrt(e),
+                ));
+            }
+            list.push(around_one(n("attn_k_norm.weight"), hd));
+        }
+        list.push(around_one(n("attn_q_norm.weight"), hd));
+        list.push(matrix(
+            n("attn_output.weight"),
+            Role::AttnOutput,
+            il,
+            q,
+            e,
+            inv_sqrt(q),
+        ));
+        list.push(post_norm(n("post_attention_norm.weight")));
+        list.push(around_one(n("ffn_norm.weight"), e));
+        list.push(matrix(
+            n("ffn_gate.weight"),
+            Role::FfnGate,
+            il,
+            e,
+            ff,
+            inv_sqrt(e),
+        ));
+        list.push(matrix(
+            n("ffn_up.weight"),
+            Role::FfnUp,
+            il,
+            e,
+            ff,
+            inv_sqrt(e),
+        ));
+        list.push(matrix(
+            n("ffn_down.weight"),
+            Role::FfnDown,
+            il,
+            ff,
+            e,
+            FFN_DOWN_GAIN * inv_sqrt(ff),
+        ));
+        list.push(post_norm(n("post_ffw_norm.weight")));
+        if let Some(m) = s.moe {
+            let (n_expert, eff) = (m.n_expert as u64, m.n_ff_expert);
+            let experts =
+                |name: String, role: Role, cols: usize, rows: usize, std: f32| TensorSpec {
+                    name,
+                    dims: vec![cols as u64, rows as u64, n_expert],
+                    ty: plan.tensor_type(role, il, cols),
+                    init: Init::Normal { std },
+                };
+            list.push(TensorSpec {
+                name: n("ffn_gate_inp.weight"),
+                dims: vec![e as u64, n_expert],
+                ty: GgmlType::F32,
+                init: Init::Normal { std: ROUTER_GAIN },
+            });
+            list.push(around_one(n("ffn_gate_inp.scale"), e));
+            list.push(around_one(n("pre_ffw_norm_2.weight"), e));
+            list.push(around_one(n("post_ffw_norm_1.weight"), e));
+            list.push(around_one(n("post_ffw_norm_2.weight"), e));
+            list.push(experts(
+                n("ffn_gate_exps.weight"),
+                Role::FfnGate,
+                e,
+                eff,
+                inv_sqrt(e),
+            ));
+            list.push(experts(
+                n("ffn_up_exps.weight"),
+                Role::FfnUp,
+                e,
+                eff,
+                inv_sqrt(e),
+            ));
+            list.push(experts(
+                n("ffn_down_exps.weight"),
+                Role::FfnDown,
+                eff,
+                e,
+                FFN_DOWN_GAIN * inv_sqrt(eff),
+            ));
+            list.push(around_one(n("ffn_down_exps.scale"), m.n_expert));
+        }
+        if width > 0 {
+            list.push(matrix(
+                n("inp_gate.weight"),
+                Role::FfnGate,
+                il,
+                e,
+                width,
+                inv_sqrt(e),
+            ));
+            list.push(matrix(
+                n("proj.weight"),
+                Role::FfnDown,
+                il,
+                width,
+                e,
+                inv_sqrt(width),
+            ));
+            list.push(post_norm(n("post_norm.weight")));
+        }
+        list.push(around_one(n("layer_output_scale.weight"), 1));
+    }
+    list.push(around_one("output_norm.weight".into(), e));
+    if !s.tied_embeddings {
+        list.push(matrix(
+            "output.weight".into(),
+            Role::Output,
+            0,
+            e,
+            s.n_vocab,
+            output_std,
+        ));
+    }
+    for t in &list {
+        weights::row_bytes(&t.name, t.ty, t.cols())?;
+    }
+    Ok(list)
+}
+
 /// The GGUF metadata of a model: hyperparameters under the architecture's prefix, the
 /// tokenizer, and a name saying what it is.
 pub fn metadata(opts: &SynthOptions) -> Result<Vec<(String, Value)>, SynthError> {
@@ -562,6 +814,73 @@ pub fn metadata(opts: &SynthOptions) -> Result<Vec<(String, Value)>, SynthError>
     ];
     if let Some(window) = s.sliding_window {
         md.push((format!("{a}.attention.sliding_window"), Value::U32(window)));
+    }
+    if let Some(g) = s.gemma4 {
+        // Global layers' sizes under the plain keys, sliding layers' under `_swa`, as
+        // llama.cpp's converter writes them.
+        let n_kv = |il| s.layer_n_head_kv(il) as u32;
+        let n_ff: Vec<u32> = (0..s.n_layer).map(|il| s.layer_n_ff(il) as u32).collect();
+        md.retain(|(k, _)| {
+            !k.ends_with(".attention.head_count_kv")
+                && !k.ends_with(".attention.key_length")
+                && !k.ends_with(".attention.value_length")
+                && !k.ends_with(".rope.dimension_count")
+                && !k.ends_with(".feed_forward_length")
+        });
+        md.extend([
+            (
+                format!("{a}.feed_forward_length"),
+                if n_ff.iter().all(|&f| f == n_ff[0]) {
+                    Value::U32(n_ff[0])
+                } else {
+                    Value::Array(Array::U32(n_ff))
+                },
+            ),
+            (
+                format!("{a}.attention.head_count_kv"),
+                Value::Array(Array::U32((0..s.n_layer).map(n_kv).collect())),
+            ),
+            (
+                format!("{a}.attention.key_length"),
+                u32_of(g.head_dim_global),
+            ),
+            (
+                format!("{a}.attention.value_length"),
+                u32_of(g.head_dim_global),
+            ),
+            (format!("{a}.attention.key_length_swa"), u32_of(s.head_dim)),
+            (
+                format!("{a}.attention.value_length_swa"),
+                u32_of(s.head_dim),
+            ),
+            (
+                format!("{a}.rope.dimension_count"),
+                u32_of(g.head_dim_global),
+            ),
+            (format!("{a}.rope.dimension_count_swa"), u32_of(s.head_dim)),
+            (
+                format!("{a}.rope.freq_base_swa"),
+                Value::F32(g.rope_freq_base_swa),
+            ),
+            (
+                format!("{a}.attention.sliding_window_pattern"),
+                Value::Array(Array::Bool(
+                    (0..s.n_layer).map(|il| g.is_sliding(il)).collect(),
+                )),
+            ),
+            (
+                format!("{a}.attention.shared_kv_layers"),
+                u32_of(g.n_kv_shared_layers),
+            ),
+            (
+                format!("{a}.embedding_length_per_layer_input"),
+                u32_of(g.n_embd_per_layer),
+            ),
+            (
+                format!("{a}.final_logit_softcapping"),
+                Value::F32(g.final_logit_softcap),
+            ),
+        ]);
     }
     if let Some(m) = s.moe {
         md.extend([

@@ -103,6 +103,40 @@ impl LinearShape {
     }
 }
 
+/// What Gemma 4 adds to the common fields of a [`Shape`], whose `head_dim`, `n_head_kv`,
+/// `sliding_window` and `rope_freq_base` are then those of its sliding-window layers and global
+/// layers respectively (see each field).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Gemma4Shape {
+    /// Layers come in groups of this many: the last of each group is global, the others slide
+    /// (the HF config's `layer_types`).
+    pub swa_period: usize,
+    /// Head size of global layers (`global_head_dim`; `Shape::head_dim` is the sliding one).
+    pub head_dim_global: usize,
+    /// KV heads of global layers (`num_global_key_value_heads`).
+    pub n_head_kv_global: usize,
+    /// Rotary base of sliding layers (`Shape::rope_freq_base` is the global layers').
+    pub rope_freq_base_swa: f32,
+    /// Share of a global head that rotates (proportional rope, `partial_rotary_factor`).
+    pub partial_rotary_global: f32,
+    /// Global layers have no V projection and use K's (`attention_k_eq_v`).
+    pub k_eq_v_global: bool,
+    /// The last this many layers reuse the cache of the last KV layer of their kind.
+    pub n_kv_shared_layers: usize,
+    /// Width of each layer's per-layer token embedding (0: none).
+    pub n_embd_per_layer: usize,
+    /// KV-sharing layers have an FFN twice as wide (`use_double_wide_mlp`).
+    pub double_wide_shared_ffn: bool,
+    pub final_logit_softcap: f32,
+}
+
+impl Gemma4Shape {
+    /// Whether layer `il` uses sliding-window attention.
+    pub fn is_sliding(&self, il: usize) -> bool {
+        il % self.swa_period != self.swa_period - 1
+    }
+}
+
 /// Everything about a model's shape that its GGUF metadata and tensor list need.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Shape {
@@ -133,7 +167,8 @@ pub struct Shape {
     /// Sliding-window attention (Gemma 3: five local layers to one global).
     pub sliding_window: Option<u32>,
     /// A mixture of experts in place of the FFN of every layer (`n_ff` is then only the dense
-    /// size the metadata states, as real conversions write it).
+    /// size the metadata states, as real conversions write it; Gemma 4 runs a dense FFN of that
+    /// size beside the experts).
     pub moe: Option<MoeShape>,
     /// Gated DeltaNet layers between the full-attention ones (Qwen 3.5); the full-attention
     /// layers then have a query gate (the Q projection gives `2 * head_dim` rows per head).
@@ -142,10 +177,12 @@ pub struct Shape {
     pub rope_dims: Option<usize>,
     /// `rope.dimension_sections` of a multi-section rope (Qwen 3.5's interleaved one).
     pub rope_sections: Option<[u32; 4]>,
+    /// Gemma 4's layout.
+    pub gemma4: Option<Gemma4Shape>,
 }
 
 /// The named shapes, in the order `--help` lists them.
-pub const SHAPE_NAMES: [&str; 9] = [
+pub const SHAPE_NAMES: [&str; 11] = [
     "llama3-8b",
     "llama3.2-1b",
     "smollm2-135m",
@@ -155,6 +192,8 @@ pub const SHAPE_NAMES: [&str; 9] = [
     "qwen3-30b-a3b",
     "qwen3.5-27b",
     "qwen3.5-35b-a3b",
+    "gemma4-26b-a4b",
+    "gemma4-e2b",
 ];
 
 /// Qwen 3.5's linear-attention layers in both published sizes here: 16 key heads of 128, a
@@ -210,6 +249,7 @@ impl Shape {
             linear: None,
             rope_dims: None,
             rope_sections: None,
+            gemma4: None,
         };
         let shape = match name {
             // Meta Llama 3.1 8B (config.json of meta-llama/Llama-3.1-8B).
@@ -386,6 +426,88 @@ impl Shape {
                 rope_sections: Some(QWEN35_ROPE_SECTIONS),
                 ..llama
             },
+            // Gemma 4 26B-A4B (the text config of google/gemma-4-26B-A4B-it, as llama.cpp's
+            // converter `conversion/gemma.py` maps it; the numbers as published, not checked
+            // against the file here, which cannot be fetched): 30 layers in groups of five
+            // sliding (head 256, 8 KV heads, window 1024, rope base 10000) and one global (head
+            // 512, 2 KV heads, K used as V, proportional rope on a quarter of the head, base
+            // 1e6); 128 experts of 704 rows, 8 used, beside a dense GeGLU FFN of 2112 rows in
+            // every layer; tied embeddings, logit soft-cap 30.
+            "gemma4-26b-a4b" => Shape {
+                architecture: "gemma4",
+                tokenizer: TokenizerStyle::Gemma,
+                n_vocab: 262_144,
+                n_embd: 2816,
+                n_layer: 30,
+                n_head: 16,
+                n_head_kv: 8,
+                head_dim: 256,
+                n_ff: 2112,
+                n_ctx_train: 262_144,
+                rms_eps: 1e-6,
+                rope_freq_base: 1_000_000.0,
+                rope_scaling: None,
+                tied_embeddings: true,
+                qk_norm: true,
+                post_norms: true,
+                sliding_window: Some(1024),
+                moe: Some(MoeShape {
+                    n_expert: 128,
+                    n_expert_used: 8,
+                    n_ff_expert: 704,
+                    n_ff_shared: None,
+                }),
+                gemma4: Some(Gemma4Shape {
+                    swa_period: 6,
+                    head_dim_global: 512,
+                    n_head_kv_global: 2,
+                    rope_freq_base_swa: 10_000.0,
+                    partial_rotary_global: 0.25,
+                    k_eq_v_global: true,
+                    n_kv_shared_layers: 0,
+                    n_embd_per_layer: 0,
+                    double_wide_shared_ffn: false,
+                    final_logit_softcap: 30.0,
+                }),
+                ..llama
+            },
+            // Gemma 4 E2B (the text config of google/gemma-4-E2B-it, as above): 35 layers in
+            // groups of four sliding (head 256, window 512) and one global (head 512), one KV
+            // head everywhere; the last 20 layers reuse the caches of layers 13 (sliding) and 14
+            // (global) and have an FFN of twice the 6144 rows; per-layer token embeddings of
+            // 256 per layer; tied embeddings, logit soft-cap 30.
+            "gemma4-e2b" => Shape {
+                architecture: "gemma4",
+                tokenizer: TokenizerStyle::Gemma,
+                n_vocab: 262_144,
+                n_embd: 1536,
+                n_layer: 35,
+                n_head: 8,
+                n_head_kv: 1,
+                head_dim: 256,
+                n_ff: 6144,
+                n_ctx_train: 131_072,
+                rms_eps: 1e-6,
+                rope_freq_base: 1_000_000.0,
+                rope_scaling: None,
+                tied_embeddings: true,
+                qk_norm: true,
+                post_norms: true,
+                sliding_window: Some(512),
+                gemma4: Some(Gemma4Shape {
+                    swa_period: 5,
+                    head_dim_global: 512,
+                    n_head_kv_global: 1,
+                    rope_freq_base_swa: 10_000.0,
+                    partial_rotary_global: 0.25,
+                    k_eq_v_global: false,
+                    n_kv_shared_layers: 20,
+                    n_embd_per_layer: 256,
+                    double_wide_shared_ffn: true,
+                    final_logit_softcap: 30.0,
+                }),
+                ..llama
+            },
             _ => return None,
         };
         Some(shape)
@@ -394,6 +516,38 @@ impl Shape {
     /// Width of the concatenated query heads.
     pub fn q_dim(&self) -> usize {
         self.n_head * self.head_dim
+    }
+
+    /// Head size of layer `il` (Gemma 4's global layers differ).
+    pub fn layer_head_dim(&self, il: usize) -> usize {
+        match self.gemma4 {
+            Some(g) if !g.is_sliding(il) => g.head_dim_global,
+            _ => self.head_dim,
+        }
+    }
+
+    /// KV heads of layer `il`.
+    pub fn layer_n_head_kv(&self, il: usize) -> usize {
+        match self.gemma4 {
+            Some(g) if !g.is_sliding(il) => g.n_head_kv_global,
+            _ => self.n_head_kv,
+        }
+    }
+
+    /// Dense FFN rows of layer `il`.
+    pub fn layer_n_ff(&self, il: usize) -> usize {
+        match self.gemma4 {
+            Some(g) if g.double_wide_shared_ffn && !self.layer_has_kv(il) => 2 * self.n_ff,
+            _ => self.n_ff,
+        }
+    }
+
+    /// Whether layer `il` has K and V of its own (Gemma 4's last layers reuse earlier ones').
+    pub fn layer_has_kv(&self, il: usize) -> bool {
+        match self.gemma4 {
+            Some(g) => il + g.n_kv_shared_layers < self.n_layer,
+            None => true,
+        }
     }
 
     /// Width of the concatenated key (and value) heads.
@@ -413,6 +567,9 @@ impl Shape {
 
     /// Parameters of the tensors the model file holds.
     pub fn n_params(&self) -> u64 {
+        if let Some(g) = self.gemma4 {
+            return self.n_params_gemma4(&g);
+        }
         let (e, ff) = (self.n_embd as u64, self.n_ff as u64);
         let (q, kv) = (self.q_dim() as u64, self.kv_dim() as u64);
         let ffn = match self.moe {
@@ -460,6 +617,48 @@ impl Shape {
         }
         let embeddings = e * self.n_vocab as u64 * if self.tied_embeddings { 1 } else { 2 };
         embeddings + e + total
+    }
+
+    fn n_params_gemma4(&self, g: &Gemma4Shape) -> u64 {
+        let e = self.n_embd as u64;
+        let (n_layer, width) = (self.n_layer as u64, g.n_embd_per_layer as u64);
+        let mut total = e * self.n_vocab as u64 * if self.tied_embeddings { 1 } else { 2 } + e;
+        if (0..self.n_layer).any(|il| !g.is_sliding(il)) {
+            total += g.head_dim_global as u64 / 2;
+        }
+        if width > 0 {
+            total += width * n_layer * self.n_vocab as u64 + e * width * n_layer + width;
+        }
+        for il in 0..self.n_layer {
+            let hd = self.layer_head_dim(il) as u64;
+            let (q, kv) = (
+                self.n_head as u64 * hd,
+                self.layer_n_head_kv(il) as u64 * hd,
+            );
+            let ff = self.layer_n_ff(il) as u64;
+            // Norms: attention, post-attention, FFN, post-FFN, Q.
+            total += 4 * e + hd + 2 * e * q + 3 * e * ff;
+            if self.layer_has_kv(il) {
+                let v = if g.k_eq_v_global && !g.is_sliding(il) {
+                    0
+                } else {
+                    e * kv
+                };
+                total += e * kv + v + hd;
+            }
+            if let Some(m) = self.moe {
+                let n_expert = m.n_expert as u64;
+                // Router, its input scale, three norms, the experts and their output scales.
+                total += e * n_expert + e + 3 * e;
+                total += 3 * e * m.n_ff_expert as u64 * n_expert + n_expert;
+            }
+            if width > 0 {
+                total += 2 * e * width + e;
+            }
+            // The layer's output scale.
+            total += 1;
+        }
+        total
     }
 }
 
@@ -511,6 +710,21 @@ pub struct ShapeOverrides {
     /// Use this head size in the linear-attention layers.
     #[arg(long = "linear-head-dim")]
     pub linear_head_dim: Option<usize>,
+    /// Use this sliding window instead of the shape's (sliding-window shapes).
+    #[arg(long)]
+    pub window: Option<usize>,
+    /// Use this head size on global layers instead of the shape's (Gemma 4).
+    #[arg(long = "global-head-dim")]
+    pub global_head_dim: Option<usize>,
+    /// Use this many KV heads on global layers instead of the shape's (Gemma 4).
+    #[arg(long = "global-kv-heads")]
+    pub global_kv_heads: Option<usize>,
+    /// Let this many last layers reuse earlier layers' caches instead of the shape's (Gemma 4).
+    #[arg(long = "shared-kv-layers")]
+    pub shared_kv_layers: Option<usize>,
+    /// Use this per-layer embedding width instead of the shape's (Gemma 4; 0 for none).
+    #[arg(long = "per-layer-embd")]
+    pub per_layer_embd: Option<usize>,
 }
 
 impl ShapeOverrides {
@@ -540,6 +754,20 @@ impl ShapeOverrides {
         {
             return Err(bad(
                 "--linear-k-heads, --linear-v-heads and --linear-head-dim apply to hybrid shapes only"
+                    .into(),
+            ));
+        }
+        if shape.sliding_window.is_none() && self.window.is_some() {
+            return Err(bad("--window applies to sliding-window shapes only".into()));
+        }
+        if shape.gemma4.is_none()
+            && (self.global_head_dim.is_some()
+                || self.global_kv_heads.is_some()
+                || self.shared_kv_layers.is_some()
+                || self.per_layer_embd.is_some())
+        {
+            return Err(bad(
+                "--global-head-dim, --global-kv-heads, --shared-kv-layers and --per-layer-embd apply to Gemma 4 shapes only"
                     .into(),
             ));
         }
@@ -573,6 +801,15 @@ impl ShapeOverrides {
             // A narrower head keeps the shape's rotated fraction (a quarter for Qwen 3.5).
             *dims = (*dims * s.head_dim / shape.head_dim).max(2) & !1;
         }
+        if let (Some(w), Some(window)) = (self.window, &mut s.sliding_window) {
+            *window = w as u32;
+        }
+        if let Some(g) = &mut s.gemma4 {
+            set(&mut g.head_dim_global, self.global_head_dim);
+            set(&mut g.n_head_kv_global, self.global_kv_heads);
+            set(&mut g.n_kv_shared_layers, self.shared_kv_layers);
+            set(&mut g.n_embd_per_layer, self.per_layer_embd);
+        }
         if s.n_head_kv == 0 || !s.n_head.is_multiple_of(s.n_head_kv) {
             return Err(bad(format!(
                 "{} KV heads do not divide {} heads",
@@ -591,6 +828,31 @@ impl ShapeOverrides {
             }
             if l.head_dim == 0 {
                 return Err(bad("linear-attention head size 0".into()));
+            }
+        }
+        if let Some(g) = s.gemma4 {
+            if g.n_head_kv_global == 0 || !s.n_head.is_multiple_of(g.n_head_kv_global) {
+                return Err(bad(format!(
+                    "{} global KV heads do not divide {} heads",
+                    g.n_head_kv_global, s.n_head
+                )));
+            }
+            if !g.head_dim_global.is_multiple_of(2) {
+                return Err(bad(format!(
+                    "global head size {} is odd",
+                    g.head_dim_global
+                )));
+            }
+            if g.n_kv_shared_layers > 0 {
+                // llama.cpp's rule: sliding layers reuse layer n_kv - 2, global ones n_kv - 1,
+                // so those two must be a sliding and a global layer.
+                let n_kv = s.n_layer.saturating_sub(g.n_kv_shared_layers);
+                if n_kv < 2 || !g.is_sliding(n_kv - 2) || g.is_sliding(n_kv - 1) {
+                    return Err(bad(format!(
+                        "{} shared KV layers of {}: the last two layers with a cache must be a sliding and a global one",
+                        g.n_kv_shared_layers, s.n_layer
+                    )));
+                }
             }
         }
         if let Some(m) = s.moe {
@@ -622,6 +884,11 @@ impl ShapeOverrides {
             ("--linear-k-heads", self.linear_k_heads),
             ("--linear-v-heads", self.linear_v_heads),
             ("--linear-head-dim", self.linear_head_dim),
+            ("--window", self.window),
+            ("--global-head-dim", self.global_head_dim),
+            ("--global-kv-heads", self.global_kv_heads),
+            ("--shared-kv-layers", self.shared_kv_layers),
+            ("--per-layer-embd", self.per_layer_embd),
         ]
         .into_iter()
         .filter_map(|(flag, v)| v.map(|v| [flag.to_string(), v.to_string()]))

@@ -50,6 +50,19 @@ fn small(name: &str) -> Shape {
         linear.head_dim = 64;
         s.rope_dims = Some(16);
     }
+    // Gemma 4: a global layer after each group of sliding ones; the E2B shape keeps 5 of its 10
+    // layers without a cache of their own (they reuse layers 3 and 4).
+    if let Some(g) = &mut s.gemma4 {
+        s.n_layer = 2 * g.swa_period;
+        g.head_dim_global = 128;
+        g.n_head_kv_global = 1;
+        if g.n_kv_shared_layers > 0 {
+            g.n_kv_shared_layers = g.swa_period;
+        }
+        if g.n_embd_per_layer > 0 {
+            g.n_embd_per_layer = 64;
+        }
+    }
     if name == "smollm2-135m" {
         s.n_embd = 320;
         s.head_dim = 32;

@@ -17,6 +17,8 @@ pub(crate) struct Bpe {
     ranks: HashMap<String, u32>,
     pre: PreTokenizer,
     ignore_merges: bool,
+    /// See [`PreSpec::spm_style`].
+    spm_style: bool,
 }
 
 /// A symbol of a word being merged: a byte range of the encoded word, linked to its neighbours.
@@ -47,7 +49,13 @@ impl Bpe {
             ranks,
             pre,
             ignore_merges: spec.ignore_merges,
+            spm_style: spec.spm_style,
         })
+    }
+
+    /// Whether tokens spell spaces as `▁` (see [`PreSpec::spm_style`]).
+    pub(crate) fn spm_style(&self) -> bool {
+        self.spm_style
     }
 
     fn rank(&self, key: &mut String, left: &str, right: &str) -> Option<u32> {
@@ -60,13 +68,31 @@ impl Bpe {
 
     /// Appends the tokens of `text` (a fragment without special tokens) to `out`.
     pub(crate) fn encode(&self, vocab: &Vocab, text: &str, out: &mut Vec<u32>) {
+        let escaped;
+        let text = if self.spm_style {
+            escaped = text.replace(' ', "\u{2581}");
+            escaped.as_str()
+        } else {
+            text
+        };
         let mut encoded = String::new();
         let mut key = String::new();
         let mut symbols: Vec<Symbol> = Vec::new();
         let mut queue: BinaryHeap<Reverse<(u32, usize, usize, usize)>> = BinaryHeap::new();
         for range in self.pre.split(text) {
             encoded.clear();
-            encoded.extend(text[range].bytes().map(unicode::byte_to_char));
+            if self.spm_style {
+                encoded.push_str(&text[range]);
+                // A word of newlines that is a token stays whole (llama.cpp's fix for Gemma 4).
+                if encoded.bytes().all(|b| b == b'\n') {
+                    if let Some(id) = vocab.text_to_token(&encoded) {
+                        out.push(id);
+                        continue;
+                    }
+                }
+            } else {
+                encoded.extend(text[range].bytes().map(unicode::byte_to_char));
+            }
             if self.ignore_merges {
                 if let Some(id) = vocab.text_to_token(&encoded) {
                     out.push(id);
@@ -121,6 +147,12 @@ impl Bpe {
                 let piece = &encoded[s.start..s.start + s.len];
                 match vocab.text_to_token(piece) {
                     Some(id) => out.push(id),
+                    // SentencePiece-style vocabularies spell bytes as `<0xNN>` tokens.
+                    None if self.spm_style => out.extend(
+                        piece
+                            .bytes()
+                            .filter_map(|b| vocab.text_to_token(&format!("<0x{b:02X}>"))),
+                    ),
                     // A merge result outside the vocabulary: llama.cpp looks up each byte of the
                     // encoded text alone, which only finds single ASCII characters.
                     None => out.extend(piece.bytes().filter(u8::is_ascii).filter_map(|b| {

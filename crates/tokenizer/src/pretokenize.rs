@@ -66,6 +66,12 @@ pub(crate) struct PreSpec {
     pub clean_spaces: bool,
     /// The vocabulary has no BOS token whatever the file says (ChatGLM 4).
     pub no_bos: bool,
+    /// SentencePiece-style BPE (Gemma 4): spaces become `▁` before splitting, words are merged
+    /// as raw UTF-8 characters rather than GPT-2's byte alphabet, a symbol outside the
+    /// vocabulary falls back to `<0xNN>` byte tokens, a word of newlines that is itself a token
+    /// is emitted whole, and BOS is added whatever `add_bos_token` says (llama.cpp's
+    /// `LLAMA_VOCAB_PRE_TYPE_GEMMA4`).
+    pub spm_style: bool,
 }
 
 const fn spec(regexes: &'static [&'static str], clean_spaces: bool) -> PreSpec {
@@ -75,6 +81,7 @@ const fn spec(regexes: &'static [&'static str], clean_spaces: bool) -> PreSpec {
         add_bos: false,
         clean_spaces,
         no_bos: false,
+        spm_style: false,
     }
 }
 
@@ -167,6 +174,11 @@ pub(crate) fn lookup(name: &str) -> Option<PreSpec> {
         "ufakzeka" => spec(&[UFAKZEKA], false),
         "laguna" => spec(&["[^\\n]+|[\\n]+", QWEN2], false),
         "exaone-moe" => spec(&[EXAONE_MOE], false),
+        "gemma4" | "granite-embed-multi-311m" => PreSpec {
+            add_bos: true,
+            spm_style: true,
+            ..spec(&["[^\\n]+|[\\n]+"], true)
+        },
         "minicpm5" => PreSpec {
             ignore_merges: true,
             ..spec(&[r"\p{N}{1,3}", MINICPM5_MAIN], true)

@@ -42,7 +42,7 @@ pub struct Tokenizer {
 /// tokenizer without a GGUF file (tests, converters).
 #[derive(Debug, Clone, Default)]
 pub struct TokenizerSpec {
-    /// `tokenizer.ggml.model`: `"gpt2"` or `"llama"`.
+    /// `tokenizer.ggml.model`: `"gpt2"`, `"gemma4"` or `"llama"`.
     pub model: String,
     /// `general.name`: llama.cpp changes special-token whitespace handling for Phi-3 by name.
     pub model_name: Option<String>,
@@ -171,8 +171,14 @@ impl Tokenizer {
         // dropped. (BPE's default of 11 for both is llama.cpp's, kept for old GPT-2 style files.)
         let default_id = |id: u32| ((id as usize) < n_tokens).then_some(id);
         let (model, kind, pre_spec) = match spec.model {
-            "gpt2" => {
-                let (name, pre_spec) = match spec.pre {
+            // llama.cpp's `gemma4` model is BPE whose pre-tokenizer is always `gemma4`.
+            "gpt2" | "gemma4" => {
+                let pre = if spec.model == "gemma4" {
+                    Some("gemma4")
+                } else {
+                    spec.pre
+                };
+                let (name, pre_spec) = match pre {
                     None => {
                         warnings.push(
                             "tokenizer.ggml.pre is missing: using the default pre-tokenizer; \
@@ -232,10 +238,12 @@ impl Tokenizer {
                 n.to_lowercase().contains("phi-3") || n.to_lowercase().contains("phi3")
             }),
         })?;
-        let add_bos = spec.add_bos.unwrap_or(match pre_spec {
-            Some(p) => p.add_bos,
-            None => true,
-        });
+        let add_bos = match pre_spec {
+            // llama.cpp adds Gemma 4's BOS even where the file says not to.
+            Some(p) if p.spm_style => true,
+            Some(p) => spec.add_bos.unwrap_or(p.add_bos),
+            None => spec.add_bos.unwrap_or(true),
+        };
         let add_eos = spec.add_eos.unwrap_or(false);
         if add_bos && vocab.special.bos.is_none() {
             return Err(TokenizerError::MissingSpecialToken {
@@ -331,8 +339,11 @@ impl Tokenizer {
             return token.text.as_bytes().to_vec();
         }
         if a & attr::NORMAL != 0 {
-            return match self.model {
+            return match &self.model {
                 Model::SentencePiece => token.text.replace(ESCAPED_SPACE, " ").into_bytes(),
+                Model::Bpe(bpe) if bpe.spm_style() => {
+                    token.text.replace(ESCAPED_SPACE, " ").into_bytes()
+                }
                 Model::Bpe(_) => decode_byte_level(&token.text),
             };
         }

@@ -248,3 +248,47 @@ fn load_errors_name_what_is_wrong() {
     .unwrap_err();
     assert!(matches!(err, TokenizerError::EmptyVocabulary));
 }
+
+/// A Gemma 4 vocabulary (`tokenizer.ggml.model = "gemma4"`): SentencePiece-style BPE over raw
+/// UTF-8 with `▁` for spaces and `<0xNN>` byte tokens.
+fn gemma4(add_bos: bool) -> Tokenizer {
+    let tokens = strings(&[
+        "<pad>", "<eos>", "<bos>", "<0x0A>", "<0xC3>", "<0xA9>", "a", "b", "▁", "▁a", "▁ab", "\n\n",
+    ]);
+    let mut types = vec![1; tokens.len()];
+    types[..3].fill(3);
+    types[3..6].fill(6);
+    Tokenizer::from_spec(&TokenizerSpec {
+        model: "gemma4".into(),
+        // llama.cpp uses the gemma4 pre-tokenizer for this model whatever the file says.
+        pre: Some("default".into()),
+        tokens,
+        token_types: Some(types),
+        merges: Some(strings(&["▁ a", "▁a b"])),
+        bos: Some(2),
+        eos: Some(1),
+        add_bos: Some(add_bos),
+        ..TokenizerSpec::default()
+    })
+    .unwrap()
+}
+
+#[test]
+fn gemma4_escapes_spaces_falls_back_to_bytes_and_keeps_newline_runs() {
+    let t = gemma4(false);
+    assert_eq!(encode_texts(&t, "a ab"), ["a", "▁ab"]);
+    assert_eq!(encode_texts(&t, " a b"), ["▁a", "▁", "b"]);
+    // `é` is no token: its two UTF-8 bytes are.
+    assert_eq!(encode_texts(&t, "é"), ["<0xC3>", "<0xA9>"]);
+    // Newlines split words; a run of them that is a token stays whole, others fall back to
+    // bytes (no merge joins newlines).
+    assert_eq!(encode_texts(&t, "a\n\nb"), ["a", "\n\n", "b"]);
+    assert_eq!(
+        encode_texts(&t, "a\n\n\nb"),
+        ["a", "<0x0A>", "<0x0A>", "<0x0A>", "b"]
+    );
+    // BOS is added although the file says not to, as llama.cpp does for Gemma 4.
+    assert_eq!(t.encode("ab", true, false)[0], 2);
+    let ids = t.encode(" ab é\n\n", false, false);
+    assert_eq!(t.decode(&ids, false), " ab é\n\n");
+}

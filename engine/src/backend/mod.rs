@@ -111,6 +111,9 @@ pub struct MoeFfn<'a, M> {
     pub n_ff: usize,
     pub activation: FfnActivation,
     pub routing: MoeRouting,
+    /// A factor per expert on its down projection's output, before the routing weight
+    /// (Gemma 4's `ffn_down_exps.scale`, `n_expert` values), when the layer has one.
+    pub expert_scale: Option<&'a [f32]>,
     pub shared: Option<SharedExpert<'a, M>>,
 }
 
@@ -421,6 +424,37 @@ pub trait Backend: Send + Sync + Sized + 'static {
         dim: usize,
         eps: f32,
     );
+    /// Whether the backend has the ops only Gemma 4 uses ([`Backend::rms_norm_unit_inplace`],
+    /// [`Backend::mul_rows_inplace`]). A backend without them (the default) refuses Gemma 4 at
+    /// load time, before any token runs.
+    fn has_gemma4_ops(&self) -> bool {
+        false
+    }
+    /// RMS normalisation without a weight (GGML's bare `ggml_rms_norm`), in place, of `n_rows`
+    /// rows of `dim` values. Only reachable where [`Backend::has_gemma4_ops`] says so; the
+    /// default is never run.
+    fn rms_norm_unit_inplace(&self, x: &mut Self::Buf, n_rows: usize, dim: usize, eps: f32) {
+        let _ = (x, n_rows, dim, eps);
+        unreachable!(
+            "the {} backend refuses Gemma 4 at load, so no model reaches rms_norm_unit_inplace",
+            self.name()
+        );
+    }
+    /// `x[r * dim + i] *= weight[i]` for `n_rows` rows (GGML's broadcast `ggml_mul`). Only
+    /// reachable where [`Backend::has_gemma4_ops`] says so; the default is never run.
+    fn mul_rows_inplace(
+        &self,
+        x: &mut Self::Buf,
+        weight: &Self::Vector,
+        n_rows: usize,
+        dim: usize,
+    ) {
+        let _ = (x, weight, n_rows, dim);
+        unreachable!(
+            "the {} backend refuses Gemma 4 at load, so no model reaches mul_rows_inplace",
+            self.name()
+        );
+    }
     /// `dst[i] += src[i]` for `len` values.
     fn add_inplace(&self, dst: &mut Self::Buf, src: &Self::Buf, len: usize);
     /// The residual add fused with the following normalisation: `x[i] += proj[i]` for
@@ -449,7 +483,8 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn swiglu(&self, gate: &mut Self::Buf, up: &Self::Buf, len: usize);
     /// `gate[i] = gelu(gate[i]) * up[i]` with GELU's tanh approximation (GeGLU).
     fn geglu(&self, gate: &mut Self::Buf, up: &Self::Buf, len: usize);
-    /// `x[i] = cap * tanh(x[i] / cap)` for `len` values (Gemma's logit soft-capping).
+    /// `x[i] = cap * tanh(x[i] * (1 / cap))` for `len` values (Gemma's logit soft-capping, in
+    /// GGML's order: a scale by `1 / cap`, `tanh`, a scale by `cap`).
     fn softcap(&self, x: &mut Self::Buf, len: usize, cap: f32);
 
     /// An empty rotary table.

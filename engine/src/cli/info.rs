@@ -7,7 +7,7 @@ use clap::Args;
 
 use ember::backend::cpu::physical_cores;
 use ember::load::open_gguf;
-use ember::model::{architecture_of, HParams, DEFAULT_N_CTX};
+use ember::model::{architecture_of, Architecture, HParams, DEFAULT_N_CTX};
 
 use super::load;
 
@@ -31,7 +31,6 @@ fn mib(bytes: f64) -> String {
 /// Bytes of activation buffers for a batch of `n` tokens (the forward pass's scratch), plus the
 /// logits of one output row.
 pub fn scratch_bytes(hp: &HParams, n_vocab: usize, n: usize) -> usize {
-    let hd = hp.head_dim_k;
     let attention = || hp.layers.iter().filter(|l| !l.recurrent);
     // A query gate doubles the query projection's output (and needs the gate split off).
     let q_factor = if hp.architecture.hybrid_recurrent() {
@@ -39,16 +38,86 @@ pub fn scratch_bytes(hp: &HParams, n_vocab: usize, n: usize) -> usize {
     } else {
         2
     };
-    let max_q = attention().map(|l| l.n_head * hd).max().unwrap_or(0);
-    let max_kv = attention().map(|l| l.n_head_kv * hd).max().unwrap_or(0);
+    let max_q = attention()
+        .map(|l| l.n_head * l.head_dim)
+        .max()
+        .unwrap_or(0);
+    let max_kv = attention()
+        .map(|l| l.n_head_kv * l.head_dim)
+        .max()
+        .unwrap_or(0);
     let max_ff = hp.layers.iter().map(|l| l.n_ff).max().unwrap_or(0);
     // A linear-attention layer's inputs: convolution channels, output gate, two per head.
     let linear = hp.linear_attention.map_or(0, |l| {
         l.conv_channels() + 2 * l.value_dim() + 2 * l.n_v_heads
     });
-    let floats =
+    let mut floats =
         n * (3 * hp.n_embd + q_factor * max_q + 2 * max_kv + 2 * max_ff + linear) + 2 * n_vocab;
+    if hp.architecture == Architecture::Gemma4 {
+        // The experts' input and output, the router logits, and the per-layer inputs of every
+        // layer (twice while they are computed) with one layer's slice and its gate.
+        if let Some(moe) = hp.moe {
+            floats += n * (2 * hp.n_embd + moe.n_expert);
+        }
+        if let Some(width) = hp.n_embd_per_layer {
+            floats += n * width * (2 * hp.n_layer + 2);
+        }
+    }
     floats * 4
+}
+
+/// The layer kinds of a model with sliding-window and global layers of different shapes
+/// (Gemma 4), one line per kind.
+fn layer_kinds(hp: &HParams) -> Vec<String> {
+    let mut lines = Vec::new();
+    for sliding in [false, true] {
+        let layers: Vec<_> = hp
+            .layers
+            .iter()
+            .filter(|l| l.sliding_window == sliding)
+            .collect();
+        let Some(first) = layers.first() else {
+            continue;
+        };
+        let kv_heads: std::collections::BTreeSet<usize> =
+            layers.iter().map(|l| l.n_head_kv).collect();
+        let kv_heads: Vec<String> = kv_heads.iter().map(usize::to_string).collect();
+        let (base, window) = if sliding {
+            (
+                hp.rope_freq_base_swa,
+                format!(", window {}", hp.sliding_window.unwrap_or(0)),
+            )
+        } else {
+            (hp.rope_freq_base, String::new())
+        };
+        lines.push(format!(
+            "  {} {}: head size {}, {} heads, KV heads {}, rope {} dims base {base}{window}",
+            layers.len(),
+            if sliding { "sliding" } else { "full" },
+            first.head_dim,
+            first.n_head,
+            kv_heads.join("/"),
+            first.rope_n_dims,
+        ));
+    }
+    let shared: Vec<usize> = hp
+        .layers
+        .iter()
+        .enumerate()
+        .filter(|&(il, l)| l.kv_source != il)
+        .map(|(il, _)| il)
+        .collect();
+    if let (Some(first), Some(last)) = (shared.first(), shared.last()) {
+        let sources: std::collections::BTreeSet<usize> =
+            shared.iter().map(|&il| hp.layers[il].kv_source).collect();
+        let sources: Vec<String> = sources.iter().map(usize::to_string).collect();
+        lines.push(format!(
+            "  {} KV-sharing (layers {first}..={last}, no cache of their own: they attend over layers {})",
+            shared.len(),
+            sources.join(" and ")
+        ));
+    }
+    lines
 }
 
 pub fn run(args: InfoArgs) -> anyhow::Result<()> {
@@ -109,9 +178,11 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
         );
     }
     if let Some(moe) = hp.moe {
-        let shared = moe
-            .n_ff_shared
-            .map_or_else(|| "none".to_string(), |n| format!("1 of FFN {n}"));
+        let shared = match (arch, moe.n_ff_shared) {
+            (Architecture::Gemma4, _) => format!("1 (the dense FFN of {})", l0.n_ff),
+            (_, Some(n)) => format!("1 of FFN {n}"),
+            (_, None) => "none".to_string(),
+        };
         let shared = if moe.shared_expert_gate && moe.n_ff_shared.is_some() {
             format!("{shared}, gated per token")
         } else {
@@ -139,6 +210,15 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
     }
     if let Some(cap) = hp.final_logit_softcap {
         println!("final logit soft-cap: {cap}");
+    }
+    if arch == Architecture::Gemma4 {
+        println!("layers by kind:");
+        for line in layer_kinds(&hp) {
+            println!("{line}");
+        }
+        if let Some(width) = hp.n_embd_per_layer {
+            println!("per-layer embeddings: {width} per layer");
+        }
     }
 
     let mut types: BTreeMap<&str, (usize, u64)> = BTreeMap::new();
@@ -171,6 +251,10 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
             mib(state as f64)
         );
     }
+    println!(
+        "  weights + KV at a context of {n_ctx}: {}",
+        mib((gguf.file_size() as usize + kv_token * n_ctx) as f64)
+    );
     println!(
         "  scratch: {} for a batch of {} tokens",
         mib(scratch_bytes(&hp, n_vocab, args.batch_size) as f64),

@@ -124,6 +124,7 @@ fn hint_for(e: &anyhow::Error) -> Option<String> {
         if let Some(m) = cause.downcast_ref::<ModelError>() {
             return Some(match m {
                 ModelError::UnknownArchitecture { .. } => "this model's architecture has no model code in ember yet".into(),
+                ModelError::MultimodalProjector => "pass the language model's GGUF with -m; ember runs text only".into(),
                 ModelError::Gguf(_) => "the file is not a valid GGUF model; re-download it (for pinned models: `ember pull NAME`)".into(),
                 _ => "the GGUF file does not match what its architecture requires; re-convert or re-download it".into(),
             });

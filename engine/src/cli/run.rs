@@ -33,6 +33,9 @@ pub struct RunArgs {
     /// Model: a GGUF path, or a pinned model name (fetched on first use).
     #[arg(short = 'm', long)]
     pub model: String,
+    /// A multimodal projector (llama.cpp's `--mmproj`): refused, as ember runs text models only.
+    #[arg(long, value_name = "FILE")]
+    pub mmproj: Option<std::path::PathBuf>,
     /// The prompt.
     #[arg(
         short = 'p',
@@ -147,6 +150,13 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let sampling = sampling(&args)?;
     if let Some(n_ctx) = args.ctx_size {
         ember::limits::check_context(n_ctx, 1, 0, None).map_err(|e| anyhow::anyhow!("-c: {e}"))?;
+    }
+    if let Some(path) = &args.mmproj {
+        bail!(
+            "--mmproj {}: {}",
+            path.display(),
+            ember::model::MULTIMODAL_UNSUPPORTED
+        );
     }
     let loaded = load::load_on(&args.model, args.threads, &args.device)?;
     // The prompt is read with the model's tokenizer and template before the model moves to the

@@ -28,6 +28,9 @@ pub struct ServeArgs {
     /// Model: a GGUF path, or a pinned model name (fetched on first use).
     #[arg(short = 'm', long)]
     pub model: String,
+    /// A multimodal projector (llama.cpp's `--mmproj`): refused, as ember runs text models only.
+    #[arg(long, value_name = "FILE")]
+    pub mmproj: Option<std::path::PathBuf>,
     /// Address to listen on (0.0.0.0 or :: for every interface).
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
@@ -334,6 +337,13 @@ async fn serve(
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    if let Some(path) = &args.mmproj {
+        anyhow::bail!(
+            "--mmproj {}: {}",
+            path.display(),
+            ember::model::MULTIMODAL_UNSUPPORTED
+        );
+    }
     args.check()?;
     // Tests force a stalled step through the environment; a bad value is refused before load.
     let mut fault_settings = EngineConfig::default();

@@ -1,9 +1,12 @@
 //! The architecture registry: what each `general.architecture` value means to the model code.
 //!
-//! One forward pass serves every architecture here (they are all pre-norm decoder-only
-//! transformers); an [`Architecture`] only answers the questions where they differ: how rotary
-//! embedding pairs elements, which optional tensors exist, which activation the FFN uses, and so
-//! on. Adding an architecture means adding a variant and answering those questions.
+//! One forward pass serves every architecture here but Gemma 4 (they are all pre-norm
+//! decoder-only transformers); an [`Architecture`] only answers the questions where they differ:
+//! how rotary embedding pairs elements, which optional tensors exist, which activation the FFN
+//! uses, and so on. Adding an architecture means adding a variant and answering those questions.
+//! Gemma 4's block differs in too many places (per-layer head sizes, shared KV layers, experts
+//! beside the dense FFN, per-layer embeddings), so it has a forward pass of its own over the same
+//! backend ops (`model/gemma4.rs`).
 
 use crate::backend::ExpertGating;
 pub use crate::ops::FfnActivation;
@@ -31,6 +34,12 @@ pub enum Architecture {
     /// Qwen 3.5 / 3.6 mixture of experts (`qwen35moe`): Qwen 3.5's layers with a mixture of
     /// experts plus a sigmoid-gated shared expert in place of the FFN.
     Qwen35Moe,
+    /// Gemma 4 (26B-A4B, E2B, E4B, 31B): sliding-window and global layers with different head
+    /// sizes, KV head counts and rotary bases, value norm, attention scale 1, and optionally a
+    /// mixture of experts beside the dense FFN (26B-A4B), per-layer token embeddings and layers
+    /// that reuse an earlier layer's KV cache (the E models). Its layer block differs enough
+    /// that it has its own forward pass (`model::gemma4`).
+    Gemma4,
 }
 
 /// How an architecture's mixture-of-experts layers route and what they hold, where llama.cpp
@@ -48,7 +57,7 @@ pub struct MoeRules {
 
 impl Architecture {
     /// Every supported architecture.
-    pub const ALL: [Architecture; 7] = [
+    pub const ALL: [Architecture; 8] = [
         Architecture::Llama,
         Architecture::Qwen2,
         Architecture::Qwen3,
@@ -56,6 +65,7 @@ impl Architecture {
         Architecture::Qwen3Moe,
         Architecture::Qwen35,
         Architecture::Qwen35Moe,
+        Architecture::Gemma4,
     ];
 
     /// The `general.architecture` value, which is also the prefix of its metadata keys.
@@ -68,6 +78,7 @@ impl Architecture {
             Architecture::Qwen3Moe => "qwen3moe",
             Architecture::Qwen35 => "qwen35",
             Architecture::Qwen35Moe => "qwen35moe",
+            Architecture::Gemma4 => "gemma4",
         }
     }
 
@@ -93,7 +104,8 @@ impl Architecture {
             | Architecture::Gemma3
             | Architecture::Qwen3Moe
             | Architecture::Qwen35
-            | Architecture::Qwen35Moe => RopeMode::Neox,
+            | Architecture::Qwen35Moe
+            | Architecture::Gemma4 => RopeMode::Neox,
         }
     }
 
@@ -107,7 +119,8 @@ impl Architecture {
             | Architecture::Gemma3
             | Architecture::Qwen3Moe
             | Architecture::Qwen35
-            | Architecture::Qwen35Moe => Presence::Absent,
+            | Architecture::Qwen35Moe
+            | Architecture::Gemma4 => Presence::Absent,
         }
     }
 
@@ -120,6 +133,7 @@ impl Architecture {
                 | Architecture::Qwen3Moe
                 | Architecture::Qwen35
                 | Architecture::Qwen35Moe
+                | Architecture::Gemma4
         )
     }
 
@@ -142,13 +156,13 @@ impl Architecture {
 
     /// Whether the attention and FFN outputs are RMS-normalised before the residual add.
     pub fn post_norms(self) -> bool {
-        matches!(self, Architecture::Gemma3)
+        matches!(self, Architecture::Gemma3 | Architecture::Gemma4)
     }
 
     /// The FFN's activation.
     pub fn ffn_activation(self) -> FfnActivation {
         match self {
-            Architecture::Gemma3 => FfnActivation::GeGlu,
+            Architecture::Gemma3 | Architecture::Gemma4 => FfnActivation::GeGlu,
             _ => FfnActivation::SwiGlu,
         }
     }
@@ -173,13 +187,23 @@ impl Architecture {
                 shared_expert: Presence::Required,
                 shared_expert_gate: Presence::Required,
             }),
+            // llama.cpp's gemma4 graph: softmax gating, normalised weights, a scale of 1. Its
+            // dense FFN runs beside the experts with norms of its own, so the forward pass
+            // computes it rather than the op's shared expert. Whether a file has experts at all
+            // is its `expert_count` (the E models have none).
+            Architecture::Gemma4 => Some(MoeRules {
+                gating: ExpertGating::Softmax,
+                normalize_weights: true,
+                shared_expert: Presence::Absent,
+                shared_expert_gate: Presence::Absent,
+            }),
             _ => None,
         }
     }
 
     /// Whether token embeddings are multiplied by `sqrt(n_embd)`.
     pub fn scales_embeddings(self) -> bool {
-        matches!(self, Architecture::Gemma3)
+        matches!(self, Architecture::Gemma3 | Architecture::Gemma4)
     }
 
     /// Whether the queries, rather than the scores, are multiplied by the attention scale

@@ -1,7 +1,8 @@
-//! The forward pass shared by every architecture: a pre-norm decoder-only transformer, following
-//! llama.cpp's graphs (`build_llama`, `build_qwen2`, `build_qwen3`, `build_gemma3`, and for
-//! `qwen3moe` Qwen3's attention with `build_moe_ffn` in place of the FFN, and for `qwen35` /
-//! `qwen35moe` llama.cpp's qwen35 graphs) op for op so the numbers agree with it. A
+//! The forward pass shared by every architecture but Gemma 4: a pre-norm decoder-only
+//! transformer, following llama.cpp's graphs (`build_llama`, `build_qwen2`, `build_qwen3`,
+//! `build_gemma3`, and for `qwen3moe` Qwen3's attention with `build_moe_ffn` in place of the FFN,
+//! and for `qwen35` / `qwen35moe` llama.cpp's qwen35 graphs) op for op so the numbers agree with
+//! it. Gemma 4 runs its own layer loop (`gemma4.rs`) over the same [`Context`]. A
 //! mixture-of-experts FFN is the router product here and one backend op ([`Backend::moe_ffn`])
 //! for the routing and the experts. A hybrid's linear-attention layer is its four input
 //! products here and one backend op ([`Backend::gated_delta_net`]) for the convolution, the
@@ -14,6 +15,7 @@
 //! to the largest batch seen and are then reused, so decoding allocates nothing per token in
 //! the layer loop.
 
+use super::arch::Architecture;
 use super::weights::{FfnWeights, MixerWeights};
 use super::{ContextParams, ForwardError, Model, TruncateError};
 use crate::backend::{Backend, GatedDeltaNet, MoeFfn, RopeParams, SharedExpert};
@@ -22,35 +24,44 @@ use crate::kv_cache::{AttentionPlan, KvCache, PoolStats};
 use crate::recurrent_state::{RecurrentStates, StateStats};
 
 /// Activation buffers of one forward pass.
-struct Buffers<B: Backend> {
+pub(super) struct Buffers<B: Backend> {
     /// The residual stream.
-    x: B::Buf,
+    pub(super) x: B::Buf,
     /// Normalised input of the attention or FFN block.
-    xn: B::Buf,
-    q: B::Buf,
-    k: B::Buf,
-    v: B::Buf,
-    attn: B::Buf,
+    pub(super) xn: B::Buf,
+    pub(super) q: B::Buf,
+    pub(super) k: B::Buf,
+    pub(super) v: B::Buf,
+    pub(super) attn: B::Buf,
     /// Output of an attention or FFN block before the residual add.
-    proj: B::Buf,
-    gate: B::Buf,
-    up: B::Buf,
+    pub(super) proj: B::Buf,
+    pub(super) gate: B::Buf,
+    pub(super) up: B::Buf,
     /// Router logits of a mixture-of-experts layer.
-    router: B::Buf,
+    pub(super) router: B::Buf,
     /// A gated query projection (query and gate of each head) and the gate split from it.
-    q_full: B::Buf,
-    q_gate: B::Buf,
+    pub(super) q_full: B::Buf,
+    pub(super) q_gate: B::Buf,
     /// Inputs of a linear-attention layer: the convolution channels, the output gate, and the
     /// per-head write strength and decay logits.
-    lin_qkv: B::Buf,
-    lin_z: B::Buf,
-    lin_beta: B::Buf,
-    lin_alpha: B::Buf,
-    logits: B::Buf,
+    pub(super) lin_qkv: B::Buf,
+    pub(super) lin_z: B::Buf,
+    pub(super) lin_beta: B::Buf,
+    pub(super) lin_alpha: B::Buf,
+    pub(super) logits: B::Buf,
+    /// Gemma 4: the experts' input and output beside the dense FFN's.
+    pub(super) moe_in: B::Buf,
+    pub(super) moe_out: B::Buf,
+    /// Gemma 4: every layer's per-layer input (`n_layer * width` values per token), one
+    /// layer's slice of it, and that slice's gate.
+    pub(super) per_layer_all: B::Buf,
+    pub(super) per_layer_proj: B::Buf,
+    pub(super) per_layer: B::Buf,
+    pub(super) per_layer_gate: B::Buf,
     /// The arg-max indices of a greedy readout, where the backend keeps them.
-    argmax: B::Buf,
-    rope_global: B::RopeTable,
-    rope_local: B::RopeTable,
+    pub(super) argmax: B::Buf,
+    pub(super) rope_global: B::RopeTable,
+    pub(super) rope_local: B::RopeTable,
 }
 
 /// The state of one model instance: its KV cache, the recurrent states of hybrid models, and
@@ -59,17 +70,17 @@ pub struct Context<B: Backend> {
     params: ContextParams,
     /// KV blocks of the layers that attend over the cache (every layer but the linear-attention
     /// ones); `kv_layer_of[il]` is layer `il`'s index in it.
-    kv: KvCache<B>,
-    kv_layer_of: Vec<Option<usize>>,
+    pub(super) kv: KvCache<B>,
+    pub(super) kv_layer_of: Vec<Option<usize>>,
     /// Recurrent states of the linear-attention layers (empty for other models).
     states: RecurrentStates,
     /// The batch's rows grouped by sequence, in position order, for the linear-attention op.
     seq_groups: Vec<(SeqId, Vec<usize>)>,
-    plan: AttentionPlan,
-    bufs: Buffers<B>,
-    out_rows: Vec<usize>,
+    pub(super) plan: AttentionPlan,
+    pub(super) bufs: Buffers<B>,
+    pub(super) out_rows: Vec<usize>,
     /// What the current pass hands back: logits rows, or only their arg-max.
-    readout: Readout,
+    pub(super) readout: Readout,
     pub(super) logits: Vec<f32>,
     /// Greedy tokens of the last forward pass read out by arg-max.
     pub(super) greedy: Vec<u32>,
@@ -83,14 +94,20 @@ impl<B: Backend> Context<B> {
         let b = &model.backend;
         let block_size = params.kv_block_size.max(1);
         let capacity_blocks = params.kv_capacity_tokens.max(1).div_ceil(block_size);
-        let mut kv_layer_of = Vec::with_capacity(hp.n_layer);
+        // Layers with a recurrent state (hybrids' linear attention) have no KV storage, nor do
+        // layers that reuse an earlier layer's cache (Gemma 4's KV sharing: they come last, so
+        // every other layer's storage index is its own index there); `kv_layer_of[il]` is where
+        // layer `il` reads and writes.
+        let mut kv_layer_of: Vec<Option<usize>> = Vec::with_capacity(hp.n_layer);
         let mut shapes: Vec<(usize, usize)> = Vec::new();
-        for l in &hp.layers {
+        for (il, l) in hp.layers.iter().enumerate() {
             if l.recurrent {
                 kv_layer_of.push(None);
+            } else if l.kv_source != il {
+                kv_layer_of.push(kv_layer_of[l.kv_source]);
             } else {
                 kv_layer_of.push(Some(shapes.len()));
-                shapes.push((l.n_head_kv, hp.head_dim_k));
+                shapes.push((l.n_head_kv, l.head_dim));
             }
         }
         let kv = KvCache::new(b, &shapes, block_size, params.n_ctx, capacity_blocks);
@@ -120,6 +137,12 @@ impl<B: Backend> Context<B> {
             lin_alpha: b.alloc(0),
             logits: b.alloc(0),
             argmax: b.alloc(0),
+            moe_in: b.alloc(0),
+            moe_out: b.alloc(0),
+            per_layer_all: b.alloc(0),
+            per_layer_proj: b.alloc(0),
+            per_layer: b.alloc(0),
+            per_layer_gate: b.alloc(0),
             rope_global: b.rope_table_new(),
             rope_local: b.rope_table_new(),
         };
@@ -247,6 +270,12 @@ impl<B: Backend> Context<B> {
             &mut bufs.lin_alpha,
             &mut bufs.logits,
             &mut bufs.argmax,
+            &mut bufs.moe_in,
+            &mut bufs.moe_out,
+            &mut bufs.per_layer_all,
+            &mut bufs.per_layer_proj,
+            &mut bufs.per_layer,
+            &mut bufs.per_layer_gate,
         ] {
             *buf = b.alloc(0);
         }
@@ -321,9 +350,13 @@ pub(super) fn forward<B: Backend>(
     ctx.out_rows.extend(batch.output_rows());
     ctx.readout = readout;
     backend.begin_forward(batch, &ctx.plan, &ctx.out_rows);
-    backend.install(|| run_layers(model, ctx, batch));
+    let run = match model.hparams.architecture {
+        Architecture::Gemma4 => super::gemma4::run_layers::<B>,
+        _ => run_layers::<B>,
+    };
+    backend.install(|| run(model, ctx, batch));
     if backend.end_forward() {
-        backend.install(|| run_layers(model, ctx, batch));
+        backend.install(|| run(model, ctx, batch));
     }
     if let Some(failure) = backend.take_failure() {
         for &(seq_id, len) in &ctx.lens_before {
@@ -432,7 +465,7 @@ fn run_layers<B: Backend>(model: &Model<B>, ctx: &mut Context<B>, batch: &Batch)
     let any_local = hp.layers.iter().any(|l| l.sliding_window);
     if any_local {
         let local = RopeParams {
-            n_dims: hp.rope_n_dims,
+            n_dims: hp.rope_n_dims_swa,
             freq_base: hp.rope_freq_base_swa,
             freq_scale: 1.0,
             freq_factors: None,
@@ -631,6 +664,7 @@ fn run_layers<B: Backend>(model: &Model<B>, ctx: &mut Context<B>, batch: &Batch)
                     n_ff: params.n_ff_expert,
                     activation: arch.ffn_activation(),
                     routing: params.routing(),
+                    expert_scale: None,
                     shared: moe.shared.as_ref().map(|s| SharedExpert {
                         gate: &s.gate,
                         up: &s.up,

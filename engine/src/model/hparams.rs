@@ -4,7 +4,7 @@
 //! without re-checking: counts positive and bounded, heads divisible into KV groups, rotary
 //! dimensions even and within a head. Each error names the metadata key at fault.
 
-use ember_gguf::Metadata;
+use ember_gguf::{Array, Metadata, Value};
 
 use super::arch::{Architecture, Presence};
 use super::ModelError;
@@ -35,8 +35,17 @@ pub struct LayerShape {
     /// Whether the layer uses sliding-window attention (and the local rotary base).
     pub sliding_window: bool,
     /// Whether the layer's FFN is a mixture of experts (see [`HParams::moe`]); `n_ff` is then
-    /// the dense size the metadata states, which the layer does not use.
+    /// the dense size the metadata states, which the layer does not use (Gemma 4 runs a dense
+    /// FFN of that size beside its experts).
     pub moe: bool,
+    /// Size of each Q, K and V head (Gemma 4: larger on global layers than on sliding ones).
+    pub head_dim: usize,
+    /// Rotated elements per head.
+    pub rope_n_dims: usize,
+    /// The layer whose KV cache this layer attends over: itself, or for Gemma 4's KV-sharing
+    /// layers an earlier layer of the same kind (the layer then computes no K or V, and the
+    /// cache has no storage for it).
+    pub kv_source: usize,
     /// Whether the layer is a linear-attention layer (Gated DeltaNet, see
     /// [`HParams::linear_attention`]) with a recurrent state per sequence instead of KV blocks;
     /// `n_head` and `n_head_kv` then describe the full-attention layers, not this one.
@@ -150,6 +159,14 @@ pub struct HParams {
     pub moe: Option<MoeParams>,
     /// The linear-attention layers of a hybrid model (see [`LayerShape::recurrent`]).
     pub linear_attention: Option<LinearAttention>,
+    /// Rotated elements per head of sliding-window layers.
+    pub rope_n_dims_swa: usize,
+    /// Layers that have KV storage of their own: the first `n_layer_kv` (Gemma 4's E models
+    /// share the last layers' caches; every layer elsewhere).
+    pub n_layer_kv: usize,
+    /// Width of each layer's slice of Gemma 4's per-layer token embeddings, when the model has
+    /// them (`<arch>.embedding_length_per_layer_input`, E models).
+    pub n_embd_per_layer: Option<usize>,
 }
 
 /// Gemma 3 alternates five sliding-window layers with one global layer (llama.cpp's
@@ -355,12 +372,15 @@ impl HParams {
                 sliding_window: swa_period.is_some_and(|p| il % p < p - 1),
                 moe: moe.is_some(),
                 recurrent: recurrent[il],
+                head_dim: head_dim_k,
+                rope_n_dims,
+                kv_source: il,
             })
             .collect();
         let final_logit_softcap = k.positive_f32_opt("final_logit_softcapping")?;
         let n_vocab_metadata = k.usize_opt("vocab_size", u32::MAX as usize)?;
 
-        Ok(HParams {
+        let mut hp = HParams {
             architecture,
             n_ctx_train,
             n_embd,
@@ -378,7 +398,14 @@ impl HParams {
             n_vocab_metadata,
             moe,
             linear_attention,
-        })
+            rope_n_dims_swa: rope_n_dims,
+            n_layer_kv: n_layer,
+            n_embd_per_layer: None,
+        };
+        if architecture == Architecture::Gemma4 {
+            read_gemma4(&k, &mut hp)?;
+        }
+        Ok(hp)
     }
 
     /// Bytes of K and V cache per token (f16 storage), summed over the layers that attend
@@ -386,8 +413,9 @@ impl HParams {
     pub fn kv_bytes_per_token(&self) -> usize {
         self.layers
             .iter()
-            .filter(|l| !l.recurrent)
-            .map(|l| 2 * l.n_head_kv * self.head_dim_k * 2)
+            .enumerate()
+            .filter(|&(il, l)| !l.recurrent && l.kv_source == il)
+            .map(|(_, l)| 2 * l.n_head_kv * l.head_dim * 2)
             .sum()
     }
 
@@ -406,10 +434,156 @@ impl HParams {
         self.layers.iter().any(|l| l.recurrent)
     }
 
-    /// The attention scale: `1 / sqrt(head size)`.
+    /// The attention scale: `1 / sqrt(head size)`; 1 for Gemma 4, whose Q and K norms take its
+    /// place (llama.cpp's `f_attention_scale = 1`).
     pub fn attention_scale(&self) -> f32 {
-        1.0 / (self.head_dim_k as f32).sqrt()
+        match self.architecture {
+            Architecture::Gemma4 => 1.0,
+            _ => 1.0 / (self.head_dim_k as f32).sqrt(),
+        }
     }
+}
+
+/// Gemma 4's hyperparameters beyond the common ones, as llama.cpp's `llama_model_gemma4` and
+/// the common loader read them: the layer kinds from `attention.sliding_window_pattern` (one
+/// bool per layer, true for sliding-window layers); head sizes `attention.key_length` (global
+/// layers) and `attention.key_length_swa`; rotary dims `rope.dimension_count` and
+/// `rope.dimension_count_swa` (defaulting to the global one, as llama.cpp does); the sliding
+/// base `rope.freq_base_swa` (default 10000); `attention.shared_kv_layers` (default 0): the
+/// last that many layers reuse the cache of the last KV layer of their kind (llama.cpp's
+/// `n_layer_kv_from_start - (swa ? 2 : 1)`); `embedding_length_per_layer_input` (0: none).
+fn read_gemma4(k: &Keys<'_>, hp: &mut HParams) -> Result<(), ModelError> {
+    let n_layer = hp.n_layer;
+    let pattern_key = k.key("attention.sliding_window_pattern");
+    let pattern: Vec<bool> = match k.md.get(&pattern_key) {
+        Some(Value::Array(Array::Bool(v))) => v.clone(),
+        Some(Value::Array(Array::U8(v))) => v.iter().map(|&x| x != 0).collect(),
+        Some(Value::Array(Array::I32(v))) => v.iter().map(|&x| x != 0).collect(),
+        Some(Value::Array(Array::U32(v))) => v.iter().map(|&x| x != 0).collect(),
+        Some(other) => {
+            return Err(ModelError::BadHyperparameter {
+                key: pattern_key,
+                expected: "an array of one bool per layer".into(),
+                found: other.type_name().into(),
+            })
+        }
+        None => {
+            return Err(ModelError::BadHyperparameter {
+                key: pattern_key,
+                expected: "an array of one bool per layer".into(),
+                found: "no value".into(),
+            })
+        }
+    };
+    if pattern.len() != n_layer {
+        return Err(ModelError::BadHyperparameter {
+            key: pattern_key,
+            expected: format!("{n_layer} values, one per layer"),
+            found: format!("{} values", pattern.len()),
+        });
+    }
+    let head_dim_full = hp.head_dim_k;
+    let head_dim_swa = k.usize_req("attention.key_length_swa", MAX_DIM)?;
+    let value_swa = k.usize_req("attention.value_length_swa", MAX_DIM)?;
+    if value_swa != head_dim_swa || head_dim_swa % 2 != 0 {
+        return Err(ModelError::BadHyperparameter {
+            key: k.key("attention.value_length_swa"),
+            expected: format!(
+                "the even sliding-window key length {head_dim_swa} (Gemma 4 needs equal K and V head sizes)"
+            ),
+            found: value_swa.to_string(),
+        });
+    }
+    let rope_n_dims_swa = k
+        .usize_opt("rope.dimension_count_swa", MAX_DIM)?
+        .unwrap_or(hp.rope_n_dims);
+    if rope_n_dims_swa % 2 != 0 || rope_n_dims_swa > head_dim_swa {
+        return Err(ModelError::BadHyperparameter {
+            key: k.key("rope.dimension_count_swa"),
+            expected: format!("an even number of at most the sliding head size {head_dim_swa}"),
+            found: rope_n_dims_swa.to_string(),
+        });
+    }
+    let window = k.usize_req("attention.sliding_window", u32::MAX as usize)?;
+    let n_shared = match k.md.get_u32_opt(&k.key("attention.shared_kv_layers"))? {
+        Some(v) => v as usize,
+        None => 0,
+    };
+    let n_layer_kv = n_layer.saturating_sub(n_shared);
+    if n_shared > 0 && n_layer_kv < 2 {
+        return Err(ModelError::BadHyperparameter {
+            key: k.key("attention.shared_kv_layers"),
+            expected: format!(
+                "at most {} (two of the {n_layer} layers keep a cache)",
+                n_layer.saturating_sub(2)
+            ),
+            found: n_shared.to_string(),
+        });
+    }
+    for (il, layer) in hp.layers.iter_mut().enumerate() {
+        let swa = pattern[il];
+        layer.sliding_window = swa;
+        layer.head_dim = if swa { head_dim_swa } else { head_dim_full };
+        layer.rope_n_dims = if swa { rope_n_dims_swa } else { hp.rope_n_dims };
+        layer.kv_source = if il < n_layer_kv {
+            il
+        } else {
+            n_layer_kv - if swa { 2 } else { 1 }
+        };
+    }
+    for il in n_layer_kv..n_layer {
+        let (layer, source) = (hp.layers[il], hp.layers[hp.layers[il].kv_source]);
+        if layer.sliding_window != source.sliding_window || layer.n_head_kv != source.n_head_kv {
+            return Err(ModelError::BadHyperparameter {
+                key: k.key("attention.shared_kv_layers"),
+                expected: format!(
+                    "layer {il} to reuse the cache of a layer of its own kind and KV head count"
+                ),
+                found: format!(
+                    "layer {} ({}, {} KV heads) for layer {il} ({}, {} KV heads)",
+                    layer.kv_source,
+                    if source.sliding_window {
+                        "sliding"
+                    } else {
+                        "global"
+                    },
+                    source.n_head_kv,
+                    if layer.sliding_window {
+                        "sliding"
+                    } else {
+                        "global"
+                    },
+                    layer.n_head_kv
+                ),
+            });
+        }
+    }
+    let per_layer = match k
+        .md
+        .get_u32_opt(&k.key("embedding_length_per_layer_input"))?
+    {
+        Some(v) => check_range(
+            &k.key("embedding_length_per_layer_input"),
+            v as usize,
+            0,
+            MAX_DIM,
+        )?,
+        None => {
+            return Err(ModelError::BadHyperparameter {
+                key: k.key("embedding_length_per_layer_input"),
+                expected: "a width (0 when the model has no per-layer embeddings)".into(),
+                found: "no value".into(),
+            })
+        }
+    };
+    hp.rope_n_dims_swa = rope_n_dims_swa;
+    hp.rope_freq_base_swa = k
+        .positive_f32_opt("rope.freq_base_swa")?
+        .unwrap_or(10_000.0);
+    hp.sliding_window = Some(window);
+    hp.n_layer_kv = n_layer_kv;
+    hp.n_embd_per_layer = (per_layer > 0).then_some(per_layer);
+    Ok(())
 }
 
 /// The mixture-of-experts hyperparameters of `architecture`, `None` for dense architectures.
@@ -421,6 +595,12 @@ fn read_moe(
     let Some(rules) = architecture.moe() else {
         return Ok(None);
     };
+    // Gemma 4 has dense and mixture-of-experts models under one name.
+    if architecture == Architecture::Gemma4
+        && k.md.get_u32_opt(&k.key("expert_count"))?.unwrap_or(0) == 0
+    {
+        return Ok(None);
+    }
     let n_expert = k.usize_req("expert_count", MAX_EXPERTS)?;
     let n_expert_used = k.usize_req("expert_used_count", n_expert)?;
     let n_ff_expert = match k.usize_opt("expert_feed_forward_length", MAX_DIM)? {

@@ -7,6 +7,9 @@
 
 mod arch;
 mod forward;
+mod gemma4;
+#[cfg(test)]
+mod gemma4_tests;
 mod hparams;
 #[cfg(test)]
 mod tests;
@@ -21,7 +24,8 @@ pub use arch::{Architecture, FfnActivation, MoeRules, Presence};
 pub use forward::Context;
 pub use hparams::{HParams, LayerShape, LinearAttention, MoeParams, RopeScaling};
 pub use weights::{
-    AttentionWeights, FfnWeights, LayerWeights, LinearAttentionWeights, MixerWeights, MoeWeights,
+    AttentionWeights, FfnWeights, Gemma4Kv, Gemma4LayerWeights, Gemma4Moe, Gemma4PerLayer,
+    Gemma4PerLayerInput, LayerWeights, LinearAttentionWeights, MixerWeights, MoeWeights,
     SharedExpertWeights, Weights,
 };
 
@@ -38,6 +42,10 @@ pub enum ModelError {
     /// `general.architecture` names an architecture without model code.
     #[error("unknown architecture {found:?}: expected one of {supported}")]
     UnknownArchitecture { found: String, supported: String },
+    /// The file is a multimodal projector (`general.architecture = clip`, an `--mmproj` file of
+    /// llama.cpp), not a language model.
+    #[error("general.architecture is \"clip\": this file is a multimodal projector (mmproj), not a language model; {MULTIMODAL_UNSUPPORTED}")]
+    MultimodalProjector,
     /// A hyperparameter is out of range or inconsistent.
     #[error("metadata key {key}: expected {expected}, found {found}")]
     BadHyperparameter {
@@ -247,9 +255,15 @@ impl<B: Backend> Model<B> {
     }
 }
 
+/// What ember says of multimodal projectors (`--mmproj` files), wherever one turns up.
+pub const MULTIMODAL_UNSUPPORTED: &str = "multimodal projectors are not supported yet";
+
 /// The architecture a GGUF file declares, if supported.
 pub fn architecture_of(gguf: &Gguf) -> Result<Architecture, ModelError> {
     let name = gguf.architecture()?;
+    if name == "clip" {
+        return Err(ModelError::MultimodalProjector);
+    }
     Architecture::from_name(name).ok_or_else(|| ModelError::UnknownArchitecture {
         found: name.to_string(),
         supported: Architecture::supported_list(),

@@ -59,6 +59,7 @@ fn tiny_hybrid(
             linear_k_heads: Some(2),
             linear_v_heads: Some(4),
             linear_head_dim: Some(32),
+            ..ShapeOverrides::default()
         },
         edit,
     )
@@ -71,6 +72,14 @@ fn tiny(
 ) -> Arc<Gguf> {
     let mut shape = Shape::named(name).unwrap();
     overrides.apply(&mut shape).unwrap();
+    write_edited(shape, edit)
+}
+
+/// The model of `shape` (Q8_0, seed 3) after `edit` changed its metadata or tensor list.
+pub(super) fn write_edited(
+    shape: Shape,
+    edit: impl FnOnce(&mut Vec<(String, Value)>, &mut Vec<TensorSpec>),
+) -> Arc<Gguf> {
     let opts = SynthOptions {
         shape,
         types: TypeSpec::parse("q8_0").unwrap(),
@@ -93,14 +102,14 @@ fn tiny(
     Arc::new(Gguf::from_bytes(writer.to_bytes()).unwrap())
 }
 
-fn load_error<B: Backend>(gguf: Arc<Gguf>, backend: B) -> String {
+pub(super) fn load_error<B: Backend>(gguf: Arc<Gguf>, backend: B) -> String {
     match Model::from_gguf(gguf, backend, &mut |_, _| {}) {
         Ok(_) => panic!("the model loaded"),
         Err(e) => e.to_string(),
     }
 }
 
-fn cpu() -> CpuBackend {
+pub(super) fn cpu() -> CpuBackend {
     CpuBackend::new(1).unwrap()
 }
 
@@ -203,7 +212,7 @@ fn missing_or_misshapen_expert_tensors_are_named() {
 }
 
 /// The GPU backend over the host driver (real memory, no kernels).
-fn host_gpu() -> crate::backend::gpu::GpuBackend {
+pub(super) fn host_gpu() -> crate::backend::gpu::GpuBackend {
     use ember_gpu::host::{HostDriver, HostDriverConfig};
     use ember_gpu::kernels::KernelLibrary;
     use ember_gpu::ops::{GpuContext, GpuContextOptions};

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use ember_gguf::{GgmlType, Gguf, TensorInfo};
 
-use super::arch::Presence;
+use super::arch::{Architecture, Presence};
 use super::hparams::{HParams, LinearAttention, MoeParams};
 use super::ModelError;
 use crate::backend::{Backend, BackendError};
@@ -108,10 +108,77 @@ pub struct SharedExpertWeights<B: Backend> {
     pub gate_inp: Option<B::Matrix>,
 }
 
+/// The weights of one Gemma 4 block (llama.cpp's `llama_model_gemma4::load_arch_tensors`).
+pub struct Gemma4LayerWeights<B: Backend> {
+    pub attn_norm: B::Vector,
+    pub wq: B::Matrix,
+    /// K and V of a layer with a cache of its own; `None` on KV-sharing layers.
+    pub kv: Option<Gemma4Kv<B>>,
+    pub wo: B::Matrix,
+    pub q_norm: B::Vector,
+    pub post_attn_norm: B::Vector,
+    /// The dense FFN (`ffn_{norm,gate,up,down}`), which MoE layers run beside the experts.
+    pub ffn_norm: B::Vector,
+    pub ffn_gate: B::Matrix,
+    pub ffn_up: B::Matrix,
+    pub ffn_down: B::Matrix,
+    pub post_ffn_norm: B::Vector,
+    pub moe: Option<Gemma4Moe<B>>,
+    pub per_layer: Option<Gemma4PerLayer<B>>,
+    /// `layer_output_scale`: a factor on the block's output, when present.
+    pub out_scale: Option<f32>,
+}
+
+/// K and V projections of a Gemma 4 layer with its own cache.
+pub struct Gemma4Kv<B: Backend> {
+    pub wk: B::Matrix,
+    /// `None` where V is K's projection (`attention_k_eq_v`: global layers of 26B-A4B).
+    pub wv: Option<B::Matrix>,
+    pub k_norm: B::Vector,
+}
+
+/// The mixture of experts of a Gemma 4 layer and the norms around it.
+pub struct Gemma4Moe<B: Backend> {
+    /// Router and stacked experts (no shared expert: the dense FFN is computed apart).
+    pub experts: MoeWeights<B>,
+    /// `ffn_gate_inp.scale`: per-column factor on the router's input.
+    pub router_scale: B::Vector,
+    /// `ffn_down_exps.scale`: per-expert factor on the experts' outputs, when present.
+    pub expert_scale: Option<Vec<f32>>,
+    /// `pre_ffw_norm_2`: the experts' input norm.
+    pub pre_norm: B::Vector,
+    /// `post_ffw_norm_1`: after the dense FFN.
+    pub post_norm_dense: B::Vector,
+    /// `post_ffw_norm_2`: after the experts.
+    pub post_norm_experts: B::Vector,
+}
+
+/// A Gemma 4 layer's per-layer-embedding block (`inp_gate`, `proj`, `post_norm`).
+pub struct Gemma4PerLayer<B: Backend> {
+    pub inp_gate: B::Matrix,
+    pub proj: B::Matrix,
+    pub post_norm: B::Vector,
+}
+
+/// Gemma 4's per-layer token embeddings (E models).
+pub struct Gemma4PerLayerInput<B: Backend> {
+    /// `per_layer_token_embd`: one row of `n_layer * width` values per token.
+    pub token_embd: B::Matrix,
+    /// `per_layer_model_proj`: the embedding's projection to the same `n_layer * width`.
+    pub model_proj: B::Matrix,
+    /// `per_layer_proj_norm`: RMS norm of each layer's `width` values of that projection.
+    pub proj_norm: B::Vector,
+}
+
 /// All weights of a model.
 pub struct Weights<B: Backend> {
     pub token_embd: B::Matrix,
+    /// The blocks of every architecture but Gemma 4 (empty for Gemma 4).
     pub layers: Vec<LayerWeights<B>>,
+    /// Gemma 4's blocks (empty otherwise).
+    pub gemma4_layers: Vec<Gemma4LayerWeights<B>>,
+    /// Gemma 4's per-layer token embeddings, when the model has them.
+    pub gemma4_per_layer: Option<Gemma4PerLayerInput<B>>,
     pub output_norm: B::Vector,
     /// The output projection; `None` when it is tied to the token embeddings.
     pub output: Option<B::Matrix>,
@@ -237,6 +304,142 @@ impl<B: Backend> Loader<'_, B> {
             down_exps,
             shared,
         }))
+    }
+
+    /// A small tensor read to host f32 (rotary factors, per-expert scales, a layer scalar).
+    fn host_f32(&mut self, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {
+        let info = self.find(name, &[len])?;
+        let mut v = vec![0f32; len];
+        ember_quant::dequantize(info.ty, self.gguf.tensor_data(&info), &mut v).map_err(|e| {
+            ModelError::UnsupportedType {
+                name: info.name.clone(),
+                ty: info.ty.name().to_string(),
+                supported: e.to_string(),
+            }
+        })?;
+        Ok(v)
+    }
+
+    /// The stacked experts and router of a mixture-of-experts layer (no shared expert).
+    fn moe_experts(
+        &mut self,
+        il: usize,
+        n_embd: usize,
+        moe: &MoeParams,
+    ) -> Result<MoeWeights<B>, ModelError> {
+        let name = |suffix: &str| format!("blk.{il}.{suffix}");
+        let (n_expert, n_ff_expert) = (moe.n_expert, moe.n_ff_expert);
+        Ok(MoeWeights {
+            params: *moe,
+            router: self.matrix(&name("ffn_gate_inp.weight"), n_embd, n_expert)?,
+            gate_exps: self.experts(
+                &name("ffn_gate_exps.weight"),
+                n_embd,
+                n_ff_expert,
+                n_expert,
+            )?,
+            up_exps: self.experts(&name("ffn_up_exps.weight"), n_embd, n_ff_expert, n_expert)?,
+            down_exps: self.experts(
+                &name("ffn_down_exps.weight"),
+                n_ff_expert,
+                n_embd,
+                n_expert,
+            )?,
+            shared: None,
+        })
+    }
+
+    /// Gemma 4's block `il`.
+    fn gemma4_layer(
+        &mut self,
+        hp: &HParams,
+        il: usize,
+    ) -> Result<Gemma4LayerWeights<B>, ModelError> {
+        let name = |suffix: &str| format!("blk.{il}.{suffix}");
+        let shape = hp.layers[il];
+        let (n_embd, hd) = (hp.n_embd, shape.head_dim);
+        let (q_out, kv_out) = (shape.n_head * hd, shape.n_head_kv * hd);
+        if self.gguf.tensor(&name("attn_q.weight")).is_none()
+            && self.gguf.tensor(&name("attn_qkv.weight")).is_some()
+        {
+            return Err(ModelError::MissingTensor {
+                name: name("attn_q.weight"),
+                expected: format!("[{n_embd}, {q_out}] (fused attn_qkv is not supported yet)"),
+            });
+        }
+        let kv = if shape.kv_source == il {
+            Some(Gemma4Kv {
+                wk: self.matrix(&name("attn_k.weight"), n_embd, kv_out)?,
+                wv: if self.gguf.tensor(&name("attn_v.weight")).is_some() {
+                    Some(self.matrix(&name("attn_v.weight"), n_embd, kv_out)?)
+                } else {
+                    None
+                },
+                k_norm: self.vector(&name("attn_k_norm.weight"), hd)?,
+            })
+        } else {
+            None
+        };
+        let moe = match (&hp.moe, shape.moe) {
+            (Some(params), true) => {
+                if self.gguf.tensor(&name("ffn_gate_exps.weight")).is_none()
+                    && self.gguf.tensor(&name("ffn_gate_up_exps.weight")).is_some()
+                {
+                    return Err(ModelError::MissingTensor {
+                        name: name("ffn_gate_exps.weight"),
+                        expected: format!(
+                            "[{n_embd}, {}, {}] (fused ffn_gate_up_exps is not supported yet)",
+                            params.n_ff_expert, params.n_expert
+                        ),
+                    });
+                }
+                let scale_name = name("ffn_down_exps.scale");
+                Some(Gemma4Moe {
+                    experts: self.moe_experts(il, n_embd, params)?,
+                    router_scale: self.vector(&name("ffn_gate_inp.scale"), n_embd)?,
+                    expert_scale: if self.gguf.tensor(&scale_name).is_some() {
+                        Some(self.host_f32(&scale_name, params.n_expert)?)
+                    } else {
+                        None
+                    },
+                    pre_norm: self.vector(&name("pre_ffw_norm_2.weight"), n_embd)?,
+                    post_norm_dense: self.vector(&name("post_ffw_norm_1.weight"), n_embd)?,
+                    post_norm_experts: self.vector(&name("post_ffw_norm_2.weight"), n_embd)?,
+                })
+            }
+            _ => None,
+        };
+        let per_layer = match hp.n_embd_per_layer {
+            Some(width) => Some(Gemma4PerLayer {
+                inp_gate: self.matrix(&name("inp_gate.weight"), n_embd, width)?,
+                proj: self.matrix(&name("proj.weight"), width, n_embd)?,
+                post_norm: self.vector(&name("post_norm.weight"), n_embd)?,
+            }),
+            None => None,
+        };
+        let out_scale_name = name("layer_output_scale.weight");
+        let out_scale = if self.gguf.tensor(&out_scale_name).is_some() {
+            Some(self.host_f32(&out_scale_name, 1)?[0])
+        } else {
+            None
+        };
+        let n_ff = shape.n_ff;
+        Ok(Gemma4LayerWeights {
+            attn_norm: self.vector(&name("attn_norm.weight"), n_embd)?,
+            wq: self.matrix(&name("attn_q.weight"), n_embd, q_out)?,
+            kv,
+            wo: self.matrix(&name("attn_output.weight"), q_out, n_embd)?,
+            q_norm: self.vector(&name("attn_q_norm.weight"), hd)?,
+            post_attn_norm: self.vector(&name("post_attention_norm.weight"), n_embd)?,
+            ffn_norm: self.vector(&name("ffn_norm.weight"), n_embd)?,
+            ffn_gate: self.matrix(&name("ffn_gate.weight"), n_embd, n_ff)?,
+            ffn_up: self.matrix(&name("ffn_up.weight"), n_embd, n_ff)?,
+            ffn_down: self.matrix(&name("ffn_down.weight"), n_ff, n_embd)?,
+            post_ffn_norm: self.vector(&name("post_ffw_norm.weight"), n_embd)?,
+            moe,
+            per_layer,
+            out_scale,
+        })
     }
 
     fn vector(&mut self, name: &str, len: usize) -> Result<B::Vector, ModelError> {
@@ -372,20 +575,14 @@ impl<B: Backend> Weights<B> {
         } else {
             None
         };
-        let rope_freqs = match gguf.tensor("rope_freqs.weight") {
-            Some(_) => {
-                let info = loader.find("rope_freqs.weight", &[hp.rope_n_dims / 2])?;
-                let mut v = vec![0f32; hp.rope_n_dims / 2];
-                ember_quant::dequantize(info.ty, gguf.tensor_data(&info), &mut v).map_err(|e| {
-                    ModelError::UnsupportedType {
-                        name: info.name.clone(),
-                        ty: info.ty.name().to_string(),
-                        supported: e.to_string(),
-                    }
-                })?;
-                Some(v)
-            }
-            None => None,
+        // Gemma 4's global layers require their proportional-rope factors; elsewhere they are
+        // Llama 3's optional frequency divisors.
+        let rope_freqs_required =
+            arch == Architecture::Gemma4 && hp.layers.iter().any(|l| !l.sliding_window);
+        let rope_freqs = if gguf.tensor("rope_freqs.weight").is_some() || rope_freqs_required {
+            Some(loader.host_f32("rope_freqs.weight", hp.rope_n_dims / 2)?)
+        } else {
+            None
         };
 
         if hp.has_recurrent_state() && !backend.linear_attention_supported() {
@@ -396,6 +593,47 @@ impl<B: Backend> Weights<B> {
                 backend: backend.name(),
             }));
         }
+        if arch == Architecture::Gemma4 {
+            if !backend.has_gemma4_ops() {
+                return Err(BackendError::NotBuilt {
+                    tensor: "token_embd.weight".into(),
+                    feature: "the Gemma 4 forward pass",
+                    architecture: arch.name().into(),
+                    backend: backend.name(),
+                }
+                .into());
+            }
+            let gemma4_per_layer = match hp.n_embd_per_layer {
+                Some(width) => Some(Gemma4PerLayerInput {
+                    token_embd: loader.matrix(
+                        "per_layer_token_embd.weight",
+                        width * hp.n_layer,
+                        n_vocab,
+                    )?,
+                    model_proj: loader.matrix(
+                        "per_layer_model_proj.weight",
+                        n_embd,
+                        width * hp.n_layer,
+                    )?,
+                    proj_norm: loader.vector("per_layer_proj_norm.weight", width)?,
+                }),
+                None => None,
+            };
+            let gemma4_layers = (0..hp.n_layer)
+                .map(|il| loader.gemma4_layer(hp, il))
+                .collect::<Result<Vec<_>, _>>()?;
+            return Ok(Weights {
+                token_embd,
+                layers: Vec::new(),
+                gemma4_layers,
+                gemma4_per_layer,
+                output_norm,
+                output,
+                rope_freqs,
+                n_vocab,
+            });
+        }
+
         let mut layers = Vec::with_capacity(hp.n_layer);
         for (il, shape) in hp.layers.iter().enumerate() {
             let name = |suffix: &str| format!("blk.{il}.{suffix}");
@@ -426,6 +664,8 @@ impl<B: Backend> Weights<B> {
         Ok(Weights {
             token_embd,
             layers,
+            gemma4_layers: Vec::new(),
+            gemma4_per_layer: None,
             output_norm,
             output,
             rope_freqs,

@@ -541,6 +541,24 @@ impl Backend for CpuBackend {
             .for_each(|r| ops::rms_norm_row_inplace(r, weight, eps));
     }
 
+    fn has_gemma4_ops(&self) -> bool {
+        true
+    }
+
+    fn rms_norm_unit_inplace(&self, x: &mut Vec<f32>, n_rows: usize, dim: usize, eps: f32) {
+        x[..n_rows * dim]
+            .par_chunks_mut(dim)
+            .with_min_len(ROWS_PER_TASK)
+            .for_each(|r| ops::rms_norm_row_unit_inplace(r, eps));
+    }
+
+    fn mul_rows_inplace(&self, x: &mut Vec<f32>, weight: &Vec<f32>, n_rows: usize, dim: usize) {
+        x[..n_rows * dim]
+            .par_chunks_mut(dim)
+            .with_min_len(ROWS_PER_TASK)
+            .for_each(|r| r.iter_mut().zip(weight).for_each(|(v, w)| *v *= w));
+    }
+
     fn add_inplace(&self, dst: &mut Vec<f32>, src: &Vec<f32>, len: usize) {
         ops::par_zip(&mut dst[..len], &src[..len], |d, s| *d += s);
     }
@@ -569,7 +587,7 @@ impl Backend for CpuBackend {
     fn softcap(&self, x: &mut Vec<f32>, len: usize, cap: f32) {
         x[..len]
             .iter_mut()
-            .for_each(|v| *v = cap * (*v / cap).tanh());
+            .for_each(|v| *v = cap * (*v * (1.0 / cap)).tanh());
     }
 
     fn rope_table_new(&self) -> CpuRopeTable {

@@ -12,6 +12,7 @@
 //!    of the stacked tensor (a view of its bytes). The activations are quantized to the weights'
 //!    dot-product type row by row, so a row gives the same bytes whichever rows it is gathered
 //!    with, and every output is one dot product, as in GGML.
+//!    With a per-expert factor (Gemma 4), each output row is multiplied by its expert's factor.
 //! 4. Combination, token by token: each expert's output times its weight (rounded to f32), then
 //!    added in rank order starting from the first (GGML's chain of `ggml_add` over the views).
 //! 5. The shared expert, when there is one: a plain gated FFN over every token, scaled per token
@@ -225,9 +226,15 @@ pub(super) fn moe_ffn(
         backend.with_activations(w_down.ty, n_ff, &gate[..], m, |acts| {
             products(&w_down, acts, &mut down[..])
         });
+        // GGML scales the expert's output by its factor as a separate op, before the weight.
+        let factor = moe.expert_scale.map(|s| s[e]);
         for (row, &route) in down.chunks_exact(n_embd).zip(routes) {
             let route = route as usize;
-            routed[route * n_embd..(route + 1) * n_embd].copy_from_slice(row);
+            let dst = &mut routed[route * n_embd..(route + 1) * n_embd];
+            match factor {
+                Some(f) => dst.iter_mut().zip(row).for_each(|(d, &y)| *d = y * f),
+                None => dst.copy_from_slice(row),
+            }
         }
     }
 
@@ -366,6 +373,7 @@ mod tests {
             n_ff: N_FF,
             activation: FfnActivation::SwiGlu,
             routing: routing(N_EXPERT, N_USED, true),
+            expert_scale: None,
             shared: with_shared.then_some(SharedExpert {
                 gate: &layer.shared_gate,
                 up: &layer.shared_up,

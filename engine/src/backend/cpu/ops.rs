@@ -56,6 +56,12 @@ pub fn rms_norm_row_inplace(x: &mut [f32], weight: &[f32], eps: f32) {
     }
 }
 
+/// In-place `x / rms(x)` (no weight).
+pub fn rms_norm_row_unit_inplace(x: &mut [f32], eps: f32) {
+    let scale = rms_scale(x, eps);
+    x.iter_mut().for_each(|v| *v *= scale);
+}
+
 const GELU_COEF_A: f32 = 0.044715;
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
 
