@@ -832,6 +832,14 @@ impl Backend for GpuBackend {
         // Routing, the sort into tiles, and the gate and up products of every pair.
         self.run("moe_ffn", || {
             let op = "moe_ffn";
+            if moe.expert_scale.is_some() {
+                // Only Gemma 4 has them, and it is refused on the GPU at load.
+                return Err(OpsError::Shape {
+                    op,
+                    expected: "experts without per-expert output scales (the GPU has no kernel for them yet)".into(),
+                    found: "ffn_down_exps.scale".into(),
+                });
+            }
             if moe.gate.rows != n_expert * n_ff
                 || moe.up.rows != n_expert * n_ff
                 || moe.up.cols != n_embd
