@@ -207,6 +207,16 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn end_forward(&self) -> bool {
         false
     }
+    /// Called by the layer loop after layer `layer` (of `n_layers`) of a pass that may be re-run from its start
+    /// (every layer idempotent: no recurrent state absorbed the batch). A device backend that
+    /// records the pass into a graph may end the recording here, run it, and record the next
+    /// layers while the device works through this part: the host's recording of the rest of
+    /// the pass then overlaps the device's work instead of preceding it. Passes with recurrent
+    /// state never call it (see [`Backend::end_forward`]: a repeat after a part already ran
+    /// would apply their state update twice).
+    fn layer_done(&self, layer: usize, n_layers: usize) {
+        let _ = (layer, n_layers);
+    }
     /// Runs `f` in the backend's execution context (the CPU thread pool); model code wraps each
     /// forward pass in it.
     fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R;

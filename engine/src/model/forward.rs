@@ -694,6 +694,9 @@ fn run_layers<B: Backend>(model: &Model<B>, ctx: &mut Context<B>, batch: &Batch)
             }
             None => b.add_inplace(&mut bufs.x, &bufs.proj, n_rows * n_embd),
         }
+        if !states.is_used() {
+            b.layer_done(il, hp.layers.len());
+        }
     }
 
     // Output rows: after the last layer `x` holds exactly them when some were dropped.

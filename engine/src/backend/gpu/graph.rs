@@ -27,6 +27,15 @@
 //! pass is idempotent (same KV slots, same inputs). Repeated aborts turn graphs off too.
 //! `EMBER_GPU_GRAPHS=0` turns them off from the start, for comparisons.
 //!
+//! Segments: a pass of a model without recurrent state may be recorded as several graphs, split
+//! at layer boundaries ([`Graphs::layer_done`], every [`SEGMENT_ENV`] layers, default
+//! [`DEFAULT_SEGMENT_LAYERS`]). Each part is launched as soon as it is recorded, so the device
+//! runs the first layers while the host records the next ones: the recording (about 2 us per
+//! kernel, 1-2 ms for a step of a deep model) overlaps the device's work instead of adding to
+//! it. A part that cannot be run asks for the whole pass to run again with plain launches, as a
+//! single graph would; that is safe because such passes are idempotent, which is why passes with
+//! recurrent state (whose layers update it in place) are recorded whole.
+//!
 //! Cached executable graphs are dropped when the pool trimmed (memory they referenced may have
 //! been unmapped) and when the backend is dropped.
 
@@ -44,8 +53,20 @@ pub const GRAPHS_ENV: &str = "EMBER_GPU_GRAPHS";
 /// Larger ones are prompt chunks, compute-bound, and launch directly.
 pub const GRAPH_MAX_TOKENS: usize = 64;
 
-/// Executable graphs kept at once (one per batch shape), least recently used dropped first.
+/// Batch shapes whose executable graphs are kept at once (one graph per segment of each),
+/// least recently used dropped first.
 pub const MAX_CACHED_GRAPHS: usize = 32;
+
+/// Environment variable: layers per recorded segment of a pass (`0`: the whole pass as one
+/// graph).
+pub const SEGMENT_ENV: &str = "EMBER_GPU_GRAPH_SEGMENT";
+
+/// Layers per segment unless [`SEGMENT_ENV`] says otherwise. The first segment is one layer, so
+/// the device starts after recording one layer's kernels.
+pub const DEFAULT_SEGMENT_LAYERS: usize = 4;
+
+/// Segments per pass at most; the layers after the last split stay in the last segment.
+const MAX_SEGMENTS: u32 = 32;
 
 /// Aborted captures in a row after which graphs are turned off (something in every step waits
 /// for the device, so recording is wasted work).
@@ -54,6 +75,8 @@ const MAX_ABORTS_IN_A_ROW: u32 = 3;
 /// What one backend did with graphs so far (for tests and logs).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct GraphStats {
+    /// Passes recorded (each as one or more graphs).
+    pub steps: u64,
     /// Captures that produced a graph.
     pub captured: u64,
     /// Executable graphs updated in place from a new capture.
@@ -78,11 +101,12 @@ impl GraphStats {
     /// A one-line summary with the mean CPU cost per step of each phase.
     pub fn summary(&self) -> String {
         let per_step = |total: Duration| {
-            let steps = self.launched.max(1) as u32;
+            let steps = self.steps.max(1) as u32;
             format!("{:.1} us", (total / steps).as_secs_f64() * 1e6)
         };
         format!(
-            "{} graph steps ({} updated in place, {} instantiated, {} redone); per step: record {}, update {}, launch {}; {} cached graphs evicted",
+            "{} graph steps ({} graphs launched, {} updated in place, {} instantiated, {} redone); per step: record {}, update {}, launch {}; {} cached graphs evicted",
+            self.steps,
             self.launched,
             self.updated,
             self.instantiated,
@@ -102,11 +126,15 @@ impl GraphStats {
 struct GraphKey {
     n_tokens: usize,
     n_out: usize,
+    /// Which part of the pass (0 for the first or only one).
+    segment: u32,
 }
 
 /// A backend's graph state. See the module docs.
 pub(super) struct Graphs {
     enabled: bool,
+    /// Layers per segment (0: one graph per pass).
+    segment_layers: usize,
     /// Why graphs were turned off, once known (logged once).
     disabled_reason: Option<String>,
     /// The shape of the pass being captured and when the capture began, while one is.
@@ -124,17 +152,28 @@ impl Graphs {
     /// Graph state, on unless `EMBER_GPU_GRAPHS=0`.
     pub(super) fn from_env() -> Graphs {
         let off = std::env::var(GRAPHS_ENV).is_ok_and(|v| v.trim() == "0");
-        Graphs::new(!off)
+        let mut graphs = Graphs::new(!off);
+        if let Ok(value) = std::env::var(SEGMENT_ENV) {
+            match value.trim().parse::<usize>() {
+                Ok(layers) => graphs.segment_layers = layers,
+                Err(_) => tracing::warn!(
+                    %value,
+                    "{SEGMENT_ENV} is not a layer count; using {DEFAULT_SEGMENT_LAYERS}"
+                ),
+            }
+        }
+        graphs
     }
 
     pub(super) fn new(enabled: bool) -> Graphs {
         Graphs {
             enabled,
+            segment_layers: DEFAULT_SEGMENT_LAYERS,
             disabled_reason: (!enabled).then(|| format!("{GRAPHS_ENV}=0")),
             capturing: None,
             redo: false,
             aborts_in_a_row: 0,
-            execs: LruCache::new(MAX_CACHED_GRAPHS),
+            execs: LruCache::new(MAX_CACHED_GRAPHS * MAX_SEGMENTS as usize),
             trim_generation: 0,
             stats: GraphStats::default(),
         }
@@ -142,6 +181,16 @@ impl Graphs {
 
     pub(super) fn stats(&self) -> GraphStats {
         self.stats
+    }
+
+    /// Layers per recorded segment (0: one graph per pass).
+    pub(super) fn segment_layers(&self) -> usize {
+        self.segment_layers
+    }
+
+    /// Sets the layers per recorded segment (0: one graph per pass).
+    pub(super) fn set_segment_layers(&mut self, layers: usize) {
+        self.segment_layers = layers;
     }
 
     pub(super) fn enabled(&self) -> bool {
@@ -160,11 +209,58 @@ impl Graphs {
             self.drop_execs(ctx);
             self.trim_generation = generation;
         }
+        let key = GraphKey {
+            n_tokens,
+            n_out,
+            segment: 0,
+        };
+        if self.begin_segment(ctx, key) {
+            self.stats.steps += 1;
+        }
+    }
+
+    fn begin_segment(&mut self, ctx: &GpuContext, key: GraphKey) -> bool {
         match ctx.begin_capture() {
             Ok(()) => {
-                self.capturing = Some((GraphKey { n_tokens, n_out }, Instant::now()));
+                self.capturing = Some((key, Instant::now()));
+                true
             }
-            Err(error) => self.disable(ctx, &format!("the capture could not start: {error}")),
+            Err(error) => {
+                self.disable(ctx, &format!("the capture could not start: {error}"));
+                false
+            }
+        }
+    }
+
+    /// Layer `layer` (of `n_layers`) of an idempotent pass was queued: at a segment boundary,
+    /// runs what was recorded so far and starts recording the next segment. The last layer is
+    /// never a boundary (what follows it, the output head, belongs to the last segment).
+    /// `op_failed` as for [`Graphs::finish`].
+    pub(super) fn layer_done(
+        &mut self,
+        ctx: &GpuContext,
+        layer: usize,
+        n_layers: usize,
+        op_failed: bool,
+    ) {
+        let Some((key, _)) = self.capturing else {
+            return;
+        };
+        let every = self.segment_layers;
+        let boundary =
+            every > 0 && layer + 1 < n_layers && (layer == 0 || (layer + 1) % every == 0);
+        if !boundary || key.segment + 1 >= MAX_SEGMENTS || op_failed {
+            return;
+        }
+        self.finish(ctx, false);
+        // After a part that could not run, the rest of the pass runs with plain launches and the
+        // whole pass runs again (see `finish`).
+        if self.enabled && !self.redo {
+            let next = GraphKey {
+                segment: key.segment + 1,
+                ..key
+            };
+            self.begin_segment(ctx, next);
         }
     }
 

@@ -248,7 +248,15 @@ impl GpuBackend {
     pub fn set_graphs(&self, enabled: bool) {
         let mut graphs = lock(&self.graphs);
         graphs.drop_execs(&self.ctx);
+        let segment_layers = graphs.segment_layers();
         *graphs = Graphs::new(enabled);
+        graphs.set_segment_layers(segment_layers);
+    }
+
+    /// Sets how many layers each recorded part of a decode step holds (0: the whole step as one
+    /// graph; the default comes from `EMBER_GPU_GRAPH_SEGMENT`).
+    pub fn set_graph_segment_layers(&self, layers: usize) {
+        lock(&self.graphs).set_segment_layers(layers);
     }
 
     /// Whether decode steps are recorded as graphs (off after a failure to record or run one).
@@ -599,6 +607,11 @@ impl Backend for GpuBackend {
     fn end_forward(&self) -> bool {
         self.finish_graph();
         lock(&self.graphs).take_redo()
+    }
+
+    fn layer_done(&self, layer: usize, n_layers: usize) {
+        let failed = self.failed.load(Ordering::Acquire);
+        lock(&self.graphs).layer_done(&self.ctx, layer, n_layers, failed);
     }
 
     fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {

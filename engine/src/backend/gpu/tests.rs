@@ -406,7 +406,9 @@ fn decode_steps_replay_a_graph_with_the_results_of_direct_launches() {
     assert_eq!(driver.graph_launches(), 3);
     let summary = b.graph_stats().summary();
     assert!(
-        summary.starts_with("3 graph steps (2 updated in place, 1 instantiated, 0 redone)"),
+        summary.starts_with(
+            "3 graph steps (3 graphs launched, 2 updated in place, 1 instantiated, 0 redone)"
+        ),
         "{summary}"
     );
 
@@ -429,6 +431,120 @@ fn decode_steps_replay_a_graph_with_the_results_of_direct_launches() {
         super::graph::GRAPH_MAX_TOKENS
     );
     assert_eq!(driver.direct_launches(), 4);
+}
+
+/// A stand-in for a forward pass of one token through `n_layers` layers, each `x = x * factor +
+/// bias` followed by [`Backend::layer_done`]; at `abort_in` a new rope table is uploaded, which a
+/// capture cannot record. A repeat starts from `start` again (a real pass recomputes its inputs
+/// from the token ids). Returns what was read and whether the pass ran twice.
+fn layered_step(
+    b: &GpuBackend,
+    n_layers: usize,
+    start: &[f32],
+    x: &mut GpuBuf,
+    bias: &GpuBuf,
+    factor: f32,
+    abort_in: Option<usize>,
+) -> (Vec<f32>, bool) {
+    let batch = Batch::for_sequence(0, 0, &[7], false);
+    let plan = AttentionPlan {
+        id: 77,
+        block_size: 32,
+        slots: vec![0],
+        positions: vec![0],
+        table_of_token: vec![0],
+        tables: vec![vec![0]],
+    };
+    let factors = [1.0f32, 2.0];
+    let params = RopeParams {
+        n_dims: 4,
+        freq_base: 10000.0,
+        freq_scale: 1.0,
+        freq_factors: Some(&factors),
+    };
+    let mut rope = b.rope_table_new();
+    let mut out = Vec::new();
+    let mut body = |x: &mut GpuBuf, out: &mut Vec<f32>, abort_in: Option<usize>| {
+        for layer in 0..n_layers {
+            b.scale(x, start.len(), factor);
+            b.add_inplace(x, bias, start.len());
+            if abort_in == Some(layer) {
+                b.rope_table(&[0], &params, &mut rope);
+            }
+            b.layer_done(layer, n_layers);
+        }
+        b.read(x, start.len(), out);
+    };
+    upload_f32(b, x, start);
+    b.begin_forward(&batch, &plan, &[0]);
+    body(x, &mut out, abort_in);
+    let redo = b.end_forward();
+    if redo {
+        upload_f32(b, x, start);
+        body(x, &mut out, None);
+        assert!(!b.end_forward());
+    }
+    (out, redo)
+}
+
+fn expected_layers(start: &[f32], bias: &[f32], factor: f32, n_layers: usize) -> Vec<f32> {
+    let mut x = start.to_vec();
+    for _ in 0..n_layers {
+        for (v, b) in x.iter_mut().zip(bias) {
+            *v = *v * factor + b;
+        }
+    }
+    x
+}
+
+#[test]
+fn a_pass_recorded_in_segments_runs_each_part_as_it_is_recorded() {
+    let (b, driver, _dir) = backend_with_kernels();
+    b.set_graph_segment_layers(2);
+    let mut x = b.alloc(4);
+    let bias = b.alloc(4);
+    let start = [1.0f32, -2.0, 0.5, 3.0];
+    let host_bias = [0.25f32, -0.5, 1.0, 0.0];
+    upload_f32(&b, &bias, &host_bias);
+    // Six layers in parts of two: boundaries after layers 0, 1 and 3 (never after the last), so
+    // the parts are [0], [1], [2, 3], [4, 5 and the read].
+    for (i, factor) in [0.5f32, -1.25].into_iter().enumerate() {
+        let (out, redo) = layered_step(&b, 6, &start, &mut x, &bias, factor, None);
+        assert!(!redo);
+        assert_eq!(b.take_failure(), None);
+        assert_eq!(out, expected_layers(&start, &host_bias, factor, 6));
+        let stats = b.graph_stats();
+        assert_eq!(stats.steps, i as u64 + 1);
+        assert_eq!(stats.launched, 4 * (i as u64 + 1), "four parts per step");
+        assert_eq!(
+            stats.instantiated, 4,
+            "one graph per part, updated in later steps"
+        );
+        assert_eq!(stats.updated, 4 * i as u64);
+    }
+    assert_eq!(driver.direct_launches(), 0, "every op ran inside a graph");
+
+    // A part that cannot be recorded: the parts before it already ran; the whole pass runs
+    // again with plain launches and gives the same result.
+    let launched = b.graph_stats().launched;
+    let (out, redo) = layered_step(&b, 6, &start, &mut x, &bias, 2.0, Some(4));
+    assert!(redo, "the pass ran again");
+    assert_eq!(b.take_failure(), None);
+    assert_eq!(out, expected_layers(&start, &host_bias, 2.0, 6));
+    assert_eq!(
+        b.graph_stats().launched,
+        launched + 3,
+        "the three parts before layer 4 ran"
+    );
+    assert_eq!(b.graph_stats().redone, 1);
+    assert!(b.graphs_enabled(), "one abort does not turn graphs off");
+
+    // One graph per pass when segments are off.
+    b.set_graph_segment_layers(0);
+    let launched = b.graph_stats().launched;
+    let (out, _) = layered_step(&b, 6, &start, &mut x, &bias, 0.75, None);
+    assert_eq!(out, expected_layers(&start, &host_bias, 0.75, 6));
+    assert_eq!(b.graph_stats().launched, launched + 1);
 }
 
 #[test]
