@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Where a decode step's GPU time goes, ember beside llama.cpp, from Nsight Compute's per-kernel
+# durations (`ncu --metrics gpu__time_duration.sum`, clocks left alone). Graphs are turned off in
+# both engines so each kernel is seen on its own; the figures are device time only (no launch or
+# recording cost).
+#
+#   ember:     `ember run -p X -n $STEPS` (one short prompt pass, then decode steps)
+#   llama.cpp: `llama-bench -p 0 -n $STEPS -r 1` (a one-token warm-up, then one measured run)
+#
+# Prints, per engine, each kernel's launches, total and mean time, and the total divided by the
+# passes run, sorted by total. Usage (on the GPU machine, from the repository root):
+#   EMBER=path/to/ember LLAMA_BIN=folder MODEL=file.gguf [STEPS=8] scripts/gpu/profile.sh
+set -uo pipefail
+
+EMBER="${EMBER:?EMBER: the ember binary}"
+MODEL="${MODEL:?MODEL: a GGUF file}"
+STEPS="${STEPS:-8}"
+LLAMA_BIN="${LLAMA_BIN:-}"
+OUT="${OUT:-/tmp}"
+NCU="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)"
+[[ -x "$NCU" ]] || { echo "ncu not found"; exit 1; }
+
+summarise() { # $1: csv, $2: passes
+    python3 - "$1" "$2" <<'EOF'
+import csv, sys, collections
+path, passes = sys.argv[1], int(sys.argv[2])
+scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
+total = collections.defaultdict(float)
+count = collections.Counter()
+with open(path, newline="") as f:
+    rows = [r for r in csv.reader(f)]
+head = next(i for i, r in enumerate(rows) if "Kernel Name" in r)
+cols = rows[head]
+k, u, v = cols.index("Kernel Name"), cols.index("Metric Unit"), cols.index("Metric Value")
+for r in rows[head + 1:]:
+    if len(r) <= v or not r[v]:
+        continue
+    name = r[k].split("(")[0].split("<")[0].strip()
+    us = float(r[v].replace(",", "")) * scale.get(r[u], 1.0)
+    total[name] += us
+    count[name] += 1
+all_us = sum(total.values())
+n = sum(count.values())
+print(f"  {n} kernel launches, {all_us:.0f} us in all, {all_us / passes:.1f} us and {n / passes:.1f} launches per pass ({passes} passes)")
+for name, us in sorted(total.items(), key=lambda x: -x[1])[:25]:
+    print(f"  {us / passes:9.1f} us/pass {count[name] / passes:6.1f} launches/pass {us / count[name]:8.2f} us each  {name}")
+EOF
+}
+
+echo "== ember: $(basename "$MODEL"), 1 prompt pass + $((STEPS - 1)) decode steps, graphs off"
+EMBER_GPU_GRAPHS=0 "$NCU" --clock-control none --metrics gpu__time_duration.sum --csv \
+    "$EMBER" run -m "$MODEL" --device cuda:0 -ngl 99 -p "Hello" -n "$STEPS" --temp 0 \
+    >"$OUT/ncu-ember.csv" 2>"$OUT/ncu-ember.err" || tail -5 "$OUT/ncu-ember.err"
+summarise "$OUT/ncu-ember.csv" "$STEPS"
+
+if [[ -n "$LLAMA_BIN" ]]; then
+    echo "== llama.cpp: $(basename "$MODEL"), llama-bench -n $STEPS (a one-token warm-up, then $STEPS tokens), graphs off"
+    LD_LIBRARY_PATH="$LLAMA_BIN${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" GGML_CUDA_DISABLE_GRAPHS=1 \
+        "$NCU" --clock-control none --metrics gpu__time_duration.sum --csv \
+        "$LLAMA_BIN/llama-bench" -m "$MODEL" -ngl 99 -fa 1 -p 0 -n "$STEPS" -r 1 \
+        >"$OUT/ncu-llama.csv" 2>"$OUT/ncu-llama.err" || tail -5 "$OUT/ncu-llama.err"
+    summarise "$OUT/ncu-llama.csv" "$((STEPS + 1))"
+fi
