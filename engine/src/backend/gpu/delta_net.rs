@@ -23,6 +23,10 @@ use ember_gpu::{DevicePtr, PoolBuffer, Purpose};
 use super::{check_vector, lock, GpuBackend, GpuBuf, GpuVector};
 use crate::backend::{GatedDeltaNet, SequenceState};
 
+#[cfg(test)]
+#[path = "delta_net_tests.rs"]
+mod tests;
+
 /// The device table of the current pass's sequences and the convolution scratch.
 #[derive(Default)]
 pub(super) struct DeltaNetScratch {
