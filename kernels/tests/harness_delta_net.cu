@@ -24,14 +24,18 @@
 // * mul_sigmoid: one product and expf's 2 ulps: 4 eps relative.
 // * convolution (checked through the new convolution state, which is copied, and the outputs):
 //   the state is copied values: exact.
-// * outputs and delta-rule state: each token's update of a state row is two head_dim-term FMA
-//   chains of values below 2 |S| + 2 in magnitude, off by at most (head_dim + 2) eps (2 |S| + 2);
-//   the row's error grows by that per token (the decay and 1 - b |k|^2 factors are at most 1), so
-//   after T tokens it is at most T (head_dim + 2) eps (2 |S| + 2). With T <= 9 + 4 tokens (the
-//   longest sequence here and the start state's norm, |S| <= 4), that is 13 * 130 * 10 eps =
-//   1.0e-4 absolute on the state. The gated norm divides by the head's RMS (at least 0.05 for
-//   these inputs: checked) and multiplies by |norm * silu(z)| <= 1.5, which gives at most
-//   1.0e-4 * 1.5 / 0.05 = 3e-3 on the outputs; measured errors are around 1e-6.
+// * delta-rule state: each token's update of a state row is two head_dim-term FMA chains of
+//   values below 2 |S| + 2 in magnitude, off by at most (head_dim + 2) eps (2 |S| + 2); the row's
+//   error grows by that per token (the decay and 1 - b |k|^2 factors are at most 1), so after T
+//   tokens it is at most T (head_dim + 2) eps (2 |S| + 2). With T <= 9 + 4 tokens (the longest
+//   sequence here, and the start state's row norm |S| <= 4 counted as 4 more), that is
+//   13 * 130 * 10 eps = 1.0e-4 absolute.
+// * outputs: o = S.q / sqrt(head_dim) with |q| = 1 is then off by at most 1.0e-4 (the state's
+//   error, whose row norm is at most sqrt(head_dim) times its entries') plus its own rounding,
+//   1.1e-4 in all; the gated norm divides by the head's RMS and multiplies by
+//   |norm * silu(z)| <= 1.5, so the bound is 1.5 * 1.1e-4 / (the smallest head RMS of the
+//   case), computed from the reference for each case (the outputs are scale-free: a state of
+//   small values gives small RMS and equally small errors, so the bound is loose there).
 #include "../delta_net.hip"
 
 #include "harness_common.h"
@@ -71,7 +75,7 @@ static double silu(double x) { return x / (1.0 + std::exp(-x)); }
 // The reference: one sequence's rows, from and back to `state` (conv then ssm, as the kernels
 // lay it out), writing out [n_rows, n_v * head_dim].
 static void reference(const Shape& s, const Weights& w, const Batch& b, const std::vector<int>& rows, std::vector<double>& state,
-                      std::vector<double>& out, double eps) {
+                      std::vector<double>& out, double eps, double& min_rms) {
     const int hd = s.head_dim, ch = s.channels(), kept = s.taps - 1, key_dim = s.n_k * hd;
     const int n = (int)rows.size();
     std::vector<double> x((size_t)n * ch);
@@ -126,10 +130,7 @@ static void reference(const Shape& s, const Weights& w, const Batch& b, const st
             double sq = 0.0;
             for (int j = 0; j < hd; ++j) sq += o[j] * o[j];
             const double rms = std::sqrt(sq / hd + eps);
-            if (rms < 0.05) {
-                std::printf("note: head RMS %.3e below the bound the tolerance assumes\n", rms);
-                ++g_failures;
-            }
+            min_rms = std::fmin(min_rms, rms);
             for (int j = 0; j < hd; ++j) {
                 const double zv = b.z[(size_t)row * s.n_v * hd + (size_t)h * hd + j];
                 out[(size_t)row * s.n_v * hd + (size_t)h * hd + j] = o[j] / rms * (double)w.norm[j] * silu(zv);
@@ -239,10 +240,10 @@ static void check_delta_net(const Shape& s, const std::vector<int>& lengths, int
     const std::vector<float> got = out.download();
 
     std::vector<double> want((size_t)b.n_rows * s.n_v * s.head_dim, 0.0);
-    double state_error = 0.0, conv_state_error = 0.0, untouched_error = 0.0;
+    double state_error = 0.0, conv_state_error = 0.0, untouched_error = 0.0, min_rms = INFINITY;
     for (int i = 0; i < n_seq; ++i) {
         std::vector<double> st(states[i].begin() + state_offset, states[i].end());
-        reference(s, w, b, b.rows[i], st, want, eps);
+        reference(s, w, b, b.rows[i], st, want, eps, min_rms);
         const std::vector<float> dev = device_states[i]->download();
         for (size_t k = 0; k < (size_t)s.state_len(); ++k) {
             const double e = std::fabs((double)dev[state_offset + k] - st[k]);
@@ -254,7 +255,7 @@ static void check_delta_net(const Shape& s, const std::vector<int>& lengths, int
     char name[160];
     std::snprintf(name, sizeof name, "delta net hd %d, %d/%d heads, %d taps, %d seqs (%d rows)", s.head_dim, s.n_k, s.n_v, s.taps, n_seq,
                   b.n_rows);
-    report(std::string(name) + ": outputs", max_abs_diff(got, want), 3e-3);
+    report(std::string(name) + ": outputs", max_abs_diff(got, want), 1.5 * 1.1e-4 / min_rms);
     report(std::string(name) + ": delta-rule state", state_error, 1e-4);
     report(std::string(name) + ": convolution state", conv_state_error, 0.0);
     report(std::string(name) + ": other layers' states untouched", untouched_error, 0.0);
@@ -277,7 +278,8 @@ static void check_prompt_equals_steps(const Shape& s, int n) {
         sync();
     }
     for (int t = 0; t < n; ++t) {
-        DeviceSeqs seqs({(uint64_t)state_steps.ptr}, {{b.rows[0][t]}});
+        const std::vector<std::vector<int>> one_row = {std::vector<int>{b.rows[0][t]}};
+        DeviceSeqs seqs({(uint64_t)state_steps.ptr}, one_row);
         launch_delta_net(s, dw, seqs, qkv.ptr, z.ptr, beta.ptr, alpha.ptr, conv_out.ptr, out_steps.ptr, 0, eps);
         sync();
     }
