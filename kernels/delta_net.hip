@@ -117,27 +117,30 @@ EMBER_KERNEL void ember_delta_net_l2_norm_f32(float* x, const int32_t* rows, uin
 // row j (a value index) does what the CPU does to it:
 //   S[j] *= exp(g);  d = (v[j] - S[j].k) * b;  S[j] += d * k (fused multiply-adds);
 //   o[j] = (S[j].q) * (1 / sqrt(head_dim)),
-// the dot products a chain of fused multiply-adds in key order. Rows are independent, so a block
-// takes ROWS rows of one head, one thread each with its row in registers (HD values), and the
-// token's q and k go through shared memory. o is written to out [*, n_v_heads * head_dim].
-// x is the convolution output [*, channels]: q heads, k heads, then v heads.
-// Launch: grid (n_v_heads * HD / ROWS, n_seq), block ROWS.
-template <uint32_t HD, uint32_t ROWS>
+// the dot products chains of fused multiply-adds in key order (SPLIT chains over consecutive
+// parts of the row, added lane to lane). Rows are independent, so a block takes ROWS rows of one
+// head, SPLIT threads per row each holding HD / SPLIT values of it in registers, and the token's q
+// and k go through shared memory. o is written to out [*, n_v_heads * head_dim]. x is the
+// convolution output [*, channels]: q heads, k heads, then v heads.
+// Launch: grid (n_v_heads * HD / ROWS, n_seq), block ROWS * SPLIT.
+template <uint32_t HD, uint32_t ROWS, uint32_t SPLIT>
 EMBER_DEVICE void ember_delta_net_rule(float* out, const float* x, const float* beta, const float* alpha, const float* dt_bias,
                                        const float* a, const uint64_t* states, const int32_t* starts, const int32_t* rows,
                                        uint32_t n_k_heads, uint32_t n_v_heads, uint32_t channels, uint64_t ssm_offset) {
+    constexpr uint32_t PART = HD / SPLIT;
     __shared__ float q_s[HD];
     __shared__ float k_s[HD];
     constexpr uint32_t blocks_per_head = HD / ROWS;
     const uint32_t h = blockIdx.x / blocks_per_head;
-    const uint32_t j = (blockIdx.x % blocks_per_head) * ROWS + threadIdx.x;
+    const uint32_t j = (blockIdx.x % blocks_per_head) * ROWS + threadIdx.x / SPLIT;
+    const uint32_t first = (threadIdx.x % SPLIT) * PART;
     const uint32_t s = blockIdx.y;
     const uint32_t kh = h % n_k_heads;
     const uint32_t key_dim = n_k_heads * HD;
-    float* row_state = (float*)states[s] + ssm_offset + ((size_t)h * HD + j) * HD;
-    float st[HD];
+    float* row_state = (float*)states[s] + ssm_offset + ((size_t)h * HD + j) * HD + first;
+    float st[PART];
 #pragma unroll
-    for (uint32_t i = 0; i < HD; i += 4) {
+    for (uint32_t i = 0; i < PART; i += 4) {
         const float4 v4 = *(const float4*)(row_state + i);
         st[i] = v4.x;
         st[i + 1] = v4.y;
@@ -151,7 +154,7 @@ EMBER_DEVICE void ember_delta_net_rule(float* out, const float* x, const float* 
         const size_t row = (size_t)rows[t];
         const float* xr = x + row * channels;
         __syncthreads();  // the previous token's q and k are no longer read
-        for (uint32_t i = threadIdx.x; i < HD; i += ROWS) {
+        for (uint32_t i = threadIdx.x; i < HD; i += ROWS * SPLIT) {
             q_s[i] = xr[kh * HD + i];
             k_s[i] = xr[key_dim + kh * HD + i];
         }
@@ -162,34 +165,39 @@ EMBER_DEVICE void ember_delta_net_rule(float* out, const float* x, const float* 
         const float decay = expf(g);
         float sk = 0.0f;
 #pragma unroll
-        for (uint32_t i = 0; i < HD; ++i) {
+        for (uint32_t i = 0; i < PART; ++i) {
             st[i] = __fmul_rn(st[i], decay);
-            sk = fmaf(st[i], k_s[i], sk);
+            sk = fmaf(st[i], k_s[first + i], sk);
         }
+#pragma unroll
+        for (uint32_t mask = 1; mask < SPLIT; mask <<= 1) sk += ember_shfl_xor(sk, mask);
         const float d = __fmul_rn(__fsub_rn(v, sk), b);
         float o = 0.0f;
 #pragma unroll
-        for (uint32_t i = 0; i < HD; ++i) {
-            st[i] = fmaf(k_s[i], d, st[i]);
-            o = fmaf(st[i], q_s[i], o);
+        for (uint32_t i = 0; i < PART; ++i) {
+            st[i] = fmaf(k_s[first + i], d, st[i]);
+            o = fmaf(st[i], q_s[first + i], o);
         }
-        out[row * (size_t)n_v_heads * HD + (size_t)h * HD + j] = __fmul_rn(o, scale);
+#pragma unroll
+        for (uint32_t mask = 1; mask < SPLIT; mask <<= 1) o += ember_shfl_xor(o, mask);
+        if (first == 0) out[row * (size_t)n_v_heads * HD + (size_t)h * HD + j] = __fmul_rn(o, scale);
     }
 #pragma unroll
-    for (uint32_t i = 0; i < HD; i += 4) *(float4*)(row_state + i) = make_float4(st[i], st[i + 1], st[i + 2], st[i + 3]);
+    for (uint32_t i = 0; i < PART; i += 4) *(float4*)(row_state + i) = make_float4(st[i], st[i + 1], st[i + 2], st[i + 3]);
 }
 
-#define EMBER_DELTA_NET_RULE(HD, ROWS)                                                                                               \
-    EMBER_KERNEL void ember_delta_net_rule_hd##HD##_f32(float* out, const float* x, const float* beta, const float* alpha,          \
-                                                       const float* dt_bias, const float* a, const uint64_t* states,               \
-                                                       const int32_t* starts, const int32_t* rows, uint32_t n_k_heads,             \
-                                                       uint32_t n_v_heads, uint32_t channels, uint64_t ssm_offset) {               \
-        ember_delta_net_rule<HD, ROWS>(out, x, beta, alpha, dt_bias, a, states, starts, rows, n_k_heads, n_v_heads, channels,      \
-                                       ssm_offset);                                                                                \
+#define EMBER_DELTA_NET_RULE(HD, ROWS, SPLIT)                                                                                        \
+    EMBER_KERNEL void __launch_bounds__(ROWS * SPLIT)                                                                                \
+        ember_delta_net_rule_hd##HD##_f32(float* out, const float* x, const float* beta, const float* alpha, const float* dt_bias,   \
+                                          const float* a, const uint64_t* states, const int32_t* starts, const int32_t* rows,        \
+                                          uint32_t n_k_heads, uint32_t n_v_heads, uint32_t channels, uint64_t ssm_offset) {          \
+        ember_delta_net_rule<HD, ROWS, SPLIT>(out, x, beta, alpha, dt_bias, a, states, starts, rows, n_k_heads, n_v_heads, channels, \
+                                              ssm_offset);                                                                           \
     }
 
-EMBER_DELTA_NET_RULE(64, 32)
-EMBER_DELTA_NET_RULE(128, 32)
+// Head size 64: one thread per row (64 values in registers); 128: two (64 values each).
+EMBER_DELTA_NET_RULE(64, 32, 1)
+EMBER_DELTA_NET_RULE(128, 32, 2)
 
 // The same rule for any head size (at most 1024, the block limit): one block per head, thread j
 // owns state row j and updates it where it lies in the state buffer. For head sizes without a

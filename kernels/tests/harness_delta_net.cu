@@ -181,7 +181,7 @@ static void launch_delta_net(const Shape& s, const DeviceWeights& w, const Devic
             ember_delta_net_rule_hd64_f32<<<grid, 32>>>(out, conv_out, beta, alpha, w.dt_bias.ptr, w.a.ptr, q.states.ptr, q.starts.ptr, q.rows.ptr,
                                                         s.n_k, s.n_v, ch, ssm_offset);
         else
-            ember_delta_net_rule_hd128_f32<<<grid, 32>>>(out, conv_out, beta, alpha, w.dt_bias.ptr, w.a.ptr, q.states.ptr, q.starts.ptr,
+            ember_delta_net_rule_hd128_f32<<<grid, 64>>>(out, conv_out, beta, alpha, w.dt_bias.ptr, w.a.ptr, q.states.ptr, q.starts.ptr,
                                                          q.rows.ptr, s.n_k, s.n_v, ch, ssm_offset);
     } else {
         ember_delta_net_rule_any_f32<<<dim3(s.n_v, q.n_seq), hd, 2 * hd * sizeof(float)>>>(

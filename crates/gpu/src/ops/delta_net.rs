@@ -218,17 +218,18 @@ pub fn gated_delta_net(
         .arg(KernelArg::U64(ssm_offset as u64));
     let n_v = layer.n_v_heads as u32;
     // The register-resident kernels load rows as 16-byte vectors: the state must start on one.
+    // Threads per state row: each holds 64 values of it.
     let resident = match hd {
-        64 => Some("ember_delta_net_rule_hd64_f32"),
-        128 => Some("ember_delta_net_rule_hd128_f32"),
+        64 => Some(("ember_delta_net_rule_hd64_f32", 1)),
+        128 => Some(("ember_delta_net_rule_hd128_f32", 2)),
         _ => None,
     }
     .filter(|_| ssm_offset % 4 == 0);
     match resident {
-        Some(name) => {
+        Some((name, split)) => {
             let config = LaunchConfig {
                 grid: [n_v * (hd32 / RULE_ROWS), n_seq, 1],
-                block: [RULE_ROWS, 1, 1],
+                block: [RULE_ROWS * split, 1, 1],
                 shared_mem_bytes: 0,
             };
             // SAFETY: ember_delta_net_rule_hd{64,128}_f32(float* out, const float* x, const
@@ -236,7 +237,8 @@ pub fn gated_delta_net(
             // uint64_t* states, const int32_t* starts, const int32_t* rows, uint32_t n_k_heads,
             // uint32_t n_v_heads, uint32_t channels, uint64_t ssm_offset); block (b, s) updates
             // RULE_ROWS state rows of one value head of sequence s (inside its state buffer, at a
-            // 16-byte aligned offset, checked above) over the rows of s, and writes those rows'
+            // 16-byte aligned offset, checked above) over the rows of s, `split` threads a row
+            // (the kernel's __launch_bounds__ is RULE_ROWS * split), and writes those rows'
             // values of the head in out.
             unsafe { ctx.launch(KernelModule::DeltaNet, name, config, &args)? }
         }
