@@ -13,7 +13,7 @@ use ember_gpu::kernels::KernelLibrary;
 use ember_gpu::ops::{GpuContext, GpuContextOptions};
 use ember_gpu::{DevicePool, DevicePtr, Driver, PoolConfig, PoolKind, Purpose};
 
-use super::super::{GpuBackend, GpuBuf, GpuVector};
+use super::super::{lock, GpuBackend, GpuBuf, GpuVector};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{Backend, GatedDeltaNet};
 use crate::batch::SeqId;
@@ -456,4 +456,77 @@ fn sequences_other_than_those_uploaded_fail_the_op_instead_of_waiting_mid_pass()
         &mut out,
     );
     assert_eq!(gpu.take_failure(), None);
+}
+
+#[test]
+fn a_pass_whose_recording_was_aborted_updates_the_states_once_when_it_runs_again() {
+    let (gpu, _dir) = backend();
+    gpu.set_graphs(true);
+    let vector = |v: &[f32]| gpu_vector(&gpu, v);
+    let (conv, dt_bias, a, norm) = (
+        vector(&values(1, CH * TAPS, 0.5)),
+        vector(&values(2, NV, 1.0)),
+        vector(&[-0.5; NV]),
+        vector(&[1.0; HD]),
+    );
+    let op = GatedDeltaNet {
+        conv: &conv,
+        dt_bias: &dt_bias,
+        a: &a,
+        norm: &norm,
+        conv_kernel: TAPS,
+        n_k_heads: NK,
+        n_v_heads: NV,
+        head_dim: HD,
+        eps: 1e-6,
+    };
+    let (qkv, z, beta, alpha) = (
+        gpu_buf(&gpu, &values(5, CH, 1.0)),
+        gpu_buf(&gpu, &values(6, VD, 1.0)),
+        gpu_buf(&gpu, &values(7, NV, 1.0)),
+        gpu_buf(&gpu, &values(8, NV, 1.0)),
+    );
+    let groups = vec![(1, vec![0])];
+    let len = op.conv_state_len() + op.ssm_state_len();
+    let state_after = |aborted: bool| -> Vec<f32> {
+        let mut store =
+            RecurrentStates::<GpuBackend>::new(1, op.conv_state_len(), op.ssm_state_len());
+        store.ensure(&gpu, [1]);
+        gpu.begin_states(&store.layer_states(0, &groups));
+        let mut out = gpu.alloc(VD);
+        if aborted {
+            lock(&gpu.graphs).begin(&gpu.ctx, 1, 1);
+            assert!(gpu.ctx.is_capturing());
+            // A call that waits for the device ends the capture; what follows would run for
+            // real and then again in the repeat.
+            gpu.write(&mut out, &[0.0; VD]);
+            assert!(!gpu.ctx.is_capturing());
+            gpu.gated_delta_net(
+                &op,
+                &qkv,
+                &z,
+                &beta,
+                &alpha,
+                &mut store.layer_states(0, &groups),
+                &mut out,
+            );
+            assert!(gpu.end_forward(), "the pass runs again with plain launches");
+        }
+        gpu.gated_delta_net(
+            &op,
+            &qkv,
+            &z,
+            &beta,
+            &alpha,
+            &mut store.layer_states(0, &groups),
+            &mut out,
+        );
+        assert_eq!(gpu.take_failure(), None);
+        let mut host = Vec::new();
+        gpu.read(store.layer_states(0, &groups)[0].state, len, &mut host);
+        host
+    };
+    let once = state_after(false);
+    assert!(once.iter().any(|&v| v != 0.0));
+    assert_eq!(state_after(true), once);
 }
