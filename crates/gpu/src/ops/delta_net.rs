@@ -224,7 +224,7 @@ pub fn gated_delta_net(
         128 => Some(("ember_delta_net_rule_hd128_f32", 2)),
         _ => None,
     }
-    .filter(|_| ssm_offset % 4 == 0);
+    .filter(|_| ssm_offset.is_multiple_of(4));
     match resident {
         Some((name, split)) => {
             let config = LaunchConfig {
