@@ -186,9 +186,9 @@ EMBER_DEVICE void ember_delta_net_rule(float* out, const float* x, const float* 
     for (uint32_t i = 0; i < PART; i += 4) *(float4*)(row_state + i) = make_float4(st[i], st[i + 1], st[i + 2], st[i + 3]);
 }
 
-#define EMBER_DELTA_NET_RULE(HD, ROWS, SPLIT)                                                                                        \
+#define EMBER_DELTA_NET_RULE(NAME, HD, ROWS, SPLIT)                                                                                  \
     EMBER_KERNEL void __launch_bounds__(ROWS * SPLIT)                                                                                \
-        ember_delta_net_rule_hd##HD##_f32(float* out, const float* x, const float* beta, const float* alpha, const float* dt_bias,   \
+        NAME(float* out, const float* x, const float* beta, const float* alpha, const float* dt_bias,   \
                                           const float* a, const uint64_t* states, const int32_t* starts, const int32_t* rows,        \
                                           uint32_t n_k_heads, uint32_t n_v_heads, uint32_t channels, uint64_t ssm_offset) {          \
         ember_delta_net_rule<HD, ROWS, SPLIT>(out, x, beta, alpha, dt_bias, a, states, starts, rows, n_k_heads, n_v_heads, channels, \
@@ -196,8 +196,8 @@ EMBER_DEVICE void ember_delta_net_rule(float* out, const float* x, const float* 
     }
 
 // Head size 64: one thread per row (64 values in registers); 128: two (64 values each).
-EMBER_DELTA_NET_RULE(64, 32, 1)
-EMBER_DELTA_NET_RULE(128, 32, 2)
+EMBER_DELTA_NET_RULE(ember_delta_net_rule_hd64_f32, 64, 32, 1)
+EMBER_DELTA_NET_RULE(ember_delta_net_rule_hd128_f32, 128, 32, 2)
 
 // The same rule for any head size (at most 1024, the block limit): one block per head, thread j
 // owns state row j and updates it where it lies in the state buffer. For head sizes without a
