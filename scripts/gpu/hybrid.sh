@@ -58,8 +58,8 @@ TINY=(--layers 4 --vocab 1024 --embd 128 --heads 4 --kv-heads 1 --head-dim 64 --
 declare -A MODEL_ARGS=(
     [qwen35-tiny-q8_0]="--shape qwen3.5-27b --type q8_0 --seed 12 ${TINY[*]} --ff 256"
     [qwen35moe-tiny-q8_0]="--shape qwen3.5-35b-a3b --type q8_0 --seed 13 ${TINY[*]} --experts 16 --experts-used 4 --expert-ff 32 --shared-ff 64"
-    [qwen35-hd128-q4_k_m]="--shape qwen3.5-27b --type q4_k_m --seed 14 --layers 4 --vocab 4096"
-    [qwen35moe-hd128-q4_k_m]="--shape qwen3.5-35b-a3b --type q4_k_m --seed 15 --layers 4 --vocab 4096"
+    [qwen35-hd128-q4_k_m]="--shape qwen3.5-27b --type q4_k_m --seed 14 --layers 4 --vocab 4096 --fast"
+    [qwen35moe-hd128-q4_k_m]="--shape qwen3.5-35b-a3b --type q4_k_m --seed 15 --layers 4 --vocab 4096 --fast"
 )
 NAMES=(qwen35-tiny-q8_0 qwen35moe-tiny-q8_0 qwen35-hd128-q4_k_m qwen35moe-hd128-q4_k_m)
 for name in "${NAMES[@]}"; do
