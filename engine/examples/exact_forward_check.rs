@@ -495,6 +495,9 @@ fn main() -> anyhow::Result<()> {
     let hparams = HParams::from_metadata(architecture_of(&gguf)?, gguf.metadata())?;
     if let Some(error) =
         gpu::numerics::reference_unsupported(hparams.head_dim_k, hparams.final_logit_softcap)
+            .or_else(|| {
+                gpu::numerics::reference_unsupported_recurrent(hparams.has_recurrent_state())
+            })
     {
         bail!(error);
     }

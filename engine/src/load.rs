@@ -435,6 +435,9 @@ fn select_gpu(
     if numerics == Numerics::Reference {
         if let Some(error) =
             gpu::numerics::reference_unsupported(hparams.head_dim_k, hparams.final_logit_softcap)
+                .or_else(|| {
+                    gpu::numerics::reference_unsupported_recurrent(hparams.has_recurrent_state())
+                })
         {
             return Err(numerics_error(error));
         }

@@ -40,6 +40,7 @@ pub enum KernelModule {
     ExactMatmul,
     Mmq,
     Moe,
+    DeltaNet,
 }
 
 /// A module's file stem and the functions it exports.
@@ -352,6 +353,20 @@ pub const KERNEL_MODULES: &[ModuleSpec] = &[
             "ember_moe_tiles",
             "ember_moe_combine_f32",
             "ember_moe_add_gated_f32",
+        ],
+    },
+    ModuleSpec {
+        module: KernelModule::DeltaNet,
+        stem: "delta_net",
+        functions: &[
+            "ember_split_query_gate_f32",
+            "ember_mul_sigmoid_f32",
+            "ember_delta_net_conv_f32",
+            "ember_delta_net_l2_norm_f32",
+            "ember_delta_net_rule_hd64_f32",
+            "ember_delta_net_rule_hd128_f32",
+            "ember_delta_net_rule_any_f32",
+            "ember_delta_net_gated_norm_f32",
         ],
     },
 ];
@@ -726,6 +741,7 @@ mod tests {
             KernelModule::ExactMatmul,
             KernelModule::Mmq,
             KernelModule::Moe,
+            KernelModule::DeltaNet,
         ] {
             for f in module.spec().functions {
                 assert!(seen.insert(*f), "{f} listed twice");

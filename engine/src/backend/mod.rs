@@ -137,16 +137,35 @@ pub struct GatedDeltaNet<'a, V> {
     pub eps: f32,
 }
 
+impl<V> GatedDeltaNet<'_, V> {
+    /// Convolution channels: the query, key and value heads.
+    pub fn channels(&self) -> usize {
+        (2 * self.n_k_heads + self.n_v_heads) * self.head_dim
+    }
+
+    /// Values of one sequence's convolution state in the layer.
+    pub fn conv_state_len(&self) -> usize {
+        self.conv_kernel.saturating_sub(1) * self.channels()
+    }
+
+    /// Values of one sequence's delta-rule state in the layer.
+    pub fn ssm_state_len(&self) -> usize {
+        self.n_v_heads * self.head_dim * self.head_dim
+    }
+}
+
 /// One sequence's part of a [`Backend::gated_delta_net`] call: its rows in the batch, in
-/// position order, and its state in the layer, read and then replaced by the state after the
-/// rows.
-pub struct SequenceState<'a> {
+/// position order, and its state buffer ([`Backend::state_alloc`]; every linear-attention layer's
+/// state, one after the other), whose layer part starting at `offset` is read and then replaced
+/// by the state after the rows. A layer's part is the convolution state (the last
+/// `conv_kernel - 1` inputs of each channel, channel by channel), then the delta-rule state (one
+/// `head_dim` x `head_dim` matrix per value head: row `j`, a value index, holds the state's
+/// column over the key index, as GGML stores it).
+pub struct SequenceState<'a, Buf> {
     pub rows: &'a [usize],
-    /// The last `conv_kernel - 1` convolution inputs of each channel, channel by channel.
-    pub conv: &'a mut [f32],
-    /// One `head_dim` x `head_dim` matrix per value head: row `j` (a value index) holds the
-    /// state's column over the key index, as GGML stores it.
-    pub ssm: &'a mut [f32],
+    pub state: &'a mut Buf,
+    /// Where the layer's part starts, in values.
+    pub offset: usize,
 }
 
 /// An op that failed on a device backend: which op, and why. Recorded by the backend and
@@ -363,6 +382,18 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn linear_attention_supported(&self) -> bool {
         false
     }
+    /// A zeroed buffer of `len` values for one sequence's recurrent state
+    /// ([`crate::recurrent_state`]); a device backend accounts it as such rather than as scratch.
+    fn state_alloc(&self, len: usize) -> Self::Buf {
+        self.alloc(len)
+    }
+    /// Called once per forward pass of a model with recurrent state, before
+    /// [`Backend::begin_forward`], with the batch's sequences (their rows and state buffers, in
+    /// the order every [`Backend::gated_delta_net`] of the pass gets them), so a device backend
+    /// can upload their table once, before it starts recording the pass.
+    fn begin_states(&self, states: &[SequenceState<'_, Self::Buf>]) {
+        let _ = states;
+    }
     /// Splits a gated query projection (`n_tokens` rows of `n_heads` heads, each `head_dim`
     /// query values followed by `head_dim` gate values) into `q` and `gate`, `n_heads *
     /// head_dim` values per row each.
@@ -406,7 +437,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
         z: &Self::Buf,
         beta: &Self::Buf,
         alpha: &Self::Buf,
-        states: &mut [SequenceState<'_>],
+        states: &mut [SequenceState<'_, Self::Buf>],
         out: &mut Self::Buf,
     ) {
         let _ = (op, qkv, z, beta, alpha, states, out);

@@ -169,11 +169,12 @@ fn memory_line(pool: &DevicePool) -> String {
         .map(|m| format_bytes(m.free))
         .unwrap_or_else(|e| format!("unknown ({e})"));
     format!(
-        "live {} (weights {}, kv {}, scratch {}), held {}, driver free {free}",
+        "live {} (weights {}, kv {}, scratch {}, recurrent state {}), held {}, driver free {free}",
         format_bytes(usage.live),
         format_bytes(usage.purpose(Purpose::Weights).current),
         format_bytes(usage.purpose(Purpose::Kv).current),
         format_bytes(usage.purpose(Purpose::Scratch).current),
+        format_bytes(usage.purpose(Purpose::RecurrentState).current),
         format_bytes(usage.held),
     )
 }

@@ -73,7 +73,7 @@ pub struct Context<B: Backend> {
     pub(super) kv: KvCache<B>,
     pub(super) kv_layer_of: Vec<Option<usize>>,
     /// Recurrent states of the linear-attention layers (empty for other models).
-    states: RecurrentStates,
+    states: RecurrentStates<B>,
     /// The batch's rows grouped by sequence, in position order, for the linear-attention op.
     seq_groups: Vec<(SeqId, Vec<usize>)>,
     pub(super) plan: AttentionPlan,
@@ -344,7 +344,9 @@ pub(super) fn forward<B: Backend>(
         for (_, rows) in &mut ctx.seq_groups {
             rows.sort_by_key(|&r| batch.positions[r]);
         }
-        ctx.states.ensure(ctx.seq_groups.iter().map(|(s, _)| *s));
+        ctx.states
+            .ensure(backend, ctx.seq_groups.iter().map(|(s, _)| *s));
+        backend.begin_states(&ctx.states.layer_states(0, &ctx.seq_groups));
     }
     ctx.out_rows.clear();
     ctx.out_rows.extend(batch.output_rows());

@@ -279,11 +279,14 @@ fn the_gpu_backend_places_stacked_experts_and_refuses_them_where_it_has_no_kerne
 
 #[test]
 fn a_backend_without_linear_attention_refuses_hybrids_at_load() {
-    // The GPU backend does not run Gated DeltaNet (`Backend::linear_attention_supported` is
-    // false), so a hybrid is refused before any of its layers is placed.
+    // The GPU backend's reference numerics have no bit-exact Gated DeltaNet
+    // (`Backend::linear_attention_supported` is false there), so a hybrid is refused before any
+    // of its layers is placed; its default numerics place it.
+    let mut reference = host_gpu();
+    reference.set_numerics(crate::backend::gpu::Numerics::Reference);
     let e = Model::from_gguf(
         tiny_hybrid("qwen3.5-27b", |_, _| {}),
-        host_gpu(),
+        reference,
         &mut |_, _| {},
     )
     .unwrap_err();
@@ -294,6 +297,11 @@ fn a_backend_without_linear_attention_refuses_hybrids_at_load() {
          (architecture qwen35) is not built for the host backend yet: run the model on the CPU \
          (--device cpu)"
     );
+    for shape in ["qwen3.5-27b", "qwen3.5-35b-a3b"] {
+        let model = Model::from_gguf(tiny_hybrid(shape, |_, _| {}), host_gpu(), &mut |_, _| {})
+            .unwrap_or_else(|e| panic!("{shape}: {e}"));
+        assert!(model.hparams().has_recurrent_state());
+    }
 }
 
 #[test]

@@ -441,7 +441,7 @@ impl EngineCollector {
         let Some(engine) = self.served.engine.get() else {
             return Ok(());
         };
-        const MEMORY_HELP: &str = "Device memory in use by purpose: weights, kv (the KV cache's blocks holding memory), scratch, prefix_cache (the part of kv kept only by the prefix cache), and recurrent_state (the per-sequence state of hybrid models' linear-attention layers, in host memory).";
+        const MEMORY_HELP: &str = "Device memory in use by purpose: weights, kv (the KV cache's blocks holding memory), scratch, prefix_cache (the part of kv kept only by the prefix cache), and recurrent_state (the per-sequence state of hybrid models' linear-attention layers).";
         if engine.pool().is_none() {
             let device = || vec![("device", "cpu".to_string())];
             let with = |purpose: &str| {
@@ -481,6 +481,10 @@ impl EngineCollector {
                 (with("kv"), ConstGauge::new(live(Purpose::Kv))),
                 (with("scratch"), ConstGauge::new(live(Purpose::Scratch))),
                 (with("prefix_cache"), ConstGauge::new(prefix_bytes as i64)),
+                (
+                    with("recurrent_state"),
+                    ConstGauge::new(live(Purpose::RecurrentState)),
+                ),
             ],
         )?;
         let device = vec![("device", sample.device.clone())];

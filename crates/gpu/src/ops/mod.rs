@@ -39,6 +39,7 @@
 //! follows candle's CUDA backend; the kernels themselves are ember's own (`kernels/*.hip`).
 
 mod attention;
+mod delta_net;
 mod elementwise;
 mod exact_attention;
 mod exact_elementwise;
@@ -64,6 +65,10 @@ use crate::kernels::{KernelError, KernelLibrary, KernelModule, KERNEL_MODULES};
 use crate::pool::{DevicePool, PoolBuffer, PoolError, Purpose};
 
 pub use attention::{attention, kv_store, AttentionArgs};
+pub use delta_net::{
+    gated_delta_net, mul_sigmoid, split_query_gate, DeltaNetIo, DeltaNetLayer, DeltaNetSeqs,
+    DELTA_NET_MAX_HEAD_DIM, DELTA_NET_MAX_TAPS,
+};
 pub use elementwise::{
     add, add_rms_norm, argmax, convert_f32_to_f16, gather_rows, geglu, get_rows, rms_norm, rope,
     rope_kv_store, scale, softcap, swiglu, RopeKvStoreArgs, RopeMode,

@@ -40,16 +40,25 @@ pub enum Purpose {
     Weights,
     Kv,
     Scratch,
+    /// The per-sequence recurrent and convolution states of hybrid models' linear-attention
+    /// layers, made with a sequence and freed with it, like its KV blocks.
+    RecurrentState,
 }
 
 impl Purpose {
-    pub const ALL: [Purpose; 3] = [Purpose::Weights, Purpose::Kv, Purpose::Scratch];
+    pub const ALL: [Purpose; 4] = [
+        Purpose::Weights,
+        Purpose::Kv,
+        Purpose::Scratch,
+        Purpose::RecurrentState,
+    ];
 
     fn index(self) -> usize {
         match self {
             Purpose::Weights => 0,
             Purpose::Kv => 1,
             Purpose::Scratch => 2,
+            Purpose::RecurrentState => 3,
         }
     }
 }
@@ -60,6 +69,7 @@ impl fmt::Display for Purpose {
             Purpose::Weights => "weights",
             Purpose::Kv => "kv cache",
             Purpose::Scratch => "scratch",
+            Purpose::RecurrentState => "recurrent state",
         })
     }
 }
@@ -158,7 +168,7 @@ pub struct PurposeUsage {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct MemorySnapshot {
     /// Live bytes by purpose, in [`Purpose::ALL`] order.
-    pub live_by_purpose: [u64; 3],
+    pub live_by_purpose: [u64; 4],
     pub live: u64,
     /// Physical memory held from the driver (mapped chunks or allocated blocks).
     pub held: u64,
@@ -175,7 +185,7 @@ impl MemorySnapshot {
 /// Accounting of one pool.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PoolUsage {
-    pub by_purpose: [PurposeUsage; 3],
+    pub by_purpose: [PurposeUsage; 4],
     pub live: u64,
     pub peak_live: u64,
     pub held: u64,
@@ -704,7 +714,7 @@ pub struct DeviceMemoryReport {
     pub at_peak: MemorySnapshot,
     pub after_idle: Option<MemorySnapshot>,
     pub now: MemorySnapshot,
-    pub peak_by_purpose: [u64; 3],
+    pub peak_by_purpose: [u64; 4],
 }
 
 /// The memory report of every device (`--memory-report`).
@@ -754,8 +764,8 @@ impl fmt::Display for DeviceMemoryReport {
         writeln!(f, "  pool choice: {}", self.pool_reason)?;
         writeln!(
             f,
-            "  {:<11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>12}",
-            "stage", "weights", "kv cache", "scratch", "live", "held", "device free"
+            "  {:<11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>12}",
+            "stage", "weights", "kv cache", "scratch", "state", "live", "held", "device free"
         )?;
         let row =
             |f: &mut fmt::Formatter<'_>, stage: &str, s: Option<&MemorySnapshot>| -> fmt::Result {
@@ -763,10 +773,11 @@ impl fmt::Display for DeviceMemoryReport {
                     None => writeln!(f, "  {stage:<11} {:>11}", "not reached"),
                     Some(s) => writeln!(
                         f,
-                        "  {stage:<11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>12}",
+                        "  {stage:<11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>12}",
                         format_bytes(s.live_by_purpose[0]),
                         format_bytes(s.live_by_purpose[1]),
                         format_bytes(s.live_by_purpose[2]),
+                        format_bytes(s.live_by_purpose[3]),
                         format_bytes(s.live),
                         format_bytes(s.held),
                         s.device_free
@@ -781,10 +792,11 @@ impl fmt::Display for DeviceMemoryReport {
         row(f, "now", Some(&self.now))?;
         writeln!(
             f,
-            "  peak by purpose: weights {}, kv cache {}, scratch {}",
+            "  peak by purpose: weights {}, kv cache {}, scratch {}, recurrent state {}",
             format_bytes(self.peak_by_purpose[0]),
             format_bytes(self.peak_by_purpose[1]),
-            format_bytes(self.peak_by_purpose[2])
+            format_bytes(self.peak_by_purpose[2]),
+            format_bytes(self.peak_by_purpose[3])
         )
     }
 }

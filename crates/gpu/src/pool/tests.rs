@@ -446,6 +446,8 @@ fn memory_report_renders_every_stage() {
     pool.mark_loaded();
     let scratch = pool.alloc(Purpose::Scratch, 20 * MIB).unwrap();
     drop(scratch);
+    let state = pool.alloc(Purpose::RecurrentState, 3 * MIB).unwrap();
+    drop(state);
     pool.trim_if_idle(Instant::now() + Duration::from_secs(1))
         .unwrap();
     let report = MemoryReport::from_pools(std::slice::from_ref(&pool));
@@ -458,7 +460,7 @@ fn memory_report_renders_every_stage() {
         "after idle",
         "12.0 MiB",
         "32.0 MiB",
-        "peak by purpose: weights 12.0 MiB, kv cache 0 B, scratch 20.0 MiB",
+        "peak by purpose: weights 12.0 MiB, kv cache 0 B, scratch 20.0 MiB, recurrent state 3.0 MiB",
     ] {
         assert!(text.contains(expected), "missing {expected:?} in\n{text}");
     }

@@ -16,7 +16,15 @@
 use rayon::prelude::*;
 
 use super::{ops, vec};
-use crate::backend::{GatedDeltaNet, SequenceState};
+use crate::backend::GatedDeltaNet;
+
+/// One sequence's part of [`gated_delta_net`]: its rows and its state in the layer, split into
+/// the convolution and delta-rule states (see [`crate::backend::SequenceState`]).
+pub(super) struct SequenceState<'a> {
+    pub(super) rows: &'a [usize],
+    pub(super) conv: &'a mut [f32],
+    pub(super) ssm: &'a mut [f32],
+}
 
 /// GGML's `op_softplus`.
 fn softplus(x: f32) -> f32 {

@@ -505,10 +505,23 @@ impl Backend for CpuBackend {
         z: &Vec<f32>,
         beta: &Vec<f32>,
         alpha: &Vec<f32>,
-        states: &mut [SequenceState<'_>],
+        states: &mut [SequenceState<'_, Vec<f32>>],
         out: &mut Vec<f32>,
     ) {
-        delta_net::gated_delta_net(op, qkv, z, beta, alpha, states, out);
+        let (conv_len, ssm_len) = (op.conv_state_len(), op.ssm_state_len());
+        let mut parts: Vec<delta_net::SequenceState<'_>> = states
+            .iter_mut()
+            .map(|s| {
+                let (conv, ssm) =
+                    s.state[s.offset..s.offset + conv_len + ssm_len].split_at_mut(conv_len);
+                delta_net::SequenceState {
+                    rows: s.rows,
+                    conv,
+                    ssm,
+                }
+            })
+            .collect();
+        delta_net::gated_delta_net(op, qkv, z, beta, alpha, &mut parts, out);
     }
 
     fn rms_norm(

@@ -35,6 +35,7 @@
 #![allow(clippy::result_large_err)]
 
 mod batch;
+mod delta_net;
 pub mod graph;
 pub mod numerics;
 pub mod open;
@@ -47,7 +48,10 @@ use ember_gguf::{Gguf, TensorInfo};
 use ember_gpu::ops::{self, AttentionArgs, DeviceMatrix, GpuContext, OpsError, WeightFormat};
 use ember_gpu::{DevicePool, DevicePtr, PoolBuffer, Purpose};
 
-use super::{Backend, BackendError, ExpertGating, MoeFfn, OpFailure, RopeMode, RopeParams};
+use super::{
+    Backend, BackendError, ExpertGating, GatedDeltaNet, MoeFfn, OpFailure, RopeMode, RopeParams,
+    SequenceState,
+};
 use crate::batch::Batch;
 use crate::ops::{AttentionPlan, FfnActivation};
 use batch::BatchArrays;
@@ -94,6 +98,8 @@ pub struct GpuBackend {
     /// Scratch of the mixture-of-experts layers ([`Backend::moe_ffn`]), grown to the largest
     /// batch and given back with the other activation buffers ([`Backend::release_op_scratch`]).
     moe_scratch: Mutex<MoeScratch>,
+    /// The sequence table and scratch of the linear-attention layers ([`delta_net`]).
+    delta_net: Mutex<delta_net::DeltaNetScratch>,
 }
 
 /// Device buffers of [`GpuBackend::moe_ffn`]; the i32 arrays (experts, pairs, tiles) live in
@@ -159,6 +165,7 @@ impl GpuBackend {
             reference_threads: DEFAULT_REFERENCE_THREADS,
             gelu_table: Mutex::new(None),
             moe_scratch: Mutex::new(MoeScratch::default()),
+            delta_net: Mutex::new(delta_net::DeltaNetScratch::default()),
         }
     }
 
@@ -956,6 +963,50 @@ impl Backend for GpuBackend {
 
     fn release_op_scratch(&self) {
         *lock(&self.moe_scratch) = MoeScratch::default();
+        self.release_delta_net_scratch();
+    }
+
+    fn linear_attention_supported(&self) -> bool {
+        // The reference numerics have no bit-exact delta-net kernels (refused at load with
+        // that reason, see `numerics::reference_unsupported_recurrent`).
+        !self.reference()
+    }
+
+    fn state_alloc(&self, len: usize) -> GpuBuf {
+        self.state_alloc_on_device(len)
+    }
+
+    fn begin_states(&self, states: &[SequenceState<'_, GpuBuf>]) {
+        self.upload_sequence_table(states);
+    }
+
+    fn split_query_gate(
+        &self,
+        q_full: &GpuBuf,
+        n_tokens: usize,
+        n_heads: usize,
+        head_dim: usize,
+        q: &mut GpuBuf,
+        gate: &mut GpuBuf,
+    ) {
+        self.split_query_gate_on_device(q_full, n_tokens, n_heads, head_dim, q, gate);
+    }
+
+    fn mul_sigmoid(&self, x: &mut GpuBuf, gate: &GpuBuf, len: usize) {
+        self.mul_sigmoid_on_device(x, gate, len);
+    }
+
+    fn gated_delta_net(
+        &self,
+        op: &GatedDeltaNet<'_, GpuVector>,
+        qkv: &GpuBuf,
+        z: &GpuBuf,
+        beta: &GpuBuf,
+        alpha: &GpuBuf,
+        states: &mut [SequenceState<'_, GpuBuf>],
+        out: &mut GpuBuf,
+    ) {
+        self.gated_delta_net_on_device(op, qkv, z, beta, alpha, states, out);
     }
 
     fn get_rows(&self, table: &DeviceMatrix, ids: &[u32], scale: f32, out: &mut GpuBuf) {

@@ -8,7 +8,8 @@
 //! code: the rotary cosines and sines of each batch ([`rope_cos_sin`]) and the f16 GELU table
 //! ([`gelu_table`]), which the device then reads. What has no exact kernel is refused when the
 //! model is loaded ([`reference_unsupported`]): Gemma 2's final logit soft-capping (glibc's
-//! `tanhf` on the CPU, which differs between glibc releases and has no device port here).
+//! `tanhf` on the CPU, which differs between glibc releases and has no device port here), and
+//! the linear-attention layers of Qwen 3.5 / 3.6 ([`reference_unsupported_recurrent`]).
 //!
 //! The CPU attention's split-KV path (a single token over 512 or more cached positions) cuts the
 //! cache into one chunk per CPU thread, so the CPU's thread count shows in its digits; the
@@ -162,6 +163,15 @@ pub fn reference_unsupported(
     None
 }
 
+/// Why the reference mode cannot run a model with linear-attention layers (Qwen 3.5's Gated
+/// DeltaNet), or `None` for a model without them: the delta-net kernels round as suits the GPU
+/// and have no bit-exact twins.
+pub fn reference_unsupported_recurrent(has_recurrent_state: bool) -> Option<NumericsError> {
+    has_recurrent_state.then(|| NumericsError::Unsupported {
+        reason: "the model has linear-attention (Gated DeltaNet) layers, which have no bit-exact device kernels".into(),
+    })
+}
+
 // The host-side values the reference mode uploads are the CPU backend's own: the f16 GELU table
 // and the rotary cosines and sines, computed by the same functions.
 pub use crate::backend::cpu::{gelu_table, rope_cos_sin};
@@ -225,6 +235,14 @@ mod tests {
         assert_eq!(
             error.to_string(),
             "reference numerics cannot run this model: the model soft-caps its logits (final_logit_softcapping = 30), and the CPU's tanhf (glibc) has no bit-exact device kernel; use --numerics fast, or --device cpu for the reference results"
+        );
+        assert_eq!(reference_unsupported_recurrent(false), None);
+        let error = reference_unsupported_recurrent(true).expect("refused");
+        assert!(
+            error
+                .to_string()
+                .contains("linear-attention (Gated DeltaNet) layers, which have no bit-exact"),
+            "{error}"
         );
         let error = reference_unsupported(512, None).expect("refused");
         assert!(
