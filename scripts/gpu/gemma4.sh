@@ -27,8 +27,9 @@
 # Usage (on the GPU machine, from the repository root):
 #   OUT=$OUT EMBER=path/to/ember SYNTH=path/to/ember-synth scripts/gpu/gemma4.sh
 # Environment: ARCH [sm_90], DEVICE [cuda:0], MODELS [/tmp/ember-gemma4], N_TOKENS [80],
-# PPL_TOLERANCE [0.01], CPU_THREADS [8], LLAMA_BIN, REAL. Exits non-zero when a kernel harness,
-# a GPU run or an agreement check failed.
+# PPL_TOLERANCE [0.01], CPU_THREADS [8], LLAMA_BIN, REAL, KERNELS [1; 0 skips step 1's nvcc part
+# and uses the cubins already in $EMBER_KERNELS_DIR; with DEVICE=cpu the script runs anywhere, to
+# test itself]. Exits non-zero when a kernel harness, a GPU run or an agreement check failed.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -53,11 +54,12 @@ fail() {
     failures+=("$1")
     echo "FAIL $1" | tee -a "$LOG"
 }
-GPU=(--device "$DEVICE" -ngl 99)
+if [[ "$DEVICE" == cpu ]]; then GPU=(--device cpu -t "$CPU_THREADS"); else GPU=(--device "$DEVICE" -ngl 99); fi
 CPU=(--device cpu -t "$CPU_THREADS")
 
 t "kernels for $ARCH (compile and harnesses) while the models are written"
 (
+    [[ "${KERNELS:-1}" == 1 ]] || exit 0
     build="$MODELS/kernels-build-$ARCH"
     rm -rf "$build"
     bash "$ROOT/kernels/tests/run-nvcc.sh" "$ARCH" "$build" >"$OUT/gemma4-kernels.log" 2>&1
