@@ -55,7 +55,7 @@ pub enum BackendError {
         found: String,
     },
     /// A layer's attention heads are wider than the backend's attention kernels handle.
-    #[error("{tensor}: attention heads of {head_dim} values (layer {layer}) are wider than the {backend} backend's attention kernels handle (at most {max}): run the model on the CPU (--device cpu)")]
+    #[error("tensor {tensor}: attention heads of {head_dim} values (layer {layer}) are wider than the {backend} backend's attention kernels handle (at most {max}): run the model on the CPU (--device cpu)")]
     HeadDimTooLarge {
         tensor: String,
         layer: usize,
