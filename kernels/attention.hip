@@ -19,21 +19,25 @@
 // Two kernels compute the same function for any batch:
 //   * decode (flash decoding): one thread block per (key partition, head, token); partitions of
 //     EMBER_ATTN_PARTITION keys run in parallel and a reduce kernel (launched only when a token
-//     has more than one partition) merges their (max, sum, acc) triples. For head sizes 64, 128
-//     and 256 a block reads keys and values with 16-byte loads, head_dim / 8 lanes per key and
-//     several keys per warp, with no barrier per key. Best when every token is the only query of
-//     its sequence in the batch.
+//     has more than one partition) merges their (max, sum, acc) triples. For head sizes 64, 128,
+//     256 and 512 a block reads keys and values with 16-byte loads, at most 32 lanes per key (so
+//     a key's lanes sit in one warp on wave32 and wave64 targets alike; 512 takes two loads per
+//     lane) and several keys per warp, with no barrier per key. Best when every token is the
+//     only query of its sequence in the batch.
 //   * prefill (tiled flash attention): one thread block per (tile of EMBER_ATTN_TILE_Q consecutive
 //     batch tokens, head); key tiles of EMBER_ATTN_TILE_K are staged through shared memory and
 //     every query of the tile reuses them; online softmax. Consecutive batch tokens of one table
 //     share the tile's key walk; a tile that spans several tables walks each table in turn.
+//     Heads wider than 256 (Gemma 4's 512-wide global heads) stage each key and value tile in
+//     chunks of 128 dimensions, so the kernel's static shared memory stays under 48 KiB (CUDA's
+//     static limit; AMD's LDS is 64 KiB) whatever the head size.
 // Both are deterministic: fixed reduction orders, no atomics.
 //
 // kernels/tests/harness_attention.cu tests these kernels (kernels/tests/harness.cu should not).
 #include "ember_compat.h"
 
 #define EMBER_ATTN_PARTITION 64
-#define EMBER_ATTN_MAX_HEAD_DIM 256
+#define EMBER_ATTN_MAX_HEAD_DIM 512
 #define EMBER_ATTN_THREADS 128
 #define EMBER_ATTN_TILE_Q 16
 #define EMBER_ATTN_TILE_K 32
@@ -86,32 +90,40 @@ EMBER_DEVICE void ember_attn_unpack8(uint4 bits, float* v) {
     }
 }
 
-// Decode scores for head_dim = 8 CH (CH = 8, 16 or 32 divides the wave): CH neighbouring lanes
-// share a key, each loads 8 dimensions with one 16-byte load (rows are 16-byte aligned when
-// head_dim is a multiple of 8), and the group sums with shuffles; a block pass covers
-// blockDim / CH keys and four passes' loads are issued before their arithmetic. The pass count
-// depends only on n_keys, so every lane of a warp runs every shuffle.
-template <int CH>
+// Decode scores for head_dim = 8 CH V (CH = 8, 16 or 32 divides the wave; V = 1 or 2): CH
+// neighbouring lanes share a key, lane c loads dimensions 8 (c + CH j) .. + 7 for j < V with one
+// 16-byte load each (rows are 16-byte aligned when head_dim is a multiple of 8), and the group sums
+// with shuffles; a block pass covers blockDim / CH keys and four passes' loads are issued before
+// their arithmetic. The pass count depends only on n_keys, so every lane of a warp runs every
+// shuffle.
+template <int CH, int V>
 EMBER_DEVICE void ember_attn_decode_scores(float* scores, const ember_half* const* key_rows, const float* q_shared, int n_keys, float scale,
                                           float softcap) {
     const int c = (int)(threadIdx.x % CH), slot = (int)(threadIdx.x / CH), per_pass = (int)(blockDim.x / CH);
-    float q[8];
+    float q[V][8];
 #pragma unroll
-    for (int k = 0; k < 8; ++k) q[k] = q_shared[8 * c + k];
+    for (int v = 0; v < V; ++v)
+#pragma unroll
+        for (int k = 0; k < 8; ++k) q[v][k] = q_shared[8 * (c + CH * v) + k];
     for (int base = 0; base < n_keys; base += 4 * per_pass) {
-        uint4 bits[4];
+        uint4 bits[4][V];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int i = base + j * per_pass + slot;
-            bits[j] = i < n_keys ? *(const uint4*)(key_rows[i] + 8 * c) : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+            for (int v = 0; v < V; ++v)
+                bits[j][v] = i < n_keys ? *(const uint4*)(key_rows[i] + 8 * (c + CH * v)) : make_uint4(0u, 0u, 0u, 0u);
         }
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            float k[8];
-            ember_attn_unpack8(bits[j], k);
             float dot = 0.0f;
 #pragma unroll
-            for (int e = 0; e < 8; ++e) dot += q[e] * k[e];
+            for (int v = 0; v < V; ++v) {
+                float k[8];
+                ember_attn_unpack8(bits[j][v], k);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) dot += q[v][e] * k[e];
+            }
 #pragma unroll
             for (int mask = CH / 2; mask > 0; mask >>= 1) dot += ember_shfl_xor(dot, mask);
             const int i = base + j * per_pass + slot;
@@ -120,43 +132,54 @@ EMBER_DEVICE void ember_attn_decode_scores(float* scores, const ember_half* cons
     }
 }
 
-// dst[d] = norm * sum_i probs[i] v_i[d] for head_dim = 8 CH: thread (slot, c) accumulates keys
-// slot, slot + blockDim / CH, ... (in increasing order) for dimensions 8 c .. 8 c + 7 with 16-byte
-// loads; the slots' partial sums meet in `reduce` (blockDim * 8 floats) and are added in slot
-// order. Deterministic; contains a __syncthreads (call from the whole block).
-template <int CH>
+// dst[d] = norm * sum_i probs[i] v_i[d] for head_dim = 8 CH V: thread (slot, c) accumulates keys
+// slot, slot + blockDim / CH, ... (in increasing order) for dimensions 8 (c + CH j) .. + 7 (j < V)
+// with 16-byte loads; for each j the slots' partial sums meet in `reduce` (blockDim * 8 floats)
+// and are added in slot order. Deterministic; contains __syncthreads (call from the whole block).
+template <int CH, int V>
 EMBER_DEVICE void ember_attn_decode_values(float* dst, const float* probs, const ember_half* const* value_rows, int n_keys, float norm,
                                           float* reduce) {
-    constexpr int HEAD_DIM = 8 * CH;
+    constexpr int CHUNK = 8 * CH;
     const int c = (int)(threadIdx.x % CH), slot = (int)(threadIdx.x / CH), per_pass = (int)(blockDim.x / CH);
-    float acc[8];
+    float acc[V][8];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
+    for (int v = 0; v < V; ++v)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[v][e] = 0.0f;
     for (int base = slot; base < n_keys; base += 4 * per_pass) {
-        uint4 bits[4];
+        uint4 bits[4][V];
         float p[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int i = base + j * per_pass;
             const bool valid = i < n_keys;
-            bits[j] = valid ? *(const uint4*)(value_rows[i] + 8 * c) : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+            for (int v = 0; v < V; ++v)
+                bits[j][v] = valid ? *(const uint4*)(value_rows[i] + 8 * (c + CH * v)) : make_uint4(0u, 0u, 0u, 0u);
             p[j] = valid ? probs[i] : 0.0f;
         }
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            float v[8];
-            ember_attn_unpack8(bits[j], v);
+        for (int j = 0; j < 4; ++j)
 #pragma unroll
-            for (int e = 0; e < 8; ++e) acc[e] += p[j] * v[e];
-        }
+            for (int v = 0; v < V; ++v) {
+                float x[8];
+                ember_attn_unpack8(bits[j][v], x);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[v][e] += p[j] * x[e];
+            }
     }
 #pragma unroll
-    for (int e = 0; e < 8; ++e) reduce[slot * HEAD_DIM + 8 * c + e] = acc[e];
-    __syncthreads();
-    for (int d = (int)threadIdx.x; d < HEAD_DIM; d += (int)blockDim.x) {
-        float sum = 0.0f;
-        for (int g = 0; g < per_pass; ++g) sum += reduce[g * HEAD_DIM + d];
-        dst[d] = sum * norm;
+    for (int v = 0; v < V; ++v) {
+        // The previous round's readers are done with `reduce` before it is written again.
+        if (v > 0) __syncthreads();
+#pragma unroll
+        for (int e = 0; e < 8; ++e) reduce[slot * CHUNK + 8 * c + e] = acc[v][e];
+        __syncthreads();
+        for (int d = (int)threadIdx.x; d < CHUNK; d += (int)blockDim.x) {
+            float sum = 0.0f;
+            for (int g = 0; g < per_pass; ++g) sum += reduce[g * CHUNK + d];
+            dst[CHUNK * v + d] = sum * norm;
+        }
     }
 }
 
@@ -199,11 +222,12 @@ EMBER_KERNEL void ember_attention_decode_partial(float* out, float* partial_acc,
     }
     __syncthreads();
 
-    // Scores: vectorised for the common head sizes (CH lanes per key, 8 dimensions each), one
-    // warp per key otherwise.
-    if (head_dim == 128) ember_attn_decode_scores<16>(scores, key_rows, q_shared, n_keys, scale, softcap);
-    else if (head_dim == 64) ember_attn_decode_scores<8>(scores, key_rows, q_shared, n_keys, scale, softcap);
-    else if (head_dim == 256) ember_attn_decode_scores<32>(scores, key_rows, q_shared, n_keys, scale, softcap);
+    // Scores: vectorised for the common head sizes (CH lanes per key, 8 or 16 dimensions each),
+    // one warp per key otherwise.
+    if (head_dim == 128) ember_attn_decode_scores<16, 1>(scores, key_rows, q_shared, n_keys, scale, softcap);
+    else if (head_dim == 64) ember_attn_decode_scores<8, 1>(scores, key_rows, q_shared, n_keys, scale, softcap);
+    else if (head_dim == 256) ember_attn_decode_scores<32, 1>(scores, key_rows, q_shared, n_keys, scale, softcap);
+    else if (head_dim == 512) ember_attn_decode_scores<32, 2>(scores, key_rows, q_shared, n_keys, scale, softcap);
     else {
         const int lane = threadIdx.x % EMBER_WAVE_SIZE, warp = threadIdx.x / EMBER_WAVE_SIZE;
         const int n_warps = blockDim.x / EMBER_WAVE_SIZE;
@@ -232,9 +256,10 @@ EMBER_KERNEL void ember_attention_decode_partial(float* out, float* partial_acc,
     const bool direct = n_partitions == 1;
     float* dst = direct ? out + ((size_t)t * n_heads + h) * head_dim : partial_acc + partial_index * head_dim;
     const float norm = direct ? 1.0f / l : 1.0f;
-    if (head_dim == 128) ember_attn_decode_values<16>(dst, scores, value_rows, n_keys, norm, reduce);
-    else if (head_dim == 64) ember_attn_decode_values<8>(dst, scores, value_rows, n_keys, norm, reduce);
-    else if (head_dim == 256) ember_attn_decode_values<32>(dst, scores, value_rows, n_keys, norm, reduce);
+    if (head_dim == 128) ember_attn_decode_values<16, 1>(dst, scores, value_rows, n_keys, norm, reduce);
+    else if (head_dim == 64) ember_attn_decode_values<8, 1>(dst, scores, value_rows, n_keys, norm, reduce);
+    else if (head_dim == 256) ember_attn_decode_values<32, 1>(dst, scores, value_rows, n_keys, norm, reduce);
+    else if (head_dim == 512) ember_attn_decode_values<32, 2>(dst, scores, value_rows, n_keys, norm, reduce);
     else
         for (uint32_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
             float sum = 0.0f;
@@ -265,11 +290,17 @@ EMBER_KERNEL void ember_attention_decode_reduce(float* out, const float* partial
 // ---- prefill ----
 
 // Shared-memory rows are padded by one half2 so that 32 threads reading 32 different rows at the
-// same column hit 32 different banks.
+// same column hit 32 different banks. Keys and values are staged CHUNK dimensions at a time: the
+// whole head up to 256 (one chunk, keys and values staged together), 128 for wider heads (keys
+// chunk by chunk for the scores, then values chunk by chunk for the outputs), which keeps a d512
+// tile at about 35 KiB.
 template <int D_MAX>
 struct EmberAttnTile {
-    static constexpr int STRIDE = D_MAX + 2;
-    ember_half q[EMBER_ATTN_TILE_Q][STRIDE];
+    static constexpr int CHUNK = D_MAX > 256 ? 128 : D_MAX;
+    static constexpr int N_CHUNKS = D_MAX / CHUNK;
+    static constexpr int Q_STRIDE = D_MAX + 2;
+    static constexpr int STRIDE = CHUNK + 2;
+    ember_half q[EMBER_ATTN_TILE_Q][Q_STRIDE];
     ember_half k[EMBER_ATTN_TILE_K][STRIDE];
     ember_half v[EMBER_ATTN_TILE_K][STRIDE];
     float s[EMBER_ATTN_TILE_Q][EMBER_ATTN_TILE_K + 1];
@@ -282,26 +313,27 @@ struct EmberAttnTile {
     int first[EMBER_ATTN_TILE_Q];
 };
 
-// Copies n_valid key (or value) rows of head_dim halves into a shared tile; rows past n_valid are
-// zero. 16-byte loads when head_dim is a multiple of 8 (rows are then 16-byte aligned), 4-byte ones
-// otherwise (head_dim is even).
+// Copies dimensions col0 .. col0 + n_cols - 1 of n_valid key (or value) rows into a shared tile;
+// rows past n_valid are zero. 16-byte loads when head_dim is a multiple of 8 (rows, and chunks
+// starting at multiples of 8, are then 16-byte aligned), 4-byte ones otherwise (head_dim is even).
 template <int STRIDE>
-EMBER_DEVICE void ember_attn_stage(ember_half (*dst)[STRIDE], const ember_half* const* rows, int n_valid, uint32_t head_dim) {
+EMBER_DEVICE void ember_attn_stage(ember_half (*dst)[STRIDE], const ember_half* const* rows, int n_valid, int col0, int n_cols,
+                                   uint32_t head_dim) {
     if (head_dim % 8 == 0) {
-        const int chunks = (int)head_dim / 8;
+        const int chunks = n_cols / 8;
         for (int i = threadIdx.x; i < EMBER_ATTN_TILE_K * chunks; i += blockDim.x) {
             const int key = i / chunks, c = 8 * (i % chunks);
             uint4 bits = make_uint4(0u, 0u, 0u, 0u);
-            if (key < n_valid) bits = *(const uint4*)(rows[key] + c);
+            if (key < n_valid) bits = *(const uint4*)(rows[key] + col0 + c);
             uint32_t* out = (uint32_t*)&dst[key][c];
             out[0] = bits.x, out[1] = bits.y, out[2] = bits.z, out[3] = bits.w;
         }
     } else {
-        const int chunks = (int)head_dim / 2;
+        const int chunks = n_cols / 2;
         for (int i = threadIdx.x; i < EMBER_ATTN_TILE_K * chunks; i += blockDim.x) {
             const int key = i / chunks, c = 2 * (i % chunks);
             uint32_t bits = 0u;
-            if (key < n_valid) bits = *(const uint32_t*)(rows[key] + c);
+            if (key < n_valid) bits = *(const uint32_t*)(rows[key] + col0 + c);
             *(uint32_t*)&dst[key][c] = bits;
         }
     }
@@ -320,7 +352,9 @@ EMBER_DEVICE void ember_attention_prefill(float* out, const float* q, const uint
                                           uint32_t block_size, uint32_t max_blocks_per_table, float scale, int32_t window,
                                           float softcap) {
     constexpr int TQ = EMBER_ATTN_TILE_Q, TK = EMBER_ATTN_TILE_K, COLS = D_MAX / 64;
-    __shared__ EmberAttnTile<D_MAX> tile;
+    using Tile = EmberAttnTile<D_MAX>;
+    constexpr int CHUNK = Tile::CHUNK, N_CHUNKS = Tile::N_CHUNKS, CHUNK_COLS = CHUNK / 64;
+    __shared__ Tile tile;
     const int tid = threadIdx.x;
     const uint32_t h = blockIdx.y;
     const uint32_t kv_head = h / (n_heads / n_kv_heads);
@@ -371,20 +405,34 @@ EMBER_DEVICE void ember_attention_prefill(float* out, const float* q, const uint
                 tile.value_rows[tid] = ember_attn_slot(v_blocks, table, k0 + tid, block_size, row_values, head_offset);
             }
             __syncthreads();
-            ember_attn_stage<EmberAttnTile<D_MAX>::STRIDE>(tile.k, tile.key_rows, n_valid, head_dim);
-            ember_attn_stage<EmberAttnTile<D_MAX>::STRIDE>(tile.v, tile.value_rows, n_valid, head_dim);
-            __syncthreads();
+            if (N_CHUNKS == 1) {
+                ember_attn_stage<Tile::STRIDE>(tile.k, tile.key_rows, n_valid, 0, (int)head_dim, head_dim);
+                ember_attn_stage<Tile::STRIDE>(tile.v, tile.value_rows, n_valid, 0, (int)head_dim, head_dim);
+                __syncthreads();
+            }
 
-            // Scores of 4 rows against one key.
+            // Scores of 4 rows against one key, chunk by chunk of the head.
             {
                 float dot[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                for (int c = 0; c < (int)head_dim; c += 2) {
-                    const float2 kv = __half22float2(*(const __half2*)&tile.k[score_key][c]);
 #pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        const float2 qv = __half22float2(*(const __half2*)&tile.q[score_row + 4 * j][c]);
-                        dot[j] += qv.x * kv.x + qv.y * kv.y;
+                for (int chunk = 0; chunk < N_CHUNKS; ++chunk) {
+                    const int col0 = chunk * CHUNK, n_cols = min(CHUNK, (int)head_dim - col0);
+                    // The same for every thread of the block, so the barriers below are uniform.
+                    if (n_cols <= 0) break;
+                    if (N_CHUNKS > 1) {
+                        ember_attn_stage<Tile::STRIDE>(tile.k, tile.key_rows, n_valid, col0, n_cols, head_dim);
+                        __syncthreads();
                     }
+                    for (int c = 0; c < n_cols; c += 2) {
+                        const float2 kv = __half22float2(*(const __half2*)&tile.k[score_key][c]);
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) {
+                            const float2 qv = __half22float2(*(const __half2*)&tile.q[score_row + 4 * j][col0 + c]);
+                            dot[j] += qv.x * kv.x + qv.y * kv.y;
+                        }
+                    }
+                    // The next chunk overwrites the keys.
+                    if (N_CHUNKS > 1) __syncthreads();
                 }
                 const int key = k0 + score_key;
 #pragma unroll
@@ -437,22 +485,35 @@ EMBER_DEVICE void ember_attention_prefill(float* out, const float* q, const uint
 #pragma unroll
                 for (int i = 0; i < COLS; ++i) o[j][i][0] *= alpha, o[j][i][1] *= alpha;
             }
-            for (int key = 0; key < n_valid; ++key) {
-                float pj[4];
 #pragma unroll
-                for (int j = 0; j < 4; ++j) pj[j] = tile.s[value_row + 4 * j][key];
+            for (int chunk = 0; chunk < N_CHUNKS; ++chunk) {
+                const int col0 = chunk * CHUNK, n_cols = min(CHUNK, (int)head_dim - col0);
+                if (n_cols <= 0) break;
+                if (N_CHUNKS > 1) {
+                    ember_attn_stage<Tile::STRIDE>(tile.v, tile.value_rows, n_valid, col0, n_cols, head_dim);
+                    __syncthreads();
+                }
+                for (int key = 0; key < n_valid; ++key) {
+                    float pj[4];
 #pragma unroll
-                for (int i = 0; i < COLS; ++i) {
-                    const int c = value_col + 64 * i;
-                    if (c < (int)head_dim) {
-                        const float2 vv = __half22float2(*(const __half2*)&tile.v[key][c]);
+                    for (int j = 0; j < 4; ++j) pj[j] = tile.s[value_row + 4 * j][key];
 #pragma unroll
-                        for (int j = 0; j < 4; ++j) {
-                            o[j][i][0] += pj[j] * vv.x;
-                            o[j][i][1] += pj[j] * vv.y;
+                    for (int i = 0; i < COLS; ++i) {
+                        // Column group i lies in chunk i / CHUNK_COLS (known at compile time).
+                        if (i / CHUNK_COLS != chunk) continue;
+                        const int c = value_col + 64 * (i % CHUNK_COLS);
+                        if (c < n_cols) {
+                            const float2 vv = __half22float2(*(const __half2*)&tile.v[key][c]);
+#pragma unroll
+                            for (int j = 0; j < 4; ++j) {
+                                o[j][i][0] += pj[j] * vv.x;
+                                o[j][i][1] += pj[j] * vv.y;
+                            }
                         }
                     }
                 }
+                // The next chunk overwrites the values.
+                if (N_CHUNKS > 1) __syncthreads();
             }
             // The next tile overwrites k, v, s and the row pointers.
             __syncthreads();
@@ -489,3 +550,4 @@ EMBER_DEVICE void ember_attention_prefill(float* out, const float* q, const uint
 EMBER_ATTENTION_PREFILL(ember_attention_prefill_d64, 64)
 EMBER_ATTENTION_PREFILL(ember_attention_prefill_d128, 128)
 EMBER_ATTENTION_PREFILL(ember_attention_prefill_d256, 256)
+EMBER_ATTENTION_PREFILL(ember_attention_prefill_d512, 512)

@@ -44,3 +44,13 @@ EMBER_KERNEL void ember_gather_rows_f32(float* out, const float* src, const int3
     float* out_row = out + (size_t)blockIdx.x * dim;
     for (uint32_t c = threadIdx.x; c < dim; c += blockDim.x) out_row[c] = src_row[c];
 }
+
+// gather_rows of the rows first, first + stride, first + 2 stride, ...: out[i, c] = src[first +
+// i * stride, c]. The same copy with no row list to upload, so a layer loop can take such slices
+// inside a recorded graph (Gemma 4's per-layer inputs, one layer's slice of every token; a plain
+// copy with stride 1). Launch: grid = n, block = 256 (any size works).
+EMBER_KERNEL void ember_gather_rows_strided_f32(float* out, const float* src, uint32_t first, uint32_t stride, uint32_t dim) {
+    const float* src_row = src + ((size_t)first + (size_t)blockIdx.x * stride) * dim;
+    float* out_row = out + (size_t)blockIdx.x * dim;
+    for (uint32_t c = threadIdx.x; c < dim; c += blockDim.x) out_row[c] = src_row[c];
+}

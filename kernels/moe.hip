@@ -147,18 +147,27 @@ EMBER_KERNEL void ember_moe_tiles(int32_t* pairs, int32_t* tiles, const int32_t*
     }
 }
 
-// CPU op: the combination of moe_ffn. out[t, c] = sum over ranks k of routed[t * n_used + k, c]
-// * weights[t * n_used + k], products rounded to f32 and added in rank order from the first (no
-// contraction into multiply-adds). Launch: grid (ceil(n_embd / block), n_tokens).
-EMBER_KERNEL void ember_moe_combine_f32(float* out, const float* routed, const float* weights, uint32_t n_embd,
-                                        uint32_t n_used) {
+// CPU op: the combination of moe_ffn. out[t, c] = sum over ranks k of y_k * weights[t * n_used + k]
+// with y_k = routed[t * n_used + k, c], times expert_scale[experts[t * n_used + k]] first when
+// expert_scale is not null (Gemma 4's per-expert down-projection scales, applied as GGML does:
+// a product rounded to f32 before the routing weight); products rounded to f32 and added in rank
+// order from the first (no contraction into multiply-adds). Launch: grid (ceil(n_embd / block),
+// n_tokens).
+EMBER_KERNEL void ember_moe_combine_f32(float* out, const float* routed, const float* weights, const int32_t* experts,
+                                        const float* expert_scale, uint32_t n_embd, uint32_t n_used) {
     const uint32_t c = blockIdx.x * blockDim.x + threadIdx.x;
     const size_t t = blockIdx.y;
     if (c >= n_embd) return;
     const float* w = weights + t * n_used;
     const float* y = routed + t * n_used * n_embd + c;
-    float o = __fmul_rn(y[0], w[0]);
-    for (uint32_t k = 1; k < n_used; ++k) o = __fadd_rn(o, __fmul_rn(y[(size_t)k * n_embd], w[k]));
+    const int32_t* e = experts + t * n_used;
+    float o = 0.0f;
+    for (uint32_t k = 0; k < n_used; ++k) {
+        float y_k = y[(size_t)k * n_embd];
+        if (expert_scale != nullptr) y_k = __fmul_rn(y_k, expert_scale[e[k]]);
+        const float term = __fmul_rn(y_k, w[k]);
+        o = k == 0 ? term : __fadd_rn(o, term);
+    }
     out[t * n_embd + c] = o;
 }
 

@@ -25,6 +25,8 @@ EMBER_DEVICE double ember_block_sum_f64(double value, double* scratch) {
 
 // CPU op: for each row r of x [n_rows, n_cols]:
 //   out[r, c] = x[r, c] * (1 / sqrt(mean_c(x[r, :]^2) + eps)) * weight[c]
+// or, with a null weight, x[r, c] * (1 / sqrt(...)) (GGML's bare ggml_rms_norm, which Gemma 4
+// applies to V and to its router input; the weighted form is that times weight[c]).
 // The squares are summed in double and the mean rounded to f32 before eps is added, as ember's
 // CPU backend (and GGML's) does, so both usually produce the same f32 scale bit for bit; the
 // order of the additions still differs. One block per row (grid = n_rows), any block size up to
@@ -41,7 +43,10 @@ EMBER_KERNEL void ember_rms_norm_f32(float* out, const float* x, const float* we
     sum = ember_block_sum_f64(sum, scratch);
     const float mean = (float)(sum / (double)n_cols);
     const float scale = 1.0f / sqrtf(mean + eps);
-    for (uint32_t c = threadIdx.x; c < n_cols; c += blockDim.x) out_row[c] = row[c] * scale * weight[c];
+    if (weight == nullptr)
+        for (uint32_t c = threadIdx.x; c < n_cols; c += blockDim.x) out_row[c] = row[c] * scale;
+    else
+        for (uint32_t c = threadIdx.x; c < n_cols; c += blockDim.x) out_row[c] = row[c] * scale * weight[c];
 }
 
 // Fused residual add and RMS normalisation (decode: one launch instead of two per transition).

@@ -127,6 +127,29 @@ static void test_norm_softmax_argmax() {
     report("rms_norm_f32 (in place, 640 threads)", max_abs_diff(dx.download(), expected), 1e-5);
     dx.upload(x);
 
+    // Without a weight (Gemma 4's bare ggml_rms_norm of V and of the router input), then the
+    // broadcast product of every row with one vector (its router input scale): the weighted
+    // norm's values, in the same f32 order (x * scale, then * w).
+    ember_rms_norm_f32<<<n_rows, 256>>>(dout.ptr, dx.ptr, nullptr, n_cols, 1e-6f);
+    sync();
+    for (uint32_t r = 0; r < n_rows; ++r) {
+        double sum = 0.0;
+        for (uint32_t c = 0; c < n_cols; ++c) sum += (double)x[r * n_cols + c] * x[r * n_cols + c];
+        const double inv = 1.0 / std::sqrt(sum / n_cols + 1e-6);
+        for (uint32_t c = 0; c < n_cols; ++c) expected[r * n_cols + c] = x[r * n_cols + c] * inv;
+    }
+    report("rms_norm_f32 (no weight)", max_abs_diff(dout.download(), expected), 1e-5);
+    {
+        DeviceBuffer<float> weighted(n_rows * n_cols);
+        ember_rms_norm_f32<<<n_rows, 256>>>(weighted.ptr, dx.ptr, dw.ptr, n_cols, 1e-6f);
+        ember_mul_f32<<<64, 256>>>(dout.ptr, dout.ptr, dw.ptr, n_rows * n_cols, n_cols);
+        sync();
+        const std::vector<float> want = weighted.download(), got = dout.download();
+        uint32_t differ = 0;
+        for (size_t i = 0; i < want.size(); ++i) differ += want[i] != got[i];
+        report("rms_norm_f32 (no weight) then mul_f32 (row broadcast) vs rms_norm_f32 (differing values)", differ, 0.0);
+    }
+
     // Fused residual add + norm against add then rms_norm with the block size ops uses for this
     // row length (2304 -> 1024 threads) and a short-row one (640): bit-exact, same arithmetic.
     const std::vector<float> proj = random_floats(n_rows * n_cols, -3, 3);

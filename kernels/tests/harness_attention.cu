@@ -7,8 +7,10 @@
 // ember_kv_store_f16 (with padding slots that must be skipped), and runs one batch holding
 // several sequences: a 300-token prefill from empty, prefills appended to existing caches,
 // single decode tokens at partition boundaries. Both kernels run on every batch (each computes
-// the same function for any batch). Cases: head_dim 64/80/128/256 x GQA group 1/4/8 x
-// (no window | window) x (no softcap | softcap 5), block sizes 16 and 7.
+// the same function for any batch). Cases: head_dim 64/80/128/256/320/512 x GQA group 1/4/8 x
+// (no window | window) x (no softcap | softcap 5), block sizes 16 and 7 (320 takes the d512
+// prefill kernel with a partial last chunk and the decode kernel's generic path; 512 is Gemma 4's
+// global head, 256 its sliding one), then Gemma 4 26B-A4B's own layer shapes.
 //
 // Build and run on an NVIDIA machine (repository root), or through kernels/tests/run-nvcc.sh:
 //   nvcc -std=c++17 -O2 -arch=sm_90 -x cu -I kernels kernels/tests/harness_attention.cu -o target/harness_attention
@@ -229,7 +231,10 @@ static void run_decode(const Case& c, const Setup& s, const DeviceSetup& d, floa
 
 static void run_prefill(const Case& c, const Setup& s, const DeviceSetup& d, float scale, float* out) {
     const dim3 grid((s.n_tokens + EMBER_ATTN_TILE_Q - 1) / EMBER_ATTN_TILE_Q, c.n_heads);
-    auto kernel = c.head_dim <= 64 ? ember_attention_prefill_d64 : c.head_dim <= 128 ? ember_attention_prefill_d128 : ember_attention_prefill_d256;
+    auto kernel = c.head_dim <= 64    ? ember_attention_prefill_d64
+                  : c.head_dim <= 128 ? ember_attention_prefill_d128
+                  : c.head_dim <= 256 ? ember_attention_prefill_d256
+                                      : ember_attention_prefill_d512;
     kernel<<<grid, EMBER_ATTN_THREADS>>>(out, d.q.ptr, d.k_blocks.ptr, d.v_blocks.ptr, d.tables.ptr, d.table_of_token.ptr, d.positions.ptr, s.n_tokens,
                                          c.n_heads, c.n_kv_heads, c.head_dim, c.block_size, s.max_blocks, scale, c.window, c.softcap);
     sync();
@@ -312,7 +317,7 @@ int main() {
     // keys before the token) and one that is not.
     const std::vector<Sequence> decode = {{0, 1}, {62, 1}, {63, 1}, {254, 1}, {255, 1}, {511, 1}, {700, 1}};
     int index = 0;
-    for (int head_dim : {64, 80, 128, 256})
+    for (int head_dim : {64, 80, 128, 256, 320, 512})
         for (int group : {1, 4, 8})
             for (int variant = 0; variant < 4; ++variant, ++index) {
                 Case c;
@@ -329,6 +334,25 @@ int main() {
                     run_case(c, "decode batch");
                 }
             }
+    // Gemma 4 26B-A4B's layers: global (16 heads, 2 KV heads of 512, no window) and sliding (16
+    // heads, 8 KV heads of 256, window 1024), over a batch long enough to cross the window.
+    {
+        const std::vector<Sequence> long_mixed = {{0, 200}, {1100, 1}, {900, 130}, {1500, 1}};
+        Case global;
+        global.n_heads = 16;
+        global.n_kv_heads = 2;
+        global.head_dim = 512;
+        global.block_size = 16;
+        global.window = 0;
+        global.softcap = 0.0f;
+        global.sequences = long_mixed;
+        run_case(global, "gemma4 global layer");
+        Case sliding = global;
+        sliding.n_kv_heads = 8;
+        sliding.head_dim = 256;
+        sliding.window = 1024;
+        run_case(sliding, "gemma4 sliding layer");
+    }
 
     if (std::getenv("EMBER_HARNESS_NO_TIMING") != nullptr) return finish("harness_attention");
     // Llama-3-8B attention shapes: 32 heads, 8 KV heads, head_dim 128, blocks of 16.
@@ -358,5 +382,14 @@ int main() {
     smol.head_dim = 64;
     smol.sequences = {{0, 512}};
     benchmark("prefill 512 tokens from empty (9 heads, 3 KV, d=64)", smol, false);
+    // Gemma 4 26B-A4B's global layers (16 heads, 2 KV heads, head_dim 512).
+    Case gemma4 = llama;
+    gemma4.n_heads = 16;
+    gemma4.n_kv_heads = 2;
+    gemma4.head_dim = 512;
+    gemma4.sequences = {{0, 512}};
+    benchmark("prefill 512 tokens from empty (16 heads, 2 KV, d=512)", gemma4, false);
+    gemma4.sequences = {{4095, 1}};
+    benchmark("decode 1 token after 4095 (16 heads, 2 KV, d=512)", gemma4, true);
     return finish("harness_attention");
 }

@@ -109,6 +109,7 @@ pub const KERNEL_MODULES: &[ModuleSpec] = &[
             "ember_get_rows_q5_k",
             "ember_get_rows_q6_k",
             "ember_gather_rows_f32",
+            "ember_gather_rows_strided_f32",
         ],
     },
     ModuleSpec {
@@ -232,6 +233,7 @@ pub const KERNEL_MODULES: &[ModuleSpec] = &[
             "ember_attention_prefill_d64",
             "ember_attention_prefill_d128",
             "ember_attention_prefill_d256",
+            "ember_attention_prefill_d512",
         ],
     },
     ModuleSpec {

@@ -54,6 +54,15 @@ pub enum BackendError {
         expected: String,
         found: String,
     },
+    /// A layer's attention heads are wider than the backend's attention kernels handle.
+    #[error("tensor {tensor}: attention heads of {head_dim} values (layer {layer}) are wider than the {backend} backend's attention kernels handle (at most {max}): run the model on the CPU (--device cpu)")]
+    HeadDimTooLarge {
+        tensor: String,
+        layer: usize,
+        head_dim: usize,
+        max: usize,
+        backend: &'static str,
+    },
     /// The model needs a feature this backend does not have yet.
     #[error("tensor {tensor}: {feature} (architecture {architecture}) is not built for the {backend} backend yet: run the model on the CPU (--device cpu)")]
     NotBuilt {
@@ -465,6 +474,12 @@ pub trait Backend: Send + Sync + Sized + 'static {
         dim: usize,
         eps: f32,
     );
+    /// The widest attention head the backend's attention kernels handle, or `None` when any
+    /// width runs (the CPU). Models with wider heads are refused at load time, before any
+    /// weight is placed, never at a kernel launch.
+    fn max_head_dim(&self) -> Option<usize> {
+        None
+    }
     /// Whether the backend has the ops only Gemma 4 uses ([`Backend::rms_norm_unit_inplace`],
     /// [`Backend::mul_rows_inplace`]). A backend without them (the default) refuses Gemma 4 at
     /// load time, before any token runs.

@@ -266,6 +266,8 @@ pub(super) fn run_layers<B: Backend>(model: &Model<B>, ctx: &mut Context<B>, bat
         if let Some(scale) = lw.out_scale {
             b.scale(&mut bufs.x, n * n_embd, scale);
         }
+        // Gemma 4 keeps no recurrent state: a pass may be re-run from its start.
+        b.layer_done(il, n_layer);
     }
 
     logits.clear();

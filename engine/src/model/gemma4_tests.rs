@@ -1,6 +1,7 @@
 //! Gemma 4 at load time: what tiny files of the 26B-A4B and E2B shapes give the model code
 //! (layer kinds, head sizes, shared KV layers, per-layer embeddings, experts), the errors a
-//! malformed one gets, and the refusal of a backend without Gemma 4's ops.
+//! malformed one gets, its placement on the GPU backend, and the refusals of heads wider than a
+//! backend's attention kernels and of the GPU's reference numerics.
 
 use std::sync::Arc;
 
@@ -188,13 +189,57 @@ fn missing_gemma4_tensors_are_named() {
 }
 
 #[test]
-fn a_backend_without_gemma4_ops_refuses_it_at_load() {
-    let e = Model::from_gguf(tiny_e2b(|_, _| {}), host_gpu(), &mut |_, _| {}).unwrap_err();
+fn the_gpu_backend_places_gemma4_in_fast_numerics() {
+    // Every weight of both shapes reaches the device (the host driver here): the experts with
+    // their per-expert scales, the per-layer embeddings, the layers without a cache.
+    for gguf in [tiny_e2b(|_, _| {}), tiny_26b(|_, _| {})] {
+        let model = Model::from_gguf(gguf, host_gpu(), &mut |_, _| {}).unwrap();
+        assert_eq!(model.weights().gemma4_layers.len(), model.hparams().n_layer);
+    }
+}
+
+#[test]
+fn the_gpu_backend_refuses_gemma4_in_reference_numerics_at_load() {
+    // The reference numerics have no exact kernels for Gemma 4's own ops; `ember` refuses the
+    // mode earlier still, for the logit soft-cap (numerics::reference_unsupported).
+    let mut gpu = host_gpu();
+    gpu.set_numerics(crate::backend::gpu::Numerics::Reference);
+    let e = Model::from_gguf(tiny_e2b(|_, _| {}), gpu, &mut |_, _| {}).unwrap_err();
     assert!(matches!(e, ModelError::Backend(_)), "{e:?}");
     assert_eq!(
         e.to_string(),
         "tensor token_embd.weight: the Gemma 4 forward pass (architecture gemma4) is not built \
          for the host backend yet: run the model on the CPU (--device cpu)"
+    );
+}
+
+#[test]
+fn heads_wider_than_the_attention_kernels_are_refused_at_load() {
+    // Global heads of 1024 on the GPU (its kernels stop at 512), and the real 512 in reference
+    // numerics (the exact attention stops at 256): refused before any weight is placed, naming
+    // the first such layer.
+    let wide = |head_dim: usize| {
+        tiny_e2b(|md, _| {
+            for (k, v) in md.iter_mut() {
+                if k == "gemma4.attention.key_length" || k == "gemma4.attention.value_length" {
+                    *v = Value::U32(head_dim as u32);
+                }
+            }
+        })
+    };
+    let e = load_error(wide(1024), host_gpu());
+    assert_eq!(
+        e,
+        "tensor blk.4.attn_q.weight: attention heads of 1024 values (layer 4) are wider than the \
+         host backend's attention kernels handle (at most 512): run the model on the CPU \
+         (--device cpu)"
+    );
+    let mut reference = host_gpu();
+    reference.set_numerics(crate::backend::gpu::Numerics::Reference);
+    let e = load_error(wide(512), reference);
+    assert!(
+        e.contains("attention heads of 512 values (layer 4)") && e.contains("(at most 256)"),
+        "{e}"
     );
 }
 

@@ -561,6 +561,23 @@ impl<B: Backend> Weights<B> {
                 });
             }
         }
+        if let Some(max) = backend.max_head_dim() {
+            if let Some((layer, shape)) = hp
+                .layers
+                .iter()
+                .enumerate()
+                .find(|(_, shape)| !shape.recurrent && shape.head_dim > max)
+            {
+                return Err(BackendError::HeadDimTooLarge {
+                    tensor: format!("blk.{layer}.attn_q.weight"),
+                    layer,
+                    head_dim: shape.head_dim,
+                    max,
+                    backend: backend.name(),
+                }
+                .into());
+            }
+        }
         let mut loader = Loader {
             gguf,
             backend,

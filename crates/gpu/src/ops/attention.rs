@@ -30,8 +30,9 @@ const ATTENTION_THREADS: u32 = 128;
 const PARTITION: usize = 64;
 /// Query tokens per prefill thread block (EMBER_ATTN_TILE_Q).
 const TILE_Q: usize = 16;
-/// Largest head size the kernels handle (EMBER_ATTN_MAX_HEAD_DIM).
-pub const MAX_HEAD_DIM: usize = 256;
+/// Largest head size the kernels handle (EMBER_ATTN_MAX_HEAD_DIM): Gemma 4's global layers have
+/// heads of 512.
+pub const MAX_HEAD_DIM: usize = 512;
 /// Threads per block of `ember_kv_store_f16`.
 const KV_STORE_THREADS: u32 = 256;
 /// grid.y and grid.z limit of every runtime.
@@ -130,8 +131,10 @@ pub fn attention_with(
                 "ember_attention_prefill_d64"
             } else if args.head_dim <= 128 {
                 "ember_attention_prefill_d128"
-            } else {
+            } else if args.head_dim <= 256 {
                 "ember_attention_prefill_d256"
+            } else {
+                "ember_attention_prefill_d512"
             };
             let launch_args = KernelArgs::new()
                 .arg(KernelArg::Ptr(args.out))
@@ -700,6 +703,7 @@ pub(super) mod tests {
             ("ember_attention_prefill_d64", 64usize),
             ("ember_attention_prefill_d128", 128),
             ("ember_attention_prefill_d256", 256),
+            ("ember_attention_prefill_d512", 512),
         ] {
             driver.register_kernel(name, move |l| {
                 let (out, q) = (l.ptr_arg(0)?, l.ptr_arg(1)?);
@@ -745,8 +749,20 @@ pub(super) mod tests {
     /// positions and 3 new, sequence 1 has 600 cached and 1 new (ten decode partitions).
     #[test]
     fn attention_and_kv_store_pass_their_arguments_in_kernel_order() {
+        attention_and_kv_store_case(80);
+    }
+
+    /// The same with Gemma 4's head sizes: 256 (sliding layers) and 512 (global layers, the
+    /// widest prefill kernel).
+    #[test]
+    fn attention_with_gemma4_head_sizes_launches_the_kernel_of_that_size() {
+        attention_and_kv_store_case(256);
+        attention_and_kv_store_case(512);
+    }
+
+    fn attention_and_kv_store_case(head_dim: usize) {
         let (ctx, _dir) = host_context(register_attention_twins);
-        let (n_heads, n_kv_heads, head_dim, block_size) = (4usize, 2usize, 80usize, 4usize);
+        let (n_heads, n_kv_heads, block_size) = (4usize, 2usize, 4usize);
         let row_values = n_kv_heads * head_dim;
         let lengths = [10usize, 601];
         let added = [3usize, 1];
@@ -899,7 +915,7 @@ pub(super) mod tests {
                 for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
                     assert!(
                         (f64::from(*g) - e).abs() < 1e-5,
-                        "{kernel:?} window {window:?}: value {i}: {g} vs {e}"
+                        "head_dim {head_dim} {kernel:?} window {window:?}: value {i}: {g} vs {e}"
                     );
                 }
             }
@@ -945,7 +961,10 @@ pub(super) mod tests {
             "a KV head count dividing the 32 query heads",
         );
         check_rejected(|a| a.n_kv_heads = 0, "found 0");
-        check_rejected(|a| a.head_dim = 257, "an even head size of at most 256");
+        check_rejected(|a| a.head_dim = 514, "an even head size of at most 512");
+        let mut gemma4_global = args();
+        gemma4_global.head_dim = 512;
+        check_shape(&gemma4_global).unwrap();
         check_rejected(|a| a.head_dim = 81, "found 81");
         check_rejected(|a| a.block_size = 0, "a block size above 0");
         check_rejected(|a| a.window = Some(0), "a window of at least 1");

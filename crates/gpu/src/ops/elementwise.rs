@@ -95,7 +95,8 @@ pub(super) fn get_rows_kernel(format: WeightFormat) -> &'static str {
     }
 }
 
-/// RMS normalisation of `n_rows` rows of `dim` values: `out = x / sqrt(mean(x^2) + eps) * weight`.
+/// RMS normalisation of `n_rows` rows of `dim` values: `out = x / sqrt(mean(x^2) + eps) * weight`,
+/// or without the weight when `weight` is [`DevicePtr::NULL`] (GGML's bare `ggml_rms_norm`).
 /// `out` may equal `x`.
 pub fn rms_norm(
     ctx: &GpuContext,
@@ -123,7 +124,8 @@ pub fn rms_norm(
         .arg(KernelArg::F32(eps));
     let threads = norm_block_threads(dim);
     // SAFETY: ember_rms_norm_f32(float* out, const float* x, const float* weight, uint32_t n_cols,
-    // float eps); one block per row touches only that row of x/out and dim weights.
+    // float eps); one block per row touches only that row of x/out and dim weights (none when
+    // the weight is null, which the kernel checks).
     unsafe {
         ctx.launch(
             KernelModule::Norm,
@@ -232,25 +234,52 @@ pub fn add(
     n: usize,
     n_b: usize,
 ) -> Result<(), OpsError> {
-    const OP: &str = "add";
+    broadcast(ctx, "add", "ember_add_f32", out, a, b, n, n_b)
+}
+
+/// `out[i] = a[i] * b[i % n_b]` for `i < n` (`n_b = dim` scales every row by one weight vector,
+/// GGML's broadcast `ggml_mul`). `out` may equal `a`.
+pub fn mul(
+    ctx: &GpuContext,
+    out: DevicePtr,
+    a: DevicePtr,
+    b: DevicePtr,
+    n: usize,
+    n_b: usize,
+) -> Result<(), OpsError> {
+    broadcast(ctx, "mul", "ember_mul_f32", out, a, b, n, n_b)
+}
+
+/// The binary kernels with a broadcast second operand (`ember_add_f32`, `ember_mul_f32`).
+#[allow(clippy::too_many_arguments)]
+fn broadcast(
+    ctx: &GpuContext,
+    op: &'static str,
+    name: &'static str,
+    out: DevicePtr,
+    a: DevicePtr,
+    b: DevicePtr,
+    n: usize,
+    n_b: usize,
+) -> Result<(), OpsError> {
     if n == 0 {
         return Ok(());
     }
     if n_b == 0 || !n.is_multiple_of(n_b) {
         return Err(OpsError::shape(
-            OP,
+            op,
             format!("a broadcast length dividing {n}"),
             format!("{n_b}"),
         ));
     }
-    let n_b = as_u32(OP, "the broadcast length", n_b)?;
+    let n_b = as_u32(op, "the broadcast length", n_b)?;
     let args = KernelArgs::new()
         .arg(ptr(out))
         .arg(ptr(a))
         .arg(ptr(b))
-        .arg(KernelArg::U32(stride_count(OP, n)?))
+        .arg(KernelArg::U32(stride_count(op, n)?))
         .arg(KernelArg::U32(n_b));
-    stride_kernel(ctx, OP, "ember_add_f32", n, args)
+    stride_kernel(ctx, op, name, n, args)
 }
 
 /// `out[i] = x[i] * scale` for `i < n`. `out` may equal `x`.
@@ -546,6 +575,51 @@ pub fn gather_rows(
             KernelModule::Embedding,
             "ember_gather_rows_f32",
             LaunchConfig::linear(n, BLOCK_THREADS),
+            &args,
+        )
+    }
+}
+
+/// [`gather_rows`] of the `n` rows `first, first + stride, ...` of `src` (rows of `dim` values),
+/// with no row list on the device.
+pub fn gather_rows_strided(
+    ctx: &GpuContext,
+    src: DevicePtr,
+    dim: usize,
+    first: usize,
+    stride: usize,
+    n: usize,
+    out: DevicePtr,
+) -> Result<(), OpsError> {
+    const OP: &str = "gather_rows_strided";
+    if n == 0 || dim == 0 {
+        return Ok(());
+    }
+    let last = (n - 1)
+        .checked_mul(stride)
+        .and_then(|d| d.checked_add(first))
+        .ok_or_else(|| {
+            OpsError::shape(
+                OP,
+                "rows that fit in memory",
+                format!("{n} rows from {first} by {stride}"),
+            )
+        })?;
+    as_u32(OP, "the last row", last)?;
+    let args = KernelArgs::new()
+        .arg(ptr(out))
+        .arg(ptr(src))
+        .arg(KernelArg::U32(as_u32(OP, "the first row", first)?))
+        .arg(KernelArg::U32(as_u32(OP, "the row stride", stride)?))
+        .arg(KernelArg::U32(as_u32(OP, "the row length", dim)?));
+    // SAFETY: ember_gather_rows_strided_f32(float* out, const float* src, uint32_t first,
+    // uint32_t stride, uint32_t dim); block i copies dim floats from row first + i * stride of
+    // src to row i of out; the caller sized src for row `last` and out for n rows.
+    unsafe {
+        ctx.launch(
+            KernelModule::Embedding,
+            "ember_gather_rows_strided_f32",
+            LaunchConfig::linear(as_u32(OP, "the row count", n)?, BLOCK_THREADS),
             &args,
         )
     }

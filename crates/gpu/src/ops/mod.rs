@@ -64,14 +64,15 @@ use crate::driver::{
 use crate::kernels::{KernelError, KernelLibrary, KernelModule, KERNEL_MODULES};
 use crate::pool::{DevicePool, PoolBuffer, PoolError, Purpose};
 
-pub use attention::{attention, kv_store, AttentionArgs};
+pub use attention::{attention, kv_store, AttentionArgs, MAX_HEAD_DIM};
 pub use delta_net::{
     gated_delta_net, mul_sigmoid, split_query_gate, DeltaNetIo, DeltaNetLayer, DeltaNetSeqs,
     DELTA_NET_MAX_HEAD_DIM, DELTA_NET_MAX_TAPS,
 };
 pub use elementwise::{
-    add, add_rms_norm, argmax, convert_f32_to_f16, gather_rows, geglu, get_rows, rms_norm, rope,
-    rope_kv_store, scale, softcap, swiglu, RopeKvStoreArgs, RopeMode,
+    add, add_rms_norm, argmax, convert_f32_to_f16, gather_rows, gather_rows_strided, geglu,
+    get_rows, mul, rms_norm, rope, rope_kv_store, scale, softcap, swiglu, RopeKvStoreArgs,
+    RopeMode,
 };
 pub use exact_attention::{attention_exact, exp_exact, ExactExp, EXACT_MAX_HEAD_DIM};
 pub use exact_elementwise::{

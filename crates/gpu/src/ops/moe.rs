@@ -221,11 +221,16 @@ pub fn moe_matvec(
 }
 
 /// `out[t] = sum_k weights[t, k] routed[t * n_used + k]` for `n_tokens` tokens of `n_embd`
-/// values, in rank order.
+/// values, in rank order. With `expert_scale` (f32, one factor per expert, Gemma 4's
+/// `ffn_down_exps.scale`), each routed row is first multiplied by the factor of its expert,
+/// `experts[t * n_used + k]` (i32, as [`moe_route`] writes them).
+#[allow(clippy::too_many_arguments)]
 pub fn moe_combine(
     ctx: &GpuContext,
     routed: DevicePtr,
     weights: DevicePtr,
+    experts: DevicePtr,
+    expert_scale: Option<DevicePtr>,
     n_tokens: usize,
     n_used: usize,
     n_embd: usize,
@@ -234,6 +239,9 @@ pub fn moe_combine(
     const OP: &str = "moe_combine";
     if n_tokens == 0 || n_embd == 0 {
         return Ok(());
+    }
+    if n_used == 0 {
+        return Err(OpsError::shape(OP, "at least one expert per token", "0"));
     }
     let dim = as_u32(OP, "the row length", n_embd)?;
     as_u32(OP, "pairs times the row length", n_tokens * n_used * n_embd)?;
@@ -250,11 +258,15 @@ pub fn moe_combine(
         .arg(KernelArg::Ptr(out))
         .arg(KernelArg::Ptr(routed))
         .arg(KernelArg::Ptr(weights))
+        .arg(KernelArg::Ptr(experts))
+        .arg(KernelArg::Ptr(expert_scale.unwrap_or(DevicePtr::NULL)))
         .arg(KernelArg::U32(dim))
         .arg(KernelArg::U32(as_u32(OP, "the ranks per token", n_used)?));
-    // SAFETY: ember_moe_combine_f32(float* out, const float* routed, const float* weights,
-    // uint32_t n_embd, uint32_t n_used); block (bx, t) reads rows t * n_used.. of routed and
-    // weights and writes row t of out, all sized by the caller.
+    // SAFETY: ember_moe_combine_f32(float* out, const float* routed, const float* weights, const
+    // int32_t* experts, const float* expert_scale, uint32_t n_embd, uint32_t n_used); block (bx,
+    // t) reads rows t * n_used.. of routed, weights and experts and writes row t of out, all sized
+    // by the caller; with a scale it reads the factor of each expert named there (the caller's
+    // scale vector holds one per expert of the layer, and the router names no other).
     unsafe { ctx.launch(KernelModule::Moe, "ember_moe_combine_f32", config, &args) }
 }
 

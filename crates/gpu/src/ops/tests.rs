@@ -124,6 +124,15 @@ fn register_twins(driver: &HostDriver) {
         let values: Vec<f32> = (0..n).map(|i| a[i] + b[i % n_b]).collect();
         l.write_f32(out, &values)
     });
+    // ember_mul_f32(float* out, const float* a, const float* b, uint32_t n, uint32_t n_b)
+    driver.register_kernel("ember_mul_f32", |l| {
+        let (out, a, b) = (l.ptr_arg(0)?, l.ptr_arg(1)?, l.ptr_arg(2)?);
+        let n = stride_coverage(l, l.u32_arg(3)?)?;
+        let n_b = l.u32_arg(4)? as usize;
+        let (a, b) = (l.read_f32(a, n)?, l.read_f32(b, n_b)?);
+        let values: Vec<f32> = (0..n).map(|i| a[i] * b[i % n_b]).collect();
+        l.write_f32(out, &values)
+    });
     // ember_scale_f32(float* out, const float* x, float scale, uint32_t n) and
     // ember_softcap_f32(float* out, const float* x, float cap, uint32_t n)
     for (name, f) in [
@@ -163,17 +172,25 @@ fn register_twins(driver: &HostDriver) {
     driver.register_kernel("ember_rms_norm_f32", |l| {
         let (out, x, weight) = (l.ptr_arg(0)?, l.ptr_arg(1)?, l.ptr_arg(2)?);
         let (n_cols, eps) = (l.u32_arg(3)? as usize, l.f32_arg(4)?);
-        let weight = l.read_f32(weight, n_cols)?;
+        // A null weight: the bare normalisation.
+        let weight = if weight == DevicePtr::NULL {
+            None
+        } else {
+            Some(l.read_f32(weight, n_cols)?)
+        };
         for row in 0..l.config().grid[0] as u64 {
             let offset = row * n_cols as u64 * 4;
             let values = l.read_f32(x.offset(offset), n_cols)?;
             let mean = values.iter().map(|v| v * v).sum::<f32>() / n_cols as f32;
             let inv = 1.0 / (mean + eps).sqrt();
-            let normed: Vec<f32> = values
-                .iter()
-                .zip(&weight)
-                .map(|(v, w)| v * inv * w)
-                .collect();
+            let normed: Vec<f32> = match &weight {
+                Some(weight) => values
+                    .iter()
+                    .zip(weight)
+                    .map(|(v, w)| v * inv * w)
+                    .collect(),
+                None => values.iter().map(|v| v * inv).collect(),
+            };
             l.write_f32(out.offset(offset), &normed)?;
         }
         Ok(())
@@ -347,6 +364,22 @@ fn register_twins(driver: &HostDriver) {
         }
         Ok(())
     });
+    // ember_gather_rows_strided_f32(float* out, const float* src, uint32_t first, uint32_t
+    // stride, uint32_t dim)
+    driver.register_kernel("ember_gather_rows_strided_f32", |l| {
+        let (out, src) = (l.ptr_arg(0)?, l.ptr_arg(1)?);
+        let (first, stride, dim) = (
+            l.u32_arg(2)? as usize,
+            l.u32_arg(3)? as usize,
+            l.u32_arg(4)? as usize,
+        );
+        for i in 0..l.config().grid[0] as usize {
+            let row = first + i * stride;
+            let values = l.read_f32(src.offset((row * dim * 4) as u64), dim)?;
+            l.write_f32(out.offset((i * dim * 4) as u64), &values)?;
+        }
+        Ok(())
+    });
     // ember_argmax_f32(int32_t* out, const float* x, uint32_t n_cols); one block per row.
     driver.register_kernel("ember_argmax_f32", |l| {
         let (out, x, n_cols) = (l.ptr_arg(0)?, l.ptr_arg(1)?, l.u32_arg(2)? as usize);
@@ -496,6 +529,45 @@ fn element_wise_wrappers_pass_their_arguments_in_kernel_order() {
     assert_eq!(bytes, expected);
 }
 
+/// Gemma 4's row ops: the bare RMS normalisation (a null weight) and the broadcast product of
+/// every row with one weight vector.
+#[test]
+fn unit_rms_norm_and_broadcast_mul_wrappers() {
+    let f = fixture();
+    let (n_rows, dim) = (3usize, 96usize);
+    let (x, weight) = (values(n_rows * dim, 7), values(dim, 8));
+    let dx = f.upload(&x);
+    rms_norm(
+        &f.ctx,
+        dx.ptr(),
+        DevicePtr::NULL,
+        n_rows,
+        dim,
+        1e-6,
+        dx.ptr(),
+    )
+    .unwrap();
+    let normed = f.download(&dx, n_rows * dim);
+    for r in 0..n_rows {
+        let row = &x[r * dim..(r + 1) * dim];
+        let inv = 1.0 / (row.iter().map(|v| v * v).sum::<f32>() / dim as f32 + 1e-6).sqrt();
+        for c in 0..dim {
+            assert_eq!(normed[r * dim + c], row[c] * inv, "row {r} col {c}");
+        }
+    }
+    let dweight = f.upload(&weight);
+    mul(&f.ctx, dx.ptr(), dx.ptr(), dweight.ptr(), n_rows * dim, dim).unwrap();
+    let got = f.download(&dx, n_rows * dim);
+    for (i, (g, n)) in got.iter().zip(&normed).enumerate() {
+        assert_eq!(*g, n * weight[i % dim], "value {i}");
+    }
+    let error = mul(&f.ctx, dx.ptr(), dx.ptr(), dweight.ptr(), n_rows * dim, 7).unwrap_err();
+    assert_eq!(
+        error.to_string(),
+        "mul: expected a broadcast length dividing 288, found 7"
+    );
+}
+
 #[test]
 fn row_wrappers_launch_one_block_per_row() {
     let f = fixture();
@@ -588,6 +660,13 @@ fn row_wrappers_launch_one_block_per_row() {
     let got = f.download(&gathered, 2 * dim);
     assert_eq!(&got[..dim], &x[2 * dim..3 * dim]);
     assert_eq!(&got[dim..], &x[..dim]);
+    // Rows 0 and 2 as a strided slice (first 0, stride 2), and row 1 alone.
+    gather_rows_strided(&f.ctx, dx.ptr(), dim, 0, 2, 2, gathered.ptr()).unwrap();
+    let got = f.download(&gathered, 2 * dim);
+    assert_eq!(&got[..dim], &x[..dim]);
+    assert_eq!(&got[dim..], &x[2 * dim..3 * dim]);
+    gather_rows_strided(&f.ctx, dx.ptr(), dim, 1, 0, 1, gathered.ptr()).unwrap();
+    assert_eq!(&f.download(&gathered, dim)[..], &x[dim..2 * dim]);
 
     let index = f.ctx.alloc(Purpose::Scratch, 12).unwrap();
     argmax(&f.ctx, dx.ptr(), n_rows, dim, index.ptr()).unwrap();

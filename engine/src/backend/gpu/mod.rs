@@ -36,6 +36,7 @@
 
 mod batch;
 mod delta_net;
+mod gemma4;
 pub mod graph;
 pub mod numerics;
 pub mod open;
@@ -100,6 +101,8 @@ pub struct GpuBackend {
     moe_scratch: Mutex<MoeScratch>,
     /// The sequence table and scratch of the linear-attention layers ([`delta_net`]).
     delta_net: Mutex<delta_net::DeltaNetScratch>,
+    /// Device copies of Gemma 4's per-expert down-projection scales ([`gemma4`]).
+    expert_scales: Mutex<gemma4::ExpertScales>,
 }
 
 /// Device buffers of [`GpuBackend::moe_ffn`]; the i32 arrays (experts, pairs, tiles) live in
@@ -166,6 +169,7 @@ impl GpuBackend {
             gelu_table: Mutex::new(None),
             moe_scratch: Mutex::new(MoeScratch::default()),
             delta_net: Mutex::new(delta_net::DeltaNetScratch::default()),
+            expert_scales: Mutex::new(gemma4::ExpertScales::default()),
         }
     }
 
@@ -693,6 +697,19 @@ impl Backend for GpuBackend {
             let max_row = rows.iter().copied().max().unwrap_or(0);
             let src_ptr = src.ptr("gather_rows", (max_row + 1) * dim)?;
             let out_ptr = out.ptr("gather_rows", rows.len() * dim)?;
+            // Evenly spaced rows (a copy; one layer's slice of Gemma 4's per-layer inputs) need
+            // no row list uploaded mid-pass, which would end a graph capture.
+            if let (false, Some((first, stride))) = (self.reference(), evenly_spaced(rows)) {
+                return ops::gather_rows_strided(
+                    &self.ctx,
+                    src_ptr,
+                    dim,
+                    first,
+                    stride,
+                    rows.len(),
+                    out_ptr,
+                );
+            }
             let host: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
             let rows_ptr = self.batch_ptr(batch::Array::OutRows, &host)?;
             if self.reference() {
@@ -852,13 +869,14 @@ impl Backend for GpuBackend {
         // Routing, the sort into tiles, and the gate and up products of every pair.
         self.run("moe_ffn", || {
             let op = "moe_ffn";
-            if moe.expert_scale.is_some() {
-                // Only Gemma 4 has them, and it is refused on the GPU at load.
-                return Err(OpsError::Shape {
-                    op,
-                    expected: "experts without per-expert output scales (the GPU has no kernel for them yet)".into(),
-                    found: "ffn_down_exps.scale".into(),
-                });
+            if let Some(scale) = moe.expert_scale {
+                if scale.len() != n_expert {
+                    return Err(OpsError::Shape {
+                        op,
+                        expected: format!("a down-projection scale per expert ({n_expert})"),
+                        found: format!("{} scales", scale.len()),
+                    });
+                }
             }
             if moe.gate.rows != n_expert * n_ff
                 || moe.up.rows != n_expert * n_ff
@@ -919,9 +937,22 @@ impl Backend for GpuBackend {
                 &self.ctx, moe.down, n_expert, h, 1, pairs, tiles, n_pairs, routed,
             )?;
             let weights = s.weights.ptr(op, n_pairs)?;
+            let experts = s.experts.ptr(op, n_pairs)?;
+            let expert_scale = moe
+                .expert_scale
+                .map(|scale| self.expert_scale_ptr(scale))
+                .transpose()?;
             let out_ptr = out.ptr(op, n_tokens * n_embd)?;
             ops::moe_combine(
-                &self.ctx, routed, weights, n_tokens, n_used, n_embd, out_ptr,
+                &self.ctx,
+                routed,
+                weights,
+                experts,
+                expert_scale,
+                n_tokens,
+                n_used,
+                n_embd,
+                out_ptr,
             )
         });
         if let Some(shared) = &moe.shared {
@@ -1164,6 +1195,26 @@ impl Backend for GpuBackend {
             };
             norm(&self.ctx, x_ptr, weight.buf.ptr(), n_rows, dim, eps, x_ptr)
         });
+    }
+
+    fn has_gemma4_ops(&self) -> bool {
+        self.gemma4_ops_available()
+    }
+
+    fn rms_norm_unit_inplace(&self, x: &mut GpuBuf, n_rows: usize, dim: usize, eps: f32) {
+        self.gemma4_rms_norm_unit(x, n_rows, dim, eps);
+    }
+
+    fn mul_rows_inplace(&self, x: &mut GpuBuf, weight: &GpuVector, n_rows: usize, dim: usize) {
+        self.gemma4_mul_rows(x, weight, n_rows, dim);
+    }
+
+    fn max_head_dim(&self) -> Option<usize> {
+        Some(if self.reference() {
+            ops::EXACT_MAX_HEAD_DIM
+        } else {
+            ops::MAX_HEAD_DIM
+        })
     }
 
     fn add_inplace(&self, dst: &mut GpuBuf, src: &GpuBuf, len: usize) {
@@ -1662,6 +1713,26 @@ impl Backend for GpuBackend {
 
 #[cfg(all(test, unix))]
 mod tests;
+
+/// `(first, stride)` when `rows` are `first, first + stride, first + 2 stride, ...` (stride 0
+/// only for a single row).
+fn evenly_spaced(rows: &[usize]) -> Option<(usize, usize)> {
+    let (&first, rest) = rows.split_first()?;
+    let stride = rest
+        .first()
+        .map_or(Some(0), |&second| second.checked_sub(first))?;
+    if !rest.is_empty() && stride == 0 {
+        return None;
+    }
+    let mut expected = first;
+    for &row in rest {
+        expected += stride;
+        if row != expected {
+            return None;
+        }
+    }
+    Some((first, stride))
+}
 
 fn check_vector(op: &'static str, vector: &GpuVector, len: usize) -> Result<(), OpsError> {
     if vector.len < len {

@@ -844,3 +844,46 @@ fn the_host_rope_table_is_the_cpu_backends() {
         }
     }
 }
+
+#[test]
+fn evenly_spaced_rows_are_recognised_for_the_strided_gather() {
+    assert_eq!(evenly_spaced(&[]), None);
+    assert_eq!(evenly_spaced(&[5]), Some((5, 0)));
+    assert_eq!(evenly_spaced(&[0, 1, 2, 3]), Some((0, 1)));
+    // One layer's slice of Gemma 4's per-layer inputs: token t's row t * n_layer + layer.
+    assert_eq!(evenly_spaced(&[3, 13, 23]), Some((3, 10)));
+    assert_eq!(evenly_spaced(&[0, 1, 3]), None);
+    assert_eq!(evenly_spaced(&[2, 0]), None);
+    assert_eq!(evenly_spaced(&[4, 4]), None);
+}
+
+#[test]
+fn expert_scales_are_uploaded_once_and_again_when_their_values_change() {
+    let b = backend(None);
+    let mut scale = vec![0.5f32, 2.0, -1.0, 4.0];
+    let first = b.expert_scale_ptr(&scale).unwrap();
+    assert_eq!(b.expert_scale_ptr(&scale).unwrap(), first);
+    let mut bytes = vec![0u8; 16];
+    b.context().download(first, &mut bytes).unwrap();
+    let on_device: Vec<f32> = bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert_eq!(on_device, scale);
+    // The same host slice with other values (as after a reload into the same memory).
+    scale[1] = 3.0;
+    let second = b.expert_scale_ptr(&scale).unwrap();
+    b.context().download(second, &mut bytes).unwrap();
+    assert_eq!(f32::from_le_bytes(bytes[4..8].try_into().unwrap()), 3.0);
+    assert_eq!(lock(&b.expert_scales).entries_len(), 1);
+}
+
+#[test]
+fn gemma4_ops_and_head_sizes_follow_the_numerics() {
+    let mut b = backend(None);
+    assert!(b.has_gemma4_ops());
+    assert_eq!(b.max_head_dim(), Some(512));
+    b.set_numerics(Numerics::Reference);
+    assert!(!b.has_gemma4_ops());
+    assert_eq!(b.max_head_dim(), Some(ember_gpu::ops::EXACT_MAX_HEAD_DIM));
+}
