@@ -63,6 +63,31 @@ fn silu(x: f32) -> f32 {
 }
 
 fn register_twins(driver: &HostDriver) {
+    // ember_split_query_gate_f32(q, gate, q_full, n_tokens, n_heads, head_dim)
+    driver.register_kernel("ember_split_query_gate_f32", |l| {
+        let n = (l.u32_arg(3)? * l.u32_arg(4)?) as usize;
+        let hd = l.u32_arg(5)? as usize;
+        let full = l.read_f32(l.ptr_arg(2)?, 2 * n * hd)?;
+        let (mut q, mut gate) = (Vec::new(), Vec::new());
+        for head in full.chunks_exact(2 * hd) {
+            q.extend_from_slice(&head[..hd]);
+            gate.extend_from_slice(&head[hd..]);
+        }
+        l.write_f32(l.ptr_arg(0)?, &q)?;
+        l.write_f32(l.ptr_arg(1)?, &gate)
+    });
+    // ember_mul_sigmoid_f32(x, gate, n)
+    driver.register_kernel("ember_mul_sigmoid_f32", |l| {
+        let n = l.u32_arg(2)? as usize;
+        let gate = l.read_f32(l.ptr_arg(1)?, n)?;
+        let x: Vec<f32> = l
+            .read_f32(l.ptr_arg(0)?, n)?
+            .iter()
+            .zip(&gate)
+            .map(|(x, g)| x * (1.0 / (1.0 + (-g).exp())))
+            .collect();
+        l.write_f32(l.ptr_arg(0)?, &x)
+    });
     // ember_delta_net_conv_f32(out, qkv, conv_w, states, starts, rows, channels, taps, state_offset)
     driver.register_kernel("ember_delta_net_conv_f32", |l| {
         let n_seq = l.config().grid[1] as usize;
@@ -529,4 +554,39 @@ fn a_pass_whose_recording_was_aborted_updates_the_states_once_when_it_runs_again
     let once = state_after(false);
     assert!(once.iter().any(|&v| v != 0.0));
     assert_eq!(state_after(true), once);
+}
+
+#[test]
+fn the_query_gate_is_split_and_applied_as_on_the_cpu() {
+    let cpu = CpuBackend::new(1).unwrap();
+    let (gpu, _dir) = backend();
+    let (n_tokens, n_heads, hd) = (3, 2, 8);
+    let len = n_tokens * n_heads * hd;
+    let full = values(31, 2 * len, 1.0);
+    let attn = values(32, len, 1.0);
+    let cpu_result = cpu.install(|| {
+        let (mut q, mut gate) = (vec![0.0; len], vec![0.0; len]);
+        cpu.split_query_gate(&full, n_tokens, n_heads, hd, &mut q, &mut gate);
+        let mut x = attn.clone();
+        cpu.mul_sigmoid(&mut x, &gate, len);
+        (q, x)
+    });
+    let (mut q, mut gate) = (gpu.alloc(len), gpu.alloc(len));
+    gpu.split_query_gate(
+        &gpu_buf(&gpu, &full),
+        n_tokens,
+        n_heads,
+        hd,
+        &mut q,
+        &mut gate,
+    );
+    let mut x = gpu_buf(&gpu, &attn);
+    gpu.mul_sigmoid(&mut x, &gate, len);
+    let (mut got_q, mut got_x) = (Vec::new(), Vec::new());
+    gpu.read(&q, len, &mut got_q);
+    gpu.read(&x, len, &mut got_x);
+    assert_eq!(gpu.take_failure(), None);
+    // The split copies values; the gate is one sigmoid and one product on either side.
+    assert_eq!(got_q, cpu_result.0);
+    assert_close("gated attention", &got_x, &cpu_result.1);
 }

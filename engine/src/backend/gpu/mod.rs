@@ -13,8 +13,9 @@
 //! Launch overhead: every op is queued on the context's stream and nothing waits inside the
 //! layer loop. The per-batch arrays (token ids, positions, slots, block tables, output rows) are
 //! packed and uploaded once per forward pass in [`Backend::begin_forward`]; the only waits are
-//! that upload, uploads of changed KV block tables (when a sequence crosses into a new block) and
-//! the final download of the logits.
+//! that upload, uploads of changed KV block tables (when a sequence crosses into a new block),
+//! for hybrid models the table of the batch's sequences and recurrent states
+//! ([`Backend::begin_states`], see [`delta_net`]), and the final download of the logits.
 //!
 //! Decode steps (batches of at most [`graph::GRAPH_MAX_TOKENS`] tokens) are recorded into a
 //! device graph after that upload and run with one launch ([`graph`]); `EMBER_GPU_GRAPHS=0`
