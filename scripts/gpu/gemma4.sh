@@ -59,7 +59,7 @@ CPU=(--device cpu -t "$CPU_THREADS")
 
 t "kernels for $ARCH (compile and harnesses) while the models are written"
 (
-    [[ "${KERNELS:-1}" == 1 ]] || exit 0
+    [[ "${KERNELS:-1}" == 1 ]] || { : >"$OUT/gemma4-kernels.log"; exit 0; }
     build="$MODELS/kernels-build-$ARCH"
     rm -rf "$build"
     bash "$ROOT/kernels/tests/run-nvcc.sh" "$ARCH" "$build" >"$OUT/gemma4-kernels.log" 2>&1
@@ -94,7 +94,7 @@ fi
 if ! wait "$kernels_pid"; then
     fail "kernels (see $OUT/gemma4-kernels.log)"
     grep -E "^FAIL|FAILED|run-nvcc.sh:" "$OUT/gemma4-kernels.log" | head -30
-else
+elif [[ -s "$OUT/gemma4-kernels.log" ]]; then
     grep -E "run-nvcc.sh:|^INFO attention .*d=512" "$OUT/gemma4-kernels.log"
 fi
 t "kernels and models ready"
