@@ -55,7 +55,7 @@ impl crate::flags::Smoke {
         let root = crate::project_root();
         let started = Instant::now();
         let subject = match (&self.artifact, &self.image) {
-            (Some(artifact), None) => Subject::from_artifact(sh, &root, artifact)?,
+            (Some(artifact), None) => Subject::from_artifact(sh, artifact)?,
             (None, Some(image)) => Subject::from_image(sh, image)?,
             _ => bail!("expected exactly one of --artifact PATH or --image TAG, found neither"),
         };
@@ -146,7 +146,7 @@ struct Subject {
 }
 
 impl Subject {
-    fn from_artifact(sh: &Shell, root: &Path, artifact: &Path) -> Result<Subject> {
+    fn from_artifact(sh: &Shell, artifact: &Path) -> Result<Subject> {
         let file_name = artifact
             .file_name()
             .and_then(|name| name.to_str())
@@ -157,8 +157,7 @@ impl Subject {
                 )
             })?;
         let name = ArtifactName::parse(file_name)?;
-        let unpack_dir = root
-            .join("target")
+        let unpack_dir = crate::target_dir()
             .join("smoke")
             .join(file_name.trim_end_matches(name.extension()));
         if unpack_dir.exists() {
@@ -209,7 +208,7 @@ impl Subject {
             Os::Windows => Runner::Wine {
                 wine: wine::find_wine()?,
                 binary,
-                prefix: wine::prepare_prefix(sh, root)?,
+                prefix: wine::prepare_prefix(sh)?,
             },
         };
         Ok(Subject {
@@ -2472,9 +2471,7 @@ mod tests {
 
     #[test]
     fn sha256sums_against_files() {
-        let dir = crate::project_root()
-            .join("target")
-            .join("xtask-test-sha256sums");
+        let dir = crate::target_dir().join("xtask-test-sha256sums");
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("ember"), b"binary").unwrap();
@@ -2494,9 +2491,7 @@ mod tests {
 
     #[test]
     fn archive_checksum_beside_the_archive() {
-        let dir = crate::project_root()
-            .join("target")
-            .join("xtask-test-archive-checksum");
+        let dir = crate::target_dir().join("xtask-test-archive-checksum");
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let archive = dir.join("ember-0.1.0-linux-cpu-x64.tar.gz");

@@ -2,10 +2,10 @@
 //!
 //! In order, each under its own header: fetch the pinned models, `cargo test --workspace
 //! --release`, the server tests through the official `openai` Python client (`pytest
-//! tests/server`, in a venv under `target/` built from the pinned `tests/server/requirements.txt`),
-//! `cargo test -p xtask`, then the toolchain checks: kernels for every target, a wrong
-//! target name failing, the gfx1201 and gfx1151 artifacts and their manifests and `ember info`,
-//! the Windows artifact under wine, the release matrix and its drift detection, actionlint, and
+//! tests/server`, in a venv under `target/` built from the pinned `tests/server/requirements.txt`;
+//! xtask's own tests run in the workspace test, not again in a debug build), then the toolchain
+//! checks: kernels for every target, a wrong target name failing, the gfx1201 and gfx1151
+//! artifacts and their manifests and `ember info`, the Windows artifact under wine, the release matrix and its drift detection, actionlint, and
 //! the container image with its smoke test. Every step runs even after an earlier one failed (a
 //! later failure is often the more telling one); the summary lists them all and the command fails
 //! if any did. A missing system tool is a failure that names the setup script to run.
@@ -97,8 +97,8 @@ impl crate::flags::Test {
     pub fn run(self, sh: &Shell) -> Result<()> {
         let root = crate::project_root();
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
-        // Copy the executable now, before step 3 can rebuild it.
-        let _ = xtask_exe(&root)?;
+        // Copy the executable now, before a parallel build can replace it.
+        let _ = xtask_exe()?;
         let targets = crate::targets::load()?;
         let version = manifest::workspace_version(&root)?;
         let model = crate::smoke::ModelFile::find(&root, &self.model)?.path;
@@ -118,10 +118,6 @@ impl crate::flags::Test {
                 "server tests through the openai client (pytest tests/server)",
                 || server_tests(sh, &root, &cargo),
             ),
-            step("cargo test -p xtask", || {
-                cmd!(sh, "{cargo} test -p xtask").run()?;
-                Ok(())
-            }),
         ];
         if !self.toolchain_only {
             plan.extend(cargo_steps);
@@ -139,7 +135,7 @@ impl crate::flags::Test {
             }
             plan.push(step(
                 "gfx1201 and gfx1151: manifest.json and `ember info` match targets.toml",
-                || compare_gpu_artifacts(sh, &root, &targets, &version),
+                || compare_gpu_artifacts(sh, &targets, &version),
             ));
             plan.push(step(
                 "build --target cpu --os windows, run ember.exe under wine",
@@ -178,13 +174,12 @@ impl crate::flags::Test {
 }
 
 /// A private copy of the xtask executable, to run sub-commands whose failure is the point. The
-/// copy matters: `cargo test -p xtask` (step 3) or a parallel build may replace
-/// `target/debug/xtask` while this run is still going.
+/// copy matters: a parallel build may replace `target/debug/xtask` while this run is still going.
 static SELF_COPIED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-fn xtask_exe(root: &Path) -> Result<PathBuf> {
+fn xtask_exe() -> Result<PathBuf> {
     let current = std::env::current_exe().context("locating the xtask executable")?;
-    let copy = root.join("target").join("xtask-test").join("xtask-self");
+    let copy = crate::target_dir().join("xtask-test").join("xtask-self");
     if !SELF_COPIED.swap(true, std::sync::atomic::Ordering::Relaxed) || !copy.is_file() {
         std::fs::create_dir_all(copy.parent().context("copy path has a parent")?)?;
         std::fs::copy(&current, &copy)
@@ -207,8 +202,9 @@ fn all_kernels(sh: &Shell, root: &Path, targets: &Targets) -> Result<()> {
     let compiler = toolchains.amdgpu().map_err(anyhow::Error::msg)?.clone();
     println!("kernels: compiler {}", compiler.describe());
     let mut problems = Vec::new();
-    for target in targets.select(&Selection::All)? {
-        let outcome = kernels::compile_target(sh, root, target, &mut toolchains);
+    let selected = targets.select(&Selection::All)?;
+    let outcomes = kernels::compile_targets(sh, root, &selected, &mut toolchains);
+    for (target, outcome) in selected.iter().zip(outcomes) {
         match (&outcome, target.kind) {
             (Ok(KernelOutcome::Compiled { objects }), _) => {
                 println!(
@@ -245,7 +241,7 @@ fn all_kernels(sh: &Shell, root: &Path, targets: &Targets) -> Result<()> {
 }
 
 fn wrong_target_fails(sh: &Shell) -> Result<()> {
-    let xtask = xtask_exe(&crate::project_root())?;
+    let xtask = xtask_exe()?;
     let output = cmd!(sh, "{xtask} kernels --target gfx9999")
         .ignore_status()
         .output()?;
@@ -266,8 +262,8 @@ fn wrong_target_fails(sh: &Shell) -> Result<()> {
 }
 
 /// Unpacks an archive into `target/xtask-test/<stem>/` and returns the package folder.
-fn unpack(root: &Path, archive: &Path) -> Result<PathBuf> {
-    let dest = root.join("target").join("xtask-test");
+fn unpack(archive: &Path) -> Result<PathBuf> {
+    let dest = crate::target_dir().join("xtask-test");
     let name = archive
         .file_name()
         .and_then(|n| n.to_str())
@@ -293,11 +289,11 @@ fn unpack(root: &Path, archive: &Path) -> Result<PathBuf> {
     Ok(folder)
 }
 
-fn compare_gpu_artifacts(sh: &Shell, root: &Path, targets: &Targets, version: &str) -> Result<()> {
+fn compare_gpu_artifacts(sh: &Shell, targets: &Targets, version: &str) -> Result<()> {
     let mut manifests = Vec::new();
     for name in ["gfx1201", "gfx1151"] {
-        let archive = package::archive_path(root, version, Os::Linux, name);
-        let folder = unpack(root, &archive)?;
+        let archive = package::archive_path(version, Os::Linux, name);
+        let folder = unpack(&archive)?;
         sh.change_dir(&folder);
         let sums = cmd!(sh, "sha256sum -c --strict --quiet SHA256SUMS")
             .ignore_status()
@@ -419,9 +415,9 @@ fn windows_under_wine(
 ) -> Result<()> {
     let wine = crate::wine::find_wine()?;
     let archive = build::build(sh, root, targets, "cpu", Os::Windows, version)?;
-    let folder = unpack(root, &archive)?;
+    let folder = unpack(&archive)?;
     let exe = folder.join("ember.exe");
-    let prefix = crate::wine::prepare_prefix(sh, root)?;
+    let prefix = crate::wine::prepare_prefix(sh)?;
     let model_arg = format!("Z:{}", model.display()).replace('/', "\\");
     let _env = (
         sh.push_env("WINEPREFIX", &prefix),
@@ -464,7 +460,7 @@ fn windows_under_wine(
 }
 
 fn matrix_drift_fails(sh: &Shell, root: &Path) -> Result<()> {
-    let dir = root.join("target").join("xtask-test");
+    let dir = crate::target_dir().join("xtask-test");
     std::fs::create_dir_all(&dir)?;
     let copy = dir.join("targets-with-added-target.toml");
     let text = std::fs::read_to_string(root.join("targets.toml"))?;
@@ -472,7 +468,7 @@ fn matrix_drift_fails(sh: &Shell, root: &Path) -> Result<()> {
         &copy,
         format!("{text}\n[[target]]\nname = \"gfx1036\"\nfamily = \"gfx103X\"\nmin_llvm = 15\n"),
     )?;
-    let xtask = xtask_exe(&crate::project_root())?;
+    let xtask = xtask_exe()?;
     let output = cmd!(sh, "{xtask} matrix --check --targets {copy}")
         .ignore_status()
         .output()?;
@@ -501,7 +497,8 @@ fn actionlint(sh: &Shell, root: &Path) -> Result<()> {
 }
 
 /// Where the server tests' Python environment lives, and the stamp that says what it was built from.
-const SERVER_TESTS_VENV: &str = "target/server-tests-venv";
+/// Under the target directory.
+const SERVER_TESTS_VENV: &str = "server-tests-venv";
 const SERVER_TESTS_REQUIREMENTS: &str = "tests/server/requirements.txt";
 const VENV_STAMP: &str = "ember-requirements.stamp";
 /// What installs `python3` with `venv` and `ensurepip` on a fresh Debian machine.
@@ -512,7 +509,7 @@ pub const SETUP_PYTHON: &str = ".ci/setup-python.sh";
 /// and the system Python are unchanged (a stamp in the venv records both), so a CI run that
 /// changed neither installs nothing.
 pub fn server_test_python(sh: &Shell, root: &Path) -> Result<PathBuf> {
-    let venv = root.join(SERVER_TESTS_VENV);
+    let venv = crate::target_dir().join(SERVER_TESTS_VENV);
     let python = venv.join("bin").join("python");
     let requirements = root.join(SERVER_TESTS_REQUIREMENTS);
     let requirements_text = std::fs::read(&requirements)
@@ -565,7 +562,7 @@ pub fn server_test_python(sh: &Shell, root: &Path) -> Result<PathBuf> {
 /// `pytest tests/server` against the release `ember` that `cargo test --workspace --release`
 /// built (built here only when it is missing, so this step never rebuilds with other features).
 fn server_tests(sh: &Shell, root: &Path, cargo: &str) -> Result<()> {
-    let ember = root.join("target").join("release").join("ember");
+    let ember = crate::target_dir().join("release").join("ember");
     if !ember.is_file() {
         println!("server tests: {} is missing; building it", ember.display());
         cmd!(sh, "{cargo} build --release -p ember").run()?;
