@@ -180,6 +180,28 @@ pub fn feature(name: &str) -> Option<&'static Feature> {
         .find(|feature| feature.name == name)
 }
 
+/// The warning to give when the HIP runtime that was loaded comes from another major ROCm release
+/// than the one this build was made for (`rocm.release` of the manifest), else `None` (same
+/// major, a development or CPU build, or a runtime that did not say its version).
+/// `runtime_version` is `hipRuntimeGetVersion`'s number: major × 10,000,000 + minor × 100,000 +
+/// patch.
+pub fn rocm_release_mismatch(
+    built_for: Option<&str>,
+    runtime_version: Option<i32>,
+    library: &str,
+) -> Option<String> {
+    let built_for = built_for?;
+    let built_major: i32 = built_for.split('.').next()?.trim().parse().ok()?;
+    let runtime_version = runtime_version.filter(|v| *v > 0)?;
+    let runtime_major = runtime_version / 10_000_000;
+    let runtime_minor = (runtime_version / 100_000) % 100;
+    (runtime_major != built_major).then(|| {
+        format!(
+            "this build is for ROCm {built_for} but the HIP runtime loaded ({library}) is from ROCm {runtime_major}.{runtime_minor}: kernels and memory behaviour were tested against {built_major}.x; use the build for ROCm {runtime_major}.x or point ROCM_PATH at a ROCm {built_major}.x install"
+        )
+    })
+}
+
 /// The human-readable form `ember info` prints.
 pub fn render_text() -> String {
     match manifest() {
@@ -331,6 +353,24 @@ mod tests {
             "{text}"
         );
         assert!(!manifest.features[1].enabled);
+    }
+
+    #[test]
+    fn rocm_major_mismatch_is_warned() {
+        let warn = |built_for, runtime| rocm_release_mismatch(built_for, runtime, "libamdhip64.so");
+        // 7.2.1 runtime (70_201_000-ish numbers) against a 7.2.1 build: no warning.
+        assert_eq!(warn(Some("7.2.1"), Some(70_251_021)), None);
+        assert_eq!(warn(Some("7.2.1"), Some(71_100_000)), None);
+        let message = warn(Some("7.2.1"), Some(60_443_483)).expect("6.4 runtime under a 7.2 build");
+        assert!(message.contains("for ROCm 7.2.1"), "{message}");
+        assert!(message.contains("from ROCm 6.4"), "{message}");
+        assert!(message.contains("libamdhip64.so"), "{message}");
+        assert!(warn(Some("6.4.1"), Some(70_251_021)).is_some());
+        // Nothing to compare: development build, unknown runtime version.
+        assert_eq!(warn(None, Some(60_443_483)), None);
+        assert_eq!(warn(Some("7.2.1"), None), None);
+        assert_eq!(warn(Some("7.2.1"), Some(0)), None);
+        assert_eq!(warn(Some("not a version"), Some(60_443_483)), None);
     }
 
     #[test]

@@ -10,6 +10,7 @@ mod manifest;
 mod manifest_slot;
 mod matrix;
 mod package;
+mod setup;
 mod smoke;
 mod targets;
 mod test;
@@ -34,6 +35,7 @@ fn main() -> Result<()> {
         flags::Command::Test(cmd) => cmd.run(&sh),
         flags::Command::Docker(cmd) => cmd.run(&sh),
         flags::Command::Smoke(cmd) => cmd.run(&sh),
+        flags::Command::Setup(cmd) => cmd.run(&sh),
     }
 }
 

@@ -275,7 +275,7 @@ mod tests {
             .unwrap()
             .starts_with("hipMemSetAccess fails"));
         assert_eq!(vmm.tracking.len(), 2);
-        assert_eq!(manifest.rocm.release.as_deref(), Some("7.0"));
+        assert_eq!(manifest.rocm.release.as_deref(), Some("7.2.1"));
         assert_eq!(
             manifest.rocm.hip_runtime,
             ["libamdhip64.so.7", "libamdhip64.so.6"]
