@@ -92,6 +92,7 @@ pub fn build(
         sh,
         "{cargo} build --release -p ember --bin ember {cross...}"
     )
+    .env("CARGO_ENCODED_RUSTFLAGS", encoded_rustflags(root)?)
     .run()
     .with_context(|| format!("building the engine for {os}"))?;
     let binary = package::engine_binary(&crate::target_dir(), os, &platform.rust_target);
@@ -111,6 +112,55 @@ pub fn build(
     );
 
     package::package(root, target, os, version, manifest)
+}
+
+/// The places on this machine whose paths a build could leak into its artifacts, with what
+/// [`remap_flags`] maps each to: the workspace root, cargo's target directory (build-script
+/// output, when it is not under the root) and cargo's home (the registry sources).
+pub fn build_paths(root: &Path) -> Result<Vec<(PathBuf, &'static str)>> {
+    let cargo_home = match std::env::var_os("CARGO_HOME") {
+        Some(home) => PathBuf::from(home),
+        None => {
+            PathBuf::from(std::env::var_os("HOME").context("neither CARGO_HOME nor HOME is set")?)
+                .join(".cargo")
+        }
+    };
+    Ok(vec![
+        (root.to_path_buf(), "/ember"),
+        (crate::target_dir(), "/ember/target"),
+        (cargo_home, "/cargo"),
+    ])
+}
+
+/// The flags that keep this machine's paths out of the binary (see [`build_paths`]), in panic
+/// locations and debug line tables alike, so two checkouts in different places build the same
+/// bytes. rustc applies the last matching remapping, so the target directory, which is usually
+/// under the root, comes after it.
+pub fn remap_flags(root: &Path) -> Result<Vec<String>> {
+    Ok(build_paths(root)?
+        .into_iter()
+        .map(|(from, to)| format!("--remap-path-prefix={}={to}", from.display()))
+        .collect())
+}
+
+/// The caller's rustflags (`CARGO_ENCODED_RUSTFLAGS`, else `RUSTFLAGS`) followed by whichever
+/// [`remap_flags`] they lack, in cargo's `CARGO_ENCODED_RUSTFLAGS` form. `.ci/run` exports the
+/// same flags as `RUSTFLAGS`, so its test build and these builds compile the engine once.
+pub fn encoded_rustflags(root: &Path) -> Result<String> {
+    let mut flags: Vec<String> = match std::env::var("CARGO_ENCODED_RUSTFLAGS") {
+        Ok(encoded) if !encoded.is_empty() => encoded.split('\x1f').map(str::to_string).collect(),
+        _ => std::env::var("RUSTFLAGS")
+            .unwrap_or_default()
+            .split_whitespace()
+            .map(str::to_string)
+            .collect(),
+    };
+    for flag in remap_flags(root)? {
+        if !flags.contains(&flag) {
+            flags.push(flag);
+        }
+    }
+    Ok(flags.join("\x1f"))
 }
 
 /// The manifest of this build: targets.toml's view of `target` plus the build environment.

@@ -623,6 +623,31 @@ mod tests {
         let first = std::fs::read(&archive).unwrap();
         write_package(&input, &dir.join("dist")).unwrap();
         assert_eq!(std::fs::read(&archive).unwrap(), first);
+
+        // Where the inputs and the output live does not enter the archive.
+        let elsewhere = dir.join("elsewhere");
+        std::fs::create_dir_all(&elsewhere).unwrap();
+        let mut moved = input;
+        for path in std::iter::once(&mut moved.binary)
+            .chain(moved.kernel_objects.iter_mut())
+            .chain(moved.licenses.iter_mut())
+        {
+            let copy = elsewhere.join(path.file_name().unwrap());
+            std::fs::copy(&*path, &copy).unwrap();
+            *path = copy;
+        }
+        let moved_archive = write_package(&moved, &elsewhere.join("dist")).unwrap();
+        assert_eq!(std::fs::read(&moved_archive).unwrap(), first);
+
+        // One flipped byte of the engine changes the archive's sum.
+        let mut engine = std::fs::read(&moved.binary).unwrap();
+        engine[1] ^= 1;
+        std::fs::write(&moved.binary, engine).unwrap();
+        let flipped = write_package(&moved, &elsewhere.join("dist")).unwrap();
+        assert_ne!(
+            sha256_hex(&std::fs::read(flipped).unwrap()),
+            sha256_hex(&first)
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -154,6 +154,10 @@ impl crate::flags::Test {
                 build::build(sh, &root, &targets, "cpu", Os::Linux, &version).map(drop)
             }));
             plan.push(step(
+                "cpu and gfx1201 artifacts hold no path of this machine",
+                || no_build_paths(&root, &version),
+            ));
+            plan.push(step(
                 format!(
                     "docker --target cpu --base {}, smoke --image {image}",
                     self.base
@@ -457,6 +461,69 @@ fn windows_under_wine(
         stdout.lines().count()
     );
     Ok(())
+}
+
+/// Every file of the cpu and gfx1201 archives (binary, kernels, manifest) is free of the paths a
+/// build could leak: the workspace root, cargo's target directory and cargo's home. Their
+/// remapping is what lets checkouts in different places build the same bytes.
+fn no_build_paths(root: &Path, version: &str) -> Result<()> {
+    let paths = build::build_paths(root)?;
+    let mut found = Vec::new();
+    let mut checked = 0;
+    for target in ["cpu", "gfx1201"] {
+        let folder = unpack(&package::archive_path(version, Os::Linux, target))?;
+        for file in files_under(&folder)? {
+            let bytes = std::fs::read(&file)?;
+            checked += 1;
+            for (path, _) in &paths {
+                let needle = path.to_string_lossy();
+                if contains(&bytes, needle.as_bytes()) {
+                    found.push(format!("{} holds {needle}", file.display()));
+                }
+            }
+        }
+    }
+    ensure!(
+        found.is_empty(),
+        "build paths in the artifacts:\n  {}",
+        found.join("\n  ")
+    );
+    println!(
+        "paths: none of {} in the {checked} files of the cpu and gfx1201 artifacts",
+        paths
+            .iter()
+            .map(|(p, _)| p.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    Ok(())
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    !needle.is_empty()
+        && haystack
+            .windows(needle.len())
+            .any(|window| window == needle)
+}
+
+/// The regular files under `dir`, recursively.
+fn files_under(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut files = Vec::new();
+    let mut pending = vec![dir.to_path_buf()];
+    while let Some(dir) = pending.pop() {
+        for entry in
+            std::fs::read_dir(&dir).with_context(|| format!("reading {}", dir.display()))?
+        {
+            let path = entry?.path();
+            if path.is_dir() {
+                pending.push(path);
+            } else {
+                files.push(path);
+            }
+        }
+    }
+    files.sort();
+    Ok(files)
 }
 
 fn matrix_drift_fails(sh: &Shell, root: &Path) -> Result<()> {
