@@ -30,6 +30,9 @@ pub enum Command {
     Docker(Docker),
     /// Run an artifact or an image against a real model and check what it reports.
     Smoke(Smoke),
+    /// Check a downloaded archive or unpacked package: checksums, manifest.json, the manifest
+    /// inside the binary, and the features against targets.toml.
+    Verify(Verify),
     /// Install the host toolchain that builds GPU kernels (clang-19, HIP headers, ROCm device
     /// libraries) on Debian or Ubuntu; with --all, everything `cargo xtask test` needs.
     Setup(Setup),
@@ -124,6 +127,13 @@ pub struct Test {
     /// The model (a name from models.toml) the artifact checks run.
     #[arg(long, default_value = "smollm2-135m-instruct-q4_1")]
     pub model: String,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct Verify {
+    /// An archive (`.tar.gz`, `.zip`; its `.sha256` beside it is checked when present) or an
+    /// unpacked package folder.
+    pub path: PathBuf,
 }
 
 #[derive(Debug, clap::Args)]

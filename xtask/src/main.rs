@@ -17,6 +17,7 @@ mod test;
 #[cfg(test)]
 mod tidy;
 mod toolchain;
+mod verify;
 mod wine;
 
 use anyhow::Result;
@@ -36,6 +37,7 @@ fn main() -> Result<()> {
         flags::Command::Docker(cmd) => cmd.run(&sh),
         flags::Command::Smoke(cmd) => cmd.run(&sh),
         flags::Command::Setup(cmd) => cmd.run(&sh),
+        flags::Command::Verify(cmd) => cmd.run(&sh),
     }
 }
 

@@ -1411,7 +1411,7 @@ impl ArtifactName {
     }
 }
 
-fn unpack_tar_gz(archive: &Path, into: &Path) -> Result<()> {
+pub(crate) fn unpack_tar_gz(archive: &Path, into: &Path) -> Result<()> {
     let file =
         std::fs::File::open(archive).with_context(|| format!("opening {}", archive.display()))?;
     // `unpack` refuses entries that would land outside `into` (absolute paths, `..`).
@@ -1420,7 +1420,7 @@ fn unpack_tar_gz(archive: &Path, into: &Path) -> Result<()> {
         .with_context(|| format!("unpacking {} into {}", archive.display(), into.display()))
 }
 
-fn unpack_zip(archive: &Path, into: &Path) -> Result<()> {
+pub(crate) fn unpack_zip(archive: &Path, into: &Path) -> Result<()> {
     let file =
         std::fs::File::open(archive).with_context(|| format!("opening {}", archive.display()))?;
     let mut zip = zip::ZipArchive::new(file)
@@ -1485,7 +1485,7 @@ fn parse_sha256sums(text: &str) -> Result<Vec<(String, String)>, String> {
 }
 
 /// Checks every file that `dir/SHA256SUMS` lists; returns how many, or every problem found.
-fn verify_sha256sums(dir: &Path) -> Result<usize, Vec<String>> {
+pub(crate) fn verify_sha256sums(dir: &Path) -> Result<usize, Vec<String>> {
     let text = std::fs::read_to_string(dir.join("SHA256SUMS")).map_err(|error| {
         vec![format!(
             "expected SHA256SUMS next to the binary, found an error: {error}"
