@@ -5,8 +5,9 @@
 //! tests/server`, in a venv under `target/` built from the pinned `tests/server/requirements.txt`;
 //! xtask's own tests run in the workspace test, not again in a debug build), then the toolchain
 //! checks: kernels for every target, a wrong target name failing, the gfx1201 and gfx1151
-//! artifacts and their manifests and `ember info`, the Windows artifact under wine, the release matrix and its drift detection, actionlint, and
-//! the container image with its smoke test. Every step runs even after an earlier one failed (a
+//! artifacts and their manifests and `ember info`, the Windows artifact under wine, the release
+//! matrix and its drift detection, actionlint, no build path in the artifacts, `xtask verify` on
+//! them, and the container image with its smoke test. Every step runs even after an earlier one failed (a
 //! later failure is often the more telling one); the summary lists them all and the command fails
 //! if any did. A missing system tool is a failure that names the setup script to run.
 
@@ -156,6 +157,21 @@ impl crate::flags::Test {
             plan.push(step(
                 "cpu and gfx1201 artifacts hold no path of this machine",
                 || no_build_paths(&root, &version),
+            ));
+            plan.push(step(
+                "xtask verify: the cpu, gfx1201 and Windows archives",
+                || {
+                    for (os, target) in [
+                        (Os::Linux, "cpu"),
+                        (Os::Linux, "gfx1201"),
+                        (Os::Windows, "cpu"),
+                    ] {
+                        let archive = package::archive_path(&version, os, target);
+                        let summary = crate::verify::verify(&archive, &targets)?;
+                        println!("verify: {}: {summary}", archive.display());
+                    }
+                    Ok(())
+                },
             ));
             plan.push(step(
                 format!(
