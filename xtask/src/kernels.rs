@@ -184,16 +184,37 @@ pub fn compile_target(
         .context("expected one kernel outcome for one target, found none")?
 }
 
-/// Compiles the kernels of every target in `targets`, each into its [`kernel_out_dir`]; returns
-/// one outcome per target, in order. The (target, module) compilations of all targets share one
-/// pool of workers, so no CPU idles while the slowest module of one target finishes before the
-/// next target starts. A code object whose inputs were compiled before (same source and headers,
-/// compiler, flags) is copied from the cache (see [`cache_key`]) instead of compiled again.
+/// How the compiler processes run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Priority {
+    /// As xtask itself, with each command echoed.
+    Normal,
+    /// Under `nice -n 19` (when `nice` exists) and without echoing the commands: for compiling
+    /// beside other work that should keep the CPU first.
+    Background,
+}
+
+/// [`compile_targets`] at normal priority.
 pub fn compile_targets(
     sh: &Shell,
     root: &Path,
     targets: &[&Target],
     toolchains: &mut Toolchains,
+) -> Vec<Result<KernelOutcome>> {
+    compile_targets_at(sh, root, targets, toolchains, Priority::Normal)
+}
+
+/// Compiles the kernels of every target in `targets`, each into its [`kernel_out_dir`]; returns
+/// one outcome per target, in order. The (target, module) compilations of all targets share one
+/// pool of workers, so no CPU idles while the slowest module of one target finishes before the
+/// next target starts. A code object whose inputs were compiled before (same source and headers,
+/// compiler, flags) is copied from the cache (see [`cache_key`]) instead of compiled again.
+pub fn compile_targets_at(
+    sh: &Shell,
+    root: &Path,
+    targets: &[&Target],
+    toolchains: &mut Toolchains,
+    priority: Priority,
 ) -> Vec<Result<KernelOutcome>> {
     let mut plans: Vec<Result<Plan>> = targets
         .iter()
@@ -207,7 +228,7 @@ pub fn compile_targets(
         })
         .flatten()
         .collect();
-    let errors = run_jobs(sh, &jobs);
+    let errors = run_jobs(sh, &jobs, priority);
     plans
         .drain(..)
         .zip(targets)
@@ -447,10 +468,14 @@ struct CompileJob {
     cached: PathBuf,
 }
 
-/// Runs the compile jobs on up to `$EMBER_KERNEL_JOBS` (default: the CPU count) threads, copying
+/// Runs the compile jobs at `priority` on up to `$EMBER_KERNEL_JOBS` (default: the CPU count) threads, copying
 /// each object from the cache when it is there; returns the failures as (the job's partial
 /// output, the compiler's output).
-fn run_jobs(sh: &Shell, jobs: &[&CompileJob]) -> Vec<(PathBuf, String)> {
+fn run_jobs(sh: &Shell, jobs: &[&CompileJob], priority: Priority) -> Vec<(PathBuf, String)> {
+    let nice = match priority {
+        Priority::Normal => None,
+        Priority::Background => crate::toolchain::which("nice"),
+    };
     let workers = std::env::var("EMBER_KERNEL_JOBS")
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
@@ -473,11 +498,18 @@ fn run_jobs(sh: &Shell, jobs: &[&CompileJob]) -> Vec<(PathBuf, String)> {
                     hits.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     continue;
                 }
-                eprintln!("$ {} {}", job.program.display(), job.args.join(" "));
-                let result = std::process::Command::new(&job.program)
-                    .args(&job.args)
-                    .current_dir(&cwd)
-                    .output();
+                let mut command = match &nice {
+                    Some(nice) => {
+                        let mut command = std::process::Command::new(nice);
+                        command.args(["-n", "19"]).arg(&job.program);
+                        command
+                    }
+                    None => std::process::Command::new(&job.program),
+                };
+                if priority == Priority::Normal {
+                    eprintln!("$ {} {}", job.program.display(), job.args.join(" "));
+                }
+                let result = command.args(&job.args).current_dir(&cwd).output();
                 let error = match result {
                     Ok(out) if out.status.success() => None,
                     Ok(out) => Some(format!(
@@ -499,7 +531,7 @@ fn run_jobs(sh: &Shell, jobs: &[&CompileJob]) -> Vec<(PathBuf, String)> {
         }
     });
     let hits = hits.into_inner();
-    if hits > 0 {
+    if hits > 0 && priority == Priority::Normal {
         println!(
             "kernels: {hits} of {} code object(s) reused from {}",
             jobs.len(),
@@ -619,6 +651,40 @@ mod tests {
         ] {
             assert_ne!(key, other);
         }
+    }
+
+    #[test]
+    fn background_jobs_run_at_the_lowest_priority() {
+        let dir = std::env::temp_dir().join(format!("ember-xtask-jobs-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let job = |name: &str, script: &str| CompileJob {
+            program: PathBuf::from("sh"),
+            args: vec!["-c".to_string(), script.to_string()],
+            source: dir.join(name),
+            partial: dir.join(format!("{name}.partial")),
+            object: dir.join(name),
+            cached: dir.join(format!("{name}.cached")),
+        };
+        let sh = Shell::new().unwrap();
+        let niceness = job(
+            "niceness",
+            &format!("nice > {}", dir.join("niceness.partial").display()),
+        );
+        let failing = job("failing", "echo broken >&2; exit 3");
+        let errors = run_jobs(&sh, &[&niceness, &failing], Priority::Background);
+        let written = std::fs::read_to_string(dir.join("niceness.partial")).unwrap();
+        if crate::toolchain::which("nice").is_some() {
+            assert_eq!(written.trim(), "19");
+        }
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert_eq!(errors[0].0, failing.partial);
+        assert!(errors[0].1.contains("broken"), "{}", errors[0].1);
+        let errors = run_jobs(&sh, &[&niceness], Priority::Normal);
+        assert!(errors.is_empty(), "{errors:?}");
+        let written = std::fs::read_to_string(dir.join("niceness.partial")).unwrap();
+        let own = std::process::Command::new("nice").output().unwrap().stdout;
+        assert_eq!(written.trim(), String::from_utf8_lossy(&own).trim());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

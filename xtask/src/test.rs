@@ -123,10 +123,37 @@ impl crate::flags::Test {
         if !self.toolchain_only {
             plan.extend(cargo_steps);
         }
+        // The kernels of every target (some 250 clang runs, the largest CPU cost here after the
+        // engine's compilation) compile in a background thread at the lowest CPU priority from
+        // the start, so they use the cores the cargo steps leave idle (single-threaded compiler
+        // front ends, linking, tests that use one thread); their step waits for them. Without the
+        // cargo steps (--toolchain-only) they run in their step as before.
+        let mut background_kernels = None;
+        if !self.skip_toolchain && !self.toolchain_only {
+            let (root, targets) = (root.clone(), targets.clone());
+            background_kernels = Some(std::thread::spawn(move || {
+                all_kernels(&root, &targets, kernels::Priority::Background)
+            }));
+        }
         if !self.skip_toolchain {
             plan.push(step(
                 "kernels for every target (xtask kernels --all)",
-                || all_kernels(sh, &root, &targets),
+                || {
+                    let report = match background_kernels {
+                        Some(handle) => {
+                            println!(
+                                "kernels: waiting for the compilation started in the background"
+                            );
+                            handle.join().map_err(|_| {
+                                anyhow::anyhow!("the kernel compilation thread panicked")
+                            })?
+                        }
+                        None => all_kernels(&root, &targets, kernels::Priority::Normal),
+                    };
+                    let report = report?;
+                    print!("{report}");
+                    Ok(())
+                },
             ));
             plan.push(step("a wrong target name fails", || wrong_target_fails(sh)));
             for target in ["gfx1201", "gfx1151"] {
@@ -208,7 +235,13 @@ fn xtask_exe() -> Result<PathBuf> {
     Ok(copy)
 }
 
-fn all_kernels(sh: &Shell, root: &Path, targets: &Targets) -> Result<()> {
+/// Compiles every target's kernels (at `priority`) and returns the report to print: the step
+/// runs in a background thread while the cargo steps print, so it must not print as it goes.
+fn all_kernels(root: &Path, targets: &Targets, priority: kernels::Priority) -> Result<String> {
+    use std::fmt::Write as _;
+    let sh = Shell::new()?;
+    sh.change_dir(root);
+    let mut report = String::new();
     if toolchain::which("clang++-19").is_none()
         && std::env::var_os("ROCM_PATH").is_none()
         && !Path::new("/opt/rocm").is_dir()
@@ -220,24 +253,23 @@ fn all_kernels(sh: &Shell, root: &Path, targets: &Targets) -> Result<()> {
     }
     let mut toolchains = Toolchains::default();
     let compiler = toolchains.amdgpu().map_err(anyhow::Error::msg)?.clone();
-    println!("kernels: compiler {}", compiler.describe());
+    writeln!(report, "kernels: compiler {}", compiler.describe())?;
     let mut problems = Vec::new();
     let selected = targets.select(&Selection::All)?;
-    let outcomes = kernels::compile_targets(sh, root, &selected, &mut toolchains);
+    let outcomes = kernels::compile_targets_at(&sh, root, &selected, &mut toolchains, priority);
     for (target, outcome) in selected.iter().zip(outcomes) {
         match (&outcome, target.kind) {
-            (Ok(KernelOutcome::Compiled { objects }), _) => {
-                println!(
-                    "  {:<8} {} code object(s), architecture verified",
-                    target.name,
-                    objects.len()
-                )
-            }
+            (Ok(KernelOutcome::Compiled { objects }), _) => writeln!(
+                report,
+                "  {:<8} {} code object(s), architecture verified",
+                target.name,
+                objects.len()
+            )?,
             (Ok(KernelOutcome::NoKernels), _) => {
-                println!("  {:<8} no kernels (CPU target)", target.name)
+                writeln!(report, "  {:<8} no kernels (CPU target)", target.name)?
             }
             (Ok(KernelOutcome::NotCompiled { reason }), kind) => {
-                println!("  {:<8} not compiled: {reason}", target.name);
+                writeln!(report, "  {:<8} not compiled: {reason}", target.name)?;
                 // Only a target newer than the compiler may be left out; anything else this
                 // toolchain should have built.
                 let expected = match kind {
@@ -254,10 +286,10 @@ fn all_kernels(sh: &Shell, root: &Path, targets: &Targets) -> Result<()> {
     }
     ensure!(
         problems.is_empty(),
-        "kernels failed:\n  {}",
+        "{report}kernels failed:\n  {}",
         problems.join("\n  ")
     );
-    Ok(())
+    Ok(report)
 }
 
 fn wrong_target_fails(sh: &Shell) -> Result<()> {
