@@ -525,7 +525,7 @@ fn no_build_paths(root: &Path, version: &str) -> Result<()> {
             checked += 1;
             for (path, _) in &paths {
                 let needle = path.to_string_lossy();
-                if contains(&bytes, needle.as_bytes()) {
+                if contains(&bytes, &needle) {
                     found.push(format!("{} holds {needle}", file.display()));
                 }
             }
@@ -547,11 +547,12 @@ fn no_build_paths(root: &Path, version: &str) -> Result<()> {
     Ok(())
 }
 
-fn contains(haystack: &[u8], needle: &[u8]) -> bool {
-    !needle.is_empty()
-        && haystack
-            .windows(needle.len())
-            .any(|window| window == needle)
+/// Whether `haystack` holds the text `needle`. Through std's (always optimised) UTF-8 decoding
+/// and string search, since xtask is a debug build and binaries are tens of megabytes; a match
+/// of valid UTF-8 survives the lossy decoding unchanged, and the replacement character is in no
+/// path looked for.
+fn contains(haystack: &[u8], needle: &str) -> bool {
+    !needle.is_empty() && String::from_utf8_lossy(haystack).contains(needle)
 }
 
 /// The regular files under `dir`, recursively.
@@ -733,6 +734,16 @@ fn docker_and_smoke(sh: &Shell, base: &str, image: &str, model: &str) -> Result<
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn contains_finds_paths_in_binary_bytes() {
+        let mut bytes = vec![0xff, 0xfe, 0x00];
+        bytes.extend_from_slice(b"/home/builder/ember/engine/src/lib.rs");
+        bytes.extend_from_slice(&[0xc3, 0x28]);
+        assert!(contains(&bytes, "/home/builder/ember"));
+        assert!(!contains(&bytes, "/root/.cargo"));
+        assert!(!contains(&bytes, ""));
+    }
 
     #[test]
     fn pytest_exit_statuses() {
