@@ -1,41 +1,27 @@
-//! Embeds the build manifest into the engine.
+//! Writes the development build manifest into OUT_DIR, where `src/build_manifest.rs` includes it.
 //!
-//! `cargo xtask build` writes the target's manifest (target, features with reasons, ROCm release,
-//! commit, toolchain versions) to a file and builds with `EMBER_BUILD_MANIFEST=<that file>`; this
-//! script copies it into OUT_DIR, where `src/build_manifest.rs` includes it. A plain `cargo build`
-//! gets a development manifest instead: target "dev", no features, clearly labelled, so `ember
-//! info` never passes a developer's build off as a release build.
+//! A plain `cargo build` carries this manifest: target "dev", no features, clearly labelled, so
+//! `ember info` never passes a developer's build off as a release build. `cargo xtask build`
+//! writes the target's real manifest (target, features with reasons, ROCm release, commit,
+//! toolchain versions) into the linked binary's manifest slot instead, so the engine is compiled
+//! once for every target (see `src/build_manifest.rs`). Nothing here depends on the environment,
+//! so the script never makes cargo rebuild the engine.
 //!
 //! Only std is available here (the engine's build-dependencies are not ours to add), so the
-//! development manifest is written by hand and the given manifest is only checked for shape;
-//! `src/build_manifest.rs` parses and validates it.
+//! development manifest is written by hand.
 
 use std::env;
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, ExitCode};
 
 fn main() -> ExitCode {
-    println!("cargo:rerun-if-env-changed=EMBER_BUILD_MANIFEST");
     println!("cargo:rerun-if-changed=build.rs");
     let Some(out_dir) = env::var_os("OUT_DIR").map(PathBuf::from) else {
         eprintln!("error: expected cargo to set OUT_DIR for the build script, found it unset");
         return ExitCode::FAILURE;
     };
-    let json = match env::var_os("EMBER_BUILD_MANIFEST").filter(|v| !v.is_empty()) {
-        Some(path) => {
-            let path = PathBuf::from(path);
-            println!("cargo:rerun-if-changed={}", path.display());
-            match read_manifest(&path) {
-                Ok(json) => json,
-                Err(message) => {
-                    eprintln!("error: EMBER_BUILD_MANIFEST={}: {message}", path.display());
-                    return ExitCode::FAILURE;
-                }
-            }
-        }
-        None => development_manifest(),
-    };
+    let json = development_manifest();
     let dest = out_dir.join("build_manifest.json");
     // Rewriting identical content would change the file's time and rebuild the crate for nothing.
     if fs::read_to_string(&dest).ok().as_deref() != Some(json.as_str()) {
@@ -45,22 +31,6 @@ fn main() -> ExitCode {
         }
     }
     ExitCode::SUCCESS
-}
-
-fn read_manifest(path: &Path) -> Result<String, String> {
-    let text = fs::read_to_string(path)
-        .map_err(|error| format!("cannot read the build manifest: {error}"))?;
-    let trimmed = text.trim();
-    if !(trimmed.starts_with('{') && trimmed.ends_with('}')) {
-        return Err(
-            "expected a JSON object (a manifest written by `cargo xtask build`), found other text"
-                .to_string(),
-        );
-    }
-    if !trimmed.contains("\"target\"") || !trimmed.contains("\"features\"") {
-        return Err("expected a build manifest with \"target\" and \"features\", found a JSON object without them".to_string());
-    }
-    Ok(text)
 }
 
 /// The manifest of a plain `cargo build`: no target, no features, labelled as a development build.

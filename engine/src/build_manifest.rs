@@ -1,8 +1,11 @@
 //! The build manifest this binary was built with: which target it is for, which features that
 //! target gates on or off and why, the ROCm release, the engine commit and the toolchain versions.
 //!
-//! `cargo xtask build` writes the manifest from `targets.toml` and `build.rs` embeds it; a plain
-//! `cargo build` embeds a development manifest (target `dev`, no gates). `ember info` prints
+//! `cargo xtask build` writes the manifest from `targets.toml` into the linked binary, into a slot
+//! reserved for it ([`MANIFEST_SLOT`]); a binary whose slot is empty (a plain `cargo build`) uses
+//! the development manifest that `build.rs` writes (target `dev`, no gates). Writing after linking
+//! rather than compiling the manifest in means one compiled engine serves every target's package,
+//! and the engine that `cargo test` built is the one that `cargo xtask build` ships. `ember info` prints
 //! [`render_text`]; the engine uses [`feature_enabled`] as the run-time default of a gated feature
 //! (flags override it, and a run-time probe can still turn an enabled feature off).
 
@@ -13,7 +16,58 @@ use serde::Deserialize;
 /// The manifest schema this engine reads (xtask's `MANIFEST_SCHEMA`).
 pub const MANIFEST_SCHEMA: u32 = 1;
 
-const MANIFEST_JSON: &str = include_str!(concat!(env!("OUT_DIR"), "/build_manifest.json"));
+/// The manifest of a plain `cargo build`, from build.rs.
+const DEVELOPMENT_MANIFEST_JSON: &str =
+    include_str!(concat!(env!("OUT_DIR"), "/build_manifest.json"));
+
+/// The bytes that start the slot; xtask's `manifest_slot.rs` finds the slot by them (exactly once
+/// in the binary) and writes the manifest's length and bytes after them.
+pub const MANIFEST_SLOT_MARKER: [u8; 32] = *b"ember:build-manifest-slot:v1:3f9";
+/// The most manifest bytes the slot holds.
+pub const MANIFEST_SLOT_CAPACITY: usize = 64 * 1024;
+
+/// The slot's layout: the marker, the manifest's length (little-endian u32; 0 = empty), the bytes.
+#[repr(C)]
+pub struct ManifestSlot {
+    marker: [u8; 32],
+    len: [u8; 4],
+    bytes: [u8; MANIFEST_SLOT_CAPACITY],
+}
+
+/// Initialised data (the marker is not zero), so the slot's bytes are in the executable file
+/// where xtask can rewrite them.
+pub static MANIFEST_SLOT: ManifestSlot = ManifestSlot {
+    marker: MANIFEST_SLOT_MARKER,
+    len: [0; 4],
+    bytes: [0; MANIFEST_SLOT_CAPACITY],
+};
+
+/// The manifest written into the slot, or `None` when the slot is empty or holds something that
+/// is not a manifest-sized UTF-8 text.
+fn slot_json() -> Option<String> {
+    let len_ptr: *const [u8; 4] = &MANIFEST_SLOT.len;
+    let bytes_ptr: *const u8 = MANIFEST_SLOT.bytes.as_ptr();
+    // SAFETY: `len_ptr` points to a field of a live static. The read is volatile because xtask
+    // rewrites these bytes in the file after linking: the compiler must read them at run time,
+    // not fold in the initialiser.
+    let len = u32::from_le_bytes(unsafe { std::ptr::read_volatile(len_ptr) });
+    let len = usize::try_from(len).ok()?;
+    if len == 0 || len > MANIFEST_SLOT_CAPACITY {
+        return None;
+    }
+    let bytes: Vec<u8> = (0..len)
+        // SAFETY: `bytes_ptr.add(i)` stays inside the static's `bytes` array (`len` is at most
+        // its capacity); volatile for the reason above.
+        .map(|i| unsafe { std::ptr::read_volatile(bytes_ptr.add(i)) })
+        .collect();
+    String::from_utf8(bytes).ok()
+}
+
+/// The manifest this binary carries: the slot's when xtask wrote one, else the development one.
+fn embedded_json() -> &'static str {
+    static JSON: OnceLock<String> = OnceLock::new();
+    JSON.get_or_init(|| slot_json().unwrap_or_else(|| DEVELOPMENT_MANIFEST_JSON.to_string()))
+}
 
 /// Why the embedded manifest cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -89,13 +143,13 @@ pub struct Kernels {
 
 /// The embedded manifest exactly as it was built in.
 pub fn manifest_json() -> &'static str {
-    MANIFEST_JSON
+    embedded_json()
 }
 
 /// The embedded manifest, parsed once.
 pub fn manifest() -> Result<&'static BuildManifest, &'static BuildManifestError> {
     static PARSED: OnceLock<Result<BuildManifest, BuildManifestError>> = OnceLock::new();
-    PARSED.get_or_init(|| parse(MANIFEST_JSON)).as_ref()
+    PARSED.get_or_init(|| parse(embedded_json())).as_ref()
 }
 
 /// Parses and checks a manifest's JSON.
@@ -124,6 +178,28 @@ pub fn feature(name: &str) -> Option<&'static Feature> {
         .features
         .iter()
         .find(|feature| feature.name == name)
+}
+
+/// The warning to give when the HIP runtime that was loaded comes from another major ROCm release
+/// than the one this build was made for (`rocm.release` of the manifest), else `None` (same
+/// major, a development or CPU build, or a runtime that did not say its version).
+/// `runtime_version` is `hipRuntimeGetVersion`'s number: major × 10,000,000 + minor × 100,000 +
+/// patch.
+pub fn rocm_release_mismatch(
+    built_for: Option<&str>,
+    runtime_version: Option<i32>,
+    library: &str,
+) -> Option<String> {
+    let built_for = built_for?;
+    let built_major: i32 = built_for.split('.').next()?.trim().parse().ok()?;
+    let runtime_version = runtime_version.filter(|v| *v > 0)?;
+    let runtime_major = runtime_version / 10_000_000;
+    let runtime_minor = (runtime_version / 100_000) % 100;
+    (runtime_major != built_major).then(|| {
+        format!(
+            "this build is for ROCm {built_for} but the HIP runtime loaded ({library}) is from ROCm {runtime_major}.{runtime_minor}: kernels and memory behaviour were tested against {built_major}.x; use the build for ROCm {runtime_major}.x or point ROCM_PATH at a ROCm {built_major}.x install"
+        )
+    })
 }
 
 /// The human-readable form `ember info` prints.
@@ -277,6 +353,24 @@ mod tests {
             "{text}"
         );
         assert!(!manifest.features[1].enabled);
+    }
+
+    #[test]
+    fn rocm_major_mismatch_is_warned() {
+        let warn = |built_for, runtime| rocm_release_mismatch(built_for, runtime, "libamdhip64.so");
+        // 7.2.1 runtime (70_201_000-ish numbers) against a 7.2.1 build: no warning.
+        assert_eq!(warn(Some("7.2.1"), Some(70_251_021)), None);
+        assert_eq!(warn(Some("7.2.1"), Some(71_100_000)), None);
+        let message = warn(Some("7.2.1"), Some(60_443_483)).expect("6.4 runtime under a 7.2 build");
+        assert!(message.contains("for ROCm 7.2.1"), "{message}");
+        assert!(message.contains("from ROCm 6.4"), "{message}");
+        assert!(message.contains("libamdhip64.so"), "{message}");
+        assert!(warn(Some("6.4.1"), Some(70_251_021)).is_some());
+        // Nothing to compare: development build, unknown runtime version.
+        assert_eq!(warn(None, Some(60_443_483)), None);
+        assert_eq!(warn(Some("7.2.1"), None), None);
+        assert_eq!(warn(Some("7.2.1"), Some(0)), None);
+        assert_eq!(warn(Some("not a version"), Some(60_443_483)), None);
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! `cargo xtask build --target T [--os linux|windows]`: one target's artifact, end to end:
-//! kernels for T, the engine built with T's build manifest embedded (`EMBER_BUILD_MANIFEST`, read
-//! by engine/build.rs), then the package in `target/dist/`.
+//! kernels for T, the engine (`cargo build --release`, the same build for every target), a copy of
+//! it with T's build manifest written into its manifest slot (`manifest_slot.rs`), then the
+//! package in `dist/` under cargo's target directory.
 
 use std::path::{Path, PathBuf};
 
@@ -9,6 +10,7 @@ use xshell::{cmd, Shell};
 
 use crate::kernels::{self, KernelOutcome, Toolchains};
 use crate::manifest::{self, BuildInfo, BuildManifest};
+use crate::manifest_slot;
 use crate::package;
 use crate::targets::{Os, Target, Targets};
 use crate::toolchain;
@@ -71,7 +73,7 @@ pub fn build(
     };
 
     let manifest = build_manifest(root, targets, target, os, version, modules, &mut toolchains)?;
-    let manifest_path = manifest::manifest_path(root, os, &target.name);
+    let manifest_path = manifest::manifest_path(os, &target.name);
     std::fs::create_dir_all(
         manifest_path
             .parent()
@@ -80,11 +82,7 @@ pub fn build(
     std::fs::write(&manifest_path, manifest.to_json())
         .with_context(|| format!("writing {}", manifest_path.display()))?;
 
-    println!(
-        "build: engine for {} ({os}) with manifest {}",
-        target.name,
-        manifest_path.display()
-    );
+    println!("build: engine for {os}");
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
     let cross: Vec<String> = match os {
         Os::Linux => Vec::new(),
@@ -94,11 +92,75 @@ pub fn build(
         sh,
         "{cargo} build --release -p ember --bin ember {cross...}"
     )
-    .env("EMBER_BUILD_MANIFEST", &manifest_path)
+    .env("CARGO_ENCODED_RUSTFLAGS", encoded_rustflags(root)?)
     .run()
-    .with_context(|| format!("building the engine for {} ({os})", target.name))?;
+    .with_context(|| format!("building the engine for {os}"))?;
+    let binary = package::engine_binary(&crate::target_dir(), os, &platform.rust_target);
+    if !binary.is_file() {
+        bail!(
+            "cargo built the engine for {os} but left no executable at {}: is cargo's target directory (`cargo metadata`'s target_directory) the one this build wrote to?",
+            binary.display()
+        );
+    }
+    let stamped = package::stamped_binary(os, &target.name);
+    manifest_slot::stamp(&binary, &stamped, &manifest.to_json())?;
+    println!(
+        "build: {} carries the {} manifest ({})",
+        stamped.display(),
+        target.name,
+        manifest_path.display()
+    );
 
     package::package(root, target, os, version, manifest)
+}
+
+/// The places on this machine whose paths a build could leak into its artifacts, with what
+/// [`remap_flags`] maps each to: the workspace root, cargo's target directory (build-script
+/// output, when it is not under the root) and cargo's home (the registry sources).
+pub fn build_paths(root: &Path) -> Result<Vec<(PathBuf, &'static str)>> {
+    let cargo_home = match std::env::var_os("CARGO_HOME") {
+        Some(home) => PathBuf::from(home),
+        None => {
+            PathBuf::from(std::env::var_os("HOME").context("neither CARGO_HOME nor HOME is set")?)
+                .join(".cargo")
+        }
+    };
+    Ok(vec![
+        (root.to_path_buf(), "/ember"),
+        (crate::target_dir(), "/ember/target"),
+        (cargo_home, "/cargo"),
+    ])
+}
+
+/// The flags that keep this machine's paths out of the binary (see [`build_paths`]), in panic
+/// locations and debug line tables alike, so two checkouts in different places build the same
+/// bytes. rustc applies the last matching remapping, so the target directory, which is usually
+/// under the root, comes after it.
+pub fn remap_flags(root: &Path) -> Result<Vec<String>> {
+    Ok(build_paths(root)?
+        .into_iter()
+        .map(|(from, to)| format!("--remap-path-prefix={}={to}", from.display()))
+        .collect())
+}
+
+/// The caller's rustflags (`CARGO_ENCODED_RUSTFLAGS`, else `RUSTFLAGS`) followed by whichever
+/// [`remap_flags`] they lack, in cargo's `CARGO_ENCODED_RUSTFLAGS` form. `.ci/run` exports the
+/// same flags as `RUSTFLAGS`, so its test build and these builds compile the engine once.
+pub fn encoded_rustflags(root: &Path) -> Result<String> {
+    let mut flags: Vec<String> = match std::env::var("CARGO_ENCODED_RUSTFLAGS") {
+        Ok(encoded) if !encoded.is_empty() => encoded.split('\x1f').map(str::to_string).collect(),
+        _ => std::env::var("RUSTFLAGS")
+            .unwrap_or_default()
+            .split_whitespace()
+            .map(str::to_string)
+            .collect(),
+    };
+    for flag in remap_flags(root)? {
+        if !flags.contains(&flag) {
+            flags.push(flag);
+        }
+    }
+    Ok(flags.join("\x1f"))
 }
 
 /// The manifest of this build: targets.toml's view of `target` plus the build environment.

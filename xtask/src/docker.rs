@@ -52,7 +52,7 @@ impl crate::flags::Docker {
         let targets = targets::load()?;
         let target = targets.target(&self.target)?;
         let version = manifest::workspace_version(&root)?;
-        let artifact = package::archive_path(&root, &version, Os::Linux, &target.name);
+        let artifact = package::archive_path(&version, Os::Linux, &target.name);
         if artifact.is_file() {
             println!("docker: using {}", artifact.display());
         } else {
@@ -80,8 +80,7 @@ impl crate::flags::Docker {
             }
         };
 
-        let context_dir = root
-            .join("target")
+        let context_dir = crate::target_dir()
             .join("docker-context")
             .join(&self.target);
         if context_dir.exists() {

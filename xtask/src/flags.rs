@@ -30,6 +30,12 @@ pub enum Command {
     Docker(Docker),
     /// Run an artifact or an image against a real model and check what it reports.
     Smoke(Smoke),
+    /// Check a downloaded archive or unpacked package: checksums, manifest.json, the manifest
+    /// inside the binary, and the features against targets.toml.
+    Verify(Verify),
+    /// Install the host toolchain that builds GPU kernels (clang-19, HIP headers, ROCm device
+    /// libraries) on Debian or Ubuntu; with --all, everything `cargo xtask test` needs.
+    Setup(Setup),
 }
 
 /// Which targets to act on: exactly one of --target, --family, --all.
@@ -121,6 +127,21 @@ pub struct Test {
     /// The model (a name from models.toml) the artifact checks run.
     #[arg(long, default_value = "smollm2-135m-instruct-q4_1")]
     pub model: String,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct Verify {
+    /// An archive (`.tar.gz`, `.zip`; its `.sha256` beside it is checked when present) or an
+    /// unpacked package folder.
+    pub path: PathBuf,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct Setup {
+    /// Also install the Windows cross toolchain, wine, docker with its test base image,
+    /// actionlint and python3-venv: everything `cargo xtask test` uses.
+    #[arg(long)]
+    pub all: bool,
 }
 
 #[derive(Debug, clap::Args)]

@@ -7,14 +7,17 @@ mod elf;
 mod flags;
 mod kernels;
 mod manifest;
+mod manifest_slot;
 mod matrix;
 mod package;
+mod setup;
 mod smoke;
 mod targets;
 mod test;
 #[cfg(test)]
 mod tidy;
 mod toolchain;
+mod verify;
 mod wine;
 
 use anyhow::Result;
@@ -33,7 +36,57 @@ fn main() -> Result<()> {
         flags::Command::Test(cmd) => cmd.run(&sh),
         flags::Command::Docker(cmd) => cmd.run(&sh),
         flags::Command::Smoke(cmd) => cmd.run(&sh),
+        flags::Command::Setup(cmd) => cmd.run(&sh),
+        flags::Command::Verify(cmd) => cmd.run(&sh),
     }
+}
+
+/// Cargo's target directory for this workspace, as `cargo metadata` reports it: `target/` under
+/// the workspace root unless `CARGO_TARGET_DIR`, `build.target-dir` or `--target-dir` moved it.
+/// Every path xtask reads or writes under the target directory (the engine binary, manifests,
+/// kernels, `dist/`) starts here, so builds work wherever cargo puts them. Asked once per process.
+pub fn target_dir() -> std::path::PathBuf {
+    static TARGET_DIR: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    TARGET_DIR
+        .get_or_init(|| match cargo_target_dir(&project_root()) {
+            Ok(dir) => dir,
+            Err(error) => {
+                // `cargo metadata` only fails when cargo itself is broken; the default is right
+                // for every checkout that does not move the target directory.
+                eprintln!("warning: {error:#}; using target/ under the workspace root");
+                project_root().join("target")
+            }
+        })
+        .clone()
+}
+
+fn cargo_target_dir(root: &std::path::Path) -> Result<std::path::PathBuf> {
+    use anyhow::Context;
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
+    let output = std::process::Command::new(&cargo)
+        .args([
+            "metadata",
+            "--format-version",
+            "1",
+            "--no-deps",
+            "--offline",
+        ])
+        .current_dir(root)
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .with_context(|| format!("running `{cargo} metadata`"))?;
+    anyhow::ensure!(
+        output.status.success(),
+        "`{cargo} metadata` failed ({})",
+        output.status
+    );
+    let metadata: serde_json::Value =
+        serde_json::from_slice(&output.stdout).context("parsing `cargo metadata` output")?;
+    let dir = metadata
+        .get("target_directory")
+        .and_then(serde_json::Value::as_str)
+        .context("expected `target_directory` in `cargo metadata` output, found none")?;
+    Ok(std::path::PathBuf::from(dir))
 }
 
 /// The workspace root (the folder holding `targets.toml`).

@@ -1,9 +1,9 @@
 //! The build manifest: what a build of one target is (target, family, wave size, features with
 //! state, reason and tracking links, ROCm, engine commit, toolchain versions, kernels).
 //!
-//! `cargo xtask build` writes it to `target/manifests/<os>-<target>.json` and builds the engine with
-//! `EMBER_BUILD_MANIFEST` pointing there, so `engine/build.rs` embeds it and `ember info` shows it
-//! (engine/src/build_manifest.rs reads the same JSON). The package's `manifest.json` is this
+//! `cargo xtask build` writes it to `manifests/<os>-<target>.json` under cargo's target directory
+//! and into the engine binary's manifest slot (`manifest_slot.rs`), where `ember info` and the
+//! engine read it (engine/src/build_manifest.rs reads the same JSON). The package's `manifest.json` is this
 //! manifest plus the checksums of the files in the archive.
 
 use std::path::{Path, PathBuf};
@@ -194,8 +194,8 @@ pub struct FileRecord {
 }
 
 /// Where `cargo xtask build` writes a target's manifest for the engine build.
-pub fn manifest_path(root: &Path, os: Os, target: &str) -> PathBuf {
-    root.join("target")
+pub fn manifest_path(os: Os, target: &str) -> PathBuf {
+    crate::target_dir()
         .join("manifests")
         .join(format!("{os}-{target}.json"))
 }
@@ -275,7 +275,7 @@ mod tests {
             .unwrap()
             .starts_with("hipMemSetAccess fails"));
         assert_eq!(vmm.tracking.len(), 2);
-        assert_eq!(manifest.rocm.release.as_deref(), Some("7.0"));
+        assert_eq!(manifest.rocm.release.as_deref(), Some("7.2.1"));
         assert_eq!(
             manifest.rocm.hip_runtime,
             ["libamdhip64.so.7", "libamdhip64.so.6"]

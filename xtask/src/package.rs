@@ -36,24 +36,33 @@ pub fn archive_name(version: &str, os: Os, target: &str) -> String {
 }
 
 /// `target/dist/<archive>`.
-pub fn archive_path(root: &Path, version: &str, os: Os, target: &str) -> PathBuf {
-    dist_dir(root).join(archive_name(version, os, target))
+pub fn archive_path(version: &str, os: Os, target: &str) -> PathBuf {
+    dist_dir().join(archive_name(version, os, target))
 }
 
-pub fn dist_dir(root: &Path) -> PathBuf {
-    root.join("target").join("dist")
+pub fn dist_dir() -> PathBuf {
+    crate::target_dir().join("dist")
 }
 
-/// The built engine executable for `os`.
-pub fn engine_binary(root: &Path, os: Os, rust_target: &str) -> PathBuf {
+/// The engine executable for `os` as cargo builds it, under cargo's target directory
+/// `target_dir`: the same for every target, with an empty manifest slot.
+pub fn engine_binary(target_dir: &Path, os: Os, rust_target: &str) -> PathBuf {
     match os {
-        Os::Linux => root.join("target").join("release").join(os.exe_name()),
-        Os::Windows => root
-            .join("target")
+        Os::Linux => target_dir.join("release").join(os.exe_name()),
+        Os::Windows => target_dir
             .join(rust_target)
             .join("release")
             .join(os.exe_name()),
     }
+}
+
+/// The engine executable that `cargo xtask build` stamped with `target`'s manifest, which the
+/// package ships: `xtask-build/<os>-<target>/ember[.exe]` under cargo's target directory.
+pub fn stamped_binary(os: Os, target: &str) -> PathBuf {
+    crate::target_dir()
+        .join("xtask-build")
+        .join(format!("{os}-{target}"))
+        .join(os.exe_name())
 }
 
 /// A `sha256sum`-compatible line: the hex digest, two spaces (text mode), the path.
@@ -299,9 +308,7 @@ pub fn package(
     version: &str,
     manifest: BuildManifest,
 ) -> Result<PathBuf> {
-    let targets = crate::targets::load()?;
-    let platform = targets.platform(os)?;
-    let binary = engine_binary(root, os, &platform.rust_target);
+    let binary = stamped_binary(os, &target.name);
     if !binary.is_file() {
         bail!(
             "expected the engine binary {}, found none: run `cargo xtask build --target {} --os {os}`",
@@ -309,11 +316,22 @@ pub fn package(
             target.name
         );
     }
-    let kernel_objects = kernels::built_objects(root, target)?;
+    let embedded = crate::manifest_slot::read(
+        &std::fs::read(&binary).with_context(|| format!("reading {}", binary.display()))?,
+    )
+    .with_context(|| format!("reading the build manifest of {}", binary.display()))?;
+    if embedded.as_deref() != Some(manifest.to_json().as_str()) {
+        bail!(
+            "the build manifest in {} differs from the one being packaged: rebuild with `cargo xtask build --target {} --os {os}`",
+            binary.display(),
+            target.name
+        );
+    }
+    let kernel_objects = kernels::built_objects(target)?;
     if target.code_object_extension().is_some() && kernel_objects.is_empty() {
         bail!(
             "expected code objects in {} for {}, found none: run `cargo xtask kernels --target {}`",
-            kernels::kernel_out_dir(root, &target.name).display(),
+            kernels::kernel_out_dir(&target.name).display(),
             target.name,
             target.name
         );
@@ -324,9 +342,9 @@ pub fn package(
         .collect();
     if manifest.kernels.modules != module_names {
         bail!(
-            "the embedded build manifest lists kernels {:?} but target/kernels/{} holds {:?}: rebuild with `cargo xtask build`",
+            "the embedded build manifest lists kernels {:?} but {} holds {:?}: rebuild with `cargo xtask build`",
             manifest.kernels.modules,
-            target.name,
+            kernels::kernel_out_dir(&target.name).display(),
             module_names
         );
     }
@@ -351,7 +369,7 @@ pub fn package(
         manifest,
         mtime: source_date_epoch(root),
     };
-    write_package(&input, &dist_dir(root))
+    write_package(&input, &dist_dir())
 }
 
 /// `$SOURCE_DATE_EPOCH`, else the commit time, else now: every archive entry gets this time.
@@ -389,7 +407,7 @@ impl crate::flags::Package {
         };
         // The manifest the engine was built with is the one to ship; a package must not claim
         // something the binary does not embed.
-        let path = manifest::manifest_path(&root, os, &target.name);
+        let path = manifest::manifest_path(os, &target.name);
         let text = std::fs::read_to_string(&path).with_context(|| {
             format!(
                 "reading {} (written by `cargo xtask build --target {} --os {os}`)",
@@ -431,13 +449,13 @@ mod tests {
             archive_name("1.2.3-rc.1", Os::Linux, "sm_90"),
             "ember-1.2.3-rc.1-linux-sm_90-x64.tar.gz"
         );
-        let root = Path::new("/w");
+        let target_dir = Path::new("/w/target");
         assert_eq!(
-            engine_binary(root, Os::Linux, "x86_64-unknown-linux-gnu"),
+            engine_binary(target_dir, Os::Linux, "x86_64-unknown-linux-gnu"),
             Path::new("/w/target/release/ember")
         );
         assert_eq!(
-            engine_binary(root, Os::Windows, "x86_64-pc-windows-gnu"),
+            engine_binary(target_dir, Os::Windows, "x86_64-pc-windows-gnu"),
             Path::new("/w/target/x86_64-pc-windows-gnu/release/ember.exe")
         );
     }
@@ -605,6 +623,31 @@ mod tests {
         let first = std::fs::read(&archive).unwrap();
         write_package(&input, &dir.join("dist")).unwrap();
         assert_eq!(std::fs::read(&archive).unwrap(), first);
+
+        // Where the inputs and the output live does not enter the archive.
+        let elsewhere = dir.join("elsewhere");
+        std::fs::create_dir_all(&elsewhere).unwrap();
+        let mut moved = input;
+        for path in std::iter::once(&mut moved.binary)
+            .chain(moved.kernel_objects.iter_mut())
+            .chain(moved.licenses.iter_mut())
+        {
+            let copy = elsewhere.join(path.file_name().unwrap());
+            std::fs::copy(&*path, &copy).unwrap();
+            *path = copy;
+        }
+        let moved_archive = write_package(&moved, &elsewhere.join("dist")).unwrap();
+        assert_eq!(std::fs::read(&moved_archive).unwrap(), first);
+
+        // One flipped byte of the engine changes the archive's sum.
+        let mut engine = std::fs::read(&moved.binary).unwrap();
+        engine[1] ^= 1;
+        std::fs::write(&moved.binary, engine).unwrap();
+        let flipped = write_package(&moved, &elsewhere.join("dist")).unwrap();
+        assert_ne!(
+            sha256_hex(&std::fs::read(flipped).unwrap()),
+            sha256_hex(&first)
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -55,7 +55,7 @@ impl crate::flags::Smoke {
         let root = crate::project_root();
         let started = Instant::now();
         let subject = match (&self.artifact, &self.image) {
-            (Some(artifact), None) => Subject::from_artifact(sh, &root, artifact)?,
+            (Some(artifact), None) => Subject::from_artifact(sh, artifact)?,
             (None, Some(image)) => Subject::from_image(sh, image)?,
             _ => bail!("expected exactly one of --artifact PATH or --image TAG, found neither"),
         };
@@ -146,7 +146,7 @@ struct Subject {
 }
 
 impl Subject {
-    fn from_artifact(sh: &Shell, root: &Path, artifact: &Path) -> Result<Subject> {
+    fn from_artifact(sh: &Shell, artifact: &Path) -> Result<Subject> {
         let file_name = artifact
             .file_name()
             .and_then(|name| name.to_str())
@@ -157,8 +157,7 @@ impl Subject {
                 )
             })?;
         let name = ArtifactName::parse(file_name)?;
-        let unpack_dir = root
-            .join("target")
+        let unpack_dir = crate::target_dir()
             .join("smoke")
             .join(file_name.trim_end_matches(name.extension()));
         if unpack_dir.exists() {
@@ -209,7 +208,7 @@ impl Subject {
             Os::Windows => Runner::Wine {
                 wine: wine::find_wine()?,
                 binary,
-                prefix: wine::prepare_prefix(sh, root)?,
+                prefix: wine::prepare_prefix(sh)?,
             },
         };
         Ok(Subject {
@@ -1412,7 +1411,7 @@ impl ArtifactName {
     }
 }
 
-fn unpack_tar_gz(archive: &Path, into: &Path) -> Result<()> {
+pub(crate) fn unpack_tar_gz(archive: &Path, into: &Path) -> Result<()> {
     let file =
         std::fs::File::open(archive).with_context(|| format!("opening {}", archive.display()))?;
     // `unpack` refuses entries that would land outside `into` (absolute paths, `..`).
@@ -1421,7 +1420,7 @@ fn unpack_tar_gz(archive: &Path, into: &Path) -> Result<()> {
         .with_context(|| format!("unpacking {} into {}", archive.display(), into.display()))
 }
 
-fn unpack_zip(archive: &Path, into: &Path) -> Result<()> {
+pub(crate) fn unpack_zip(archive: &Path, into: &Path) -> Result<()> {
     let file =
         std::fs::File::open(archive).with_context(|| format!("opening {}", archive.display()))?;
     let mut zip = zip::ZipArchive::new(file)
@@ -1486,7 +1485,7 @@ fn parse_sha256sums(text: &str) -> Result<Vec<(String, String)>, String> {
 }
 
 /// Checks every file that `dir/SHA256SUMS` lists; returns how many, or every problem found.
-fn verify_sha256sums(dir: &Path) -> Result<usize, Vec<String>> {
+pub(crate) fn verify_sha256sums(dir: &Path) -> Result<usize, Vec<String>> {
     let text = std::fs::read_to_string(dir.join("SHA256SUMS")).map_err(|error| {
         vec![format!(
             "expected SHA256SUMS next to the binary, found an error: {error}"
@@ -2472,9 +2471,7 @@ mod tests {
 
     #[test]
     fn sha256sums_against_files() {
-        let dir = crate::project_root()
-            .join("target")
-            .join("xtask-test-sha256sums");
+        let dir = crate::target_dir().join("xtask-test-sha256sums");
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("ember"), b"binary").unwrap();
@@ -2494,9 +2491,7 @@ mod tests {
 
     #[test]
     fn archive_checksum_beside_the_archive() {
-        let dir = crate::project_root()
-            .join("target")
-            .join("xtask-test-archive-checksum");
+        let dir = crate::target_dir().join("xtask-test-archive-checksum");
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let archive = dir.join("ember-0.1.0-linux-cpu-x64.tar.gz");

@@ -1218,7 +1218,9 @@ family = "gfx120X"
         ] {
             targets.target(name).unwrap();
         }
-        assert_eq!(targets.default_rocm().version, "7.0");
+        assert_eq!(targets.default_rocm().version, "7.2.1");
+        let releases: Vec<&str> = targets.rocm.iter().map(|r| r.version.as_str()).collect();
+        assert!(releases.contains(&"6.4.1"), "{releases:?}");
     }
 
     #[test]

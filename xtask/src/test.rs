@@ -2,11 +2,12 @@
 //!
 //! In order, each under its own header: fetch the pinned models, `cargo test --workspace
 //! --release`, the server tests through the official `openai` Python client (`pytest
-//! tests/server`, in a venv under `target/` built from the pinned `tests/server/requirements.txt`),
-//! `cargo test -p xtask`, then the toolchain checks: kernels for every target, a wrong
-//! target name failing, the gfx1201 and gfx1151 artifacts and their manifests and `ember info`,
-//! the Windows artifact under wine, the release matrix and its drift detection, actionlint, and
-//! the container image with its smoke test. Every step runs even after an earlier one failed (a
+//! tests/server`, in a venv under `target/` built from the pinned `tests/server/requirements.txt`;
+//! xtask's own tests run in the workspace test, not again in a debug build), then the toolchain
+//! checks: kernels for every target, a wrong target name failing, the gfx1201 and gfx1151
+//! artifacts and their manifests and `ember info`, the Windows artifact under wine, the release
+//! matrix and its drift detection, actionlint, no build path in the artifacts, `xtask verify` on
+//! them, and the container image with its smoke test. Every step runs even after an earlier one failed (a
 //! later failure is often the more telling one); the summary lists them all and the command fails
 //! if any did. A missing system tool is a failure that names the setup script to run.
 
@@ -97,8 +98,8 @@ impl crate::flags::Test {
     pub fn run(self, sh: &Shell) -> Result<()> {
         let root = crate::project_root();
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
-        // Copy the executable now, before step 3 can rebuild it.
-        let _ = xtask_exe(&root)?;
+        // Copy the executable now, before a parallel build can replace it.
+        let _ = xtask_exe()?;
         let targets = crate::targets::load()?;
         let version = manifest::workspace_version(&root)?;
         let model = crate::smoke::ModelFile::find(&root, &self.model)?.path;
@@ -118,18 +119,41 @@ impl crate::flags::Test {
                 "server tests through the openai client (pytest tests/server)",
                 || server_tests(sh, &root, &cargo),
             ),
-            step("cargo test -p xtask", || {
-                cmd!(sh, "{cargo} test -p xtask").run()?;
-                Ok(())
-            }),
         ];
         if !self.toolchain_only {
             plan.extend(cargo_steps);
         }
+        // The kernels of every target (some 250 clang runs, the largest CPU cost here after the
+        // engine's compilation) compile in a background thread at the lowest CPU priority from
+        // the start, so they use the cores the cargo steps leave idle (single-threaded compiler
+        // front ends, linking, tests that use one thread); their step waits for them. Without the
+        // cargo steps (--toolchain-only) they run in their step as before.
+        let mut background_kernels = None;
+        if !self.skip_toolchain && !self.toolchain_only {
+            let (root, targets) = (root.clone(), targets.clone());
+            background_kernels = Some(std::thread::spawn(move || {
+                all_kernels(&root, &targets, kernels::Priority::Background)
+            }));
+        }
         if !self.skip_toolchain {
             plan.push(step(
                 "kernels for every target (xtask kernels --all)",
-                || all_kernels(sh, &root, &targets),
+                || {
+                    let report = match background_kernels {
+                        Some(handle) => {
+                            println!(
+                                "kernels: waiting for the compilation started in the background"
+                            );
+                            handle.join().map_err(|_| {
+                                anyhow::anyhow!("the kernel compilation thread panicked")
+                            })?
+                        }
+                        None => all_kernels(&root, &targets, kernels::Priority::Normal),
+                    };
+                    let report = report?;
+                    print!("{report}");
+                    Ok(())
+                },
             ));
             plan.push(step("a wrong target name fails", || wrong_target_fails(sh)));
             for target in ["gfx1201", "gfx1151"] {
@@ -139,7 +163,7 @@ impl crate::flags::Test {
             }
             plan.push(step(
                 "gfx1201 and gfx1151: manifest.json and `ember info` match targets.toml",
-                || compare_gpu_artifacts(sh, &root, &targets, &version),
+                || compare_gpu_artifacts(sh, &targets, &version),
             ));
             plan.push(step(
                 "build --target cpu --os windows, run ember.exe under wine",
@@ -157,6 +181,25 @@ impl crate::flags::Test {
             plan.push(step("build --target cpu (for the image)", || {
                 build::build(sh, &root, &targets, "cpu", Os::Linux, &version).map(drop)
             }));
+            plan.push(step(
+                "cpu and gfx1201 artifacts hold no path of this machine",
+                || no_build_paths(&root, &version),
+            ));
+            plan.push(step(
+                "xtask verify: the cpu, gfx1201 and Windows archives",
+                || {
+                    for (os, target) in [
+                        (Os::Linux, "cpu"),
+                        (Os::Linux, "gfx1201"),
+                        (Os::Windows, "cpu"),
+                    ] {
+                        let archive = package::archive_path(&version, os, target);
+                        let summary = crate::verify::verify(&archive, &targets)?;
+                        println!("verify: {}: {summary}", archive.display());
+                    }
+                    Ok(())
+                },
+            ));
             plan.push(step(
                 format!(
                     "docker --target cpu --base {}, smoke --image {image}",
@@ -178,13 +221,12 @@ impl crate::flags::Test {
 }
 
 /// A private copy of the xtask executable, to run sub-commands whose failure is the point. The
-/// copy matters: `cargo test -p xtask` (step 3) or a parallel build may replace
-/// `target/debug/xtask` while this run is still going.
+/// copy matters: a parallel build may replace `target/debug/xtask` while this run is still going.
 static SELF_COPIED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-fn xtask_exe(root: &Path) -> Result<PathBuf> {
+fn xtask_exe() -> Result<PathBuf> {
     let current = std::env::current_exe().context("locating the xtask executable")?;
-    let copy = root.join("target").join("xtask-test").join("xtask-self");
+    let copy = crate::target_dir().join("xtask-test").join("xtask-self");
     if !SELF_COPIED.swap(true, std::sync::atomic::Ordering::Relaxed) || !copy.is_file() {
         std::fs::create_dir_all(copy.parent().context("copy path has a parent")?)?;
         std::fs::copy(&current, &copy)
@@ -193,7 +235,13 @@ fn xtask_exe(root: &Path) -> Result<PathBuf> {
     Ok(copy)
 }
 
-fn all_kernels(sh: &Shell, root: &Path, targets: &Targets) -> Result<()> {
+/// Compiles every target's kernels (at `priority`) and returns the report to print: the step
+/// runs in a background thread while the cargo steps print, so it must not print as it goes.
+fn all_kernels(root: &Path, targets: &Targets, priority: kernels::Priority) -> Result<String> {
+    use std::fmt::Write as _;
+    let sh = Shell::new()?;
+    sh.change_dir(root);
+    let mut report = String::new();
     if toolchain::which("clang++-19").is_none()
         && std::env::var_os("ROCM_PATH").is_none()
         && !Path::new("/opt/rocm").is_dir()
@@ -205,23 +253,23 @@ fn all_kernels(sh: &Shell, root: &Path, targets: &Targets) -> Result<()> {
     }
     let mut toolchains = Toolchains::default();
     let compiler = toolchains.amdgpu().map_err(anyhow::Error::msg)?.clone();
-    println!("kernels: compiler {}", compiler.describe());
+    writeln!(report, "kernels: compiler {}", compiler.describe())?;
     let mut problems = Vec::new();
-    for target in targets.select(&Selection::All)? {
-        let outcome = kernels::compile_target(sh, root, target, &mut toolchains);
+    let selected = targets.select(&Selection::All)?;
+    let outcomes = kernels::compile_targets_at(&sh, root, &selected, &mut toolchains, priority);
+    for (target, outcome) in selected.iter().zip(outcomes) {
         match (&outcome, target.kind) {
-            (Ok(KernelOutcome::Compiled { objects }), _) => {
-                println!(
-                    "  {:<8} {} code object(s), architecture verified",
-                    target.name,
-                    objects.len()
-                )
-            }
+            (Ok(KernelOutcome::Compiled { objects }), _) => writeln!(
+                report,
+                "  {:<8} {} code object(s), architecture verified",
+                target.name,
+                objects.len()
+            )?,
             (Ok(KernelOutcome::NoKernels), _) => {
-                println!("  {:<8} no kernels (CPU target)", target.name)
+                writeln!(report, "  {:<8} no kernels (CPU target)", target.name)?
             }
             (Ok(KernelOutcome::NotCompiled { reason }), kind) => {
-                println!("  {:<8} not compiled: {reason}", target.name);
+                writeln!(report, "  {:<8} not compiled: {reason}", target.name)?;
                 // Only a target newer than the compiler may be left out; anything else this
                 // toolchain should have built.
                 let expected = match kind {
@@ -238,14 +286,14 @@ fn all_kernels(sh: &Shell, root: &Path, targets: &Targets) -> Result<()> {
     }
     ensure!(
         problems.is_empty(),
-        "kernels failed:\n  {}",
+        "{report}kernels failed:\n  {}",
         problems.join("\n  ")
     );
-    Ok(())
+    Ok(report)
 }
 
 fn wrong_target_fails(sh: &Shell) -> Result<()> {
-    let xtask = xtask_exe(&crate::project_root())?;
+    let xtask = xtask_exe()?;
     let output = cmd!(sh, "{xtask} kernels --target gfx9999")
         .ignore_status()
         .output()?;
@@ -266,8 +314,8 @@ fn wrong_target_fails(sh: &Shell) -> Result<()> {
 }
 
 /// Unpacks an archive into `target/xtask-test/<stem>/` and returns the package folder.
-fn unpack(root: &Path, archive: &Path) -> Result<PathBuf> {
-    let dest = root.join("target").join("xtask-test");
+fn unpack(archive: &Path) -> Result<PathBuf> {
+    let dest = crate::target_dir().join("xtask-test");
     let name = archive
         .file_name()
         .and_then(|n| n.to_str())
@@ -293,11 +341,11 @@ fn unpack(root: &Path, archive: &Path) -> Result<PathBuf> {
     Ok(folder)
 }
 
-fn compare_gpu_artifacts(sh: &Shell, root: &Path, targets: &Targets, version: &str) -> Result<()> {
+fn compare_gpu_artifacts(sh: &Shell, targets: &Targets, version: &str) -> Result<()> {
     let mut manifests = Vec::new();
     for name in ["gfx1201", "gfx1151"] {
-        let archive = package::archive_path(root, version, Os::Linux, name);
-        let folder = unpack(root, &archive)?;
+        let archive = package::archive_path(version, Os::Linux, name);
+        let folder = unpack(&archive)?;
         sh.change_dir(&folder);
         let sums = cmd!(sh, "sha256sum -c --strict --quiet SHA256SUMS")
             .ignore_status()
@@ -419,9 +467,9 @@ fn windows_under_wine(
 ) -> Result<()> {
     let wine = crate::wine::find_wine()?;
     let archive = build::build(sh, root, targets, "cpu", Os::Windows, version)?;
-    let folder = unpack(root, &archive)?;
+    let folder = unpack(&archive)?;
     let exe = folder.join("ember.exe");
-    let prefix = crate::wine::prepare_prefix(sh, root)?;
+    let prefix = crate::wine::prepare_prefix(sh)?;
     let model_arg = format!("Z:{}", model.display()).replace('/', "\\");
     let _env = (
         sh.push_env("WINEPREFIX", &prefix),
@@ -463,8 +511,72 @@ fn windows_under_wine(
     Ok(())
 }
 
+/// Every file of the cpu and gfx1201 archives (binary, kernels, manifest) is free of the paths a
+/// build could leak: the workspace root, cargo's target directory and cargo's home. Their
+/// remapping is what lets checkouts in different places build the same bytes.
+fn no_build_paths(root: &Path, version: &str) -> Result<()> {
+    let paths = build::build_paths(root)?;
+    let mut found = Vec::new();
+    let mut checked = 0;
+    for target in ["cpu", "gfx1201"] {
+        let folder = unpack(&package::archive_path(version, Os::Linux, target))?;
+        for file in files_under(&folder)? {
+            let bytes = std::fs::read(&file)?;
+            checked += 1;
+            for (path, _) in &paths {
+                let needle = path.to_string_lossy();
+                if contains(&bytes, &needle) {
+                    found.push(format!("{} holds {needle}", file.display()));
+                }
+            }
+        }
+    }
+    ensure!(
+        found.is_empty(),
+        "build paths in the artifacts:\n  {}",
+        found.join("\n  ")
+    );
+    println!(
+        "paths: none of {} in the {checked} files of the cpu and gfx1201 artifacts",
+        paths
+            .iter()
+            .map(|(p, _)| p.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    Ok(())
+}
+
+/// Whether `haystack` holds the text `needle`. Through std's (always optimised) UTF-8 decoding
+/// and string search, since xtask is a debug build and binaries are tens of megabytes; a match
+/// of valid UTF-8 survives the lossy decoding unchanged, and the replacement character is in no
+/// path looked for.
+fn contains(haystack: &[u8], needle: &str) -> bool {
+    !needle.is_empty() && String::from_utf8_lossy(haystack).contains(needle)
+}
+
+/// The regular files under `dir`, recursively.
+fn files_under(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut files = Vec::new();
+    let mut pending = vec![dir.to_path_buf()];
+    while let Some(dir) = pending.pop() {
+        for entry in
+            std::fs::read_dir(&dir).with_context(|| format!("reading {}", dir.display()))?
+        {
+            let path = entry?.path();
+            if path.is_dir() {
+                pending.push(path);
+            } else {
+                files.push(path);
+            }
+        }
+    }
+    files.sort();
+    Ok(files)
+}
+
 fn matrix_drift_fails(sh: &Shell, root: &Path) -> Result<()> {
-    let dir = root.join("target").join("xtask-test");
+    let dir = crate::target_dir().join("xtask-test");
     std::fs::create_dir_all(&dir)?;
     let copy = dir.join("targets-with-added-target.toml");
     let text = std::fs::read_to_string(root.join("targets.toml"))?;
@@ -472,7 +584,7 @@ fn matrix_drift_fails(sh: &Shell, root: &Path) -> Result<()> {
         &copy,
         format!("{text}\n[[target]]\nname = \"gfx1036\"\nfamily = \"gfx103X\"\nmin_llvm = 15\n"),
     )?;
-    let xtask = xtask_exe(&crate::project_root())?;
+    let xtask = xtask_exe()?;
     let output = cmd!(sh, "{xtask} matrix --check --targets {copy}")
         .ignore_status()
         .output()?;
@@ -501,7 +613,8 @@ fn actionlint(sh: &Shell, root: &Path) -> Result<()> {
 }
 
 /// Where the server tests' Python environment lives, and the stamp that says what it was built from.
-const SERVER_TESTS_VENV: &str = "target/server-tests-venv";
+/// Under the target directory.
+const SERVER_TESTS_VENV: &str = "server-tests-venv";
 const SERVER_TESTS_REQUIREMENTS: &str = "tests/server/requirements.txt";
 const VENV_STAMP: &str = "ember-requirements.stamp";
 /// What installs `python3` with `venv` and `ensurepip` on a fresh Debian machine.
@@ -512,7 +625,7 @@ pub const SETUP_PYTHON: &str = ".ci/setup-python.sh";
 /// and the system Python are unchanged (a stamp in the venv records both), so a CI run that
 /// changed neither installs nothing.
 pub fn server_test_python(sh: &Shell, root: &Path) -> Result<PathBuf> {
-    let venv = root.join(SERVER_TESTS_VENV);
+    let venv = crate::target_dir().join(SERVER_TESTS_VENV);
     let python = venv.join("bin").join("python");
     let requirements = root.join(SERVER_TESTS_REQUIREMENTS);
     let requirements_text = std::fs::read(&requirements)
@@ -565,7 +678,7 @@ pub fn server_test_python(sh: &Shell, root: &Path) -> Result<PathBuf> {
 /// `pytest tests/server` against the release `ember` that `cargo test --workspace --release`
 /// built (built here only when it is missing, so this step never rebuilds with other features).
 fn server_tests(sh: &Shell, root: &Path, cargo: &str) -> Result<()> {
-    let ember = root.join("target").join("release").join("ember");
+    let ember = crate::target_dir().join("release").join("ember");
     if !ember.is_file() {
         println!("server tests: {} is missing; building it", ember.display());
         cmd!(sh, "{cargo} build --release -p ember").run()?;
@@ -621,6 +734,16 @@ fn docker_and_smoke(sh: &Shell, base: &str, image: &str, model: &str) -> Result<
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn contains_finds_paths_in_binary_bytes() {
+        let mut bytes = vec![0xff, 0xfe, 0x00];
+        bytes.extend_from_slice(b"/home/builder/ember/engine/src/lib.rs");
+        bytes.extend_from_slice(&[0xc3, 0x28]);
+        assert!(contains(&bytes, "/home/builder/ember"));
+        assert!(!contains(&bytes, "/root/.cargo"));
+        assert!(!contains(&bytes, ""));
+    }
 
     #[test]
     fn pytest_exit_statuses() {

@@ -43,12 +43,18 @@ fn workflows_pass_actionlint_when_it_is_installed() {
 fn ci_scripts_are_executable_and_parse() {
     use std::os::unix::fs::PermissionsExt;
     let root = crate::project_root();
-    for script in [
-        ".ci/setup-kernels.sh",
-        ".ci/setup-windows.sh",
-        ".ci/setup-actionlint.sh",
-    ] {
-        let path = root.join(script);
+    let mut scripts: Vec<std::path::PathBuf> = std::fs::read_dir(root.join(".ci"))
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .filter(|path| path.is_file())
+        .collect();
+    scripts.sort();
+    assert!(
+        scripts.iter().any(|path| path.ends_with(".ci/run")),
+        "{scripts:?}"
+    );
+    for path in scripts {
+        let script = path.display();
         let mode = std::fs::metadata(&path).unwrap().permissions().mode();
         assert_eq!(mode & 0o111, 0o111, "{script} is not executable");
         let status = std::process::Command::new("bash")

@@ -15,7 +15,7 @@ use anyhow::{bail, Context, Result};
 use crate::targets::Target;
 
 /// The script that installs the AMDGPU kernel toolchain.
-pub const SETUP_KERNELS: &str = ".ci/setup-kernels.sh";
+pub const SETUP_KERNELS: &str = "`cargo xtask setup` (.ci/setup-kernels.sh)";
 
 /// Where the AMDGPU compiler came from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -273,7 +273,7 @@ pub fn device_libs_dir() -> Result<PathBuf> {
     let dir = toolchain_cache_dir()?.join("rocm-device-libs");
     if !dir.join(".complete").is_file() {
         bail!(
-            "no ROCm device libraries in {} (expected the directory {SETUP_KERNELS} assembles): run {SETUP_KERNELS}",
+            "no ROCm device libraries in {} (the directory .ci/setup-kernels.sh assembles): run {SETUP_KERNELS}",
             dir.display()
         );
     }
@@ -471,7 +471,7 @@ mod tests {
         assert_eq!(
             compiler.can_compile(targets.target("gfx1201").unwrap()),
             Err(format!(
-                "device library oclc_isa_version_1201.bc missing from {} (run .ci/setup-kernels.sh)",
+                "device library oclc_isa_version_1201.bc missing from {} (run `cargo xtask setup` (.ci/setup-kernels.sh))",
                 dir.display()
             ))
         );

@@ -41,9 +41,9 @@ pub fn find_wine() -> Result<PathBuf> {
 
 /// Creates (once) the private prefix `target/wine-prefix` with the `ProcessPrng` stand-in when
 /// wine has no `bcryptprimitives.dll` of its own; returns the prefix to pass as `WINEPREFIX`.
-pub fn prepare_prefix(sh: &Shell, root: &Path) -> Result<PathBuf> {
+pub fn prepare_prefix(sh: &Shell) -> Result<PathBuf> {
     let wine = find_wine()?;
-    let prefix = root.join("target").join("wine-prefix");
+    let prefix = crate::target_dir().join("wine-prefix");
     let system32 = prefix.join("drive_c").join("windows").join("system32");
     if !system32.is_dir() {
         std::fs::create_dir_all(&prefix)?;
@@ -70,7 +70,7 @@ pub fn prepare_prefix(sh: &Shell, root: &Path) -> Result<PathBuf> {
     }
     let gcc = toolchain::which("x86_64-w64-mingw32-gcc")
         .context("x86_64-w64-mingw32-gcc not found (needed for wine's missing bcryptprimitives.dll): run .ci/setup-windows.sh")?;
-    let build = root.join("target").join("wine-shim");
+    let build = crate::target_dir().join("wine-shim");
     std::fs::create_dir_all(&build)?;
     let source = build.join("bcryptprimitives.c");
     std::fs::write(&source, PROCESS_PRNG_SHIM)?;

@@ -292,6 +292,22 @@ pub fn open(selection: GpuSelection, options: &OpenOptions) -> Result<Opened, Gp
         None => numerics::reference_threads_from_env()?,
     };
     let kernels = Arc::new(KernelLibrary::new(kernels_dir));
+    // A runtime from another major ROCm release than the build's is the set-up the reports behind
+    // this project traced misplaced weights to; say so at start rather than let it pass silently.
+    if let (GpuKind::Hip, Ok(manifest)) = (kind, crate::build_manifest::manifest()) {
+        let runtime = driver.runtime_info();
+        let library = runtime
+            .library
+            .as_ref()
+            .map_or_else(|| runtime.backend.to_string(), |p| p.display().to_string());
+        if let Some(warning) = crate::build_manifest::rocm_release_mismatch(
+            manifest.rocm.release.as_deref(),
+            runtime.runtime_version,
+            &library,
+        ) {
+            tracing::warn!("{warning}");
+        }
+    }
     // The build's VMM gate is the run-time default; a development build has no gate and lets the
     // probe decide (as `ember devices` does).
     let vmm = crate::build_manifest::feature("vmm");
