@@ -33,8 +33,9 @@ impl BarProgress {
 impl PullProgress for BarProgress {
     fn message(&mut self, text: &str) {
         match &self.bar {
-            Some(bar) => bar.println(text),
-            None => eprintln!("{text}"),
+            // A hidden bar (stderr not a terminal) would swallow the line.
+            Some(bar) if !bar.is_hidden() => bar.println(text),
+            _ => eprintln!("{text}"),
         }
     }
 
@@ -108,7 +109,9 @@ impl TerminalEvents {
 /// Prints the events that are lines rather than progress.
 fn print_line(event: &LoadEvent<'_>) {
     match event {
-        LoadEvent::CpuFallback { reason } => eprintln!("info: running on the CPU: {reason}"),
+        LoadEvent::CpuFallback { reason } => {
+            eprintln!("warning: no usable GPU, running on the CPU: {reason}")
+        }
         LoadEvent::DeviceOpened {
             device,
             info,
