@@ -192,7 +192,11 @@ impl Conversation {
 pub fn chat_warning(gguf: &Gguf) -> Option<String> {
     let metadata = gguf.metadata();
     let text = |key: &str| metadata.get_str_opt(key).ok().flatten().unwrap_or("");
-    let names = [text("general.name"), text("general.finetune"), text("general.basename")];
+    let names = [
+        text("general.name"),
+        text("general.finetune"),
+        text("general.basename"),
+    ];
     let says_base = names.iter().any(|n| {
         n.to_ascii_lowercase()
             .split(|c: char| !c.is_ascii_alphanumeric())
@@ -223,7 +227,9 @@ mod conversation_tests {
 
     #[test]
     fn input_lines_are_commands_or_messages() {
-        let check = |line: &str, expected: ChatInput| assert_eq!(ChatInput::parse(line), expected, "{line:?}");
+        let check = |line: &str, expected: ChatInput| {
+            assert_eq!(ChatInput::parse(line), expected, "{line:?}")
+        };
         check("/reset\n", ChatInput::Reset);
         check("  /exit ", ChatInput::Exit);
         check("/quit", ChatInput::Exit);
@@ -238,8 +244,20 @@ mod conversation_tests {
     fn the_history_is_rendered_whole_and_reset_keeps_the_system_message() {
         let mut c = Conversation::new(Some("be brief".into()));
         c.push("hi", "hello");
-        let roles: Vec<String> = c.with_user("again").iter().map(|m| format!("{}:{}", m.role, m.content)).collect();
-        assert_eq!(roles, ["system:be brief", "user:hi", "assistant:hello", "user:again"]);
+        let roles: Vec<String> = c
+            .with_user("again")
+            .iter()
+            .map(|m| format!("{}:{}", m.role, m.content))
+            .collect();
+        assert_eq!(
+            roles,
+            [
+                "system:be brief",
+                "user:hi",
+                "assistant:hello",
+                "user:again"
+            ]
+        );
         assert_eq!(c.n_exchanges(), 1);
         c.reset();
         let roles: Vec<String> = c.with_user("x").iter().map(|m| m.role.clone()).collect();
@@ -434,13 +452,22 @@ mod tests {
             writer.metadata(key, Value::String(name.into()));
             writer.metadata("tokenizer.chat_template", template().unwrap());
             let e = chat_warning(&Gguf::from_bytes(writer.to_bytes()).unwrap()).unwrap();
-            assert!(e.contains("looks like a base model") && e.contains(name), "{e}");
+            assert!(
+                e.contains("looks like a base model") && e.contains(name),
+                "{e}"
+            );
         }
         // "base" inside a word is not a base model.
         let mut writer = GgufWriter::new();
-        writer.metadata("general.name", Value::String("Database Coder Instruct".into()));
+        writer.metadata(
+            "general.name",
+            Value::String("Database Coder Instruct".into()),
+        );
         writer.metadata("tokenizer.chat_template", template().unwrap());
-        assert_eq!(chat_warning(&Gguf::from_bytes(writer.to_bytes()).unwrap()), None);
+        assert_eq!(
+            chat_warning(&Gguf::from_bytes(writer.to_bytes()).unwrap()),
+            None
+        );
     }
 
     fn render(template: &ChatTemplate) -> String {

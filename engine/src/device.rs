@@ -330,8 +330,14 @@ mod tests {
         };
         assert_eq!(placement(DeviceSpec::Auto, None), gpu(None, true));
         assert_eq!(placement(DeviceSpec::Auto, Some(All)), gpu(None, true));
-        assert_eq!(placement(DeviceSpec::Auto, Some(Count(99))), gpu(None, true));
-        assert_eq!(placement(DeviceSpec::Auto, Some(Count(32))), gpu(None, true));
+        assert_eq!(
+            placement(DeviceSpec::Auto, Some(Count(99))),
+            gpu(None, true)
+        );
+        assert_eq!(
+            placement(DeviceSpec::Auto, Some(Count(32))),
+            gpu(None, true)
+        );
         assert_eq!(
             placement(DeviceSpec::Auto, Some(Count(0))),
             Ok(Placement::Cpu)

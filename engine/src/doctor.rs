@@ -303,7 +303,9 @@ fn kernel_driver(system: &SystemView) -> Vec<Check> {
         .unwrap_or_else(|| "unknown".into());
     if system.path("/sys/module/amdgpu").is_dir() {
         let detail = match system.read("/sys/module/amdgpu/version") {
-            Some(v) if !v.trim().is_empty() => format!("amdgpu {} (DKMS), kernel {kernel}", v.trim()),
+            Some(v) if !v.trim().is_empty() => {
+                format!("amdgpu {} (DKMS), kernel {kernel}", v.trim())
+            }
             _ => format!("amdgpu in the kernel {kernel}"),
         };
         checks.push(Check::new("amdgpu driver", Status::Ok, detail, None));
@@ -357,9 +359,11 @@ fn accessible(system: &SystemView, path: &Path) -> Result<bool, String> {
     }
     let mode = meta.mode();
     let rw = |shift: u32| (mode >> shift) & 0o6 == 0o6;
-    Ok((meta.uid() == system.uid && rw(6))
-        || (system.gids.contains(&meta.gid()) && rw(3))
-        || rw(0))
+    Ok(
+        (meta.uid() == system.uid && rw(6))
+            || (system.gids.contains(&meta.gid()) && rw(3))
+            || rw(0),
+    )
 }
 
 #[cfg(not(unix))]
@@ -411,7 +415,12 @@ fn device_nodes(system: &SystemView) -> Vec<Check> {
         })
         .unwrap_or_default();
     renders.sort();
-    let name_of = |p: &Path| format!("/dev/dri/{}", p.file_name().unwrap_or_default().to_string_lossy());
+    let name_of = |p: &Path| {
+        format!(
+            "/dev/dri/{}",
+            p.file_name().unwrap_or_default().to_string_lossy()
+        )
+    };
     if renders.is_empty() {
         checks.push(Check::new(
             "/dev/dri/render*",
@@ -432,7 +441,10 @@ fn device_nodes(system: &SystemView) -> Vec<Check> {
             Check::new(
                 "/dev/dri/render*",
                 Status::Fail,
-                format!("not readable and writable by this user: {}", blocked.join(", ")),
+                format!(
+                    "not readable and writable by this user: {}",
+                    blocked.join(", ")
+                ),
                 Some(&group_fix),
             )
         });
@@ -445,7 +457,11 @@ fn device_nodes(system: &SystemView) -> Vec<Check> {
         Check::new(
             "groups",
             Status::Ok,
-            if system.uid == 0 { "root".to_string() } else { "member of render and video".to_string() },
+            if system.uid == 0 {
+                "root".to_string()
+            } else {
+                "member of render and video".to_string()
+            },
             None,
         )
     } else {
@@ -479,9 +495,15 @@ fn environment(system: &SystemView) -> Vec<Check> {
         };
         let hides_all = key.ends_with("VISIBLE_DEVICES") || key == "GPU_DEVICE_ORDINAL";
         let (status, fix) = if hides_all && (value.trim().is_empty() || value.trim() == "-1") {
-            (Status::Fail, format!("{key}={value:?} hides every GPU: unset it or list the devices to use"))
+            (
+                Status::Fail,
+                format!("{key}={value:?} hides every GPU: unset it or list the devices to use"),
+            )
         } else {
-            (Status::Warn, format!("unset {key} unless it is meant (`unset {key}`)"))
+            (
+                Status::Warn,
+                format!("unset {key} unless it is meant (`unset {key}`)"),
+            )
         };
         checks.push(Check::new(
             key,
@@ -522,11 +544,18 @@ fn kfd_gpus(system: &SystemView) -> Vec<(String, String)> {
     let mut found: Vec<(String, String)> = entries
         .flatten()
         .filter_map(|node| {
-            let text = crate::limits::read_text_file(&node.path().join("properties"), 1 << 16).ok()?;
+            let text =
+                crate::limits::read_text_file(&node.path().join("properties"), 1 << 16).ok()?;
             let version = text.lines().find_map(|l| {
-                l.strip_prefix("gfx_target_version ")?.trim().parse::<u32>().ok()
+                l.strip_prefix("gfx_target_version ")?
+                    .trim()
+                    .parse::<u32>()
+                    .ok()
             })?;
-            Some((node.file_name().to_string_lossy().into_owned(), gfx_name(version)?))
+            Some((
+                node.file_name().to_string_lossy().into_owned(),
+                gfx_name(version)?,
+            ))
         })
         .collect();
     found.sort();
@@ -539,12 +568,10 @@ fn gpu_architectures(system: &SystemView) -> Vec<Check> {
         return Vec::new();
     }
     let have = ember_gpu::kernels::available_archs(&system.kernels_dir);
-    let override_arch = system
-        .var("HSA_OVERRIDE_GFX_VERSION")
-        .and_then(|v| {
-            let parts: Vec<u32> = v.split('.').filter_map(|p| p.parse().ok()).collect();
-            (parts.len() == 3).then(|| gfx_name(parts[0] * 10000 + parts[1] * 100 + parts[2]))?
-        });
+    let override_arch = system.var("HSA_OVERRIDE_GFX_VERSION").and_then(|v| {
+        let parts: Vec<u32> = v.split('.').filter_map(|p| p.parse().ok()).collect();
+        (parts.len() == 3).then(|| gfx_name(parts[0] * 10000 + parts[1] * 100 + parts[2]))?
+    });
     gpus.into_iter()
         .map(|(node, arch)| {
             let effective = override_arch.clone().unwrap_or_else(|| arch.clone());
@@ -574,7 +601,12 @@ fn gpu_architectures(system: &SystemView) -> Vec<Check> {
 pub fn render(checks: &[Check]) -> String {
     let mut out = String::new();
     for c in checks {
-        out.push_str(&format!("{:<5} {:<22} {}\n", c.status.label(), c.name, c.detail));
+        out.push_str(&format!(
+            "{:<5} {:<22} {}\n",
+            c.status.label(),
+            c.name,
+            c.detail
+        ));
         if let Some(fix) = &c.fix {
             if c.status != Status::Ok {
                 out.push_str(&format!("      fix: {fix}\n"));

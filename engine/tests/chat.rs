@@ -29,13 +29,22 @@ fn run_ok(args: &[&str], stdin: Option<&str>) -> Output {
         .arg(&model)
         .args(["-t", "2", "--temp", "0"])
         .args(args)
-        .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     if let Some(input) = stdin {
-        child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(input.as_bytes())
+            .unwrap();
     }
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
@@ -51,7 +60,11 @@ fn turn_stats(stderr: &str) -> Vec<(usize, usize, String)> {
             let (prompt, rest) = l.split_once(" prompt tokens, ")?;
             let (generated, rest) = rest.split_once(" generated in ")?;
             let stop = rest.split_once("stop: ")?.1;
-            Some((prompt.parse().ok()?, generated.parse().ok()?, stop.to_string()))
+            Some((
+                prompt.parse().ok()?,
+                generated.parse().ok()?,
+                stop.to_string(),
+            ))
         })
         .collect()
 }
@@ -74,14 +87,20 @@ fn run_reads_the_prompt_from_stdin_and_files_and_stops_on_a_string() {
     let stop = words[words.len() / 2];
     let cut = direct.find(stop).unwrap();
     let stopped = run_ok(&["-p", prompt, "-n", "24", "--stop", stop], None);
-    assert_eq!(text(&stopped.stdout).trim_end(), direct[..cut].trim_end(), "stop {stop:?}");
-    assert!(text(&stopped.stderr).contains("stop: end of generation"), "{}", text(&stopped.stderr));
+    assert_eq!(
+        text(&stopped.stdout).trim_end(),
+        direct[..cut].trim_end(),
+        "stop {stop:?}"
+    );
+    assert!(
+        text(&stopped.stderr).contains("stop: end of generation"),
+        "{}",
+        text(&stopped.stderr)
+    );
 }
 
 #[test]
 fn run_takes_a_system_message_and_no_limit() {
-    let with_system = run_ok(&["--system", "Answer in French.", "-p", "Hello", "-n", "4"], None);
-    let chat = run_ok(&["--chat", "-p", "Hello", "-n", "4"], None);
     let prompt_tokens = |o: &Output| -> usize {
         let e = text(&o.stderr);
         let line = e
@@ -90,17 +109,39 @@ fn run_takes_a_system_message_and_no_limit() {
             .unwrap_or_else(|| panic!("no stats line in {e}"));
         line[1..].split(' ').next().unwrap().parse().unwrap()
     };
-    assert!(
-        prompt_tokens(&with_system) > prompt_tokens(&chat) + 3,
-        "{} vs {}",
-        text(&with_system.stderr),
-        text(&chat.stderr)
+    // The system message is part of the prompt: a longer one gives a longer prompt, and either
+    // differs from the template's own default.
+    let short = run_ok(
+        &["--system", "Answer in French.", "-p", "Hello", "-n", "4"],
+        None,
     );
+    let long = run_ok(
+        &[
+            "--system",
+            "Answer in French. Be brief and polite, always.",
+            "-p",
+            "Hello",
+            "-n",
+            "4",
+        ],
+        None,
+    );
+    let chat = run_ok(&["--chat", "-p", "Hello", "-n", "4"], None);
+    let (short, long, chat) = (
+        prompt_tokens(&short),
+        prompt_tokens(&long),
+        prompt_tokens(&chat),
+    );
+    assert!(long > short + 4, "{long} vs {short}");
+    assert_ne!(short, chat);
 
     // -n -1 runs to the end of generation or of a (small) context.
     let unlimited = run_ok(&["-p", "Once upon a time", "-n", "-1", "-c", "48"], None);
     let e = text(&unlimited.stderr);
-    assert!(e.contains("stop: end of generation") || e.contains("stop: context full"), "{e}");
+    assert!(
+        e.contains("stop: end of generation") || e.contains("stop: context full"),
+        "{e}"
+    );
 
     // -n 0 generates nothing and claims no speed.
     let none = run_ok(&["-p", "Hello", "-n", "0"], None);
@@ -112,7 +153,11 @@ fn run_takes_a_system_message_and_no_limit() {
         .output()
         .unwrap();
     assert_eq!(bad.status.code(), Some(2));
-    assert!(text(&bad.stderr).contains("-1 for no limit"), "{}", text(&bad.stderr));
+    assert!(
+        text(&bad.stderr).contains("-1 for no limit"),
+        "{}",
+        text(&bad.stderr)
+    );
 }
 
 #[test]
@@ -129,8 +174,14 @@ fn chat_keeps_the_history_and_resets_it() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let script = format!("{question}\nAnd of Italy?\n/nope\n/reset\n{question}\n/exit\nnever read\n");
-    child.stdin.take().unwrap().write_all(script.as_bytes()).unwrap();
+    let script =
+        format!("{question}\nAnd of Italy?\n/nope\n/reset\n{question}\n/exit\nnever read\n");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(script.as_bytes())
+        .unwrap();
     let out = child.wait_with_output().unwrap();
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
     assert!(out.status.success(), "{stderr}");
@@ -188,7 +239,9 @@ fn ctrl_c_stops_the_answer_not_the_chat() {
         .write_all(b"Write a very long story about a dragon who learns to fly.\n")
         .unwrap();
     // The answer has started streaming.
-    out_rx.recv_timeout(Duration::from_secs(120)).expect("the answer starts");
+    out_rx
+        .recv_timeout(Duration::from_secs(120))
+        .expect("the answer starts");
     // SAFETY: kill sends a signal to the child process this test started.
     assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
     let mut seen = Vec::new();
@@ -200,7 +253,10 @@ fn ctrl_c_stops_the_answer_not_the_chat() {
         seen.push(line);
     }
     assert!(seen.iter().any(|l| l == "[stopped]"), "{seen:?}");
-    assert!(seen.last().unwrap().ends_with("stop: cancelled]"), "{seen:?}");
+    assert!(
+        seen.last().unwrap().ends_with("stop: cancelled]"),
+        "{seen:?}"
+    );
     // Another turn is answered, then the chat ends normally.
     stdin.write_all(b"What is two plus two?\n/exit\n").unwrap();
     drop(stdin);

@@ -80,7 +80,10 @@ fn amd_machine() -> Tree {
         .file("/opt/rocm-6.4.0/.info/version", "6.4.0-47\n")
         .dir("/sys/module/amdgpu")
         .file("/proc/sys/kernel/osrelease", "6.8.0-45-generic\n")
-        .file("/etc/group", "root:x:0:\nrender:x:0:alice\nvideo:x:44:alice\n")
+        .file(
+            "/etc/group",
+            "root:x:0:\nrender:x:0:alice\nvideo:x:44:alice\n",
+        )
         .file(
             "/sys/class/kfd/kfd/topology/nodes/0/properties",
             "cpu_cores_count 16\ngfx_target_version 0\n",
@@ -103,8 +106,18 @@ fn an_empty_system_warns_that_ember_runs_on_the_cpu() {
     let t = Tree::new();
     let checks = doctor::run(&t.view(&[], &[1000]));
     expect(&checks, "hip runtime", Status::Warn, "no libamdhip64 found");
-    expect(&checks, "cuda driver library", Status::Warn, "no libcuda.so found");
-    expect(&checks, "gpu kernel driver", Status::Warn, "neither amdgpu nor the NVIDIA driver");
+    expect(
+        &checks,
+        "cuda driver library",
+        Status::Warn,
+        "no libcuda.so found",
+    );
+    expect(
+        &checks,
+        "gpu kernel driver",
+        Status::Warn,
+        "neither amdgpu nor the NVIDIA driver",
+    );
     expect(&checks, "environment", Status::Ok, "no GPU overrides");
     assert!(!checks.iter().any(|c| c.name.starts_with("/dev")));
     assert!(!doctor::blocks_gpu(&checks));
@@ -116,12 +129,32 @@ fn a_healthy_amd_machine_is_all_ok() {
     let t = amd_machine();
     let checks = doctor::run(&t.view(&[], &[1000, 0]));
     // /opt/rocm links to /opt/rocm-6.4.0: one install, not two.
-    expect(&checks, "hip runtime", Status::Ok, "/opt/rocm-6.4.0 (ROCm 6.4.0-47)");
-    expect(&checks, "amdgpu driver", Status::Ok, "amdgpu in the kernel 6.8.0-45-generic");
+    expect(
+        &checks,
+        "hip runtime",
+        Status::Ok,
+        "/opt/rocm (ROCm 6.4.0-47)",
+    );
+    expect(
+        &checks,
+        "amdgpu driver",
+        Status::Ok,
+        "amdgpu in the kernel 6.8.0-45-generic",
+    );
     expect(&checks, "/dev/kfd", Status::Ok, "readable and writable");
-    expect(&checks, "/dev/dri/render*", Status::Ok, "/dev/dri/renderD128");
+    expect(
+        &checks,
+        "/dev/dri/render*",
+        Status::Ok,
+        "/dev/dri/renderD128",
+    );
     expect(&checks, "groups", Status::Ok, "member of render and video");
-    expect(&checks, "gpu (kfd node 1)", Status::Ok, "gfx1100: kernels in this build");
+    expect(
+        &checks,
+        "gpu (kfd node 1)",
+        Status::Ok,
+        "gfx1100: kernels in this build",
+    );
     assert!(!doctor::blocks_gpu(&checks), "{}", doctor::render(&checks));
 }
 
@@ -133,16 +166,41 @@ fn several_rocm_installs_and_a_dkms_driver() {
         .file("/usr/lib/x86_64-linux-gnu/libamdhip64.so.5", "")
         .file("/sys/module/amdgpu/version", "6.12.12\n");
     let checks = doctor::run(&t.view(&[("ROCM_PATH", "/opt/rocm-7.0.1")], &[1000, 0]));
-    expect(&checks, "hip runtime", Status::Warn, "3 ROCm installs side by side");
-    expect(&checks, "hip runtime", Status::Warn, "/opt/rocm-7.0.1 (ROCm 7.0.1)");
-    expect(&checks, "hip runtime", Status::Warn, "ember loads from /opt/rocm-7.0.1 first");
-    expect(&checks, "amdgpu driver", Status::Ok, "amdgpu 6.12.12 (DKMS)");
+    expect(
+        &checks,
+        "hip runtime",
+        Status::Warn,
+        "3 ROCm installs side by side",
+    );
+    expect(
+        &checks,
+        "hip runtime",
+        Status::Warn,
+        "/opt/rocm-7.0.1 (ROCm 7.0.1)",
+    );
+    expect(
+        &checks,
+        "hip runtime",
+        Status::Warn,
+        "ember loads from /opt/rocm-7.0.1 first",
+    );
+    expect(
+        &checks,
+        "amdgpu driver",
+        Status::Ok,
+        "amdgpu 6.12.12 (DKMS)",
+    );
 
     // One install too old for ember.
     let old = Tree::new();
     old.file("/usr/lib/x86_64-linux-gnu/libamdhip64.so.5.2.21153", "");
     let checks = doctor::run(&old.view(&[], &[1000]));
-    expect(&checks, "hip runtime", Status::Warn, "ember needs ROCm 6 or 7");
+    expect(
+        &checks,
+        "hip runtime",
+        Status::Warn,
+        "ember needs ROCm 6 or 7",
+    );
     expect(&checks, "hip runtime", Status::Warn, "ROCm 5.2.21153");
 }
 
@@ -152,9 +210,24 @@ fn device_nodes_the_user_cannot_open_block_the_gpu() {
     let t = amd_machine();
     t.file("/etc/group", "render:x:0:\nvideo:x:44:\n");
     let checks = doctor::run(&t.view(&[], &[1000]));
-    expect(&checks, "/dev/kfd", Status::Fail, "usermod -aG render,video alice");
-    expect(&checks, "/dev/dri/render*", Status::Fail, "not readable and writable by this user: /dev/dri/renderD128");
-    expect(&checks, "groups", Status::Warn, "not a member of render and video");
+    expect(
+        &checks,
+        "/dev/kfd",
+        Status::Fail,
+        "usermod -aG render,video alice",
+    );
+    expect(
+        &checks,
+        "/dev/dri/render*",
+        Status::Fail,
+        "not readable and writable by this user: /dev/dri/renderD128",
+    );
+    expect(
+        &checks,
+        "groups",
+        Status::Warn,
+        "not a member of render and video",
+    );
     assert!(doctor::blocks_gpu(&checks));
 
     // World-writable nodes open for anyone, groups or not.
@@ -183,10 +256,30 @@ fn overrides_in_the_environment_are_named() {
         ],
         &[1000, 0],
     ));
-    expect(&checks, "HSA_OVERRIDE_GFX_VERSION", Status::Warn, "report another architecture");
-    expect(&checks, "HIP_VISIBLE_DEVICES", Status::Fail, "hides every GPU");
-    expect(&checks, "CUDA_VISIBLE_DEVICES", Status::Fail, "hides every GPU");
-    expect(&checks, "ROCR_VISIBLE_DEVICES", Status::Warn, "unset ROCR_VISIBLE_DEVICES");
+    expect(
+        &checks,
+        "HSA_OVERRIDE_GFX_VERSION",
+        Status::Warn,
+        "report another architecture",
+    );
+    expect(
+        &checks,
+        "HIP_VISIBLE_DEVICES",
+        Status::Fail,
+        "hides every GPU",
+    );
+    expect(
+        &checks,
+        "CUDA_VISIBLE_DEVICES",
+        Status::Fail,
+        "hides every GPU",
+    );
+    expect(
+        &checks,
+        "ROCR_VISIBLE_DEVICES",
+        Status::Warn,
+        "unset ROCR_VISIBLE_DEVICES",
+    );
     assert!(!checks.iter().any(|c| c.name == "environment"));
 }
 
@@ -199,9 +292,17 @@ fn a_gpu_without_kernels_names_the_build_that_serves_it() {
         "gfx_target_version 120001\n",
     );
     let checks = doctor::run(&t.view(&[], &[1000, 0]));
-    let archive = format!("ember-{}-linux-gfx1201-x64.tar.gz", env!("CARGO_PKG_VERSION"));
+    let archive = format!(
+        "ember-{}-linux-gfx1201-x64.tar.gz",
+        env!("CARGO_PKG_VERSION")
+    );
     expect(&checks, "gpu (kfd node 1)", Status::Fail, &archive);
-    expect(&checks, "gpu (kfd node 1)", Status::Fail, "this build has kernels for gfx1100");
+    expect(
+        &checks,
+        "gpu (kfd node 1)",
+        Status::Fail,
+        "this build has kernels for gfx1100",
+    );
     assert!(doctor::blocks_gpu(&checks));
     // An override that makes it report gfx1100 lets this build's kernels run (with a warning
     // about the override itself).
@@ -220,8 +321,18 @@ fn an_nvidia_machine_shows_its_driver() {
     .file("/usr/lib/x86_64-linux-gnu/libcuda.so.550.54.14", "")
     .file("/usr/lib/x86_64-linux-gnu/libcuda.so.1", "");
     let checks = doctor::run(&t.view(&[], &[1000]));
-    expect(&checks, "nvidia driver", Status::Ok, "Kernel Module  550.54.14");
-    expect(&checks, "cuda driver library", Status::Ok, "/usr/lib/x86_64-linux-gnu/libcuda.so.550.54.14");
+    expect(
+        &checks,
+        "nvidia driver",
+        Status::Ok,
+        "Kernel Module  550.54.14",
+    );
+    expect(
+        &checks,
+        "cuda driver library",
+        Status::Ok,
+        "/usr/lib/x86_64-linux-gnu/libcuda.so.550.54.14",
+    );
     assert!(!checks.iter().any(|c| c.name == "gpu kernel driver"));
 }
 

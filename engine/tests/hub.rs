@@ -9,7 +9,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -35,6 +35,8 @@ struct HubState {
     token: Option<String>,
     /// This many storage downloads are cut after half of their body.
     cuts_left: AtomicUsize,
+    /// Once the cuts are used up, storage answers 503 (the storage went down mid-download).
+    down_after_cuts: AtomicBool,
     /// "METHOD PATH range=RANGE auth=AUTH" for every request, in order.
     log: Mutex<Vec<String>>,
 }
@@ -50,7 +52,9 @@ fn sha256_hex(data: &[u8]) -> String {
 
 /// Bytes that differ from file to file and do not compress (a small LCG).
 fn contents(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut x = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     (0..len)
         .map(|_| {
             x = x
@@ -80,6 +84,7 @@ impl FakeHub {
             files,
             token: token.map(str::to_string),
             cuts_left: AtomicUsize::new(cuts),
+            down_after_cuts: AtomicBool::new(false),
             log: Mutex::new(Vec::new()),
         });
         let shared = state.clone();
@@ -147,10 +152,20 @@ fn serve(stream: TcpStream, state: &HubState, base: &str) {
     let repo_id = format!("{}/{}", state.owner, state.repo);
     if let Some(rest) = target.strip_prefix("/api/models/") {
         if !authorised {
-            return respond(&mut out, "401 Unauthorized", "", b"{\"error\":\"unauthorised\"}");
+            return respond(
+                &mut out,
+                "401 Unauthorized",
+                "",
+                b"{\"error\":\"unauthorised\"}",
+            );
         }
         if rest != format!("{repo_id}/revision/main?blobs=true") {
-            return respond(&mut out, "404 Not Found", "", b"{\"error\":\"Repository not found\"}");
+            return respond(
+                &mut out,
+                "404 Not Found",
+                "",
+                b"{\"error\":\"Repository not found\"}",
+            );
         }
         let siblings: Vec<serde_json::Value> = state
             .files
@@ -165,7 +180,12 @@ fn serve(stream: TcpStream, state: &HubState, base: &str) {
             })
             .collect();
         let body = serde_json::json!({"id": repo_id, "sha": COMMIT, "siblings": siblings});
-        return respond(&mut out, "200 OK", "Content-Type: application/json\r\n", body.to_string().as_bytes());
+        return respond(
+            &mut out,
+            "200 OK",
+            "Content-Type: application/json\r\n",
+            body.to_string().as_bytes(),
+        );
     }
     if let Some(rest) = target.strip_prefix(&format!("/{repo_id}/resolve/{COMMIT}/")) {
         if !authorised {
@@ -182,6 +202,11 @@ fn serve(stream: TcpStream, state: &HubState, base: &str) {
         };
     }
     if let Some(index) = target.strip_prefix("/storage/") {
+        if state.down_after_cuts.load(Ordering::SeqCst)
+            && state.cuts_left.load(Ordering::SeqCst) == 0
+        {
+            return respond(&mut out, "503 Service Unavailable", "", b"");
+        }
         let data = &state.files[index.parse::<usize>().unwrap()].data;
         let start = range
             .strip_prefix("bytes=")
@@ -193,7 +218,11 @@ fn serve(stream: TcpStream, state: &HubState, base: &str) {
             }
             Some(s) => (
                 "206 Partial Content",
-                format!("Content-Range: bytes {s}-{}/{}\r\n", data.len() - 1, data.len()),
+                format!(
+                    "Content-Range: bytes {s}-{}/{}\r\n",
+                    data.len() - 1,
+                    data.len()
+                ),
                 &data[s..],
             ),
             None => ("200 OK", String::new(), &data[..]),
@@ -288,20 +317,29 @@ fn a_pull_stores_the_quant_in_the_huggingface_layout() {
     .unwrap();
     let wanted = &hub.state.files[1];
     let repo = repo_dir(cache.path());
-    assert_eq!(path, repo.join("snapshots").join(COMMIT).join("tiny-Q4_K_M.gguf"));
+    assert_eq!(
+        path,
+        repo.join("snapshots").join(COMMIT).join("tiny-Q4_K_M.gguf")
+    );
     assert_eq!(std::fs::read(&path).unwrap(), wanted.data);
     #[cfg(unix)]
     assert_eq!(
         std::fs::read_link(&path).unwrap(),
         Path::new("../../blobs").join(&wanted.published_sha256)
     );
-    assert_eq!(std::fs::read_to_string(repo.join("refs/main")).unwrap(), COMMIT);
+    assert_eq!(
+        std::fs::read_to_string(repo.join("refs/main")).unwrap(),
+        COMMIT
+    );
     // Only the default quant's blob, under its hash; nothing partial left behind.
     assert_eq!(blobs(cache.path()), vec![wanted.published_sha256.clone()]);
     assert_eq!(progress.last_bytes, Some((300_000, 300_000)));
     // The token went to the hub, through the redirect the storage was reached.
     let log = hub.log();
-    assert!(log[0].starts_with("GET /api/models/someone/Tiny-GGUF/revision/main"), "{log:?}");
+    assert!(
+        log[0].starts_with("GET /api/models/someone/Tiny-GGUF/revision/main"),
+        "{log:?}"
+    );
     assert!(log[0].ends_with("auth=Bearer secret"), "{log:?}");
     assert_eq!(hub.storage_requests().len(), 1, "{log:?}");
 
@@ -345,21 +383,27 @@ fn a_cut_connection_resumes_with_a_range_request() {
 
 #[test]
 fn an_interrupted_pull_is_resumed_by_the_next_one() {
-    // Every attempt of the first pull is cut: it gives up, keeping what it got.
-    let hub = FakeHub::start(standard_repo(), None, 3);
+    // The first pull is cut, then the storage goes down: it gives up, keeping what it got.
+    let hub = FakeHub::start(standard_repo(), None, 1);
+    hub.state.down_after_cuts.store(true, Ordering::SeqCst);
     let cache = tempfile::tempdir().unwrap();
     let mut cfg = config(&hub.endpoint, cache.path(), None);
     cfg.max_attempts = 1;
-    let e = hub::pull(&spec("hf://someone/Tiny-GGUF"), &cfg, &mut Recorded::default())
-        .unwrap_err();
-    assert!(matches!(e, HubError::Network { .. }), "{e}");
-    assert!(e.to_string().contains("connection broken after 150000 bytes"), "{e}");
+    let e = hub::pull(
+        &spec("hf://someone/Tiny-GGUF"),
+        &cfg,
+        &mut Recorded::default(),
+    )
+    .unwrap_err();
+    assert!(matches!(e, HubError::Http { status: 503, .. }), "{e}");
     let sha = &hub.state.files[1].published_sha256;
-    let partial = repo_dir(cache.path()).join("blobs").join(format!("{sha}.incomplete"));
+    let partial = repo_dir(cache.path())
+        .join("blobs")
+        .join(format!("{sha}.incomplete"));
     assert_eq!(std::fs::metadata(&partial).unwrap().len(), 150_000);
     assert!(!repo_dir(cache.path()).join("snapshots").exists());
 
-    hub.state.cuts_left.store(0, Ordering::SeqCst);
+    hub.state.down_after_cuts.store(false, Ordering::SeqCst);
     let path = hub::pull(
         &spec("hf://someone/Tiny-GGUF"),
         &config(&hub.endpoint, cache.path(), None),
@@ -368,7 +412,10 @@ fn an_interrupted_pull_is_resumed_by_the_next_one() {
     .unwrap();
     assert_eq!(std::fs::read(path).unwrap(), hub.state.files[1].data);
     let storage = hub.storage_requests();
-    assert!(storage.last().unwrap().contains("range=bytes=150000-"), "{storage:?}");
+    assert!(
+        storage.last().unwrap().contains("range=bytes=150000-"),
+        "{storage:?}"
+    );
     assert!(!partial.exists());
 }
 
@@ -387,7 +434,9 @@ fn a_wrong_checksum_is_refused_and_nothing_is_kept() {
     )
     .unwrap_err();
     match &e {
-        HubError::ChecksumMismatch { expected, found, .. } => {
+        HubError::ChecksumMismatch {
+            expected, found, ..
+        } => {
             assert_eq!(expected, &published);
             assert_eq!(found, &real);
         }
@@ -409,7 +458,10 @@ fn unauthorised_and_not_found_say_so() {
             &mut Recorded::default(),
         )
         .unwrap_err();
-        assert!(matches!(e, HubError::Unauthorized { status: 401, .. }), "{e}");
+        assert!(
+            matches!(e, HubError::Unauthorized { status: 401, .. }),
+            "{e}"
+        );
         assert!(e.to_string().contains("unauthorised"), "{e}");
     }
     let e = hub::pull(
@@ -419,7 +471,11 @@ fn unauthorised_and_not_found_say_so() {
     )
     .unwrap_err();
     assert!(matches!(e, HubError::NotFound { .. }), "{e}");
-    assert!(e.to_string().contains("repository someone/No-Such-Repo not found"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("repository someone/No-Such-Repo not found"),
+        "{e}"
+    );
     let e = hub::pull(
         &spec("hf://someone/Tiny-GGUF:Q2_K"),
         &config(&hub.endpoint, cache.path(), Some("secret")),
@@ -427,7 +483,10 @@ fn unauthorised_and_not_found_say_so() {
     )
     .unwrap_err();
     assert!(matches!(e, HubError::QuantNotFound { .. }), "{e}");
-    assert!(e.to_string().contains("tiny-Q4_K_M.gguf, tiny-Q8_0.gguf"), "{e}");
+    assert!(
+        e.to_string().contains("tiny-Q4_K_M.gguf, tiny-Q8_0.gguf"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -442,7 +501,11 @@ fn a_file_missing_behind_the_listing_is_not_found() {
         .err()
         .unwrap();
     assert!(matches!(e, HubError::NotFound { .. }), "{e}");
-    assert!(e.to_string().contains("gone.gguf in someone/Tiny-GGUF not found"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("gone.gguf in someone/Tiny-GGUF not found"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -465,7 +528,12 @@ fn split_files_download_as_a_set() {
     let snapshot = repo_dir(cache.path()).join("snapshots").join(COMMIT);
     assert_eq!(path, snapshot.join("Q4_K_M/big-Q4_K_M-00001-of-00003.gguf"));
     for f in &hub.state.files[..3] {
-        assert_eq!(std::fs::read(snapshot.join(&f.path)).unwrap(), f.data, "{}", f.path);
+        assert_eq!(
+            std::fs::read(snapshot.join(&f.path)).unwrap(),
+            f.data,
+            "{}",
+            f.path
+        );
     }
     assert_eq!(blobs(cache.path()).len(), 3);
     assert_eq!(progress.last_bytes, Some((210_000, 210_000)));
@@ -498,7 +566,11 @@ fn an_unreachable_hub_is_offline_and_the_cache_still_serves() {
     )
     .unwrap();
     assert_eq!(again, path);
-    assert!(progress.messages[0].contains("using the cached copy"), "{:?}", progress.messages);
+    assert!(
+        progress.messages[0].contains("using the cached copy"),
+        "{:?}",
+        progress.messages
+    );
     let e = hub::pull(
         &spec("hf://someone/Tiny-GGUF:Q8_0"),
         &config(&dead, cache.path(), None),
@@ -511,11 +583,20 @@ fn an_unreachable_hub_is_offline_and_the_cache_still_serves() {
     let mut offline = config(&dead, cache.path(), None);
     offline.offline = true;
     assert_eq!(
-        hub::pull(&spec("hf://someone/Tiny-GGUF"), &offline, &mut Recorded::default()).unwrap(),
+        hub::pull(
+            &spec("hf://someone/Tiny-GGUF"),
+            &offline,
+            &mut Recorded::default()
+        )
+        .unwrap(),
         path
     );
-    let e = hub::pull(&spec("hf://someone/Tiny-GGUF:Q8_0"), &offline, &mut Recorded::default())
-        .unwrap_err();
+    let e = hub::pull(
+        &spec("hf://someone/Tiny-GGUF:Q8_0"),
+        &offline,
+        &mut Recorded::default(),
+    )
+    .unwrap_err();
     assert!(e.to_string().contains("HF_HUB_OFFLINE"), "{e}");
 }
 
@@ -545,7 +626,10 @@ fn list_and_remove_the_cache() {
     );
     let removed = hub::cache::remove(cache.path(), &spec("hf://someone/Tiny-GGUF:Q8_0")).unwrap();
     assert_eq!(removed.len(), 2, "{removed:?}");
-    assert_eq!(blobs(cache.path()), vec![hub.state.files[1].published_sha256.clone()]);
+    assert_eq!(
+        blobs(cache.path()),
+        vec![hub.state.files[1].published_sha256.clone()]
+    );
     let e = hub::cache::remove(cache.path(), &spec("hf://someone/Tiny-GGUF:Q8_0")).unwrap_err();
     assert!(matches!(e, HubError::NotCached { .. }), "{e}");
     hub::cache::remove(cache.path(), &spec("hf://someone/Tiny-GGUF")).unwrap();
@@ -594,7 +678,10 @@ fn the_command_line_pulls_lists_and_removes() {
         .join("tiny-Q4_K_M.gguf");
     assert_eq!(stdout.trim(), expected.display().to_string());
     // The messages reach a stderr that is not a terminal.
-    assert!(stderr.contains("someone/Tiny-GGUF: tiny-Q4_K_M.gguf at 0123456789ab"), "{stderr}");
+    assert!(
+        stderr.contains("someone/Tiny-GGUF: tiny-Q4_K_M.gguf at 0123456789ab"),
+        "{stderr}"
+    );
     assert!(stderr.contains("verified"), "{stderr}");
 
     // The token file `huggingface-cli login` writes is read when HF_TOKEN is not set.
@@ -605,8 +692,14 @@ fn the_command_line_pulls_lists_and_removes() {
 
     let (code, stdout, stderr) = ember(&["list"], None);
     assert_eq!(code, Some(0), "{stderr}");
-    assert!(stdout.contains("hf://someone/Tiny-GGUF  tiny-Q4_K_M.gguf"), "{stdout}");
-    assert!(stdout.contains("hf://someone/Tiny-GGUF  tiny-Q8_0.gguf"), "{stdout}");
+    assert!(
+        stdout.contains("hf://someone/Tiny-GGUF  tiny-Q4_K_M.gguf"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("hf://someone/Tiny-GGUF  tiny-Q8_0.gguf"),
+        "{stdout}"
+    );
 
     let (code, stdout, stderr) = ember(&["rm", "hf://someone/Tiny-GGUF:Q8_0"], None);
     assert_eq!(code, Some(0), "{stderr}");
@@ -622,7 +715,10 @@ fn the_command_line_pulls_lists_and_removes() {
 
     let (code, _, stderr) = ember(&["pull", "hf://someone/Nope"], Some("secret"));
     assert_eq!(code, Some(1));
-    assert!(stderr.contains("repository someone/Nope not found"), "{stderr}");
+    assert!(
+        stderr.contains("repository someone/Nope not found"),
+        "{stderr}"
+    );
     assert!(stderr.contains("hint: check OWNER/REPO"), "{stderr}");
     let (code, _, stderr) = ember(&["pull", "hf://no-slash"], None);
     assert_eq!(code, Some(1));
@@ -634,10 +730,20 @@ fn specs_parse_as_llama_cpp_spells_them() {
     let s = HubSpec::parse("hf://bartowski/SmolLM2-135M-Instruct-GGUF:q4_k_m").unwrap();
     assert_eq!(s.repo_id(), "bartowski/SmolLM2-135M-Instruct-GGUF");
     assert_eq!(s.quant.as_deref(), Some("Q4_K_M"));
-    assert_eq!(s.to_string(), "hf://bartowski/SmolLM2-135M-Instruct-GGUF:Q4_K_M");
+    assert_eq!(
+        s.to_string(),
+        "hf://bartowski/SmolLM2-135M-Instruct-GGUF:Q4_K_M"
+    );
     let s = HubSpec::parse("owner/repo").unwrap();
     assert_eq!((s.quant, s.owner.as_str()), (None, "owner"));
-    for bad in ["hf://", "hf://x", "hf://a/b:", "hf://../b", "hf://a/b/c", "hf://a/b:Q4 K"] {
+    for bad in [
+        "hf://",
+        "hf://x",
+        "hf://a/b:",
+        "hf://../b",
+        "hf://a/b/c",
+        "hf://a/b:Q4 K",
+    ] {
         assert!(HubSpec::parse(bad).is_err(), "{bad}");
     }
 }

@@ -230,7 +230,9 @@ fn converse(
             max_tokens: usize::try_from(args.n_predict).ok(),
             sampling: SamplerParams {
                 // Each answer draws differently, reproducibly from --seed.
-                seed: sampling.seed.wrapping_add(conversation.n_exchanges() as u64),
+                seed: sampling
+                    .seed
+                    .wrapping_add(conversation.n_exchanges() as u64),
                 ..sampling.clone()
             },
             stop: Vec::new(),

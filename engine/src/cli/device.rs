@@ -146,7 +146,10 @@ mod tests {
             rewrite(&["ember", "run", "-hf", "o/r:Q8_0", "-p", "x"]),
             ["ember", "run", "-m", "hf://o/r:Q8_0", "-p", "x"]
         );
-        assert_eq!(rewrite(&["ember", "--hf-repo=o/r"]), ["ember", "-m", "hf://o/r"]);
+        assert_eq!(
+            rewrite(&["ember", "--hf-repo=o/r"]),
+            ["ember", "-m", "hf://o/r"]
+        );
         // A missing value is left for clap to report.
         assert_eq!(rewrite(&["ember", "run", "-hf"]), ["ember", "run", "-m"]);
     }

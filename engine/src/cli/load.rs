@@ -59,6 +59,8 @@ impl PullProgress for BarProgress {
 struct TerminalEvents {
     pull: BarProgress,
     tensors: Option<ProgressBar>,
+    /// -ngl asked for GPU layers: falling back to the CPU is then a warning, not news.
+    gpu_asked: bool,
 }
 
 impl TerminalEvents {
@@ -66,6 +68,7 @@ impl TerminalEvents {
         TerminalEvents {
             pull: BarProgress::new(),
             tensors: None,
+            gpu_asked: false,
         }
     }
 
@@ -98,6 +101,10 @@ impl TerminalEvents {
                 });
                 bar.set_position(done as u64);
             }
+            LoadEvent::CpuFallback { reason } if self.gpu_asked => {
+                self.finish();
+                eprintln!("warning: -ngl asks for GPU layers, but no GPU is usable, so the model runs on the CPU: {reason}");
+            }
             line => {
                 self.finish();
                 print_line(&line);
@@ -109,9 +116,7 @@ impl TerminalEvents {
 /// Prints the events that are lines rather than progress.
 fn print_line(event: &LoadEvent<'_>) {
     match event {
-        LoadEvent::CpuFallback { reason } => {
-            eprintln!("warning: no usable GPU, running on the CPU: {reason}")
-        }
+        LoadEvent::CpuFallback { reason } => eprintln!("info: running on the CPU: {reason}"),
         LoadEvent::DeviceOpened {
             device,
             info,
@@ -170,6 +175,8 @@ pub fn load_on(spec: &str, threads: usize, device: &DeviceArgs) -> anyhow::Resul
         device: device.options(),
     };
     let mut events = TerminalEvents::new();
+    events.gpu_asked =
+        matches!(device.gpu_layers, Some(g) if g != ember::device::GpuLayers::Count(0));
     let loaded = engine_load::load(&options, &mut |event| events.show(event));
     events.finish();
     Ok(loaded?)

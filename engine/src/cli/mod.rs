@@ -157,7 +157,10 @@ fn hint_for(e: &anyhow::Error) -> Option<String> {
     use ember::model::{ForwardError, ModelError};
     use ember::models::PullError;
     for cause in e.chain() {
-        if let Some(hint) = cause.downcast_ref::<ember::hub::HubError>().and_then(hub_hint) {
+        if let Some(hint) = cause
+            .downcast_ref::<ember::hub::HubError>()
+            .and_then(hub_hint)
+        {
             return Some(hint.into());
         }
         if let Some(p) = cause.downcast_ref::<PullError>() {

@@ -35,7 +35,11 @@ pub fn run(args: PullArgs) -> anyhow::Result<()> {
         }
         return Ok(());
     }
-    if let Some(name) = args.name.as_deref().filter(|n| ember::hub::HubSpec::is_hub(n)) {
+    if let Some(name) = args
+        .name
+        .as_deref()
+        .filter(|n| ember::hub::HubSpec::is_hub(n))
+    {
         let spec = ember::hub::HubSpec::parse(name)?;
         let config = ember::hub::HubConfig::from_env()?;
         let mut progress = BarProgress::new();

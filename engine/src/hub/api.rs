@@ -122,7 +122,9 @@ impl<'a> Client<'a> {
         })?;
         let commit = info
             .sha
-            .filter(|c| !c.is_empty() && c.len() <= 64 && c.chars().all(|ch| ch.is_ascii_hexdigit()))
+            .filter(|c| {
+                !c.is_empty() && c.len() <= 64 && c.chars().all(|ch| ch.is_ascii_hexdigit())
+            })
             .ok_or_else(|| HubError::BadResponse {
                 url: url.clone(),
                 message: "expected a commit id (\"sha\") in hex".into(),

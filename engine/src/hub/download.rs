@@ -23,13 +23,10 @@ pub fn fetch_blob(
     repo_dir: &Path,
     on_bytes: &mut dyn FnMut(u64),
 ) -> Result<PathBuf, HubError> {
-    let sha256 = file
-        .sha256
-        .as_deref()
-        .ok_or_else(|| HubError::NoChecksum {
-            repo: spec.repo_id(),
-            file: file.path.clone(),
-        })?;
+    let sha256 = file.sha256.as_deref().ok_or_else(|| HubError::NoChecksum {
+        repo: spec.repo_id(),
+        file: file.path.clone(),
+    })?;
     let blobs = repo_dir.join("blobs");
     let blob = blobs.join(sha256);
     if fs::metadata(&blob).is_ok_and(|m| m.is_file() && m.len() == file.size) {

@@ -87,8 +87,9 @@ impl HubConfig {
             let token = text.trim().to_string();
             (!token.is_empty()).then_some(token)
         });
-        let offline = var("HF_HUB_OFFLINE")
-            .is_some_and(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on"));
+        let offline = var("HF_HUB_OFFLINE").is_some_and(|v| {
+            matches!(v.to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on")
+        });
         Ok(HubConfig {
             endpoint,
             token,
@@ -299,14 +300,10 @@ pub fn pull(
     let mut done_before = 0u64;
     let mut first = None;
     for file in &files {
-        let blob = download::fetch_blob(
-            &client,
-            spec,
-            &info.commit,
-            file,
-            &repo_dir,
-            &mut |done| progress.bytes(done_before + done, total),
-        )?;
+        let blob =
+            download::fetch_blob(&client, spec, &info.commit, file, &repo_dir, &mut |done| {
+                progress.bytes(done_before + done, total)
+            })?;
         let link = cache::link_snapshot(&repo_dir, &info.commit, &file.path, &blob)?;
         first.get_or_insert(link);
         done_before += file.size;

@@ -69,7 +69,11 @@ fn available(sets: &BTreeMap<String, Vec<&RepoFile>>) -> String {
 
 /// The files to fetch for `quant` (default [`DEFAULT_QUANT`]; without it, a repository with a
 /// single GGUF set gives that set), in part order, each with its SHA-256.
-pub fn pick(repo: &str, quant: Option<&str>, files: &[RepoFile]) -> Result<Vec<RepoFile>, HubError> {
+pub fn pick(
+    repo: &str,
+    quant: Option<&str>,
+    files: &[RepoFile],
+) -> Result<Vec<RepoFile>, HubError> {
     let sets = sets(files);
     if sets.is_empty() {
         return Err(HubError::NoGguf {
@@ -119,9 +123,7 @@ pub fn pick(repo: &str, quant: Option<&str>, files: &[RepoFile]) -> Result<Vec<R
     }
     set.iter()
         .map(|f| match &f.sha256 {
-            Some(sha)
-                if sha.len() == 64 && sha.bytes().all(|b| b.is_ascii_hexdigit()) =>
-            {
+            Some(sha) if sha.len() == 64 && sha.bytes().all(|b| b.is_ascii_hexdigit()) => {
                 Ok((*f).clone())
             }
             _ => Err(HubError::NoChecksum {
@@ -192,9 +194,17 @@ mod tests {
         check(Some("Q4_XS"), &repo, Err("has no GGUF file for Q4_XS"));
         check(Some("Q6_K"), &repo, Err("m-IQ4_XS.gguf, m-Q4_K.gguf"));
         check(None, &["only.f16.gguf"], Ok(&["only.f16.gguf"]));
-        check(None, &["a.f16.gguf", "a.bf16.gguf"], Err("no GGUF file for Q4_K_M"));
+        check(
+            None,
+            &["a.f16.gguf", "a.bf16.gguf"],
+            Err("no GGUF file for Q4_K_M"),
+        );
         check(None, &["README.md"], Err("has no GGUF files"));
-        check(Some("Q4_K_M"), &["a-Q4_K_M.gguf", "b-Q4_K_M.gguf"], Err("several"));
+        check(
+            Some("Q4_K_M"),
+            &["a-Q4_K_M.gguf", "b-Q4_K_M.gguf"],
+            Err("several"),
+        );
     }
 
     #[test]
