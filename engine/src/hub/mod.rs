@@ -146,7 +146,7 @@ impl HubSpec {
         }
         let quant = match quant {
             None => None,
-            Some(q) if q.is_empty() => return Err(bad("expected a quant after ':'")),
+            Some("") => return Err(bad("expected a quant after ':'")),
             Some(q)
                 if q.len() > 64
                     || !q
