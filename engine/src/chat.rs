@@ -98,10 +98,171 @@ pub fn prompt_ids(
     Ok(tokenizer.encode(text, true, true))
 }
 
+/// A multi-turn conversation as `ember chat` keeps it: the system message and every turn, so
+/// each new prompt is the whole history rendered through the template (the engine's prefix
+/// cache then reuses the KV blocks of what was already read).
+#[derive(Debug, Clone, Default)]
+pub struct Conversation {
+    system: Option<String>,
+    turns: Vec<ChatMessage>,
+}
+
+/// One line typed at the chat prompt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ChatInput {
+    /// A message to answer.
+    Message(String),
+    /// `/reset`: forget the history (the system message stays).
+    Reset,
+    /// `/exit` (or `/quit`).
+    Exit,
+    /// `/help` (or `/?`).
+    Help,
+    /// Another `/word`.
+    Unknown(String),
+    /// A blank line.
+    Empty,
+}
+
+/// The commands the chat prompt knows, for `/help`.
+pub const CHAT_COMMANDS: &str = "/reset forgets the conversation, /exit ends it (Ctrl-D too), /help shows this; Ctrl-C stops an answer";
+
+impl ChatInput {
+    /// Reads one line of input. A line starting with `/` is a command; `//` starts a message
+    /// with a literal `/`.
+    pub fn parse(line: &str) -> ChatInput {
+        let line = line.trim_end_matches(['\r', '\n']);
+        if line.trim().is_empty() {
+            return ChatInput::Empty;
+        }
+        if let Some(rest) = line.strip_prefix("//") {
+            return ChatInput::Message(format!("/{rest}"));
+        }
+        match line.trim() {
+            "/reset" | "/clear" => ChatInput::Reset,
+            "/exit" | "/quit" | "/bye" => ChatInput::Exit,
+            "/help" | "/?" => ChatInput::Help,
+            other if other.starts_with('/') => ChatInput::Unknown(other.to_string()),
+            _ => ChatInput::Message(line.to_string()),
+        }
+    }
+}
+
+impl Conversation {
+    pub fn new(system: Option<String>) -> Conversation {
+        Conversation {
+            system,
+            turns: Vec::new(),
+        }
+    }
+
+    /// Forgets every turn; the system message stays.
+    pub fn reset(&mut self) {
+        self.turns.clear();
+    }
+
+    /// The messages to render for the next answer: the system message, the turns so far, and
+    /// `user` as the last one.
+    pub fn with_user(&self, user: &str) -> Vec<ChatMessage> {
+        let mut messages: Vec<ChatMessage> = self
+            .system
+            .iter()
+            .map(|s| ChatMessage::new("system", s.as_str()))
+            .collect();
+        messages.extend(self.turns.iter().cloned());
+        messages.push(ChatMessage::new("user", user));
+        messages
+    }
+
+    /// Records a finished (or stopped) exchange.
+    pub fn push(&mut self, user: &str, assistant: &str) {
+        self.turns.push(ChatMessage::new("user", user));
+        self.turns.push(ChatMessage::new("assistant", assistant));
+    }
+
+    /// Exchanges kept.
+    pub fn n_exchanges(&self) -> usize {
+        self.turns.len() / 2
+    }
+}
+
+/// What makes chatting with this model doubtful, as a warning to show before a chat: it carries
+/// no chat template of its own (a shipped one that fits its turn markers is used, or none), or
+/// its name says it is a base model, not one tuned to follow a conversation.
+pub fn chat_warning(gguf: &Gguf) -> Option<String> {
+    let metadata = gguf.metadata();
+    let text = |key: &str| metadata.get_str_opt(key).ok().flatten().unwrap_or("");
+    let names = [
+        text("general.name"),
+        text("general.finetune"),
+        text("general.basename"),
+    ];
+    let says_base = names.iter().any(|n| {
+        n.to_ascii_lowercase()
+            .split(|c: char| !c.is_ascii_alphanumeric())
+            .any(|word| word == "base")
+    });
+    let has_template = metadata.get("tokenizer.chat_template").is_some();
+    match (has_template, says_base) {
+        (_, true) => Some(format!(
+            "this looks like a base model ({:?}): base models are not tuned for chat and may not follow the conversation; an instruct or chat version answers better",
+            names.iter().find(|n| !n.is_empty()).copied().unwrap_or("")
+        )),
+        (false, false) => Some(
+            "the model carries no chat template of its own, so it may not be tuned for chat; the shipped template that matches its turn markers is used (--chat-template-file picks another)".into(),
+        ),
+        (true, false) => None,
+    }
+}
+
 /// The token ids of a plain prompt (no chat template): special tokens added (BOS, when the
 /// model wants one) and special-token texts in the prompt parsed as those tokens.
 pub fn plain_prompt_ids(tokenizer: &Tokenizer, text: &str) -> Vec<u32> {
     tokenizer.encode(text, true, true)
+}
+
+#[cfg(test)]
+mod conversation_tests {
+    use super::*;
+
+    #[test]
+    fn input_lines_are_commands_or_messages() {
+        let check = |line: &str, expected: ChatInput| {
+            assert_eq!(ChatInput::parse(line), expected, "{line:?}")
+        };
+        check("/reset\n", ChatInput::Reset);
+        check("  /exit ", ChatInput::Exit);
+        check("/quit", ChatInput::Exit);
+        check("/help", ChatInput::Help);
+        check("/nope", ChatInput::Unknown("/nope".into()));
+        check("//etc/passwd", ChatInput::Message("/etc/passwd".into()));
+        check("hello there\r\n", ChatInput::Message("hello there".into()));
+        check("   \n", ChatInput::Empty);
+    }
+
+    #[test]
+    fn the_history_is_rendered_whole_and_reset_keeps_the_system_message() {
+        let mut c = Conversation::new(Some("be brief".into()));
+        c.push("hi", "hello");
+        let roles: Vec<String> = c
+            .with_user("again")
+            .iter()
+            .map(|m| format!("{}:{}", m.role, m.content))
+            .collect();
+        assert_eq!(
+            roles,
+            [
+                "system:be brief",
+                "user:hi",
+                "assistant:hello",
+                "user:again"
+            ]
+        );
+        assert_eq!(c.n_exchanges(), 1);
+        c.reset();
+        let roles: Vec<String> = c.with_user("x").iter().map(|m| m.role.clone()).collect();
+        assert_eq!(roles, ["system", "user"]);
+    }
 }
 
 #[cfg(test)]
@@ -273,6 +434,40 @@ mod tests {
             writer.metadata("tokenizer.chat_template", template);
         }
         Gguf::from_bytes(writer.to_bytes()).unwrap()
+    }
+
+    #[test]
+    fn chatting_with_a_base_model_or_one_without_template_is_flagged() {
+        let template = || Some(Value::String("{{ messages }}".into()));
+        assert_eq!(chat_warning(&gguf(template())), None);
+        let e = chat_warning(&gguf(None)).unwrap();
+        assert!(e.contains("no chat template of its own"), "{e}");
+        for (key, name) in [
+            ("general.name", "SmolLM2 135M Base"),
+            ("general.finetune", "base"),
+            ("general.basename", "Llama-3-8B-base"),
+        ] {
+            let mut writer = GgufWriter::new();
+            writer.metadata("general.architecture", Value::String("llama".into()));
+            writer.metadata(key, Value::String(name.into()));
+            writer.metadata("tokenizer.chat_template", template().unwrap());
+            let e = chat_warning(&Gguf::from_bytes(writer.to_bytes()).unwrap()).unwrap();
+            assert!(
+                e.contains("looks like a base model") && e.contains(name),
+                "{e}"
+            );
+        }
+        // "base" inside a word is not a base model.
+        let mut writer = GgufWriter::new();
+        writer.metadata(
+            "general.name",
+            Value::String("Database Coder Instruct".into()),
+        );
+        writer.metadata("tokenizer.chat_template", template().unwrap());
+        assert_eq!(
+            chat_warning(&Gguf::from_bytes(writer.to_bytes()).unwrap()),
+            None
+        );
     }
 
     fn render(template: &ChatTemplate) -> String {

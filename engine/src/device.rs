@@ -211,7 +211,7 @@ impl DeviceOptions {
 
     /// Decides where a model of `n_layer` layers runs. `-ngl 0` means the CPU; no `-ngl`, `all`,
     /// or a count of at least `n_layer` means the GPU; anything between is partial offload,
-    /// which is refused. Only `--device auto` without `-ngl` may fall back to the CPU.
+    /// which is refused. `--device auto` falls back to the CPU (with a warning) when no GPU is usable.
     pub fn placement(&self, n_layer: usize) -> Result<Placement, PlacementError> {
         let all = match self.gpu_layers {
             None | Some(GpuLayers::All) => None,
@@ -234,8 +234,9 @@ impl DeviceOptions {
             (_, Some(layers)) => Err(PlacementError::Partial { layers, n_layer }),
             (DeviceSpec::Auto, None) => Ok(Placement::Gpu {
                 device: None,
-                // An explicit -ngl asks for the GPU: no silent CPU fallback then.
-                fall_back_to_cpu: self.gpu_layers.is_none(),
+                // As llama.cpp does, -ngl without a usable GPU runs on the CPU with a warning;
+                // only a GPU named with --device is required.
+                fall_back_to_cpu: true,
             }),
             (DeviceSpec::Gpu(kind, ordinal), None) => Ok(Placement::Gpu {
                 device: Some((kind, ordinal)),
@@ -328,14 +329,14 @@ mod tests {
             })
         };
         assert_eq!(placement(DeviceSpec::Auto, None), gpu(None, true));
-        assert_eq!(placement(DeviceSpec::Auto, Some(All)), gpu(None, false));
+        assert_eq!(placement(DeviceSpec::Auto, Some(All)), gpu(None, true));
         assert_eq!(
             placement(DeviceSpec::Auto, Some(Count(99))),
-            gpu(None, false)
+            gpu(None, true)
         );
         assert_eq!(
             placement(DeviceSpec::Auto, Some(Count(32))),
-            gpu(None, false)
+            gpu(None, true)
         );
         assert_eq!(
             placement(DeviceSpec::Auto, Some(Count(0))),

@@ -2,6 +2,7 @@
 //!
 //! The crate is laid out the way data flows through it:
 //! - [`models`]: the project's pinned model list, the model cache and `ember pull`.
+//! - [`hub`]: GGUF models from the Hugging Face hub into the huggingface_hub cache.
 //! - [`model`]: architecture registry, hyperparameters, weights and the batched forward pass.
 //! - [`ops`]: plain descriptions shared by the model, the KV cache and the backends (a leaf).
 //! - [`backend`]: the ops the model is written in, with the CPU implementation.
@@ -11,6 +12,7 @@
 //! - [`sample`]: turning logits into tokens.
 //! - [`generate`]: prompt evaluation and generation loops shared by the CLI and tests.
 //! - [`device`]: device choices (`cpu`, `cuda:N`, `hip:N`, GPU layers) and where a model goes.
+//! - [`doctor`]: the `ember doctor` preflight checks, over a system view tests can fake.
 //! - [`load`]: resolving, opening and placing a model, reporting progress as events.
 //! - [`chat`]: chat templates and conversations rendered into prompt token ids.
 //!
@@ -21,8 +23,10 @@ pub mod batch;
 pub mod build_manifest;
 pub mod chat;
 pub mod device;
+pub mod doctor;
 pub mod engine;
 pub mod generate;
+pub mod hub;
 pub mod kl_divergence;
 pub mod kv_cache;
 pub mod limits;

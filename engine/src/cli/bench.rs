@@ -51,7 +51,7 @@ pub struct BenchArgs {
     /// Repetitions of each test.
     #[arg(short = 'r', long, default_value_t = 5)]
     pub repetitions: usize,
-    /// Worker threads (default: physical cores).
+    /// Worker threads (0, the default: one per physical core).
     #[arg(short = 't', long, default_value_t = 0)]
     pub threads: usize,
     /// Output format.

@@ -82,17 +82,35 @@ impl DeviceArgs {
 }
 
 /// Rewrites llama.cpp's `-ngl N` / `-ngl=N` into `--gpu-layers N` / `--gpu-layers=N`, and
-/// llama-server's `-np N` into `--parallel N` (clap has no multi-letter short flags). Arguments
-/// after `--` are left alone.
+/// llama-server's `-np N` into `--parallel N` (clap has no multi-letter short flags), and
+/// llama.cpp's `-hf OWNER/REPO[:QUANT]` (`--hf-repo`) into `-m hf://OWNER/REPO[:QUANT]`.
+/// Arguments after `--` are left alone.
 pub fn rewrite_ngl(args: impl IntoIterator<Item = std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+    let hub = |repo: &str| format!("{}{repo}", ember::hub::SPEC_PREFIX).into();
     let mut out = Vec::new();
     let mut passthrough = false;
+    let mut hub_value_next = false;
     for arg in args {
         if passthrough {
             out.push(arg);
             continue;
         }
+        if hub_value_next {
+            hub_value_next = false;
+            if let Some(repo) = arg.to_str().filter(|r| !r.starts_with('-')) {
+                out.push(hub(repo));
+                continue;
+            }
+        }
         match arg.to_str() {
+            Some("-hf" | "--hf-repo") => {
+                out.push("-m".into());
+                hub_value_next = true;
+            }
+            Some(text) if text.starts_with("-hf=") || text.starts_with("--hf-repo=") => {
+                out.push("-m".into());
+                out.push(hub(text.split_once('=').map_or("", |(_, v)| v)));
+            }
             Some("--") => {
                 passthrough = true;
                 out.push(arg);
@@ -115,6 +133,26 @@ pub fn rewrite_ngl(args: impl IntoIterator<Item = std::ffi::OsString>) -> Vec<st
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hf_flags_become_hub_models() {
+        let rewrite = |args: &[&str]| -> Vec<String> {
+            rewrite_ngl(args.iter().map(std::ffi::OsString::from))
+                .into_iter()
+                .map(|a| a.into_string().unwrap())
+                .collect()
+        };
+        assert_eq!(
+            rewrite(&["ember", "run", "-hf", "o/r:Q8_0", "-p", "x"]),
+            ["ember", "run", "-m", "hf://o/r:Q8_0", "-p", "x"]
+        );
+        assert_eq!(
+            rewrite(&["ember", "--hf-repo=o/r"]),
+            ["ember", "-m", "hf://o/r"]
+        );
+        // A missing value is left for clap to report.
+        assert_eq!(rewrite(&["ember", "run", "-hf"]), ["ember", "run", "-m"]);
+    }
 
     #[test]
     fn numerics_flag_is_on_every_model_running_command() {

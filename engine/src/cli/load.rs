@@ -33,8 +33,9 @@ impl BarProgress {
 impl PullProgress for BarProgress {
     fn message(&mut self, text: &str) {
         match &self.bar {
-            Some(bar) => bar.println(text),
-            None => eprintln!("{text}"),
+            // A hidden bar (stderr not a terminal) would swallow the line.
+            Some(bar) if !bar.is_hidden() => bar.println(text),
+            _ => eprintln!("{text}"),
         }
     }
 
@@ -58,6 +59,8 @@ impl PullProgress for BarProgress {
 struct TerminalEvents {
     pull: BarProgress,
     tensors: Option<ProgressBar>,
+    /// -ngl asked for GPU layers: falling back to the CPU is then a warning, not news.
+    gpu_asked: bool,
 }
 
 impl TerminalEvents {
@@ -65,6 +68,7 @@ impl TerminalEvents {
         TerminalEvents {
             pull: BarProgress::new(),
             tensors: None,
+            gpu_asked: false,
         }
     }
 
@@ -96,6 +100,10 @@ impl TerminalEvents {
                     bar
                 });
                 bar.set_position(done as u64);
+            }
+            LoadEvent::CpuFallback { reason } if self.gpu_asked => {
+                self.finish();
+                eprintln!("warning: -ngl asks for GPU layers, but no GPU is usable, so the model runs on the CPU: {reason}");
             }
             line => {
                 self.finish();
@@ -167,6 +175,8 @@ pub fn load_on(spec: &str, threads: usize, device: &DeviceArgs) -> anyhow::Resul
         device: device.options(),
     };
     let mut events = TerminalEvents::new();
+    events.gpu_asked =
+        matches!(device.gpu_layers, Some(g) if g != ember::device::GpuLayers::Count(0));
     let loaded = engine_load::load(&options, &mut |event| events.show(event));
     events.finish();
     Ok(loaded?)

@@ -3,9 +3,13 @@
 //! next.
 
 mod bench;
+mod cache;
+mod chat;
 mod device;
 mod devices;
+mod doctor;
 mod info;
+mod interrupt;
 mod load;
 mod perplexity;
 mod pull;
@@ -30,6 +34,9 @@ pub struct Cli {
 pub enum Command {
     /// Generate text from a prompt, streaming tokens as they come.
     Run(run::RunArgs),
+    /// Talk with a model: an interactive conversation through its chat template (/reset,
+    /// /exit; Ctrl-C stops an answer).
+    Chat(chat::ChatArgs),
     /// Measure prompt processing (pp) and token generation (tg) speed, as llama-bench does.
     Bench(bench::BenchArgs),
     /// Show the build, the CPU features in use, and what a model is and will need.
@@ -38,10 +45,25 @@ pub enum Command {
     Tokenize(tokenize::TokenizeArgs),
     /// Compute perplexity over a text file, as llama-perplexity does.
     Perplexity(perplexity::PerplexityArgs),
-    /// Fetch pinned models into the cache, verified by SHA-256.
+    /// Fetch a model into the cache, verified by SHA-256: a pinned model, or a GGUF from the
+    /// Hugging Face hub (`hf://OWNER/REPO[:QUANT]`).
     Pull(pull::PullArgs),
+    /// List the cached models (pinned ones and the huggingface_hub cache's GGUF files).
+    List(cache::ListArgs),
+    /// Remove a cached model (`hf://OWNER/REPO[:QUANT]` or a pinned name).
+    Rm(cache::RmArgs),
     /// List the CPU and GPUs: runtimes loaded, architecture, memory, VMM and pool choice, kernels.
     Devices(devices::DevicesArgs),
+    /// Preflight: why a GPU is or is not used (runtimes, drivers, device nodes, groups,
+    /// environment overrides, architectures against this build's kernels), each ok, warn or
+    /// fail with the fix; exits 1 when something blocks GPU use.
+    Doctor(doctor::DoctorArgs),
+    /// Print a shell completion script: `ember completions bash > ~/.local/share/bash-completion/completions/ember`
+    /// (zsh: into a folder of $fpath as `_ember`; fish: `~/.config/fish/completions/ember.fish`).
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
     /// Load test: waves of concurrent sequences with mixed prompt lengths, tokens/s and device
     /// memory per wave, and whether memory returns to the post-load floor when idle.
     Stress(stress::StressArgs),
@@ -68,12 +90,25 @@ pub fn main() -> ExitCode {
     init_logging();
     let result = match cli.command {
         Command::Run(args) => run::run(args),
+        Command::Chat(args) => chat::run(args),
         Command::Bench(args) => bench::run(args),
         Command::Info(args) => info::run(args),
         Command::Tokenize(args) => tokenize::run(args),
         Command::Perplexity(args) => perplexity::run(args),
         Command::Pull(args) => pull::run(args),
+        Command::List(args) => cache::list(args),
+        Command::Rm(args) => cache::rm(args),
         Command::Devices(args) => devices::run(args),
+        Command::Completions { shell } => {
+            use clap::CommandFactory;
+            clap_complete::generate(shell, &mut Cli::command(), "ember", &mut std::io::stdout());
+            Ok(())
+        }
+        Command::Doctor(args) => match doctor::run(args) {
+            Ok(true) => Ok(()),
+            Ok(false) => return ExitCode::FAILURE,
+            Err(e) => Err(e),
+        },
         Command::Stress(args) => stress::run(args),
         Command::Serve(args) => serve::run(args),
     };
@@ -98,6 +133,21 @@ fn init_logging() {
         .try_init();
 }
 
+/// What to do next after a failed hub pull.
+fn hub_hint(e: &ember::hub::HubError) -> Option<&'static str> {
+    use ember::hub::HubError;
+    Some(match e {
+        HubError::Offline { .. } => "check the network (HF_ENDPOINT names a mirror); a model pulled before is used from the cache, and HF_HUB_OFFLINE=1 uses the cache only",
+        HubError::Unauthorized { .. } => "set HF_TOKEN to a token that can read the repository (and accept its licence on the hub if it is gated)",
+        HubError::NotFound { .. } => "check OWNER/REPO (it is case-sensitive); private repositories answer 404 without a token too",
+        HubError::QuantNotFound { .. } | HubError::Ambiguous { .. } => "name one of the listed quants: hf://OWNER/REPO:QUANT",
+        HubError::ChecksumMismatch { .. } | HubError::SizeMismatch { .. } => "the download was corrupted; run the pull again",
+        HubError::NotCached { .. } => "`ember list` shows what is cached",
+        HubError::Network { .. } => "run the pull again: it resumes where it stopped",
+        _ => return None,
+    })
+}
+
 /// What to do next for the errors users hit most.
 fn hint_for(e: &anyhow::Error) -> Option<String> {
     use ember::backend::gpu::GpuOpenError;
@@ -107,8 +157,21 @@ fn hint_for(e: &anyhow::Error) -> Option<String> {
     use ember::model::{ForwardError, ModelError};
     use ember::models::PullError;
     for cause in e.chain() {
+        if let Some(hint) = cause
+            .downcast_ref::<ember::hub::HubError>()
+            .and_then(hub_hint)
+        {
+            return Some(hint.into());
+        }
         if let Some(p) = cause.downcast_ref::<PullError>() {
             return Some(match p {
+                PullError::NoSuchFile { .. } => {
+                    "check the path; `ember list` shows the cached models, and hf://OWNER/REPO[:QUANT] fetches one from the Hugging Face hub".into()
+                }
+                PullError::Hub(h) => match hub_hint(h) {
+                    Some(hint) => hint.into(),
+                    None => continue,
+                },
                 PullError::UnknownModel { .. } => {
                     "pass the path of a GGUF file, or a name from `ember pull --list`".into()
                 }

@@ -41,7 +41,7 @@ pub struct PerplexityArgs {
     /// Most tokens evaluated in one batch.
     #[arg(short = 'b', long = "batch-size", default_value_t = 512)]
     pub batch_size: usize,
-    /// Worker threads (default: physical cores).
+    /// Worker threads (0, the default: one per physical core).
     #[arg(short = 't', long, default_value_t = 0)]
     pub threads: usize,
     /// Evaluate at most this many chunks (default: all).

@@ -1,4 +1,5 @@
-//! `ember pull`: fetch pinned models into the cache (see [`ember::models`]).
+//! `ember pull`: fetch pinned models (see [`ember::models`]) or Hugging Face hub models (see
+//! [`ember::hub`]) into their caches.
 
 use anyhow::bail;
 use clap::Args;
@@ -8,7 +9,9 @@ use super::load::BarProgress;
 
 #[derive(Debug, Args)]
 pub struct PullArgs {
-    /// Name of the model to fetch (see --list).
+    /// The model to fetch: a pinned name (see --list), or `hf://OWNER/REPO[:QUANT]` for a GGUF
+    /// from the Hugging Face hub (quant Q4_K_M unless named; HF_TOKEN and HF_ENDPOINT are used;
+    /// stored in the huggingface_hub cache, $HF_HOME/hub).
     pub name: Option<String>,
     /// Fetch every pinned model.
     #[arg(long, conflicts_with = "name")]
@@ -30,6 +33,19 @@ pub fn run(args: PullArgs) -> anyhow::Result<()> {
                 if cached { "cached" } else { "not cached" }
             );
         }
+        return Ok(());
+    }
+    if let Some(name) = args
+        .name
+        .as_deref()
+        .filter(|n| ember::hub::HubSpec::is_hub(n))
+    {
+        let spec = ember::hub::HubSpec::parse(name)?;
+        let config = ember::hub::HubConfig::from_env()?;
+        let mut progress = BarProgress::new();
+        let path = ember::hub::pull(&spec, &config, &mut progress);
+        progress.finish();
+        println!("{}", path?.display());
         return Ok(());
     }
     let entries: Vec<&models::ModelEntry> = match (&args.name, args.all) {

@@ -36,21 +36,31 @@ pub struct RunArgs {
     /// A multimodal projector (llama.cpp's `--mmproj`): refused, as ember runs text models only.
     #[arg(long, value_name = "FILE")]
     pub mmproj: Option<std::path::PathBuf>,
-    /// The prompt.
+    /// The prompt; `-` reads it from standard input.
     #[arg(
         short = 'p',
         long,
-        required_unless_present = "prompt_ids",
-        conflicts_with = "prompt_ids"
+        required_unless_present_any = ["prompt_ids", "file"],
+        conflicts_with_all = ["prompt_ids", "file"]
     )]
     pub prompt: Option<String>,
+    /// Read the prompt from this file.
+    #[arg(short = 'f', long, value_name = "FILE", conflicts_with = "prompt_ids")]
+    pub file: Option<std::path::PathBuf>,
+    /// A system message before the prompt (implies --chat).
+    #[arg(long, value_name = "TEXT")]
+    pub system: Option<String>,
+    /// Stop when the output contains this text (repeatable); the text itself is not printed.
+    #[arg(long, value_name = "TEXT")]
+    pub stop: Vec<String>,
     /// The prompt as token ids (comma-separated), evaluated as given: no chat template, no BOS
     /// added. For re-evaluating a generation step exactly (scripts/gpu/golden_rule.py).
     #[arg(long, value_delimiter = ',')]
     pub prompt_ids: Option<Vec<u32>>,
-    /// Tokens to generate at most.
-    #[arg(short = 'n', long = "n-predict", default_value_t = 256)]
-    pub n_predict: usize,
+    /// Tokens to generate at most; -1 generates until the end of generation or a full context,
+    /// as llama.cpp does.
+    #[arg(short = 'n', long = "n-predict", default_value_t = 256, allow_negative_numbers = true, value_parser = parse_n_predict)]
+    pub n_predict: i64,
     /// Temperature; 0 is greedy decoding. The default, 0.8, is llama.cpp's.
     #[arg(long, default_value_t = 0.8)]
     pub temp: f32,
@@ -84,7 +94,7 @@ pub struct RunArgs {
     /// Use this Jinja chat template instead of the model's (implies --chat).
     #[arg(long)]
     pub chat_template_file: Option<std::path::PathBuf>,
-    /// Worker threads (default: physical cores).
+    /// Worker threads (0, the default: one per physical core).
     #[arg(short = 't', long, default_value_t = 0)]
     pub threads: usize,
     /// Context length (default: the model's, at most 4096).
@@ -100,6 +110,44 @@ pub struct RunArgs {
     pub device: DeviceArgs,
 }
 
+fn parse_n_predict(text: &str) -> Result<i64, String> {
+    match text.parse::<i64>() {
+        Ok(n) if n >= -1 => Ok(n),
+        _ => Err(format!(
+            "expected a token count, or -1 for no limit, found {text:?}"
+        )),
+    }
+}
+
+/// The prompt text `-p TEXT`, `-p -` (standard input) or `-f FILE` gives, read with the same cap
+/// as other texts ([`ember::limits::MAX_TEXT_FILE_BYTES`]).
+fn prompt_text(args: &RunArgs) -> anyhow::Result<Option<String>> {
+    use std::io::Read;
+    let max = ember::limits::MAX_TEXT_FILE_BYTES;
+    if let Some(path) = &args.file {
+        let text = ember::limits::read_text_file(path, max)
+            .map_err(|e| anyhow::anyhow!("-f {}: {e}", path.display()))?;
+        return Ok(Some(text));
+    }
+    match args.prompt.as_deref() {
+        Some("-") => {
+            let mut bytes = Vec::new();
+            std::io::stdin()
+                .lock()
+                .take(max + 1)
+                .read_to_end(&mut bytes)
+                .map_err(|e| anyhow::anyhow!("-p -: cannot read standard input: {e}"))?;
+            if bytes.len() as u64 > max {
+                bail!("-p -: expected at most {max} bytes on standard input, found more");
+            }
+            let text = String::from_utf8(bytes)
+                .map_err(|e| anyhow::anyhow!("-p -: standard input is not UTF-8 text: {e}"))?;
+            Ok(Some(text))
+        }
+        other => Ok(other.map(str::to_string)),
+    }
+}
+
 /// The prompt's token ids as `run` evaluates them: as one user message through the chat
 /// template when asked (`--chat` or `--chat-template-file`), else as plain text; tokenized with
 /// special tokens added and parsed (as llama.cpp does).
@@ -108,17 +156,24 @@ fn prompt_ids(
     gguf: &Gguf,
     prompt: &str,
     chat: bool,
+    system: Option<&str>,
     template_file: Option<&Path>,
 ) -> Result<Vec<u32>, ChatError> {
-    if !chat && template_file.is_none() {
+    if !chat && system.is_none() && template_file.is_none() {
         return Ok(chat::plain_prompt_ids(tokenizer, prompt));
     }
+    if template_file.is_none() {
+        if let Some(warning) = chat::chat_warning(gguf) {
+            eprintln!("warning: {warning}");
+        }
+    }
     let template = chat::resolve_template(gguf, tokenizer, template_file)?;
-    chat::prompt_ids(
-        tokenizer,
-        template.as_ref(),
-        &[ChatMessage::new("user", prompt)],
-    )
+    let mut messages = Vec::new();
+    if let Some(system) = system {
+        messages.push(ChatMessage::new("system", system));
+    }
+    messages.push(ChatMessage::new("user", prompt));
+    chat::prompt_ids(tokenizer, template.as_ref(), &messages)
 }
 
 /// The sampling flags as engine parameters, checked ([`SamplerParams::validate`]).
@@ -158,6 +213,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             ember::model::MULTIMODAL_UNSUPPORTED
         );
     }
+    let text = prompt_text(&args)?;
     let loaded = load::load_on(&args.model, args.threads, &args.device)?;
     // The prompt is read with the model's tokenizer and template before the model moves to the
     // engine thread.
@@ -173,14 +229,15 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
                     }
                     ids.clone()
                 }
-                (None, Some(text)) => prompt_ids(
+                (None, _) if text.is_some() => prompt_ids(
                     &l.tokenizer,
                     model.gguf(),
-                    text,
+                    text.as_deref().unwrap_or(""),
                     args.chat,
+                    args.system.as_deref(),
                     args.chat_template_file.as_deref(),
                 )?,
-                (None, None) => bail!("expected a prompt: pass -p TEXT or --prompt-ids IDS"),
+                (None, _) => bail!("expected a prompt: pass -p TEXT, -p - (standard input), -f FILE or --prompt-ids IDS"),
             };
             let memory_pool = l.memory_report.then(|| l.pool.clone()).flatten();
             (
@@ -198,6 +255,9 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let n_ctx = args
         .ctx_size
         .unwrap_or_else(|| n_ctx_train.min(DEFAULT_N_CTX));
+    if n_ctx > n_ctx_train {
+        eprintln!("warning: -c {n_ctx} is above the {n_ctx_train} tokens the model was trained on: output past that may degrade");
+    }
     // The KV cache of a model on the CPU is in this process's memory.
     let memory = memory_pool
         .is_none()
@@ -240,9 +300,10 @@ fn generate_on(
     let streaming = args.format == Format::Text;
     let request = GenerateRequest {
         prompt: prompt.clone(),
-        max_tokens: Some(args.n_predict),
+        // -1: until the end of generation or a full context.
+        max_tokens: usize::try_from(args.n_predict).ok(),
         sampling,
-        stop: Vec::new(),
+        stop: args.stop.clone(),
         // The JSON output records the two most likely tokens of every step.
         logprobs: (!streaming).then_some(2),
         ignore_eos: false,
@@ -250,6 +311,9 @@ fn generate_on(
     };
     let start = Instant::now();
     let mut stream = engine.submit(request)?;
+    // Ctrl-C stops generation and still prints the stats line.
+    super::interrupt::install();
+    let _interrupt = super::interrupt::cancel_on_interrupt(stream.canceller());
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     let mut text = String::new();
@@ -314,17 +378,27 @@ fn generate_on(
             writeln!(out, "{json}")?;
         }
     }
-    let first = first_token_at.unwrap_or(end);
-    let prompt_s = (first - start).as_secs_f64();
-    let gen_s = (end - first).as_secs_f64();
-    let n_gen_timed = tokens.len().saturating_sub(1);
+    // Speeds are shown only where something was timed: no token means the prompt's time is
+    // unknown, one token means no generation interval.
+    let rate = |n: usize, seconds: f64| {
+        if n == 0 || seconds <= 0.0 {
+            "-".to_string()
+        } else {
+            format!("{:.1} t/s", n as f64 / seconds)
+        }
+    };
+    let (prompt_s, prompt_rate, gen_rate) = match first_token_at {
+        Some(first) => (
+            format!("{:.2} s", (first - start).as_secs_f64()),
+            rate(prompt.len(), (first - start).as_secs_f64()),
+            rate(tokens.len().saturating_sub(1), (end - first).as_secs_f64()),
+        ),
+        None => ("-".into(), "-".into(), "-".into()),
+    };
     eprintln!(
-        "\n[{} prompt tokens in {:.2} s ({:.1} t/s), {} generated ({:.1} t/s), stop: {}, load {:.2} s]",
+        "\n[{} prompt tokens in {prompt_s} ({prompt_rate}), {} generated ({gen_rate}), stop: {}, load {:.2} s]",
         prompt.len(),
-        prompt_s,
-        prompt.len() as f64 / prompt_s.max(1e-9),
         tokens.len(),
-        n_gen_timed as f64 / gen_s.max(1e-9),
         match finish {
             _ if closed => "output closed",
             FinishReason::Stop => "end of generation",

@@ -86,7 +86,7 @@ pub struct ServeArgs {
     /// Do not reuse the KV blocks of prompt prefixes seen before.
     #[arg(long)]
     pub no_prefix_cache: bool,
-    /// CPU worker threads (default: physical cores).
+    /// CPU worker threads (0, the default: one per physical core).
     #[arg(short = 't', long, default_value_t = 0)]
     pub threads: usize,
     #[command(flatten)]

@@ -55,7 +55,7 @@ pub struct StressArgs {
     /// Seed of the random prompt tokens.
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
-    /// Worker threads on the CPU (default: physical cores).
+    /// Worker threads on the CPU (0, the default: one per physical core).
     #[arg(short = 't', long, default_value_t = 0)]
     pub threads: usize,
     #[command(flatten)]

@@ -11,7 +11,8 @@ use super::load;
 
 #[derive(Debug, Args)]
 pub struct TokenizeArgs {
-    /// Model: a GGUF path, or a pinned model name (fetched on first use).
+    /// Model: a GGUF path, `hf://OWNER/REPO[:QUANT]`, or a pinned model name (fetched on first
+    /// use).
     #[arg(short = 'm', long)]
     pub model: String,
     /// The text to tokenize.
@@ -23,8 +24,13 @@ pub struct TokenizeArgs {
     /// Do not add the BOS token even when the model asks for it.
     #[arg(long)]
     pub no_bos: bool,
-    /// Turn special-token text (such as `<|im_start|>`) into the special token.
-    #[arg(long)]
+    /// Read special-token text (such as `<|im_start|>`) as plain text instead of as the special
+    /// token (llama-tokenize parses it by default too).
+    #[arg(long, conflicts_with = "parse_special")]
+    pub no_parse_special: bool,
+    /// Parse special-token text as the special token: the default, accepted for scripts that
+    /// pass it.
+    #[arg(long, hide = true)]
     pub parse_special: bool,
 }
 
@@ -34,7 +40,7 @@ pub fn run(args: TokenizeArgs) -> anyhow::Result<()> {
     let gguf = open_gguf(&path)?;
     let tokenizer = Tokenizer::from_gguf(&gguf)
         .with_context(|| format!("cannot load the tokenizer of {}", path.display()))?;
-    let ids = tokenizer.encode(&args.prompt, !args.no_bos, args.parse_special);
+    let ids = tokenizer.encode(&args.prompt, !args.no_bos, !args.no_parse_special);
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     if args.ids {

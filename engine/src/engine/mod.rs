@@ -695,6 +695,29 @@ impl RequestStream {
     pub fn cancel(&self) {
         let _ = self.commands.send(Command::Cancel(self.id));
     }
+
+    /// A handle that cancels this request from another thread (a Ctrl-C handler) while this
+    /// stream is being read.
+    pub fn canceller(&self) -> Canceller {
+        Canceller {
+            id: self.id,
+            commands: self.commands.clone(),
+        }
+    }
+}
+
+/// Cancels one request from any thread; see [`RequestStream::canceller`].
+#[derive(Clone)]
+pub struct Canceller {
+    id: u64,
+    commands: mpsc::Sender<Command>,
+}
+
+impl Canceller {
+    /// Cancels the request (nothing happens when it has already ended).
+    pub fn cancel(&self) {
+        let _ = self.commands.send(Command::Cancel(self.id));
+    }
 }
 
 impl Drop for RequestStream {

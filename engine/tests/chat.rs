@@ -1,0 +1,270 @@
+//! `ember chat` and the prompt flags of `ember run`, driven as a user would (standard input not
+//! a terminal) on the pinned SmolLM2 model. Expected outputs are never written down: each is
+//! compared with what another route to the same computation gives.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::process::{Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+const MODEL: &str = "smollm2-135m-instruct-q4_1";
+
+fn ember() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ember"));
+    cmd.env_remove("EMBER_LOG");
+    cmd
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+fn run_ok(args: &[&str], stdin: Option<&str>) -> Output {
+    let model = common::model_path(MODEL);
+    let mut child = ember()
+        .arg("run")
+        .arg("-m")
+        .arg(&model)
+        .args(["-t", "2", "--temp", "0"])
+        .args(args)
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    if let Some(input) = stdin {
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(input.as_bytes())
+            .unwrap();
+    }
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
+    out
+}
+
+/// `[P prompt tokens, G generated in S s, stop: R]` lines of `ember chat -v`.
+fn turn_stats(stderr: &str) -> Vec<(usize, usize, String)> {
+    stderr
+        .lines()
+        .filter_map(|l| {
+            let l = l.strip_prefix('[')?.strip_suffix(']')?;
+            let (prompt, rest) = l.split_once(" prompt tokens, ")?;
+            let (generated, rest) = rest.split_once(" generated in ")?;
+            let stop = rest.split_once("stop: ")?.1;
+            Some((
+                prompt.parse().ok()?,
+                generated.parse().ok()?,
+                stop.to_string(),
+            ))
+        })
+        .collect()
+}
+
+#[test]
+fn run_reads_the_prompt_from_stdin_and_files_and_stops_on_a_string() {
+    let prompt = "The three primary colours are";
+    let direct = text(&run_ok(&["-p", prompt, "-n", "24"], None).stdout);
+    let piped = text(&run_ok(&["-p", "-", "-n", "24"], Some(prompt)).stdout);
+    assert_eq!(piped, direct);
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("prompt.txt");
+    std::fs::write(&file, prompt).unwrap();
+    let from_file = text(&run_ok(&["-f", file.to_str().unwrap(), "-n", "24"], None).stdout);
+    assert_eq!(from_file, direct);
+
+    // Stop at a word from the middle of the greedy output: the output is what came before it.
+    let words: Vec<&str> = direct.split_whitespace().collect();
+    assert!(words.len() >= 4, "{direct:?}");
+    let stop = words[words.len() / 2];
+    let cut = direct.find(stop).unwrap();
+    let stopped = run_ok(&["-p", prompt, "-n", "24", "--stop", stop], None);
+    assert_eq!(
+        text(&stopped.stdout).trim_end(),
+        direct[..cut].trim_end(),
+        "stop {stop:?}"
+    );
+    assert!(
+        text(&stopped.stderr).contains("stop: end of generation"),
+        "{}",
+        text(&stopped.stderr)
+    );
+}
+
+#[test]
+fn run_takes_a_system_message_and_no_limit() {
+    let prompt_tokens = |o: &Output| -> usize {
+        let e = text(&o.stderr);
+        let line = e
+            .lines()
+            .find(|l| l.starts_with('[') && l.contains(" prompt tokens in "))
+            .unwrap_or_else(|| panic!("no stats line in {e}"));
+        line[1..].split(' ').next().unwrap().parse().unwrap()
+    };
+    // The system message is part of the prompt: a longer one gives a longer prompt, and either
+    // differs from the template's own default.
+    let short = run_ok(
+        &["--system", "Answer in French.", "-p", "Hello", "-n", "4"],
+        None,
+    );
+    let long = run_ok(
+        &[
+            "--system",
+            "Answer in French. Be brief and polite, always.",
+            "-p",
+            "Hello",
+            "-n",
+            "4",
+        ],
+        None,
+    );
+    let chat = run_ok(&["--chat", "-p", "Hello", "-n", "4"], None);
+    let (short, long, chat) = (
+        prompt_tokens(&short),
+        prompt_tokens(&long),
+        prompt_tokens(&chat),
+    );
+    assert!(long > short + 4, "{long} vs {short}");
+    assert_ne!(short, chat);
+
+    // -n -1 runs to the end of generation or of a (small) context.
+    let unlimited = run_ok(&["-p", "Once upon a time", "-n", "-1", "-c", "48"], None);
+    let e = text(&unlimited.stderr);
+    assert!(
+        e.contains("stop: end of generation") || e.contains("stop: context full"),
+        "{e}"
+    );
+
+    // -n 0 generates nothing and claims no speed.
+    let none = run_ok(&["-p", "Hello", "-n", "0"], None);
+    let e = text(&none.stderr);
+    assert!(e.contains("0 generated (-)"), "{e}");
+
+    let bad = ember()
+        .args(["run", "-m", "x", "-p", "y", "-n", "-2"])
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(
+        text(&bad.stderr).contains("-1 for no limit"),
+        "{}",
+        text(&bad.stderr)
+    );
+}
+
+#[test]
+fn chat_keeps_the_history_and_resets_it() {
+    let model = common::model_path(MODEL);
+    let question = "What is the capital of France?";
+    let mut child = ember()
+        .arg("chat")
+        .arg("-m")
+        .arg(&model)
+        .args(["-t", "2", "--temp", "0", "-n", "24", "-v"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let script =
+        format!("{question}\nAnd of Italy?\n/nope\n/reset\n{question}\n/exit\nnever read\n");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(script.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{stderr}");
+    let stats = turn_stats(&stderr);
+    assert_eq!(stats.len(), 3, "{stderr}");
+    // The second prompt holds the first exchange; after /reset the first prompt comes back.
+    assert!(stats[1].0 > stats[0].0 + stats[0].1, "{stats:?}");
+    assert_eq!(stats[2].0, stats[0].0, "{stats:?}");
+    assert!(stderr.contains("unknown command /nope"), "{stderr}");
+    assert!(stderr.contains("[conversation reset]"), "{stderr}");
+
+    // The first answer is what `ember run --chat` gives for the same message.
+    let single = run_ok(&["--chat", "-p", question, "-n", "24"], None);
+    let first_answer = text(&single.stdout);
+    assert!(
+        stdout.starts_with(first_answer.trim_end()),
+        "chat:\n{stdout}\nrun:\n{first_answer}"
+    );
+}
+
+/// Ctrl-C (SIGINT) during an answer stops that answer; the conversation goes on.
+#[cfg(unix)]
+#[test]
+fn ctrl_c_stops_the_answer_not_the_chat() {
+    let model = common::model_path(MODEL);
+    let mut child = ember()
+        .arg("chat")
+        .arg("-m")
+        .arg(&model)
+        .args(["-t", "2", "--temp", "0", "-n", "400", "-v"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let (err_tx, err_rx) = mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = err_tx.send(line);
+        }
+    });
+    let (out_tx, out_rx) = mpsc::channel::<usize>();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 256];
+        while let Ok(n) = stdout.read(&mut buf) {
+            if n == 0 || out_tx.send(n).is_err() {
+                break;
+            }
+        }
+    });
+    stdin
+        .write_all(b"Write a very long story about a dragon who learns to fly.\n")
+        .unwrap();
+    // The answer has started streaming.
+    out_rx
+        .recv_timeout(Duration::from_secs(120))
+        .expect("the answer starts");
+    // SAFETY: kill sends a signal to the child process this test started.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+    let mut seen = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !seen.iter().any(|l: &String| l.contains("stop: ")) {
+        let line = err_rx
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            .unwrap_or_else(|_| panic!("no stats line after Ctrl-C: {seen:?}"));
+        seen.push(line);
+    }
+    assert!(seen.iter().any(|l| l == "[stopped]"), "{seen:?}");
+    assert!(
+        seen.last().unwrap().ends_with("stop: cancelled]"),
+        "{seen:?}"
+    );
+    // Another turn is answered, then the chat ends normally.
+    stdin.write_all(b"What is two plus two?\n/exit\n").unwrap();
+    drop(stdin);
+    let status = child.wait().unwrap();
+    let rest: Vec<String> = err_rx.try_iter().collect();
+    assert!(status.success(), "{status:?} {seen:?} {rest:?}");
+    let stats = turn_stats(&rest.join("\n"));
+    assert_eq!(stats.len(), 1, "{rest:?}");
+    assert_ne!(stats[0].2, "cancelled", "{rest:?}");
+    assert!(stats[0].1 > 0, "{rest:?}");
+}
