@@ -9,7 +9,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../fuzz"
 
 seconds=${FUZZ_SECONDS:-60}
-rustup toolchain install nightly --profile minimal >/dev/null
+# Installed once and kept: updating it every run would rebuild the targets from scratch.
+rustup run nightly rustc --version >/dev/null 2>&1 || rustup toolchain install nightly --profile minimal
 command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
 
 # Built once for all targets, then each run for its time.
