@@ -197,6 +197,16 @@ pub enum PerplexityError {
     /// The context is too small to score anything.
     #[error("context of {n_ctx} tokens: expected at least 4")]
     ContextTooSmall { n_ctx: usize },
+    /// The logits of a scored position hold NaN or +inf: the perplexity would be a NaN printed
+    /// as a number.
+    #[error("chunk {} of {n_chunks}, position {pos}: {}", .chunk + 1, crate::sample::NON_FINITE_MESSAGE)]
+    NonFiniteLogits {
+        /// 0-based chunk index.
+        chunk: usize,
+        n_chunks: usize,
+        /// Position in the chunk whose logits (predicting the token after it) are not finite.
+        pos: usize,
+    },
     /// A forward pass failed.
     #[error(transparent)]
     Forward(#[from] ForwardError),
@@ -295,6 +305,14 @@ pub fn perplexity_rows<B: Backend>(
             for (row, pos) in scored_positions.enumerate() {
                 let target = tokens[start + pos + 1] as usize;
                 let row_logits = &logits[row * n_vocab..(row + 1) * n_vocab];
+                if !crate::sample::logits_are_sane(row_logits) {
+                    ctx.free_sequence(seq_id);
+                    return Err(PerplexityError::NonFiniteLogits {
+                        chunk: index,
+                        n_chunks,
+                        pos,
+                    });
+                }
                 on_row(ScoredRow {
                     chunk: index,
                     pos,

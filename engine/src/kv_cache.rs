@@ -119,8 +119,13 @@ pub struct KvCache<B: Backend> {
     block_size: usize,
     n_ctx: usize,
     layers: Vec<B::KvLayer>,
-    /// Free block ids; popped from the end, so the lowest ids are reused first.
+    /// Released block ids; popped from the end, so the most recently released are reused first.
     free: Vec<u32>,
+    /// Blocks `fresh..capacity` were never handed out: they are free, and the per-block state
+    /// below (and the backend's per-layer tables) only reach `fresh`, so the bookkeeping grows
+    /// with the tokens cached rather than with the capacity (a context of millions of tokens
+    /// holding one prompt costs a few blocks).
+    fresh: u32,
     resident: Vec<bool>,
     seqs: BTreeMap<SeqId, Sequence>,
     capacity: usize,
@@ -160,16 +165,17 @@ impl<B: Backend> KvCache<B> {
             block_size,
             n_ctx,
             layers,
-            free: (0..capacity_blocks as u32).rev().collect(),
-            resident: vec![false; capacity_blocks],
+            free: Vec::new(),
+            fresh: 0,
+            resident: Vec::new(),
             seqs: BTreeMap::new(),
             capacity: capacity_blocks,
             scratch_new_blocks: Vec::new(),
-            refs: vec![0; capacity_blocks],
-            names: vec![None; capacity_blocks],
+            refs: Vec::new(),
+            names: Vec::new(),
             by_hash: HashMap::new(),
             lru: BTreeMap::new(),
-            lru_tick: vec![0; capacity_blocks],
+            lru_tick: Vec::new(),
             tick: 0,
         }
     }
@@ -198,7 +204,7 @@ impl<B: Backend> KvCache<B> {
     pub fn stats(&self) -> PoolStats {
         PoolStats {
             capacity: self.capacity,
-            used: self.capacity - self.free.len() - self.lru.len(),
+            used: self.capacity - self.free_blocks() - self.lru.len(),
             resident: self.resident.iter().filter(|&&r| r).count(),
             cached: self.lru.len(),
         }
@@ -206,7 +212,12 @@ impl<B: Backend> KvCache<B> {
 
     /// Blocks a batch can still get: free ones plus cached ones that would be evicted.
     pub fn available_blocks(&self) -> usize {
-        self.free.len() + self.lru.len()
+        self.free_blocks() + self.lru.len()
+    }
+
+    /// Blocks that are free: released ones and those never handed out.
+    fn free_blocks(&self) -> usize {
+        self.free.len() + (self.capacity - self.fresh as usize)
     }
 
     /// Blocks `seq_id` needs beyond those it holds to grow to `new_len` tokens.
@@ -318,6 +329,15 @@ impl<B: Backend> KvCache<B> {
     fn take_block(&mut self) -> u32 {
         let block = match self.free.pop() {
             Some(block) => block,
+            None if (self.fresh as usize) < self.capacity => {
+                let block = self.fresh;
+                self.fresh += 1;
+                self.resident.push(false);
+                self.refs.push(0);
+                self.names.push(None);
+                self.lru_tick.push(0);
+                block
+            }
             None => {
                 let (_, block) = self.lru.pop_first().expect("available blocks were counted");
                 self.unname(block);
@@ -468,7 +488,7 @@ impl<B: Backend> KvCache<B> {
             let have = self.seqs.get(&seq_id).map_or(0, |s| s.blocks.len());
             for _ in have..new_len.div_ceil(self.block_size) {
                 // Keep what eviction takes, so a failed allocation can put it back.
-                let from_cache = self.free.is_empty();
+                let from_cache = self.free_blocks() == 0;
                 let name_before = if from_cache {
                     self.lru
                         .first_key_value()
@@ -559,6 +579,14 @@ impl<B: Backend> KvCache<B> {
                         self.lru_tick[block as usize] = self.tick;
                         self.lru.insert(self.tick, block);
                     }
+                    // The newest block never handed out before goes back to never handed out.
+                    None if block + 1 == self.fresh => {
+                        self.fresh -= 1;
+                        self.resident.pop();
+                        self.refs.pop();
+                        self.names.pop();
+                        self.lru_tick.pop();
+                    }
                     None => self.free.push(block),
                 }
             }
@@ -623,6 +651,47 @@ mod tests {
         let mut plan = AttentionPlan::default();
         kv.plan(backend, &batch, &mut plan).expect("fits");
         kv.register_full_blocks(seq_id, tokens);
+    }
+
+    /// A context of 2^24 tokens holding a few: the cache's per-block state and the layers'
+    /// tables reach only the blocks used (case 6 of issue 13: they were sized from `-c`).
+    #[test]
+    fn bookkeeping_grows_with_the_tokens_not_the_capacity() {
+        let backend = CpuBackend::new(1).expect("thread pool");
+        let capacity = (1usize << 24) / BLOCK;
+        let mut kv = KvCache::new(&backend, &[(1, 8), (1, 8)], BLOCK, 1 << 24, capacity);
+        assert_eq!(kv.available_blocks(), capacity);
+        let mut plan = AttentionPlan::default();
+        let tokens: Vec<u32> = (0..10).collect();
+        let batch = Batch::for_sequence(1, 0, &tokens, false);
+        kv.plan(&backend, &batch, &mut plan).expect("fits");
+        assert_eq!(kv.block_table(1), [0, 1, 2]);
+        assert_eq!(kv.available_blocks(), capacity - 3);
+        assert_eq!(kv.stats().used, 3);
+        let lens = |kv: &KvCache<CpuBackend>| {
+            [
+                kv.resident.len(),
+                kv.refs.len(),
+                kv.names.len(),
+                kv.lru_tick.len(),
+                kv.layer(0).blocks_tracked(),
+                kv.layer(1).blocks_tracked(),
+            ]
+        };
+        assert_eq!(lens(&kv), [3; 6]);
+        // Released blocks are handed out again before new ones.
+        kv.free_sequence(1);
+        assert_eq!(kv.available_blocks(), capacity);
+        let batch = Batch::for_sequence(2, 0, &tokens[..6], false);
+        kv.plan(&backend, &batch, &mut plan).expect("fits");
+        assert_eq!(kv.block_table(2), [0, 1]);
+        assert_eq!(lens(&kv), [3; 6]);
+        assert_eq!(kv.stats().resident, 3);
+        // A sequence past the context is refused as before.
+        let long: Vec<u32> = vec![1; 9];
+        let batch = Batch::for_sequence(3, (1 << 24) - 4, &long, false);
+        assert!(kv.plan(&backend, &batch, &mut plan).is_err());
+        assert_eq!(lens(&kv), [3; 6]);
     }
 
     #[test]

@@ -29,12 +29,14 @@ pub enum LimitError {
     #[error("a context of {n_ctx} tokens: expected at most {max}")]
     ContextTooLong { n_ctx: usize, max: usize },
     /// A KV cache that does not fit in memory.
-    #[error("{tokens} tokens of KV cache need {} GiB ({kv_bytes_per_token} bytes a token): expected at most the {} GiB of memory available", gib(*needed), gib(*available))]
+    #[error("{tokens} tokens of KV cache need {needed} bytes ({} GiB, {kv_bytes_per_token} bytes a token): expected at most the {available} bytes ({} GiB) of {place}", gib(*needed), gib(*available))]
     KvTooLarge {
         tokens: usize,
         kv_bytes_per_token: usize,
         needed: u128,
         available: u128,
+        /// Whose memory: `memory available` (this process's) or a device's free memory.
+        place: String,
     },
     /// A count that must be positive is 0.
     #[error("0: expected at least 1")]
@@ -92,14 +94,53 @@ fn address_space_limit() -> Option<u64> {
     None
 }
 
+/// Memory a KV cache may take, and whose it is (for the error).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvMemory {
+    pub bytes: u64,
+    /// Says whose memory, after "of": `memory available`, or a device's free memory.
+    pub place: String,
+}
+
+impl KvMemory {
+    /// This process's memory, for a model on the CPU ([`available_memory`]).
+    pub fn host() -> Option<KvMemory> {
+        available_memory().map(|bytes| KvMemory {
+            bytes,
+            place: "memory available".into(),
+        })
+    }
+
+    /// A device's, for a model on a GPU: its free memory plus what its pool holds idle, within
+    /// the VRAM budget ([`ember_gpu::DevicePool::available_bytes`]).
+    pub fn device(pool: &ember_gpu::DevicePool) -> Option<KvMemory> {
+        let budget = match pool.config().budget {
+            Some(budget) => format!(" within the --vram-budget of {budget} bytes"),
+            None => String::new(),
+        };
+        pool.available_bytes().map(|bytes| KvMemory {
+            bytes,
+            place: format!("memory free on GPU {}{budget}", pool.device()),
+        })
+    }
+
+    /// The memory of where a model runs: the device of its pool, else this process's.
+    pub fn of(pool: Option<&ember_gpu::DevicePool>) -> Option<KvMemory> {
+        match pool {
+            Some(pool) => KvMemory::device(pool),
+            None => KvMemory::host(),
+        }
+    }
+}
+
 /// Checks a context of `n_ctx` tokens for each of `sequences` sequences: against
-/// [`MAX_N_CTX`], and their KV cache (`kv_bytes_per_token` a token) against `memory` bytes when
-/// known (pass [`available_memory`] for a model on the CPU).
+/// [`MAX_N_CTX`], and their KV cache (`kv_bytes_per_token` a token) against `memory` when known
+/// ([`KvMemory::of`] the model's pool).
 pub fn check_context(
     n_ctx: usize,
     sequences: usize,
     kv_bytes_per_token: usize,
-    memory: Option<u64>,
+    memory: Option<&KvMemory>,
 ) -> Result<(), LimitError> {
     if n_ctx > MAX_N_CTX {
         return Err(LimitError::ContextTooLong {
@@ -111,19 +152,20 @@ pub fn check_context(
     check_kv_tokens(tokens, kv_bytes_per_token, memory)
 }
 
-/// Checks a KV cache of `tokens` tokens in all against `memory` bytes, when known.
+/// Checks a KV cache of `tokens` tokens in all against `memory`, when known.
 pub fn check_kv_tokens(
     tokens: usize,
     kv_bytes_per_token: usize,
-    memory: Option<u64>,
+    memory: Option<&KvMemory>,
 ) -> Result<(), LimitError> {
     let needed = tokens as u128 * kv_bytes_per_token as u128;
     match memory {
-        Some(available) if needed > available as u128 => Err(LimitError::KvTooLarge {
+        Some(memory) if needed > memory.bytes as u128 => Err(LimitError::KvTooLarge {
             tokens,
             kv_bytes_per_token,
             needed,
-            available: available as u128,
+            available: memory.bytes as u128,
+            place: memory.place.clone(),
         }),
         _ => Ok(()),
     }
@@ -268,18 +310,89 @@ mod tests {
         ));
     }
 
+    /// On a GPU the KV cache is checked against the device's free memory (the host driver
+    /// pretending to be a device of 256 MiB), and the error names the bytes and the device.
+    #[test]
+    fn contexts_on_a_device_are_checked_against_its_free_memory() {
+        use ember_gpu::host::{HostDriver, HostDriverConfig};
+        use ember_gpu::{DevicePool, PoolConfig, PoolKind, Purpose};
+        const MIB: u64 = 1 << 20;
+        let driver = std::sync::Arc::new(HostDriver::new(HostDriverConfig {
+            total_memory: 256 * MIB,
+            ..HostDriverConfig::default()
+        }));
+        let pool = DevicePool::with_kind(
+            driver,
+            0,
+            PoolKind::Caching,
+            "test".into(),
+            PoolConfig::default(),
+        )
+        .unwrap();
+        let _weights = pool.alloc(Purpose::Weights, 192 * MIB).unwrap();
+        let memory = KvMemory::of(Some(&pool)).unwrap();
+        assert_eq!(memory.bytes, 64 * MIB);
+        // 32768 tokens of 1 KiB fit in 64 MiB; 65536 do not.
+        assert_eq!(check_context(32768, 2, 1024, Some(&memory)), Ok(()));
+        let error = check_context(65537, 1, 1024, Some(&memory)).unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "65537 tokens of KV cache need 67109888 bytes (0.1 GiB, 1024 bytes a token): \
+             expected at most the 67108864 bytes (0.1 GiB) of memory free on GPU 0"
+        );
+
+        // With a budget, its room is the limit, and the error says so.
+        let driver = std::sync::Arc::new(HostDriver::new(HostDriverConfig {
+            total_memory: 256 * MIB,
+            ..HostDriverConfig::default()
+        }));
+        let budget = PoolConfig {
+            budget: Some(200 * MIB),
+            ..PoolConfig::default()
+        };
+        let pool =
+            DevicePool::with_kind(driver, 0, PoolKind::Caching, "test".into(), budget).unwrap();
+        let _weights = pool.alloc(Purpose::Weights, 192 * MIB).unwrap();
+        let memory = KvMemory::of(Some(&pool)).unwrap();
+        assert_eq!(memory.bytes, 8 * MIB);
+        let error = check_context(16384, 1, 1024, Some(&memory)).unwrap_err();
+        assert!(
+            error
+                .to_string()
+                .ends_with("of memory free on GPU 0 within the --vram-budget of 209715200 bytes"),
+            "{error}"
+        );
+    }
+
     #[test]
     fn contexts_are_checked_against_the_engine_and_memory() {
-        assert_eq!(check_context(4096, 4, 1000, Some(1 << 30)), Ok(()));
+        let gib = |n: u64| KvMemory {
+            bytes: n << 30,
+            place: "memory available".into(),
+        };
+        assert_eq!(check_context(4096, 4, 1000, Some(&gib(1))), Ok(()));
         assert!(matches!(
             check_context(MAX_N_CTX + 1, 1, 1, None),
             Err(LimitError::ContextTooLong { .. })
         ));
-        let error = check_context(1 << 20, 1, 1 << 12, Some(1 << 30)).unwrap_err();
+        let error = check_context(1 << 20, 1, 1 << 12, Some(&gib(1))).unwrap_err();
         assert!(matches!(error, LimitError::KvTooLarge { .. }));
-        assert!(error.to_string().contains("4.0 GiB"), "{error}");
+        assert!(
+            error.to_string().contains("need 4294967296 bytes (4.0 GiB"),
+            "{error}"
+        );
+        assert!(
+            error
+                .to_string()
+                .ends_with("at most the 1073741824 bytes (1.0 GiB) of memory available"),
+            "{error}"
+        );
         // Products that overflow usize are still refused, not wrapped.
-        assert!(check_context(MAX_N_CTX, usize::MAX, 2, Some(u64::MAX)).is_err());
+        let all = KvMemory {
+            bytes: u64::MAX,
+            place: "memory available".into(),
+        };
+        assert!(check_context(MAX_N_CTX, usize::MAX, 2, Some(&all)).is_err());
         assert_eq!(check_threads(0), Ok(()));
         assert!(check_threads(usize::MAX).is_err());
         assert_eq!(check_positive(0), Err(LimitError::Zero));

@@ -573,7 +573,54 @@ fn hostile_model_files_end_in_one_clear_error() {
     };
     let nan = file("nan.gguf");
     let generation = "generation failed: the model computed NaN or infinite logits";
+    let nan_logits = "the model computed NaN or infinite logits";
+    // Perplexity over a short text: one chunk of 16 tokens, positions 8.. scored.
+    let text = dir.path().join("text.txt");
+    std::fs::write(
+        &text,
+        "the quick brown fox jumps over the lazy dog. ".repeat(20),
+    )
+    .unwrap();
+    let text = text.to_str().unwrap().to_string();
+    let tool = |args: &[&str]| -> Vec<String> { args.iter().map(|s| s.to_string()).collect() };
+    let cpu = ["-t", "2", "--device", "cpu"];
+    let perplexity = tool(
+        &[
+            &[
+                "perplexity",
+                "-m",
+                &nan,
+                "-f",
+                &text,
+                "-c",
+                "16",
+                "--chunks",
+                "1",
+            ][..],
+            &cpu,
+        ]
+        .concat(),
+    );
+    let bench_pp = tool(
+        &[
+            &["bench", "-m", &nan, "-p", "8", "-n", "0", "-r", "1"][..],
+            &cpu,
+        ]
+        .concat(),
+    );
+    let bench_tg = tool(
+        &[
+            &["bench", "-m", &nan, "-p", "0", "-n", "4", "-r", "1"][..],
+            &cpu,
+        ]
+        .concat(),
+    );
     let cases = [
+        // Perplexity and bench name where the logits stopped being numbers instead of printing
+        // a NaN perplexity or a speed for a model that computes nothing.
+        Case { name: "NaN logits, perplexity".into(), args: perplexity, expect: format!("chunk 1 of 1, position 8: {nan_logits}") },
+        Case { name: "NaN logits, bench pp".into(), args: bench_pp, expect: format!("pp8, the prompt's last position 7: {nan_logits}") },
+        Case { name: "NaN logits, bench tg".into(), args: bench_tg, expect: format!("tg4, position 0: {nan_logits}") },
         // Greedy: the arg-max is taken where the logits are, and still caught.
         Case { name: "NaN logits, greedy".into(), args: run(&nan, &["--temp", "0"]), expect: generation.into() },
         Case { name: "NaN logits, sampled".into(), args: run(&nan, &["--temp", "0.7", "--seed", "1"]), expect: generation.into() },

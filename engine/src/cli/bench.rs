@@ -128,14 +128,15 @@ fn bench_on<B: Backend>(
         .max()
         .unwrap_or(0)
         .max(1);
-    // The KV cache of a model on the CPU is in this process's memory.
-    let memory = loaded
-        .pool
-        .is_none()
-        .then(ember::limits::available_memory)
-        .flatten();
-    ember::limits::check_context(max_len, 1, model.hparams().kv_bytes_per_token(), memory)
-        .map_err(|e| anyhow::anyhow!("-p/-n {max_len}: {e}"))?;
+    // The KV cache goes where the model is: this process's memory, or the device's.
+    let memory = ember::limits::KvMemory::of(loaded.pool.as_deref());
+    ember::limits::check_context(
+        max_len,
+        1,
+        model.hparams().kv_bytes_per_token(),
+        memory.as_ref(),
+    )
+    .map_err(|e| anyhow::anyhow!("-p/-n {max_len}: {e}"))?;
     let mut ctx = model.new_context(ContextParams::with_ctx(max_len));
     let mut rng = Pcg32::new(42);
     let mut results = Vec::new();
@@ -146,10 +147,15 @@ fn bench_on<B: Backend>(
         let batch = Batch::for_sequence(0, 0, &tokens, false);
         ember::model::Context::clear(ctx);
         let start = Instant::now();
-        model
+        let logits = model
             .forward(ctx, &batch)
             .context("prompt evaluation failed")?;
-        Ok(n as f64 / start.elapsed().as_secs_f64())
+        let elapsed = start.elapsed().as_secs_f64();
+        check_logits(
+            logits,
+            &format!("pp{n}, the prompt's last position {}", n - 1),
+        )?;
+        Ok(n as f64 / elapsed)
     };
     for &n in args.n_prompt.iter().filter(|&&n| n > 0) {
         run_pp(n, &mut rng, &mut ctx)?;
@@ -165,9 +171,10 @@ fn bench_on<B: Backend>(
             for pos in 0..count {
                 batch.clear();
                 batch.push(rng.next_u32() % n_vocab, pos as u32, 0, true);
-                model
+                let logits = model
                     .forward(&mut ctx, &batch)
                     .context("generation step failed")?;
+                check_logits(logits, &format!("tg{n}, position {pos}"))?;
             }
             Ok(count as f64 / start.elapsed().as_secs_f64())
         };
@@ -213,6 +220,16 @@ fn bench_on<B: Backend>(
     drop(ctx);
     load::finish(loaded);
     Ok(())
+}
+
+/// Fails a run whose logits hold NaN or +inf: its speed would be reported for a model that
+/// computes nothing usable. `at` names the test and position.
+fn check_logits(logits: &[f32], at: &str) -> anyhow::Result<()> {
+    if ember::sample::logits_are_sane(logits) {
+        Ok(())
+    } else {
+        anyhow::bail!("{at}: {}", ember::sample::NON_FINITE_MESSAGE)
+    }
 }
 
 fn result(

@@ -165,17 +165,13 @@ fn perplexity_on<B: Backend>(
 ) -> anyhow::Result<()> {
     let model = &loaded.model;
     let tokenizer = &loaded.tokenizer;
-    // The KV cache of a model on the CPU is in this process's memory.
-    let memory = loaded
-        .pool
-        .is_none()
-        .then(ember::limits::available_memory)
-        .flatten();
+    // The KV cache goes where the model is: this process's memory, or the device's.
+    let memory = ember::limits::KvMemory::of(loaded.pool.as_deref());
     ember::limits::check_context(
         args.ctx_size,
         1,
         model.hparams().kv_bytes_per_token(),
-        memory,
+        memory.as_ref(),
     )
     .map_err(|e| anyhow::anyhow!("-c {}: {e}", args.ctx_size))?;
     let mut tokens = tokenizer.encode(text, true, false);

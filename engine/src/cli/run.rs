@@ -217,7 +217,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let loaded = load::load_on(&args.model, args.threads, &args.device)?;
     // The prompt is read with the model's tokenizer and template before the model moves to the
     // engine thread.
-    let (prompt, n_ctx_train, kv_bytes_per_token, load_time, memory_pool) = with_loaded!(
+    let (prompt, n_ctx_train, kv_bytes_per_token, load_time, memory_pool, kv_memory) = with_loaded!(
         &loaded,
         |l| {
             let model = &l.model;
@@ -246,6 +246,8 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
                 model.hparams().kv_bytes_per_token(),
                 l.load_time,
                 memory_pool,
+                // The KV cache goes where the model is: this process's memory, or the device's.
+                ember::limits::KvMemory::of(l.pool.as_deref()),
             )
         }
     );
@@ -258,12 +260,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     if n_ctx > n_ctx_train {
         eprintln!("warning: -c {n_ctx} is above the {n_ctx_train} tokens the model was trained on: output past that may degrade");
     }
-    // The KV cache of a model on the CPU is in this process's memory.
-    let memory = memory_pool
-        .is_none()
-        .then(ember::limits::available_memory)
-        .flatten();
-    ember::limits::check_context(n_ctx, 1, kv_bytes_per_token, memory)
+    ember::limits::check_context(n_ctx, 1, kv_bytes_per_token, kv_memory.as_ref())
         .map_err(|e| anyhow::anyhow!("-c {n_ctx}: {e}"))?;
     if prompt.len() >= n_ctx {
         bail!("the prompt has {} tokens: expected fewer than the context of {n_ctx} (use -c to enlarge it)", prompt.len());

@@ -180,15 +180,17 @@ impl ServeArgs {
 /// Loads the model and starts the engine (on the loading thread).
 fn load_engine(args: &ServeArgs, fault_stall: Option<(u64, Duration)>) -> anyhow::Result<Engine> {
     let loaded = super::load::load_on(&args.model, args.threads, &args.device)?;
-    let (n_ctx_train, kv_bytes_per_token, on_cpu) = match &loaded {
+    let (n_ctx_train, kv_bytes_per_token, kv_memory, on_cpu) = match &loaded {
         AnyLoaded::Cpu(loaded) => (
             loaded.model.hparams().n_ctx_train,
             loaded.model.hparams().kv_bytes_per_token(),
+            ember::limits::KvMemory::of(loaded.pool.as_deref()),
             loaded.pool.is_none(),
         ),
         AnyLoaded::Gpu(loaded) => (
             loaded.model.hparams().n_ctx_train,
             loaded.model.hparams().kv_bytes_per_token(),
+            ember::limits::KvMemory::of(loaded.pool.as_deref()),
             loaded.pool.is_none(),
         ),
     };
@@ -199,10 +201,20 @@ fn load_engine(args: &ServeArgs, fault_stall: Option<(u64, Duration)>) -> anyhow
         eprintln!("warning: --ctx-size {n_ctx} is beyond the {n_ctx_train} tokens the model was trained with; output past them may degrade");
     }
     let mut config = args.engine_config(n_ctx)?;
-    // On the CPU a full KV cache is in this process's memory.
-    let memory = on_cpu.then(ember::limits::available_memory).flatten();
-    ember::limits::check_kv_tokens(config.kv_capacity_tokens, kv_bytes_per_token, memory)
+    if on_cpu {
+        // On the CPU a full KV cache is in this process's memory.
+        ember::limits::check_kv_tokens(
+            config.kv_capacity_tokens,
+            kv_bytes_per_token,
+            kv_memory.as_ref(),
+        )
         .map_err(|e| anyhow::anyhow!("--ctx-size x --parallel (or --kv-tokens): {e}"))?;
+    } else {
+        // On a GPU the cache grows as requests arrive (a request that finds no memory fails
+        // alone), but one sequence of the whole context must fit.
+        ember::limits::check_context(n_ctx, 1, kv_bytes_per_token, kv_memory.as_ref())
+            .map_err(|e| anyhow::anyhow!("--ctx-size {n_ctx}: {e}"))?;
+    }
     config.fault_stall = fault_stall;
     let engine = Engine::start(loaded, config).context("cannot start the engine")?;
     let info = engine.model_info();

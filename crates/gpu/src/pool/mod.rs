@@ -443,6 +443,29 @@ impl DevicePool {
         self.shared.lock().usage
     }
 
+    /// Bytes new allocations can still get: the device's free memory plus what this pool holds
+    /// idle (mapped or cached but not live), within the budget's room (budget minus live bytes).
+    /// `None` when neither the driver's figure nor a budget is known.
+    pub fn available_bytes(&self) -> Option<u64> {
+        let usage = self.usage();
+        let idle = usage.held.saturating_sub(usage.live);
+        let device = self
+            .shared
+            .driver
+            .mem_info(self.shared.device)
+            .ok()
+            .map(|info| info.free.saturating_add(idle));
+        let budget = self
+            .shared
+            .config
+            .budget
+            .map(|budget| budget.saturating_sub(usage.live));
+        match (device, budget) {
+            (Some(d), Some(b)) => Some(d.min(b)),
+            (d, b) => d.or(b),
+        }
+    }
+
     /// Allocates `bytes` for `purpose`. A budget or out-of-memory failure fails this request only.
     pub fn alloc(&self, purpose: Purpose, bytes: u64) -> Result<PoolBuffer, PoolError> {
         let shared = &self.shared;

@@ -492,3 +492,45 @@ fn the_trim_generation_counts_trims_that_gave_memory_back() {
         );
     }
 }
+
+#[test]
+fn available_bytes_are_the_device_free_memory_and_idle_memory_within_the_budget() {
+    for kind in [PoolKind::Vmm, PoolKind::Caching] {
+        let driver = host(HostDriverConfig {
+            total_memory: 256 * MIB,
+            ..HostDriverConfig::default()
+        });
+        let device = pool(kind, &driver, config());
+        assert_eq!(device.available_bytes(), Some(256 * MIB), "{kind}");
+        let weights = device.alloc(Purpose::Weights, 96 * MIB).unwrap();
+        let scratch = device.alloc(Purpose::Scratch, 32 * MIB).unwrap();
+        let held = device.usage().held;
+        assert_eq!(
+            device.available_bytes(),
+            Some(256 * MIB - held),
+            "{kind}: what the driver has left"
+        );
+        // Freed memory the pool keeps counts as available: the next allocation reuses it.
+        drop(scratch);
+        let usage = device.usage();
+        assert_eq!(
+            device.available_bytes(),
+            Some(256 * MIB - usage.held + (usage.held - usage.live)),
+            "{kind}: idle memory of the pool is available"
+        );
+        drop(weights);
+
+        // A budget caps it at the budget's room.
+        let driver = host(HostDriverConfig {
+            total_memory: 256 * MIB,
+            ..HostDriverConfig::default()
+        });
+        let budget = PoolConfig {
+            budget: Some(128 * MIB),
+            ..config()
+        };
+        let capped = pool(kind, &driver, budget);
+        let _weights = capped.alloc(Purpose::Weights, 96 * MIB).unwrap();
+        assert_eq!(capped.available_bytes(), Some(32 * MIB), "{kind}");
+    }
+}

@@ -194,6 +194,12 @@ pub struct CpuKvLayer {
 }
 
 impl CpuKvLayer {
+    /// Blocks the layer's tables reach now (the highest block given memory, plus one).
+    #[cfg(test)]
+    pub(crate) fn blocks_tracked(&self) -> usize {
+        self.k.len()
+    }
+
     fn block_len(&self) -> usize {
         self.block_size * self.n_kv_heads * self.head_dim
     }
@@ -648,8 +654,10 @@ impl Backend for CpuBackend {
             block_size,
             n_kv_heads,
             head_dim,
-            k: (0..max_blocks).map(|_| Vec::new()).collect(),
-            v: (0..max_blocks).map(|_| Vec::new()).collect(),
+            // Grown by `kv_materialize` as blocks are first used: block ids are handed out lowest
+            // first, so the tables follow the tokens cached, not `max_blocks`.
+            k: Vec::with_capacity(max_blocks.min(64)),
+            v: Vec::with_capacity(max_blocks.min(64)),
         }
     }
 
@@ -657,6 +665,9 @@ impl Backend for CpuBackend {
         let len = layer.block_len();
         for &b in blocks {
             for store in [&mut layer.k, &mut layer.v] {
+                if store.len() <= b as usize {
+                    store.resize_with(b as usize + 1, Vec::new);
+                }
                 let block = &mut store[b as usize];
                 if block.len() != len {
                     *block = vec![f16::ZERO; len];
@@ -667,8 +678,11 @@ impl Backend for CpuBackend {
 
     fn kv_release(&self, layer: &mut CpuKvLayer, blocks: &[u32]) {
         for &b in blocks {
-            layer.k[b as usize] = Vec::new();
-            layer.v[b as usize] = Vec::new();
+            for store in [&mut layer.k, &mut layer.v] {
+                if let Some(block) = store.get_mut(b as usize) {
+                    *block = Vec::new();
+                }
+            }
         }
     }
 
