@@ -248,7 +248,7 @@ impl Graphs {
         };
         let every = self.segment_layers;
         let boundary =
-            every > 0 && layer + 1 < n_layers && (layer == 0 || (layer + 1) % every == 0);
+            every > 0 && layer + 1 < n_layers && (layer == 0 || (layer + 1).is_multiple_of(every));
         if !boundary || key.segment + 1 >= MAX_SEGMENTS || op_failed {
             return;
         }
