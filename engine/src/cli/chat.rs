@@ -140,12 +140,12 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
         ember::limits::check_context(n_ctx, 1, 0, None).map_err(|e| anyhow::anyhow!("-c: {e}"))?;
     }
     let loaded = load::load_on(&args.model, args.threads, &args.device)?;
-    let (warning, n_ctx_train, kv_bytes_per_token, on_gpu) = with_loaded!(&loaded, |l| {
+    let (warning, n_ctx_train, kv_bytes_per_token, kv_memory) = with_loaded!(&loaded, |l| {
         (
             chat::chat_warning(l.model.gguf()),
             l.model.hparams().n_ctx_train,
             l.model.hparams().kv_bytes_per_token(),
-            l.pool.is_some(),
+            ember::limits::KvMemory::of(l.pool.as_deref()),
         )
     });
     let n_ctx = args
@@ -154,8 +154,7 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
     if n_ctx > n_ctx_train {
         eprintln!("warning: -c {n_ctx} is above the {n_ctx_train} tokens the model was trained on: output past that may degrade");
     }
-    let memory = (!on_gpu).then(ember::limits::available_memory).flatten();
-    ember::limits::check_context(n_ctx, 1, kv_bytes_per_token, memory)
+    ember::limits::check_context(n_ctx, 1, kv_bytes_per_token, kv_memory.as_ref())
         .map_err(|e| anyhow::anyhow!("-c {n_ctx}: {e}"))?;
     let engine = Engine::start(
         loaded,
