@@ -28,7 +28,7 @@ pub struct ChatArgs {
     pub system: Option<String>,
     /// Tokens per answer at most; -1 (the default) answers until the end of generation or a
     /// full context.
-    #[arg(short = 'n', long = "n-predict", default_value_t = -1, allow_negative_numbers = true, value_parser = parse_n_predict)]
+    #[arg(short = 'n', long = "n-predict", default_value_t = -1, allow_negative_numbers = true, value_parser = super::run::parse_n_predict)]
     pub n_predict: i64,
     /// Temperature; 0 is greedy decoding.
     #[arg(long, default_value_t = 0.8)]
@@ -59,15 +59,6 @@ pub struct ChatArgs {
     pub verbose: bool,
     #[command(flatten)]
     pub device: DeviceArgs,
-}
-
-fn parse_n_predict(text: &str) -> Result<i64, String> {
-    match text.parse::<i64>() {
-        Ok(n) if n >= -1 => Ok(n),
-        _ => Err(format!(
-            "expected a token count, or -1 for no limit, found {text:?}"
-        )),
-    }
 }
 
 /// Where lines come from: a line editor on a terminal, plain lines otherwise.

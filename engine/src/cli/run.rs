@@ -110,9 +110,12 @@ pub struct RunArgs {
     pub device: DeviceArgs,
 }
 
-fn parse_n_predict(text: &str) -> Result<i64, String> {
-    match text.parse::<i64>() {
-        Ok(n) if n >= -1 => Ok(n),
+/// `-n`: a token count, or -1 for no limit. Counts past `i64::MAX` (up to `u64::MAX`) are taken as
+/// `i64::MAX`: generation ends at the context's end long before either.
+pub(super) fn parse_n_predict(text: &str) -> Result<i64, String> {
+    match (text.parse::<i64>(), text.parse::<u64>()) {
+        (Ok(n), _) if n >= -1 => Ok(n),
+        (Err(_), Ok(_)) => Ok(i64::MAX),
         _ => Err(format!(
             "expected a token count, or -1 for no limit, found {text:?}"
         )),
@@ -406,4 +409,28 @@ fn generate_on(
         load_time.as_secs_f64(),
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_n_predict;
+
+    #[test]
+    fn n_predict_takes_counts_of_any_size_and_minus_one() {
+        assert_eq!(parse_n_predict("-1"), Ok(-1));
+        assert_eq!(parse_n_predict("0"), Ok(0));
+        assert_eq!(parse_n_predict("128"), Ok(128));
+        // Past i64: generation ends at the context long before.
+        assert_eq!(parse_n_predict(&u64::MAX.to_string()), Ok(i64::MAX));
+        for bad in [
+            "-2",
+            "-18446744073709551615",
+            "18446744073709551616",
+            "ten",
+            "",
+        ] {
+            let error = parse_n_predict(bad).unwrap_err();
+            assert!(error.contains("-1 for no limit"), "{bad}: {error}");
+        }
+    }
 }
