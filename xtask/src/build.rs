@@ -93,6 +93,8 @@ pub fn build(
         "{cargo} build --release -p ember --bin ember {cross...}"
     )
     .env("CARGO_ENCODED_RUSTFLAGS", encoded_rustflags(root)?)
+    .env("CFLAGS", c_flags(root, "CFLAGS")?)
+    .env("CXXFLAGS", c_flags(root, "CXXFLAGS")?)
     .run()
     .with_context(|| format!("building the engine for {os}"))?;
     let binary = package::engine_binary(&crate::target_dir(), os, &platform.rust_target);
@@ -161,6 +163,26 @@ pub fn encoded_rustflags(root: &Path) -> Result<String> {
         }
     }
     Ok(flags.join("\x1f"))
+}
+
+/// The caller's `var` (`CFLAGS` or `CXXFLAGS`) followed by whichever `-ffile-prefix-map` flags
+/// for [`build_paths`] it lacks: C and C++ code that crates compile in their build scripts (`cc`
+/// reads these variables) embeds source paths too (`__FILE__`, debug line tables), which rustc's
+/// remapping does not reach. `.ci/run` exports the same flags, so the build scripts do not run
+/// again for these builds.
+pub fn c_flags(root: &Path, var: &str) -> Result<String> {
+    let mut flags: Vec<String> = std::env::var(var)
+        .unwrap_or_default()
+        .split_whitespace()
+        .map(str::to_string)
+        .collect();
+    for (from, to) in build_paths(root)? {
+        let flag = format!("-ffile-prefix-map={}={to}", from.display());
+        if !flags.contains(&flag) {
+            flags.push(flag);
+        }
+    }
+    Ok(flags.join(" "))
 }
 
 /// The manifest of this build: targets.toml's view of `target` plus the build environment.
