@@ -273,6 +273,27 @@ fn the_door_refuses_what_cannot_run() {
 }
 
 #[test]
+fn a_turn_submitted_as_the_last_one_ends_is_admitted_without_a_queue() {
+    // `ember chat` runs one sequence and no queue, and submits the next turn the moment it reads
+    // the previous answer's `Done`: the engine must count a request out before that event goes.
+    let engine = engine(EngineConfig {
+        parallel: 1,
+        max_queue: 0,
+        n_ctx: 64,
+        kv_capacity_tokens: 64,
+        ..EngineConfig::default()
+    });
+    let prompt = prompt_ids(&engine, PROMPTS[0]);
+    for turn in 0..20 {
+        let stream = engine
+            .submit(GenerateRequest::greedy(prompt.clone(), 2))
+            .unwrap_or_else(|e| panic!("turn {turn} was refused: {e}"));
+        let (ids, _, _) = collect(stream);
+        assert!(!ids.is_empty(), "turn {turn} generated nothing");
+    }
+}
+
+#[test]
 fn stop_strings_end_generation_without_their_text() {
     let engine = engine(EngineConfig::default());
     let prompt = prompt_ids(&engine, PROMPTS[2]);

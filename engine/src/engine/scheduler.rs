@@ -258,6 +258,9 @@ impl Scheduler {
     /// Sends a request's last events and counts it out.
     fn end(&mut self, mut seq: Sequence, reason: FinishReason, failure: Option<String>) {
         let now = Instant::now();
+        // Counted out before its last event goes: a client that submits again as soon as it
+        // reads `Done` (a chat's next turn, with no queue) must find the slot free.
+        self.shared.in_flight.fetch_sub(1, Ordering::AcqRel);
         match failure {
             Some(message) => {
                 self.totals.requests_failed += 1;
@@ -297,7 +300,6 @@ impl Scheduler {
                 });
             }
         }
-        self.shared.in_flight.fetch_sub(1, Ordering::AcqRel);
     }
 
     fn take_seq_id(&mut self) -> SeqId {

@@ -105,10 +105,10 @@ pub(super) fn spawn(
             // Requests still queued in the channel never reached the scheduler: end them.
             while let Ok(command) = commands.try_recv() {
                 if let Command::Submit(submission) = command {
+                    shared.in_flight.fetch_sub(1, Ordering::AcqRel);
                     let _ = submission.events.send(super::Event::Failed {
                         message: "the engine has stopped".into(),
                     });
-                    shared.in_flight.fetch_sub(1, Ordering::AcqRel);
                 }
             }
         })
