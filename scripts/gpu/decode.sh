@@ -8,7 +8,8 @@
 #
 # Usage (on the GPU machine, from the repository root):
 #   OUT=$OUT EMBER=path/to/ember SYNTH=path/to/ember-synth LLAMA_BIN=folder scripts/gpu/decode.sh
-# MODELS_LIST: "shape:type ..." (default the three of issue 12); SEGMENTS: settings to compare.
+# MODELS_LIST: "shape:type ..." (default the three of issue 12); SEGMENTS: settings to compare;
+# DEPTHS: cache depths (`-d`) for both engines.
 # Prints figures; asserts nothing about speed.
 set -uo pipefail
 
@@ -21,6 +22,8 @@ ARCH="${ARCH:-sm_90}"
 REPS="${REPS:-3}"
 MODELS_LIST="${MODELS_LIST:-llama3.2-1b:q4_0 llama3-8b:q4_0 llama3-8b:q4_k_m}"
 SEGMENTS="${SEGMENTS:-0 2 4 8}"
+# DEPTHS: comma-separated cache depths for both engines (`-d`, as llama-bench), e.g. 0,8192.
+DEPTHS="${DEPTHS:-0}"
 LLAMA_BIN="${LLAMA_BIN:?LLAMA_BIN: a folder with llama-bench}"
 export LD_LIBRARY_PATH="$LLAMA_BIN${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export EMBER_KERNELS_DIR="${EMBER_KERNELS_DIR:-$MODELS/kernels}"
@@ -49,12 +52,12 @@ for entry in $MODELS_LIST; do
     for segment in $SEGMENTS; do
         printf '  ember, EMBER_GPU_GRAPH_SEGMENT=%s: ' "$segment"
         EMBER_GPU_GRAPH_SEGMENT="$segment" EMBER_LOG=info "$EMBER" bench -m "$m" --device cuda:0 -ngl 99 \
-            -p 512 -n 128 -r "$REPS" 2>"$OUT/decode-$shape-$type-$segment.err" | grep -E "tg128|pp512" | tr '\n' ' '
+            -p 512 -n 128 -d "$DEPTHS" -r "$REPS" 2>"$OUT/decode-$shape-$type-$segment.err" | grep -E "tg128|pp512" | tr '\n' ' '
         echo
         grep -o "graph steps.*per step: [^;]*" "$OUT/decode-$shape-$type-$segment.err" | tail -1 | sed 's/^/    /'
     done
     printf '  llama.cpp: '
-    "$LLAMA_BIN/llama-bench" -m "$m" -ngl 99 -fa 1 -p 512 -n 128 -r "$REPS" 2>&1 | grep -E "pp512|tg128" | tr '\n' ' '
+    "$LLAMA_BIN/llama-bench" -m "$m" -ngl 99 -fa 1 -p 512 -n 128 -d "$DEPTHS" -r "$REPS" 2>&1 | grep -E "pp512|tg128" | tr '\n' ' '
     echo
 done
 t "done"

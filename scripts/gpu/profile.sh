@@ -9,7 +9,7 @@
 #
 # Prints, per engine, each kernel's launches, total and mean time, and the total divided by the
 # passes run, sorted by total. Usage (on the GPU machine, from the repository root):
-#   EMBER=path/to/ember LLAMA_BIN=folder MODEL=file.gguf [STEPS=8] scripts/gpu/profile.sh
+#   EMBER=path/to/ember LLAMA_BIN=folder MODEL=file.gguf [STEPS=8] [ONLY=llama] scripts/gpu/profile.sh
 set -uo pipefail
 
 EMBER="${EMBER:?EMBER: the ember binary}"
@@ -47,11 +47,13 @@ for name, us in sorted(total.items(), key=lambda x: -x[1])[:25]:
 EOF
 }
 
+if [[ "${ONLY:-}" != llama ]]; then
 echo "== ember: $(basename "$MODEL"), 1 prompt pass + $((STEPS - 1)) decode steps, graphs off"
 EMBER_GPU_GRAPHS=0 "$NCU" --clock-control none --metrics gpu__time_duration.sum --csv \
     "$EMBER" run -m "$MODEL" --device cuda:0 -ngl 99 -p "Hello" -n "$STEPS" --temp 0 \
     >"$OUT/ncu-ember.csv" 2>"$OUT/ncu-ember.err" || tail -5 "$OUT/ncu-ember.err"
 summarise "$OUT/ncu-ember.csv" "$STEPS"
+fi
 
 if [[ -n "$LLAMA_BIN" ]]; then
     echo "== llama.cpp: $(basename "$MODEL"), llama-bench -n $STEPS (a one-token warm-up, then $STEPS tokens), graphs off"

@@ -3,6 +3,10 @@
 //! cache (generated tokens per second). Each test runs once to warm up, then `-r` times; the table
 //! shows mean ± sample standard deviation, and the median. The header says where it ran (the
 //! CPU's threads, or the GPU device and its memory pool), as `-ngl` and `--device` chose.
+//!
+//! `-d N` (llama-bench's `--n-depth`) measures at depth: before each run the cache is filled with
+//! N random tokens (in prompt batches of [`DEPTH_CHUNK`], not timed), so `pp512 @ d8192` reads
+//! 512 tokens that attend to 8192 earlier ones and `tg128 @ d8192` generates after them.
 
 use std::time::Instant;
 
@@ -18,6 +22,9 @@ use ember::with_loaded;
 
 use super::device::DeviceArgs;
 use super::load;
+
+/// Tokens per forward pass while filling the cache to a test's depth.
+const DEPTH_CHUNK: usize = 512;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum BenchFormat {
@@ -48,6 +55,10 @@ pub struct BenchArgs {
         default_value = "128"
     )]
     pub n_gen: Vec<usize>,
+    /// Depths to test at (comma-separated): tokens already in the cache before each test, filled
+    /// untimed, as llama-bench's `-d`.
+    #[arg(short = 'd', long = "n-depth", value_delimiter = ',', default_value = "0")]
+    pub n_depth: Vec<usize>,
     /// Repetitions of each test.
     #[arg(short = 'r', long, default_value_t = 5)]
     pub repetitions: usize,
@@ -68,6 +79,7 @@ struct BenchResult {
     device: String,
     n_prompt: usize,
     n_gen: usize,
+    n_depth: usize,
     threads: usize,
     samples_ts: Vec<f64>,
     avg_ts: f64,
@@ -96,7 +108,11 @@ fn stats(samples: &[f64]) -> (f64, f64, f64) {
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     ember::limits::check_positive(args.repetitions).map_err(|e| anyhow::anyhow!("-r {e}"))?;
-    for (flag, lengths) in [("-p", &args.n_prompt), ("-n", &args.n_gen)] {
+    for (flag, lengths) in [
+        ("-p", &args.n_prompt),
+        ("-n", &args.n_gen),
+        ("-d", &args.n_depth),
+    ] {
         for &n in lengths {
             ember::limits::check_context(n, 1, 0, None)
                 .map_err(|e| anyhow::anyhow!("{flag} {n}: {e}"))?;
@@ -120,13 +136,17 @@ fn bench_on<B: Backend>(
     let n_vocab = model.n_vocab() as u32;
     let device = model.backend().describe();
     let reps = args.repetitions;
-    let max_len = args
+    let max_test = args
         .n_prompt
         .iter()
         .chain(&args.n_gen)
         .copied()
         .max()
-        .unwrap_or(0)
+        .unwrap_or(0);
+    let max_depth = args.n_depth.iter().copied().max().unwrap_or(0);
+    let max_len = max_test
+        .checked_add(max_depth)
+        .ok_or_else(|| anyhow::anyhow!("-d {max_depth} with -p/-n {max_test}: too long"))?
         .max(1);
     // The KV cache goes where the model is: this process's memory, or the device's.
     let memory = ember::limits::KvMemory::of(loaded.pool.as_deref());
@@ -136,16 +156,31 @@ fn bench_on<B: Backend>(
         model.hparams().kv_bytes_per_token(),
         memory.as_ref(),
     )
-    .map_err(|e| anyhow::anyhow!("-p/-n {max_len}: {e}"))?;
+    .map_err(|e| anyhow::anyhow!("-d + -p/-n = {max_len}: {e}"))?;
     let mut ctx = model.new_context(ContextParams::with_ctx(max_len));
     let mut rng = Pcg32::new(42);
     let mut results = Vec::new();
     let mut batch = Batch::new();
 
-    let run_pp = |n: usize, rng: &mut Pcg32, ctx: &mut _| -> anyhow::Result<f64> {
-        let tokens: Vec<u32> = (0..n).map(|_| rng.next_u32() % n_vocab).collect();
-        let batch = Batch::for_sequence(0, 0, &tokens, false);
+    // Fills the cache with `depth` random tokens (untimed): what each test starts from.
+    let fill = |depth: usize, rng: &mut Pcg32, ctx: &mut _| -> anyhow::Result<()> {
         ember::model::Context::clear(ctx);
+        let mut pos = 0;
+        while pos < depth {
+            let n = DEPTH_CHUNK.min(depth - pos);
+            let tokens: Vec<u32> = (0..n).map(|_| rng.next_u32() % n_vocab).collect();
+            let batch = Batch::for_sequence(0, pos as u32, &tokens, false);
+            model
+                .forward(ctx, &batch)
+                .with_context(|| format!("filling the cache to depth {depth} failed"))?;
+            pos += n;
+        }
+        Ok(())
+    };
+    let run_pp = |n: usize, depth: usize, rng: &mut Pcg32, ctx: &mut _| -> anyhow::Result<f64> {
+        fill(depth, rng, ctx)?;
+        let tokens: Vec<u32> = (0..n).map(|_| rng.next_u32() % n_vocab).collect();
+        let batch = Batch::for_sequence(0, depth as u32, &tokens, false);
         let start = Instant::now();
         let logits = model
             .forward(ctx, &batch)
@@ -153,36 +188,48 @@ fn bench_on<B: Backend>(
         let elapsed = start.elapsed().as_secs_f64();
         check_logits(
             logits,
-            &format!("pp{n}, the prompt's last position {}", n - 1),
+            &format!("pp{n}, the prompt's last position {}", depth + n - 1),
         )?;
         Ok(n as f64 / elapsed)
     };
-    for &n in args.n_prompt.iter().filter(|&&n| n > 0) {
-        run_pp(n, &mut rng, &mut ctx)?;
-        let samples = (0..reps)
-            .map(|_| run_pp(n, &mut rng, &mut ctx))
-            .collect::<anyhow::Result<Vec<_>>>()?;
-        results.push(result(format!("pp{n}"), n, 0, threads, samples));
-    }
-    for &n in args.n_gen.iter().filter(|&&n| n > 0) {
-        let mut run_tg = |count: usize, rng: &mut Pcg32| -> anyhow::Result<f64> {
-            ctx.clear();
-            let start = Instant::now();
-            for pos in 0..count {
-                batch.clear();
-                batch.push(rng.next_u32() % n_vocab, pos as u32, 0, true);
-                let logits = model
-                    .forward(&mut ctx, &batch)
-                    .context("generation step failed")?;
-                check_logits(logits, &format!("tg{n}, position {pos}"))?;
-            }
-            Ok(count as f64 / start.elapsed().as_secs_f64())
+    let run_tg = |count: usize,
+                  depth: usize,
+                  rng: &mut Pcg32,
+                  ctx: &mut _,
+                  batch: &mut Batch|
+     -> anyhow::Result<f64> {
+        fill(depth, rng, ctx)?;
+        let start = Instant::now();
+        for pos in depth..depth + count {
+            batch.clear();
+            batch.push(rng.next_u32() % n_vocab, pos as u32, 0, true);
+            let logits = model
+                .forward(ctx, batch)
+                .context("generation step failed")?;
+            check_logits(logits, &format!("tg{count}, position {pos}"))?;
+        }
+        Ok(count as f64 / start.elapsed().as_secs_f64())
+    };
+    for &depth in &args.n_depth {
+        let at = if depth > 0 {
+            format!(" @ d{depth}")
+        } else {
+            String::new()
         };
-        run_tg(1, &mut rng)?;
-        let samples = (0..reps)
-            .map(|_| run_tg(n, &mut rng))
-            .collect::<anyhow::Result<Vec<_>>>()?;
-        results.push(result(format!("tg{n}"), 0, n, threads, samples));
+        for &n in args.n_prompt.iter().filter(|&&n| n > 0) {
+            run_pp(n, depth, &mut rng, &mut ctx)?;
+            let samples = (0..reps)
+                .map(|_| run_pp(n, depth, &mut rng, &mut ctx))
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            results.push(result(format!("pp{n}{at}"), n, 0, depth, threads, samples));
+        }
+        for &n in args.n_gen.iter().filter(|&&n| n > 0) {
+            run_tg(1, depth, &mut rng, &mut ctx, &mut batch)?;
+            let samples = (0..reps)
+                .map(|_| run_tg(n, depth, &mut rng, &mut ctx, &mut batch))
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            results.push(result(format!("tg{n}{at}"), 0, n, depth, threads, samples));
+        }
     }
 
     for r in &mut results {
@@ -236,6 +283,7 @@ fn result(
     test: String,
     n_prompt: usize,
     n_gen: usize,
+    n_depth: usize,
     threads: usize,
     samples: Vec<f64>,
 ) -> BenchResult {
@@ -246,6 +294,7 @@ fn result(
         device: String::new(),
         n_prompt,
         n_gen,
+        n_depth,
         threads,
         samples_ts: samples,
         avg_ts,
