@@ -679,12 +679,20 @@ pub(crate) struct OutPtr {
 }
 
 impl OutPtr {
+    /// The whole of `out`, for jobs that each write their own elements.
+    pub(crate) fn new(out: &mut [f32]) -> OutPtr {
+        OutPtr {
+            ptr: out.as_mut_ptr(),
+            len: out.len(),
+        }
+    }
+
     /// `n` elements from `start`, checked to lie inside the output.
     ///
     /// # Safety
     /// No other live reference may reach these elements (each job its own).
     #[allow(clippy::mut_from_ref)]
-    unsafe fn slice(&self, start: usize, n: usize) -> &mut [f32] {
+    pub(crate) unsafe fn slice(&self, start: usize, n: usize) -> &mut [f32] {
         assert!(start.checked_add(n).is_some_and(|end| end <= self.len));
         // SAFETY: in bounds (checked above), the output is borrowed mutably for as long as
         // this pointer is used, and the caller guarantees exclusive access.

@@ -28,25 +28,12 @@ pub(crate) fn repacks_q4_k(rows: usize) -> bool {
     rows.is_multiple_of(8)
 }
 
-/// Per 32-element sub-block of one super-block: `Σ q·a` (q the 4-bit weight, a the activation).
-#[inline]
-fn sub_block_dots(w: &[u8], a: &[u8]) -> [i32; 8] {
-    #[cfg(target_arch = "x86_64")]
-    if matches!(
-        crate::simd::level(),
-        crate::simd::Level::Avx2 | crate::simd::Level::Avx512Vnni
-    ) {
-        // SAFETY: `simd::level` reports AVX2 or better only after checking AVX2, FMA and F16C.
-        return unsafe { crate::x86::avx2::q4k_sub_block_dots(w, a) };
-    }
-    sub_block_dots_portable(w, a)
-}
-
-/// [`sub_block_dots`] in plain Rust (the integers are the same on every path).
-fn sub_block_dots_portable(w: &[u8], a: &[u8]) -> [i32; 8] {
+/// Per pair `p` of 32-element sub-blocks of one super-block: `sc[2p]·Σ q·a + sc[2p+1]·Σ q·a`
+/// (q the 4-bit weight, a the activation, `sc` the sub-block scales), exact integers.
+fn pair_sums_portable(w: &[u8], a: &[u8], sc: &[i32; 8]) -> [i32; 4] {
     let qs = &w[q4_k::QS..q4_k::QS + QK_K / 2];
     let aq = &a[q8_k::QS..q8_k::QS + QK_K];
-    std::array::from_fn(|j| {
+    let dot = |j: usize| -> i32 {
         let (group, high) = (j / 2, j % 2 == 1);
         let q = &qs[32 * group..32 * group + 32];
         let x = &aq[32 * j..32 * j + 32];
@@ -57,7 +44,8 @@ fn sub_block_dots_portable(w: &[u8], a: &[u8]) -> [i32; 8] {
                 nibble as i32 * (v as i8 as i32)
             })
             .sum()
-    })
+    };
+    std::array::from_fn(|p| sc[2 * p] * dot(2 * p) + sc[2 * p + 1] * dot(2 * p + 1))
 }
 
 /// What one weight super-block contributes besides its quants: the 8 sub-block scales and mins
@@ -94,62 +82,50 @@ fn act_meta(y: &[u8]) -> ActMeta {
     }
 }
 
-/// One output: weight row `w` (Q4_K, its super-blocks' `wm`) against activation row `a` (Q8_K,
-/// `am`), with the gemm's (`per_pair`) or the gemv's float steps.
-fn dot(w: &[u8], wm: &[WeightMeta], a: &[u8], am: &[ActMeta], per_pair: bool) -> f32 {
+/// One output: weight row `w` (Q4_K) against activation row `a` (Q8_K), with the gemm's
+/// (`per_pair`) or the gemv's float steps.
+fn dot(w: &[u8], a: &[u8], per_pair: bool) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if matches!(
         crate::simd::level(),
         crate::simd::Level::Avx2 | crate::simd::Level::Avx512Vnni
     ) {
         // SAFETY: `simd::level` reports AVX2 or better only after checking AVX2, FMA and F16C.
-        return unsafe { dot_fma(w, wm, a, am, per_pair) };
+        return unsafe { crate::x86::avx2::q4k_repacked_dot(w, a, per_pair) };
     }
-    dot_impl(w, wm, a, am, per_pair)
+    dot_portable(w, a, per_pair)
 }
 
-/// [`dot`] compiled with FMA, so `mul_add` is one instruction rather than a call to `fmaf`
-/// (the same result either way).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn dot_fma(w: &[u8], wm: &[WeightMeta], a: &[u8], am: &[ActMeta], per_pair: bool) -> f32 {
-    dot_impl(w, wm, a, am, per_pair)
-}
-
-#[inline(always)]
-fn dot_impl(w: &[u8], wm: &[WeightMeta], a: &[u8], am: &[ActMeta], per_pair: bool) -> f32 {
+/// [`dot`] in plain Rust: the definition of the order, which the SIMD kernel reproduces bit for
+/// bit (tested below).
+fn dot_portable(w: &[u8], a: &[u8], per_pair: bool) -> f32 {
     let mut acc = 0.0f32;
     let mut acc_min = 0.0f32;
-    let blocks = w.chunks_exact(q4_k::SIZE).zip(a.chunks_exact(q8_k::SIZE));
-    for ((x, y), (m, n)) in blocks.zip(wm.iter().zip(am)) {
-        let dots = sub_block_dots(x, y);
+    for (x, y) in w.chunks_exact(q4_k::SIZE).zip(a.chunks_exact(q8_k::SIZE)) {
+        let (m, n) = (weight_meta(x), act_meta(y));
+        let is = pair_sums_portable(x, y, &m.sc);
         let scale = m.d * n.d;
         let scale_min = m.dmin * n.d;
-        let pair = |p: usize| {
-            let (j0, j1) = (2 * p, 2 * p + 1);
-            let i = m.sc[j0] * dots[j0] + m.sc[j1] * dots[j1];
-            let s = m.mn[j0] * n.bsum32[j0] + m.mn[j1] * n.bsum32[j1];
-            (i, s)
-        };
+        let min_sum =
+            |p: usize| m.mn[2 * p] * n.bsum32[2 * p] + m.mn[2 * p + 1] * n.bsum32[2 * p + 1];
         if per_pair {
-            for p in 0..4 {
-                let (i, s) = pair(p);
+            for (p, &i) in is.iter().enumerate() {
                 acc = (i as f32).mul_add(scale, acc);
-                acc_min = (s as f32).mul_add(scale_min, acc_min);
+                acc_min = (min_sum(p) as f32).mul_add(scale_min, acc_min);
             }
         } else {
-            let (mut i, mut s) = (0i32, 0i32);
-            for p in 0..4 {
-                let (ip, sp) = pair(p);
-                i += ip;
-                s += sp;
-            }
+            let i: i32 = is.iter().sum();
+            let s: i32 = (0..4).map(min_sum).sum();
             acc = (i as f32).mul_add(scale, acc);
             acc_min = (s as f32).mul_add(scale_min, acc_min);
         }
     }
     acc - acc_min
 }
+
+/// Tokens per sweep of a job's rows in a batch: their activations (2.3 KB per token for 2048
+/// columns) stay in cache while each row's weights are read once per sweep.
+const TOKEN_BLOCK: usize = 32;
 
 /// `out[t·rows + r]` for every row `r` of `w` (`rows` rows of `row_bytes`) and token `t` of
 /// `acts` (`n_tokens` rows of `act_bytes`): batches of four or more tokens take the gemm's
@@ -163,48 +139,114 @@ pub(crate) fn matmul(
     n_tokens: usize,
     out: &mut [f32],
 ) {
-    let nb = row_bytes / q4_k::SIZE;
-    let wm: Vec<WeightMeta> = w[..rows * row_bytes]
-        .chunks_exact(q4_k::SIZE)
-        .map(weight_meta)
-        .collect();
-    let am: Vec<ActMeta> = acts[..n_tokens * act_bytes]
-        .chunks_exact(q8_k::SIZE)
-        .map(act_meta)
-        .collect();
     let gemm = n_tokens > 3;
-    let one = |r: usize, t: usize| {
-        dot(
-            &w[r * row_bytes..(r + 1) * row_bytes],
-            &wm[r * nb..(r + 1) * nb],
-            &acts[t * act_bytes..(t + 1) * act_bytes],
-            &am[t * nb..(t + 1) * nb],
-            gemm,
-        )
-    };
-    if n_tokens == 1 {
-        // One token: split the rows between threads, in multiples of 8 as llama.cpp does.
-        let chunk = (rows
-            .div_ceil(rayon::current_num_threads().max(1))
-            .div_ceil(8)
-            * 8)
-        .max(8);
-        out[..rows]
-            .par_chunks_mut(chunk)
-            .enumerate()
-            .for_each(|(c, o)| {
+    let threads = rayon::current_num_threads().max(1);
+    // Rows split between threads in multiples of 8, as llama.cpp splits them; a batch gets more
+    // jobs than threads for balance.
+    let jobs = if n_tokens == 1 { threads } else { threads * 4 };
+    let chunk = (rows.div_ceil(jobs).div_ceil(8) * 8).max(8);
+    let out = crate::matmul::OutPtr::new(&mut out[..rows * n_tokens]);
+    let job = |c: usize| {
+        let r0 = c * chunk;
+        let n_rows = chunk.min(rows - r0);
+        for t0 in (0..n_tokens).step_by(TOKEN_BLOCK) {
+            for t in t0..(t0 + TOKEN_BLOCK).min(n_tokens) {
+                let a = &acts[t * act_bytes..(t + 1) * act_bytes];
+                // SAFETY: jobs own disjoint row ranges of every token.
+                let o = unsafe { out.slice(t * rows + r0, n_rows) };
                 for (k, v) in o.iter_mut().enumerate() {
-                    *v = one(c * chunk + k, 0);
+                    let r = r0 + k;
+                    *v = dot(&w[r * row_bytes..(r + 1) * row_bytes], a, gemm);
                 }
-            });
+            }
+        }
+    };
+    let n_jobs = rows.div_ceil(chunk);
+    if n_jobs == 1 {
+        job(0);
     } else {
-        out[..rows * n_tokens]
-            .par_chunks_mut(rows)
-            .enumerate()
-            .for_each(|(t, o)| {
-                for (r, v) in o.iter_mut().enumerate() {
-                    *v = one(r, t);
-                }
-            });
+        (0..n_jobs).into_par_iter().for_each(job);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A deterministic xorshift stream of bytes.
+    fn bytes(seed: u64, n: usize) -> Vec<u8> {
+        let mut state = seed | 1;
+        (0..n)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                (state >> 32) as u8
+            })
+            .collect()
+    }
+
+    /// A Q4_K row of `nb` random super-blocks with finite scales (every nibble 15 in some).
+    fn weight_row(seed: u64, nb: usize) -> Vec<u8> {
+        let mut w = bytes(seed, nb * q4_k::SIZE);
+        for (b, x) in w.chunks_exact_mut(q4_k::SIZE).enumerate() {
+            x[q4_k::D..q4_k::D + 2]
+                .copy_from_slice(&half::f16::from_f32(0.01 + b as f32 * 1e-3).to_le_bytes());
+            x[q4_k::DMIN..q4_k::DMIN + 2]
+                .copy_from_slice(&half::f16::from_f32(0.003).to_le_bytes());
+            if (seed + b as u64).is_multiple_of(4) {
+                x[q4_k::QS..q4_k::QS + QK_K / 2].fill(0xFF);
+            }
+        }
+        w
+    }
+
+    /// A Q8_K row of `nb` random super-blocks with consistent `bsums` (-128 everywhere in some).
+    fn act_row(seed: u64, nb: usize) -> Vec<u8> {
+        let mut a = bytes(seed, nb * q8_k::SIZE);
+        for (b, y) in a.chunks_exact_mut(q8_k::SIZE).enumerate() {
+            y[q8_k::D..q8_k::D + 4].copy_from_slice(&(0.02f32 + b as f32 * 1e-3).to_le_bytes());
+            if (seed + b as u64).is_multiple_of(5) {
+                y[q8_k::QS..q8_k::QS + QK_K].fill(0x80);
+            }
+            for k in 0..QK_K / 16 {
+                let sum: i16 = y[q8_k::QS + 16 * k..q8_k::QS + 16 * k + 16]
+                    .iter()
+                    .map(|&v| v as i8 as i16)
+                    .sum();
+                y[q8_k::BSUMS + 2 * k..q8_k::BSUMS + 2 * k + 2].copy_from_slice(&sum.to_le_bytes());
+            }
+        }
+        a
+    }
+
+    #[test]
+    fn the_simd_dot_is_the_portable_order_bit_for_bit() {
+        for seed in 1..120u64 {
+            let nb = 1 + (seed as usize % 9);
+            let (w, a) = (weight_row(seed, nb), act_row(seed * 7919, nb));
+            for per_pair in [false, true] {
+                let want = dot_portable(&w, &a, per_pair);
+                let got = dot(&w, &a, per_pair);
+                assert!(want.is_finite(), "seed {seed}");
+                assert_eq!(
+                    got.to_bits(),
+                    want.to_bits(),
+                    "seed {seed}, per_pair {per_pair}: {got} vs {want}"
+                );
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_packed_scale_decoding_equals_the_reference_one() {
+        for seed in 1..500u64 {
+            let b = bytes(seed, 12);
+            let (sc, mn) = k4_scales_mins(&b);
+            let (sc64, mn64) = crate::x86::avx2::k4_scales_mins_u64(&b);
+            assert_eq!(sc64.to_le_bytes(), sc, "seed {seed}");
+            assert_eq!(mn64.to_le_bytes(), mn, "seed {seed}");
+        }
     }
 }

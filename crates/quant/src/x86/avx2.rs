@@ -674,18 +674,89 @@ pub fn matvec_q8_0_q8_0(w: &[u8], a: &[u8], out: &mut [f32]) {
     unsafe { matvec_pairs::<true>(w, a, out) }
 }
 
-/// `Σ q·a` of each 32-element sub-block of one Q4_K super-block `x` with the Q8_K block `y`
-/// (exact integers, for `repack_order`).
+/// The 8 six-bit scales and 8 six-bit mins of a Q4_K super-block's 12 scale bytes, as two
+/// little-endian u64s holding one value per byte (scales 0..8 and mins 0..8). Bytes 0..4 hold
+/// the low 6 bits of scales 0..4 (mins 0..4 in bytes 4..8) and lend their top 2 bits to scales
+/// (mins) 4..8, whose low 4 bits are the nibbles of bytes 8..12.
+#[inline(always)]
+pub(crate) fn k4_scales_mins_u64(b: &[u8]) -> (u64, u64) {
+    let word = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+    let (w0, w1, w2) = (word(0), word(4), word(8));
+    const LOW6: u32 = 0x3f3f_3f3f;
+    const LOW4: u32 = 0x0f0f_0f0f;
+    const LOW2: u32 = 0x0303_0303;
+    let sc_lo = w0 & LOW6;
+    let mn_lo = w1 & LOW6;
+    let sc_hi = (w2 & LOW4) | (((w0 >> 6) & LOW2) << 4);
+    let mn_hi = ((w2 >> 4) & LOW4) | (((w1 >> 6) & LOW2) << 4);
+    (
+        sc_lo as u64 | (sc_hi as u64) << 32,
+        mn_lo as u64 | (mn_hi as u64) << 32,
+    )
+}
+
+/// One output of a Q4_K matrix in the order of llama.cpp's repacked x86 kernels (see
+/// `repack_order`): weight row `w` against the Q8_K activation row `a`. Per super-block the
+/// integer terms are formed in the lanes (sub-block scales by `madd`, the four pairs of
+/// sub-blocks reduced together by one `hadd` tree; the min terms as the activations' 32-element
+/// sums against the mins, one `madd` lane per pair), then turned into floats pair by pair
+/// (`per_pair`, the gemm's steps) or once per super-block (the gemv's).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub fn q4k_sub_block_dots(x: &[u8], y: &[u8]) -> [i32; 8] {
+pub fn q4k_repacked_dot(w: &[u8], a: &[u8], per_pair: bool) -> f32 {
     let low = _mm256_set1_epi8(0x0F);
-    let mut out = [0i32; 8];
-    for g in 0..4 {
-        let q = load32(&x[q4_k::QS + 32 * g..]);
-        let lo = _mm256_and_si256(q, low);
-        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), low);
-        out[2 * g] = hsum_epi32(dot_u8i8(lo, load32(&y[q8_k::QS + 64 * g..])));
-        out[2 * g + 1] = hsum_epi32(dot_u8i8(hi, load32(&y[q8_k::QS + 64 * g + 32..])));
+    let mut acc = 0.0f32;
+    let mut acc_min = 0.0f32;
+    for (x, y) in w.chunks_exact(q4_k::SIZE).zip(a.chunks_exact(q8_k::SIZE)) {
+        let (sc, mn) = k4_scales_mins_u64(&x[q4_k::SCALES..q4_k::SCALES + 12]);
+        let scale_of = |j: usize| ((sc >> (8 * j)) & 0xFF) as i16;
+        let pair = |g: usize| {
+            let q = load32(&x[q4_k::QS + 32 * g..]);
+            let lo = _mm256_and_si256(q, low);
+            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), low);
+            // 4-bit values times i8 stay far inside i16 (|2·15·128| < 2^15): no saturation.
+            let pl = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(lo, load32(&y[q8_k::QS + 64 * g..])),
+                _mm256_set1_epi16(scale_of(2 * g)),
+            );
+            let ph = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(hi, load32(&y[q8_k::QS + 64 * g + 32..])),
+                _mm256_set1_epi16(scale_of(2 * g + 1)),
+            );
+            _mm256_add_epi32(pl, ph)
+        };
+        let (v0, v1, v2, v3) = (pair(0), pair(1), pair(2), pair(3));
+        let h = _mm256_hadd_epi32(_mm256_hadd_epi32(v0, v1), _mm256_hadd_epi32(v2, v3));
+        let is = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
+        // The activations' 32-element sums (16-element `bsums` added in pairs, |Σ| ≤ 4096)
+        // against the mins widened to i16: lane p is pair p's min term.
+        let bs = load32(&y[q8_k::BSUMS..]);
+        let bsum32 = _mm_hadd_epi16(
+            _mm256_castsi256_si128(bs),
+            _mm256_extracti128_si256::<1>(bs),
+        );
+        let mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(mn as i64));
+        let ms = _mm_madd_epi16(mins, bsum32);
+        let d8 = f32::from_le_bytes([y[0], y[1], y[2], y[3]]);
+        let scale = f16_at(x, q4_k::D) * d8;
+        let scale_min = f16_at(x, q4_k::DMIN) * d8;
+        let mut i4 = [0i32; 4];
+        let mut m4 = [0i32; 4];
+        // SAFETY: each array is 4 i32 = 16 writable bytes; unaligned stores.
+        unsafe {
+            _mm_storeu_si128(i4.as_mut_ptr().cast(), is);
+            _mm_storeu_si128(m4.as_mut_ptr().cast(), ms);
+        }
+        if per_pair {
+            for p in 0..4 {
+                acc = (i4[p] as f32).mul_add(scale, acc);
+                acc_min = (m4[p] as f32).mul_add(scale_min, acc_min);
+            }
+        } else {
+            let i: i32 = i4.iter().sum();
+            let m: i32 = m4.iter().sum();
+            acc = (i as f32).mul_add(scale, acc);
+            acc_min = (m as f32).mul_add(scale_min, acc_min);
+        }
     }
-    out
+    acc - acc_min
 }
