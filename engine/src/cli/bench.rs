@@ -57,7 +57,12 @@ pub struct BenchArgs {
     pub n_gen: Vec<usize>,
     /// Depths to test at (comma-separated): tokens already in the cache before each test, filled
     /// untimed, as llama-bench's `-d`.
-    #[arg(short = 'd', long = "n-depth", value_delimiter = ',', default_value = "0")]
+    #[arg(
+        short = 'd',
+        long = "n-depth",
+        value_delimiter = ',',
+        default_value = "0"
+    )]
     pub n_depth: Vec<usize>,
     /// Repetitions of each test.
     #[arg(short = 'r', long, default_value_t = 5)]

@@ -658,6 +658,76 @@ unsafe fn matvec_pairs<const Q8: bool>(w: &[u8], a: &[u8], out: &mut [f32]) {
     }
 }
 
+/// Consecutive rows of a legacy format (contiguous in `w`, one per element of `out`) against
+/// one activation row, four rows at a time: the same columns of four rows are read together
+/// (with the next four rows prefetched, as [`rows4`] does), and each row keeps its own chain of
+/// [`legacy_loop`]'s steps, so every output is bit for bit that kernel's.
+///
+/// # Safety
+/// `block` must be sound on whole blocks of `w_size` and `a_size` bytes, and the CPU must have
+/// AVX2, FMA and F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn matvec_legacy(
+    w: &[u8],
+    a: &[u8],
+    out: &mut [f32],
+    w_size: usize,
+    a_size: usize,
+    block: unsafe fn(*const u8, *const u8) -> BlockTerms,
+) {
+    let nb = a.len() / a_size;
+    let row_bytes = nb * w_size;
+    assert!(w.len() >= out.len() * row_bytes);
+    let ap = a.as_ptr();
+    let done = out.len() / 4 * 4;
+    let mut quads = out.chunks_exact_mut(4);
+    for (i, o) in quads.by_ref().enumerate() {
+        let base = w[4 * i * row_bytes..].as_ptr();
+        let next = base.wrapping_add(PREFETCH_ROWS * row_bytes);
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut summs = [0.0f32; 4];
+        for c in 0..nb {
+            if c % 3 == 0 {
+                for r in 0..4 {
+                    _mm_prefetch::<_MM_HINT_T0>(
+                        next.wrapping_add(r * row_bytes + c * w_size).cast(),
+                    );
+                }
+            }
+            for r in 0..4 {
+                // SAFETY: rows 4i..4i+4 each hold nb blocks (asserted above), and c < nb.
+                let (d, p, [m, s]) =
+                    unsafe { block(base.add(r * row_bytes + c * w_size), ap.add(c * a_size)) };
+                acc[r] = _mm256_fmadd_ps(d, p, acc[r]);
+                summs[r] = m.mul_add(s, summs[r]);
+            }
+        }
+        for r in 0..4 {
+            o[r] = hsum_ps(acc[r]) + summs[r];
+        }
+    }
+    for (k, o) in quads.into_remainder().iter_mut().enumerate() {
+        let row = &w[(done + k) * row_bytes..(done + k + 1) * row_bytes];
+        // SAFETY: as above.
+        *o = unsafe { legacy_loop(row, a, w_size, a_size, block) };
+    }
+}
+
+/// Q5_0 rows against one Q8_0 activation row (see [`matvec_legacy`]).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub fn matvec_q5_0_q8_0(w: &[u8], a: &[u8], out: &mut [f32]) {
+    // SAFETY: whole blocks of these sizes; this CPU has the features.
+    unsafe { matvec_legacy(w, a, out, q5_0::SIZE, q8_0::SIZE, block_q5_0) }
+}
+
+/// Q5_1 rows against one Q8_1 activation row (see [`matvec_legacy`]).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub fn matvec_q5_1_q8_1(w: &[u8], a: &[u8], out: &mut [f32]) {
+    // SAFETY: whole blocks of these sizes; this CPU has the features.
+    unsafe { matvec_legacy(w, a, out, q5_1::SIZE, q8_1::SIZE, block_q5_1) }
+}
+
 /// Q4_1 rows (contiguous in `w`, one per element of `out`) against one Q8_1 activation row
 /// (see [`matvec_pairs`]).
 #[target_feature(enable = "avx2,fma,f16c")]

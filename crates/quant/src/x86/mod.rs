@@ -47,6 +47,8 @@ pub fn matvec(level: Level, ty: GgmlType, w: &[u8], a: &[u8], out: &mut [f32]) -
         match ty {
             GgmlType::Q4_1 => avx2::matvec_q4_1_q8_1(w, a, out),
             GgmlType::Q8_0 => avx2::matvec_q8_0_q8_0(w, a, out),
+            GgmlType::Q5_0 => avx2::matvec_q5_0_q8_0(w, a, out),
+            GgmlType::Q5_1 => avx2::matvec_q5_1_q8_1(w, a, out),
             _ => return false,
         }
     }
