@@ -123,6 +123,11 @@ fn dot_portable(w: &[u8], a: &[u8], per_pair: bool) -> f32 {
     acc - acc_min
 }
 
+/// From this many tokens on, rows are computed eight at a time ([`crate::x86::avx2::q4k_repacked_rows8`]):
+/// decoding a group's scales into broadcast vectors pays off once several tokens share it.
+#[cfg(target_arch = "x86_64")]
+const ROWS8_MIN_TOKENS: usize = 2;
+
 /// Tokens per sweep of a job's rows in a batch: their activations (2.3 KB per token for 2048
 /// columns) stay in cache while each row's weights are read once per sweep.
 const TOKEN_BLOCK: usize = 32;
@@ -149,6 +154,32 @@ pub(crate) fn matmul(
     let job = |c: usize| {
         let r0 = c * chunk;
         let n_rows = chunk.min(rows - r0);
+        #[cfg(target_arch = "x86_64")]
+        if n_tokens >= ROWS8_MIN_TOKENS
+            && n_rows.is_multiple_of(8)
+            && matches!(
+                crate::simd::level(),
+                crate::simd::Level::Avx2 | crate::simd::Level::Avx512Vnni
+            )
+        {
+            use crate::x86::avx2::{q4k_repacked_rows8, Rows8Meta};
+            for t0 in (0..n_tokens).step_by(TOKEN_BLOCK) {
+                for g in (r0..r0 + n_rows).step_by(8) {
+                    let group = &w[g * row_bytes..(g + 8) * row_bytes];
+                    // SAFETY: `simd::level` reports AVX2 or better only after checking AVX2,
+                    // FMA and F16C.
+                    let meta = unsafe { Rows8Meta::new(group, row_bytes) };
+                    for t in t0..(t0 + TOKEN_BLOCK).min(n_tokens) {
+                        let a = &acts[t * act_bytes..(t + 1) * act_bytes];
+                        // SAFETY: as above.
+                        let v = unsafe { q4k_repacked_rows8(group, row_bytes, &meta, a, gemm) };
+                        // SAFETY: jobs own disjoint row ranges of every token.
+                        unsafe { out.slice(t * rows + g, 8) }.copy_from_slice(&v);
+                    }
+                }
+            }
+            return;
+        }
         for t0 in (0..n_tokens).step_by(TOKEN_BLOCK) {
             for t in t0..(t0 + TOKEN_BLOCK).min(n_tokens) {
                 let a = &acts[t * act_bytes..(t + 1) * act_bytes];
@@ -234,6 +265,39 @@ mod tests {
                     want.to_bits(),
                     "seed {seed}, per_pair {per_pair}: {got} vs {want}"
                 );
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn eight_rows_at_once_are_each_row_bit_for_bit() {
+        use crate::x86::avx2::{q4k_repacked_rows8, Rows8Meta};
+        for seed in 1..40u64 {
+            let nb = 1 + (seed as usize % 5);
+            let row_bytes = nb * q4_k::SIZE;
+            let rows: Vec<u8> = (0..8).flat_map(|r| weight_row(seed * 13 + r, nb)).collect();
+            let a = act_row(seed * 7919, nb);
+            if !matches!(
+                crate::simd::level(),
+                crate::simd::Level::Avx2 | crate::simd::Level::Avx512Vnni
+            ) {
+                return;
+            }
+            // SAFETY: the level check above found AVX2, FMA and F16C.
+            let meta = unsafe { Rows8Meta::new(&rows, row_bytes) };
+            for per_pair in [false, true] {
+                // SAFETY: as above.
+                let got = unsafe { q4k_repacked_rows8(&rows, row_bytes, &meta, &a, per_pair) };
+                for (r, g) in got.iter().enumerate() {
+                    let want =
+                        dot_portable(&rows[r * row_bytes..(r + 1) * row_bytes], &a, per_pair);
+                    assert_eq!(
+                        g.to_bits(),
+                        want.to_bits(),
+                        "seed {seed} row {r} per_pair {per_pair}"
+                    );
+                }
             }
         }
     }

@@ -830,3 +830,146 @@ pub fn q4k_repacked_dot(w: &[u8], a: &[u8], per_pair: bool) -> f32 {
     }
     acc - acc_min
 }
+
+/// What eight Q4_K rows' super-blocks contribute besides their quants, laid out for
+/// [`q4k_repacked_rows8`]: per super-block, each row's 8 sub-block scales as broadcast i16
+/// vectors (the `madd` operands), the 8 mins with one row per i32 lane, and `d`, `dmin` with one
+/// row per f32 lane. Decoded once per group of rows, shared by every token.
+pub struct Rows8Meta {
+    scales: Vec<__m256i>,
+    mins: Vec<__m256i>,
+    d: Vec<__m256>,
+    dmin: Vec<__m256>,
+}
+
+impl Rows8Meta {
+    /// The metadata of the 8 rows of `row_bytes` bytes each in `rows` (contiguous).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub fn new(rows: &[u8], row_bytes: usize) -> Rows8Meta {
+        let nb = row_bytes / q4_k::SIZE;
+        let mut scales = Vec::with_capacity(nb * 64);
+        let mut mins = Vec::with_capacity(nb * 8);
+        let mut d = Vec::with_capacity(nb);
+        let mut dmin = Vec::with_capacity(nb);
+        for b in 0..nb {
+            let mut mn_rows = [[0i32; 8]; 8];
+            let mut d_rows = [0f32; 8];
+            let mut dmin_rows = [0f32; 8];
+            for r in 0..8 {
+                let x = &rows[r * row_bytes + b * q4_k::SIZE..][..q4_k::SIZE];
+                let (sc, mn) = k4_scales_mins_u64(&x[q4_k::SCALES..q4_k::SCALES + 12]);
+                for (j, mn_row) in mn_rows.iter_mut().enumerate() {
+                    scales.push(_mm256_set1_epi16(((sc >> (8 * j)) & 0xFF) as i16));
+                    mn_row[r] = ((mn >> (8 * j)) & 0xFF) as i32;
+                }
+                d_rows[r] = f16_at(x, q4_k::D);
+                dmin_rows[r] = f16_at(x, q4_k::DMIN);
+            }
+            for row in &mn_rows {
+                // SAFETY: 8 i32 = 32 readable bytes; unaligned load.
+                mins.push(unsafe { _mm256_loadu_si256(row.as_ptr().cast()) });
+            }
+            // SAFETY: 8 f32 = 32 readable bytes each; unaligned loads.
+            unsafe {
+                d.push(_mm256_loadu_ps(d_rows.as_ptr()));
+                dmin.push(_mm256_loadu_ps(dmin_rows.as_ptr()));
+            }
+        }
+        Rows8Meta {
+            scales,
+            mins,
+            d,
+            dmin,
+        }
+    }
+}
+
+/// Lane `r` of the result: the sum of the 8 lanes of `v[r]` (an 8x8 transpose and reduce).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn reduce8(v: [__m256i; 8]) -> __m256i {
+    let a01 = _mm256_hadd_epi32(v[0], v[1]);
+    let a23 = _mm256_hadd_epi32(v[2], v[3]);
+    let a45 = _mm256_hadd_epi32(v[4], v[5]);
+    let a67 = _mm256_hadd_epi32(v[6], v[7]);
+    // Lanes: rows 0..4 (4..8) of the low and of the high halves' partial sums.
+    let b03 = _mm256_hadd_epi32(a01, a23);
+    let b47 = _mm256_hadd_epi32(a45, a67);
+    _mm256_add_epi32(
+        _mm256_permute2x128_si256::<0x20>(b03, b47),
+        _mm256_permute2x128_si256::<0x31>(b03, b47),
+    )
+}
+
+/// Eight outputs of a repacked Q4_K matrix at once: 8 consecutive rows (`rows`, contiguous,
+/// `row_bytes` each, their [`Rows8Meta`] `meta`) against one Q8_K activation row `a`, one row
+/// per lane. Each lane takes exactly the steps of [`q4k_repacked_dot`] for its row (the same
+/// exact integers, the same float roundings in the same order), so the outputs are bit for bit
+/// that kernel's; the weights' scales are decoded once per group and the activations loaded
+/// once for all eight rows.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub fn q4k_repacked_rows8(
+    rows: &[u8],
+    row_bytes: usize,
+    meta: &Rows8Meta,
+    a: &[u8],
+    per_pair: bool,
+) -> [f32; 8] {
+    let nb = row_bytes / q4_k::SIZE;
+    assert!(rows.len() >= 8 * row_bytes && a.len() >= nb * q8_k::SIZE);
+    assert!(meta.d.len() >= nb);
+    let low = _mm256_set1_epi8(0x0F);
+    let mut acc = _mm256_setzero_ps();
+    let mut acc_min = _mm256_setzero_ps();
+    for b in 0..nb {
+        let y = &a[b * q8_k::SIZE..][..q8_k::SIZE];
+        let d8 = _mm256_set1_ps(f32::from_le_bytes([y[0], y[1], y[2], y[3]]));
+        let scale = _mm256_mul_ps(meta.d[b], d8);
+        let scale_min = _mm256_mul_ps(meta.dmin[b], d8);
+        let bsum = |k: usize| {
+            i16::from_le_bytes([y[q8_k::BSUMS + 2 * k], y[q8_k::BSUMS + 2 * k + 1]]) as i32
+        };
+        let scl = &meta.scales[b * 64..b * 64 + 64];
+        let mins = &meta.mins[b * 8..b * 8 + 8];
+        let mut i_sum = _mm256_setzero_si256();
+        let mut m_sum = _mm256_setzero_si256();
+        for g in 0..4 {
+            let ylo = load32(&y[q8_k::QS + 64 * g..]);
+            let yhi = load32(&y[q8_k::QS + 64 * g + 32..]);
+            // A plain loop, not `array::from_fn`: a closure would not inherit this function's
+            // target features, and its intrinsics would become calls.
+            let mut v = [_mm256_setzero_si256(); 8];
+            for (r, vr) in v.iter_mut().enumerate() {
+                let q = load32(&rows[r * row_bytes + b * q4_k::SIZE + q4_k::QS + 32 * g..]);
+                let lo = _mm256_and_si256(q, low);
+                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), low);
+                *vr = _mm256_add_epi32(
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(lo, ylo), scl[8 * r + 2 * g]),
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(hi, yhi), scl[8 * r + 2 * g + 1]),
+                );
+            }
+            let i_p = reduce8(v);
+            let b0 = bsum(4 * g) + bsum(4 * g + 1);
+            let b1 = bsum(4 * g + 2) + bsum(4 * g + 3);
+            let m_p = _mm256_add_epi32(
+                _mm256_mullo_epi32(mins[2 * g], _mm256_set1_epi32(b0)),
+                _mm256_mullo_epi32(mins[2 * g + 1], _mm256_set1_epi32(b1)),
+            );
+            if per_pair {
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i_p), scale, acc);
+                acc_min = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m_p), scale_min, acc_min);
+            } else {
+                i_sum = _mm256_add_epi32(i_sum, i_p);
+                m_sum = _mm256_add_epi32(m_sum, m_p);
+            }
+        }
+        if !per_pair {
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i_sum), scale, acc);
+            acc_min = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m_sum), scale_min, acc_min);
+        }
+    }
+    let mut out = [0f32; 8];
+    // SAFETY: 8 f32 = 32 writable bytes; unaligned store.
+    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), _mm256_sub_ps(acc, acc_min)) };
+    out
+}
