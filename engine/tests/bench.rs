@@ -1,5 +1,5 @@
 //! `ember bench` as llama-bench's users drive it, on the pinned SmolLM2 model: the JSON output
-//! holds one result per test and depth, and a depth past what memory holds is refused up front.
+//! holds one result per test and depth, and a depth past the context cap is refused up front.
 
 mod common;
 
@@ -58,7 +58,7 @@ fn depth_tests_run_after_an_untimed_fill_and_are_named_as_llama_bench_names_them
 }
 
 #[test]
-fn a_depth_beyond_memory_is_refused_before_anything_runs() {
+fn a_depth_past_the_context_cap_is_refused_before_anything_runs() {
     let out = bench(&["-p", "0", "-n", "1", "-d", "1000000000000", "-r", "1"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());

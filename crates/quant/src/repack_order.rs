@@ -163,12 +163,13 @@ pub(crate) fn matmul(
             )
         {
             use crate::x86::avx2::{q4k_repacked_rows8, Rows8Meta};
+            let mut meta = Rows8Meta::default();
             for t0 in (0..n_tokens).step_by(TOKEN_BLOCK) {
                 for g in (r0..r0 + n_rows).step_by(8) {
                     let group = &w[g * row_bytes..(g + 8) * row_bytes];
                     // SAFETY: `simd::level` reports AVX2 or better only after checking AVX2,
                     // FMA and F16C.
-                    let meta = unsafe { Rows8Meta::new(group, row_bytes) };
+                    unsafe { meta.decode(group, row_bytes) };
                     for t in t0..(t0 + TOKEN_BLOCK).min(n_tokens) {
                         let a = &acts[t * act_bytes..(t + 1) * act_bytes];
                         // SAFETY: as above.
@@ -273,19 +274,21 @@ mod tests {
     #[test]
     fn eight_rows_at_once_are_each_row_bit_for_bit() {
         use crate::x86::avx2::{q4k_repacked_rows8, Rows8Meta};
+        if !matches!(
+            crate::simd::level(),
+            crate::simd::Level::Avx2 | crate::simd::Level::Avx512Vnni
+        ) {
+            return;
+        }
+        // One value reused across groups of different widths, as a matmul job reuses it.
+        let mut meta = Rows8Meta::default();
         for seed in 1..40u64 {
             let nb = 1 + (seed as usize % 5);
             let row_bytes = nb * q4_k::SIZE;
             let rows: Vec<u8> = (0..8).flat_map(|r| weight_row(seed * 13 + r, nb)).collect();
             let a = act_row(seed * 7919, nb);
-            if !matches!(
-                crate::simd::level(),
-                crate::simd::Level::Avx2 | crate::simd::Level::Avx512Vnni
-            ) {
-                return;
-            }
             // SAFETY: the level check above found AVX2, FMA and F16C.
-            let meta = unsafe { Rows8Meta::new(&rows, row_bytes) };
+            unsafe { meta.decode(&rows, row_bytes) };
             for per_pair in [false, true] {
                 // SAFETY: as above.
                 let got = unsafe { q4k_repacked_rows8(&rows, row_bytes, &meta, &a, per_pair) };

@@ -834,7 +834,9 @@ pub fn q4k_repacked_dot(w: &[u8], a: &[u8], per_pair: bool) -> f32 {
 /// What eight Q4_K rows' super-blocks contribute besides their quants, laid out for
 /// [`q4k_repacked_rows8`]: per super-block, each row's 8 sub-block scales as broadcast i16
 /// vectors (the `madd` operands), the 8 mins with one row per i32 lane, and `d`, `dmin` with one
-/// row per f32 lane. Decoded once per group of rows, shared by every token.
+/// row per f32 lane. Decoded once per group of rows, shared by every token; one value per job,
+/// its buffers reused from group to group.
+#[derive(Default)]
 pub struct Rows8Meta {
     scales: Vec<__m256i>,
     mins: Vec<__m256i>,
@@ -843,14 +845,21 @@ pub struct Rows8Meta {
 }
 
 impl Rows8Meta {
-    /// The metadata of the 8 rows of `row_bytes` bytes each in `rows` (contiguous).
+    /// Decodes the metadata of the 8 rows of `row_bytes` bytes each in `rows` (contiguous) in
+    /// place of what it held.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub fn new(rows: &[u8], row_bytes: usize) -> Rows8Meta {
+    pub fn decode(&mut self, rows: &[u8], row_bytes: usize) {
         let nb = row_bytes / q4_k::SIZE;
-        let mut scales = Vec::with_capacity(nb * 64);
-        let mut mins = Vec::with_capacity(nb * 8);
-        let mut d = Vec::with_capacity(nb);
-        let mut dmin = Vec::with_capacity(nb);
+        let Rows8Meta {
+            scales,
+            mins,
+            d,
+            dmin,
+        } = self;
+        scales.clear();
+        mins.clear();
+        d.clear();
+        dmin.clear();
         for b in 0..nb {
             let mut mn_rows = [[0i32; 8]; 8];
             let mut d_rows = [0f32; 8];
@@ -874,12 +883,6 @@ impl Rows8Meta {
                 d.push(_mm256_loadu_ps(d_rows.as_ptr()));
                 dmin.push(_mm256_loadu_ps(dmin_rows.as_ptr()));
             }
-        }
-        Rows8Meta {
-            scales,
-            mins,
-            d,
-            dmin,
         }
     }
 }
