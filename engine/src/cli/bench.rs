@@ -197,7 +197,9 @@ fn bench_on<B: Backend>(
         )?;
         Ok(n as f64 / elapsed)
     };
-    let run_tg = |count: usize,
+    // `test` names the test in errors (its warm-up generates one token under the same name).
+    let run_tg = |test: &str,
+                  count: usize,
                   depth: usize,
                   rng: &mut Pcg32,
                   ctx: &mut _,
@@ -211,7 +213,7 @@ fn bench_on<B: Backend>(
             let logits = model
                 .forward(ctx, batch)
                 .context("generation step failed")?;
-            check_logits(logits, &format!("tg{count}, position {pos}"))?;
+            check_logits(logits, &format!("{test}, position {pos}"))?;
         }
         Ok(count as f64 / start.elapsed().as_secs_f64())
     };
@@ -229,11 +231,12 @@ fn bench_on<B: Backend>(
             results.push(result(format!("pp{n}{at}"), n, 0, depth, threads, samples));
         }
         for &n in args.n_gen.iter().filter(|&&n| n > 0) {
-            run_tg(1, depth, &mut rng, &mut ctx, &mut batch)?;
+            let test = format!("tg{n}{at}");
+            run_tg(&test, 1, depth, &mut rng, &mut ctx, &mut batch)?;
             let samples = (0..reps)
-                .map(|_| run_tg(n, depth, &mut rng, &mut ctx, &mut batch))
+                .map(|_| run_tg(&test, n, depth, &mut rng, &mut ctx, &mut batch))
                 .collect::<anyhow::Result<Vec<_>>>()?;
-            results.push(result(format!("tg{n}{at}"), 0, n, depth, threads, samples));
+            results.push(result(test, 0, n, depth, threads, samples));
         }
     }
 
