@@ -157,6 +157,46 @@ pub(crate) fn matmul(
         #[cfg(target_arch = "x86_64")]
         if n_tokens >= ROWS8_MIN_TOKENS
             && n_rows.is_multiple_of(8)
+            && crate::simd::level() == crate::simd::Level::Avx512Vnni
+        {
+            use crate::x86::avx512::{q4k_rows8_tokens, Rows8Scales, TokenRows, TOKENS};
+            let mut meta = Rows8Scales::default();
+            let mut v = [[0f32; 8]; TOKENS];
+            // Each group's metadata is decoded once; its rows stay in cache while every block
+            // of tokens passes over them.
+            for g in (r0..r0 + n_rows).step_by(8) {
+                let group = &w[g * row_bytes..(g + 8) * row_bytes];
+                // SAFETY: `simd::level` reports AVX-512 VNNI only after checking AVX-512 F, BW,
+                // VL and VNNI, AVX2, FMA and F16C.
+                unsafe { meta.decode(group, row_bytes) };
+                for t0 in (0..n_tokens).step_by(TOKENS) {
+                    let nt = TOKENS.min(n_tokens - t0);
+                    // SAFETY: as above.
+                    unsafe {
+                        q4k_rows8_tokens(
+                            group,
+                            row_bytes,
+                            &meta,
+                            TokenRows {
+                                data: &acts[t0 * act_bytes..],
+                                stride: act_bytes,
+                                count: nt,
+                            },
+                            gemm,
+                            &mut v,
+                        );
+                    }
+                    for (t, vt) in v.iter().enumerate().take(nt) {
+                        // SAFETY: jobs own disjoint row ranges of every token.
+                        unsafe { out.slice((t0 + t) * rows + g, 8) }.copy_from_slice(vt);
+                    }
+                }
+            }
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if n_tokens >= ROWS8_MIN_TOKENS
+            && n_rows.is_multiple_of(8)
             && matches!(
                 crate::simd::level(),
                 crate::simd::Level::Avx2 | crate::simd::Level::Avx512Vnni
@@ -300,6 +340,61 @@ mod tests {
                         want.to_bits(),
                         "seed {seed} row {r} per_pair {per_pair}"
                     );
+                }
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn eight_rows_by_many_tokens_are_each_output_bit_for_bit() {
+        use crate::x86::avx512::{q4k_rows8_tokens, Rows8Scales, TokenRows, TOKENS};
+        if crate::simd::level() != crate::simd::Level::Avx512Vnni {
+            eprintln!("skipped: this CPU has no AVX-512 VNNI");
+            return;
+        }
+        // One value reused across groups of different widths, as a matmul job reuses it.
+        let mut meta = Rows8Scales::default();
+        let mut out = [[f32::NAN; 8]; TOKENS];
+        for seed in 1..24u64 {
+            let nb = 1 + (seed as usize % 5);
+            let row_bytes = nb * q4_k::SIZE;
+            let rows: Vec<u8> = (0..8).flat_map(|r| weight_row(seed * 13 + r, nb)).collect();
+            let n_tokens = [1, 2, 3, 4, 7, 16, 31, TOKENS][seed as usize % 8];
+            let acts: Vec<u8> = (0..n_tokens as u64)
+                .flat_map(|t| act_row(seed * 7919 + t * 104729, nb))
+                .collect();
+            let act_bytes = nb * q8_k::SIZE;
+            // SAFETY: the level check above found AVX-512 F, BW, VL and VNNI, AVX2, FMA, F16C.
+            unsafe { meta.decode(&rows, row_bytes) };
+            for per_pair in [false, true] {
+                // SAFETY: as above.
+                unsafe {
+                    q4k_rows8_tokens(
+                        &rows,
+                        row_bytes,
+                        &meta,
+                        TokenRows {
+                            data: &acts,
+                            stride: act_bytes,
+                            count: n_tokens,
+                        },
+                        per_pair,
+                        &mut out,
+                    )
+                };
+                for (t, got) in out.iter().enumerate().take(n_tokens) {
+                    let a = &acts[t * act_bytes..(t + 1) * act_bytes];
+                    for (r, g) in got.iter().enumerate() {
+                        let want =
+                            dot_portable(&rows[r * row_bytes..(r + 1) * row_bytes], a, per_pair);
+                        assert!(want.is_finite(), "seed {seed} token {t} row {r}");
+                        assert_eq!(
+                            g.to_bits(),
+                            want.to_bits(),
+                            "seed {seed} token {t} of {n_tokens} row {r} per_pair {per_pair}: {g} vs {want}"
+                        );
+                    }
                 }
             }
         }

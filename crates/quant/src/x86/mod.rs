@@ -1,7 +1,9 @@
 //! x86-64 SIMD kernels. `avx2` holds the dot products of every weight format and the tiled
-//! integer matmul kernel (also on AVX-512 machines, so results do not depend on the machine).
+//! integer matmul kernel (also on AVX-512 machines, so results do not depend on the machine);
+//! `avx512` the AVX-512 VNNI kernels whose results are bit for bit the AVX2 ones (Q4_K prompts).
 
 pub mod avx2;
+pub mod avx512;
 pub mod tile;
 
 use crate::simd::Level;
