@@ -118,6 +118,16 @@ fn check_cases(cases: &[Case], model_bytes: u64, dir: &Path) {
             .lines()
             .filter(|l| l.starts_with("error:"))
             .collect();
+        // One line per case, for the record (`--nocapture` shows them).
+        eprintln!(
+            "{}: exit {}, {:.2} s, peak resident {} MiB: {}",
+            c.name,
+            out.code
+                .map_or_else(|| format!("signal {:?}", out.signal), |c| c.to_string()),
+            out.elapsed.as_secs_f64(),
+            out.max_rss / MIB,
+            errors.first().copied().unwrap_or("(no error line)")
+        );
         let mut problems = Vec::new();
         if let Some(signal) = out.signal {
             problems.push(format!("killed by signal {signal}"));

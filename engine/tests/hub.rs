@@ -747,3 +747,183 @@ fn specs_parse_as_llama_cpp_spells_them() {
         assert!(HubSpec::parse(bad).is_err(), "{bad}");
     }
 }
+
+#[test]
+fn a_hash_that_is_not_hex_is_refused_before_it_names_a_file() {
+    for bad in ["../../../outside", "zz", &"g".repeat(64), &"a".repeat(63)] {
+        let mut files = standard_repo();
+        files[1].published_sha256 = bad.to_string();
+        let hub = FakeHub::start(files, None, 0);
+        let cache = tempfile::tempdir().unwrap();
+        let e = hub::pull(
+            &spec("hf://someone/Tiny-GGUF"),
+            &config(&hub.endpoint, cache.path(), None),
+            &mut Recorded::default(),
+        )
+        .unwrap_err();
+        assert!(matches!(e, HubError::BadResponse { .. }), "{e}");
+        let text = e.to_string();
+        assert!(
+            text.contains(&format!(
+                "expected the LFS SHA-256 of tiny-Q4_K_M.gguf as 64 hex digits, found {bad:?}"
+            )),
+            "{text}"
+        );
+        assert_eq!(text.lines().count(), 1, "{text}");
+        assert!(hub.storage_requests().is_empty());
+        // Nothing was written anywhere: not in the cache, not beside it.
+        let entries: Vec<_> = std::fs::read_dir(cache.path()).unwrap().flatten().collect();
+        assert!(entries.is_empty(), "{entries:?}");
+    }
+}
+
+/// Holds the lock a pull of `sha256` takes, as another pull (or huggingface_hub) would.
+fn hold_blob_lock(cache: &Path, sha256: &str) -> std::fs::File {
+    let path = hub::download::lock_path(&repo_dir(cache), sha256);
+    assert_eq!(
+        path,
+        cache
+            .join(".locks/models--someone--Tiny-GGUF")
+            .join(format!("{sha256}.lock"))
+    );
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    let lock = std::fs::File::create(&path).unwrap();
+    lock.lock().unwrap();
+    lock
+}
+
+/// Starts a pull in a thread; its result and progress come back through the handle.
+fn pull_in_thread(
+    endpoint: &str,
+    cache: &Path,
+) -> std::thread::JoinHandle<(Result<PathBuf, HubError>, Recorded)> {
+    let cfg = config(endpoint, cache, None);
+    std::thread::spawn(move || {
+        let mut progress = Recorded::default();
+        let result = hub::pull(&spec("hf://someone/Tiny-GGUF"), &cfg, &mut progress);
+        (result, progress)
+    })
+}
+
+#[test]
+fn a_pull_waits_while_another_writes_the_same_blob() {
+    let hub = FakeHub::start(standard_repo(), None, 0);
+    let cache = tempfile::tempdir().unwrap();
+    let sha = hub.state.files[1].published_sha256.clone();
+    let lock = hold_blob_lock(cache.path(), &sha);
+    let pull = pull_in_thread(&hub.endpoint, cache.path());
+    // While the lock is held the pull downloads nothing and writes no partial file.
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(!pull.is_finished());
+    assert!(hub.storage_requests().is_empty(), "{:?}", hub.log());
+    assert!(blobs(cache.path()).is_empty(), "{:?}", blobs(cache.path()));
+    drop(lock);
+    let (result, progress) = pull.join().unwrap();
+    let path = result.unwrap();
+    assert_eq!(std::fs::read(&path).unwrap(), hub.state.files[1].data);
+    assert_eq!(hub.storage_requests().len(), 1);
+    assert!(
+        progress.messages.iter().any(|m| m
+            .starts_with("tiny-Q4_K_M.gguf: another pull is downloading it (lock ")
+            && m.ends_with("); waiting")),
+        "{:?}",
+        progress.messages
+    );
+}
+
+#[test]
+fn a_pull_that_waited_takes_the_blob_the_other_finished() {
+    let hub = FakeHub::start(standard_repo(), None, 0);
+    let cache = tempfile::tempdir().unwrap();
+    let wanted = &hub.state.files[1];
+    let lock = hold_blob_lock(cache.path(), &wanted.published_sha256);
+    let pull = pull_in_thread(&hub.endpoint, cache.path());
+    std::thread::sleep(Duration::from_millis(300));
+    // The other writer finishes: the blob appears under its final name, then the lock goes.
+    let blob_dir = repo_dir(cache.path()).join("blobs");
+    std::fs::create_dir_all(&blob_dir).unwrap();
+    let tmp = blob_dir.join("other-writer.tmp");
+    std::fs::write(&tmp, &wanted.data).unwrap();
+    std::fs::rename(&tmp, blob_dir.join(&wanted.published_sha256)).unwrap();
+    drop(lock);
+    let (result, _) = pull.join().unwrap();
+    assert_eq!(std::fs::read(result.unwrap()).unwrap(), wanted.data);
+    assert!(hub.storage_requests().is_empty(), "{:?}", hub.log());
+}
+
+#[test]
+fn concurrent_pulls_of_one_file_download_it_once() {
+    let hub = FakeHub::start(standard_repo(), None, 0);
+    let cache = tempfile::tempdir().unwrap();
+    let sha = hub.state.files[1].published_sha256.clone();
+    // Held until every pull has started, so they all meet at the lock.
+    let lock = hold_blob_lock(cache.path(), &sha);
+    let pulls: Vec<_> = (0..4)
+        .map(|_| pull_in_thread(&hub.endpoint, cache.path()))
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    drop(lock);
+    for pull in pulls {
+        let (result, _) = pull.join().unwrap();
+        assert_eq!(
+            std::fs::read(result.unwrap()).unwrap(),
+            hub.state.files[1].data
+        );
+    }
+    assert_eq!(hub.storage_requests().len(), 1, "{:?}", hub.log());
+    assert_eq!(blobs(cache.path()), vec![sha]);
+}
+
+/// A blob of the wrong size under its final name (cut short by another tool, say) is replaced by
+/// a rename, never rewritten: a process that has the old file open or mapped keeps its contents.
+#[cfg(unix)]
+#[test]
+fn a_bad_blob_is_replaced_by_a_rename_not_rewritten() {
+    use std::io::Read;
+    use std::os::unix::fs::MetadataExt;
+
+    let hub = FakeHub::start(standard_repo(), None, 0);
+    let cache = tempfile::tempdir().unwrap();
+    let wanted = &hub.state.files[1];
+    let blob_dir = repo_dir(cache.path()).join("blobs");
+    std::fs::create_dir_all(&blob_dir).unwrap();
+    let blob = blob_dir.join(&wanted.published_sha256);
+    let old_contents = b"a short file that is not the blob".to_vec();
+    std::fs::write(&blob, &old_contents).unwrap();
+    let mut reader = std::fs::File::open(&blob).unwrap();
+    let old_inode = reader.metadata().unwrap().ino();
+
+    let path = hub::pull(
+        &spec("hf://someone/Tiny-GGUF"),
+        &config(&hub.endpoint, cache.path(), None),
+        &mut Recorded::default(),
+    )
+    .unwrap();
+    assert_eq!(std::fs::read(&path).unwrap(), wanted.data);
+    assert_ne!(std::fs::metadata(&blob).unwrap().ino(), old_inode);
+    let mut seen = Vec::new();
+    reader.read_to_end(&mut seen).unwrap();
+    assert_eq!(seen, old_contents, "the open file kept its contents");
+    // Pulling again relinks the snapshot by a rename too: the old link's target is untouched.
+    let link_inode = std::fs::symlink_metadata(&path).unwrap().ino();
+    hub::pull(
+        &spec("hf://someone/Tiny-GGUF"),
+        &config(&hub.endpoint, cache.path(), None),
+        &mut Recorded::default(),
+    )
+    .unwrap();
+    assert_ne!(std::fs::symlink_metadata(&path).unwrap().ino(), link_inode);
+    assert_eq!(std::fs::read(&path).unwrap(), wanted.data);
+    // No temporary names are left in the snapshot or refs.
+    for dir in [
+        repo_dir(cache.path()).join("snapshots").join(COMMIT),
+        repo_dir(cache.path()).join("refs"),
+    ] {
+        let names: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        assert!(names.iter().all(|n| !n.ends_with(".tmp")), "{names:?}");
+    }
+}

@@ -48,6 +48,11 @@ struct LfsJson {
     size: u64,
 }
 
+/// Whether `text` is a SHA-256 in hex (64 hex digits).
+pub fn is_sha256_hex(text: &str) -> bool {
+    text.len() == 64 && text.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
 /// The JSON answer is small (a file list); a larger one is refused rather than read.
 const MAX_INFO_BYTES: u64 = 16 << 20;
 
@@ -137,13 +142,25 @@ impl<'a> Client<'a> {
                     Some(lfs) => (lfs.size, Some(lfs.sha256.to_ascii_lowercase())),
                     None => (s.size.unwrap_or(0), None),
                 };
-                RepoFile {
+                // The hash names the blob's file in the cache: anything but a SHA-256 in hex
+                // (a path, say) is refused before it reaches a file name.
+                if let Some(sha256) = sha256.as_deref().filter(|h| !is_sha256_hex(h)) {
+                    return Err(HubError::BadResponse {
+                        url: url.clone(),
+                        message: format!(
+                            "expected the LFS SHA-256 of {} as 64 hex digits, found {:?}",
+                            s.rfilename,
+                            sha256.chars().take(80).collect::<String>()
+                        ),
+                    });
+                }
+                Ok(RepoFile {
                     path: s.rfilename,
                     size,
                     sha256,
-                }
+                })
             })
-            .collect();
+            .collect::<Result<_, _>>()?;
         Ok(RepoInfo { commit, files })
     }
 

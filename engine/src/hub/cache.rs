@@ -7,10 +7,12 @@
 //! ```
 //!
 //! On systems where a link cannot be made (Windows without developer mode), the blob is
-//! hard-linked, else copied, as huggingface_hub does.
+//! hard-linked, else copied, as huggingface_hub does. Links and refs are made under a temporary
+//! name unique to the writer and renamed into place, never rewritten in place.
 
 use std::fs;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::{io_err, select, HubError, HubSpec};
 
@@ -48,11 +50,25 @@ pub fn link_snapshot(
     }
     target.push("blobs");
     target.push(blob.file_name().expect("a blob has a file name"));
-    if fs::symlink_metadata(&link).is_ok() {
-        fs::remove_file(&link).map_err(io_err(&link))?;
+    // Made under a name of its own and renamed over the old link, so the snapshot path always
+    // names a whole file and a reader of the old one keeps it.
+    let tmp = temporary_name(&link);
+    let _ = fs::remove_file(&tmp);
+    make_link(&target, blob, &tmp)?;
+    if let Err(error) = fs::rename(&tmp, &link) {
+        let _ = fs::remove_file(&tmp);
+        return Err(io_err(&link)(error));
     }
-    make_link(&target, blob, &link)?;
     Ok(link)
+}
+
+/// `DIR/.NAME.PID-N.tmp` beside `path`: unique to this process and call, so concurrent writers
+/// (other processes, other threads) never share a temporary file.
+fn temporary_name(path: &Path) -> PathBuf {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    path.with_file_name(format!(".{name}.{}-{n}.tmp", std::process::id()))
 }
 
 #[cfg(unix)]
@@ -78,9 +94,13 @@ pub fn write_ref(repo_dir: &Path, name: &str, commit: &str) -> Result<(), HubErr
     let refs = repo_dir.join("refs");
     fs::create_dir_all(&refs).map_err(io_err(&refs))?;
     let path = refs.join(name);
-    let tmp = refs.join(format!(".{name}.tmp"));
+    let tmp = temporary_name(&path);
     fs::write(&tmp, commit).map_err(io_err(&tmp))?;
-    fs::rename(&tmp, &path).map_err(io_err(&path))
+    if let Err(error) = fs::rename(&tmp, &path) {
+        let _ = fs::remove_file(&tmp);
+        return Err(io_err(&path)(error));
+    }
+    Ok(())
 }
 
 fn read_ref(repo_dir: &Path, name: &str) -> Option<String> {

@@ -3,18 +3,26 @@
 //! The partial file is `blobs/SHA256.incomplete`, the name huggingface_hub gives its own partial
 //! downloads, so an interrupted pull of either tool is resumed by the other. A blob under its
 //! final name has been verified, so a blob of the right size is taken as it is.
+//!
+//! No file under its final name is ever written in place: a blob appears by a rename, so a
+//! process that has the old file mapped keeps reading the old contents instead of dying with
+//! SIGBUS. Two pulls of the same blob (two processes, or two threads of a server) take turns: the
+//! writer of `SHA256.incomplete` holds an exclusive lock on `CACHE/.locks/models--OWNER--REPO/
+//! SHA256.lock` (where huggingface_hub locks the same blob, with the same kind of lock on Unix),
+//! and the one that waited finds the blob done.
 
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File, OpenOptions, TryLockError};
 use std::io::{self, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
 
-use super::api::{Client, RepoFile};
+use super::api::{is_sha256_hex, Client, RepoFile};
 use super::{io_err, HubError, HubSpec};
 
 /// The blob of `file` in `repo_dir`, downloaded and verified if it is not there yet.
-/// `on_bytes` is told how many bytes of this file are on disk as they grow.
+/// `on_bytes` is told how many bytes of this file are on disk as they grow; `on_wait` is told
+/// when another pull is writing the same blob and this one waits for it.
 pub fn fetch_blob(
     client: &Client<'_>,
     spec: &HubSpec,
@@ -22,14 +30,32 @@ pub fn fetch_blob(
     file: &RepoFile,
     repo_dir: &Path,
     on_bytes: &mut dyn FnMut(u64),
+    on_wait: &mut dyn FnMut(&str),
 ) -> Result<PathBuf, HubError> {
     let sha256 = file.sha256.as_deref().ok_or_else(|| HubError::NoChecksum {
         repo: spec.repo_id(),
         file: file.path.clone(),
     })?;
+    if !is_sha256_hex(sha256) {
+        return Err(HubError::BadResponse {
+            url: file.path.clone(),
+            message: format!(
+                "expected an LFS SHA-256 of 64 hex digits, found {:?}",
+                sha256.chars().take(80).collect::<String>()
+            ),
+        });
+    }
     let blobs = repo_dir.join("blobs");
     let blob = blobs.join(sha256);
-    if fs::metadata(&blob).is_ok_and(|m| m.is_file() && m.len() == file.size) {
+    let complete =
+        |blob: &Path| fs::metadata(blob).is_ok_and(|m| m.is_file() && m.len() == file.size);
+    if complete(&blob) {
+        on_bytes(file.size);
+        return Ok(blob);
+    }
+    let _lock = lock_blob(repo_dir, sha256, &file.path, on_wait)?;
+    // Another pull may have finished the blob while this one waited.
+    if complete(&blob) {
         on_bytes(file.size);
         return Ok(blob);
     }
@@ -132,6 +158,53 @@ pub fn fetch_blob(
     }
     fs::rename(&partial, &blob).map_err(io_err(&blob))?;
     Ok(blob)
+}
+
+/// `CACHE/.locks/models--OWNER--REPO/SHA256.lock` for the blob `sha256` of `repo_dir`.
+pub fn lock_path(repo_dir: &Path, sha256: &str) -> PathBuf {
+    let cache_dir = repo_dir.parent().unwrap_or(Path::new("."));
+    let repo_folder = repo_dir.file_name().unwrap_or_default();
+    cache_dir
+        .join(".locks")
+        .join(repo_folder)
+        .join(format!("{sha256}.lock"))
+}
+
+/// Takes the exclusive lock of blob `sha256`, waiting (after telling `on_wait`) while another
+/// pull holds it. The lock goes with the returned file. The lock file itself stays: removing it
+/// while another pull waits on it would let a third one lock a new file beside it.
+fn lock_blob(
+    repo_dir: &Path,
+    sha256: &str,
+    file: &str,
+    on_wait: &mut dyn FnMut(&str),
+) -> Result<Option<File>, HubError> {
+    let path = lock_path(repo_dir, sha256);
+    let dir = path.parent().expect("a lock path has a folder");
+    fs::create_dir_all(dir).map_err(io_err(dir))?;
+    let lock = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(io_err(&path))?;
+    match lock.try_lock() {
+        Ok(()) => Ok(Some(lock)),
+        Err(TryLockError::WouldBlock) => {
+            on_wait(&format!(
+                "{file}: another pull is downloading it (lock {}); waiting",
+                path.display()
+            ));
+            lock.lock().map_err(io_err(&path))?;
+            Ok(Some(lock))
+        }
+        // A file system without locks: the download goes on unlocked, as before locks existed.
+        Err(TryLockError::Error(e)) if e.kind() == io::ErrorKind::Unsupported => {
+            tracing::warn!(path = %path.display(), "file locks are not supported here; downloading without one");
+            Ok(None)
+        }
+        Err(TryLockError::Error(e)) => Err(io_err(&path)(e)),
+    }
 }
 
 fn client_config(client: &Client<'_>) -> (u32, std::time::Duration) {

@@ -9,7 +9,8 @@
 //! 3. downloads each file from `{endpoint}/OWNER/REPO/resolve/COMMIT/FILE` (redirects followed)
 //!    into `blobs/SHA256.incomplete`, resuming with an HTTP range request after a cut connection
 //!    or an earlier interrupted pull, hashing as it writes; the file is renamed to
-//!    `blobs/SHA256` only when its size and SHA-256 match the hub's, see [`download`];
+//!    `blobs/SHA256` only when its size and SHA-256 match the hub's; one pull at a time writes a
+//!    blob (a lock per blob), and no file is ever overwritten in place, see [`download`];
 //! 4. links `snapshots/COMMIT/FILE` to the blob and records the commit in `refs/main`, see
 //!    [`cache`].
 //!
@@ -300,10 +301,17 @@ pub fn pull(
     let mut done_before = 0u64;
     let mut first = None;
     for file in &files {
-        let blob =
-            download::fetch_blob(&client, spec, &info.commit, file, &repo_dir, &mut |done| {
-                progress.bytes(done_before + done, total)
-            })?;
+        // Both callbacks report to `progress`, one at a time.
+        let progress_cell = std::cell::RefCell::new(&mut *progress);
+        let blob = download::fetch_blob(
+            &client,
+            spec,
+            &info.commit,
+            file,
+            &repo_dir,
+            &mut |done| progress_cell.borrow_mut().bytes(done_before + done, total),
+            &mut |text| progress_cell.borrow_mut().message(text),
+        )?;
         let link = cache::link_snapshot(&repo_dir, &info.commit, &file.path, &blob)?;
         first.get_or_insert(link);
         done_before += file.size;

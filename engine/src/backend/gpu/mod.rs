@@ -473,15 +473,26 @@ pub struct GpuRopeTable {
     cos_sin_host: Vec<f32>,
 }
 
+/// Entries per half of a layer's device address table when its context is made: the table
+/// then grows with the blocks used ([`GpuKvLayer::grow_table`]), not with the context length
+/// (`-c 100000000` would otherwise cost gigabytes of tables before the first token).
+pub const INITIAL_TABLE_BLOCKS: usize = 16;
+
 /// One layer's K/V storage: one K and one V buffer per physical block that has memory, and the
-/// device table of their addresses (`[k of block 0..max_blocks, v of block 0..max_blocks]`, 0 for
-/// a block without memory).
+/// device table of their addresses (`[k of block 0..capacity, v of block 0..capacity]`, 0 for a
+/// block without memory). The table covers the first `capacity` block ids and doubles (up to
+/// `max_blocks`) when a block beyond it is given memory; block ids are handed out lowest first,
+/// so it follows the tokens cached.
 pub struct GpuKvLayer {
     block_size: usize,
     n_kv_heads: usize,
     head_dim: usize,
+    /// Block ids are below this (the cache's capacity in blocks).
+    max_blocks: usize,
+    /// One entry per block id below the table's capacity.
     k: Vec<Option<PoolBuffer>>,
     v: Vec<Option<PoolBuffer>>,
+    /// The device table's contents: `2 * capacity` addresses.
     table_host: Vec<u64>,
     table: Option<PoolBuffer>,
     /// The device table is older than `table_host`.
@@ -489,13 +500,57 @@ pub struct GpuKvLayer {
     bytes: usize,
 }
 
+/// Bytes of a device address table for `capacity` blocks (K and V halves; 8 bytes at least, so
+/// an empty layer still has an address).
+fn table_bytes(capacity: usize) -> u64 {
+    (2 * 8 * capacity as u64).max(8)
+}
+
 impl GpuKvLayer {
-    fn max_blocks(&self) -> usize {
+    /// Block ids the address table covers now.
+    pub fn table_capacity(&self) -> usize {
         self.k.len()
     }
 
     fn block_bytes(&self) -> u64 {
         (self.block_size * self.n_kv_heads * self.head_dim * 2) as u64
+    }
+
+    /// Makes the address table cover block ids below `needed`: the capacity doubles until it
+    /// does, capped at `max_blocks`. The larger device table is taken from the pool first, so a
+    /// refusal (the budget) leaves the layer as it was; the entries move to their places in the
+    /// new layout (the V half starts at the new capacity) and reach the device with the next
+    /// [`GpuKvLayer::sync_table`]. The old table goes back to the pool in stream order: passes
+    /// queued before read it before any later use of its memory, and passes queued after take
+    /// both halves' addresses from [`GpuKvLayer::tables`], which reads the new table and
+    /// capacity. Decode graphs are recorded anew each step, so none holds the old address.
+    fn grow_table(&mut self, ctx: &GpuContext, needed: usize) -> Result<(), OpsError> {
+        let old = self.table_capacity();
+        if needed <= old {
+            return Ok(());
+        }
+        if needed > self.max_blocks {
+            return Err(OpsError::Shape {
+                op: "kv_materialize",
+                expected: format!("a block id below {}", self.max_blocks),
+                found: format!("block {}", needed - 1),
+            });
+        }
+        let mut capacity = old.max(1);
+        while capacity < needed {
+            capacity = capacity.saturating_mul(2);
+        }
+        let capacity = capacity.min(self.max_blocks);
+        let table = ctx.alloc(Purpose::Kv, table_bytes(capacity))?;
+        let mut table_host = vec![0u64; 2 * capacity];
+        table_host[..old].copy_from_slice(&self.table_host[..old]);
+        table_host[capacity..capacity + old].copy_from_slice(&self.table_host[old..2 * old]);
+        self.table_host = table_host;
+        self.k.resize_with(capacity, || None);
+        self.v.resize_with(capacity, || None);
+        self.table = Some(table);
+        self.dirty = true;
+        Ok(())
     }
 
     /// Uploads the block table if it changed.
@@ -504,7 +559,7 @@ impl GpuKvLayer {
             return Ok(());
         }
         if self.table.is_none() {
-            self.table = Some(ctx.alloc(Purpose::Kv, (self.table_host.len() * 8).max(8) as u64)?);
+            self.table = Some(ctx.alloc(Purpose::Kv, table_bytes(self.table_capacity()))?);
         }
         let table = self.table.as_ref().expect("allocated above");
         let bytes: Vec<u8> = self
@@ -517,12 +572,13 @@ impl GpuKvLayer {
         Ok(())
     }
 
-    /// Device addresses of the K and V pointer tables.
+    /// Device addresses of the K and V pointer tables: the V half starts after the K half's
+    /// `capacity` entries, so both come from the same table and capacity.
     fn tables(&self) -> Result<(DevicePtr, DevicePtr), OpsError> {
         match &self.table {
             Some(table) if !self.dirty => Ok((
                 table.ptr(),
-                table.ptr().offset((self.max_blocks() * 8) as u64),
+                table.ptr().offset((self.table_capacity() * 8) as u64),
             )),
             _ => Err(OpsError::Shape {
                 op: "attention",
@@ -1479,21 +1535,21 @@ impl Backend for GpuBackend {
         n_kv_heads: usize,
         head_dim: usize,
     ) -> GpuKvLayer {
-        // The address table is allocated now, when the context is made, rather than with the
-        // first blocks: the pools place allocations lowest address first, and a long-lived table
-        // among the first KV blocks would keep their memory mapped after they are released.
-        // If it cannot be had now, the first `kv_materialize` asks again.
-        let table = self
-            .ctx
-            .alloc(Purpose::Kv, (2 * max_blocks * 8).max(8) as u64)
-            .ok();
+        // The address table starts small and grows with the blocks used. Its first allocation is
+        // made now, when the context is made, rather than with the first blocks: the pools place
+        // allocations lowest address first, and a long-lived table among the first KV blocks
+        // would keep their memory mapped after they are released. If it cannot be had now, the
+        // first `kv_materialize` asks again.
+        let capacity = max_blocks.min(INITIAL_TABLE_BLOCKS);
+        let table = self.ctx.alloc(Purpose::Kv, table_bytes(capacity)).ok();
         GpuKvLayer {
             block_size,
             n_kv_heads,
             head_dim,
-            k: (0..max_blocks).map(|_| None).collect(),
-            v: (0..max_blocks).map(|_| None).collect(),
-            table_host: vec![0; 2 * max_blocks],
+            max_blocks,
+            k: (0..capacity).map(|_| None).collect(),
+            v: (0..capacity).map(|_| None).collect(),
+            table_host: vec![0; 2 * capacity],
             table,
             dirty: true,
             bytes: 0,
@@ -1503,23 +1559,19 @@ impl Backend for GpuBackend {
     fn kv_materialize(&self, layer: &mut GpuKvLayer, blocks: &[u32]) {
         self.run("kv_materialize", || {
             let block_bytes = layer.block_bytes();
-            let max_blocks = layer.max_blocks();
+            if let Some(&highest) = blocks.iter().max() {
+                layer.grow_table(&self.ctx, highest as usize + 1)?;
+            }
+            let capacity = layer.table_capacity();
             for &block in blocks {
                 let b = block as usize;
-                if b >= max_blocks {
-                    return Err(OpsError::Shape {
-                        op: "kv_materialize",
-                        expected: format!("a block id below {max_blocks}"),
-                        found: format!("block {b}"),
-                    });
-                }
                 if layer.k[b].is_some() {
                     continue;
                 }
                 let k = self.ctx.alloc(Purpose::Kv, block_bytes)?;
                 let v = self.ctx.alloc(Purpose::Kv, block_bytes)?;
                 layer.table_host[b] = k.ptr().0;
-                layer.table_host[max_blocks + b] = v.ptr().0;
+                layer.table_host[capacity + b] = v.ptr().0;
                 layer.k[b] = Some(k);
                 layer.v[b] = Some(v);
                 layer.bytes += 2 * block_bytes as usize;
@@ -1530,11 +1582,12 @@ impl Backend for GpuBackend {
     }
 
     fn kv_release(&self, layer: &mut GpuKvLayer, blocks: &[u32]) {
-        let max_blocks = layer.max_blocks();
+        let capacity = layer.table_capacity();
         let block_bytes = layer.block_bytes() as usize;
         for &block in blocks {
             let b = block as usize;
-            if b >= max_blocks {
+            // A block beyond the table never had memory.
+            if b >= capacity {
                 continue;
             }
             // Stream order makes the memory safe to reuse at once: kernels queued before any
@@ -1546,7 +1599,7 @@ impl Backend for GpuBackend {
                 layer.bytes -= block_bytes;
             }
             layer.table_host[b] = 0;
-            layer.table_host[max_blocks + b] = 0;
+            layer.table_host[capacity + b] = 0;
             layer.dirty = true;
         }
         // A stale table only names released blocks, which no block table refers to any more;

@@ -12,6 +12,7 @@ use ember_gpu::{DevicePool, Driver, PoolConfig, PoolKind, Purpose};
 
 use super::*;
 use crate::kv_cache::{KvCache, KvError};
+use ember_gpu::driver::KernelArg;
 
 fn backend(budget: Option<u64>) -> GpuBackend {
     let driver: Arc<dyn Driver> = Arc::new(HostDriver::new(HostDriverConfig::default()));
@@ -281,9 +282,13 @@ fn a_large_batch_gets_a_buffer_of_its_own_that_goes_with_it() {
     );
 }
 
-/// A backend whose host driver runs `ember_scale_f32` and `ember_add_f32` (Rust twins of the
-/// kernels' signatures), for graph tests: the driver is returned to count launches.
-fn backend_with_kernels() -> (GpuBackend, Arc<HostDriver>, tempfile::TempDir) {
+/// A backend on a host driver with a code object file for every module, a VRAM budget of
+/// `budget` bytes if given, and the kernel twins `register` adds; the driver is returned to count
+/// launches.
+fn backend_with(
+    budget: Option<u64>,
+    register: impl FnOnce(&HostDriver),
+) -> (GpuBackend, Arc<HostDriver>, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     for spec in ember_gpu::kernels::KERNEL_MODULES {
         let path = dir.path().join("host").join(format!("{}.hsaco", spec.stem));
@@ -291,6 +296,38 @@ fn backend_with_kernels() -> (GpuBackend, Arc<HostDriver>, tempfile::TempDir) {
         std::fs::write(path, b"host code object").unwrap();
     }
     let driver = Arc::new(HostDriver::new(HostDriverConfig::default()));
+    register(&driver);
+    let dyn_driver: Arc<dyn Driver> = driver.clone();
+    let pool = DevicePool::with_kind(
+        dyn_driver,
+        0,
+        PoolKind::Caching,
+        "test".to_string(),
+        PoolConfig {
+            budget,
+            ..PoolConfig::default()
+        },
+    )
+    .expect("host pool");
+    let ctx = GpuContext::with_options(
+        Arc::new(pool),
+        Arc::new(KernelLibrary::new(dir.path().to_path_buf())),
+        &GpuContextOptions { disable_blas: true },
+    )
+    .expect("host context");
+    let backend = GpuBackend::new(ctx, "host", "host test device".into(), false);
+    (backend, driver, dir)
+}
+
+/// A backend whose host driver runs `ember_scale_f32` and `ember_add_f32` (Rust twins of the
+/// kernels' signatures), for graph tests: the driver is returned to count launches.
+fn backend_with_kernels() -> (GpuBackend, Arc<HostDriver>, tempfile::TempDir) {
+    let (backend, driver, dir) = backend_with(None, register_elementwise_twins);
+    backend.set_graphs(true);
+    (backend, driver, dir)
+}
+
+fn register_elementwise_twins(driver: &HostDriver) {
     // ember_scale_f32(float* out, const float* x, float scale, uint32_t n)
     driver.register_kernel("ember_scale_f32", |launch| {
         let (out, x) = (launch.ptr_arg(0)?, launch.ptr_arg(1)?);
@@ -309,24 +346,6 @@ fn backend_with_kernels() -> (GpuBackend, Arc<HostDriver>, tempfile::TempDir) {
         let values: Vec<f32> = a.iter().enumerate().map(|(i, v)| v + b[i % n_b]).collect();
         launch.write_f32(out, &values)
     });
-    let dyn_driver: Arc<dyn Driver> = driver.clone();
-    let pool = DevicePool::with_kind(
-        dyn_driver,
-        0,
-        PoolKind::Caching,
-        "test".to_string(),
-        PoolConfig::default(),
-    )
-    .expect("host pool");
-    let ctx = GpuContext::with_options(
-        Arc::new(pool),
-        Arc::new(KernelLibrary::new(dir.path().to_path_buf())),
-        &GpuContextOptions { disable_blas: true },
-    )
-    .expect("host context");
-    let backend = GpuBackend::new(ctx, "host", "host test device".into(), false);
-    backend.set_graphs(true);
-    (backend, driver, dir)
 }
 
 fn upload_f32(b: &GpuBackend, buf: &GpuBuf, values: &[f32]) {
@@ -886,4 +905,349 @@ fn gemma4_ops_and_head_sizes_follow_the_numerics() {
     b.set_numerics(Numerics::Reference);
     assert!(!b.has_gemma4_ops());
     assert_eq!(b.max_head_dim(), Some(ember_gpu::ops::EXACT_MAX_HEAD_DIM));
+}
+
+/// Bytes of one layer's device address table for `blocks` block ids (a K and a V address each).
+fn address_table_bytes(blocks: usize) -> u64 {
+    (2 * 8 * blocks) as u64
+}
+
+#[test]
+fn a_huge_context_starts_with_a_small_address_table() {
+    let b = backend(None);
+    // `-c 100000000` in blocks of 16 tokens, two KV heads of 16 values: 1 KiB per block for K
+    // and for V. A table sized from the context would be 100 MB per layer.
+    let max_blocks = 100_000_000 / 16;
+    let mut cache = KvCache::new(&b, &[(2, 16), (2, 16)], 16, 100_000_000, max_blocks);
+    let tables = 2 * address_table_bytes(INITIAL_TABLE_BLOCKS);
+    assert_eq!(b.pool().usage().purpose(Purpose::Kv).current, tables);
+    assert_eq!(cache.layer(0).table_capacity(), INITIAL_TABLE_BLOCKS);
+
+    // A one-token prompt adds one block per layer and nothing to the tables.
+    let mut plan = AttentionPlan::default();
+    cache
+        .plan(&b, &Batch::for_sequence(0, 0, &[1], false), &mut plan)
+        .unwrap();
+    let block = 16 * 2 * 16 * 2;
+    assert_eq!(
+        b.pool().usage().purpose(Purpose::Kv).current,
+        tables + 2 * 2 * block
+    );
+    assert_eq!(cache.layer(1).table_capacity(), INITIAL_TABLE_BLOCKS);
+
+    // A block id past the layer's blocks is a shape error naming the limit, not a table of its
+    // size.
+    let mut layer = b.kv_layer(40, 16, 2, 16);
+    b.kv_materialize(&mut layer, &[40]);
+    let failure = b.take_failure().expect("a failure");
+    assert_eq!(failure.op, "kv_materialize");
+    assert!(
+        failure
+            .cause
+            .contains("expected a block id below 40, found block 40"),
+        "{}",
+        failure.cause
+    );
+    assert_eq!(layer.table_capacity(), INITIAL_TABLE_BLOCKS);
+}
+
+#[test]
+fn the_address_table_doubles_up_to_the_layers_blocks_and_keeps_its_entries() {
+    let b = backend(None);
+    let mut layer = b.kv_layer(40, 4, 2, 16);
+    b.kv_materialize(&mut layer, &[0, 5]);
+    assert_eq!(layer.table_capacity(), 16);
+    let first_table = layer.tables().unwrap().0;
+    // Block 20 needs 21 entries: the table doubles to 32.
+    b.kv_materialize(&mut layer, &[20]);
+    assert_eq!(b.take_failure(), None);
+    assert_eq!(layer.table_capacity(), 32);
+    let (k_table, v_table) = layer.tables().unwrap();
+    assert_ne!(k_table, first_table, "a new device table");
+    assert_eq!(
+        v_table,
+        k_table.offset(32 * 8),
+        "the V half after 32 K entries"
+    );
+    let expected = |blocks: &[Option<PoolBuffer>]| -> Vec<u64> {
+        blocks
+            .iter()
+            .map(|buf| buf.as_ref().map_or(0, |buf| buf.ptr().0))
+            .collect()
+    };
+    let k = download_u64(&b, k_table, 32);
+    let v = download_u64(&b, v_table, 32);
+    assert_eq!(k, expected(&layer.k));
+    assert_eq!(v, expected(&layer.v));
+    let set: Vec<usize> = (0..32).filter(|&i| k[i] != 0).collect();
+    assert_eq!(set, [0, 5, 20], "the old entries moved, the new one added");
+    assert!(v[0] != 0 && v[5] != 0 && v[20] != 0);
+    // Doubling again would pass the layer's 40 blocks: the table stops there.
+    b.kv_materialize(&mut layer, &[39]);
+    assert_eq!(b.take_failure(), None);
+    assert_eq!(layer.table_capacity(), 40);
+    // Only the live table is held: 40 blocks' entries and the four blocks' K and V.
+    assert_eq!(
+        b.pool().usage().purpose(Purpose::Kv).current,
+        address_table_bytes(40) + 4 * 2 * (4 * 2 * 16 * 2)
+    );
+}
+
+fn read_bytes<const N: usize>(
+    launch: &ember_gpu::host::HostLaunch<'_>,
+    ptr: DevicePtr,
+    index: usize,
+) -> Result<[u8; N], String> {
+    let mut bytes = [0u8; N];
+    launch.read(ptr.offset((index * N) as u64), &mut bytes)?;
+    Ok(bytes)
+}
+
+fn read_i32(
+    launch: &ember_gpu::host::HostLaunch<'_>,
+    ptr: DevicePtr,
+    index: usize,
+) -> Result<i32, String> {
+    read_bytes::<4>(launch, ptr, index).map(i32::from_le_bytes)
+}
+
+fn read_u64(
+    launch: &ember_gpu::host::HostLaunch<'_>,
+    ptr: DevicePtr,
+    index: usize,
+) -> Result<u64, String> {
+    read_bytes::<8>(launch, ptr, index).map(u64::from_le_bytes)
+}
+
+/// Rust twins of `ember_kv_store_f16` and `ember_attention_prefill_d64` (arguments in the order
+/// of their C signatures, see `ember_gpu::ops::attention`): both reach the K/V blocks only
+/// through the layer's device address table, as the kernels do, so a table whose entries or V
+/// half are misplaced gives other results. The arithmetic is plain (f32 in key order), not the
+/// kernels'; the tests compare runs of the same twins.
+fn register_attention_twins(driver: &HostDriver) {
+    // ember_kv_store_f16(const uint64_t* k_blocks, const uint64_t* v_blocks, const float* k,
+    // const float* v, const int32_t* slots, uint32_t row_values, uint32_t block_size); one
+    // thread block per token.
+    driver.register_kernel("ember_kv_store_f16", |launch| {
+        let (k_blocks, v_blocks) = (launch.ptr_arg(0)?, launch.ptr_arg(1)?);
+        let (k, v, slots) = (launch.ptr_arg(2)?, launch.ptr_arg(3)?, launch.ptr_arg(4)?);
+        let row = launch.u32_arg(5)? as usize;
+        let block_size = launch.u32_arg(6)? as usize;
+        for t in 0..launch.config().grid[0] as usize {
+            let slot = read_i32(launch, slots, t)?;
+            if slot < 0 {
+                continue;
+            }
+            let (block, offset) = (slot as usize / block_size, slot as usize % block_size);
+            for (table, src) in [(k_blocks, k), (v_blocks, v)] {
+                let base = read_u64(launch, table, block)?;
+                if base == 0 {
+                    continue;
+                }
+                let values = launch.read_f32(src.offset((t * row * 4) as u64), row)?;
+                let halves: Vec<u8> = values
+                    .iter()
+                    .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
+                    .collect();
+                launch.write(DevicePtr(base + (offset * row * 2) as u64), &halves)?;
+            }
+        }
+        Ok(())
+    });
+    // ember_attention_prefill_d64(float* out, const float* q, const uint64_t* k_blocks, const
+    // uint64_t* v_blocks, const int32_t* block_tables, const int32_t* table_of_token, const
+    // int32_t* positions, uint32_t n_tokens, uint32_t n_heads, uint32_t n_kv_heads, uint32_t
+    // head_dim, uint32_t block_size, uint32_t max_blocks_per_table, float scale, int32_t window,
+    // float softcap)
+    driver.register_kernel("ember_attention_prefill_d64", |launch| {
+        let (out, q) = (launch.ptr_arg(0)?, launch.ptr_arg(1)?);
+        let (k_blocks, v_blocks) = (launch.ptr_arg(2)?, launch.ptr_arg(3)?);
+        let (tables, table_of_token, positions) =
+            (launch.ptr_arg(4)?, launch.ptr_arg(5)?, launch.ptr_arg(6)?);
+        let n_tokens = launch.u32_arg(7)? as usize;
+        let n_heads = launch.u32_arg(8)? as usize;
+        let n_kv_heads = launch.u32_arg(9)? as usize;
+        let head_dim = launch.u32_arg(10)? as usize;
+        let block_size = launch.u32_arg(11)? as usize;
+        let max_blocks = launch.u32_arg(12)? as usize;
+        let scale = launch.f32_arg(13)?;
+        if !matches!(launch.args()[14], KernelArg::I32(0)) || launch.f32_arg(15)? != 0.0 {
+            return Err("the twin has no window or softcap".into());
+        }
+        let row = n_kv_heads * head_dim;
+        let read_row = |table: DevicePtr, block: usize, offset: usize, head: usize| {
+            let base = read_u64(launch, table, block)?;
+            let mut bytes = vec![0u8; head_dim * 2];
+            launch.read(
+                DevicePtr(base + ((offset * row + head * head_dim) * 2) as u64),
+                &mut bytes,
+            )?;
+            Ok::<_, String>(
+                bytes
+                    .chunks_exact(2)
+                    .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+                    .collect::<Vec<f32>>(),
+            )
+        };
+        for t in 0..n_tokens {
+            let table = read_i32(launch, table_of_token, t)? as usize;
+            let position = read_i32(launch, positions, t)? as usize;
+            for h in 0..n_heads {
+                let kv_head = h / (n_heads / n_kv_heads);
+                let query = launch.read_f32(
+                    q.offset(((t * n_heads + h) * head_dim * 4) as u64),
+                    head_dim,
+                )?;
+                let mut scores = Vec::with_capacity(position + 1);
+                let mut values = Vec::with_capacity(position + 1);
+                for p in 0..=position {
+                    let block =
+                        read_i32(launch, tables, table * max_blocks + p / block_size)? as usize;
+                    let key = read_row(k_blocks, block, p % block_size, kv_head)?;
+                    let dot: f32 = query.iter().zip(&key).map(|(a, b)| a * b).sum();
+                    scores.push(dot * scale);
+                    values.push(read_row(v_blocks, block, p % block_size, kv_head)?);
+                }
+                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let weights: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
+                let sum: f32 = weights.iter().sum();
+                let mut result = vec![0f32; head_dim];
+                for (w, value) in weights.iter().zip(&values) {
+                    for (r, x) in result.iter_mut().zip(value) {
+                        *r += w / sum * x;
+                    }
+                }
+                launch.write_f32(
+                    out.offset(((t * n_heads + h) * head_dim * 4) as u64),
+                    &result,
+                )?;
+            }
+        }
+        Ok(())
+    });
+}
+
+/// Runs two sequences through one attention layer in chunks (two to seven tokens, alternating
+/// between the sequences, so their blocks interleave), with decode graphs on: each chunk is
+/// planned by the cache, its K and V stored and attended to, and the attention output read
+/// back. `grown_first`: the layer's address table is made as large as the cache before the
+/// first chunk. Returns the outputs of every chunk and the table capacities seen after each.
+fn run_attention_chunks(grown_first: bool) -> (Vec<Vec<f32>>, Vec<usize>) {
+    let (b, _driver, _dir) = backend_with(None, register_attention_twins);
+    b.set_graphs(true);
+    let (n_heads, n_kv_heads, head_dim) = (4, 2, 16);
+    // Blocks of 2 tokens, room for 128 of them.
+    let mut cache = KvCache::new(&b, &[(n_kv_heads, head_dim)], 2, 256, 128);
+    if grown_first {
+        cache.layer_mut(0).grow_table(b.context(), 128).unwrap();
+    }
+    let mut plan = AttentionPlan::default();
+    let (mut q, mut k, mut v, mut out) = (b.alloc(0), b.alloc(0), b.alloc(0), b.alloc(0));
+    let mut outputs = Vec::new();
+    let mut capacities = Vec::new();
+    let mut lengths = [0u32; 2];
+    let mut value_seed = 0u32;
+    let mut values = |n: usize| -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                value_seed = value_seed.wrapping_mul(1_103_515_245).wrapping_add(12_345);
+                ((value_seed >> 8) % 2001) as f32 / 1000.0 - 1.0
+            })
+            .collect()
+    };
+    for chunk in 0..24usize {
+        let seq = chunk % 2;
+        let n = 2 + chunk % 6;
+        let tokens: Vec<u32> = (0..n as u32).collect();
+        let batch = Batch::for_sequence(seq as u32, lengths[seq], &tokens, false);
+        lengths[seq] += n as u32;
+        cache.plan(&b, &batch, &mut plan).unwrap();
+        for (buf, len) in [
+            (&mut q, n * n_heads * head_dim),
+            (&mut k, n * n_kv_heads * head_dim),
+            (&mut v, n * n_kv_heads * head_dim),
+            (&mut out, n * n_heads * head_dim),
+        ] {
+            b.ensure_len(buf, len);
+        }
+        // The inputs reach the device before the pass is recorded, as a model's embeddings do.
+        b.write(&mut q, &values(n * n_heads * head_dim));
+        b.write(&mut k, &values(n * n_kv_heads * head_dim));
+        b.write(&mut v, &values(n * n_kv_heads * head_dim));
+        b.begin_forward(&batch, &plan, &[n - 1]);
+        let pass = |out: &mut GpuBuf, result: &mut Vec<f32>, layer: &mut GpuKvLayer| {
+            b.kv_store(layer, &k, &v, &plan);
+            b.attention(
+                &q, layer, &plan, n_heads, n_kv_heads, head_dim, 0.25, None, out,
+            );
+            b.read(out, n * n_heads * head_dim, result);
+        };
+        let mut result = Vec::new();
+        pass(&mut out, &mut result, cache.layer_mut(0));
+        if b.end_forward() {
+            pass(&mut out, &mut result, cache.layer_mut(0));
+        }
+        assert_eq!(b.take_failure(), None, "chunk {chunk}");
+        outputs.push(result);
+        capacities.push(cache.layer(0).table_capacity());
+    }
+    assert!(b.graph_stats().launched > 0, "the chunks ran as graphs");
+    (outputs, capacities)
+}
+
+#[test]
+fn attention_over_a_growing_address_table_matches_a_table_grown_first() {
+    let (grown, capacities) = run_attention_chunks(false);
+    let (reference, reference_capacities) = run_attention_chunks(true);
+    assert!(reference_capacities.iter().all(|&c| c == 128));
+    // 48 and 60 tokens in blocks of 2: 54 blocks, so the table grew twice, past 16 and 32.
+    let mut steps = capacities.clone();
+    steps.dedup();
+    assert_eq!(steps, [16, 32, 64], "{capacities:?}");
+    assert_eq!(grown.len(), reference.len());
+    for (chunk, (a, b)) in grown.iter().zip(&reference).enumerate() {
+        assert!(
+            a.iter().any(|&x| x != 0.0),
+            "chunk {chunk} attended to nothing"
+        );
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(a), bits(b), "chunk {chunk}");
+    }
+}
+
+#[test]
+fn an_address_table_growth_over_the_budget_fails_the_plan_cleanly() {
+    // One layer, blocks of 4 tokens of 2 heads of 16: 256 bytes for K and for V. The budget
+    // holds the first table (16 entries) and 16 blocks, not the 32-entry table the 17th block
+    // needs.
+    let block = 4 * 2 * 16 * 2;
+    let budget = address_table_bytes(16) + 16 * 2 * block + block;
+    let b = backend(Some(budget));
+    let mut cache = KvCache::new(&b, &[(2, 16)], 4, 4096, 1024);
+    let mut plan = AttentionPlan::default();
+    cache
+        .plan(&b, &Batch::for_sequence(0, 0, &[1; 64], false), &mut plan)
+        .unwrap();
+    assert_eq!(cache.layer(0).table_capacity(), 16);
+    let kv_before = b.pool().usage().purpose(Purpose::Kv).current;
+    let stats_before = cache.stats();
+    let error = cache
+        .plan(&b, &Batch::for_sequence(0, 64, &[1], false), &mut plan)
+        .unwrap_err();
+    let KvError::Memory(failure) = &error else {
+        panic!("expected a memory failure, found {error:?}");
+    };
+    assert_eq!(failure.op, "kv_materialize");
+    assert!(failure.out_of_memory, "{failure}");
+    assert_eq!(error.to_string().lines().count(), 1, "{error}");
+    assert_eq!(
+        cache.layer(0).table_capacity(),
+        16,
+        "the table is unchanged"
+    );
+    assert_eq!(b.pool().usage().purpose(Purpose::Kv).current, kv_before);
+    assert_eq!(cache.stats(), stats_before);
+    assert_eq!(cache.seq_len(0), 64);
+    // Attention over what the sequence holds still finds its table.
+    assert!(cache.layer(0).tables().is_ok());
 }
