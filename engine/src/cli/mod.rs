@@ -73,6 +73,15 @@ pub enum Command {
     Serve(serve::ServeArgs),
 }
 
+/// How `info` and `devices` print their report.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    /// Lines for people.
+    Text,
+    /// One JSON object for scripts, with stable field names (see the command's --help).
+    Json,
+}
+
 /// Runs the command line; the process's exit code.
 pub fn main() -> ExitCode {
     let cli = match Cli::try_parse_from(device::rewrite_ngl(std::env::args_os())) {
