@@ -224,3 +224,157 @@ fn completions_cover_every_subcommand() {
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out.stderr).contains("tcsh"), "{}", text(&out.stderr));
 }
+
+/// The runtimes `ember devices --format json` found loaded, and whether any GPU is usable.
+fn gpus_here() -> (Vec<String>, bool) {
+    let report = json(&["devices", "--format", "json"]);
+    let loaded = report["runtimes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["loaded"].as_bool().unwrap())
+        .map(|r| r["backend"].as_str().unwrap().to_string())
+        .collect();
+    let usable = report["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|d| d["kernels_complete"].as_bool().unwrap());
+    (loaded, usable)
+}
+
+#[test]
+fn gpu_flags_without_a_gpu_say_what_happens() {
+    let model = common::model_path(MODEL);
+    let model = model.to_str().unwrap();
+    let (loaded, usable) = gpus_here();
+    if !usable {
+        // -ngl without a usable GPU runs on the CPU with a warning, as llama.cpp does.
+        let out = ember(&[
+            "run", "-m", model, "-p", "Hi", "-n", "2", "-t", "2", "-ngl", "99",
+        ]);
+        let stderr = text(&out.stderr);
+        assert!(out.status.success(), "{stderr}");
+        assert!(stderr.contains("warning: -ngl"), "{stderr}");
+        assert!(stderr.contains("runs on the CPU"), "{stderr}");
+        assert!(!stderr.contains("runtime not loaded (hipInit"), "{stderr}");
+    }
+    if !loaded.iter().any(|b| b == "cuda") {
+        // A GPU named with --device is required: an error in one short line that does not claim
+        // the CPU takes over, and does not list every library name tried.
+        let out = ember(&[
+            "run", "-m", model, "-p", "Hi", "-n", "2", "--device", "cuda:0",
+        ]);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        let error = stderr.lines().find(|l| l.starts_with("error: ")).unwrap();
+        assert!(
+            error.contains("the cuda runtime is not available"),
+            "{error}"
+        );
+        assert!(
+            error.contains("names tried; `ember devices -v` lists them"),
+            "{error}"
+        );
+        assert!(!stderr.contains("runs on the CPU"), "{stderr}");
+        assert!(error.len() < 400, "{error}");
+    }
+}
+
+#[test]
+fn run_flags_mean_what_they_say() {
+    let model = common::model_path(MODEL);
+    let model = model.to_str().unwrap();
+    let n_ctx_train = json(&["info", "-m", model, "--format", "json"])["model"]["n_ctx_train"]
+        .as_u64()
+        .unwrap();
+
+    // -n 0 generates nothing and claims no speed for it.
+    let out = ember(&["run", "-m", model, "-p", "Hi", "-n", "0", "-t", "2"]);
+    let stderr = text(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let stats = stderr.lines().find(|l| l.contains(" generated")).unwrap();
+    let generated = stats
+        .split(", ")
+        .find(|p| p.contains(" generated"))
+        .unwrap();
+    assert!(generated.starts_with("0 generated"), "{stats}");
+    assert!(!generated.contains("t/s"), "{stats}");
+
+    // -c beyond the trained context warns, naming both.
+    let over = (n_ctx_train * 2).to_string();
+    let out = ember(&[
+        "run", "-m", model, "-p", "Hi", "-n", "1", "-t", "2", "-c", &over,
+    ]);
+    let stderr = text(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let warning = stderr
+        .lines()
+        .find(|l| l.starts_with("warning: -c"))
+        .unwrap();
+    assert!(
+        warning.contains(&over) && warning.contains(&n_ctx_train.to_string()),
+        "{warning}"
+    );
+    let out = ember(&[
+        "run", "-m", model, "-p", "Hi", "-n", "1", "-t", "2", "-c", "512",
+    ]);
+    assert!(
+        !text(&out.stderr).contains("warning: -c"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+#[test]
+fn tokenize_parses_special_tokens_unless_asked_not_to() {
+    let model = common::model_path(MODEL);
+    let model = model.to_str().unwrap();
+    let special = "<|im_start|>";
+    let parsed = ok(&["tokenize", "-m", model, "-p", special]);
+    let plain = ok(&["tokenize", "-m", model, "-p", special, "--no-parse-special"]);
+    // As llama-tokenize does by default: the marker is one token, the special one.
+    assert_eq!(parsed.lines().count(), 1, "{parsed}");
+    assert!(parsed.contains(&format!("'{special}'")), "{parsed}");
+    assert!(plain.lines().count() > 1, "{plain}");
+}
+
+/// Ctrl-C (SIGINT) during `ember run` stops the generation and still prints the stats line.
+#[cfg(unix)]
+#[test]
+fn ctrl_c_ends_run_with_its_stats_line() {
+    use std::io::Read;
+    use std::process::Stdio;
+    let model = common::model_path(MODEL);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ember"))
+        .env_remove("EMBER_LOG")
+        .args([
+            "run",
+            "-m",
+            model.to_str().unwrap(),
+            "-t",
+            "2",
+            "-n",
+            "2000",
+        ])
+        .args(["-p", "Once upon a time, in a land far away,"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    // The first streamed bytes: generation is under way.
+    let mut first = [0u8; 1];
+    assert_eq!(stdout.read(&mut first).unwrap(), 1);
+    // SAFETY: kill sends a signal to the child process this test started.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+    let mut rest = Vec::new();
+    stdout.read_to_end(&mut rest).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let stderr = text(&out.stderr);
+    let stats = stderr
+        .lines()
+        .find(|l| l.contains(" generated"))
+        .unwrap_or_else(|| panic!("no stats line: {stderr}"));
+    assert!(stats.contains("stop: cancelled"), "{stats}");
+}
