@@ -260,8 +260,8 @@ fn gpu_memory(system: &SystemView) -> Vec<Check> {
     checks
 }
 
-/// Where each layer of `model` would go: GPUs in order, each filled while its free memory
-/// lasts (less a reserve for the runtime), the rest on the CPU.
+/// Where each layer of `model` would go: as many of the last layers as the GPUs' free memory
+/// holds (less a reserve for the runtime), in device order, the first ones on the CPU.
 fn model_fit(system: &SystemView, model: &ModelNeeds) -> Check {
     let name = "model fit";
     let n_layer = model.layer_bytes.len();
@@ -312,42 +312,46 @@ fn model_fit(system: &SystemView, model: &ModelNeeds) -> Check {
     }
     // A reserve per device for the runtime, kernels and fragmentation: 5% of the device, at
     // least 256 MiB.
-    let mut placed: Vec<(String, std::ops::Range<usize>, u64)> = Vec::new();
-    let mut next = 0usize;
+    // How many layers each GPU can hold, in device order. As with llama.cpp's -ngl, the GPU
+    // layers are the last ones: the first layers stay on the CPU, the rest go to the GPUs in
+    // contiguous ranges. Layers are of nearly equal size, so the count is taken with the
+    // largest.
+    let largest = (0..n_layer)
+        .map(|il| model.layer_total(il))
+        .max()
+        .unwrap_or(0)
+        .max(1);
+    let mut capacities: Vec<(&GpuView, usize)> = Vec::new();
     for (i, gpu) in usable.iter().enumerate() {
         let reserve = (gpu.total_bytes / 20).max(256 << 20);
         let mut room = gpu.free_bytes.unwrap_or(0).saturating_sub(reserve);
-        // The first device holds the scratch, the last one the output head; simply charge the
-        // first for both (the embeddings stay with the CPU's copy of the file).
+        // The scratch and the output head: charged to the first GPU (the embeddings are read
+        // from the file's mapping on the CPU).
         if i == 0 {
-            let fixed = model.other_bytes + model.scratch_bytes;
-            if fixed > room {
-                continue;
-            }
-            room -= fixed;
+            room = room.saturating_sub(model.other_bytes + model.scratch_bytes);
         }
-        let start = next;
-        let mut used = 0u64;
-        while next < n_layer && used + model.layer_total(next) <= room {
-            used += model.layer_total(next);
-            next += 1;
-        }
-        if next > start {
-            placed.push((gpu.id.clone(), start..next, used));
-        }
+        capacities.push((gpu, (room / largest) as usize));
     }
-    let mut parts: Vec<String> = placed
+    let on_gpu = capacities
         .iter()
-        .map(|(id, range, used)| {
-            format!(
-                "layers {}..{} on {id} ({})",
-                range.start,
-                range.end - 1,
-                fmt(*used)
-            )
-        })
-        .collect();
-    let on_gpu = next;
+        .map(|&(_, n)| n)
+        .sum::<usize>()
+        .min(n_layer);
+    let mut parts: Vec<String> = Vec::new();
+    let mut next = n_layer - on_gpu;
+    for (gpu, capacity) in capacities {
+        let end = (next + capacity).min(n_layer);
+        if end > next {
+            let used: u64 = (next..end).map(|il| model.layer_total(il)).sum();
+            parts.push(format!(
+                "layers {next}..{} on {} ({})",
+                end - 1,
+                gpu.id,
+                fmt(used)
+            ));
+        }
+        next = end;
+    }
     if on_gpu == n_layer {
         return Check::new(
             name,
@@ -361,24 +365,28 @@ fn model_fit(system: &SystemView, model: &ModelNeeds) -> Check {
             None,
         );
     }
-    let rest: u64 = (on_gpu..n_layer).map(|il| model.layer_total(il)).sum();
+    let n_cpu = n_layer - on_gpu;
+    let rest: u64 = (0..n_cpu).map(|il| model.layer_total(il)).sum();
     let (status, memory) = cpu_note(rest);
-    parts.push(format!(
-        "layers {on_gpu}..{} on the CPU ({memory})",
-        n_layer - 1
-    ));
+    parts.insert(0, format!("layers 0..{} on the CPU ({memory})", n_cpu - 1));
     Check::new(
         name,
-        if status == Status::Fail { Status::Fail } else { Status::Warn },
+        if status == Status::Fail {
+            Status::Fail
+        } else {
+            Status::Warn
+        },
         format!(
             "{}: does not fit in VRAM at context {}: {}",
             model.name,
             model.n_ctx,
             parts.join(", ")
         ),
-        Some(&format!(
-            "-ngl {on_gpu} puts the first {on_gpu} layers on the GPU and the rest on the CPU (slower); a smaller quant or a shorter context (-c) fits more"
-        )),
+        Some(&if on_gpu == 0 {
+            "not one layer fits in the GPUs' free memory: free VRAM (see the memory lines above), or use a smaller quant or a shorter context (-c)".to_string()
+        } else {
+            format!("-ngl {on_gpu} puts the last {on_gpu} layers on the GPU and the rest on the CPU (slower); a smaller quant or a shorter context (-c) fits more")
+        }),
     )
 }
 

@@ -497,7 +497,7 @@ fn a_model_too_large_for_vram_spreads_over_gpus_and_the_cpu() {
     let mut view = t.view(&[], &[1000, 0]);
     // Room after the 256 MiB reserve: hip:0 1 GiB less the 70 MiB outside the layers and the
     // scratch (954 MiB), 8 layers of 110 MiB; hip:1 (no kernels) is passed over; hip:2 1 GiB,
-    // 9 layers more; 15 layers (1650 MiB) left for the CPU.
+    // 9 layers more. The GPUs take the last 17 layers, the CPU the first 15 (1650 MiB).
     let mut no_kernels = gpu("hip:1", 8 * GIB, Some(8 * GIB), VmmProbe::Passed);
     no_kernels.kernels = false;
     view.gpus = vec![
@@ -516,24 +516,35 @@ fn a_model_too_large_for_vram_spreads_over_gpus_and_the_cpu() {
         &checks,
         "model fit",
         Status::Warn,
-        "layers 0..7 on hip:0 (880.0 MiB)",
+        "layers 15..22 on hip:0 (880.0 MiB)",
     );
     expect(
         &checks,
         "model fit",
         Status::Warn,
-        "layers 8..16 on hip:2 (990.0 MiB)",
+        "layers 23..31 on hip:2 (990.0 MiB)",
     );
     expect(
         &checks,
         "model fit",
         Status::Warn,
-        "layers 17..31 on the CPU (1.6 GiB needed on the CPU, 32.0 GiB available)",
+        "layers 0..14 on the CPU (1.6 GiB needed on the CPU, 32.0 GiB available)",
     );
     expect(&checks, "model fit", Status::Warn, "-ngl 17 puts");
     let c = checks.iter().find(|c| c.name == "model fit").unwrap();
     assert!(!c.detail.contains("hip:1"), "{}", c.detail);
     assert!(!doctor::blocks_gpu(&checks));
+
+    // A GPU with no room for one layer: everything on the CPU, and the fix says why.
+    view.gpus = vec![gpu("hip:0", 4 * GIB, Some(300 * MIB), VmmProbe::Passed)];
+    let checks = doctor::run_with_model(&view, &model(32));
+    expect(
+        &checks,
+        "model fit",
+        Status::Warn,
+        "layers 0..31 on the CPU",
+    );
+    expect(&checks, "model fit", Status::Warn, "not one layer fits");
 }
 
 #[test]
