@@ -65,6 +65,27 @@ pub struct SystemView {
     /// The GPUs the runtimes reported (filled by the caller from the device listing; tests
     /// give fakes).
     pub gpus: Vec<GpuView>,
+    /// What loading each GPU runtime gave (filled by the caller; empty when not asked).
+    pub runtimes: Vec<RuntimeView>,
+}
+
+/// A GPU runtime as ember loaded it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RuntimeView {
+    /// `hip` or `cuda`.
+    pub backend: String,
+    pub outcome: RuntimeOutcome,
+}
+
+/// What loading a runtime gave.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RuntimeOutcome {
+    /// Loaded and initialised: the library and its version, as the listing says them.
+    Loaded(String),
+    /// No library of the runtime was found.
+    NotFound,
+    /// The library loaded, but initialising it failed (the error).
+    InitFailed(String),
 }
 
 /// One GPU as a runtime reported it.
@@ -161,6 +182,7 @@ impl SystemView {
             gids,
             kernels_dir,
             gpus: Vec::new(),
+            runtimes: Vec::new(),
         }
     }
 
@@ -183,6 +205,7 @@ pub fn run(system: &SystemView) -> Vec<Check> {
     let mut checks = Vec::new();
     checks.extend(hip_runtimes(system));
     checks.push(cuda_runtime(system));
+    checks.extend(runtime_loads(system));
     checks.extend(kernel_driver(system));
     checks.extend(device_nodes(system));
     checks.extend(environment(system));
@@ -554,6 +577,46 @@ fn cuda_runtime(system: &SystemView) -> Check {
     } else {
         Check::new("cuda driver library", Status::Ok, found.join(", "), None)
     }
+}
+
+/// What loading each runtime gave: a library that loads but does not initialise while its
+/// kernel driver is there blocks the GPU; without the driver it is only expected.
+fn runtime_loads(system: &SystemView) -> Vec<Check> {
+    system
+        .runtimes
+        .iter()
+        .filter_map(|runtime| {
+            let name = format!("{} load", runtime.backend);
+            match &runtime.outcome {
+                RuntimeOutcome::Loaded(detail) => {
+                    Some(Check::new(&name, Status::Ok, detail.clone(), None))
+                }
+                // The library checks above already say what is missing and how to install it.
+                RuntimeOutcome::NotFound => None,
+                RuntimeOutcome::InitFailed(error) => {
+                    let driver_present = match runtime.backend.as_str() {
+                        "hip" => system.path("/dev/kfd").exists(),
+                        _ => system.path("/proc/driver/nvidia/version").exists(),
+                    };
+                    Some(if driver_present {
+                        Check::new(
+                            &name,
+                            Status::Fail,
+                            format!("the library loaded, but {error}"),
+                            Some("the runtime does not match the kernel driver, or the device nodes cannot be opened: see the driver and device checks; install the runtime release that goes with the driver"),
+                        )
+                    } else {
+                        Check::new(
+                            &name,
+                            Status::Warn,
+                            format!("the library loaded, but {error} (no GPU driver is loaded, so this is expected)"),
+                            Some("nothing to do without a GPU; with one, load its driver (see the kernel driver check)"),
+                        )
+                    })
+                }
+            }
+        })
+        .collect()
 }
 
 fn kernel_driver(system: &SystemView) -> Vec<Check> {

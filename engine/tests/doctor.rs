@@ -6,7 +6,9 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use ember::doctor::{self, Check, GpuView, ModelNeeds, Status, SystemView, VmmProbe};
+use ember::doctor::{
+    self, Check, GpuView, ModelNeeds, RuntimeOutcome, RuntimeView, Status, SystemView, VmmProbe,
+};
 
 /// A fake root with helpers to lay files into it.
 struct Tree {
@@ -58,6 +60,7 @@ impl Tree {
             gids: gids.to_vec(),
             kernels_dir: self.root().join("kernels"),
             gpus: Vec::new(),
+            runtimes: Vec::new(),
         }
     }
 }
@@ -617,4 +620,74 @@ fn common_model_path() -> PathBuf {
         "run `ember pull smollm2-135m-instruct-q4_1` first"
     );
     path
+}
+
+fn runtime(backend: &str, outcome: RuntimeOutcome) -> RuntimeView {
+    RuntimeView {
+        backend: backend.to_string(),
+        outcome,
+    }
+}
+
+#[test]
+fn a_runtime_that_loads_but_does_not_initialise() {
+    let init_failed =
+        || RuntimeOutcome::InitFailed("hipInit failed with 101 (hipErrorInvalidDevice)".into());
+    // No GPU driver: expected, a warning.
+    let t = Tree::new();
+    let mut view = t.view(&[], &[1000]);
+    view.runtimes = vec![
+        runtime("hip", init_failed()),
+        runtime("cuda", RuntimeOutcome::NotFound),
+    ];
+    let checks = doctor::run(&view);
+    expect(
+        &checks,
+        "hip load",
+        Status::Warn,
+        "the library loaded, but hipInit failed with 101",
+    );
+    expect(&checks, "hip load", Status::Warn, "no GPU driver is loaded");
+    // A runtime not found is told by the library checks, not twice.
+    assert!(!checks.iter().any(|c| c.name == "cuda load"));
+    assert!(!doctor::blocks_gpu(&checks));
+
+    // With /dev/kfd there, the same failure blocks the GPU.
+    let t = amd_machine();
+    let mut view = t.view(&[], &[1000, 0]);
+    view.runtimes = vec![runtime("hip", init_failed())];
+    let checks = doctor::run(&view);
+    expect(&checks, "hip load", Status::Fail, "hipInit failed");
+    expect(
+        &checks,
+        "hip load",
+        Status::Fail,
+        "does not match the kernel driver",
+    );
+    assert!(doctor::blocks_gpu(&checks));
+
+    // Loaded: shown with what the listing says of it.
+    view.runtimes = vec![runtime(
+        "hip",
+        RuntimeOutcome::Loaded(
+            "hip: loaded /opt/rocm-6.4.0/lib/libamdhip64.so.6, runtime version 60443482".into(),
+        ),
+    )];
+    let checks = doctor::run(&view);
+    expect(&checks, "hip load", Status::Ok, "runtime version 60443482");
+    assert!(!doctor::blocks_gpu(&checks));
+
+    // The NVIDIA driver present and cuInit failing blocks the GPU too.
+    let t = Tree::new();
+    t.file(
+        "/proc/driver/nvidia/version",
+        "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.14\n",
+    );
+    let mut view = t.view(&[], &[1000]);
+    view.runtimes = vec![runtime(
+        "cuda",
+        RuntimeOutcome::InitFailed("cuInit failed with 999 (CUDA_ERROR_UNKNOWN)".into()),
+    )];
+    let checks = doctor::run(&view);
+    expect(&checks, "cuda load", Status::Fail, "cuInit failed");
 }

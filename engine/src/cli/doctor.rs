@@ -4,10 +4,11 @@
 use std::path::PathBuf;
 
 use clap::Args;
-use ember::doctor::{self, GpuView, ModelNeeds, SystemView, VmmProbe};
+use ember::doctor::{self, GpuView, ModelNeeds, RuntimeOutcome, RuntimeView, SystemView, VmmProbe};
 use ember::load::open_gguf;
 use ember::model::{architecture_of, HParams, DEFAULT_N_CTX};
 use ember_gpu::devices::{list, ListOptions};
+use ember_gpu::driver::DriverError;
 use ember_gpu::pool::{PoolKind, PoolSelectOptions};
 
 use super::{info, load};
@@ -35,8 +36,8 @@ pub struct DoctorArgs {
     pub root: Option<PathBuf>,
 }
 
-/// The GPUs the runtimes report, with the VMM probe run on each.
-fn gpus(args: &DoctorArgs, kernels_dir: &std::path::Path) -> Vec<GpuView> {
+/// The runtimes as loaded, and the GPUs they report with the VMM probe run on each.
+fn gpus(args: &DoctorArgs, kernels_dir: &std::path::Path) -> (Vec<RuntimeView>, Vec<GpuView>) {
     let vmm = ember::build_manifest::feature("vmm");
     let vmm_gate = vmm.is_none_or(|f| f.enabled);
     let vmm_reason = vmm.and_then(|f| f.reason.clone());
@@ -46,7 +47,19 @@ fn gpus(args: &DoctorArgs, kernels_dir: &std::path::Path) -> Vec<GpuView> {
         pool: PoolSelectOptions::from_env(vmm_gate, vmm_reason),
         probe: true,
     });
-    listing
+    let runtimes = listing
+        .runtimes
+        .iter()
+        .map(|r| RuntimeView {
+            backend: r.backend.to_string(),
+            outcome: match &r.outcome {
+                Ok(info) => RuntimeOutcome::Loaded(info.to_string()),
+                Err(DriverError::LibraryNotFound { .. }) => RuntimeOutcome::NotFound,
+                Err(error) => RuntimeOutcome::InitFailed(error.to_string()),
+            },
+        })
+        .collect();
+    let gpus = listing
         .devices
         .iter()
         .map(|d| GpuView {
@@ -64,7 +77,8 @@ fn gpus(args: &DoctorArgs, kernels_dir: &std::path::Path) -> Vec<GpuView> {
             },
             kernels: d.kernels.is_ok(),
         })
-        .collect()
+        .collect();
+    (runtimes, gpus)
 }
 
 /// A model's memory needs, per layer, at the context asked for.
@@ -120,7 +134,7 @@ pub fn run(args: DoctorArgs) -> anyhow::Result<bool> {
     let mut system = SystemView::current(kernels_dir.clone());
     match &args.root {
         Some(root) => system.root = root.clone(),
-        None => system.gpus = gpus(&args, &kernels_dir),
+        None => (system.runtimes, system.gpus) = gpus(&args, &kernels_dir),
     }
     let checks = match &args.model {
         Some(spec) => doctor::run_with_model(&system, &model_needs(spec, args.ctx_size)?),
