@@ -62,6 +62,87 @@ pub struct SystemView {
     pub gids: Vec<u32>,
     /// The kernels folder of this build (per-architecture subfolders).
     pub kernels_dir: PathBuf,
+    /// The GPUs the runtimes reported (filled by the caller from the device listing; tests
+    /// give fakes).
+    pub gpus: Vec<GpuView>,
+    /// What loading each GPU runtime gave (filled by the caller; empty when not asked).
+    pub runtimes: Vec<RuntimeView>,
+}
+
+/// A GPU runtime as ember loaded it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RuntimeView {
+    /// `hip` or `cuda`.
+    pub backend: String,
+    pub outcome: RuntimeOutcome,
+}
+
+/// What loading a runtime gave.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RuntimeOutcome {
+    /// Loaded and initialised: the library and its version, as the listing says them.
+    Loaded(String),
+    /// No library of the runtime was found.
+    NotFound,
+    /// The library loaded, but initialising it failed (the error).
+    InitFailed(String),
+}
+
+/// One GPU as a runtime reported it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuView {
+    /// `hip:0`, `cuda:1`, ...
+    pub id: String,
+    pub name: String,
+    pub arch: String,
+    pub total_bytes: u64,
+    /// `None` when the runtime could not say.
+    pub free_bytes: Option<u64>,
+    pub vmm: VmmProbe,
+    /// Whether this build has every kernel module for the architecture.
+    pub kernels: bool,
+}
+
+/// What the start-up VMM probe said on a GPU.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VmmProbe {
+    /// It mapped, grew, set access and touched memory: the VMM pool is used.
+    Passed,
+    /// It failed at a step (the reason): the caching pool is used.
+    Failed(String),
+    /// Not run: the build gates VMM off for this target, or the device lacks it (the reason).
+    NotRun(String),
+}
+
+/// What a model needs, for `ember doctor -m`: weights per layer and beside the layers, and
+/// the KV cache and scratch at the default context.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelNeeds {
+    pub name: String,
+    /// Weight bytes of each layer (`blk.N.*` tensors).
+    pub layer_bytes: Vec<u64>,
+    /// Weight bytes outside the layers (embeddings, output norm and head).
+    pub other_bytes: u64,
+    /// KV cache bytes of each layer for a full context of `n_ctx`.
+    pub kv_layer_bytes: Vec<u64>,
+    pub n_ctx: usize,
+    /// Activation buffers of a prompt batch.
+    pub scratch_bytes: u64,
+}
+
+impl ModelNeeds {
+    fn layer_total(&self, il: usize) -> u64 {
+        self.layer_bytes[il] + self.kv_layer_bytes.get(il).copied().unwrap_or(0)
+    }
+
+    /// Everything at once.
+    pub fn total_bytes(&self) -> u64 {
+        (0..self.layer_bytes.len())
+            .map(|il| self.layer_total(il))
+            .sum::<u64>()
+            + self.other_bytes
+            + self.scratch_bytes
+    }
 }
 
 impl SystemView {
@@ -100,6 +181,8 @@ impl SystemView {
             user,
             gids,
             kernels_dir,
+            gpus: Vec::new(),
+            runtimes: Vec::new(),
         }
     }
 
@@ -122,11 +205,212 @@ pub fn run(system: &SystemView) -> Vec<Check> {
     let mut checks = Vec::new();
     checks.extend(hip_runtimes(system));
     checks.push(cuda_runtime(system));
+    checks.extend(runtime_loads(system));
     checks.extend(kernel_driver(system));
     checks.extend(device_nodes(system));
     checks.extend(environment(system));
     checks.extend(gpu_architectures(system));
+    checks.extend(gpu_memory(system));
     checks
+}
+
+/// Every check of [`run`], then whether `model` fits and where its layers would go.
+pub fn run_with_model(system: &SystemView, model: &ModelNeeds) -> Vec<Check> {
+    let mut checks = run(system);
+    checks.push(model_fit(system, model));
+    checks
+}
+
+/// Free VRAM (warn when another process holds most of it) and the VMM probe of each GPU.
+fn gpu_memory(system: &SystemView) -> Vec<Check> {
+    let mut checks = Vec::new();
+    for gpu in &system.gpus {
+        let name = format!("{} memory", gpu.id);
+        let total = ember_gpu::pool::format_bytes(gpu.total_bytes);
+        checks.push(match gpu.free_bytes {
+            None => Check::new(
+                &name,
+                Status::Warn,
+                format!("{} ({}): {total} total, free memory unknown", gpu.name, gpu.arch),
+                Some("the runtime did not report free memory; ember sizes the KV cache from --vram-budget then (set it)"),
+            ),
+            // Less than a tenth free: something else holds the device.
+            Some(free) if free < gpu.total_bytes / 10 => Check::new(
+                &name,
+                Status::Warn,
+                format!(
+                    "{} ({}): only {} free of {total}",
+                    gpu.name,
+                    gpu.arch,
+                    ember_gpu::pool::format_bytes(free)
+                ),
+                Some("another process holds most of the VRAM: stop it (`rocm-smi --showpids` or `nvidia-smi` names it), or models will not fit"),
+            ),
+            Some(free) => Check::new(
+                &name,
+                Status::Ok,
+                format!(
+                    "{} ({}): {} free of {total}",
+                    gpu.name,
+                    gpu.arch,
+                    ember_gpu::pool::format_bytes(free)
+                ),
+                None,
+            ),
+        });
+        let name = format!("{} vmm probe", gpu.id);
+        checks.push(match &gpu.vmm {
+            VmmProbe::Passed => Check::new(
+                &name,
+                Status::Ok,
+                "passed: the VMM pool maps memory on demand and unmaps it when idle",
+                None,
+            ),
+            VmmProbe::NotRun(reason) => Check::new(
+                &name,
+                Status::Ok,
+                format!("not run: {reason}; the caching pool returns memory when idle"),
+                None,
+            ),
+            VmmProbe::Failed(reason) => Check::new(
+                &name,
+                Status::Warn,
+                format!("failed: {reason}"),
+                Some("ember uses the caching pool instead (memory still goes back when idle), so nothing blocks the GPU; report the failure with `ember devices --probe -v`"),
+            ),
+        });
+    }
+    checks
+}
+
+/// Where each layer of `model` would go: as many of the last layers as the GPUs' free memory
+/// holds (less a reserve for the runtime), in device order, the first ones on the CPU.
+fn model_fit(system: &SystemView, model: &ModelNeeds) -> Check {
+    let name = "model fit";
+    let n_layer = model.layer_bytes.len();
+    let fmt = ember_gpu::pool::format_bytes;
+    let usable: Vec<&GpuView> = system
+        .gpus
+        .iter()
+        .filter(|g| g.kernels && g.free_bytes.is_some())
+        .collect();
+    let cpu_available = system.read("/proc/meminfo").and_then(|text| {
+        text.lines().find_map(|l| {
+            let kib: u64 = l
+                .strip_prefix("MemAvailable:")?
+                .trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse()
+                .ok()?;
+            Some(kib * 1024)
+        })
+    });
+    let cpu_note = |bytes: u64| match cpu_available {
+        Some(free) if bytes > free => (
+            Status::Fail,
+            format!("{} needed on the CPU, {} available", fmt(bytes), fmt(free)),
+        ),
+        Some(free) => (
+            Status::Ok,
+            format!("{} needed on the CPU, {} available", fmt(bytes), fmt(free)),
+        ),
+        None => (Status::Ok, format!("{} needed on the CPU", fmt(bytes))),
+    };
+    if usable.is_empty() {
+        let (status, memory) = cpu_note(model.total_bytes());
+        return Check::new(
+            name,
+            if status == Status::Fail { Status::Fail } else { Status::Warn },
+            format!(
+                "{}: no usable GPU, so all {n_layer} layers would run on the CPU ({memory}, context {})",
+                model.name, model.n_ctx
+            ),
+            Some(if status == Status::Fail {
+                "the model does not fit in memory: use a smaller quant or a shorter context (-c)"
+            } else {
+                "fix the GPU checks above to run it on a GPU"
+            }),
+        );
+    }
+    // A reserve per device for the runtime, kernels and fragmentation: 5% of the device, at
+    // least 256 MiB.
+    // How many layers each GPU can hold, in device order. As with llama.cpp's -ngl, the GPU
+    // layers are the last ones: the first layers stay on the CPU, the rest go to the GPUs in
+    // contiguous ranges. Layers are of nearly equal size, so the count is taken with the
+    // largest.
+    let largest = (0..n_layer)
+        .map(|il| model.layer_total(il))
+        .max()
+        .unwrap_or(0)
+        .max(1);
+    let mut capacities: Vec<(&GpuView, usize)> = Vec::new();
+    for (i, gpu) in usable.iter().enumerate() {
+        let reserve = (gpu.total_bytes / 20).max(256 << 20);
+        let mut room = gpu.free_bytes.unwrap_or(0).saturating_sub(reserve);
+        // The scratch and the output head: charged to the first GPU (the embeddings are read
+        // from the file's mapping on the CPU).
+        if i == 0 {
+            room = room.saturating_sub(model.other_bytes + model.scratch_bytes);
+        }
+        capacities.push((gpu, (room / largest) as usize));
+    }
+    let on_gpu = capacities
+        .iter()
+        .map(|&(_, n)| n)
+        .sum::<usize>()
+        .min(n_layer);
+    let mut parts: Vec<String> = Vec::new();
+    let mut next = n_layer - on_gpu;
+    for (gpu, capacity) in capacities {
+        let end = (next + capacity).min(n_layer);
+        if end > next {
+            let used: u64 = (next..end).map(|il| model.layer_total(il)).sum();
+            parts.push(format!(
+                "layers {next}..{} on {} ({})",
+                end - 1,
+                gpu.id,
+                fmt(used)
+            ));
+        }
+        next = end;
+    }
+    if on_gpu == n_layer {
+        return Check::new(
+            name,
+            Status::Ok,
+            format!(
+                "{}: fits, all {n_layer} layers on the GPU: {} (context {})",
+                model.name,
+                parts.join(", "),
+                model.n_ctx
+            ),
+            None,
+        );
+    }
+    let n_cpu = n_layer - on_gpu;
+    let rest: u64 = (0..n_cpu).map(|il| model.layer_total(il)).sum();
+    let (status, memory) = cpu_note(rest);
+    parts.insert(0, format!("layers 0..{} on the CPU ({memory})", n_cpu - 1));
+    Check::new(
+        name,
+        if status == Status::Fail {
+            Status::Fail
+        } else {
+            Status::Warn
+        },
+        format!(
+            "{}: does not fit in VRAM at context {}: {}",
+            model.name,
+            model.n_ctx,
+            parts.join(", ")
+        ),
+        Some(&if on_gpu == 0 {
+            "not one layer fits in the GPUs' free memory: free VRAM (see the memory lines above), or use a smaller quant or a shorter context (-c)".to_string()
+        } else {
+            format!("-ngl {on_gpu} puts the last {on_gpu} layers on the GPU and the rest on the CPU (slower); a smaller quant or a shorter context (-c) fits more")
+        }),
+    )
 }
 
 /// Whether anything blocks GPU use (the exit status of `ember doctor`).
@@ -293,6 +577,46 @@ fn cuda_runtime(system: &SystemView) -> Check {
     } else {
         Check::new("cuda driver library", Status::Ok, found.join(", "), None)
     }
+}
+
+/// What loading each runtime gave: a library that loads but does not initialise while its
+/// kernel driver is there blocks the GPU; without the driver it is only expected.
+fn runtime_loads(system: &SystemView) -> Vec<Check> {
+    system
+        .runtimes
+        .iter()
+        .filter_map(|runtime| {
+            let name = format!("{} load", runtime.backend);
+            match &runtime.outcome {
+                RuntimeOutcome::Loaded(detail) => {
+                    Some(Check::new(&name, Status::Ok, detail.clone(), None))
+                }
+                // The library checks above already say what is missing and how to install it.
+                RuntimeOutcome::NotFound => None,
+                RuntimeOutcome::InitFailed(error) => {
+                    let driver_present = match runtime.backend.as_str() {
+                        "hip" => system.path("/dev/kfd").exists(),
+                        _ => system.path("/proc/driver/nvidia/version").exists(),
+                    };
+                    Some(if driver_present {
+                        Check::new(
+                            &name,
+                            Status::Fail,
+                            format!("the library loaded, but {error}"),
+                            Some("the runtime does not match the kernel driver, or the device nodes cannot be opened: see the driver and device checks; install the runtime release that goes with the driver"),
+                        )
+                    } else {
+                        Check::new(
+                            &name,
+                            Status::Warn,
+                            format!("the library loaded, but {error} (no GPU driver is loaded, so this is expected)"),
+                            Some("nothing to do without a GPU; with one, load its driver (see the kernel driver check)"),
+                        )
+                    })
+                }
+            }
+        })
+        .collect()
 }
 
 fn kernel_driver(system: &SystemView) -> Vec<Check> {

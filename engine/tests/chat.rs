@@ -268,3 +268,244 @@ fn ctrl_c_stops_the_answer_not_the_chat() {
     assert_ne!(stats[0].2, "cancelled", "{rest:?}");
     assert!(stats[0].1 > 0, "{rest:?}");
 }
+
+/// `ember chat` on a pseudo-terminal, as a user at a terminal has it: line editing on, Ctrl-C
+/// typed as a key (the terminal turns it into SIGINT only while an answer streams; at the prompt
+/// the line editor reads it). Two turns, then Ctrl-C during a long answer (that answer stops,
+/// the program does not), another turn, and /exit. Every wait is for output, never for time.
+#[cfg(unix)]
+mod terminal {
+    use std::io::{Read, Write};
+    use std::os::fd::OwnedFd;
+    use std::os::unix::process::CommandExt;
+    use std::process::{Child, Stdio};
+    use std::sync::{Arc, Condvar, Mutex};
+    use std::time::{Duration, Instant};
+
+    use super::{common, ember, turn_stats, MODEL};
+
+    /// Generous: a loaded two-core CI machine reads prompts and writes tokens slowly.
+    const WAIT: Duration = Duration::from_secs(300);
+
+    /// What the terminal has shown so far, and whether the program has closed it.
+    #[derive(Default)]
+    struct Screen {
+        text: Mutex<(String, bool)>,
+        changed: Condvar,
+    }
+
+    impl Screen {
+        /// Waits until the program closes the terminal (it exits).
+        fn wait_closed(&self) {
+            let deadline = Instant::now() + WAIT;
+            let mut guard = self.text.lock().unwrap();
+            while !guard.1 {
+                let left = deadline.saturating_duration_since(Instant::now());
+                assert!(
+                    !left.is_zero(),
+                    "the program did not end; the terminal shows:\n{}",
+                    guard.0
+                );
+                guard = self.changed.wait_timeout(guard, left).unwrap().0;
+            }
+        }
+
+        /// Waits until `done` holds for the text shown; the text.
+        fn wait_for(&self, what: &str, done: impl Fn(&str) -> bool) -> String {
+            let deadline = Instant::now() + WAIT;
+            let mut guard = self.text.lock().unwrap();
+            loop {
+                if done(&guard.0) {
+                    return guard.0.clone();
+                }
+                let left = deadline.saturating_duration_since(Instant::now());
+                assert!(
+                    !left.is_zero() && !guard.1,
+                    "waited for {what}; the terminal shows:\n{}",
+                    guard.0
+                );
+                guard = self.changed.wait_timeout(guard, left).unwrap().0;
+            }
+        }
+    }
+
+    struct Session {
+        child: Child,
+        keyboard: std::fs::File,
+        screen: Arc<Screen>,
+    }
+
+    impl Session {
+        fn start(args: &[&str]) -> Session {
+            let size = nix::pty::Winsize {
+                ws_row: 40,
+                ws_col: 200,
+                ws_xpixel: 0,
+                ws_ypixel: 0,
+            };
+            let pty = nix::pty::openpty(&size, None).expect("openpty");
+            let slave: OwnedFd = pty.slave;
+            let mut command = ember();
+            command
+                .arg("chat")
+                .args(args)
+                .env("TERM", "xterm")
+                .stdin(Stdio::from(slave.try_clone().unwrap()))
+                .stdout(Stdio::from(slave.try_clone().unwrap()))
+                .stderr(Stdio::from(slave.try_clone().unwrap()));
+            // SAFETY: between fork and exec only async-signal-safe calls: setsid makes the child
+            // a session leader, and TIOCSCTTY makes its standard input (the terminal) its
+            // controlling terminal, so that a typed Ctrl-C reaches it as SIGINT.
+            unsafe {
+                command.pre_exec(|| {
+                    if libc::setsid() < 0 || libc::ioctl(0, libc::TIOCSCTTY as _, 0) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+            let child = command.spawn().unwrap();
+            // Only the child holds the terminal now: when it exits, reads of the master end.
+            drop(command);
+            drop(slave);
+            let master = std::fs::File::from(pty.master);
+            let keyboard = master.try_clone().unwrap();
+            let mut answers = master.try_clone().unwrap();
+            let screen = Arc::new(Screen::default());
+            let shown = Arc::clone(&screen);
+            std::thread::spawn(move || {
+                let mut reader = master;
+                let mut buf = [0u8; 4096];
+                loop {
+                    let n = reader.read(&mut buf).unwrap_or(0);
+                    let mut guard = shown.text.lock().unwrap();
+                    if n == 0 {
+                        guard.1 = true;
+                        shown.changed.notify_all();
+                        return;
+                    }
+                    let chunk = String::from_utf8_lossy(&buf[..n]).into_owned();
+                    // A line editor may ask where the cursor is; a terminal answers.
+                    for _ in 0..chunk.matches("\x1b[6n").count() {
+                        let _ = answers.write_all(b"\x1b[1;1R");
+                    }
+                    guard.0.push_str(&chunk);
+                    shown.changed.notify_all();
+                }
+            });
+            Session {
+                child,
+                keyboard,
+                screen,
+            }
+        }
+
+        fn type_keys(&mut self, keys: &str) {
+            self.keyboard.write_all(keys.as_bytes()).unwrap();
+            self.keyboard.flush().unwrap();
+        }
+
+        /// Types `line` and Enter, and waits for the answer's stats line; all the turns' stats.
+        fn turn(&mut self, line: &str) -> Vec<(usize, usize, String)> {
+            let before = turn_stats(&self.shown()).len();
+            self.type_keys(&format!("{line}\r"));
+            let text = self.screen.wait_for("the answer's stats line", |t| {
+                turn_stats(&plain(t)).len() > before
+            });
+            turn_stats(&plain(&text))
+        }
+
+        fn shown(&self) -> String {
+            plain(&self.screen.text.lock().unwrap().0)
+        }
+    }
+
+    /// The terminal's text as lines: carriage returns and escape sequences dropped.
+    fn plain(text: &str) -> String {
+        let mut out = String::new();
+        let mut chars = text.chars().peekable();
+        while let Some(c) = chars.next() {
+            match c {
+                '\x1b' => {
+                    // CSI: ESC [ parameters final-byte; other escapes are two characters.
+                    if chars.peek() == Some(&'[') {
+                        chars.next();
+                        for c in chars.by_ref() {
+                            if ('@'..='~').contains(&c) {
+                                break;
+                            }
+                        }
+                    } else {
+                        chars.next();
+                    }
+                }
+                '\r' => {}
+                c => out.push(c),
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn a_conversation_on_a_terminal_survives_ctrl_c() {
+        let model = common::model_path(MODEL);
+        let mut session = Session::start(&[
+            "-m",
+            model.to_str().unwrap(),
+            "-t",
+            "2",
+            "--temp",
+            "0",
+            // Answers of up to 64 tokens keep the test short; the Ctrl-C below comes a few
+            // tokens into one, leaving some sixty tokens' time for the key to arrive.
+            "-n",
+            "64",
+            "-v",
+        ]);
+        // The commands are shown on a terminal, then the prompt.
+        session.screen.wait_for("the prompt", |t| {
+            plain(t).contains("/exit") && t.contains("> ")
+        });
+
+        let stats = session.turn("What is the capital of France?");
+        assert_eq!(stats.len(), 1);
+        let stats = session.turn("And of Italy?");
+        assert_eq!(stats.len(), 2);
+        // The second prompt holds the first exchange.
+        assert!(stats[1].0 > stats[0].0 + stats[0].1, "{stats:?}");
+
+        // A long answer; Ctrl-C once it is streaming.
+        let story = "Write a very long story about a dragon who learns to fly.";
+        session.type_keys(&format!("{story}\r"));
+        let echoed = session.screen.wait_for("the story request's echo", |t| {
+            plain(t).contains(&format!("{story}\n"))
+        });
+        let echoed = plain(&echoed);
+        let answer_start = echoed.rfind(&format!("{story}\n")).unwrap() + story.len() + 1;
+        session.screen.wait_for("the answer to start", |t| {
+            plain(t)
+                .get(answer_start..)
+                .is_some_and(|a| a.split_whitespace().count() >= 3)
+        });
+        session.type_keys("\x03");
+        let text = session.screen.wait_for("the stopped answer's stats", |t| {
+            turn_stats(&plain(t)).len() == 3
+        });
+        let stats = turn_stats(&plain(&text));
+        assert_eq!(stats[2].2, "cancelled", "{stats:?}");
+        assert!(plain(&text).contains("[stopped]"), "{}", plain(&text));
+        // Stopped before its 64 tokens.
+        assert!(stats[2].1 < 64, "{stats:?}");
+
+        // The program goes on: another turn is answered in full.
+        let stats = session.turn("What is two plus two?");
+        assert_eq!(stats.len(), 4);
+        assert_ne!(stats[3].2, "cancelled", "{stats:?}");
+        assert!(stats[3].1 > 0, "{stats:?}");
+
+        session.type_keys("/exit\r");
+        session.screen.wait_closed();
+        let status = session.child.wait().unwrap();
+        assert!(status.success(), "{status:?}\n{}", session.shown());
+    }
+}

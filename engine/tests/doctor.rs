@@ -6,7 +6,9 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use ember::doctor::{self, Check, Status, SystemView};
+use ember::doctor::{
+    self, Check, GpuView, ModelNeeds, RuntimeOutcome, RuntimeView, Status, SystemView, VmmProbe,
+};
 
 /// A fake root with helpers to lay files into it.
 struct Tree {
@@ -57,6 +59,8 @@ impl Tree {
             user: "alice".into(),
             gids: gids.to_vec(),
             kernels_dir: self.root().join("kernels"),
+            gpus: Vec::new(),
+            runtimes: Vec::new(),
         }
     }
 }
@@ -373,4 +377,317 @@ fn the_command_exits_non_zero_when_the_gpu_is_blocked() {
     assert!(stdout.contains("fail  gpu (kfd node 1)"), "{stdout}");
     assert!(stdout.contains("gfx90a"), "{stdout}");
     assert!(stderr.contains("blocks GPU use"), "{stderr}");
+}
+
+const GIB: u64 = 1 << 30;
+const MIB: u64 = 1 << 20;
+
+fn gpu(id: &str, total: u64, free: Option<u64>, vmm: VmmProbe) -> GpuView {
+    GpuView {
+        id: id.to_string(),
+        name: "Radeon RX 7900 XTX".to_string(),
+        arch: "gfx1100".to_string(),
+        total_bytes: total,
+        free_bytes: free,
+        vmm,
+        kernels: true,
+    }
+}
+
+#[test]
+fn free_vram_and_the_vmm_probe_of_each_gpu() {
+    let t = amd_machine();
+    let mut view = t.view(&[], &[1000, 0]);
+    view.gpus = vec![
+        gpu("hip:0", 24 * GIB, Some(23 * GIB), VmmProbe::Passed),
+        gpu(
+            "hip:1",
+            24 * GIB,
+            Some(GIB),
+            VmmProbe::Failed("hipMemSetAccess failed with 1".into()),
+        ),
+        gpu(
+            "hip:2",
+            16 * GIB,
+            None,
+            VmmProbe::NotRun("the build manifest gates VMM off for this target".into()),
+        ),
+    ];
+    let checks = doctor::run(&view);
+    expect(
+        &checks,
+        "hip:0 memory",
+        Status::Ok,
+        "23.0 GiB free of 24.0 GiB",
+    );
+    expect(&checks, "hip:0 vmm probe", Status::Ok, "passed");
+    expect(
+        &checks,
+        "hip:1 memory",
+        Status::Warn,
+        "only 1.0 GiB free of 24.0 GiB",
+    );
+    expect(
+        &checks,
+        "hip:1 memory",
+        Status::Warn,
+        "another process holds",
+    );
+    expect(
+        &checks,
+        "hip:1 vmm probe",
+        Status::Warn,
+        "hipMemSetAccess failed",
+    );
+    expect(
+        &checks,
+        "hip:1 vmm probe",
+        Status::Warn,
+        "caching pool instead",
+    );
+    expect(&checks, "hip:2 memory", Status::Warn, "free memory unknown");
+    expect(
+        &checks,
+        "hip:2 vmm probe",
+        Status::Ok,
+        "not run: the build manifest gates VMM off",
+    );
+    // Neither a busy GPU nor a failed probe blocks the GPU.
+    assert!(!doctor::blocks_gpu(&checks), "{}", doctor::render(&checks));
+}
+
+/// A model of `n_layer` layers of 100 MiB weights and 10 MiB KV each, 50 MiB outside the
+/// layers and 20 MiB of scratch.
+fn model(n_layer: usize) -> ModelNeeds {
+    ModelNeeds {
+        name: "test.gguf".into(),
+        layer_bytes: vec![100 * MIB; n_layer],
+        other_bytes: 50 * MIB,
+        kv_layer_bytes: vec![10 * MIB; n_layer],
+        n_ctx: 4096,
+        scratch_bytes: 20 * MIB,
+    }
+}
+
+#[test]
+fn a_model_that_fits_goes_to_the_gpu() {
+    let t = amd_machine();
+    let mut view = t.view(&[], &[1000, 0]);
+    view.gpus = vec![gpu("hip:0", 24 * GIB, Some(20 * GIB), VmmProbe::Passed)];
+    let checks = doctor::run_with_model(&view, &model(32));
+    expect(
+        &checks,
+        "model fit",
+        Status::Ok,
+        "fits, all 32 layers on the GPU",
+    );
+    expect(
+        &checks,
+        "model fit",
+        Status::Ok,
+        "layers 0..31 on hip:0 (3.4 GiB)",
+    );
+    assert!(!doctor::blocks_gpu(&checks));
+}
+
+#[test]
+fn a_model_too_large_for_vram_spreads_over_gpus_and_the_cpu() {
+    let t = amd_machine();
+    t.file(
+        "/proc/meminfo",
+        "MemTotal: 67108864 kB\nMemAvailable: 33554432 kB\n",
+    );
+    let mut view = t.view(&[], &[1000, 0]);
+    // Room after the 256 MiB reserve: hip:0 1 GiB less the 70 MiB outside the layers and the
+    // scratch (954 MiB), 8 layers of 110 MiB; hip:1 (no kernels) is passed over; hip:2 1 GiB,
+    // 9 layers more. The GPUs take the last 17 layers, the CPU the first 15 (1650 MiB).
+    let mut no_kernels = gpu("hip:1", 8 * GIB, Some(8 * GIB), VmmProbe::Passed);
+    no_kernels.kernels = false;
+    view.gpus = vec![
+        gpu("hip:0", 4 * GIB, Some(GIB + 256 * MIB), VmmProbe::Passed),
+        no_kernels,
+        gpu("hip:2", 4 * GIB, Some(GIB + 256 * MIB), VmmProbe::Passed),
+    ];
+    let checks = doctor::run_with_model(&view, &model(32));
+    expect(
+        &checks,
+        "model fit",
+        Status::Warn,
+        "does not fit in VRAM at context 4096",
+    );
+    expect(
+        &checks,
+        "model fit",
+        Status::Warn,
+        "layers 15..22 on hip:0 (880.0 MiB)",
+    );
+    expect(
+        &checks,
+        "model fit",
+        Status::Warn,
+        "layers 23..31 on hip:2 (990.0 MiB)",
+    );
+    expect(
+        &checks,
+        "model fit",
+        Status::Warn,
+        "layers 0..14 on the CPU (1.6 GiB needed on the CPU, 32.0 GiB available)",
+    );
+    expect(&checks, "model fit", Status::Warn, "-ngl 17 puts");
+    let c = checks.iter().find(|c| c.name == "model fit").unwrap();
+    assert!(!c.detail.contains("hip:1"), "{}", c.detail);
+    assert!(!doctor::blocks_gpu(&checks));
+
+    // A GPU with no room for one layer: everything on the CPU, and the fix says why.
+    view.gpus = vec![gpu("hip:0", 4 * GIB, Some(300 * MIB), VmmProbe::Passed)];
+    let checks = doctor::run_with_model(&view, &model(32));
+    expect(
+        &checks,
+        "model fit",
+        Status::Warn,
+        "layers 0..31 on the CPU",
+    );
+    expect(&checks, "model fit", Status::Warn, "not one layer fits");
+}
+
+#[test]
+fn without_a_gpu_the_model_is_checked_against_system_memory() {
+    let t = Tree::new();
+    t.file("/proc/meminfo", "MemAvailable: 33554432 kB\n");
+    let checks = doctor::run_with_model(&t.view(&[], &[1000]), &model(32));
+    expect(&checks, "model fit", Status::Warn, "no usable GPU, so all 32 layers would run on the CPU (3.5 GiB needed on the CPU, 32.0 GiB available");
+    assert!(!doctor::blocks_gpu(&checks));
+
+    let small = Tree::new();
+    small.file("/proc/meminfo", "MemAvailable: 1048576 kB\n");
+    let checks = doctor::run_with_model(&small.view(&[], &[1000]), &model(32));
+    expect(
+        &checks,
+        "model fit",
+        Status::Fail,
+        "3.5 GiB needed on the CPU, 1.0 GiB available",
+    );
+    expect(&checks, "model fit", Status::Fail, "does not fit in memory");
+    assert!(doctor::blocks_gpu(&checks));
+}
+
+#[cfg(unix)]
+#[test]
+fn the_command_checks_a_model() {
+    let model = common_model_path();
+    let run = |root: &Path| {
+        Command::new(env!("CARGO_BIN_EXE_ember"))
+            .args(["doctor", "--root"])
+            .arg(root)
+            .arg("--kernels-dir")
+            .arg(root.join("kernels"))
+            .arg("-m")
+            .arg(&model)
+            .env_remove("HSA_OVERRIDE_GFX_VERSION")
+            .env_remove("HIP_VISIBLE_DEVICES")
+            .env_remove("ROCR_VISIBLE_DEVICES")
+            .env_remove("CUDA_VISIBLE_DEVICES")
+            .env_remove("GPU_DEVICE_ORDINAL")
+            .env_remove("ROCM_PATH")
+            .output()
+            .unwrap()
+    };
+    let roomy = Tree::new();
+    roomy.file("/proc/meminfo", "MemAvailable: 33554432 kB\n");
+    let out = run(roomy.root());
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+    assert!(stdout.contains("warn  model fit"), "{stdout}");
+    assert!(
+        stdout.contains("all 30 layers would run on the CPU"),
+        "{stdout}"
+    );
+
+    let tight = Tree::new();
+    tight.file("/proc/meminfo", "MemAvailable: 1024 kB\n");
+    let out = run(tight.root());
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    assert!(stdout.contains("fail  model fit"), "{stdout}");
+}
+
+/// The pinned SmolLM2 file (30 layers), by the cache lookup `ember pull` uses.
+fn common_model_path() -> PathBuf {
+    let entry = ember::models::find("smollm2-135m-instruct-q4_1").unwrap();
+    let path = ember::models::cached_path(entry).unwrap();
+    assert!(
+        path.is_file(),
+        "run `ember pull smollm2-135m-instruct-q4_1` first"
+    );
+    path
+}
+
+fn runtime(backend: &str, outcome: RuntimeOutcome) -> RuntimeView {
+    RuntimeView {
+        backend: backend.to_string(),
+        outcome,
+    }
+}
+
+#[test]
+fn a_runtime_that_loads_but_does_not_initialise() {
+    let init_failed =
+        || RuntimeOutcome::InitFailed("hipInit failed with 101 (hipErrorInvalidDevice)".into());
+    // No GPU driver: expected, a warning.
+    let t = Tree::new();
+    let mut view = t.view(&[], &[1000]);
+    view.runtimes = vec![
+        runtime("hip", init_failed()),
+        runtime("cuda", RuntimeOutcome::NotFound),
+    ];
+    let checks = doctor::run(&view);
+    expect(
+        &checks,
+        "hip load",
+        Status::Warn,
+        "the library loaded, but hipInit failed with 101",
+    );
+    expect(&checks, "hip load", Status::Warn, "no GPU driver is loaded");
+    // A runtime not found is told by the library checks, not twice.
+    assert!(!checks.iter().any(|c| c.name == "cuda load"));
+    assert!(!doctor::blocks_gpu(&checks));
+
+    // With /dev/kfd there, the same failure blocks the GPU.
+    let t = amd_machine();
+    let mut view = t.view(&[], &[1000, 0]);
+    view.runtimes = vec![runtime("hip", init_failed())];
+    let checks = doctor::run(&view);
+    expect(&checks, "hip load", Status::Fail, "hipInit failed");
+    expect(
+        &checks,
+        "hip load",
+        Status::Fail,
+        "does not match the kernel driver",
+    );
+    assert!(doctor::blocks_gpu(&checks));
+
+    // Loaded: shown with what the listing says of it.
+    view.runtimes = vec![runtime(
+        "hip",
+        RuntimeOutcome::Loaded(
+            "hip: loaded /opt/rocm-6.4.0/lib/libamdhip64.so.6, runtime version 60443482".into(),
+        ),
+    )];
+    let checks = doctor::run(&view);
+    expect(&checks, "hip load", Status::Ok, "runtime version 60443482");
+    assert!(!doctor::blocks_gpu(&checks));
+
+    // The NVIDIA driver present and cuInit failing blocks the GPU too.
+    let t = Tree::new();
+    t.file(
+        "/proc/driver/nvidia/version",
+        "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.14\n",
+    );
+    let mut view = t.view(&[], &[1000]);
+    view.runtimes = vec![runtime(
+        "cuda",
+        RuntimeOutcome::InitFailed("cuInit failed with 999 (CUDA_ERROR_UNKNOWN)".into()),
+    )];
+    let checks = doctor::run(&view);
+    expect(&checks, "cuda load", Status::Fail, "cuInit failed");
 }

@@ -8,10 +8,10 @@
 //! - the package is intact (`SHA256SUMS`) and, for images, the image is built as documented
 //!   (non-root user, health check, labels);
 //! - `ember --version` names the version the artifact or image says it carries;
-//! - `ember info` shows the build manifest that `targets.toml` implies for the target: each
-//!   feature's state, and the reason of every feature that is off;
-//! - `ember devices` lists devices; where the target's GPU is absent it says so and the GPU checks
-//!   are skipped, never silently;
+//! - `ember info --format json` shows the build manifest that `targets.toml` implies for the
+//!   target: each feature's state, and the reason and tracking links of every feature that is off;
+//! - `ember devices --format json` lists devices; where the target's GPU is absent it says so and
+//!   the GPU checks are skipped, never silently;
 //! - a real model from `models.toml` answers "The capital of France is" greedily with the ids of
 //!   `tests/data/golden/greedy.jsonl`, by the rule of `tests/data/golden/README.md`;
 //! - for images, the default command serves: `IMAGE -m /models/x.gguf` with port 8080 published
@@ -36,7 +36,7 @@ use sha2::{Digest, Sha256};
 use xshell::Shell;
 
 use crate::docker::{self, ExpectedManifest};
-use crate::targets::{self, Feature, FeatureState, Os};
+use crate::targets::{self, FeatureState, Os};
 use crate::wine;
 
 mod http;
@@ -561,13 +561,23 @@ fn check_info(
     expected: &ExpectedManifest,
     model: &ModelFile,
 ) {
-    let mut args = vec!["info".to_string()];
+    let mut args = vec![
+        "info".to_string(),
+        "--format".to_string(),
+        "json".to_string(),
+    ];
     if subject.info_takes_model {
         args.extend(["-m".to_string(), subject.runner.model_path(model)]);
     }
     match run_ember(subject, &args, Duration::from_secs(60)) {
         Ok(output) if output.success() => {
-            let problems = check_info_text(expected, &output.stdout);
+            let problems = match serde_json::from_str::<serde_json::Value>(&output.stdout) {
+                Ok(info) => check_info_json(expected, &info),
+                Err(error) => vec![format!(
+                    "expected a JSON object from `ember info --format json`, found {error}: {}",
+                    output.stdout.chars().take(200).collect::<String>()
+                )],
+            };
             if problems.is_empty() {
                 let off: Vec<String> = expected
                     .features
@@ -1153,7 +1163,8 @@ fn wait_for_health(container: &str, timeout: Duration) -> Result<Duration, Strin
 }
 
 fn check_devices(report: &mut Report, subject: &Subject) {
-    let output = match run_ember(subject, &["devices".to_string()], Duration::from_secs(60)) {
+    let args = ["devices", "--format", "json"].map(str::to_string);
+    let output = match run_ember(subject, &args, Duration::from_secs(60)) {
         Ok(output) => output,
         Err(error) => return report.fail("devices", &format!("{error:#}")),
     };
@@ -1167,7 +1178,19 @@ fn check_devices(report: &mut Report, subject: &Subject) {
             ),
         );
     }
-    match devices_verdict(&subject.target, &output.stdout) {
+    let listing = match serde_json::from_str::<serde_json::Value>(&output.stdout) {
+        Ok(listing) => listing,
+        Err(error) => {
+            return report.fail(
+                "devices",
+                &format!(
+                    "expected a JSON object from `ember devices --format json`, found {error}: {}",
+                    output.stdout.chars().take(200).collect::<String>()
+                ),
+            )
+        }
+    };
+    match devices_verdict(&subject.target, &listing) {
         DevicesVerdict::Listed(summary) => report.pass("devices", &summary),
         DevicesVerdict::GpuAbsent(arch) => {
             report.pass("devices", "CPU device listed");
@@ -1175,7 +1198,7 @@ fn check_devices(report: &mut Report, subject: &Subject) {
         }
         DevicesVerdict::Empty => report.fail(
             "devices",
-            "expected at least one device, found empty output",
+            "expected the CPU in `ember devices --format json`, found no `cpu` object",
         ),
     }
 }
@@ -1644,49 +1667,59 @@ fn models_dir() -> Result<PathBuf> {
 // ---------------------------------------------------------------------------------------------
 // `ember info` against the expected manifest.
 
-/// Words that state a boolean feature in `ember info` output.
-const ON_WORDS: &[&str] = &["on", "enabled", "yes", "true"];
-const OFF_WORDS: &[&str] = &["off", "disabled", "no", "false"];
-
-/// Every way `info` output disagrees with `expected`: a line names the target, each feature is on a
-/// line with its state (the first state word after the feature's name decides), and the reason of
-/// each feature that is off or unsupported appears (whitespace may differ, as long lines wrap),
-/// and so does each tracking link.
-fn check_info_text(expected: &ExpectedManifest, info: &str) -> Vec<String> {
+/// Every way `ember info --format json` output disagrees with `expected`: the build manifest's
+/// `target`, and for each expected feature its `state`, and for a feature that is off or
+/// unsupported its `reason` and every tracking link.
+fn check_info_json(expected: &ExpectedManifest, info: &serde_json::Value) -> Vec<String> {
     let mut problems = Vec::new();
-    let lower = info.to_lowercase();
-    // The target must be named as the target: on a line with the word `target`, so that a `cpu`
-    // elsewhere (the CPU features line) does not count.
-    let target = expected.target.to_lowercase();
-    let names_target = lower.lines().any(|line| {
-        let line_words: Vec<&str> = words(line).collect();
-        line_words.contains(&"target") && line_words.contains(&target.as_str())
-    });
-    if !names_target {
-        problems.push(format!(
-            "expected a line naming target {} in `ember info`, found none",
+    let build = &info["build"];
+    match build["target"].as_str() {
+        Some(target) if target == expected.target => {}
+        found => problems.push(format!(
+            "expected target {} in `ember info`, found {found:?}",
             expected.target
-        ));
+        )),
     }
+    let shown: Vec<&serde_json::Value> = build["features"]
+        .as_array()
+        .map(|features| features.iter().collect())
+        .unwrap_or_default();
     for feature in &expected.features {
-        match feature_state_in(&lower, feature) {
-            Ok(()) => {}
-            Err(problem) => problems.push(problem),
+        let state = feature.state.name();
+        let Some(found) = shown
+            .iter()
+            .find(|f| f["name"].as_str() == Some(feature.name.as_str()))
+        else {
+            problems.push(format!(
+                "expected feature {} ({state}) in `ember info`, found none",
+                feature.name
+            ));
+            continue;
+        };
+        let found_state = found["state"].as_str().unwrap_or("");
+        if found_state != state {
+            problems.push(format!(
+                "expected feature {} to be {state}, found {found_state:?}",
+                feature.name
+            ));
         }
         if let (Some(reason), false) = (&feature.reason, feature.state == FeatureState::On) {
-            if !collapse_whitespace(&lower).contains(&collapse_whitespace(&reason.to_lowercase())) {
+            let found_reason = found["reason"].as_str();
+            if found_reason != Some(reason.as_str()) {
                 problems.push(format!(
-                    "expected the reason {} is {} (\"{reason}\") in `ember info`, found it missing",
-                    feature.name,
-                    feature.state.name()
+                    "expected the reason {} is {state} (\"{reason}\") in `ember info`, found {found_reason:?}",
+                    feature.name
                 ));
             }
         }
-        // Links are case-sensitive; compare them as printed.
+        let links: Vec<&str> = found["tracking"]
+            .as_array()
+            .map(|links| links.iter().filter_map(|l| l.as_str()).collect())
+            .unwrap_or_default();
         for link in feature
             .tracking
             .iter()
-            .filter(|link| !info.contains(link.as_str()))
+            .filter(|link| !links.contains(&link.as_str()))
         {
             problems.push(format!(
                 "expected the tracking link {link} of feature {} in `ember info`, found it missing",
@@ -1695,62 +1728,6 @@ fn check_info_text(expected: &ExpectedManifest, info: &str) -> Vec<String> {
         }
     }
     problems
-}
-
-fn feature_state_in(info_lower: &str, feature: &Feature) -> Result<(), String> {
-    let name = feature.name.to_lowercase();
-    let state = feature.state.name();
-    let boolean = ON_WORDS.contains(&state) || OFF_WORDS.contains(&state);
-    let mut found_states = Vec::new();
-    for line in info_lower.lines() {
-        let line_words: Vec<&str> = words(line).collect();
-        let Some(at) = line_words.iter().position(|word| *word == name) else {
-            continue;
-        };
-        let after = &line_words[at + 1..];
-        let shown = if boolean {
-            after
-                .iter()
-                .find(|word| ON_WORDS.contains(word) || OFF_WORDS.contains(word))
-                .copied()
-        } else {
-            after.iter().find(|word| **word == state).copied()
-        };
-        match shown {
-            Some(word) if word == state || (boolean && same_boolean(word, state)) => return Ok(()),
-            Some(word) => found_states.push(word.to_string()),
-            None => found_states.push(line.trim().to_string()),
-        }
-    }
-    if found_states.is_empty() {
-        Err(format!(
-            "expected feature {} ({}) in `ember info`, found no line naming it",
-            feature.name, state
-        ))
-    } else {
-        Err(format!(
-            "expected feature {} to be {state}, found {}",
-            feature.name,
-            found_states.join(", ")
-        ))
-    }
-}
-
-fn same_boolean(a: &str, b: &str) -> bool {
-    (ON_WORDS.contains(&a) && ON_WORDS.contains(&b))
-        || (OFF_WORDS.contains(&a) && OFF_WORDS.contains(&b))
-}
-
-/// Words as `info` output separates them; `_`, `-` and `.` stay inside words so feature names
-/// such as `peer_copy` or `flash-attention` are one word.
-fn words(text: &str) -> impl Iterator<Item = &str> {
-    text.split(|c: char| !(c.is_alphanumeric() || c == '_' || c == '-' || c == '.'))
-        .map(|word| word.trim_matches('.'))
-        .filter(|word| !word.is_empty())
-}
-
-fn collapse_whitespace(text: &str) -> String {
-    text.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1765,35 +1742,42 @@ enum DevicesVerdict {
     Empty,
 }
 
-/// What `ember devices` output means for `target`: the CPU target needs any device listed; a GPU
-/// target (`gfx*`, `sm_*`) needs a device naming its architecture.
-fn devices_verdict(target: &str, devices: &str) -> DevicesVerdict {
-    let lines: Vec<&str> = devices
-        .lines()
-        .map(str::trim)
-        .filter(|line| !line.is_empty())
-        .collect();
-    if lines.is_empty() {
+/// What `ember devices --format json` means for `target`: the CPU target needs the CPU listed; a
+/// GPU target (`gfx*`, `sm_*`) needs a device of exactly its architecture.
+fn devices_verdict(target: &str, listing: &serde_json::Value) -> DevicesVerdict {
+    let cpu = &listing["cpu"];
+    if !cpu.is_object() {
         return DevicesVerdict::Empty;
     }
     let arch = target.to_lowercase();
     let is_gpu_target = arch.starts_with("gfx") || arch.starts_with("sm_");
     if !is_gpu_target {
         return DevicesVerdict::Listed(format!(
-            "{} device line(s): {}",
-            lines.len(),
-            lines.join(" | ")
+            "cpu {} ({} SIMD, {} physical cores)",
+            cpu["arch"].as_str().unwrap_or("?"),
+            cpu["simd"].as_str().unwrap_or("?"),
+            cpu["physical_cores"]
         ));
     }
-    let gpu_lines: Vec<&str> = lines
+    let gpus: Vec<String> = listing["devices"]
+        .as_array()
+        .map(|devices| devices.as_slice())
+        .unwrap_or_default()
         .iter()
-        .copied()
-        .filter(|line| words(&line.to_lowercase()).any(|word| word == arch))
+        .filter(|d| d["arch"].as_str().map(str::to_lowercase).as_deref() == Some(arch.as_str()))
+        .map(|d| {
+            format!(
+                "{} {} ({})",
+                d["id"].as_str().unwrap_or("?"),
+                d["name"].as_str().unwrap_or("?"),
+                d["arch"].as_str().unwrap_or("?")
+            )
+        })
         .collect();
-    if gpu_lines.is_empty() {
+    if gpus.is_empty() {
         DevicesVerdict::GpuAbsent(target.to_string())
     } else {
-        DevicesVerdict::Listed(format!("{target} GPU listed: {}", gpu_lines.join(" | ")))
+        DevicesVerdict::Listed(format!("{target} GPU listed: {}", gpus.join(" | ")))
     }
 }
 
@@ -2013,6 +1997,7 @@ fn compare_with_golden(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::targets::Feature;
 
     fn golden_runs() -> Vec<GoldenRun> {
         let path = crate::project_root().join("tests/data/golden/greedy.jsonl");
@@ -2215,8 +2200,8 @@ mod tests {
         }
     }
 
-    fn check_info(expected: &ExpectedManifest, info: &str, problems: &[&str]) {
-        let found = check_info_text(expected, info);
+    fn check_info(expected: &ExpectedManifest, info: &serde_json::Value, problems: &[&str]) {
+        let found = check_info_json(expected, info);
         assert_eq!(found.len(), problems.len(), "problems {found:#?}");
         for (found, expected) in found.iter().zip(problems) {
             assert!(
@@ -2226,46 +2211,72 @@ mod tests {
         }
     }
 
-    /// The committed gate table, shown the way `ember info` renders a build manifest.
+    /// `ember info --format json` of a build with `manifest`'s gates, as the engine writes its
+    /// embedded manifest (`build.features[]` with name, state, enabled, reason, tracking).
+    fn info_json(expected: &ExpectedManifest) -> serde_json::Value {
+        let features: Vec<serde_json::Value> = expected
+            .features
+            .iter()
+            .map(|f| {
+                serde_json::json!({
+                    "name": f.name,
+                    "state": f.state.name(),
+                    "enabled": f.state == FeatureState::On,
+                    "reason": f.reason,
+                    "tracking": f.tracking,
+                })
+            })
+            .collect();
+        serde_json::json!({
+            "ember_version": "0.1.0",
+            "build": { "target": expected.target, "features": features },
+            "cpu": { "arch": "x86_64", "simd": "avx2", "physical_cores": 2 },
+            "model": null,
+        })
+    }
+
+    /// The committed gate table, shown the way `ember info --format json` shows a manifest.
     #[test]
-    fn info_text_for_the_committed_gfx1201_gates() {
+    fn info_json_for_the_committed_gfx1201_gates() {
         let targets = targets::load().unwrap();
         let gfx1201 = ExpectedManifest::of(targets.target("gfx1201").unwrap());
-        let mut info = String::from("ember 0.1.0\nbuild manifest:\n  target: gfx1201 (family gfx120X: RDNA4), linux\n  features:\n");
-        for feature in &gfx1201.features {
-            info.push_str(&format!("    {}: {}", feature.name, feature.state.name()));
-            if let Some(reason) = &feature.reason {
-                info.push_str(&format!(" ({reason})"));
-            }
-            info.push('\n');
-            for link in &feature.tracking {
-                info.push_str(&format!("      tracking: {link}\n"));
-            }
-        }
+        let info = info_json(&gfx1201);
         check_info(&gfx1201, &info, &[]);
+        let vmm = gfx1201
+            .features
+            .iter()
+            .position(|f| f.name == "vmm")
+            .unwrap();
+        let mut untracked = info.clone();
+        untracked["build"]["features"][vmm]["tracking"]
+            .as_array_mut()
+            .unwrap()
+            .retain(|l| l != "https://github.com/ROCm/rocm-systems/issues/2516");
         check_info(
             &gfx1201,
-            &info.replace("      tracking: https://github.com/ROCm/rocm-systems/issues/2516\n", ""),
+            &untracked,
             &["expected the tracking link https://github.com/ROCm/rocm-systems/issues/2516 of feature vmm"],
         );
+        let mut on = info.clone();
+        on["build"]["features"][vmm]["state"] = serde_json::json!("on");
         check_info(
             &gfx1201,
-            &info.replace("vmm: off", "vmm: on"),
-            &["expected feature vmm to be off, found on"],
+            &on,
+            &["expected feature vmm to be off, found \"on\""],
         );
-        // gfx1151 has VMM on: the gfx1201 text is wrong for it.
+        // gfx1151 has VMM on: the gfx1201 manifest is wrong for it.
         let gfx1151 = ExpectedManifest::of(targets.target("gfx1151").unwrap());
-        let problems = check_info_text(&gfx1151, &info);
+        let problems = check_info_json(&gfx1151, &info);
         assert!(
             problems
                 .iter()
-                .any(|problem| problem == "expected feature vmm to be on, found off"),
+                .any(|problem| problem == "expected feature vmm to be on, found \"off\""),
             "{problems:#?}"
         );
     }
 
     #[test]
-    fn info_text_against_the_expected_manifest() {
+    fn info_json_against_the_expected_manifest() {
         let gfx1201 = manifest(
             "gfx1201",
             &[
@@ -2274,106 +2285,101 @@ mod tests {
                 ("xnack", "unsupported", Some("RDNA has no XNACK")),
             ],
         );
-        let good = "ember 0.1.0\ntarget: gfx1201\nfeatures:\n  vmm             off  hipMemSetAccess fails when a mapping is grown\n                       while several reservations exist\n  peer_copy       on\n  xnack           unsupported  RDNA has no XNACK\n";
-        check_info(&gfx1201, good, &[]);
+        let good = info_json(&gfx1201);
+        check_info(&gfx1201, &good, &[]);
+        let mut changed = good.clone();
+        changed["build"]["features"][0]["reason"] = serde_json::json!("many reservations");
+        check_info(&gfx1201, &changed, &["expected the reason vmm is off"]);
+        let mut changed = good.clone();
+        changed["build"]["features"][1]["state"] = serde_json::json!("off");
         check_info(
             &gfx1201,
-            &good.replace("off  hip", "enabled  hip"),
-            &["expected feature vmm to be off, found enabled"],
+            &changed,
+            &["expected feature peer_copy to be on, found \"off\""],
         );
+        let mut changed = good.clone();
+        changed["build"]["features"]
+            .as_array_mut()
+            .unwrap()
+            .remove(2);
         check_info(
             &gfx1201,
-            &good.replace("several reservations", "many reservations"),
-            &["expected the reason vmm is off"],
-        );
-        check_info(
-            &gfx1201,
-            &good.replace("peer_copy       on", "peer_copy       disabled"),
-            &["expected feature peer_copy to be on, found disabled"],
-        );
-        check_info(
-            &gfx1201,
-            &good.replace("  xnack           unsupported  RDNA has no XNACK\n", ""),
-            &[
-                "expected feature xnack (unsupported) in `ember info`, found no line naming it",
-                "expected the reason xnack is unsupported",
-            ],
-        );
-        check_info(
-            &gfx1201,
-            &good.replace("xnack           unsupported", "xnack           on"),
-            &["expected feature xnack to be unsupported, found"],
+            &changed,
+            &["expected feature xnack (unsupported) in `ember info`, found none"],
         );
         // A note on an enabled feature is not required to be shown.
         let noted = manifest("cpu", &[("vmm", "on", Some("a note"))]);
-        check_info(&noted, "target cpu\nvmm on\n", &[]);
+        let mut shown = info_json(&noted);
+        shown["build"]["features"][0]["reason"] = serde_json::Value::Null;
+        check_info(&noted, &shown, &[]);
+        let mut changed = good.clone();
+        changed["build"]["target"] = serde_json::json!("gfx1200");
         check_info(
             &gfx1201,
-            &good.replace("gfx1201", "gfx1200"),
-            &["expected a line naming target gfx1201"],
+            &changed,
+            &["expected target gfx1201 in `ember info`, found Some(\"gfx1200\")"],
         );
-        // The first state word after the name decides; a "no" inside a reason does not.
-        let on_with_words = manifest("cpu", &[("vmm", "on", None)]);
+        // Not JSON of the manifest's shape at all: every expectation is reported.
         check_info(
-            &on_with_words,
-            "target cpu\nvmm: on (no GPU: not used)\n",
-            &[],
+            &gfx1201,
+            &serde_json::json!({}),
+            &[
+                "expected target gfx1201",
+                "expected feature vmm (off)",
+                "expected feature peer_copy (on)",
+                "expected feature xnack (unsupported)",
+            ],
         );
-        check_info(
-            &on_with_words,
-            "target cpu\nvmm: disabled (no GPU)\n",
-            &["expected feature vmm to be on, found disabled"],
-        );
-        // A target name inside a longer word is not the target.
-        check_info(
-            &manifest("gfx120", &[]),
-            "target: gfx1201\n",
-            &["expected a line naming target gfx120"],
-        );
-        // `cpu` on the CPU features line is not the build target.
-        check_info(
-            &manifest("cpu", &[]),
-            "ember 0.1.0\ncpu: avx2 SIMD, 2 physical cores\n",
-            &["expected a line naming target cpu"],
-        );
-        check_info(
-            &manifest("cpu", &[]),
-            "ember 0.1.0\nbuild target: cpu (linux)\n",
-            &[],
-        );
+    }
+
+    fn device(id: &str, arch: &str, name: &str) -> serde_json::Value {
+        serde_json::json!({ "id": id, "arch": arch, "name": name })
+    }
+
+    fn listing(devices: &[serde_json::Value]) -> serde_json::Value {
+        serde_json::json!({
+            "cpu": { "arch": "x86_64", "simd": "avx2", "physical_cores": 8 },
+            "runtimes": [],
+            "devices": devices,
+            "failures": [],
+        })
     }
 
     #[test]
     fn devices_against_the_target() {
         assert_eq!(
-            devices_verdict("cpu", "cpu0  x86_64  avx2 fma  8 threads\n"),
-            DevicesVerdict::Listed(
-                "1 device line(s): cpu0  x86_64  avx2 fma  8 threads".to_string()
-            )
+            devices_verdict("cpu", &listing(&[])),
+            DevicesVerdict::Listed("cpu x86_64 (avx2 SIMD, 8 physical cores)".to_string())
         );
         assert_eq!(
-            devices_verdict("gfx1201", "cpu0  x86_64\n"),
+            devices_verdict("gfx1201", &listing(&[])),
             DevicesVerdict::GpuAbsent("gfx1201".to_string())
         );
         assert_eq!(
             devices_verdict(
                 "gfx1201",
-                "cpu0 x86_64\ngpu0 gfx1201 Radeon AI PRO R9700 32 GiB\n"
+                &listing(&[device("hip:0", "gfx1201", "Radeon AI PRO R9700")])
             ),
             DevicesVerdict::Listed(
-                "gfx1201 GPU listed: gpu0 gfx1201 Radeon AI PRO R9700 32 GiB".to_string()
+                "gfx1201 GPU listed: hip:0 Radeon AI PRO R9700 (gfx1201)".to_string()
             )
         );
         // gfx1200 is not gfx1201: a code object for one does not run on the other.
         assert_eq!(
-            devices_verdict("gfx1201", "gpu0 gfx1200\n"),
+            devices_verdict("gfx1201", &listing(&[device("hip:0", "gfx1200", "R9070")])),
             DevicesVerdict::GpuAbsent("gfx1201".to_string())
         );
         assert_eq!(
-            devices_verdict("sm_90", "gpu0 sm_90 NVIDIA H200\n"),
-            DevicesVerdict::Listed("sm_90 GPU listed: gpu0 sm_90 NVIDIA H200".to_string())
+            devices_verdict(
+                "sm_90",
+                &listing(&[device("cuda:0", "sm_90", "NVIDIA H200")])
+            ),
+            DevicesVerdict::Listed("sm_90 GPU listed: cuda:0 NVIDIA H200 (sm_90)".to_string())
         );
-        assert_eq!(devices_verdict("cpu", "\n  \n"), DevicesVerdict::Empty);
+        assert_eq!(
+            devices_verdict("cpu", &serde_json::json!({})),
+            DevicesVerdict::Empty
+        );
     }
 
     #[test]

@@ -419,31 +419,43 @@ fn compare_gpu_artifacts(sh: &Shell, targets: &Targets, version: &str) -> Result
 /// has it (the format of engine/src/build_manifest.rs's `render_text`).
 fn check_ember_info(sh: &Shell, folder: &Path, manifest: &BuildManifest) -> Result<()> {
     let exe = folder.join("ember");
-    let output = cmd!(sh, "{exe} info").ignore_status().output()?;
+    let output = cmd!(sh, "{exe} info --format json")
+        .ignore_status()
+        .output()?;
     let stdout = String::from_utf8_lossy(&output.stdout);
     ensure!(
         output.status.success(),
-        "`{} info` failed ({}):\n{}{}",
+        "`{} info --format json` failed ({}):\n{}{}",
         exe.display(),
         output.status,
         stdout,
         String::from_utf8_lossy(&output.stderr)
     );
-    let mut expected = vec![format!("target: {}", manifest.target)];
-    for feature in &manifest.features {
-        expected.push(feature_line(feature));
-    }
-    for line in &expected {
-        ensure!(
-            stdout.contains(line.as_str()),
-            "`ember info` of the {} artifact does not print `{line}`:\n{stdout}",
-            manifest.target
-        );
-    }
-    println!(
-        "ember info ({}): prints {}",
+    let info: serde_json::Value = serde_json::from_str(&stdout)
+        .with_context(|| format!("`ember info --format json` printed no JSON object:\n{stdout}"))?;
+    let shown: BuildManifest =
+        serde_json::from_value(info["build"].clone()).with_context(|| {
+            format!("`ember info --format json` has no build manifest under `build`:\n{stdout}")
+        })?;
+    ensure!(
+        shown.target == manifest.target,
+        "`ember info` of the {} artifact names target {}",
         manifest.target,
-        expected.join(" | ")
+        shown.target
+    );
+    ensure!(
+        shown.features == manifest.features,
+        "`ember info` of the {} artifact shows the features {:?}, expected {:?}",
+        manifest.target,
+        shown.features,
+        manifest.features
+    );
+    let lines: Vec<String> = manifest.features.iter().map(feature_line).collect();
+    println!(
+        "ember info ({}): target {}, {}",
+        manifest.target,
+        shown.target,
+        lines.join(" | ")
     );
     Ok(())
 }

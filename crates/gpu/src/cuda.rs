@@ -21,7 +21,7 @@ use crate::driver::{
 };
 use crate::kernels::cuda_arch;
 
-const INSTALL_HINT: &str = "install the NVIDIA driver (it provides libcuda.so.1 / nvcuda.dll); ember runs on the CPU meanwhile";
+const INSTALL_HINT: &str = "install the NVIDIA driver (it provides libcuda.so.1 / nvcuda.dll)";
 
 /// Runs a cudarc call, turning a panic (missing library or symbol) into an error.
 fn guarded<T>(call: &'static str, f: impl FnOnce() -> T) -> Result<T, DriverError> {

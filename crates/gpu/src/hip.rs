@@ -61,9 +61,9 @@ const LIBRARY_SUBDIR: &str = "lib";
 #[cfg(windows)]
 const LIBRARY_SUBDIR: &str = "bin";
 #[cfg(not(windows))]
-const INSTALL_HINT: &str = "install ROCm 6 or 7 (the HIP runtime package, e.g. `hip-runtime-amd`), or pass --rocm-path / set ROCM_PATH to its prefix; ember runs on the CPU meanwhile";
+const INSTALL_HINT: &str = "install ROCm 6 or 7 (the HIP runtime package, e.g. `hip-runtime-amd`), or pass --rocm-path / set ROCM_PATH to its prefix";
 #[cfg(windows)]
-const INSTALL_HINT: &str = "install the AMD HIP SDK 6 or 7, or set HIP_PATH to its prefix; ember runs on the CPU meanwhile";
+const INSTALL_HINT: &str = "install the AMD HIP SDK 6 or 7, or set HIP_PATH to its prefix";
 
 /// The ordered candidates for `options`; `env_prefix` is `ROCM_PATH` (Linux) or `HIP_PATH` (Windows).
 pub fn candidates(options: &HipLoadOptions, env_prefix: Option<PathBuf>) -> Vec<HipCandidate> {
@@ -1339,7 +1339,7 @@ mod tests {
                 "{text}"
             );
         }
-        assert!(text.contains("ember runs on the CPU meanwhile"), "{text}");
+        assert!(text.contains(INSTALL_HINT), "{text}");
     }
 
     #[test]

@@ -54,9 +54,10 @@ pub enum Command {
     Rm(cache::RmArgs),
     /// List the CPU and GPUs: runtimes loaded, architecture, memory, VMM and pool choice, kernels.
     Devices(devices::DevicesArgs),
-    /// Preflight: why a GPU is or is not used (runtimes, drivers, device nodes, groups,
-    /// environment overrides, architectures against this build's kernels), each ok, warn or
-    /// fail with the fix; exits 1 when something blocks GPU use.
+    /// Preflight: why a GPU is or is not used (runtimes and how they loaded, drivers, device
+    /// nodes, groups, environment overrides, architectures against this build's kernels, free
+    /// VRAM, the VMM probe; with -m, whether the model fits and where its layers would go), each
+    /// ok, warn or fail with the fix; exits 1 when something blocks GPU use.
     Doctor(doctor::DoctorArgs),
     /// Print a shell completion script: `ember completions bash > ~/.local/share/bash-completion/completions/ember`
     /// (zsh: into a folder of $fpath as `_ember`; fish: `~/.config/fish/completions/ember.fish`).
@@ -71,6 +72,15 @@ pub enum Command {
     /// /v1/completions, /v1/models), /health, /metrics, and llama-server's /props, /slots,
     /// /tokenize and /detokenize.
     Serve(serve::ServeArgs),
+}
+
+/// How `info` and `devices` print their report.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    /// Lines for people.
+    Text,
+    /// One JSON object for scripts, with stable field names (see the command's --help).
+    Json,
 }
 
 /// Runs the command line; the process's exit code.

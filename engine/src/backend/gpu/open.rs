@@ -71,7 +71,7 @@ pub enum GpuOpenError {
     // The causes are in the messages and deliberately not `source`s: anyhow's `{:#}` would
     // print them twice.
     /// The runtime library is missing or unusable.
-    #[error("the {kind} runtime is not available: {error}")]
+    #[error("the {kind} runtime is not available: {}", runtime_problem(.error))]
     Runtime { kind: GpuKind, error: DriverError },
     /// The runtime has no such device.
     #[error("{kind}:{ordinal} does not exist: the {kind} runtime reports {count} device(s)")]
@@ -214,7 +214,7 @@ pub fn select(options: &OpenOptions) -> Result<GpuSelection, GpuOpenError> {
         let driver = match load_driver(kind, options) {
             Ok(driver) => driver,
             Err(GpuOpenError::Runtime { error, .. }) => {
-                reasons.push(format!("{kind}: runtime not loaded ({})", short(&error)));
+                reasons.push(format!("{kind}: {}", short(&error)));
                 continue;
             }
             Err(other) => {
@@ -260,7 +260,29 @@ pub fn select(options: &OpenOptions) -> Result<GpuSelection, GpuOpenError> {
 /// The first line of a driver error: enough to say why a runtime was passed over.
 fn short(error: &DriverError) -> String {
     match error {
-        DriverError::LibraryNotFound { runtime, .. } => format!("no {runtime} library found"),
+        DriverError::LibraryNotFound { runtime, .. } => {
+            format!("runtime not loaded (no {runtime} library found)")
+        }
+        // The library loaded; its initialisation or first query failed.
+        DriverError::Call { .. } => format!("runtime library loaded, but {error}"),
+        other => format!("runtime not usable ({other})"),
+    }
+}
+
+/// Why a runtime asked for by name cannot be used, in a line: how many library names were tried
+/// (not each of them: `ember devices -v` lists them) and what to install, or which call of a
+/// loaded library failed.
+fn runtime_problem(error: &DriverError) -> String {
+    match error {
+        DriverError::LibraryNotFound {
+            runtime,
+            attempts,
+            hint,
+        } => format!(
+            "no {runtime} library found ({} names tried; `ember devices -v` lists them); {hint}",
+            attempts.len()
+        ),
+        DriverError::Call { .. } => format!("its library loaded, but {error}"),
         other => other.to_string(),
     }
 }
