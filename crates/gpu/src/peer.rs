@@ -209,9 +209,16 @@ impl PeerLink for SimPeerLink {
         out.clear();
         out.extend_from_slice(data);
         if self.corrupt.contains(&(src, dst)) {
-            // One flipped bit in the middle: what a mis-synchronised copy engine leaves.
-            if let Some(byte) = out.get_mut(data.len() / 2) {
-                *byte ^= 0x10;
+            // A high bit of every 97th 4-byte word flipped (of the one byte when shorter): in
+            // f32 data an exponent bit, so the damage is large, as a broken copy engine's is,
+            // and reaches the first value of every buffer.
+            if out.len() < 4 {
+                if let Some(byte) = out.first_mut() {
+                    *byte ^= 0x40;
+                }
+            }
+            for index in (3..out.len()).step_by(4 * 97) {
+                out[index] ^= 0x40;
             }
         }
         Ok(())
@@ -271,7 +278,7 @@ mod tests {
                 (2, 1, true)
             ]
         );
-        // The 1-byte pattern has its only byte flipped: the first copy tested is caught.
+        // The 1-byte pattern has its only byte changed: the first copy tested is caught.
         assert!(
             pairs[0]
                 .reason
