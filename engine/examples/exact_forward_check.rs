@@ -523,7 +523,10 @@ fn main() -> anyhow::Result<()> {
     let device = match args.device {
         DeviceSpec::Gpu(kind, ordinal) => Some((kind, ordinal)),
         DeviceSpec::Auto => None,
-        DeviceSpec::Cpu => bail!("--device: expected a GPU (auto, cuda:N or hip:N), found cpu"),
+        DeviceSpec::Cpu | DeviceSpec::Sim(_) => bail!(
+            "--device: expected a GPU (auto, cuda:N or hip:N), found {}",
+            args.device
+        ),
     };
     let options = OpenOptions {
         device,

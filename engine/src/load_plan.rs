@@ -58,6 +58,18 @@ impl std::str::FromStr for SplitMode {
     }
 }
 
+/// `--tensor-split` as one flag value.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorSplit(pub Vec<f64>);
+
+impl std::str::FromStr for TensorSplit {
+    type Err = PlanError;
+
+    fn from_str(text: &str) -> Result<TensorSplit, PlanError> {
+        parse_tensor_split(text).map(TensorSplit)
+    }
+}
+
 /// Parses `--tensor-split A,B,...`: one non-negative finite proportion per GPU, not all zero.
 pub fn parse_tensor_split(text: &str) -> Result<Vec<f64>, PlanError> {
     let error = |problem: String| PlanError::Flag {
