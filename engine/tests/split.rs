@@ -142,6 +142,25 @@ fn a_split_over_one_to_four_devices_gives_bit_identical_logits() {
                 got == expected,
                 "{shape} {ty}: split {counts:?} (output on {output}) differs from one device"
             );
+            // Each device holds the KV blocks of its own layers and no others.
+            let mut ctx = model.new_context(ContextParams::with_ctx(32));
+            model
+                .forward(&mut ctx, &Batch::for_sequence(0, 0, &[1, 2, 3], false))
+                .unwrap();
+            let per_device = model.backend().kv_bytes_per_device(ctx.kv());
+            let total = ctx.kv().resident_bytes(model.backend());
+            assert_eq!(
+                per_device.iter().sum::<usize>(),
+                total,
+                "{shape} {counts:?}"
+            );
+            for (d, &bytes) in per_device.iter().enumerate() {
+                assert_eq!(
+                    bytes > 0,
+                    counts[d] > 0,
+                    "{shape} {counts:?}: {per_device:?}"
+                );
+            }
             let stats = model.backend().transfer_stats();
             let crossings = counts.iter().filter(|&&c| c > 0).count();
             if crossings > 1 {

@@ -64,6 +64,13 @@ pub struct OnDevice<T> {
     inner: T,
 }
 
+impl<T> OnDevice<T> {
+    /// The device it is on.
+    pub fn device(&self) -> usize {
+        self.device
+    }
+}
+
 /// One rotary table per device (they are small, and filled once per pass).
 pub struct SplitRope<T> {
     tables: Vec<T>,
@@ -193,6 +200,17 @@ impl<B: Backend> SplitBackend<B> {
             staged_copies: self.staged_copies.load(Ordering::Relaxed),
             bytes: self.bytes.load(Ordering::Relaxed),
         }
+    }
+
+    /// Bytes of K/V memory each device holds for `kv` (a context's cache), in device order:
+    /// each device holds only its own layers' blocks.
+    pub fn kv_bytes_per_device(&self, kv: &crate::kv_cache::KvCache<Self>) -> Vec<usize> {
+        let mut bytes = vec![0; self.devices.len()];
+        for index in 0..self.kv_devices.len() {
+            let layer = kv.layer(index);
+            bytes[layer.device] += self.devices[layer.device].kv_bytes(&layer.inner);
+        }
+        bytes
     }
 
     /// The device a tensor goes to, by its name.
