@@ -322,6 +322,36 @@ mod tests {
     }
 
     #[test]
+    fn simulated_device_lists() {
+        assert_eq!(device("sim:0"), Ok(DeviceSpec::Sim(1)));
+        assert_eq!(device("sim:0,sim:1, sim:2"), Ok(DeviceSpec::Sim(3)));
+        assert_eq!(DeviceSpec::Sim(2).to_string(), "sim:0,sim:1");
+        let sixteen: Vec<String> = (0..16).map(|i| format!("sim:{i}")).collect();
+        assert_eq!(device(&sixteen.join(",")), Ok(DeviceSpec::Sim(16)));
+        let seventeen: Vec<String> = (0..17).map(|i| format!("sim:{i}")).collect();
+        for bad in [
+            "sim",
+            "sim:1",
+            "sim:0,sim:0",
+            "sim:0,sim:2",
+            "sim:0,cuda:1",
+            &seventeen.join(","),
+        ] {
+            assert_eq!(
+                device(bad),
+                Err(format!("--device: expected simulated devices numbered from 0, such as sim:0 or sim:0,sim:1 (at most 16), found {bad:?}")),
+            );
+        }
+        // Any -ngl is a plan over the simulated devices (and the CPU for the rest).
+        for layers in [None, Some(GpuLayers::Count(0)), Some(GpuLayers::Count(7))] {
+            assert_eq!(
+                placement(DeviceSpec::Sim(2), layers),
+                Ok(Placement::Sim { devices: 2 })
+            );
+        }
+    }
+
+    #[test]
     fn sizes() {
         let cases: &[(&str, u64)] = &[
             ("8GiB", 8 << 30),
