@@ -173,6 +173,9 @@ impl<B: Backend> Backend for Trace<B> {
         self.inner.gather_rows(src, dim, rows, out);
         self.snap("gather_rows", out, rows.len() * dim);
     }
+    fn write(&self, buf: &mut B::Buf, values: &[f32]) {
+        self.inner.write(buf, values)
+    }
     fn read(&self, buf: &B::Buf, len: usize, out: &mut Vec<f32>) {
         self.inner.read(buf, len, out)
     }
@@ -520,7 +523,10 @@ fn main() -> anyhow::Result<()> {
     let device = match args.device {
         DeviceSpec::Gpu(kind, ordinal) => Some((kind, ordinal)),
         DeviceSpec::Auto => None,
-        DeviceSpec::Cpu => bail!("--device: expected a GPU (auto, cuda:N or hip:N), found cpu"),
+        DeviceSpec::Cpu | DeviceSpec::Sim(_) => bail!(
+            "--device: expected a GPU (auto, cuda:N or hip:N), found {}",
+            args.device
+        ),
     };
     let options = OpenOptions {
         device,

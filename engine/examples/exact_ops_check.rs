@@ -961,8 +961,11 @@ fn main() -> anyhow::Result<()> {
     let device = match args.device {
         DeviceSpec::Gpu(kind, ordinal) => Some((kind, ordinal)),
         DeviceSpec::Auto => None,
-        DeviceSpec::Cpu => {
-            anyhow::bail!("--device: expected a GPU (auto, cuda:N or hip:N), found cpu")
+        DeviceSpec::Cpu | DeviceSpec::Sim(_) => {
+            anyhow::bail!(
+                "--device: expected a GPU (auto, cuda:N or hip:N), found {}",
+                args.device
+            )
         }
     };
     let options = OpenOptions {

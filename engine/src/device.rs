@@ -11,6 +11,7 @@ use std::path::PathBuf;
 use std::str::FromStr;
 
 use crate::backend::gpu::{GpuKind, Numerics, NumericsError};
+use crate::load_plan::SplitMode;
 
 /// Where to run, as `--device` names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -19,7 +20,14 @@ pub enum DeviceSpec {
     Auto,
     Cpu,
     Gpu(GpuKind, usize),
+    /// This many simulated GPUs (`sim:0,sim:1,...`): host devices that run the CPU's ops, each
+    /// with its own layers and KV cache, copies between them as between GPUs (see
+    /// [`crate::backend::split`]). For running layer splits on a machine without GPUs.
+    Sim(usize),
 }
+
+/// The most simulated devices `--device sim:0,...` makes.
+pub const MAX_SIM_DEVICES: usize = 16;
 
 impl fmt::Display for DeviceSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -27,6 +35,10 @@ impl fmt::Display for DeviceSpec {
             DeviceSpec::Auto => f.write_str("auto"),
             DeviceSpec::Cpu => f.write_str("cpu"),
             DeviceSpec::Gpu(kind, ordinal) => write!(f, "{kind}:{ordinal}"),
+            DeviceSpec::Sim(n) => {
+                let names: Vec<String> = (0..*n).map(|i| format!("sim:{i}")).collect();
+                f.write_str(&names.join(","))
+            }
         }
     }
 }
@@ -50,6 +62,9 @@ impl FromStr for DeviceSpec {
             found: text.to_string(),
         };
         let lower = text.trim().to_ascii_lowercase();
+        if lower.starts_with("sim") {
+            return parse_sim(text, &lower);
+        }
         match lower.as_str() {
             "auto" => return Ok(DeviceSpec::Auto),
             "cpu" => return Ok(DeviceSpec::Cpu),
@@ -74,6 +89,24 @@ impl FromStr for DeviceSpec {
         };
         Ok(DeviceSpec::Gpu(kind, ordinal))
     }
+}
+
+/// `sim:0,sim:1,...`: simulated devices numbered from 0 in order.
+fn parse_sim(text: &str, lower: &str) -> Result<DeviceSpec, FlagError> {
+    let parts: Vec<&str> = lower.split(',').map(str::trim).collect();
+    let numbered = parts
+        .iter()
+        .enumerate()
+        .all(|(i, part)| *part == format!("sim:{i}"));
+    if !numbered || parts.len() > MAX_SIM_DEVICES {
+        return Err(FlagError {
+            flag: "--device",
+            expected:
+                "simulated devices numbered from 0, such as sim:0 or sim:0,sim:1 (at most 16)",
+            found: text.to_string(),
+        });
+    }
+    Ok(DeviceSpec::Sim(parts.len()))
 }
 
 /// `-ngl/--gpu-layers`: how many layers go on the GPU.
@@ -163,6 +196,12 @@ pub struct DeviceOptions {
     pub kernels_dir: Option<PathBuf>,
     /// How the GPU rounds; `None` takes `EMBER_GPU_NUMERICS`, else fast.
     pub numerics: Option<Numerics>,
+    /// How layers spread over several GPUs (`--split-mode`).
+    pub split_mode: SplitMode,
+    /// `--tensor-split`: a proportion per GPU; `None` splits by free memory.
+    pub tensor_split: Option<Vec<f64>>,
+    /// `--main-gpu`: the GPU of `--split-mode none`.
+    pub main_gpu: usize,
 }
 
 impl Default for DeviceOptions {
@@ -176,6 +215,9 @@ impl Default for DeviceOptions {
             rocm_path: None,
             kernels_dir: None,
             numerics: None,
+            split_mode: SplitMode::Layer,
+            tensor_split: None,
+            main_gpu: 0,
         }
     }
 }
@@ -189,6 +231,10 @@ pub enum Placement {
     Gpu {
         device: Option<(GpuKind, usize)>,
         fall_back_to_cpu: bool,
+    },
+    /// Over simulated devices, by a load plan (any -ngl: the other layers on the CPU).
+    Sim {
+        devices: usize,
     },
 }
 
@@ -219,6 +265,7 @@ impl DeviceOptions {
             Some(GpuLayers::Count(n)) => Some(n),
         };
         match (self.device, all) {
+            (DeviceSpec::Sim(devices), _) => Ok(Placement::Sim { devices }),
             (DeviceSpec::Cpu, None) if self.gpu_layers.is_none() => Ok(Placement::Cpu),
             (DeviceSpec::Cpu, Some(0)) => Ok(Placement::Cpu),
             (DeviceSpec::Cpu, _) => Err(PlacementError::LayersOnCpu {
@@ -272,6 +319,36 @@ mod tests {
             );
         }
         assert_eq!(DeviceSpec::Gpu(GpuKind::Hip, 2).to_string(), "hip:2");
+    }
+
+    #[test]
+    fn simulated_device_lists() {
+        assert_eq!(device("sim:0"), Ok(DeviceSpec::Sim(1)));
+        assert_eq!(device("sim:0,sim:1, sim:2"), Ok(DeviceSpec::Sim(3)));
+        assert_eq!(DeviceSpec::Sim(2).to_string(), "sim:0,sim:1");
+        let sixteen: Vec<String> = (0..16).map(|i| format!("sim:{i}")).collect();
+        assert_eq!(device(&sixteen.join(",")), Ok(DeviceSpec::Sim(16)));
+        let seventeen: Vec<String> = (0..17).map(|i| format!("sim:{i}")).collect();
+        for bad in [
+            "sim",
+            "sim:1",
+            "sim:0,sim:0",
+            "sim:0,sim:2",
+            "sim:0,cuda:1",
+            &seventeen.join(","),
+        ] {
+            assert_eq!(
+                device(bad),
+                Err(format!("--device: expected simulated devices numbered from 0, such as sim:0 or sim:0,sim:1 (at most 16), found {bad:?}")),
+            );
+        }
+        // Any -ngl is a plan over the simulated devices (and the CPU for the rest).
+        for layers in [None, Some(GpuLayers::Count(0)), Some(GpuLayers::Count(7))] {
+            assert_eq!(
+                placement(DeviceSpec::Sim(2), layers),
+                Ok(Placement::Sim { devices: 2 })
+            );
+        }
     }
 
     #[test]

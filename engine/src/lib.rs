@@ -31,6 +31,7 @@ pub mod kl_divergence;
 pub mod kv_cache;
 pub mod limits;
 pub mod load;
+pub mod load_plan;
 pub mod model;
 pub mod models;
 pub mod ops;

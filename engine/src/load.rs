@@ -29,11 +29,14 @@ use crate::backend::cpu::CpuBackend;
 use crate::backend::gpu::{
     self, GpuBackend, GpuOpenError, GpuSelection, Numerics, NumericsError, OpenOptions, Opened,
 };
+use crate::backend::split::{SplitBackend, SplitLayout};
 use crate::backend::Backend;
 use crate::batch::Batch;
 use crate::device::{DeviceOptions, Placement, PlacementError};
+use crate::load_plan::{LoadPlan, ModelBytes, PlanDevice, PlanError, PlanOptions, Target};
 use crate::model::{architecture_of, ContextParams, ForwardError, HParams, Model, ModelError};
 use crate::models::{self, PullError, PullProgress};
+use ember_gpu::peer::{plan_pairs, PairState, PeerGate, PeerLink, SimPeerLink};
 
 /// How long [`Loaded::report_memory_after_idle`] waits for the pool to trim itself.
 const IDLE_REPORT_WAIT: Duration = Duration::from_secs(3);
@@ -60,6 +63,9 @@ pub struct Loaded<B: Backend> {
 pub enum AnyLoaded {
     Cpu(Box<Loaded<CpuBackend>>),
     Gpu(Box<Loaded<GpuBackend>>),
+    /// Over simulated devices (`--device sim:0,...`), with the CPU for layers -ngl leaves off
+    /// them: device 0 of the split is the CPU, device `i + 1` is `sim:i`.
+    Sim(Box<Loaded<SplitBackend<CpuBackend>>>),
 }
 
 /// Runs the same generic code on whichever backend a model was loaded on:
@@ -71,6 +77,7 @@ macro_rules! with_loaded {
         match $any {
             $crate::load::AnyLoaded::Cpu($loaded) => $body,
             $crate::load::AnyLoaded::Gpu($loaded) => $body,
+            $crate::load::AnyLoaded::Sim($loaded) => $body,
         }
     };
 }
@@ -132,6 +139,16 @@ pub enum LoadEvent<'a> {
     /// The pool could not trim itself while waiting for idle before the final memory report
     /// (the report still follows).
     IdleTrimFailed(&'a PoolError),
+    /// Which device holds which layers, and its bytes by purpose.
+    Plan(&'a LoadPlan),
+    /// How copies travel between each ordered pair of GPUs, after the start-up peer-copy
+    /// self-test; `corrupting` names the simulated pairs told to corrupt
+    /// (`EMBER_SIM_CORRUPT_PEER`).
+    PeerPairs {
+        pairs: &'a [PairState],
+        names: &'a [String],
+        corrupting: &'a [(usize, usize)],
+    },
 }
 
 /// The token embedding table every architecture has; its rows are the tokens the model reads.
@@ -225,6 +242,14 @@ pub enum LoadError {
         #[source]
         source: ForwardError,
     },
+    #[error("cannot plan where the layers of {} go", path.display())]
+    Plan {
+        path: PathBuf,
+        #[source]
+        source: PlanError,
+    },
+    #[error("cannot set up the simulated devices: {0}")]
+    SimDevices(String),
     #[error("cannot trim the memory pool of {device}")]
     Trim {
         device: String,
@@ -372,7 +397,18 @@ pub fn load(
             path: path.clone(),
             source,
         })?;
+    if let Placement::Sim { devices } = placement {
+        let common = Common {
+            gguf,
+            tokenizer: Arc::new(tokenizer),
+            path,
+            start,
+        };
+        let loaded = load_on_sims(common, &hparams, devices, options, on_event)?;
+        return Ok(AnyLoaded::Sim(Box::new(loaded)));
+    }
     let gpu_device = match placement {
+        Placement::Sim { .. } => unreachable!("handled above"),
         Placement::Cpu => None,
         Placement::Gpu {
             device: wanted,
@@ -616,6 +652,129 @@ fn load_on_gpu(
         }
     }
     Ok(loaded)
+}
+
+/// The memory a simulated device offers the plan when no --vram-budget says otherwise.
+const SIM_DEVICE_MEMORY: u64 = 16 << 30;
+/// The context the load plan reserves KV cache for (the context is chosen after load).
+const PLAN_CONTEXT: usize = 4096;
+/// Tokens of the largest batch the plan reserves activation scratch for.
+const PLAN_BATCH: usize = 512;
+
+/// A simulated peer link as the split sees it: the split's device 0 is the CPU, so device
+/// `i + 1` is `sim:i`.
+struct SimLink(SimPeerLink);
+
+impl PeerLink for SimLink {
+    fn copy(&self, src: usize, dst: usize, data: &[u8], out: &mut Vec<u8>) -> Result<(), String> {
+        match (src.checked_sub(1), dst.checked_sub(1)) {
+            (Some(src), Some(dst)) => self.0.copy(src, dst, data, out),
+            _ => Err("the CPU has no peer copy path".into()),
+        }
+    }
+}
+
+/// Loads the model over `n_sim` simulated devices and the CPU, by a [`LoadPlan`]; copies
+/// between simulated devices use their peer link where the start-up self-test passes.
+fn load_on_sims(
+    common: Common,
+    hparams: &HParams,
+    n_sim: usize,
+    options: &LoadOptions,
+    on_event: &mut dyn FnMut(LoadEvent<'_>),
+) -> Result<Loaded<SplitBackend<CpuBackend>>, LoadError> {
+    let device = &options.device;
+    let file_name = common.file_name();
+    let Common {
+        gguf,
+        tokenizer,
+        path,
+        start,
+    } = common;
+    let n_ff_max = hparams.layers.iter().map(|l| l.n_ff).max().unwrap_or(0);
+    let scratch = (PLAN_BATCH * (4 * hparams.n_embd + 3 * n_ff_max) * 4) as u64;
+    let bytes = ModelBytes::from_gguf(
+        &gguf,
+        hparams,
+        PLAN_CONTEXT.min(hparams.n_ctx_train.max(1)),
+        scratch,
+    );
+    let names: Vec<String> = (0..n_sim).map(|i| format!("sim:{i}")).collect();
+    let plan_devices: Vec<PlanDevice> = names
+        .iter()
+        .map(|name| PlanDevice {
+            name: name.clone(),
+            available: device.vram_budget.unwrap_or(SIM_DEVICE_MEMORY),
+        })
+        .collect();
+    let plan_options = PlanOptions {
+        gpu_layers: match device.gpu_layers {
+            None | Some(crate::device::GpuLayers::All) => None,
+            Some(crate::device::GpuLayers::Count(n)) => Some(n),
+        },
+        split_mode: device.split_mode,
+        tensor_split: device.tensor_split.clone(),
+        main_gpu: device.main_gpu,
+    };
+    let plan =
+        LoadPlan::new(&bytes, &plan_devices, &plan_options).map_err(|source| LoadError::Plan {
+            path: path.clone(),
+            source,
+        })?;
+    on_event(LoadEvent::Plan(&plan));
+    let sim_link = SimPeerLink::from_env().map_err(LoadError::SimDevices)?;
+    let corrupting = sim_link.corrupt_pairs().to_vec();
+    if let Some(&(src, dst)) = corrupting.iter().find(|&&(s, d)| s >= n_sim || d >= n_sim) {
+        return Err(LoadError::SimDevices(format!(
+            "{}: expected pairs of the {n_sim} simulated devices, found {src},{dst}",
+            ember_gpu::peer::CORRUPT_PEER_ENV
+        )));
+    }
+    // Simulated devices have the gate of the targets that need it most: probe.
+    let sim_pairs = plan_pairs(n_sim, PeerGate::Probe, Some(&sim_link));
+    on_event(LoadEvent::PeerPairs {
+        pairs: &sim_pairs,
+        names: &names,
+        corrupting: &corrupting,
+    });
+    let split_pairs: Vec<PairState> = sim_pairs
+        .iter()
+        .map(|p| PairState {
+            src: p.src + 1,
+            dst: p.dst + 1,
+            ..p.clone()
+        })
+        .collect();
+    let index = |target: Target| match target {
+        Target::Cpu => 0,
+        Target::Gpu(i) => i + 1,
+    };
+    let layer_device: Vec<usize> = plan.layers.iter().map(|&t| index(t)).collect();
+    let layout = SplitLayout::for_model(hparams, layer_device, index(plan.output));
+    let mut backends = Vec::with_capacity(n_sim + 1);
+    for _ in 0..=n_sim {
+        backends.push(CpuBackend::new(options.threads).map_err(LoadError::CpuThreads)?);
+    }
+    let mut split_names = vec!["cpu".to_string()];
+    split_names.extend(names.iter().cloned());
+    let link: Arc<dyn PeerLink> = Arc::new(SimLink(sim_link));
+    let backend = SplitBackend::new(backends, split_names, layout, Some(link), split_pairs);
+    let model =
+        load_weights(gguf, backend, &file_name, on_event).map_err(|source| LoadError::Model {
+            path: path.clone(),
+            source,
+        })?;
+    if device.memory_report {
+        on_event(LoadEvent::NoDeviceMemory);
+    }
+    Ok(Loaded {
+        model,
+        tokenizer,
+        path,
+        load_time: start.elapsed(),
+        pool: None,
+        memory_report: false,
+    })
 }
 
 /// Runs one small forward pass (enough tokens for the prefill path, and a decode step) so the

@@ -744,6 +744,11 @@ mod faulty {
                 self.cpu.gather_rows(src, dim, rows, out)
             }
         }
+        fn write(&self, buf: &mut Buf, values: &[f32]) {
+            if self.go("write") {
+                self.cpu.write(buf, values)
+            }
+        }
         fn read(&self, buf: &Buf, len: usize, out: &mut Vec<f32>) {
             if self.go("read") {
                 self.cpu.read(buf, len, out)

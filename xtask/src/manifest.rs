@@ -308,8 +308,10 @@ mod tests {
         assert_eq!(features(b)[1]["name"], "vmm");
         assert_eq!(features(b)[1]["enabled"], true);
         assert_eq!(features(a)[1]["enabled"], false);
-        // peer_copy: on for the discrete RDNA4 card, unsupported on the APU.
-        assert_eq!(features(a)[0]["state"], "on");
+        // peer_copy: probed per pair at start on the discrete RDNA4 card (not enabled
+        // unconditionally), unsupported on the APU.
+        assert_eq!(features(a)[0]["state"], "probe");
+        assert_eq!(features(a)[0]["enabled"], false);
         assert_eq!(features(b)[0]["state"], "unsupported");
     }
 

@@ -147,6 +147,9 @@ pub enum FeatureState {
     On,
     Off,
     Unsupported,
+    /// On only where a start-up self-test passes (`peer_copy`: per pair of devices); the
+    /// reason says why the feature is not simply on.
+    Probe,
 }
 
 impl FeatureState {
@@ -155,6 +158,7 @@ impl FeatureState {
             FeatureState::On => "on",
             FeatureState::Off => "off",
             FeatureState::Unsupported => "unsupported",
+            FeatureState::Probe => "probe",
         }
     }
 }
@@ -195,8 +199,10 @@ pub struct Feature {
 }
 
 impl Feature {
+    /// Whether the feature is built in: on, or probed at run time (`probe`: the build carries
+    /// it and a start-up self-test decides where it is used).
     pub fn enabled(&self) -> bool {
-        self.state == FeatureState::On
+        matches!(self.state, FeatureState::On | FeatureState::Probe)
     }
 }
 
@@ -865,6 +871,26 @@ impl Validator<'_> {
                         );
                     }
                 }
+                FeatureState::Probe => {
+                    if name != "peer_copy" {
+                        self.problem(
+                            span.clone(),
+                            format!("feature `{name}` of {context} is probe, but only peer_copy has a start-up self-test: expected on, off or unsupported"),
+                        );
+                    }
+                    if reason.is_empty() {
+                        self.problem(
+                            span.clone(),
+                            format!("feature `{name}` of {context} is probe but gives no reason"),
+                        );
+                    }
+                    if kind == Kind::Cpu {
+                        self.problem(
+                            span.clone(),
+                            format!("feature `{name}` of {context} is probe, but CPU targets have no GPU features"),
+                        );
+                    }
+                }
                 FeatureState::On => {
                     if kind == Kind::Cpu {
                         self.problem(
@@ -1342,6 +1368,31 @@ family = "gfx120X"
             &text,
             "25: unknown feature `vmn` in family `gfx120X`: expected one of peer_copy, vmm",
         );
+    }
+
+    #[test]
+    fn probe_is_for_peer_copy_and_needs_a_reason() {
+        let text = MINIMAL.replace(
+            "features.vmm = { state = \"on\" }",
+            "features.vmm = { state = \"probe\", reason = \"a self-test\" }",
+        );
+        check_problem(
+            &text,
+            "25: feature `vmm` of family `gfx120X` is probe, but only peer_copy has a start-up self-test: expected on, off or unsupported",
+        );
+        let text = MINIMAL.replace(
+            "features.vmm = { state = \"on\" }",
+            "features.peer_copy = { state = \"probe\" }",
+        );
+        check_problem(
+            &text,
+            "25: feature `peer_copy` of family `gfx120X` is probe but gives no reason",
+        );
+        let text = MINIMAL.replace(
+            "features.vmm = { state = \"on\" }",
+            "features.peer_copy = { state = \"probe\", reason = \"corrupts on some boards\" }",
+        );
+        assert_eq!(problems(&text), Vec::<String>::new());
     }
 
     #[test]

@@ -15,6 +15,7 @@ pub mod hip;
 pub mod host;
 pub mod kernels;
 pub mod ops;
+pub mod peer;
 pub mod placement;
 pub mod pool;
 

@@ -23,6 +23,7 @@
 
 pub mod cpu;
 pub mod gpu;
+pub mod split;
 
 use std::sync::Arc;
 
@@ -286,6 +287,10 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn ensure_len(&self, buf: &mut Self::Buf, len: usize);
     /// Copies rows `rows` of `src` (rows of `dim` values) to the first rows of `out`, in order.
     fn gather_rows(&self, src: &Self::Buf, dim: usize, rows: &[usize], out: &mut Self::Buf);
+    /// Copies `values` from host memory to the start of `buf` (which holds at least as many):
+    /// how activations reach a device when they cross from another one
+    /// ([`split::SplitBackend`]).
+    fn write(&self, buf: &mut Self::Buf, values: &[f32]);
     /// Copies the first `len` values of `buf` to host memory (replacing the contents of `out`).
     fn read(&self, buf: &Self::Buf, len: usize, out: &mut Vec<f32>);
     /// Greedy sampling where the values live: `out[r]` (replacing the contents of `out`) is the

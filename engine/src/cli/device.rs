@@ -11,17 +11,21 @@ use std::path::PathBuf;
 use clap::Args;
 use ember::backend::gpu::Numerics;
 use ember::device::{parse_size, DeviceOptions, DeviceSpec, GpuLayers};
+use ember::load_plan::{SplitMode, TensorSplit};
 
 /// The device flags (flattened into each model-running subcommand).
 #[derive(Debug, Clone, Args)]
 pub struct DeviceArgs {
     /// Where to run: auto (the first GPU whose architecture has kernels in this build, else the
-    /// CPU), cpu, cuda:N or hip:N.
+    /// CPU), cpu, cuda:N or hip:N, or sim:0,sim:1,... (simulated GPUs on the host, for trying
+    /// layer splits without GPUs; EMBER_SIM_CORRUPT_PEER=0,1 makes copies from sim:0 to sim:1
+    /// corrupt, which the start-up peer-copy self-test catches).
     #[arg(long, default_value = "auto")]
     pub device: DeviceSpec,
     /// Layers on the GPU (also -ngl): 0 keeps the model on the CPU; `all`, or at least the
     /// model's layer count, puts the whole model on the GPU. Default: all when a GPU is used.
-    /// Partial offload is not supported yet.
+    /// Partial offload (the last N layers on the GPUs, the rest on the CPU) runs on simulated
+    /// devices (--device sim:0,...); on real GPUs it is not supported yet.
     #[arg(long = "gpu-layers", alias = "n-gpu-layers", value_name = "N|all")]
     pub gpu_layers: Option<GpuLayers>,
     /// Most device memory the engine may use at once (weights, KV cache and scratch), e.g. 8GiB.
@@ -48,6 +52,17 @@ pub struct DeviceArgs {
     /// threads (default 2).
     #[arg(long, value_name = "fast|reference")]
     pub numerics: Option<Numerics>,
+    /// How the GPU layers spread over several GPUs: layer (contiguous ranges, one per GPU) or
+    /// none (all on --main-gpu).
+    #[arg(long, default_value = "layer", value_name = "layer|none")]
+    pub split_mode: SplitMode,
+    /// Proportions of the GPU layers per GPU, e.g. 3,1. Default: proportional to each GPU's
+    /// free memory after its KV cache and scratch.
+    #[arg(long, value_name = "A,B,...")]
+    pub tensor_split: Option<TensorSplit>,
+    /// The GPU of --split-mode none (an index into the GPUs in use).
+    #[arg(long, default_value_t = 0, value_name = "I")]
+    pub main_gpu: usize,
 }
 
 impl Default for DeviceArgs {
@@ -61,6 +76,9 @@ impl Default for DeviceArgs {
             rocm_path: None,
             kernels_dir: None,
             numerics: None,
+            split_mode: SplitMode::Layer,
+            tensor_split: None,
+            main_gpu: 0,
         }
     }
 }
@@ -77,6 +95,9 @@ impl DeviceArgs {
             rocm_path: self.rocm_path.clone(),
             kernels_dir: self.kernels_dir.clone(),
             numerics: self.numerics,
+            split_mode: self.split_mode,
+            tensor_split: self.tensor_split.as_ref().map(|split| split.0.clone()),
+            main_gpu: self.main_gpu,
         }
     }
 }
@@ -236,6 +257,9 @@ mod tests {
                 rocm_path: Some(PathBuf::from("rocm")),
                 kernels_dir: Some(PathBuf::from("kernels")),
                 numerics: Some(Numerics::Reference),
+                split_mode: SplitMode::Layer,
+                tensor_split: None,
+                main_gpu: 0,
             }
         );
     }

@@ -149,6 +149,28 @@ fn print_line(event: &LoadEvent<'_>) {
         LoadEvent::IdleTrimFailed(error) => {
             eprintln!("warning: trimming device memory failed: {error}")
         }
+        LoadEvent::Plan(plan) => eprintln!("load plan:\n{plan}"),
+        LoadEvent::PeerPairs {
+            pairs,
+            names,
+            corrupting,
+        } => {
+            for &(src, dst) in corrupting.iter() {
+                eprintln!(
+                    "warning: {}: peer copies from {} to {} corrupt (simulated)",
+                    ember_gpu::peer::CORRUPT_PEER_ENV,
+                    names[src],
+                    names[dst]
+                );
+            }
+            for pair in pairs.iter() {
+                let how = if pair.peer { "peer copies" } else { "host staging" };
+                eprintln!(
+                    "{} -> {}: {how} ({})",
+                    names[pair.src], names[pair.dst], pair.reason
+                );
+            }
+        }
         LoadEvent::PullMessage(_)
         | LoadEvent::PullBytes { .. }
         | LoadEvent::Resolved { .. }

@@ -34,6 +34,7 @@ pub(super) fn describe(loaded: &AnyLoaded) -> Result<Described, EngineError> {
     match loaded {
         AnyLoaded::Cpu(loaded) => describe_on(loaded),
         AnyLoaded::Gpu(loaded) => describe_on(loaded),
+        AnyLoaded::Sim(loaded) => describe_on(loaded),
     }
 }
 
@@ -84,6 +85,7 @@ pub(super) fn spawn(
             let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| match loaded {
                 AnyLoaded::Cpu(loaded) => run(*loaded, &shared, &commands),
                 AnyLoaded::Gpu(loaded) => run(*loaded, &shared, &commands),
+                AnyLoaded::Sim(loaded) => run(*loaded, &shared, &commands),
             }));
             let reason = match outcome {
                 Ok(()) => "the engine was shut down".to_string(),

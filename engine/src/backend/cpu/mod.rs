@@ -401,6 +401,10 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn write(&self, buf: &mut Vec<f32>, values: &[f32]) {
+        buf[..values.len()].copy_from_slice(values);
+    }
+
     fn read(&self, buf: &Vec<f32>, len: usize, out: &mut Vec<f32>) {
         out.clear();
         out.extend_from_slice(&buf[..len]);

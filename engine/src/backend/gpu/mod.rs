@@ -783,6 +783,10 @@ impl Backend for GpuBackend {
         });
     }
 
+    fn write(&self, buf: &mut GpuBuf, values: &[f32]) {
+        GpuBackend::write(self, buf, values);
+    }
+
     fn read(&self, buf: &GpuBuf, len: usize, out: &mut Vec<f32>) {
         out.clear();
         // The recorded pass runs now, before its results are read.

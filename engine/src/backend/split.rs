@@ -1,0 +1,881 @@
+//! A model's layers over several devices: a [`Backend`] that owns one backend per device and
+//! routes each op to the device holding its weights, moving activations between devices when an
+//! op needs them elsewhere (the layer loop does not change, and every op keeps its one
+//! implementation: the device backends' own).
+//!
+//! Where things live:
+//! - a weight (matrix or vector) on the device of its layer (`blk.N.*`), by the
+//!   [`crate::load_plan::LoadPlan`]; the output layer, the token embedding and every other
+//!   tensor on the output device;
+//! - each KV storage layer on the device of the model layer it belongs to, so each device's KV
+//!   cache holds only its own layers' blocks;
+//! - an activation buffer on the device that last wrote it ("home"). An op runs on the device
+//!   of its weight or KV layer, or, for ops without one, where its first buffer is; inputs
+//!   living elsewhere are moved there first (read to host memory, then written to the device:
+//!   host staging, or a peer copy where the pair's [`PairState`] allows one). Outputs an op
+//!   overwrites are only re-homed, not copied.
+//!
+//! So activations cross devices where layers change device: the residual stream once per
+//! boundary, as llama.cpp's layer split does.
+//!
+//! Not built: models with recurrent state (hybrids' linear attention) over more than one
+//! device, whose per-sequence state buffer holds every layer's state: they are refused at load.
+
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use ember_gguf::{Gguf, TensorInfo};
+use ember_gpu::peer::{PairState, PeerLink};
+
+use super::{Backend, BackendError, MoeFfn, OpFailure, SharedExpert};
+use crate::batch::Batch;
+use crate::ops::{AttentionPlan, FfnActivation, RopeMode, RopeParams};
+
+/// An activation buffer that lives on one device at a time (with room kept on the others it
+/// visited, reused on the next visit).
+pub struct SplitBuf<Buf> {
+    parts: RefCell<Parts<Buf>>,
+}
+
+struct Parts<Buf> {
+    bufs: Vec<Option<Buf>>,
+    home: usize,
+    len: usize,
+}
+
+impl<Buf> Parts<Buf> {
+    fn on(&self, device: usize) -> &Buf {
+        self.bufs[device]
+            .as_ref()
+            .expect("a buffer is allocated on a device before an op runs there")
+    }
+
+    fn on_mut(&mut self, device: usize) -> &mut Buf {
+        self.bufs[device]
+            .as_mut()
+            .expect("a buffer is allocated on a device before an op runs there")
+    }
+}
+
+/// A weight on one device.
+pub struct OnDevice<T> {
+    device: usize,
+    inner: T,
+}
+
+impl<T> OnDevice<T> {
+    /// The device it is on.
+    pub fn device(&self) -> usize {
+        self.device
+    }
+}
+
+/// One rotary table per device (they are small, and filled once per pass).
+pub struct SplitRope<T> {
+    tables: Vec<T>,
+}
+
+/// Copies between devices so far.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TransferStats {
+    pub peer_copies: u64,
+    pub staged_copies: u64,
+    pub bytes: u64,
+}
+
+/// Layers over several devices of one backend type; see the module documentation.
+pub struct SplitBackend<B: Backend> {
+    devices: Vec<B>,
+    names: Vec<String>,
+    /// `layer_device[il]`: the device of layer `il`.
+    layer_device: Vec<usize>,
+    output_device: usize,
+    /// The device of each KV storage layer, in the order the KV cache creates them.
+    kv_devices: Vec<usize>,
+    kv_created: AtomicUsize,
+    /// The device of the last op, where new buffers start.
+    current: AtomicUsize,
+    link: Option<Arc<dyn PeerLink>>,
+    pairs: Vec<PairState>,
+    peer_copies: AtomicU64,
+    staged_copies: AtomicU64,
+    bytes: AtomicU64,
+}
+
+/// What a split needs to know about the model: its layers' devices.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SplitLayout {
+    /// The device of each layer.
+    pub layer_device: Vec<usize>,
+    pub output_device: usize,
+    /// The device of each KV storage layer, in layer order (layers with their own KV cache).
+    pub kv_devices: Vec<usize>,
+}
+
+impl SplitLayout {
+    /// The layout of a model whose layers `has_kv[il]` own a KV cache, layer `il` on
+    /// `layer_device[il]`.
+    pub fn new(layer_device: Vec<usize>, output_device: usize, has_kv: &[bool]) -> SplitLayout {
+        let kv_devices = layer_device
+            .iter()
+            .zip(has_kv)
+            .filter(|(_, &kv)| kv)
+            .map(|(&d, _)| d)
+            .collect();
+        SplitLayout {
+            layer_device,
+            output_device,
+            kv_devices,
+        }
+    }
+
+    /// The layout of [`crate::model::HParams`]' layers.
+    pub fn for_model(
+        hparams: &crate::model::HParams,
+        layer_device: Vec<usize>,
+        output_device: usize,
+    ) -> SplitLayout {
+        let has_kv: Vec<bool> = hparams
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(il, l)| !l.recurrent && l.kv_source == il)
+            .collect();
+        SplitLayout::new(layer_device, output_device, &has_kv)
+    }
+}
+
+impl<B: Backend> SplitBackend<B> {
+    /// A split over `devices` (named `names` for messages), laid out by `layout`. `pairs` says
+    /// how copies travel between each ordered pair (from [`ember_gpu::peer::plan_pairs`]);
+    /// `link` is the peer path the pairs marked `peer` use. Pairs not listed go through host
+    /// memory.
+    pub fn new(
+        devices: Vec<B>,
+        names: Vec<String>,
+        layout: SplitLayout,
+        link: Option<Arc<dyn PeerLink>>,
+        pairs: Vec<PairState>,
+    ) -> SplitBackend<B> {
+        assert!(
+            !devices.is_empty() && names.len() == devices.len(),
+            "a split has at least one device, and one name per device"
+        );
+        let n = devices.len();
+        assert!(
+            layout.layer_device.iter().all(|&d| d < n) && layout.output_device < n,
+            "the layout names devices of the split"
+        );
+        SplitBackend {
+            devices,
+            names,
+            layer_device: layout.layer_device,
+            output_device: layout.output_device,
+            kv_devices: layout.kv_devices,
+            kv_created: AtomicUsize::new(0),
+            current: AtomicUsize::new(0),
+            link,
+            pairs,
+            peer_copies: AtomicU64::new(0),
+            staged_copies: AtomicU64::new(0),
+            bytes: AtomicU64::new(0),
+        }
+    }
+
+    /// The device backends, in device order.
+    pub fn devices(&self) -> &[B] {
+        &self.devices
+    }
+
+    /// How copies travel between each ordered pair of devices.
+    pub fn pairs(&self) -> &[PairState] {
+        &self.pairs
+    }
+
+    /// Copies between devices so far.
+    pub fn transfer_stats(&self) -> TransferStats {
+        TransferStats {
+            peer_copies: self.peer_copies.load(Ordering::Relaxed),
+            staged_copies: self.staged_copies.load(Ordering::Relaxed),
+            bytes: self.bytes.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Bytes of K/V memory each device holds for `kv` (a context's cache), in device order:
+    /// each device holds only its own layers' blocks.
+    pub fn kv_bytes_per_device(&self, kv: &crate::kv_cache::KvCache<Self>) -> Vec<usize> {
+        let mut bytes = vec![0; self.devices.len()];
+        for index in 0..self.kv_devices.len() {
+            let layer = kv.layer(index);
+            bytes[layer.device] += self.devices[layer.device].kv_bytes(&layer.inner);
+        }
+        bytes
+    }
+
+    /// The device a tensor goes to, by its name.
+    fn device_of_tensor(&self, name: &str) -> usize {
+        name.strip_prefix("blk.")
+            .and_then(|rest| rest.split('.').next())
+            .and_then(|index| index.parse::<usize>().ok())
+            .and_then(|il| self.layer_device.get(il).copied())
+            .unwrap_or(self.output_device)
+    }
+
+    fn uses(&self, device: usize) -> &B {
+        self.current.store(device, Ordering::Relaxed);
+        &self.devices[device]
+    }
+
+    fn peer(&self, src: usize, dst: usize) -> bool {
+        self.link.is_some()
+            && self
+                .pairs
+                .iter()
+                .any(|p| p.src == src && p.dst == dst && p.peer)
+    }
+
+    /// Moves the contents of `parts` to `device`.
+    fn migrate(&self, parts: &mut Parts<B::Buf>, device: usize) {
+        let home = parts.home;
+        if home == device {
+            return;
+        }
+        let len = parts.len;
+        match &mut parts.bufs[device] {
+            Some(buf) => self.devices[device].ensure_len(buf, len),
+            slot @ None => *slot = Some(self.devices[device].alloc(len)),
+        }
+        if len > 0 {
+            let mut host = Vec::with_capacity(len);
+            self.devices[home].read(parts.on(home), len, &mut host);
+            if let (true, Some(link)) = (self.peer(home, device), &self.link) {
+                let bytes: Vec<u8> = host.iter().flat_map(|v| v.to_le_bytes()).collect();
+                let mut arrived = Vec::with_capacity(bytes.len());
+                match link.copy(home, device, &bytes, &mut arrived) {
+                    Ok(()) if arrived.len() == bytes.len() => {
+                        host.clear();
+                        host.extend(
+                            arrived
+                                .chunks_exact(4)
+                                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+                        );
+                        self.peer_copies.fetch_add(1, Ordering::Relaxed);
+                    }
+                    // A peer copy that fails after passing the self-test: the host copy is
+                    // still good, so it is used (staged) and the failure logged.
+                    result => {
+                        tracing::warn!(
+                            src = %self.names[home],
+                            dst = %self.names[device],
+                            ?result,
+                            "a peer copy failed; using host staging for it"
+                        );
+                        self.staged_copies.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            } else {
+                self.staged_copies.fetch_add(1, Ordering::Relaxed);
+            }
+            self.bytes.fetch_add(len as u64 * 4, Ordering::Relaxed);
+            self.devices[device].write(parts.on_mut(device), &host);
+        }
+        parts.home = device;
+    }
+
+    /// Makes `buf`'s contents available on `device`.
+    fn input(&self, buf: &SplitBuf<B::Buf>, device: usize) {
+        self.migrate(&mut buf.parts.borrow_mut(), device);
+    }
+
+    /// Makes `buf` live on `device` for an op that overwrites it: no copy.
+    fn output(&self, buf: &mut SplitBuf<B::Buf>, device: usize) {
+        let parts = buf.parts.get_mut();
+        if parts.home == device {
+            return;
+        }
+        let len = parts.len;
+        match &mut parts.bufs[device] {
+            Some(b) => self.devices[device].ensure_len(b, len),
+            slot @ None => *slot = Some(self.devices[device].alloc(len)),
+        }
+        parts.home = device;
+    }
+
+    /// Makes `buf` live on `device` for an op that reads and writes it.
+    fn in_place(&self, buf: &mut SplitBuf<B::Buf>, device: usize) {
+        self.migrate(buf.parts.get_mut(), device);
+    }
+
+    fn home(buf: &SplitBuf<B::Buf>) -> usize {
+        buf.parts.borrow().home
+    }
+}
+
+impl<B: Backend> Backend for SplitBackend<B> {
+    type Buf = SplitBuf<B::Buf>;
+    type Matrix = OnDevice<B::Matrix>;
+    type Vector = OnDevice<B::Vector>;
+    type RopeTable = SplitRope<B::RopeTable>;
+    type KvLayer = OnDevice<B::KvLayer>;
+
+    fn name(&self) -> &'static str {
+        self.devices[0].name()
+    }
+
+    fn describe(&self) -> String {
+        let names: Vec<String> = self
+            .devices
+            .iter()
+            .zip(&self.names)
+            .map(|(d, name)| format!("{name} ({})", d.describe()))
+            .collect();
+        format!("split over {}", names.join(", "))
+    }
+
+    fn take_failure(&self) -> Option<OpFailure> {
+        // Every device's failure is taken, so none is left to blame a later pass; the first
+        // is reported.
+        let mut first = None;
+        for device in &self.devices {
+            if let Some(failure) = device.take_failure() {
+                first.get_or_insert(failure);
+            }
+        }
+        first
+    }
+
+    fn begin_forward(&self, batch: &Batch, plan: &AttentionPlan, out_rows: &[usize]) {
+        for device in &self.devices {
+            device.begin_forward(batch, plan, out_rows);
+        }
+    }
+
+    fn end_forward(&self) -> bool {
+        let mut again = false;
+        for device in &self.devices {
+            again |= device.end_forward();
+        }
+        again
+    }
+
+    fn layer_done(&self, layer: usize, n_layers: usize) {
+        for device in &self.devices {
+            device.layer_done(layer, n_layers);
+        }
+    }
+
+    fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        self.devices[0].install(f)
+    }
+
+    fn matrix(&self, gguf: &Arc<Gguf>, info: &TensorInfo) -> Result<Self::Matrix, BackendError> {
+        let device = self.device_of_tensor(&info.name);
+        Ok(OnDevice {
+            device,
+            inner: self.devices[device].matrix(gguf, info)?,
+        })
+    }
+
+    fn vector(&self, gguf: &Arc<Gguf>, info: &TensorInfo) -> Result<Self::Vector, BackendError> {
+        let device = self.device_of_tensor(&info.name);
+        Ok(OnDevice {
+            device,
+            inner: self.devices[device].vector(gguf, info)?,
+        })
+    }
+
+    fn matrix_private_bytes(&self, matrix: &Self::Matrix) -> usize {
+        self.devices[matrix.device].matrix_private_bytes(&matrix.inner)
+    }
+
+    fn expert_matrix(
+        &self,
+        gguf: &Arc<Gguf>,
+        info: &TensorInfo,
+    ) -> Result<Self::Matrix, BackendError> {
+        let device = self.device_of_tensor(&info.name);
+        Ok(OnDevice {
+            device,
+            inner: self.devices[device].expert_matrix(gguf, info)?,
+        })
+    }
+
+    fn release_op_scratch(&self) {
+        for device in &self.devices {
+            device.release_op_scratch();
+        }
+    }
+
+    fn alloc(&self, len: usize) -> Self::Buf {
+        let home = self.current.load(Ordering::Relaxed);
+        let mut bufs: Vec<Option<B::Buf>> = (0..self.devices.len()).map(|_| None).collect();
+        bufs[home] = Some(self.devices[home].alloc(len));
+        SplitBuf {
+            parts: RefCell::new(Parts { bufs, home, len }),
+        }
+    }
+
+    fn ensure_len(&self, buf: &mut Self::Buf, len: usize) {
+        let parts = buf.parts.get_mut();
+        let home = parts.home;
+        self.devices[home].ensure_len(parts.on_mut(home), len);
+        parts.len = parts.len.max(len);
+    }
+
+    fn write(&self, buf: &mut Self::Buf, values: &[f32]) {
+        let parts = buf.parts.get_mut();
+        let home = parts.home;
+        self.devices[home].write(parts.on_mut(home), values);
+    }
+
+    fn gather_rows(&self, src: &Self::Buf, dim: usize, rows: &[usize], out: &mut Self::Buf) {
+        let d = Self::home(src);
+        self.output(out, d);
+        self.uses(d).gather_rows(
+            src.parts.borrow().on(d),
+            dim,
+            rows,
+            out.parts.get_mut().on_mut(d),
+        );
+    }
+
+    fn read(&self, buf: &Self::Buf, len: usize, out: &mut Vec<f32>) {
+        let parts = buf.parts.borrow();
+        self.devices[parts.home].read(parts.on(parts.home), len, out);
+    }
+
+    fn argmax_rows(
+        &self,
+        x: &Self::Buf,
+        n_rows: usize,
+        n_cols: usize,
+        scratch: &mut Self::Buf,
+        out: &mut Vec<u32>,
+    ) {
+        let d = Self::home(x);
+        self.output(scratch, d);
+        self.uses(d).argmax_rows(
+            x.parts.borrow().on(d),
+            n_rows,
+            n_cols,
+            scratch.parts.get_mut().on_mut(d),
+            out,
+        );
+    }
+
+    fn get_rows(&self, table: &Self::Matrix, ids: &[u32], scale: f32, out: &mut Self::Buf) {
+        let d = table.device;
+        self.output(out, d);
+        self.uses(d)
+            .get_rows(&table.inner, ids, scale, out.parts.get_mut().on_mut(d));
+    }
+
+    fn matmul(&self, w: &Self::Matrix, x: &Self::Buf, n_tokens: usize, out: &mut Self::Buf) {
+        let d = w.device;
+        self.input(x, d);
+        self.output(out, d);
+        self.uses(d).matmul(
+            &w.inner,
+            x.parts.borrow().on(d),
+            n_tokens,
+            out.parts.get_mut().on_mut(d),
+        );
+    }
+
+    fn matmul_shared(
+        &self,
+        ws: &[&Self::Matrix],
+        x: &Self::Buf,
+        n_tokens: usize,
+        outs: &mut [&mut Self::Buf],
+    ) {
+        let Some(d) = ws.first().map(|w| w.device) else {
+            return;
+        };
+        if ws.iter().any(|w| w.device != d) {
+            // Matrices sharing an input belong to one layer, so to one device; were they not,
+            // each product runs where its matrix is.
+            for (w, out) in ws.iter().zip(outs.iter_mut()) {
+                self.matmul(w, x, n_tokens, out);
+            }
+            return;
+        }
+        self.input(x, d);
+        for out in outs.iter_mut() {
+            self.output(out, d);
+        }
+        let inner_ws: Vec<&B::Matrix> = ws.iter().map(|w| &w.inner).collect();
+        let mut inner_outs: Vec<&mut B::Buf> = outs
+            .iter_mut()
+            .map(|o| o.parts.get_mut().on_mut(d))
+            .collect();
+        self.uses(d)
+            .matmul_shared(&inner_ws, x.parts.borrow().on(d), n_tokens, &mut inner_outs);
+    }
+
+    fn ffn_gate_up(
+        &self,
+        w_gate: &Self::Matrix,
+        w_up: &Self::Matrix,
+        x: &Self::Buf,
+        n_tokens: usize,
+        n_ff: usize,
+        activation: FfnActivation,
+        gate: &mut Self::Buf,
+        up: &mut Self::Buf,
+    ) {
+        let d = w_gate.device;
+        if w_up.device != d {
+            self.matmul_shared(&[w_gate, w_up], x, n_tokens, &mut [&mut *gate, &mut *up]);
+            match activation {
+                FfnActivation::SwiGlu => self.swiglu(gate, up, n_tokens * n_ff),
+                FfnActivation::GeGlu => self.geglu(gate, up, n_tokens * n_ff),
+            }
+            return;
+        }
+        self.input(x, d);
+        self.output(gate, d);
+        self.output(up, d);
+        self.uses(d).ffn_gate_up(
+            &w_gate.inner,
+            &w_up.inner,
+            x.parts.borrow().on(d),
+            n_tokens,
+            n_ff,
+            activation,
+            gate.parts.get_mut().on_mut(d),
+            up.parts.get_mut().on_mut(d),
+        );
+    }
+
+    fn moe_router(
+        &self,
+        router: &Self::Matrix,
+        x: &Self::Buf,
+        n_tokens: usize,
+        out: &mut Self::Buf,
+    ) {
+        let d = router.device;
+        self.input(x, d);
+        self.output(out, d);
+        self.uses(d).moe_router(
+            &router.inner,
+            x.parts.borrow().on(d),
+            n_tokens,
+            out.parts.get_mut().on_mut(d),
+        );
+    }
+
+    fn moe_ffn(
+        &self,
+        moe: &MoeFfn<'_, Self::Matrix>,
+        router_logits: &Self::Buf,
+        x: &Self::Buf,
+        n_tokens: usize,
+        out: &mut Self::Buf,
+    ) {
+        let d = moe.gate.device;
+        self.input(router_logits, d);
+        self.input(x, d);
+        self.output(out, d);
+        let inner = MoeFfn {
+            gate: &moe.gate.inner,
+            up: &moe.up.inner,
+            down: &moe.down.inner,
+            n_ff: moe.n_ff,
+            activation: moe.activation,
+            routing: moe.routing,
+            expert_scale: moe.expert_scale,
+            shared: moe.shared.as_ref().map(|s| SharedExpert {
+                gate: &s.gate.inner,
+                up: &s.up.inner,
+                down: &s.down.inner,
+                n_ff: s.n_ff,
+                gate_inp: s.gate_inp.map(|g| &g.inner),
+            }),
+        };
+        self.uses(d).moe_ffn(
+            &inner,
+            router_logits.parts.borrow().on(d),
+            x.parts.borrow().on(d),
+            n_tokens,
+            out.parts.get_mut().on_mut(d),
+        );
+    }
+
+    fn linear_attention_supported(&self) -> bool {
+        // The per-sequence state buffer holds every linear-attention layer's state; spread
+        // over devices it would cross devices at every such layer. Not built.
+        self.devices.len() == 1 && self.devices[0].linear_attention_supported()
+    }
+
+    fn rms_norm(
+        &self,
+        x: &Self::Buf,
+        weight: &Self::Vector,
+        n_rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut Self::Buf,
+    ) {
+        let d = weight.device;
+        self.input(x, d);
+        self.output(out, d);
+        self.uses(d).rms_norm(
+            x.parts.borrow().on(d),
+            &weight.inner,
+            n_rows,
+            dim,
+            eps,
+            out.parts.get_mut().on_mut(d),
+        );
+    }
+
+    fn rms_norm_inplace(
+        &self,
+        x: &mut Self::Buf,
+        weight: &Self::Vector,
+        n_rows: usize,
+        dim: usize,
+        eps: f32,
+    ) {
+        let d = weight.device;
+        self.in_place(x, d);
+        self.uses(d)
+            .rms_norm_inplace(x.parts.get_mut().on_mut(d), &weight.inner, n_rows, dim, eps);
+    }
+
+    fn max_head_dim(&self) -> Option<usize> {
+        self.devices.iter().filter_map(Backend::max_head_dim).min()
+    }
+
+    fn has_gemma4_ops(&self) -> bool {
+        self.devices.iter().all(Backend::has_gemma4_ops)
+    }
+
+    fn rms_norm_unit_inplace(&self, x: &mut Self::Buf, n_rows: usize, dim: usize, eps: f32) {
+        let d = Self::home(x);
+        self.uses(d)
+            .rms_norm_unit_inplace(x.parts.get_mut().on_mut(d), n_rows, dim, eps);
+    }
+
+    fn mul_rows_inplace(
+        &self,
+        x: &mut Self::Buf,
+        weight: &Self::Vector,
+        n_rows: usize,
+        dim: usize,
+    ) {
+        let d = weight.device;
+        self.in_place(x, d);
+        self.uses(d)
+            .mul_rows_inplace(x.parts.get_mut().on_mut(d), &weight.inner, n_rows, dim);
+    }
+
+    fn add_inplace(&self, dst: &mut Self::Buf, src: &Self::Buf, len: usize) {
+        let d = Self::home(dst);
+        self.input(src, d);
+        self.uses(d)
+            .add_inplace(dst.parts.get_mut().on_mut(d), src.parts.borrow().on(d), len);
+    }
+
+    fn add_rms_norm(
+        &self,
+        x: &mut Self::Buf,
+        proj: &Self::Buf,
+        weight: &Self::Vector,
+        n_rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut Self::Buf,
+    ) {
+        let d = weight.device;
+        self.in_place(x, d);
+        self.input(proj, d);
+        self.output(out, d);
+        self.uses(d).add_rms_norm(
+            x.parts.get_mut().on_mut(d),
+            proj.parts.borrow().on(d),
+            &weight.inner,
+            n_rows,
+            dim,
+            eps,
+            out.parts.get_mut().on_mut(d),
+        );
+    }
+
+    fn add_bias(&self, x: &mut Self::Buf, bias: &Self::Vector, n_rows: usize, dim: usize) {
+        let d = bias.device;
+        self.in_place(x, d);
+        self.uses(d)
+            .add_bias(x.parts.get_mut().on_mut(d), &bias.inner, n_rows, dim);
+    }
+
+    fn scale(&self, x: &mut Self::Buf, len: usize, scale: f32) {
+        let d = Self::home(x);
+        self.uses(d).scale(x.parts.get_mut().on_mut(d), len, scale);
+    }
+
+    fn swiglu(&self, gate: &mut Self::Buf, up: &Self::Buf, len: usize) {
+        let d = Self::home(gate);
+        self.input(up, d);
+        self.uses(d)
+            .swiglu(gate.parts.get_mut().on_mut(d), up.parts.borrow().on(d), len);
+    }
+
+    fn geglu(&self, gate: &mut Self::Buf, up: &Self::Buf, len: usize) {
+        let d = Self::home(gate);
+        self.input(up, d);
+        self.uses(d)
+            .geglu(gate.parts.get_mut().on_mut(d), up.parts.borrow().on(d), len);
+    }
+
+    fn softcap(&self, x: &mut Self::Buf, len: usize, cap: f32) {
+        let d = Self::home(x);
+        self.uses(d).softcap(x.parts.get_mut().on_mut(d), len, cap);
+    }
+
+    fn rope_table_new(&self) -> Self::RopeTable {
+        SplitRope {
+            tables: self.devices.iter().map(Backend::rope_table_new).collect(),
+        }
+    }
+
+    fn rope_table(&self, positions: &[u32], params: &RopeParams<'_>, table: &mut Self::RopeTable) {
+        for (device, t) in self.devices.iter().zip(&mut table.tables) {
+            device.rope_table(positions, params, t);
+        }
+    }
+
+    fn rope(
+        &self,
+        x: &mut Self::Buf,
+        table: &Self::RopeTable,
+        n_tokens: usize,
+        n_heads: usize,
+        head_dim: usize,
+        mode: RopeMode,
+    ) {
+        let d = Self::home(x);
+        self.uses(d).rope(
+            x.parts.get_mut().on_mut(d),
+            &table.tables[d],
+            n_tokens,
+            n_heads,
+            head_dim,
+            mode,
+        );
+    }
+
+    fn kv_layer(
+        &self,
+        max_blocks: usize,
+        block_size: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+    ) -> Self::KvLayer {
+        // The KV cache creates its layers in layer order, all of them each time.
+        let index = self.kv_created.fetch_add(1, Ordering::Relaxed);
+        let device = if self.kv_devices.is_empty() {
+            self.output_device
+        } else {
+            self.kv_devices[index % self.kv_devices.len()]
+        };
+        OnDevice {
+            device,
+            inner: self.devices[device].kv_layer(max_blocks, block_size, n_kv_heads, head_dim),
+        }
+    }
+
+    fn kv_materialize(&self, layer: &mut Self::KvLayer, blocks: &[u32]) {
+        self.devices[layer.device].kv_materialize(&mut layer.inner, blocks);
+    }
+
+    fn kv_release(&self, layer: &mut Self::KvLayer, blocks: &[u32]) {
+        self.devices[layer.device].kv_release(&mut layer.inner, blocks);
+    }
+
+    fn kv_bytes(&self, layer: &Self::KvLayer) -> usize {
+        self.devices[layer.device].kv_bytes(&layer.inner)
+    }
+
+    fn kv_store(
+        &self,
+        layer: &mut Self::KvLayer,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        plan: &AttentionPlan,
+    ) {
+        let d = layer.device;
+        self.input(k, d);
+        self.input(v, d);
+        self.uses(d).kv_store(
+            &mut layer.inner,
+            k.parts.borrow().on(d),
+            v.parts.borrow().on(d),
+            plan,
+        );
+    }
+
+    fn rope_kv_store(
+        &self,
+        q: &mut Self::Buf,
+        k: &mut Self::Buf,
+        v: &Self::Buf,
+        table: &Self::RopeTable,
+        n_tokens: usize,
+        n_heads: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+        mode: RopeMode,
+        layer: &mut Self::KvLayer,
+        plan: &AttentionPlan,
+    ) {
+        let d = layer.device;
+        self.in_place(q, d);
+        self.in_place(k, d);
+        self.input(v, d);
+        self.uses(d).rope_kv_store(
+            q.parts.get_mut().on_mut(d),
+            k.parts.get_mut().on_mut(d),
+            v.parts.borrow().on(d),
+            &table.tables[d],
+            n_tokens,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            mode,
+            &mut layer.inner,
+            plan,
+        );
+    }
+
+    fn attention(
+        &self,
+        q: &Self::Buf,
+        layer: &Self::KvLayer,
+        plan: &AttentionPlan,
+        n_heads: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+        kq_scale: f32,
+        window: Option<usize>,
+        out: &mut Self::Buf,
+    ) {
+        let d = layer.device;
+        self.input(q, d);
+        self.output(out, d);
+        self.uses(d).attention(
+            q.parts.borrow().on(d),
+            &layer.inner,
+            plan,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            kq_scale,
+            window,
+            out.parts.get_mut().on_mut(d),
+        );
+    }
+}

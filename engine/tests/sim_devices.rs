@@ -1,0 +1,142 @@
+//! `ember run` over simulated devices (`--device sim:0,sim:1,...`) on both pinned models: a
+//! layer split gives the same greedy tokens as one simulated device and as the CPU (the
+//! simulated devices run the CPU's ops and the split moves activations bit-exactly, so the
+//! tokens are equal, which the golden rule accepts trivially); partial offload (`-ngl`) puts
+//! the first layers on the CPU with the same tokens; a corrupting peer pair is reported at
+//! start, falls back to host staging, and the tokens stay the same. Bad flag values are refused
+//! naming the flag.
+
+mod common;
+
+use std::process::Command;
+
+const PROMPT: &str = "The capital of France is";
+
+fn run(model: &str, args: &[&str], corrupt: Option<&str>) -> (Vec<u64>, String) {
+    let path = common::model_path(model);
+    let mut command = Command::new(env!("CARGO_BIN_EXE_ember"));
+    command
+        .env_remove("EMBER_LOG")
+        .env_remove("EMBER_SIM_CORRUPT_PEER")
+        .arg("run")
+        .arg("-m")
+        .arg(&path)
+        .args([
+            "-p", PROMPT, "-n", "12", "--temp", "0", "-t", "2", "-c", "256",
+        ])
+        .args(["--format", "json"])
+        .args(args);
+    if let Some(pairs) = corrupt {
+        command.env("EMBER_SIM_CORRUPT_PEER", pairs);
+    }
+    let out = command.output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{model} {args:?}: {stderr}");
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{model} {args:?}: {e}: {stderr}"));
+    let tokens = json["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect();
+    (tokens, stderr)
+}
+
+fn check_model(model: &str) {
+    let (cpu, _) = run(model, &["--device", "cpu"], None);
+    assert_eq!(cpu.len(), 12, "{model}: {cpu:?}");
+    let (one, stderr) = run(model, &["--device", "sim:0"], None);
+    assert_eq!(one, cpu, "{model}: sim:0 against the CPU");
+    assert!(
+        stderr.contains("load plan:\n   sim:0: layers 0.."),
+        "{stderr}"
+    );
+
+    let split = [
+        "--device",
+        "sim:0,sim:1",
+        "--split-mode",
+        "layer",
+        "--tensor-split",
+        "1,1",
+    ];
+    let (two, stderr) = run(model, &split, None);
+    assert_eq!(two, one, "{model}: sim:0,sim:1 against sim:0");
+    assert!(
+        stderr.contains("sim:0 -> sim:1: peer copies (self-test passed both ways)"),
+        "{stderr}"
+    );
+
+    // Partial offload: the last 3 layers on sim:0, sim:1 and sim:2, the rest on the CPU.
+    let (partial, stderr) = run(model, &["--device", "sim:0,sim:1,sim:2", "-ngl", "3"], None);
+    assert_eq!(partial, cpu, "{model}: -ngl 3 against the CPU");
+    assert!(stderr.contains("     cpu: layers 0.."), "{stderr}");
+
+    let (corrupted, stderr) = run(model, &split, Some("0,1"));
+    assert_eq!(corrupted, one, "{model}: a corrupting pair falls back");
+    assert!(
+        stderr.contains(
+            "warning: EMBER_SIM_CORRUPT_PEER: peer copies from sim:0 to sim:1 corrupt (simulated)"
+        ),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("sim:0 -> sim:1: host staging (self-test failed: a copy of 1 bytes"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn smollm2_split_over_simulated_devices_gives_the_same_tokens() {
+    check_model("smollm2-135m-instruct-q4_1");
+}
+
+#[test]
+fn gemma3_split_over_simulated_devices_gives_the_same_tokens() {
+    check_model("gemma3-270m-q4_k_m");
+}
+
+#[test]
+fn bad_split_flags_are_refused_naming_the_flag() {
+    let path = common::model_path("smollm2-135m-instruct-q4_1");
+    let refused = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_ember"))
+            .env_remove("EMBER_SIM_CORRUPT_PEER")
+            .arg("run")
+            .arg("-m")
+            .arg(&path)
+            .args(["-p", "a", "-n", "1", "-t", "2"])
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?}");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let e = refused(&["--device", "sim:0,sim:1", "--tensor-split", "1,1,1"]);
+    assert!(
+        e.contains(
+            "--tensor-split: expected at most one proportion per GPU (2: sim:0, sim:1), found 3"
+        ),
+        "{e}"
+    );
+    let e = refused(&["--device", "sim:0", "--tensor-split", "1,-2"]);
+    assert!(e.contains("--tensor-split: expected non-negative"), "{e}");
+    let e = refused(&["--device", "sim:1"]);
+    assert!(
+        e.contains("--device: expected simulated devices numbered from 0"),
+        "{e}"
+    );
+    let e = refused(&[
+        "--device",
+        "sim:0,sim:1",
+        "--main-gpu",
+        "5",
+        "--split-mode",
+        "none",
+    ]);
+    assert!(
+        e.contains("--main-gpu: expected a GPU index below 2"),
+        "{e}"
+    );
+}
