@@ -208,6 +208,10 @@ pub fn build_manifest(
         kernel_compiler: toolchains.describe(target),
         toolchain_rocm,
         kernel_modules,
+        dependencies: crate::sbom::engine_crates(root, &targets.platform(os)?.rust_target)?
+            .iter()
+            .map(crate::sbom::Crate::id)
+            .collect(),
     };
     BuildManifest::new(targets, target, os, info)
 }

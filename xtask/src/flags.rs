@@ -36,6 +36,9 @@ pub enum Command {
     /// Install the host toolchain that builds GPU kernels (clang-19, HIP headers, ROCm device
     /// libraries) on Debian or Ubuntu; with --all, everything `cargo xtask test` needs.
     Setup(Setup),
+    /// Rehearse the release workflow on this machine: archives, images, smoke tests, one
+    /// SHA256SUMS, a CycloneDX SBOM and a signature with a throwaway key, in target/release/.
+    Release(Release),
 }
 
 /// Which targets to act on: exactly one of --target, --family, --all.
@@ -131,9 +134,34 @@ pub struct Test {
 
 #[derive(Debug, clap::Args)]
 pub struct Verify {
-    /// An archive (`.tar.gz`, `.zip`; its `.sha256` beside it is checked when present) or an
-    /// unpacked package folder.
+    /// An archive (`.tar.gz`, `.zip`; its `.sha256` beside it is checked when present), an
+    /// unpacked package folder, a release folder (SHA256SUMS, its signature, the SBOM and the
+    /// archives) or a container image (`ember:0.1.0-cpu`).
     pub path: PathBuf,
+    /// The hex Ed25519 public key file to check a release folder's signature with; default: the
+    /// `release-key.ed25519.pub` inside the folder (which proves integrity, not origin).
+    #[arg(long)]
+    pub public_key: Option<PathBuf>,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct Release {
+    /// Rehearse only: sign with a throwaway key and publish nothing (the only mode; the real
+    /// release is the workflow in .github/workflows/release.yml).
+    #[arg(long, required = true)]
+    pub dry_run: bool,
+    /// The targets to build, comma-separated (default: every target the local toolchain builds).
+    #[arg(long, value_delimiter = ',')]
+    pub targets: Vec<String>,
+    /// Base image for the container images (default: the ones targets.toml pins).
+    #[arg(long)]
+    pub base: Option<String>,
+    /// Skip the container images (a machine without docker); the run says so.
+    #[arg(long)]
+    pub no_images: bool,
+    /// The model (a name from models.toml) the smoke tests run.
+    #[arg(long, default_value = "smollm2-135m-instruct-q4_1")]
+    pub model: String,
 }
 
 #[derive(Debug, clap::Args)]

@@ -10,7 +10,10 @@ mod manifest;
 mod manifest_slot;
 mod matrix;
 mod package;
+mod release;
+mod sbom;
 mod setup;
+mod sign;
 mod smoke;
 mod targets;
 mod test;
@@ -38,6 +41,7 @@ fn main() -> Result<()> {
         flags::Command::Smoke(cmd) => cmd.run(&sh),
         flags::Command::Setup(cmd) => cmd.run(&sh),
         flags::Command::Verify(cmd) => cmd.run(&sh),
+        flags::Command::Release(cmd) => cmd.run(&sh),
     }
 }
 
