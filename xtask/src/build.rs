@@ -8,11 +8,12 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use xshell::{cmd, Shell};
 
+use crate::container::{self, BuildImage};
 use crate::kernels::{self, KernelOutcome, Toolchains};
 use crate::manifest::{self, BuildInfo, BuildManifest};
 use crate::manifest_slot;
 use crate::package;
-use crate::targets::{Os, Target, Targets};
+use crate::targets::{Kind, Os, Target, Targets};
 use crate::toolchain;
 
 /// The script that installs the Windows cross-compilation toolchain.
@@ -26,10 +27,41 @@ impl crate::flags::Build {
             Some(version) => version,
             None => manifest::workspace_version(&root)?,
         };
-        let archive = build(sh, &root, &targets, &self.target, self.os, &version)?;
+        let target = targets.target(&self.target)?;
+        let image = BuildImage::choose(&targets, self.image, self.build_base);
+        let archive = if self.in_container {
+            container::build(sh, &root, target, self.os, &version, &image)?
+        } else if let Some(reason) = missing_kernel_toolchain(target) {
+            // The first command a new user runs must work on a machine with docker and nothing
+            // else, and otherwise say both ways forward.
+            if self.os == Os::Linux && container::docker_available(sh) {
+                println!(
+                    "build: no kernel toolchain on this machine ({reason}); building in the build container instead (--in-container)"
+                );
+                container::build(sh, &root, target, self.os, &version, &image)?
+            } else {
+                bail!(
+                    "cannot build {}: no AMDGPU kernel compiler on this machine ({reason}); install one with `cargo xtask setup` (.ci/setup-kernels.sh), or build in the build container with `--in-container` (needs docker)",
+                    target.name
+                );
+            }
+        } else {
+            build(sh, &root, &targets, &self.target, self.os, &version)?
+        };
         println!("build: wrote {}", archive.display());
         Ok(())
     }
+}
+
+/// Why this machine cannot compile `target`'s kernels when the reason is that it has no kernel
+/// toolchain at all; `None` when it has one (or the target needs none, or is not AMDGPU).
+fn missing_kernel_toolchain(target: &Target) -> Option<String> {
+    if target.kind != Kind::Amdgpu {
+        return None;
+    }
+    crate::toolchain::AmdgpuCompiler::discover()
+        .err()
+        .map(|error| format!("{error:#}"))
 }
 
 /// Builds and packages `target` for `os`; returns the archive's path.

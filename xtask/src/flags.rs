@@ -37,7 +37,7 @@ pub enum Command {
     /// libraries) on Debian or Ubuntu; with --all, everything `cargo xtask test` needs.
     Setup(Setup),
     /// Rehearse the release workflow on this machine: archives, images, smoke tests, one
-    /// SHA256SUMS, a CycloneDX SBOM and a signature with a throwaway key, in target/release/.
+    /// SHA256SUMS, a CycloneDX SBOM and a signature with a throwaway key, in target/release-dry-run/.
     Release(Release),
 }
 
@@ -83,6 +83,18 @@ pub struct Build {
     /// The version in the artifact's name and manifest; defaults to the workspace version.
     #[arg(long)]
     pub release_version: Option<String>,
+    /// Run the whole build inside the build image (docker): the official ROCm build image that
+    /// targets.toml names for the default ROCm release, unless --image or --build-base says
+    /// otherwise. Without this flag a GPU build falls back to it when this machine has no kernel
+    /// toolchain and docker is here.
+    #[arg(long)]
+    pub in_container: bool,
+    /// The build image for --in-container.
+    #[arg(long, env = "EMBER_BUILD_IMAGE")]
+    pub image: Option<String>,
+    /// Build the project's build image (docker/build.Dockerfile) on this base and build in it.
+    #[arg(long, env = "EMBER_BUILD_BASE", conflicts_with = "image")]
+    pub build_base: Option<String>,
 }
 
 #[derive(Debug, clap::Args)]

@@ -2,6 +2,7 @@
 //! match over the flags declared in `flags.rs`.
 
 mod build;
+mod container;
 mod docker;
 mod elf;
 mod flags;
@@ -65,9 +66,18 @@ pub fn target_dir() -> std::path::PathBuf {
 }
 
 fn cargo_target_dir(root: &std::path::Path) -> Result<std::path::PathBuf> {
+    cargo_target_dir_with(root, &[])
+}
+
+/// [`cargo_target_dir`] with `env` added to cargo's environment (tests move the directory).
+fn cargo_target_dir_with(
+    root: &std::path::Path,
+    env: &[(&str, &std::path::Path)],
+) -> Result<std::path::PathBuf> {
     use anyhow::Context;
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
     let output = std::process::Command::new(&cargo)
+        .envs(env.iter().copied())
         .args([
             "metadata",
             "--format-version",
@@ -99,4 +109,17 @@ pub fn project_root() -> std::path::PathBuf {
         .parent()
         .expect("xtask lives one level below the workspace root")
         .to_path_buf()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_target_directory_follows_cargo_target_dir() {
+        let root = super::project_root();
+        let moved = std::env::temp_dir().join(format!("ember-target-{}", std::process::id()));
+        let found = super::cargo_target_dir_with(&root, &[("CARGO_TARGET_DIR", &moved)]).unwrap();
+        assert_eq!(found, moved);
+        let unmoved = super::cargo_target_dir(&root).unwrap();
+        assert_ne!(unmoved, moved);
+    }
 }

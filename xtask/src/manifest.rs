@@ -210,6 +210,12 @@ pub fn manifest_path(os: Os, target: &str) -> PathBuf {
 
 /// The current commit and whether the tree is dirty; `None` outside a git checkout.
 pub fn git_state(root: &Path) -> (Option<String>, bool) {
+    // A container build (container.rs) has the checkout but not always its git directory (a
+    // worktree's lives elsewhere) nor git itself: the host passes what it read.
+    if let Ok(commit) = std::env::var("EMBER_BUILD_COMMIT") {
+        let dirty = std::env::var("EMBER_BUILD_DIRTY").is_ok_and(|d| d == "true");
+        return ((!commit.is_empty()).then_some(commit), dirty);
+    }
     let run = |args: &[&str]| {
         std::process::Command::new("git")
             .args(args)
