@@ -184,6 +184,11 @@ pub fn build(
         target.name,
         image.describe()
     );
+    // The container has no network: every crate must be in cargo's cache before it starts.
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
+    cmd!(sh, "{cargo} fetch --locked").quiet().run().context(
+        "fetching the locked crates into cargo's cache before the (offline) container build",
+    )?;
     let rust = RustToolchain::find()?;
     let target_dir = crate::target_dir();
     std::fs::create_dir_all(&target_dir)?;

@@ -39,6 +39,10 @@ pub enum Command {
     /// Rehearse the release workflow on this machine: archives, images, smoke tests, one
     /// SHA256SUMS, a CycloneDX SBOM and a signature with a throwaway key, in target/release-dry-run/.
     Release(Release),
+    /// Check that builds are reproducible: build the targets again from a copy of the commit in
+    /// another folder with a clean target directory (CARGO_TARGET_DIR), compare the archives'
+    /// SHA-256, then flip one byte of a kernel source there and show that the sums differ.
+    Repro(Repro),
 }
 
 /// Which targets to act on: exactly one of --target, --family, --all.
@@ -205,4 +209,14 @@ pub struct Smoke {
     /// The model (a name from models.toml) to answer a prompt with.
     #[arg(long, default_value = "smollm2-135m-instruct-q4_1")]
     pub model: String,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct Repro {
+    /// The targets to build twice, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "cpu,gfx1201")]
+    pub targets: Vec<String>,
+    /// Skip the flipped-byte build (it needs an AMDGPU target among --targets).
+    #[arg(long)]
+    pub no_flip: bool,
 }

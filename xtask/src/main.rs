@@ -12,6 +12,7 @@ mod manifest_slot;
 mod matrix;
 mod package;
 mod release;
+mod repro;
 mod sbom;
 mod setup;
 mod sign;
@@ -43,6 +44,7 @@ fn main() -> Result<()> {
         flags::Command::Setup(cmd) => cmd.run(&sh),
         flags::Command::Verify(cmd) => cmd.run(&sh),
         flags::Command::Release(cmd) => cmd.run(&sh),
+        flags::Command::Repro(cmd) => cmd.run(&sh),
     }
 }
 
@@ -103,8 +105,13 @@ fn cargo_target_dir_with(
     Ok(std::path::PathBuf::from(dir))
 }
 
-/// The workspace root (the folder holding `targets.toml`).
+/// The workspace root (the folder holding `targets.toml`): `$EMBER_PROJECT_ROOT` when set (how
+/// `cargo xtask repro` builds another checkout of the same commit with this xtask), else the
+/// checkout this xtask was compiled in.
 pub fn project_root() -> std::path::PathBuf {
+    if let Some(root) = std::env::var_os("EMBER_PROJECT_ROOT") {
+        return std::path::PathBuf::from(root);
+    }
     std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .expect("xtask lives one level below the workspace root")
