@@ -40,10 +40,7 @@ impl crate::flags::Build {
                 );
                 container::build(sh, &root, target, self.os, &version, &image)?
             } else {
-                bail!(
-                    "cannot build {}: no AMDGPU kernel compiler on this machine ({reason}); install one with `cargo xtask setup` (.ci/setup-kernels.sh), or build in the build container with `--in-container` (needs docker)",
-                    target.name
-                );
+                return Err(no_kernel_toolchain(&target.name, &reason));
             }
         } else {
             build(sh, &root, &targets, &self.target, self.os, &version)?
@@ -51,6 +48,15 @@ impl crate::flags::Build {
         println!("build: wrote {}", archive.display());
         Ok(())
     }
+}
+
+/// The error of a GPU build on a machine with neither a kernel toolchain nor docker: it names
+/// both ways forward.
+fn no_kernel_toolchain(target: &str, reason: &str) -> anyhow::Error {
+    anyhow::anyhow!(
+        "cannot build {target}: no AMDGPU kernel compiler on this machine ({reason}); install one with {}, or build in the build container with `--in-container` (needs docker)",
+        crate::toolchain::SETUP_KERNELS
+    )
 }
 
 /// Why this machine cannot compile `target`'s kernels when the reason is that it has no kernel
@@ -61,7 +67,12 @@ fn missing_kernel_toolchain(target: &Target) -> Option<String> {
     }
     crate::toolchain::AmdgpuCompiler::discover()
         .err()
-        .map(|error| format!("{error:#}"))
+        .map(|error| {
+            // The caller names the ways forward itself; the toolchain's own hint would repeat one.
+            let reason = format!("{error:#}");
+            let hint = format!(": run {}", crate::toolchain::SETUP_KERNELS);
+            reason.replace(&hint, "")
+        })
 }
 
 /// Builds and packages `target` for `os`; returns the archive's path.
@@ -262,4 +273,18 @@ fn check_rust_target(os: Os, rust_target: &str) -> Result<()> {
         bail!("x86_64-w64-mingw32-gcc (Debian's gcc-mingw-w64-x86-64) not found on PATH: run {SETUP_WINDOWS}");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_gpu_build_without_toolchain_or_docker_names_both_ways_forward() {
+        let message =
+            super::no_kernel_toolchain("gfx1201", "no AMDGPU kernel compiler found").to_string();
+        assert!(message.contains("cannot build gfx1201"), "{message}");
+        assert!(message.contains("`cargo xtask setup`"), "{message}");
+        assert!(message.contains("`--in-container`"), "{message}");
+        // Never the command the user just ran.
+        assert!(!message.contains("cargo xtask build"), "{message}");
+    }
 }
