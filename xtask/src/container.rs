@@ -225,12 +225,18 @@ pub fn build(
         ("CARGO_HOME".into(), rust.cargo_home.display().to_string()),
         ("CARGO_TARGET_DIR".into(), target_dir.display().to_string()),
         ("CARGO_NET_OFFLINE".into(), "true".into()),
-        ("SOURCE_DATE_EPOCH".into(), epoch.to_string()),
+        (crate::package::EPOCH_VAR.into(), epoch.to_string()),
         ("EMBER_BUILD_COMMIT".into(), commit.unwrap_or_default()),
         ("EMBER_BUILD_DIRTY".into(), dirty.to_string()),
     ];
     // The caller's compiler flags go in unchanged: with the same paths they give the same bytes.
-    for var in ["RUSTFLAGS", "CARGO_ENCODED_RUSTFLAGS", "CFLAGS", "CXXFLAGS"] {
+    for var in [
+        "RUSTFLAGS",
+        "CARGO_ENCODED_RUSTFLAGS",
+        "CFLAGS",
+        "CXXFLAGS",
+        "SOURCE_DATE_EPOCH",
+    ] {
         if let Ok(value) = std::env::var(var) {
             env.push((var.into(), value));
         }

@@ -377,13 +377,20 @@ pub fn package(
     write_package(&input, &dist_dir())
 }
 
-/// `$SOURCE_DATE_EPOCH`, else the commit time, else now: every archive entry gets this time.
+/// The variable xtask passes the archive time to the builds it starts in.
+pub const EPOCH_VAR: &str = "EMBER_SOURCE_DATE_EPOCH";
+
+/// `$SOURCE_DATE_EPOCH`, else `$EMBER_SOURCE_DATE_EPOCH`, else the commit time, else now: every
+/// archive entry gets this time.
+///
+/// xtask hands the time to the builds it starts (the container build, repro's second build) as
+/// `EMBER_SOURCE_DATE_EPOCH`: cargo reruns build scripts that watch `SOURCE_DATE_EPOCH` (ring's,
+/// through the cc crate) when it appears, which would compile the engine again for nothing.
 pub fn source_date_epoch(root: &Path) -> u64 {
-    if let Some(epoch) = std::env::var("SOURCE_DATE_EPOCH")
-        .ok()
-        .and_then(|v| v.parse().ok())
-    {
-        return epoch;
+    for var in ["SOURCE_DATE_EPOCH", EPOCH_VAR] {
+        if let Some(epoch) = std::env::var(var).ok().and_then(|v| v.parse().ok()) {
+            return epoch;
+        }
     }
     let commit_time = std::process::Command::new("git")
         .args(["log", "-1", "--format=%ct"])

@@ -4,7 +4,7 @@
 //! what earlier steps compiled). Build B is the same tree (every file git tracks) copied into a
 //! folder elsewhere, built by this very xtask (`EMBER_PROJECT_ROOT`) with a clean target directory
 //! given through `CARGO_TARGET_DIR`: other paths for the sources, the build outputs and the kernels,
-//! nothing shared but the Rust toolchain and cargo's registry. Both get `SOURCE_DATE_EPOCH` from
+//! nothing shared but the Rust toolchain and cargo's registry. Both date archive entries from
 //! the commit. The archives' SHA-256 must be equal; when they are not, the files inside that differ
 //! are named. Then one byte of a kernel source in B's copy is changed (the first digit after the
 //! point of a float literal in `kernels/elementwise.hip`) and the AMDGPU targets are built again:
@@ -142,7 +142,7 @@ fn build_b(
         cmd!(sh, "{xtask} build --target {name} --os linux")
             .env("EMBER_PROJECT_ROOT", source)
             .env("CARGO_TARGET_DIR", target_dir)
-            .env("SOURCE_DATE_EPOCH", epoch.to_string())
+            .env(package::EPOCH_VAR, epoch.to_string())
             .env("EMBER_BUILD_COMMIT", commit)
             .env("EMBER_BUILD_DIRTY", dirty.to_string())
             .env_remove("RUSTFLAGS")
