@@ -30,6 +30,7 @@ use clap::Parser;
 use xshell::Shell;
 
 fn main() -> Result<()> {
+    forget_cargo_run_environment();
     let flags = flags::Xtask::parse();
     let sh = Shell::new()?;
     sh.change_dir(project_root());
@@ -45,6 +46,32 @@ fn main() -> Result<()> {
         flags::Command::Verify(cmd) => cmd.run(&sh),
         flags::Command::Release(cmd) => cmd.run(&sh),
         flags::Command::Repro(cmd) => cmd.run(&sh),
+    }
+}
+
+/// Removes the variables `cargo run` gives xtask about xtask's own package (`CARGO_PKG_NAME`,
+/// `CARGO_MANIFEST_DIR`, ...), so the cargo builds xtask starts see the same environment however
+/// xtask was started (`cargo xtask`, the executable itself, inside the build container). Build
+/// scripts that watch these names (ring's does, through the cc crate) would otherwise run again,
+/// and the engine compile again, whenever the way xtask was started changed. `CARGO` stays: it
+/// names the cargo to run.
+fn forget_cargo_run_environment() {
+    let names: Vec<std::ffi::OsString> = std::env::vars_os()
+        .map(|(name, _)| name)
+        .filter(|name| {
+            let name = name.to_string_lossy();
+            name.starts_with("CARGO_PKG_")
+                || name.starts_with("CARGO_MANIFEST_")
+                || matches!(
+                    name.as_ref(),
+                    "CARGO_PRIMARY_PACKAGE" | "CARGO_CRATE_NAME" | "CARGO_BIN_NAME"
+                )
+        })
+        .collect();
+    for name in names {
+        // Edition 2021: safe here, and nothing else runs yet (no other thread reads the
+        // environment).
+        std::env::remove_var(name);
     }
 }
 
