@@ -8,11 +8,12 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use xshell::{cmd, Shell};
 
+use crate::container::{self, BuildImage};
 use crate::kernels::{self, KernelOutcome, Toolchains};
 use crate::manifest::{self, BuildInfo, BuildManifest};
 use crate::manifest_slot;
 use crate::package;
-use crate::targets::{Os, Target, Targets};
+use crate::targets::{Kind, Os, Target, Targets};
 use crate::toolchain;
 
 /// The script that installs the Windows cross-compilation toolchain.
@@ -26,10 +27,52 @@ impl crate::flags::Build {
             Some(version) => version,
             None => manifest::workspace_version(&root)?,
         };
-        let archive = build(sh, &root, &targets, &self.target, self.os, &version)?;
+        let target = targets.target(&self.target)?;
+        let image = BuildImage::choose(&targets, self.image, self.build_base);
+        let archive = if self.in_container {
+            container::build(sh, &root, target, self.os, &version, &image)?
+        } else if let Some(reason) = missing_kernel_toolchain(target) {
+            // The first command a new user runs must work on a machine with docker and nothing
+            // else, and otherwise say both ways forward.
+            if self.os == Os::Linux && container::docker_available(sh) {
+                println!(
+                    "build: no kernel toolchain on this machine ({reason}); building in the build container instead (--in-container)"
+                );
+                container::build(sh, &root, target, self.os, &version, &image)?
+            } else {
+                return Err(no_kernel_toolchain(&target.name, &reason));
+            }
+        } else {
+            build(sh, &root, &targets, &self.target, self.os, &version)?
+        };
         println!("build: wrote {}", archive.display());
         Ok(())
     }
+}
+
+/// The error of a GPU build on a machine with neither a kernel toolchain nor docker: it names
+/// both ways forward.
+fn no_kernel_toolchain(target: &str, reason: &str) -> anyhow::Error {
+    anyhow::anyhow!(
+        "cannot build {target}: no AMDGPU kernel compiler on this machine ({reason}); install one with {}, or build in the build container with `--in-container` (needs docker)",
+        crate::toolchain::SETUP_KERNELS
+    )
+}
+
+/// Why this machine cannot compile `target`'s kernels when the reason is that it has no kernel
+/// toolchain at all; `None` when it has one (or the target needs none, or is not AMDGPU).
+fn missing_kernel_toolchain(target: &Target) -> Option<String> {
+    if target.kind != Kind::Amdgpu {
+        return None;
+    }
+    crate::toolchain::AmdgpuCompiler::discover()
+        .err()
+        .map(|error| {
+            // The caller names the ways forward itself; the toolchain's own hint would repeat one.
+            let reason = format!("{error:#}");
+            let hint = format!(": run {}", crate::toolchain::SETUP_KERNELS);
+            reason.replace(&hint, "")
+        })
 }
 
 /// Builds and packages `target` for `os`; returns the archive's path.
@@ -208,6 +251,10 @@ pub fn build_manifest(
         kernel_compiler: toolchains.describe(target),
         toolchain_rocm,
         kernel_modules,
+        dependencies: crate::sbom::engine_crates(root, &targets.platform(os)?.rust_target)?
+            .iter()
+            .map(crate::sbom::Crate::id)
+            .collect(),
     };
     BuildManifest::new(targets, target, os, info)
 }
@@ -226,4 +273,18 @@ fn check_rust_target(os: Os, rust_target: &str) -> Result<()> {
         bail!("x86_64-w64-mingw32-gcc (Debian's gcc-mingw-w64-x86-64) not found on PATH: run {SETUP_WINDOWS}");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_gpu_build_without_toolchain_or_docker_names_both_ways_forward() {
+        let message =
+            super::no_kernel_toolchain("gfx1201", "no AMDGPU kernel compiler found").to_string();
+        assert!(message.contains("cannot build gfx1201"), "{message}");
+        assert!(message.contains("`cargo xtask setup`"), "{message}");
+        assert!(message.contains("`--in-container`"), "{message}");
+        // Never the command the user just ran.
+        assert!(!message.contains("cargo xtask build"), "{message}");
+    }
 }

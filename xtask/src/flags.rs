@@ -36,6 +36,13 @@ pub enum Command {
     /// Install the host toolchain that builds GPU kernels (clang-19, HIP headers, ROCm device
     /// libraries) on Debian or Ubuntu; with --all, everything `cargo xtask test` needs.
     Setup(Setup),
+    /// Rehearse the release workflow on this machine: archives, images, smoke tests, one
+    /// SHA256SUMS, a CycloneDX SBOM and a signature with a throwaway key, in target/release-dry-run/.
+    Release(Release),
+    /// Check that builds are reproducible: build the targets again from a copy of the commit in
+    /// another folder with a clean target directory (CARGO_TARGET_DIR), compare the archives'
+    /// SHA-256, then flip one byte of a kernel source there and show that the sums differ.
+    Repro(Repro),
 }
 
 /// Which targets to act on: exactly one of --target, --family, --all.
@@ -80,6 +87,18 @@ pub struct Build {
     /// The version in the artifact's name and manifest; defaults to the workspace version.
     #[arg(long)]
     pub release_version: Option<String>,
+    /// Run the whole build inside the build image (docker): the official ROCm build image that
+    /// targets.toml names for the default ROCm release, unless --image or --build-base says
+    /// otherwise. Without this flag a GPU build falls back to it when this machine has no kernel
+    /// toolchain and docker is here.
+    #[arg(long)]
+    pub in_container: bool,
+    /// The build image for --in-container.
+    #[arg(long, env = "EMBER_BUILD_IMAGE")]
+    pub image: Option<String>,
+    /// Build the project's build image (docker/build.Dockerfile) on this base and build in it.
+    #[arg(long, env = "EMBER_BUILD_BASE", conflicts_with = "image")]
+    pub build_base: Option<String>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -131,9 +150,34 @@ pub struct Test {
 
 #[derive(Debug, clap::Args)]
 pub struct Verify {
-    /// An archive (`.tar.gz`, `.zip`; its `.sha256` beside it is checked when present) or an
-    /// unpacked package folder.
+    /// An archive (`.tar.gz`, `.zip`; its `.sha256` beside it is checked when present), an
+    /// unpacked package folder, a release folder (SHA256SUMS, its signature, the SBOM and the
+    /// archives) or a container image (`ember:0.1.0-cpu`).
     pub path: PathBuf,
+    /// The hex Ed25519 public key file to check a release folder's signature with; default: the
+    /// `release-key.ed25519.pub` inside the folder (which proves integrity, not origin).
+    #[arg(long)]
+    pub public_key: Option<PathBuf>,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct Release {
+    /// Rehearse only: sign with a throwaway key and publish nothing (the only mode; the real
+    /// release is the workflow in .github/workflows/release.yml).
+    #[arg(long, required = true)]
+    pub dry_run: bool,
+    /// The targets to build, comma-separated (default: every target the local toolchain builds).
+    #[arg(long, value_delimiter = ',')]
+    pub targets: Vec<String>,
+    /// Base image for the container images (default: the ones targets.toml pins).
+    #[arg(long)]
+    pub base: Option<String>,
+    /// Skip the container images (a machine without docker); the run says so.
+    #[arg(long)]
+    pub no_images: bool,
+    /// The model (a name from models.toml) the smoke tests run.
+    #[arg(long, default_value = "smollm2-135m-instruct-q4_1")]
+    pub model: String,
 }
 
 #[derive(Debug, clap::Args)]
@@ -165,4 +209,14 @@ pub struct Smoke {
     /// The model (a name from models.toml) to answer a prompt with.
     #[arg(long, default_value = "smollm2-135m-instruct-q4_1")]
     pub model: String,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct Repro {
+    /// The targets to build twice, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "cpu,gfx1201")]
+    pub targets: Vec<String>,
+    /// Skip the flipped-byte build (it needs an AMDGPU target among --targets).
+    #[arg(long)]
+    pub no_flip: bool,
 }

@@ -318,6 +318,11 @@ fn plan_target(root: &Path, target: &Target, toolchains: &mut Toolchains) -> Res
                 .map(|s| s.to_string())
                 .collect();
                 args.extend(compiler.location_args());
+                // The compilation unit id names the module's device symbols
+                // (`__hip_cuid_<id>`); left to clang it hashes the command line, output path and
+                // device-library location included, so every build and every machine would
+                // produce other bytes. One module is one unit, so its name is unique enough.
+                args.push(format!("-cuid={module}"));
                 // gfx9 is wave64 only; RDNA defaults to wave32 and needs asking for wave64.
                 if target.wave_size == Some(64) && !name.starts_with("gfx9") {
                     args.push("-mwavefrontsize64".to_string());

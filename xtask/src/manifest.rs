@@ -33,6 +33,11 @@ pub struct BuildManifest {
     pub engine: EngineRecord,
     pub toolchain: ToolchainRecord,
     pub kernels: KernelsRecord,
+    /// The crates compiled into the engine binary, `name@version`, sorted: the list the release's
+    /// SBOM is checked against (`cargo xtask verify`), in the spirit of `cargo auditable`.
+    /// Empty in manifests written before the list existed.
+    #[serde(default)]
+    pub dependencies: Vec<String>,
 }
 
 /// One feature gate as the engine reads it.
@@ -91,6 +96,8 @@ pub struct BuildInfo {
     pub kernel_compiler: Option<String>,
     pub toolchain_rocm: Option<String>,
     pub kernel_modules: Vec<String>,
+    /// `name@version` of every crate linked into the engine (see `sbom::engine_crates`).
+    pub dependencies: Vec<String>,
 }
 
 impl FeatureRecord {
@@ -159,6 +166,7 @@ impl BuildManifest {
                 dir: kernels_dir,
                 modules: info.kernel_modules,
             },
+            dependencies: info.dependencies,
         })
     }
 
@@ -202,6 +210,12 @@ pub fn manifest_path(os: Os, target: &str) -> PathBuf {
 
 /// The current commit and whether the tree is dirty; `None` outside a git checkout.
 pub fn git_state(root: &Path) -> (Option<String>, bool) {
+    // A container build (container.rs) has the checkout but not always its git directory (a
+    // worktree's lives elsewhere) nor git itself: the host passes what it read.
+    if let Ok(commit) = std::env::var("EMBER_BUILD_COMMIT") {
+        let dirty = std::env::var("EMBER_BUILD_DIRTY").is_ok_and(|d| d == "true");
+        return ((!commit.is_empty()).then_some(commit), dirty);
+    }
     let run = |args: &[&str]| {
         std::process::Command::new("git")
             .args(args)
@@ -251,6 +265,7 @@ mod tests {
             kernel_compiler: Some("Debian clang version 19.1.7".into()),
             toolchain_rocm: None,
             kernel_modules: vec!["attention.hsaco".into()],
+            dependencies: vec!["ember@0.1.0".into(), "half@2.4.1".into()],
         }
     }
 

@@ -228,27 +228,32 @@ fn write_zip(path: &Path, stem: &str, files: &[(String, Vec<u8>, bool)], mtime: 
 
 /// Converts seconds since the epoch to a zip (MS-DOS) timestamp; zip cannot hold dates before 1980.
 fn zip_time(mtime: u64) -> zip::DateTime {
-    let days = mtime / 86_400;
+    let (year, month, day) = civil_from_days((mtime / 86_400) as i64);
     let secs = mtime % 86_400;
-    // Civil-from-days (proleptic Gregorian), as in Howard Hinnant's date algorithms.
-    let z = days as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = (doy - (153 * mp + 2) / 5 + 1) as u8;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 } as u8;
-    let year = (yoe + era * 400 + i64::from(month <= 2)) as u16;
     zip::DateTime::from_date_and_time(
-        year.max(1980),
-        month,
-        day,
+        (year as u16).max(1980),
+        month as u8,
+        day as u8,
         (secs / 3600) as u8,
         ((secs % 3600) / 60) as u8,
         (secs % 60) as u8,
     )
     .unwrap_or_default()
+}
+
+/// (year, month, day) of a day count since 1970-01-01 (proleptic Gregorian), as in Howard
+/// Hinnant's date algorithms.
+pub fn civil_from_days(days: i64) -> (i64, u32, u32) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    (year, month, day)
 }
 
 /// The package's README: what the artifact is and how to run it.
@@ -372,13 +377,20 @@ pub fn package(
     write_package(&input, &dist_dir())
 }
 
-/// `$SOURCE_DATE_EPOCH`, else the commit time, else now: every archive entry gets this time.
+/// The variable xtask passes the archive time to the builds it starts in.
+pub const EPOCH_VAR: &str = "EMBER_SOURCE_DATE_EPOCH";
+
+/// `$SOURCE_DATE_EPOCH`, else `$EMBER_SOURCE_DATE_EPOCH`, else the commit time, else now: every
+/// archive entry gets this time.
+///
+/// xtask hands the time to the builds it starts (the container build, repro's second build) as
+/// `EMBER_SOURCE_DATE_EPOCH`: cargo reruns build scripts that watch `SOURCE_DATE_EPOCH` (ring's,
+/// through the cc crate) when it appears, which would compile the engine again for nothing.
 pub fn source_date_epoch(root: &Path) -> u64 {
-    if let Some(epoch) = std::env::var("SOURCE_DATE_EPOCH")
-        .ok()
-        .and_then(|v| v.parse().ok())
-    {
-        return epoch;
+    for var in ["SOURCE_DATE_EPOCH", EPOCH_VAR] {
+        if let Some(epoch) = std::env::var(var).ok().and_then(|v| v.parse().ok()) {
+            return epoch;
+        }
     }
     let commit_time = std::process::Command::new("git")
         .args(["log", "-1", "--format=%ct"])
@@ -505,6 +517,7 @@ mod tests {
             kernel_compiler: Some("clang 19".into()),
             toolchain_rocm: None,
             kernel_modules: vec!["matmul.hsaco".into()],
+            dependencies: vec![],
         };
         let manifest =
             BuildManifest::new(&targets, targets.target(target).unwrap(), os, info).unwrap();

@@ -7,7 +7,10 @@
 //! checks: kernels for every target, a wrong target name failing, the gfx1201 and gfx1151
 //! artifacts and their manifests and `ember info`, the Windows artifact under wine, the release
 //! matrix and its drift detection, actionlint, no build path in the artifacts, `xtask verify` on
-//! them, and the container image with its smoke test. Every step runs even after an earlier one failed (a
+//! them, the container image with its smoke test, reproducibility (`xtask repro`: cpu and gfx1201
+//! again from another folder with a clean CARGO_TARGET_DIR, then a flipped source byte), the
+//! gfx1201 build with the host kernel toolchain hidden (it builds in the container and must equal
+//! the host build) and `xtask release --dry-run` for cpu and gfx1201. Every step runs even after an earlier one failed (a
 //! later failure is often the more telling one); the summary lists them all and the command fails
 //! if any did. A missing system tool is a failure that names the setup script to run.
 
@@ -206,6 +209,39 @@ impl crate::flags::Test {
                     self.base
                 ),
                 || docker_and_smoke(sh, &self.base, &image, &self.model),
+            ));
+            plan.push(step(
+                "repro: cpu and gfx1201 built again in another folder with a clean CARGO_TARGET_DIR are byte-identical; a flipped kernel byte changes the sums",
+                || {
+                    crate::flags::Repro {
+                        targets: vec!["cpu".into(), "gfx1201".into()],
+                        no_flip: false,
+                    }
+                    .run(sh)
+                },
+            ));
+            plan.push(step(
+                format!(
+                    "build --target gfx1201 with the host kernel toolchain hidden: built in the build container (docker/build.Dockerfile on {}), equal to the host build",
+                    self.base
+                ),
+                || container_fallback(sh, &self.base, &version),
+            ));
+            plan.push(step(
+                format!(
+                    "release --dry-run --targets cpu,gfx1201 --base {}, then verify",
+                    self.base
+                ),
+                || {
+                    crate::flags::Release {
+                        dry_run: true,
+                        targets: vec!["cpu".into(), "gfx1201".into()],
+                        base: Some(self.base.clone()),
+                        no_images: false,
+                        model: self.model.clone(),
+                    }
+                    .run(sh)
+                },
             ));
         }
 
@@ -526,6 +562,51 @@ fn windows_under_wine(
 /// Every file of the cpu and gfx1201 archives (binary, kernels, manifest) is free of the paths a
 /// build could leak: the workspace root, cargo's target directory and cargo's home. Their
 /// remapping is what lets checkouts in different places build the same bytes.
+/// `cargo xtask build --target gfx1201` on a machine whose kernel toolchain is hidden (an empty
+/// toolchain directory) and that has docker: it must say it builds in the container, and its
+/// archive must equal the host build's of the same commit (or the step names what differs).
+fn container_fallback(sh: &Shell, base: &str, version: &str) -> Result<()> {
+    let archive = package::archive_path(version, Os::Linux, "gfx1201");
+    let host = std::fs::read(&archive)
+        .with_context(|| format!("reading the host build {}", archive.display()))?;
+    let host_copy = crate::target_dir()
+        .join("xtask-test")
+        .join("gfx1201-host.tar.gz");
+    std::fs::create_dir_all(host_copy.parent().context("has a parent")?)?;
+    std::fs::write(&host_copy, &host)?;
+    let hidden = crate::target_dir().join("xtask-test").join("no-toolchain");
+    std::fs::create_dir_all(&hidden)?;
+    let xtask = xtask_exe()?;
+    let output = cmd!(sh, "{xtask} build --target gfx1201")
+        .env("EMBER_TOOLCHAIN_DIR", &hidden)
+        .env("EMBER_BUILD_BASE", base)
+        .ignore_status()
+        .output()?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    print!("{stdout}");
+    eprint!("{}", String::from_utf8_lossy(&output.stderr));
+    ensure!(
+        output.status.success(),
+        "`xtask build --target gfx1201` with no host kernel toolchain failed"
+    );
+    ensure!(
+        stdout.contains("building in the build container instead"),
+        "expected the build to say it builds in the container, found:\n{stdout}"
+    );
+    let container = std::fs::read(&archive)?;
+    if container != host {
+        bail!(
+            "the container build of gfx1201 differs from the host build: {}",
+            crate::repro::differing_files(&host_copy, &archive)?
+        );
+    }
+    println!(
+        "container: gfx1201 built in the container equals the host build (SHA-256 {})",
+        package::sha256_hex(&container)
+    );
+    Ok(())
+}
+
 fn no_build_paths(root: &Path, version: &str) -> Result<()> {
     let paths = build::build_paths(root)?;
     let mut found = Vec::new();

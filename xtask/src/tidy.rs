@@ -65,3 +65,33 @@ fn ci_scripts_are_executable_and_parse() {
         assert!(status.success(), "{script} does not parse");
     }
 }
+
+/// Every path under cargo's target directory comes from `crate::target_dir()` (`cargo metadata`),
+/// so builds work where `CARGO_TARGET_DIR` or `build.target-dir` put them: no module spells the
+/// default `target/` itself (main.rs's fallback for a broken cargo is the one exception).
+#[test]
+fn no_module_assumes_the_default_target_directory() {
+    let root = crate::project_root();
+    let mut offenders = Vec::new();
+    for entry in std::fs::read_dir(root.join("xtask/src")).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().to_string();
+        if !name.ends_with(".rs") || name == "tidy.rs" {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).unwrap();
+        for (index, line) in text.lines().enumerate() {
+            let spelled = line.contains(&format!("join({:?})", "target"))
+                || line.contains(&format!("\"{}/", "target"));
+            let fallback = name == "main.rs" && line.contains("project_root().join(");
+            if spelled && !fallback && !line.trim_start().starts_with("//") {
+                offenders.push(format!("xtask/src/{name}:{}: {}", index + 1, line.trim()));
+            }
+        }
+    }
+    assert!(
+        offenders.is_empty(),
+        "use crate::target_dir():\n{}",
+        offenders.join("\n")
+    );
+}

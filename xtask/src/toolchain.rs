@@ -321,6 +321,14 @@ pub fn rustc_version() -> Result<String> {
     Ok(first_line(&output(Command::new(rustc).arg("--version"))?))
 }
 
+/// `rustc --print sysroot`: where the active Rust toolchain lives.
+pub fn rustc_sysroot() -> Result<PathBuf> {
+    let rustc = std::env::var_os("RUSTC").unwrap_or_else(|| "rustc".into());
+    Ok(PathBuf::from(
+        output(Command::new(rustc).args(["--print", "sysroot"]))?.trim(),
+    ))
+}
+
 /// Finds an executable on PATH.
 pub fn which(name: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH")?;
