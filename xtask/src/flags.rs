@@ -146,6 +146,10 @@ pub struct Test {
     /// The model (a name from models.toml) the artifact checks run.
     #[arg(long, default_value = "smollm2-135m-instruct-q4_1")]
     pub model: String,
+    /// Also run `xtask repro` for cpu and gfx1201 (a second clean build of the engine from
+    /// another folder: 5-7 more minutes on 2 cores, so not part of `.ci/run`'s budget).
+    #[arg(long, conflicts_with = "skip_toolchain")]
+    pub repro: bool,
 }
 
 #[derive(Debug, clap::Args)]

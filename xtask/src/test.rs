@@ -7,7 +7,7 @@
 //! checks: kernels for every target, a wrong target name failing, the gfx1201 and gfx1151
 //! artifacts and their manifests and `ember info`, the Windows artifact under wine, the release
 //! matrix and its drift detection, actionlint, no build path in the artifacts, `xtask verify` on
-//! them, the container image with its smoke test, reproducibility (`xtask repro`: cpu and gfx1201
+//! them, the container image with its smoke test, with `--repro`, reproducibility (`xtask repro`: cpu and gfx1201
 //! again from another folder with a clean CARGO_TARGET_DIR, then a flipped source byte), the
 //! gfx1201 build with the host kernel toolchain hidden (it builds in the container and must equal
 //! the host build) and `xtask release --dry-run` for cpu and gfx1201. Every step runs even after an earlier one failed (a
@@ -210,7 +210,8 @@ impl crate::flags::Test {
                 ),
                 || docker_and_smoke(sh, &self.base, &image, &self.model),
             ));
-            plan.push(step(
+            if self.repro {
+                plan.push(step(
                 "repro: cpu and gfx1201 built again in another folder with a clean CARGO_TARGET_DIR are byte-identical; a flipped kernel byte changes the sums",
                 || {
                     crate::flags::Repro {
@@ -220,6 +221,7 @@ impl crate::flags::Test {
                     .run(sh)
                 },
             ));
+            }
             plan.push(step(
                 format!(
                     "build --target gfx1201 with the host kernel toolchain hidden: built in the build container (docker/build.Dockerfile on {}), equal to the host build",
