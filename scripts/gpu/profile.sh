@@ -24,7 +24,7 @@ summarise() { # $1: csv, $2: passes
     python3 - "$1" "$2" <<'EOF'
 import csv, sys, collections
 path, passes = sys.argv[1], int(sys.argv[2])
-scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
+scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6, "ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}
 total = collections.defaultdict(float)
 count = collections.Counter()
 with open(path, newline="") as f:
