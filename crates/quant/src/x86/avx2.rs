@@ -844,6 +844,38 @@ pub struct Rows8Meta {
     dmin: Vec<__m256>,
 }
 
+/// Super-block `b` of 8 consecutive Q4_K rows (`rows`, contiguous, `row_bytes` each), decoded:
+/// `sc[j][r]` and `mn[j][r]` the scale and min of sub-block `j` of row `r`, `d[r]` and `dmin[r]`
+/// the row's factors. Both eight-row kernels (this one's and `avx512`'s) lay their vectors out
+/// from it.
+pub(crate) struct Block8 {
+    pub sc: [[i32; 8]; 8],
+    pub mn: [[i32; 8]; 8],
+    pub d: [f32; 8],
+    pub dmin: [f32; 8],
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn block8(rows: &[u8], row_bytes: usize, b: usize) -> Block8 {
+    let mut k = Block8 {
+        sc: [[0; 8]; 8],
+        mn: [[0; 8]; 8],
+        d: [0.0; 8],
+        dmin: [0.0; 8],
+    };
+    for r in 0..8 {
+        let x = &rows[r * row_bytes + b * q4_k::SIZE..][..q4_k::SIZE];
+        let (sc, mn) = k4_scales_mins_u64(&x[q4_k::SCALES..q4_k::SCALES + 12]);
+        for j in 0..8 {
+            k.sc[j][r] = ((sc >> (8 * j)) & 0xFF) as i32;
+            k.mn[j][r] = ((mn >> (8 * j)) & 0xFF) as i32;
+        }
+        k.d[r] = f16_at(x, q4_k::D);
+        k.dmin[r] = f16_at(x, q4_k::DMIN);
+    }
+    k
+}
+
 impl Rows8Meta {
     /// Decodes the metadata of the 8 rows of `row_bytes` bytes each in `rows` (contiguous) in
     /// place of what it held.
@@ -861,27 +893,20 @@ impl Rows8Meta {
         d.clear();
         dmin.clear();
         for b in 0..nb {
-            let mut mn_rows = [[0i32; 8]; 8];
-            let mut d_rows = [0f32; 8];
-            let mut dmin_rows = [0f32; 8];
+            let k = block8(rows, row_bytes, b);
             for r in 0..8 {
-                let x = &rows[r * row_bytes + b * q4_k::SIZE..][..q4_k::SIZE];
-                let (sc, mn) = k4_scales_mins_u64(&x[q4_k::SCALES..q4_k::SCALES + 12]);
-                for (j, mn_row) in mn_rows.iter_mut().enumerate() {
-                    scales.push(_mm256_set1_epi16(((sc >> (8 * j)) & 0xFF) as i16));
-                    mn_row[r] = ((mn >> (8 * j)) & 0xFF) as i32;
+                for sc in &k.sc {
+                    scales.push(_mm256_set1_epi16(sc[r] as i16));
                 }
-                d_rows[r] = f16_at(x, q4_k::D);
-                dmin_rows[r] = f16_at(x, q4_k::DMIN);
             }
-            for row in &mn_rows {
+            for row in &k.mn {
                 // SAFETY: 8 i32 = 32 readable bytes; unaligned load.
                 mins.push(unsafe { _mm256_loadu_si256(row.as_ptr().cast()) });
             }
             // SAFETY: 8 f32 = 32 readable bytes each; unaligned loads.
             unsafe {
-                d.push(_mm256_loadu_ps(d_rows.as_ptr()));
-                dmin.push(_mm256_loadu_ps(dmin_rows.as_ptr()));
+                d.push(_mm256_loadu_ps(k.d.as_ptr()));
+                dmin.push(_mm256_loadu_ps(k.dmin.as_ptr()));
             }
         }
     }

@@ -19,7 +19,7 @@ use std::arch::x86_64::*;
 
 use crate::blocks::{q4_k, q8_k};
 
-use super::avx2::{f16_at, k4_scales_mins_u64};
+use super::avx2::block8;
 
 /// Tokens one call of [`q4k_rows8_tokens`] takes at most (its float accumulators live on the
 /// stack).
@@ -56,20 +56,8 @@ impl Rows8Scales {
         d.clear();
         dmin.clear();
         for b in 0..nb {
-            let mut sc_rows = [[0i32; 8]; 8];
-            let mut mn_rows = [[0i32; 8]; 8];
-            let mut d_rows = [0f32; 8];
-            let mut dmin_rows = [0f32; 8];
-            for r in 0..8 {
-                let x = &rows[r * row_bytes + b * q4_k::SIZE..][..q4_k::SIZE];
-                let (sc, mn) = k4_scales_mins_u64(&x[q4_k::SCALES..q4_k::SCALES + 12]);
-                for j in 0..8 {
-                    sc_rows[j][r] = ((sc >> (8 * j)) & 0xFF) as i32;
-                    mn_rows[j][r] = ((mn >> (8 * j)) & 0xFF) as i32;
-                }
-                d_rows[r] = f16_at(x, q4_k::D);
-                dmin_rows[r] = f16_at(x, q4_k::DMIN);
-            }
+            let k = block8(rows, row_bytes, b);
+            let (sc_rows, mn_rows) = (&k.sc, &k.mn);
             for p in 0..4 {
                 let (lo, hi) = (&sc_rows[2 * p], &sc_rows[2 * p + 1]);
                 let lanes = [
@@ -79,14 +67,14 @@ impl Rows8Scales {
                 // SAFETY: 16 i32 = 64 readable bytes; unaligned load.
                 scales.push(unsafe { _mm512_loadu_si512(lanes.as_ptr().cast()) });
             }
-            for row in &mn_rows {
+            for row in mn_rows {
                 // SAFETY: 8 i32 = 32 readable bytes; unaligned load.
                 mins.push(unsafe { _mm256_loadu_si256(row.as_ptr().cast()) });
             }
             // SAFETY: 8 f32 = 32 readable bytes each; unaligned loads.
             unsafe {
-                d.push(_mm256_loadu_ps(d_rows.as_ptr()));
-                dmin.push(_mm256_loadu_ps(dmin_rows.as_ptr()));
+                d.push(_mm256_loadu_ps(k.d.as_ptr()));
+                dmin.push(_mm256_loadu_ps(k.dmin.as_ptr()));
             }
         }
     }
