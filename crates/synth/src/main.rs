@@ -13,6 +13,8 @@ use ember_synth::{write_model, Shape, ShapeOverrides, SynthError, SynthOptions, 
 ///
 /// Shapes: llama3-8b, llama3.2-1b, smollm2-135m, qwen2-0.5b, qwen3-0.6b, gemma3-270m,
 /// qwen3-30b-a3b (a mixture of experts: --experts, --experts-used and --expert-ff shrink it),
+/// qwen3.5-27b and qwen3.5-35b-a3b (hybrids: Gated DeltaNet layers with one full-attention layer
+/// in four; --linear-k-heads, --linear-v-heads and --linear-head-dim shrink them),
 /// gemma4-26b-a4b and gemma4-e2b (also --window, --global-head-dim, --global-kv-heads,
 /// --shared-kv-layers, --per-layer-embd).
 /// Types: f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q2_k, q3_k, q4_k, q5_k, q6_k, and the

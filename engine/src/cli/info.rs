@@ -229,6 +229,8 @@ struct TensorTypeReport {
 #[derive(Debug, Serialize)]
 struct MemoryReport {
     weights_bytes: u64,
+    /// Weight bytes one decoded token reads (token embedding rows, the routed experts in use).
+    weights_read_per_token_bytes: u64,
     /// The context the KV figures are for.
     n_ctx: usize,
     /// Where `n_ctx` came from: `flag` (-c), `trained` (the model's), or `capped` (the model's
@@ -361,6 +363,7 @@ fn model_report(
             .collect(),
         memory: MemoryReport {
             weights_bytes: file_bytes,
+            weights_read_per_token_bytes: hp.weight_bytes_read_per_token(gguf.tensors()),
             n_ctx,
             n_ctx_source,
             n_ctx_cap: DEFAULT_N_CTX,
@@ -510,6 +513,15 @@ fn render_text(report: &InfoReport) -> String {
     line(format!(
         "  weights: {} memory-mapped from the file (read in place, not copied)",
         mib(mem.weights_bytes as f64)
+    ));
+    line(format!(
+        "  weights read per decoded token: {} (one embedding row{})",
+        mib(mem.weights_read_per_token_bytes as f64),
+        if m.experts.is_some() {
+            ", the routed experts in use"
+        } else {
+            ""
+        }
     ));
     line(format!("  context: {n_ctx} tokens ({why_ctx})"));
     line(format!(

@@ -429,6 +429,36 @@ impl HParams {
         n_recurrent * (linear.conv_state_len() + linear.ssm_state_len()) * 4
     }
 
+    /// Bytes of weights one decoded token reads: every tensor whole, except the token embedding
+    /// tables (one row each; the whole table when it is also the output projection, as in tied
+    /// models) and the stacked routed experts (`*_exps`: the `n_expert_used` of `n_expert` a
+    /// token is sent to). Decode speed times this is the bandwidth a decode step draws, which
+    /// for a mixture of experts is far below the file size.
+    pub fn weight_bytes_read_per_token(&self, tensors: &[ember_gguf::TensorInfo]) -> u64 {
+        let tied = !tensors.iter().any(|t| t.name == "output.weight");
+        tensors
+            .iter()
+            .map(|t| {
+                let rows = t.dims.iter().skip(1).product::<u64>().max(1);
+                if t.name.ends_with("_exps.weight") {
+                    match &self.moe {
+                        Some(moe) if moe.n_expert > 0 => {
+                            t.n_bytes * moe.n_expert_used.min(moe.n_expert) as u64
+                                / moe.n_expert as u64
+                        }
+                        _ => t.n_bytes,
+                    }
+                } else if t.name == "token_embd.weight" && !tied {
+                    t.n_bytes / rows
+                } else if t.name == "per_layer_token_embd.weight" {
+                    t.n_bytes / rows
+                } else {
+                    t.n_bytes
+                }
+            })
+            .sum()
+    }
+
     /// Whether any layer keeps a recurrent state per sequence.
     pub fn has_recurrent_state(&self) -> bool {
         self.layers.iter().any(|l| l.recurrent)

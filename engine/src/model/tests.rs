@@ -133,6 +133,33 @@ fn a_qwen3moe_file_loads_with_its_experts() {
 }
 
 #[test]
+fn a_decoded_token_reads_the_experts_in_use_and_one_embedding_row() {
+    let gguf = tiny_moe(|_, _| {});
+    let model = Model::from_gguf(gguf.clone(), cpu(), &mut |_, _| {}).unwrap();
+    let read = model.hparams().weight_bytes_read_per_token(gguf.tensors());
+    let (mut experts, mut embd, mut rest) = (0u64, 0u64, 0u64);
+    for t in gguf.tensors() {
+        if t.name.ends_with("_exps.weight") {
+            experts += t.n_bytes;
+        } else if t.name == "token_embd.weight" {
+            embd += t.n_bytes;
+        } else {
+            rest += t.n_bytes;
+        }
+    }
+    assert!(experts > 0 && embd > 0 && gguf.tensor("output.weight").is_some());
+    // 2 of 8 experts, one of 400 embedding rows, every other tensor whole.
+    assert_eq!(read, rest + experts / 4 + embd / 400);
+
+    // Tied: the embedding table is the output projection too, read whole.
+    let tied = tiny_moe(|_, tensors| tensors.retain(|t| t.name != "output.weight"));
+    let model = Model::from_gguf(tied.clone(), cpu(), &mut |_, _| {}).unwrap();
+    let tied_read = model.hparams().weight_bytes_read_per_token(tied.tensors());
+    let out = gguf.tensor("output.weight").unwrap().n_bytes;
+    assert_eq!(tied_read, rest - out + experts / 4 + embd);
+}
+
+#[test]
 fn the_expert_ffn_size_falls_back_to_the_dense_one_over_the_experts_used() {
     // llama.cpp's rule when `expert_feed_forward_length` is absent: n_ff / n_expert_used.
     let gguf = tiny_moe(|md, _| {
