@@ -143,7 +143,9 @@ pub fn run(args: StressArgs) -> anyhow::Result<()> {
         },
     )?;
     let result = stress_on(&engine, pool.as_deref(), &args, n_vocab, oom_prompt_len);
-    engine.shutdown();
+    // The floor is watched with the engine still running and idle, as a server sits between
+    // bursts: its idle trim and the pool's trimmer (both owned by the loaded model) are what
+    // give the memory back. After a shutdown the model is gone and nobody trims.
     let result = result.and_then(|()| match &pool {
         Some(pool) => watch_floor(pool, Instant::now()),
         None => {
@@ -151,6 +153,7 @@ pub fn run(args: StressArgs) -> anyhow::Result<()> {
             Ok(())
         }
     });
+    engine.shutdown();
     if args.device.memory_report {
         if let Some(pool) = &pool {
             let _ = ember::load::wait_for_idle_trim(pool, Duration::from_secs(3));
