@@ -17,6 +17,9 @@
 # Usage (on the GPU machine, from the repository root):
 #   OUT=$OUT LLAMA_SRC=llama-src.tgz EMBER=path/to/ember SYNTH=path/to/ember-synth \
 #       scripts/gpu/models_side_by_side.sh
+# CALIBRATE=1 adds the yardsticks: ember's GPU run against ember's CPU run, and llama.cpp's CPU
+# run against llama.cpp's GPU run, on the same tokens (random weights at real depth can amplify
+# rounding differences, so the cross-engine figure means little without them).
 # Knobs: MODELS_LIST ("shape:type ..."), CTX and CHUNKS (the KLD text: CTX x CHUNKS tokens, of
 # which llama-perplexity scores the second half of each chunk), REPS, BANDWIDTH_GBS (default the
 # H200's 4800), STRESS=0 to skip the stress runs, LLAMA_BUILD (a folder with an existing build).
@@ -89,6 +92,16 @@ for entry in $MODELS_LIST; do
         t "$name: ember bench and stress done"
     fi
 
+    if [[ "${CALIBRATE:-0}" != 0 ]]; then
+        # ember's own CPU run as the base of its GPU run: the fast path against exact CPU numerics.
+        "$EMBER" perplexity -m "$m" --device cpu -t "${CPU_THREADS:-16}" -f "$TEXT" -c "$CTX" \
+            --chunks "$CHUNKS" --kl-divergence-base "$W/ember-cpu.kld" >"$OUT/ember-cpu-ppl-$name.txt" 2>&1 &&
+            "$EMBER" perplexity -m "$m" "${GPU[@]}" --kl-divergence-base "$W/ember-cpu.kld" --kl-divergence \
+                >"$OUT/kld-ember-gpu-vs-cpu-$name.txt" 2>&1 || { t "$name: ember CPU/GPU KLD failed"; failed=1; }
+        rm -f "$W/ember-cpu.kld"
+        t "$name: ember GPU against ember CPU done"
+    fi
+
     llama_ready
     "$LLAMA_BUILD/bin/llama-perplexity" -m "$m" -f "$TEXT" -c "$CTX" --chunks "$CHUNKS" -ngl 99 -fa on \
         --kl-divergence-base "$W/base.kld" >"$OUT/llama-ppl-$name.txt" 2>&1 ||
@@ -96,6 +109,14 @@ for entry in $MODELS_LIST; do
     if [[ -s "$W/base.kld" ]]; then
         "$EMBER" perplexity -m "$m" "${GPU[@]}" --kl-divergence-base "$W/base.kld" --kl-divergence \
             >"$OUT/kld-$name.txt" 2>&1 || { t "$name: ember KLD failed"; tail -5 "$OUT/kld-$name.txt"; failed=1; }
+    fi
+    if [[ "${CALIBRATE:-0}" != 0 && -s "$W/base.kld" ]]; then
+        # llama.cpp's own CPU run against its GPU base: how far two correct implementations of
+        # this model drift apart, the yardstick for the figures above.
+        CUDA_VISIBLE_DEVICES= "$LLAMA_BUILD/bin/llama-perplexity" -m "$m" -t "${CPU_THREADS:-16}" -ngl 0 \
+            --kl-divergence-base "$W/base.kld" --kl-divergence >"$OUT/kld-llama-cpu-vs-gpu-$name.txt" 2>&1 ||
+            { t "$name: llama.cpp CPU KLD failed"; tail -5 "$OUT/kld-llama-cpu-vs-gpu-$name.txt"; failed=1; }
+        t "$name: llama.cpp CPU against llama.cpp GPU done"
     fi
     rm -f "$W/base.kld"
     "$LLAMA_BUILD/bin/llama-bench" -m "$m" -ngl 99 -fa 1 -p 512 -n 128 -r "$REPS" \
@@ -152,11 +173,18 @@ for entry in sys.argv[3:]:
 print("\nKLD, ember GPU (fast numerics) against llama.cpp GPU on the same tokens:")
 for entry in sys.argv[3:]:
     name = entry.replace(":", "-")
-    kld = read(f"kld-{name}.txt")
-    lines = [l for l in kld.splitlines() if re.search(r"KLD|top|same|99", l, re.I)]
-    print(f"-- {name}:")
-    for l in lines[:12]:
-        print("   " + l.strip())
+    for label, file in (
+        ("ember GPU against llama.cpp GPU", f"kld-{name}.txt"),
+        ("ember GPU against ember CPU", f"kld-ember-gpu-vs-cpu-{name}.txt"),
+        ("llama.cpp CPU against llama.cpp GPU", f"kld-llama-cpu-vs-gpu-{name}.txt"),
+    ):
+        kld = read(file)
+        if not kld:
+            continue
+        lines = [l for l in kld.splitlines() if re.search(r"^KLD|same top|Mean\s+KLD|Same top|99\.0%|Maximum KLD", l.strip())]
+        print(f"-- {name}, {label}:")
+        for l in lines[:8]:
+            print("   " + l.strip())
 EOF
 for entry in $MODELS_LIST; do
     name="${entry%%:*}-${entry##*:}"
