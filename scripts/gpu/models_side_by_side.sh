@@ -22,7 +22,8 @@
 # rounding differences, so the cross-engine figure means little without them).
 # Knobs: MODELS_LIST ("shape:type ..."), CTX and CHUNKS (the KLD text: CTX x CHUNKS tokens, of
 # which llama-perplexity scores the second half of each chunk), REPS, BANDWIDTH_GBS (default the
-# H200's 4800), STRESS=0 to skip the stress runs, LLAMA_BUILD (a folder with an existing build).
+# H200's 4800), STRESS=0 to skip the stress runs, LLAMA_BUILD (a folder with an existing build),
+# BEFORE_LLAMA (a command run once, before the first llama.cpp step, to use the build's wait).
 # Prints figures and the KLD verdicts (mean KLD <= 1e-3 is issue 11's bound); exits non-zero when a
 # step failed to run, not on a figure.
 set -uo pipefail
@@ -67,6 +68,12 @@ t "kernels compiled"
 
 GPU=(--device cuda:0 -ngl 99)
 llama_ready() {
+    if [[ -n "${BEFORE_LLAMA:-}" ]]; then
+        # Other GPU work for the same call, run while llama.cpp still builds (once).
+        t "BEFORE_LLAMA: $BEFORE_LLAMA"
+        bash -c "$BEFORE_LLAMA"
+        BEFORE_LLAMA=""
+    fi
     if [[ -n "${llama_build:-}" ]]; then
         wait "$llama_build" || { tail -20 "$OUT/llama-build.log"; exit 1; }
         llama_build=""
