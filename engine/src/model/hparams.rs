@@ -448,9 +448,9 @@ impl HParams {
                         }
                         _ => t.n_bytes,
                     }
-                } else if t.name == "token_embd.weight" && !tied {
-                    t.n_bytes / rows
-                } else if t.name == "per_layer_token_embd.weight" {
+                } else if (t.name == "token_embd.weight" && !tied)
+                    || t.name == "per_layer_token_embd.weight"
+                {
                     t.n_bytes / rows
                 } else {
                     t.n_bytes
