@@ -10,7 +10,8 @@
 #   load plan (layers and bytes per device) and the memory report. Once llama.cpp is built, at
 #   each -ngl `ember bench -p 512 -n 128` and `llama-bench -p 512 -n 128` on the same file, one
 #   after the other. Ends with one table: -ngl, ember pp512/tg128, llama.cpp pp512/tg128, the
-#   ratios, the greedy verdict.
+#   ratios, the greedy verdict. Before the benches, one check in reference numerics: the split
+#   at -ngl $REF_NGL with -t 2 gives the CPU's tokens exactly ("reference: PASS").
 #
 # Usage (on the GPU machine, from the repository root):
 #   OUT=$OUT LLAMA_SRC=llama-src.tgz EMBER=path/to/ember SYNTH=path/to/ember-synth \
@@ -89,6 +90,25 @@ for ngl in $NGL_LIST; do
     verdicts+=("${verdict:-none}")
     t "  greedy against the CPU: ${verdict:-none}"
 done
+# Reference numerics: every GPU op bit-identical to the CPU at EMBER_REFERENCE_THREADS (2), so a
+# CPU + GPU split run with -t 2 must give the very tokens of the CPU run with -t 2.
+REF_NGL="${REF_NGL:-16}" REF_TOKENS="${REF_TOKENS:-16}"
+t "-ngl $REF_NGL in reference numerics against the CPU, -t 2, $REF_TOKENS tokens"
+"$EMBER" run -m "$m" -p "$PROMPT" -n "$REF_TOKENS" --temp 0 -c 512 --format json --device cpu -t 2 \
+    >"$dir/cpu-ref.json" 2>"$dir/cpu-ref.err" || t "  CPU run: $(tail -1 "$dir/cpu-ref.err")"
+"$EMBER" run -m "$m" -p "$PROMPT" -n "$REF_TOKENS" --temp 0 -c 512 --format json --device cuda:0 -t 2 \
+    -ngl "$REF_NGL" --numerics reference >"$dir/gpu-ref.json" 2>"$dir/gpu-ref.err" ||
+    t "  GPU run: $(tail -1 "$dir/gpu-ref.err")"
+python3 - "$dir/cpu-ref.json" "$dir/gpu-ref.json" <<'PY'
+import json, sys
+try:
+    cpu, gpu = (json.load(open(p))["tokens"] for p in sys.argv[1:])
+except Exception as e:
+    print(f"  reference: FAIL (no tokens: {e})")
+    sys.exit(0)
+same = cpu == gpu and len(cpu) > 0
+print(f"  reference: {'PASS' if same else 'FAIL'}: {len(cpu)} CPU tokens, {len(gpu)} split tokens, identical: {same}")
+PY
 if [[ -n "$llama_build" ]]; then
     wait "$llama_build" || { tail -20 "$OUT/llama-build-split.log"; exit 1; }
     t "llama.cpp built"
