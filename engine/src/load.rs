@@ -144,6 +144,9 @@ pub enum LoadEvent<'a> {
     MemoryReport(&'a MemoryReport),
     /// A memory report was asked for, but the model runs on the CPU: there is no device memory.
     NoDeviceMemory,
+    /// In a memory report, a device without a pool of its own (the CPU of a partial offload):
+    /// the bytes of the weights it computes with, read from the mapped file.
+    HostWeights { device: &'a str, bytes: u64 },
     /// The pool could not trim itself while waiting for idle before the final memory report
     /// (the report still follows).
     IdleTrimFailed(&'a PoolError),
@@ -833,6 +836,11 @@ fn load_offloaded(
         if let Some(report) = loaded.memory_report_now() {
             on_event(LoadEvent::MemoryReport(&report));
         }
+        let backend = loaded.model.backend();
+        on_event(LoadEvent::HostWeights {
+            device: &backend.names()[0],
+            bytes: backend.weight_bytes_per_device()[0],
+        });
     }
     Ok(loaded)
 }

@@ -754,6 +754,29 @@ mod tests {
                 (LAYERS - ngl..LAYERS).collect::<Vec<_>>(),
                 "-ngl {ngl}"
             );
+            // Each tensor's bytes are counted on the device it went to: below all layers, the
+            // GPU's are exactly its layers' tensors (the rest, with the output layer, are the
+            // CPU's; a model may hold a tensor no backend loads, such as rope frequencies).
+            let weights = model.backend().weight_bytes_per_device();
+            let tensor_bytes = |keep: &dyn Fn(Option<usize>) -> bool| -> u64 {
+                gguf.tensors()
+                    .iter()
+                    .filter(|t| keep(layer_of(&t.name)))
+                    .map(|t| t.n_bytes)
+                    .sum()
+            };
+            let first_gpu = LAYERS - ngl;
+            let gpu_layers = tensor_bytes(&|l| l.is_some_and(|l| l >= first_gpu));
+            let cpu_layers = tensor_bytes(&|l| l.is_some_and(|l| l < first_gpu));
+            let file = tensor_bytes(&|_| true);
+            if ngl < LAYERS {
+                assert_eq!(weights[1], gpu_layers, "-ngl {ngl}: {weights:?}");
+                assert!(weights[0] > cpu_layers, "-ngl {ngl}: {weights:?}");
+            } else {
+                assert_eq!(weights[0], 0, "{weights:?}");
+                assert!(weights[1] > gpu_layers, "{weights:?}");
+            }
+            assert!(weights[0] + weights[1] <= file, "{weights:?}");
             let output_on_gpu = placed.iter().any(|(n, _, _)| layer_of(n).is_none());
             assert_eq!(output_on_gpu, ngl == LAYERS, "-ngl {ngl}: {placed:?}");
             // KV blocks: each device's cache holds its own layers, materialized on demand.
