@@ -76,10 +76,12 @@ mkdir -p "$dir"
 t "greedy reference on the CPU"
 "$EMBER" run -m "$m" -p "$PROMPT" -n "$N_TOKENS" --temp 0 -c 512 --format json --device cpu \
     >"$dir/cpu.json" 2>"$dir/cpu.err" || t "CPU run failed: $(tail -2 "$dir/cpu.err" | tr '\n' ' ')"
+# ember refuses -ngl 0 with --device cuda:0 (no layer would be on the GPU): -ngl 0 is the CPU.
+dev() { if [[ "$1" == 0 ]]; then echo cpu; else echo cuda:0; fi; }
 verdicts=()
 for ngl in $NGL_LIST; do
     t "-ngl $ngl: greedy"
-    "$EMBER" run -m "$m" -p "$PROMPT" -n "$N_TOKENS" --temp 0 -c 512 --format json --device cuda:0 \
+    "$EMBER" run -m "$m" -p "$PROMPT" -n "$N_TOKENS" --temp 0 -c 512 --format json --device "$(dev "$ngl")" \
         -ngl "$ngl" --memory-report >"$dir/gpu-$ngl.json" 2>"$dir/gpu-$ngl.err" ||
         t "  ember run: $(tail -1 "$dir/gpu-$ngl.err")"
     echo "  load plan and memory report:"
@@ -120,7 +122,7 @@ printf '%-5s %12s %12s %12s %12s %8s %8s  %s\n' -ngl "ember pp512" "ember tg128"
 i=0
 for ngl in $NGL_LIST; do
     t "-ngl $ngl: benches"
-    "$EMBER" bench -m "$m" --device cuda:0 -ngl "$ngl" -p 512 -n 128 -r "$REPS" \
+    "$EMBER" bench -m "$m" --device "$(dev "$ngl")" -ngl "$ngl" -p 512 -n 128 -r "$REPS" \
         >"$dir/ember-$ngl.txt" 2>"$dir/ember-$ngl.err" || t "  ember bench: $(tail -1 "$dir/ember-$ngl.err")"
     "$LLAMA_BIN/llama-bench" -m "$m" -ngl "$ngl" -fa 1 -p 512 -n 128 -r "$REPS" >"$dir/llama-$ngl.txt" 2>&1 ||
         t "  llama-bench failed (see $dir/llama-$ngl.txt)"
