@@ -180,6 +180,31 @@ pub fn feature(name: &str) -> Option<&'static Feature> {
         .find(|feature| feature.name == name)
 }
 
+/// The `peer_copy` gate of this build and its reason, as the split uses it: `on` and `probe` as
+/// written; `off` and `unsupported` keep every copy in host memory. A development build (no
+/// manifest, or no `peer_copy` feature) probes, as the targets that need it most do.
+pub fn peer_gate() -> (ember_gpu::peer::PeerGate, Option<String>) {
+    gate_of(feature("peer_copy"))
+}
+
+fn gate_of(feature: Option<&Feature>) -> (ember_gpu::peer::PeerGate, Option<String>) {
+    use ember_gpu::peer::PeerGate;
+    match feature {
+        None => (
+            PeerGate::Probe,
+            Some("a development build has no peer_copy gate".into()),
+        ),
+        Some(f) => {
+            let gate = match f.state.as_str() {
+                "on" => PeerGate::On,
+                "probe" => PeerGate::Probe,
+                _ => PeerGate::Off,
+            };
+            (gate, f.reason.clone())
+        }
+    }
+}
+
 /// The warning to give when the HIP runtime that was loaded comes from another major ROCm release
 /// than the one this build was made for (`rocm.release` of the manifest), else `None` (same
 /// major, a development or CPU build, or a runtime that did not say its version).
@@ -291,6 +316,27 @@ pub fn render(manifest: &BuildManifest) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_peer_copy_gate_follows_the_feature_state() {
+        use ember_gpu::peer::PeerGate;
+        let feature = |state: &str, reason: Option<&str>| super::Feature {
+            name: "peer_copy".into(),
+            state: state.into(),
+            enabled: state == "on",
+            reason: reason.map(str::to_string),
+            tracking: Vec::new(),
+        };
+        let gate = |f: &super::Feature| super::gate_of(Some(f));
+        assert_eq!(gate(&feature("on", None)), (PeerGate::On, None));
+        assert_eq!(
+            gate(&feature("probe", Some("corrupts on gfx1201"))),
+            (PeerGate::Probe, Some("corrupts on gfx1201".into()))
+        );
+        assert_eq!(gate(&feature("off", Some("x"))).0, PeerGate::Off);
+        assert_eq!(gate(&feature("unsupported", None)).0, PeerGate::Off);
+        assert_eq!(super::gate_of(None).0, PeerGate::Probe);
+    }
+
     use super::*;
 
     const GFX1201: &str = r#"{

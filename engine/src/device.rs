@@ -232,6 +232,13 @@ pub enum Placement {
         device: Option<(GpuKind, usize)>,
         fall_back_to_cpu: bool,
     },
+    /// The last `layers` layers on a GPU (the given one, or the first usable one), the rest on
+    /// the CPU: partial offload, by a load plan.
+    Offload {
+        device: Option<(GpuKind, usize)>,
+        layers: usize,
+        fall_back_to_cpu: bool,
+    },
     /// Over simulated devices, by a load plan (any -ngl: the other layers on the CPU).
     Sim {
         devices: usize,
@@ -245,8 +252,6 @@ pub enum PlacementError {
     LayersOnCpu { layers: usize },
     #[error("-ngl 0 keeps every layer on the CPU, but --device {device} asks for a GPU: drop -ngl 0 or use --device cpu")]
     NoLayersOnGpu { device: DeviceSpec },
-    #[error("-ngl {layers}: partial offload ({layers} of {n_layer} layers on the GPU) is not supported yet: use -ngl all (or -ngl {n_layer} or more) to run everything on the GPU, or -ngl 0 for the CPU")]
-    Partial { layers: usize, n_layer: usize },
 }
 
 impl DeviceOptions {
@@ -256,8 +261,7 @@ impl DeviceOptions {
     }
 
     /// Decides where a model of `n_layer` layers runs. `-ngl 0` means the CPU; no `-ngl`, `all`,
-    /// or a count of at least `n_layer` means the GPU; anything between is partial offload,
-    /// which is refused. `--device auto` falls back to the CPU (with a warning) when no GPU is usable.
+    /// or a count of at least `n_layer` means the GPU; anything between is partial offload. `--device auto` falls back to the CPU (with a warning) when no GPU is usable.
     pub fn placement(&self, n_layer: usize) -> Result<Placement, PlacementError> {
         let all = match self.gpu_layers {
             None | Some(GpuLayers::All) => None,
@@ -278,7 +282,16 @@ impl DeviceOptions {
             (DeviceSpec::Gpu(..), Some(0)) => Err(PlacementError::NoLayersOnGpu {
                 device: self.device,
             }),
-            (_, Some(layers)) => Err(PlacementError::Partial { layers, n_layer }),
+            (DeviceSpec::Auto, Some(layers)) => Ok(Placement::Offload {
+                device: None,
+                layers,
+                fall_back_to_cpu: true,
+            }),
+            (DeviceSpec::Gpu(kind, ordinal), Some(layers)) => Ok(Placement::Offload {
+                device: Some((kind, ordinal)),
+                layers,
+                fall_back_to_cpu: false,
+            }),
             (DeviceSpec::Auto, None) => Ok(Placement::Gpu {
                 device: None,
                 // As llama.cpp does, -ngl without a usable GPU runs on the CPU with a warning;
@@ -431,11 +444,19 @@ mod tests {
         );
         assert_eq!(
             placement(DeviceSpec::Auto, Some(Count(16))),
-            Err("-ngl 16: partial offload (16 of 32 layers on the GPU) is not supported yet: use -ngl all (or -ngl 32 or more) to run everything on the GPU, or -ngl 0 for the CPU".into())
+            Ok(Placement::Offload {
+                device: None,
+                layers: 16,
+                fall_back_to_cpu: true
+            })
         );
         assert_eq!(
             placement(cuda0, Some(Count(31))),
-            Err("-ngl 31: partial offload (31 of 32 layers on the GPU) is not supported yet: use -ngl all (or -ngl 32 or more) to run everything on the GPU, or -ngl 0 for the CPU".into())
+            Ok(Placement::Offload {
+                device: Some((GpuKind::Cuda, 0)),
+                layers: 31,
+                fall_back_to_cpu: false
+            })
         );
         assert_eq!(
             placement(DeviceSpec::Cpu, Some(Count(99))),

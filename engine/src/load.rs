@@ -29,6 +29,7 @@ use crate::backend::cpu::CpuBackend;
 use crate::backend::gpu::{
     self, GpuBackend, GpuOpenError, GpuSelection, Numerics, NumericsError, OpenOptions, Opened,
 };
+use crate::backend::mixed::OneOf;
 use crate::backend::split::{SplitBackend, SplitLayout};
 use crate::backend::Backend;
 use crate::batch::Batch;
@@ -66,7 +67,13 @@ pub enum AnyLoaded {
     /// Over simulated devices (`--device sim:0,...`), with the CPU for layers -ngl leaves off
     /// them: device 0 of the split is the CPU, device `i + 1` is `sim:i`.
     Sim(Box<Loaded<SplitBackend<CpuBackend>>>),
+    /// Partial offload (`-ngl N` below the layer count): device 0 of the split is the CPU,
+    /// device 1 the GPU.
+    Offload(Box<Loaded<SplitBackend<Offloaded>>>),
 }
+
+/// A device of a partial offload: the CPU or the GPU.
+pub type Offloaded = OneOf<CpuBackend, GpuBackend>;
 
 /// Runs the same generic code on whichever backend a model was loaded on:
 /// `with_loaded!(any_loaded, |loaded| body)`, where `body` sees `loaded` as a
@@ -78,6 +85,7 @@ macro_rules! with_loaded {
             $crate::load::AnyLoaded::Cpu($loaded) => $body,
             $crate::load::AnyLoaded::Gpu($loaded) => $body,
             $crate::load::AnyLoaded::Sim($loaded) => $body,
+            $crate::load::AnyLoaded::Offload($loaded) => $body,
         }
     };
 }
@@ -136,6 +144,9 @@ pub enum LoadEvent<'a> {
     MemoryReport(&'a MemoryReport),
     /// A memory report was asked for, but the model runs on the CPU: there is no device memory.
     NoDeviceMemory,
+    /// In a memory report, a device without a pool of its own (the CPU of a partial offload):
+    /// the bytes of the weights it computes with, read from the mapped file.
+    HostWeights { device: &'a str, bytes: u64 },
     /// The pool could not trim itself while waiting for idle before the final memory report
     /// (the report still follows).
     IdleTrimFailed(&'a PoolError),
@@ -407,6 +418,7 @@ pub fn load(
         let loaded = load_on_sims(common, &hparams, devices, options, on_event)?;
         return Ok(AnyLoaded::Sim(Box::new(loaded)));
     }
+    let mut offload = None;
     let gpu_device = match placement {
         Placement::Sim { .. } => unreachable!("handled above"),
         Placement::Cpu => None,
@@ -414,6 +426,14 @@ pub fn load(
             device: wanted,
             fall_back_to_cpu,
         } => select_gpu(&path, &hparams, device, wanted, fall_back_to_cpu, on_event)?,
+        Placement::Offload {
+            device: wanted,
+            layers,
+            fall_back_to_cpu,
+        } => {
+            offload = Some(layers);
+            select_gpu(&path, &hparams, device, wanted, fall_back_to_cpu, on_event)?
+        }
     };
     let common = Common {
         gguf,
@@ -429,10 +449,24 @@ pub fn load(
             let loaded = load_on_cpu(common, options.threads, on_event)?;
             Ok(AnyLoaded::Cpu(Box::new(loaded)))
         }
-        Some((selection, open_options)) => {
-            let loaded = load_on_gpu(common, selection, &open_options, device, on_event)?;
-            Ok(AnyLoaded::Gpu(Box::new(loaded)))
-        }
+        Some((selection, open_options)) => match offload {
+            None => {
+                let loaded = load_on_gpu(common, selection, &open_options, device, on_event)?;
+                Ok(AnyLoaded::Gpu(Box::new(loaded)))
+            }
+            Some(layers) => {
+                let loaded = load_offloaded(
+                    common,
+                    &hparams,
+                    layers,
+                    selection,
+                    &open_options,
+                    options,
+                    on_event,
+                )?;
+                Ok(AnyLoaded::Offload(Box::new(loaded)))
+            }
+        },
     }
 }
 
@@ -600,33 +634,16 @@ fn load_on_gpu(
             device: device_name.clone(),
             source,
         })?;
-    let buffers = model.backend().placed_weights();
-    let views: Vec<(&str, ember_gpu::DevicePtr, u64)> = buffers
-        .iter()
-        .map(|(name, ptr, bytes)| (name.as_str(), *ptr, *bytes))
-        .collect();
-    let observation =
-        placement::observe(&*driver, ordinal, &views, free_before).map_err(|source| {
-            LoadError::ObservePlacement {
-                device: device_name.clone(),
-                source,
-            }
-        })?;
-    let policy = PlacementPolicy {
-        allow_host_weights: device.allow_host_weights,
-        ..PlacementPolicy::default()
-    };
-    let verdict = placement::evaluate(&observation, &policy).map_err(|source| {
-        LoadError::WeightsNotInVram {
-            path: path.clone(),
-            device: device_name.clone(),
-            source,
-        }
-    })?;
-    on_event(LoadEvent::WeightsPlaced {
-        device: &device_name,
-        verdict: &verdict,
-    });
+    check_placement(
+        &*driver,
+        ordinal,
+        model.backend(),
+        free_before,
+        device,
+        &path,
+        &device_name,
+        on_event,
+    )?;
     warm_up(&model).map_err(|source| LoadError::WarmUp {
         device: device_name.clone(),
         source,
@@ -652,6 +669,204 @@ fn load_on_gpu(
         }
     }
     Ok(loaded)
+}
+
+/// The placement check of one GPU: its weights must be in its VRAM (or, with
+/// `--allow-host-weights`, a warning names the device).
+#[allow(clippy::too_many_arguments)]
+fn check_placement(
+    driver: &dyn ember_gpu::Driver,
+    ordinal: usize,
+    backend: &GpuBackend,
+    free_before: u64,
+    device: &DeviceOptions,
+    path: &Path,
+    device_name: &str,
+    on_event: &mut dyn FnMut(LoadEvent<'_>),
+) -> Result<(), LoadError> {
+    let buffers = backend.placed_weights();
+    let views: Vec<(&str, ember_gpu::DevicePtr, u64)> = buffers
+        .iter()
+        .map(|(name, ptr, bytes)| (name.as_str(), *ptr, *bytes))
+        .collect();
+    let observation =
+        placement::observe(driver, ordinal, &views, free_before).map_err(|source| {
+            LoadError::ObservePlacement {
+                device: device_name.to_owned(),
+                source,
+            }
+        })?;
+    let policy = PlacementPolicy {
+        allow_host_weights: device.allow_host_weights,
+        ..PlacementPolicy::default()
+    };
+    let verdict = placement::evaluate(&observation, &policy).map_err(|source| {
+        LoadError::WeightsNotInVram {
+            path: path.to_owned(),
+            device: device_name.to_owned(),
+            source,
+        }
+    })?;
+    on_event(LoadEvent::WeightsPlaced {
+        device: device_name,
+        verdict: &verdict,
+    });
+    Ok(())
+}
+
+/// Bytes of the model a load plan places, with the KV cache of the context the plan reserves
+/// and the activation scratch of its largest batch.
+pub(crate) fn plan_bytes(gguf: &Gguf, hparams: &HParams) -> ModelBytes {
+    let n_ff_max = hparams.layers.iter().map(|l| l.n_ff).max().unwrap_or(0);
+    let scratch = (PLAN_BATCH * (4 * hparams.n_embd + 3 * n_ff_max) * 4) as u64;
+    ModelBytes::from_gguf(
+        gguf,
+        hparams,
+        PLAN_CONTEXT.min(hparams.n_ctx_train.max(1)),
+        scratch,
+    )
+}
+
+/// Partial offload: the last `layers` layers (and the output layer when all fit) on the GPU,
+/// the rest on the CPU, by a [`LoadPlan`]. Activations cross through host memory at the
+/// boundary; each device's KV cache holds its own layers.
+fn load_offloaded(
+    common: Common,
+    hparams: &HParams,
+    layers: usize,
+    selection: GpuSelection,
+    open_options: &OpenOptions,
+    options: &LoadOptions,
+    on_event: &mut dyn FnMut(LoadEvent<'_>),
+) -> Result<Loaded<SplitBackend<Offloaded>>, LoadError> {
+    let device = &options.device;
+    let file_name = common.file_name();
+    let Common {
+        gguf,
+        tokenizer,
+        path,
+        start,
+    } = common;
+    let driver = Arc::clone(&selection.driver);
+    let ordinal = selection.ordinal;
+    let Opened {
+        backend,
+        device: device_name,
+        info,
+        pool_reason,
+    } = gpu::open(selection, open_options).map_err(|source| LoadError::Gpu {
+        path: path.clone(),
+        source,
+    })?;
+    on_event(LoadEvent::DeviceOpened {
+        device: &device_name,
+        info: &info,
+        pool_reason: &pool_reason,
+        blas: backend.context().blas(),
+    });
+    on_event(LoadEvent::Numerics {
+        device: &device_name,
+        numerics: backend.numerics(),
+        reference_threads: backend.reference_threads(),
+    });
+    let pool = Arc::clone(backend.pool());
+    let free_before = driver
+        .mem_info(ordinal)
+        .map_err(|source| LoadError::FreeMemory {
+            device: device_name.clone(),
+            source,
+        })?
+        .free;
+    let plan_devices = [PlanDevice {
+        name: device_name.clone(),
+        available: device.vram_budget.unwrap_or(free_before),
+    }];
+    let plan_options = PlanOptions {
+        gpu_layers: Some(layers),
+        split_mode: device.split_mode,
+        tensor_split: device.tensor_split.clone(),
+        main_gpu: device.main_gpu,
+    };
+    let plan = LoadPlan::new(&plan_bytes(&gguf, hparams), &plan_devices, &plan_options).map_err(
+        |source| LoadError::Plan {
+            path: path.clone(),
+            source,
+        },
+    )?;
+    on_event(LoadEvent::Plan(&plan));
+    let cpu = CpuBackend::new(options.threads).map_err(LoadError::CpuThreads)?;
+    let backend = offload_split(cpu, backend, &device_name, hparams, &plan);
+    let model =
+        load_weights(gguf, backend, &file_name, on_event).map_err(|source| LoadError::Weights {
+            path: path.clone(),
+            device: device_name.clone(),
+            source,
+        })?;
+    let OneOf::Second(gpu_backend) = &model.backend().devices()[1] else {
+        unreachable!("device 1 of an offload split is the GPU")
+    };
+    check_placement(
+        &*driver,
+        ordinal,
+        gpu_backend,
+        free_before,
+        device,
+        &path,
+        &device_name,
+        on_event,
+    )?;
+    warm_up(&model).map_err(|source| LoadError::WarmUp {
+        device: device_name.clone(),
+        source,
+    })?;
+    pool.trim_now().map_err(|source| LoadError::Trim {
+        device: device_name.clone(),
+        source,
+    })?;
+    pool.mark_loaded();
+    let loaded = Loaded {
+        model,
+        tokenizer,
+        path,
+        load_time: start.elapsed(),
+        pool: Some(pool),
+        memory_report: device.memory_report,
+    };
+    if loaded.memory_report {
+        if let Some(report) = loaded.memory_report_now() {
+            on_event(LoadEvent::MemoryReport(&report));
+        }
+        let backend = loaded.model.backend();
+        on_event(LoadEvent::HostWeights {
+            device: &backend.names()[0],
+            bytes: backend.weight_bytes_per_device()[0],
+        });
+    }
+    Ok(loaded)
+}
+
+/// The split of a partial offload by `plan`: device 0 the CPU, device 1 the GPU (named
+/// `gpu_name`); copies between them go through host memory.
+pub fn offload_split(
+    cpu: CpuBackend,
+    gpu: GpuBackend,
+    gpu_name: &str,
+    hparams: &HParams,
+    plan: &LoadPlan,
+) -> SplitBackend<Offloaded> {
+    let index = |target: Target| match target {
+        Target::Cpu => 0,
+        Target::Gpu(_) => 1,
+    };
+    let layer_device: Vec<usize> = plan.layers.iter().map(|&t| index(t)).collect();
+    let layout = SplitLayout::for_model(hparams, layer_device, index(plan.output));
+    SplitBackend::new(
+        vec![OneOf::First(cpu), OneOf::Second(gpu)],
+        vec!["cpu".to_string(), gpu_name.to_string()],
+        layout,
+        None,
+        Vec::new(),
+    )
 }
 
 /// The memory a simulated device offers the plan when no --vram-budget says otherwise.
@@ -691,14 +906,7 @@ fn load_on_sims(
         path,
         start,
     } = common;
-    let n_ff_max = hparams.layers.iter().map(|l| l.n_ff).max().unwrap_or(0);
-    let scratch = (PLAN_BATCH * (4 * hparams.n_embd + 3 * n_ff_max) * 4) as u64;
-    let bytes = ModelBytes::from_gguf(
-        &gguf,
-        hparams,
-        PLAN_CONTEXT.min(hparams.n_ctx_train.max(1)),
-        scratch,
-    );
+    let bytes = plan_bytes(&gguf, hparams);
     let names: Vec<String> = (0..n_sim).map(|i| format!("sim:{i}")).collect();
     let plan_devices: Vec<PlanDevice> = names
         .iter()

@@ -138,6 +138,14 @@ fn devices_is_short_by_default_and_complete_with_verbose_and_json() {
     assert!(report["kernels"]["architectures"].is_array());
     let devices = report["devices"].as_array().unwrap();
     let failures = report["failures"].as_array().unwrap();
+    // The peer-copy state of every ordered pair of GPUs, under the build's gate.
+    let peer = &report["peer_copy"];
+    assert!(
+        ["on", "off", "probe"].contains(&peer["gate"].as_str().unwrap()),
+        "{peer:#}"
+    );
+    let pairs = peer["pairs"].as_array().unwrap();
+    assert_eq!(pairs.len(), devices.len() * devices.len().saturating_sub(1));
 
     // Default text: the CPU, one line per runtime, the kernels, one line per device (or the
     // line saying there is none), nothing else, and no line a screen cannot hold in a few rows.
@@ -150,7 +158,8 @@ fn devices_is_short_by_default_and_complete_with_verbose_and_json() {
             1
         } else {
             devices.len() + failures.len()
-        };
+        }
+        + if pairs.is_empty() { 0 } else { 1 + pairs.len() };
     let kernel_error_lines = devices
         .iter()
         .filter(|d| !d["kernels_error"].is_null())

@@ -1,23 +1,25 @@
 #!/usr/bin/env bash
-# Partial offload on the GPU (H200): an 8B Q4_K_M model with its last N layers on the GPU and the
-# rest on the CPU, for N in $NGL_LIST, ember beside llama.cpp at the same -ngl.
+# Partial offload on the GPU (H200), issue 15: an 8B Q4_K_M model with its last N layers on the GPU
+# and the rest on the CPU, for N in $NGL_LIST, ember beside llama.cpp at the same -ngl, in one call
+# (under 8 minutes on the H200 with the defaults).
 #
-#   for each -ngl: `ember bench -p 512 -n 128` and `llama-bench -p 512 -n 128` on the same file
-#   (medians of $REPS runs), greedy `ember run --format json` judged against the CPU run by
-#   golden_rule.py (the CPU re-evaluates any parting), and ember's memory report (--memory-report:
-#   per device, by purpose). Ends with one table: -ngl, ember pp512/tg128, llama.cpp pp512/tg128,
-#   the ratio, the greedy verdict.
+#   llama.cpp builds in the background from a carried source tarball (LLAMA_SRC, as
+#   scripts/gpu/side_by_side.sh takes it) while ember's kernels compile, the model is written
+#   and ember's greedy runs go: for each -ngl, `ember run --temp 0 --memory-report` on cuda:0
+#   judged against the CPU run by golden_rule.py (the CPU re-evaluates any parting), with the
+#   load plan (layers and bytes per device) and the memory report. Once llama.cpp is built, at
+#   each -ngl `ember bench -p 512 -n 128` and `llama-bench -p 512 -n 128` on the same file, one
+#   after the other. Ends with one table: -ngl, ember pp512/tg128, llama.cpp pp512/tg128, the
+#   ratios, the greedy verdict. Before the benches, one check in reference numerics: the split
+#   at -ngl $REF_NGL with -t 2 gives the CPU's tokens exactly ("reference: PASS").
 #
 # Usage (on the GPU machine, from the repository root):
-#   OUT=$OUT EMBER=path/to/ember SYNTH=path/to/ember-synth LLAMA_BIN=folder scripts/gpu/split.sh
-# MODEL: a GGUF to use instead of a synthetic llama3-8b:q4_k_m; NGL_LIST (default 0 8 16 24 32);
-# N_TOKENS greedy tokens (default 64); REPS bench repetitions (default 3).
+#   OUT=$OUT LLAMA_SRC=llama-src.tgz EMBER=path/to/ember SYNTH=path/to/ember-synth \
+#       scripts/gpu/split.sh
+# LLAMA_BIN: a folder with llama-bench instead of LLAMA_SRC. MODEL: a GGUF to use instead of a
+# synthetic llama3-8b:q4_k_m; NGL_LIST (default 0 8 16 24 32); N_TOKENS greedy tokens (default
+# 64); REPS bench repetitions (default 1: the CPU-heavy settings are slow).
 # Prints figures and verdicts; asserts nothing about speed.
-#
-# State of ember at the time of writing: layer splits run over simulated devices
-# (`--device sim:0,...`, the CPU's ops) and -ngl 0 / full offload run on the GPU; a CPU + GPU
-# split on a real GPU is not built yet, so ember refuses `-ngl` between 1 and the layer count on
-# cuda:0 (its message is in ember-N.err and the table shows "-") while llama.cpp's row is filled.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -25,14 +27,13 @@ OUT="${OUT:-$ROOT/target/h200-logs}"
 EMBER="${EMBER:-$ROOT/target/release/ember}"
 SYNTH="${SYNTH:-$ROOT/target/release/ember-synth}"
 MODELS="${MODELS:-${TMPDIR:-/tmp}/ember-split}"
+W="${WORK:-${TMPDIR:-/tmp}/ember-split-llama}"
 ARCH="${ARCH:-sm_90}"
-REPS="${REPS:-3}"
+REPS="${REPS:-1}"
 N_TOKENS="${N_TOKENS:-64}"
 NGL_LIST="${NGL_LIST:-0 8 16 24 32}"
-LLAMA_BIN="${LLAMA_BIN:?LLAMA_BIN: a folder with llama-bench}"
 RULE="$ROOT/scripts/gpu/golden_rule.py"
 PROMPT="${PROMPT:-The history of the printing press begins}"
-export LD_LIBRARY_PATH="$LLAMA_BIN${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export EMBER_KERNELS_DIR="${EMBER_KERNELS_DIR:-$MODELS/kernels}"
 mkdir -p "$OUT" "$MODELS"
 start=$SECONDS
@@ -40,6 +41,18 @@ t() { echo "[t=$((SECONDS - start))s] $*"; }
 # The mean tokens/s of a test's row in a bench table (`| ... | pp512 | 1234.56 ± 3.21 | ...`: both
 # ember bench and llama-bench write it so).
 rate() { grep -E "\| $1 " | grep -oE '[0-9]+(\.[0-9]+)? ±' | head -1 | cut -d' ' -f1; }
+
+llama_build=
+if [[ -z "${LLAMA_BIN:-}" ]]; then
+    [[ -n "${LLAMA_SRC:-}" ]] || { echo "LLAMA_SRC (a tarball holding llama.cpp/) or LLAMA_BIN is needed"; exit 1; }
+    LLAMA_BIN="$W/build/bin"
+    mkdir -p "$W"
+    (cd "$W" && tar xzf "$LLAMA_SRC" &&
+        cmake -S llama.cpp -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a -DLLAMA_CURL=OFF \
+            -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TESTS=OFF >/dev/null &&
+        cmake --build build -j 12 --target llama-bench) >"$OUT/llama-build-split.log" 2>&1 &
+    llama_build=$!
+fi
 
 if [[ ! -d "$EMBER_KERNELS_DIR/$ARCH" ]]; then
     t "kernels for $ARCH"
@@ -63,28 +76,62 @@ mkdir -p "$dir"
 t "greedy reference on the CPU"
 "$EMBER" run -m "$m" -p "$PROMPT" -n "$N_TOKENS" --temp 0 -c 512 --format json --device cpu \
     >"$dir/cpu.json" 2>"$dir/cpu.err" || t "CPU run failed: $(tail -2 "$dir/cpu.err" | tr '\n' ' ')"
-table="$dir/table.txt"
-printf '%-5s %12s %12s %12s %12s %8s %8s  %s\n' -ngl "ember pp512" "ember tg128" "llama pp512" \
-    "llama tg128" "pp x" "tg x" greedy >"$table"
+# ember refuses -ngl 0 with --device cuda:0 (no layer would be on the GPU): -ngl 0 is the CPU.
+dev() { if [[ "$1" == 0 ]]; then echo cpu; else echo cuda:0; fi; }
+verdicts=()
 for ngl in $NGL_LIST; do
-    t "-ngl $ngl"
-    EMBER_LOG=info "$EMBER" bench -m "$m" --device cuda:0 -ngl "$ngl" -p 512 -n 128 -r "$REPS" \
-        >"$dir/ember-$ngl.txt" 2>"$dir/ember-$ngl.err" || t "  ember bench: $(tail -1 "$dir/ember-$ngl.err")"
-    "$LLAMA_BIN/llama-bench" -m "$m" -ngl "$ngl" -p 512 -n 128 -r "$REPS" >"$dir/llama-$ngl.txt" 2>&1 ||
-        t "  llama-bench failed (see $dir/llama-$ngl.txt)"
-    "$EMBER" run -m "$m" -p "$PROMPT" -n "$N_TOKENS" --temp 0 -c 512 --format json --device cuda:0 \
+    t "-ngl $ngl: greedy"
+    "$EMBER" run -m "$m" -p "$PROMPT" -n "$N_TOKENS" --temp 0 -c 512 --format json --device "$(dev "$ngl")" \
         -ngl "$ngl" --memory-report >"$dir/gpu-$ngl.json" 2>"$dir/gpu-$ngl.err" ||
         t "  ember run: $(tail -1 "$dir/gpu-$ngl.err")"
-    echo "  memory report:"
-    grep -iE "memory|weights|kv|scratch|cuda:|cpu" "$dir/gpu-$ngl.err" | tail -12 | sed 's/^/    /'
+    echo "  load plan and memory report:"
+    grep -iE "plan|layers|memory|weights|kv|scratch|cuda:|cpu" "$dir/gpu-$ngl.err" | tail -24 | sed 's/^/    /'
     printf '%s\t%s\t%s\t%s\n' "ngl$ngl" "$dir/cpu.json" "$dir/gpu-$ngl.json" "$m" >"$dir/case-$ngl.tsv"
     verdict=$(python3 "$RULE" ember --list "$dir/case-$ngl.tsv" --reeval-ember "$EMBER" --reeval-device cpu \
         2>&1 | grep -E "^(PASS|FAIL)" | head -1 | cut -d' ' -f1)
+    verdicts+=("${verdict:-none}")
+    t "  greedy against the CPU: ${verdict:-none}"
+done
+# Reference numerics: every GPU op bit-identical to the CPU at EMBER_REFERENCE_THREADS (2), so a
+# CPU + GPU split run with -t 2 must give the very tokens of the CPU run with -t 2.
+REF_NGL="${REF_NGL:-16}" REF_TOKENS="${REF_TOKENS:-16}"
+t "-ngl $REF_NGL in reference numerics against the CPU, -t 2, $REF_TOKENS tokens"
+"$EMBER" run -m "$m" -p "$PROMPT" -n "$REF_TOKENS" --temp 0 -c 512 --format json --device cpu -t 2 \
+    >"$dir/cpu-ref.json" 2>"$dir/cpu-ref.err" || t "  CPU run: $(tail -1 "$dir/cpu-ref.err")"
+"$EMBER" run -m "$m" -p "$PROMPT" -n "$REF_TOKENS" --temp 0 -c 512 --format json --device cuda:0 -t 2 \
+    -ngl "$REF_NGL" --numerics reference >"$dir/gpu-ref.json" 2>"$dir/gpu-ref.err" ||
+    t "  GPU run: $(tail -1 "$dir/gpu-ref.err")"
+python3 - "$dir/cpu-ref.json" "$dir/gpu-ref.json" <<'PY'
+import json, sys
+try:
+    cpu, gpu = (json.load(open(p))["tokens"] for p in sys.argv[1:])
+except Exception as e:
+    print(f"  reference: FAIL (no tokens: {e})")
+    sys.exit(0)
+same = cpu == gpu and len(cpu) > 0
+print(f"  reference: {'PASS' if same else 'FAIL'}: {len(cpu)} CPU tokens, {len(gpu)} split tokens, identical: {same}")
+PY
+if [[ -n "$llama_build" ]]; then
+    wait "$llama_build" || { tail -20 "$OUT/llama-build-split.log"; exit 1; }
+    t "llama.cpp built"
+fi
+export LD_LIBRARY_PATH="$LLAMA_BIN${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+table="$dir/table.txt"
+printf '%-5s %12s %12s %12s %12s %8s %8s  %s\n' -ngl "ember pp512" "ember tg128" "llama pp512" \
+    "llama tg128" "pp x" "tg x" greedy >"$table"
+i=0
+for ngl in $NGL_LIST; do
+    t "-ngl $ngl: benches"
+    "$EMBER" bench -m "$m" --device "$(dev "$ngl")" -ngl "$ngl" -p 512 -n 128 -r "$REPS" \
+        >"$dir/ember-$ngl.txt" 2>"$dir/ember-$ngl.err" || t "  ember bench: $(tail -1 "$dir/ember-$ngl.err")"
+    "$LLAMA_BIN/llama-bench" -m "$m" -ngl "$ngl" -fa 1 -p 512 -n 128 -r "$REPS" >"$dir/llama-$ngl.txt" 2>&1 ||
+        t "  llama-bench failed (see $dir/llama-$ngl.txt)"
     ep=$(rate pp512 <"$dir/ember-$ngl.txt") et=$(rate tg128 <"$dir/ember-$ngl.txt")
     lp=$(rate pp512 <"$dir/llama-$ngl.txt") lt=$(rate tg128 <"$dir/llama-$ngl.txt")
     ratio() { [[ -n "$1" && -n "$2" ]] && python3 -c "print(f'{$1/$2:.2f}')" || echo -; }
     printf '%-5s %12s %12s %12s %12s %8s %8s  %s\n' "$ngl" "${ep:--}" "${et:--}" "${lp:--}" "${lt:--}" \
-        "$(ratio "$ep" "$lp")" "$(ratio "$et" "$lt")" "${verdict:-none}" >>"$table"
+        "$(ratio "$ep" "$lp")" "$(ratio "$et" "$lt")" "${verdicts[$i]}" >>"$table"
+    i=$((i + 1))
 done
 echo
 cat "$table"

@@ -23,6 +23,7 @@
 
 pub mod cpu;
 pub mod gpu;
+pub mod mixed;
 pub mod split;
 
 use std::sync::Arc;

@@ -101,6 +101,8 @@ pub struct SplitBackend<B: Backend> {
     peer_copies: AtomicU64,
     staged_copies: AtomicU64,
     bytes: AtomicU64,
+    /// Bytes of the weight tensors placed on each device (as stored in the file).
+    weight_bytes: Vec<AtomicU64>,
 }
 
 /// What a split needs to know about the model: its layers' devices.
@@ -180,7 +182,29 @@ impl<B: Backend> SplitBackend<B> {
             peer_copies: AtomicU64::new(0),
             staged_copies: AtomicU64::new(0),
             bytes: AtomicU64::new(0),
+            weight_bytes: (0..n).map(|_| AtomicU64::new(0)).collect(),
         }
+    }
+
+    /// The devices' names, in device order.
+    pub fn names(&self) -> &[String] {
+        &self.names
+    }
+
+    /// Bytes of the weight tensors placed on each device (as stored in the file), in device
+    /// order.
+    pub fn weight_bytes_per_device(&self) -> Vec<u64> {
+        self.weight_bytes
+            .iter()
+            .map(|b| b.load(Ordering::Relaxed))
+            .collect()
+    }
+
+    /// The device `info` goes to, counting its bytes there.
+    fn place(&self, info: &TensorInfo) -> usize {
+        let device = self.device_of_tensor(&info.name);
+        self.weight_bytes[device].fetch_add(info.n_bytes, Ordering::Relaxed);
+        device
     }
 
     /// The device backends, in device order.
@@ -370,7 +394,7 @@ impl<B: Backend> Backend for SplitBackend<B> {
     }
 
     fn matrix(&self, gguf: &Arc<Gguf>, info: &TensorInfo) -> Result<Self::Matrix, BackendError> {
-        let device = self.device_of_tensor(&info.name);
+        let device = self.place(info);
         Ok(OnDevice {
             device,
             inner: self.devices[device].matrix(gguf, info)?,
@@ -378,7 +402,7 @@ impl<B: Backend> Backend for SplitBackend<B> {
     }
 
     fn vector(&self, gguf: &Arc<Gguf>, info: &TensorInfo) -> Result<Self::Vector, BackendError> {
-        let device = self.device_of_tensor(&info.name);
+        let device = self.place(info);
         Ok(OnDevice {
             device,
             inner: self.devices[device].vector(gguf, info)?,
@@ -394,7 +418,7 @@ impl<B: Backend> Backend for SplitBackend<B> {
         gguf: &Arc<Gguf>,
         info: &TensorInfo,
     ) -> Result<Self::Matrix, BackendError> {
-        let device = self.device_of_tensor(&info.name);
+        let device = self.place(info);
         Ok(OnDevice {
             device,
             inner: self.devices[device].expert_matrix(gguf, info)?,

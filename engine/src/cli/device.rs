@@ -24,8 +24,8 @@ pub struct DeviceArgs {
     pub device: DeviceSpec,
     /// Layers on the GPU (also -ngl): 0 keeps the model on the CPU; `all`, or at least the
     /// model's layer count, puts the whole model on the GPU. Default: all when a GPU is used.
-    /// Partial offload (the last N layers on the GPUs, the rest on the CPU) runs on simulated
-    /// devices (--device sim:0,...); on real GPUs it is not supported yet.
+    /// Between the two is partial offload: the last N layers on the GPU (and the output layer
+    /// when all fit), the rest on the CPU, as llama.cpp does.
     #[arg(long = "gpu-layers", alias = "n-gpu-layers", value_name = "N|all")]
     pub gpu_layers: Option<GpuLayers>,
     /// Most device memory the engine may use at once (weights, KV cache and scratch), e.g. 8GiB.

@@ -41,7 +41,8 @@ pub struct DevicesArgs {
     /// `architectures`), `devices` (each `id` such as `hip:0`, `backend`, `ordinal`, `name`,
     /// `arch`, `total_memory_bytes`, `free_memory_bytes`, `vmm_supported`, `integrated`, `pool`,
     /// `pool_reason`, `kernels_complete`, `kernel_modules`, `kernels_error`) and `failures`
-    /// (each `id`, `backend`, `ordinal`, `error`).
+    /// (each `id`, `backend`, `ordinal`, `error`), `peer_copy` (`gate` on|off|probe, `reason`,
+    /// `pairs`: each `src`, `dst`, `peer`, `reason`, `self_test` passed|failed|not run).
     #[arg(long, value_enum, default_value_t = Format::Text)]
     pub format: Format,
 }
@@ -53,6 +54,27 @@ struct DevicesReport {
     kernels: KernelsEntry,
     devices: Vec<DeviceEntry>,
     failures: Vec<FailureEntry>,
+    peer_copy: PeerEntry,
+}
+
+#[derive(Debug, Serialize)]
+struct PeerEntry {
+    /// The build's `peer_copy` gate: `on`, `off` or `probe`.
+    gate: String,
+    reason: Option<String>,
+    /// Every ordered pair of GPUs listed, and how copies between them travel.
+    pairs: Vec<PairEntry>,
+}
+
+#[derive(Debug, Serialize)]
+struct PairEntry {
+    src: String,
+    dst: String,
+    peer: bool,
+    /// Why (the gate, the self-test verdict, or why there is no peer path).
+    reason: String,
+    /// `passed`, `failed` or `not run`.
+    self_test: &'static str,
 }
 
 #[derive(Debug, Serialize)]
@@ -183,7 +205,7 @@ fn report(listing: &DeviceListing) -> DevicesReport {
             },
         })
         .collect();
-    let devices = listing
+    let devices: Vec<DeviceEntry> = listing
         .devices
         .iter()
         .map(|d| {
@@ -230,8 +252,36 @@ fn report(listing: &DeviceListing) -> DevicesReport {
             dir: listing.kernels_dir.display().to_string(),
             architectures: listing.kernel_archs.clone(),
         },
+        peer_copy: peer_entry(&devices),
         devices,
         failures,
+    }
+}
+
+/// The peer-copy state of every ordered pair of `devices`: the gate, and the self-test's verdict
+/// where one ran (only a split's load runs it).
+fn peer_entry(devices: &[DeviceEntry]) -> PeerEntry {
+    let (gate, reason) = ember::build_manifest::peer_gate();
+    let pairs = ember_gpu::peer::plan_pairs(devices.len(), gate, None)
+        .into_iter()
+        .map(|p| PairEntry {
+            src: devices[p.src].id.clone(),
+            dst: devices[p.dst].id.clone(),
+            peer: p.peer,
+            self_test: if p.reason.starts_with("self-test passed") {
+                "passed"
+            } else if p.reason.starts_with("self-test failed") {
+                "failed"
+            } else {
+                "not run"
+            },
+            reason: p.reason,
+        })
+        .collect();
+    PeerEntry {
+        gate: gate.to_string(),
+        reason,
+        pairs,
     }
 }
 
@@ -330,6 +380,29 @@ fn render_text(report: &DevicesReport, verbose: bool) -> String {
     }
     for f in &report.failures {
         line(format!("{:<7} could not be queried: {}", f.id, f.error));
+    }
+    let peer = &report.peer_copy;
+    if peer.pairs.is_empty() {
+        // Fewer than two GPUs: no pair to copy between.
+        return out;
+    }
+    line(format!(
+        "peer    gate {}{}",
+        peer.gate,
+        peer.reason
+            .as_deref()
+            .map(|r| format!(" ({r})"))
+            .unwrap_or_default()
+    ));
+    for p in &peer.pairs {
+        line(format!(
+            "          {} -> {}: {} ({}; self-test {})",
+            p.src,
+            p.dst,
+            if p.peer { "peer" } else { "host staging" },
+            p.reason,
+            p.self_test
+        ));
     }
     out
 }

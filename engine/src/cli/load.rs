@@ -143,6 +143,10 @@ fn print_line(event: &LoadEvent<'_>) {
         ),
         LoadEvent::WeightsPlaced { device, verdict } => eprintln!("{device}: {verdict}"),
         LoadEvent::MemoryReport(report) => eprint!("{report}"),
+        LoadEvent::HostWeights { device, bytes } => eprintln!(
+            "memory report: {device}: weights {:.1} MiB (mapped from the file; its KV cache and scratch are host memory)",
+            *bytes as f64 / (1u64 << 20) as f64
+        ),
         LoadEvent::NoDeviceMemory => {
             eprintln!("memory report: the model runs on the CPU; nothing to report")
         }

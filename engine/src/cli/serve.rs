@@ -187,6 +187,12 @@ fn load_engine(args: &ServeArgs, fault_stall: Option<(u64, Duration)>) -> anyhow
             ember::limits::KvMemory::of(loaded.pool.as_deref()),
             loaded.pool.is_none(),
         ),
+        AnyLoaded::Offload(loaded) => (
+            loaded.model.hparams().n_ctx_train,
+            loaded.model.hparams().kv_bytes_per_token(),
+            ember::limits::KvMemory::of(loaded.pool.as_deref()),
+            loaded.pool.is_none(),
+        ),
         AnyLoaded::Sim(loaded) => (
             loaded.model.hparams().n_ctx_train,
             loaded.model.hparams().kv_bytes_per_token(),

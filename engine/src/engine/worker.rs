@@ -35,6 +35,7 @@ pub(super) fn describe(loaded: &AnyLoaded) -> Result<Described, EngineError> {
         AnyLoaded::Cpu(loaded) => describe_on(loaded),
         AnyLoaded::Gpu(loaded) => describe_on(loaded),
         AnyLoaded::Sim(loaded) => describe_on(loaded),
+        AnyLoaded::Offload(loaded) => describe_on(loaded),
     }
 }
 
@@ -86,6 +87,7 @@ pub(super) fn spawn(
                 AnyLoaded::Cpu(loaded) => run(*loaded, &shared, &commands),
                 AnyLoaded::Gpu(loaded) => run(*loaded, &shared, &commands),
                 AnyLoaded::Sim(loaded) => run(*loaded, &shared, &commands),
+                AnyLoaded::Offload(loaded) => run(*loaded, &shared, &commands),
             }));
             let reason = match outcome {
                 Ok(()) => "the engine was shut down".to_string(),
