@@ -9,6 +9,8 @@
 # Usage (on the device machine, from the repository root):
 #   OUT=$OUT LLAMA_SRC=llama-src.tgz EMBER=target/release/ember SYNTH=target/release/ember-synth \
 #       scripts/gpu/cpu_scaling.sh
+# EMBER_BASE=path/to/another/ember adds that binary's figures (a build of main before a change) in
+# columns of their own, run beside the others at each thread count.
 # LLAMA_BENCH=path/to/llama-bench uses a CPU build made earlier instead of building one.
 # Without either, only ember runs (a dry run of everything but llama.cpp; the table's llama.cpp
 # columns are then "-"). Knobs (environment), with their defaults:
@@ -21,6 +23,7 @@
 #   BUDGET_S=420          seconds of benches after the build; runs that would start later are
 #                         skipped and shown as "skipped" (each run is also capped by `timeout`)
 #   JOBS=16               build parallelism
+#   EMBER_BASE            (see above) doubles the ember time: raise BUDGET_S or drop a model
 # Prints figures; asserts nothing about speed. The exit code is non-zero only when a step that
 # every figure needs failed (ember-synth, the llama.cpp build).
 set -uo pipefail
@@ -29,6 +32,7 @@ ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 OUT="${OUT:-$ROOT/target/cpu-scaling-logs}"
 EMBER="${EMBER:-$ROOT/target/release/ember}"
 SYNTH="${SYNTH:-$ROOT/target/release/ember-synth}"
+EMBER_BASE="${EMBER_BASE:-}"
 LLAMA_SRC="${LLAMA_SRC:-}"
 LLAMA_BENCH="${LLAMA_BENCH:-}"
 THREADS="${THREADS:-1 2 4 8 16}"
@@ -42,7 +46,7 @@ W="${WORK:-/tmp/ember-cpu-scaling}"
 mkdir -p "$OUT" "$W/models"
 start=$SECONDS
 t() { echo "[t=$((SECONDS - start))s] $*"; }
-for bin in "$EMBER" "$SYNTH"; do
+for bin in "$EMBER" "$SYNTH" $EMBER_BASE; do
     [[ -x "$bin" ]] || { echo "not an executable: $bin"; exit 1; }
 done
 # Neither engine may reach the GPU: the figures are the CPU backends'.
@@ -113,19 +117,23 @@ for m in "${models[@]}"; do
         if ((th > logical)); then
             echo "over the CPU count" >"$OUT/ember-$name-t$th.txt"
             echo "over the CPU count" >"$OUT/llama-$name-t$th.txt"
+            echo "over the CPU count" >"$OUT/base-$name-t$th.txt"
             continue
         fi
         run "$OUT/ember-$name-t$th.txt" "$EMBER" bench -m "$m" --device cpu -t "$th" \
             -p "$PP" -n "$TG" -r "$REPS"
+        [[ -n "$EMBER_BASE" ]] && run "$OUT/base-$name-t$th.txt" "$EMBER_BASE" bench -m "$m" \
+            --device cpu -t "$th" -p "$PP" -n "$TG" -r "$REPS"
         [[ -n "$llama_bench" ]] && run "$OUT/llama-$name-t$th.txt" "$llama_bench" -m "$m" \
             -ngl 0 -t "$th" -p "$PP" -n "$TG" -r "$REPS"
     done
     t "$name done"
 done
 
-python3 - "$OUT" "$PP" "$TG" "$THREADS" "${models[@]}" <<'EOF'
+python3 - "$OUT" "$PP" "$TG" "$THREADS" "${EMBER_BASE:+1}" "${models[@]}" <<'EOF'
 import os, re, sys
 out, pp, tg, threads = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].split()
+with_base = sys.argv[5] == "1"
 
 def figures(path):
     """test name -> t/s from a bench's markdown table (the test is the cell matching pp/tg; the
@@ -142,18 +150,25 @@ def figures(path):
     note = "-" if found or not text.strip() else text.strip().splitlines()[-1][:24]
     return found, note
 
-print(f"| model | threads | llama.cpp pp{pp} | ember pp{pp} | pp ratio | llama.cpp tg{tg} | ember tg{tg} | tg ratio |")
-print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-for model in sys.argv[5:]:
+header = ["model", "threads"]
+for test in (f"pp{pp}", f"tg{tg}"):
+    header += [f"llama.cpp {test}", f"ember {test}", f"{test[:2]} ratio"]
+    header += [f"base {test}", f"{test[:2]} ratio, base"] if with_base else []
+print("| " + " | ".join(header) + " |")
+print("| --- | " + " | ".join("---:" for _ in header[1:]) + " |")
+for model in sys.argv[6:]:
     name = os.path.basename(model)[: -len(".gguf")]
     for th in threads:
         ember, ember_note = figures(f"{out}/ember-{name}-t{th}.txt")
         llama, llama_note = figures(f"{out}/llama-{name}-t{th}.txt")
+        base, base_note = figures(f"{out}/base-{name}-t{th}.txt")
         cells = []
         for test in (f"pp{pp}", f"tg{tg}"):
-            e, l = ember.get(test), llama.get(test)
+            e, l, b = ember.get(test), llama.get(test), base.get(test)
             cells += [f"{l:.2f}" if l else llama_note, f"{e:.2f}" if e else ember_note,
                       f"{e / l:.2f}x" if e and l else "-"]
+            if with_base:
+                cells += [f"{b:.2f}" if b else base_note, f"{b / l:.2f}x" if b and l else "-"]
         print(f"| {name} | {th} | " + " | ".join(cells) + " |")
 EOF
 t "done"
