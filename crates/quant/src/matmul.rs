@@ -272,37 +272,54 @@ fn rows_per_job(rows: usize, align: usize) -> usize {
     per.div_ceil(align) * align
 }
 
-/// Below this many weight bytes a row-wise matmul runs on the calling thread: handing work to
-/// the pool costs more than the second thread saves (SmolLM2's K and V matvecs, 69 KB).
-const ROWWISE_MIN_PARALLEL_BYTES: usize = 96 * 1024;
+/// Least weight bytes per job of a row-wise matmul: below it, waking another thread costs more
+/// than it saves. Below this many bytes in all the matmul runs on the calling thread (SmolLM2's
+/// K and V matvecs, 62 KiB); a 576x576 Q4_0 matrix (182 KiB) takes three threads, not sixteen.
+const ROWWISE_MIN_JOB_BYTES: usize = 64 * 1024;
 
-/// Row-wise: the rows are split into one contiguous range per thread (decode rows are short,
+/// Output rows per job are a multiple of this: 16 f32 outputs are one 64-byte cache line, so two
+/// threads never write the same line of a decode step's output (and the four-row kernels always
+/// get whole groups).
+const ROWWISE_ROW_ALIGN: usize = 16;
+
+/// The split of `rows` rows of `bytes` weight bytes into jobs: (jobs, rows per job). At most one
+/// job per thread of the current pool, each of at least [`ROWWISE_MIN_JOB_BYTES`], rows per job
+/// a multiple of `align`.
+pub(crate) fn split_rows(rows: usize, bytes: usize, align: usize) -> (usize, usize) {
+    let by_bytes = (bytes / ROWWISE_MIN_JOB_BYTES).max(1);
+    let jobs = rayon::current_num_threads()
+        .min(by_bytes)
+        .clamp(1, rows.div_ceil(align).max(1));
+    let chunk = rows.div_ceil(jobs).div_ceil(align) * align;
+    (rows.div_ceil(chunk.max(1)), chunk.max(1))
+}
+
+/// Runs `job(0..n_jobs)` once each. When there are as many jobs as threads in the current pool,
+/// every thread is handed its job at once (`rayon::broadcast`): a parallel iterator would hand
+/// the work down a tree of `join`s, and at decode, where workers fall asleep between ops, each
+/// level of that tree waits for one more thread to wake (four levels for 16 threads, about 200
+/// times per token). Which job runs where never changes a result: jobs own fixed row ranges.
+pub(crate) fn run_jobs(n_jobs: usize, job: impl Fn(usize) + Sync + Send) {
+    if n_jobs == 1 {
+        job(0);
+    } else if n_jobs == rayon::current_num_threads() {
+        rayon::broadcast(|ctx| job(ctx.index()));
+    } else {
+        (0..n_jobs).into_par_iter().for_each(job);
+    }
+}
+
+/// Row-wise: the rows are split into one contiguous range per job (decode rows are short,
 /// a few cache lines, so a few big jobs cost less to schedule than many small ones), and each
 /// job sweeps its rows over every token while they are in cache.
 fn matmul_rowwise(level: Level, w: &QMatrix, x: &QuantizedActivations, out: &mut [f32]) {
     let rows = w.rows;
-    let jobs = if w.data.len() < ROWWISE_MIN_PARALLEL_BYTES {
-        1
-    } else {
-        rayon::current_num_threads().clamp(1, rows.div_ceil(4))
-    };
-    let chunk = rows.div_ceil(jobs).div_ceil(4) * 4;
-    if x.n_tokens == 1 {
-        let act = x.row(0);
-        if jobs == 1 {
-            rowwise_job(level, w, act, 0, out);
-        } else {
-            out.par_chunks_mut(chunk)
-                .enumerate()
-                .for_each(|(job, o)| rowwise_job(level, w, act, job * chunk, o));
-        }
-        return;
-    }
+    let (n_jobs, chunk) = split_rows(rows, w.data.len(), ROWWISE_ROW_ALIGN);
     let out_ptr = OutPtr {
         ptr: out.as_mut_ptr(),
         len: out.len(),
     };
-    let run = |job: usize| {
+    run_jobs(n_jobs, |job: usize| {
         let r0 = job * chunk;
         let n = chunk.min(rows - r0);
         for t in 0..x.n_tokens {
@@ -311,13 +328,7 @@ fn matmul_rowwise(level: Level, w: &QMatrix, x: &QuantizedActivations, out: &mut
             let o = unsafe { out_ptr.slice(t * rows + r0, n) };
             rowwise_job(level, w, x.row(t), r0, o);
         }
-    };
-    let n_jobs = rows.div_ceil(chunk);
-    if n_jobs == 1 {
-        run(0);
-    } else {
-        (0..n_jobs).into_par_iter().for_each(run);
-    }
+    });
 }
 
 /// Outputs of rows `r0..r0 + out.len()` with one activation row.
@@ -874,29 +885,33 @@ mod tests {
     /// threads gives exactly what one sweep over all rows gives, for one and several tokens.
     #[test]
     fn rowwise_split_matches_one_sweep() {
-        let (rows, cols) = (4099, 64);
+        let (rows, cols) = (16387, 64);
         for ty in [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_0] {
             let wf = acts(rows * cols, 0.011);
             let mut wq = vec![0u8; bytes_for("w", ty, rows * cols).unwrap()];
             crate::quantize(ty, &wf, &mut wq).unwrap();
             let w = QMatrix::new(ty, rows, cols, &wq).unwrap();
-            assert!(wq.len() >= ROWWISE_MIN_PARALLEL_BYTES);
-            for n in [1, 3] {
+            assert!(wq.len() >= 3 * ROWWISE_MIN_JOB_BYTES);
+            // Three threads take one job each (handed out by broadcast); 32 get fewer jobs
+            // than threads (a parallel iterator).
+            for (n, threads) in [(1, 3), (3, 3), (1, 32), (2, 32)] {
                 let x =
                     quantize_activations(vec_dot_type(ty), &acts(n * cols, 0.05), n, cols).unwrap();
                 let level = simd::level();
                 let mut out = vec![f32::NAN; n * rows];
                 let pool = rayon::ThreadPoolBuilder::new()
-                    .num_threads(3)
+                    .num_threads(threads)
                     .build()
                     .unwrap();
+                let jobs = pool.install(|| split_rows(rows, wq.len(), ROWWISE_ROW_ALIGN).0);
+                assert_eq!(jobs == threads, threads == 3, "{ty}: {jobs} jobs");
                 pool.install(|| matmul_with(level, Strategy::RowWise, &w, &x, &mut out))
                     .unwrap();
                 let mut one = vec![0.0; n * rows];
                 for (t, o) in one.chunks_mut(rows).enumerate() {
                     rowwise_job(level, &w, x.row(t), 0, o);
                 }
-                assert_eq!(out, one, "{ty}, {n} tokens");
+                assert_eq!(out, one, "{ty}, {n} tokens, {threads} threads");
             }
         }
     }

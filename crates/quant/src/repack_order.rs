@@ -19,8 +19,6 @@
 //! sums are exact in any order, so reproducing the float steps is enough to get llama.cpp's
 //! numbers bit for bit.
 
-use rayon::prelude::*;
-
 use crate::blocks::{k4_scales_mins, q4_k, q8_k, q8k_bsum, read_f16, read_f32, QK_K};
 
 /// Whether llama.cpp repacks a Q4_K matrix of `rows` rows on x86 (`ggml_repack_get_optimal_repack_type`).
@@ -145,11 +143,15 @@ pub(crate) fn matmul(
     out: &mut [f32],
 ) {
     let gemm = n_tokens > 3;
-    let threads = rayon::current_num_threads().max(1);
-    // Rows split between threads in multiples of 8, as llama.cpp splits them; a batch gets more
-    // jobs than threads for balance.
-    let jobs = if n_tokens == 1 { threads } else { threads * 4 };
-    let chunk = (rows.div_ceil(jobs).div_ceil(8) * 8).max(8);
+    // Rows split between threads in multiples of 16 (whole eight-row groups, and whole cache
+    // lines of output); one token gets one job per thread at most, each big enough to pay for
+    // waking its thread, and a batch more jobs than threads for balance.
+    let chunk = if n_tokens == 1 {
+        crate::matmul::split_rows(rows, rows * row_bytes, 16).1
+    } else {
+        let jobs = rayon::current_num_threads().max(1) * 4;
+        (rows.div_ceil(jobs).div_ceil(8) * 8).max(8)
+    };
     let out = crate::matmul::OutPtr::new(&mut out[..rows * n_tokens]);
     let job = |c: usize| {
         let r0 = c * chunk;
@@ -233,12 +235,7 @@ pub(crate) fn matmul(
             }
         }
     };
-    let n_jobs = rows.div_ceil(chunk);
-    if n_jobs == 1 {
-        job(0);
-    } else {
-        (0..n_jobs).into_par_iter().for_each(job);
-    }
+    crate::matmul::run_jobs(rows.div_ceil(chunk), job);
 }
 
 #[cfg(test)]
