@@ -8,7 +8,7 @@
 // vec.rs (expf_ggml, silu_ggml, swiglu_ggml) and crates/quant/src/scalar/{float,legacy,kquants}.rs
 // (dequantisation). Every output element sees the same f32/f64 operations in the same order with
 // the same roundings as there, so results agree bit for bit:
-//   * every floating-point operation goes through the ex_* helpers below, never a bare operator,
+//   * every floating-point operation goes through the ex_* helpers of ember_exact.h, never a bare operator,
 //     so the compiler cannot contract a multiply and an add into an FMA (nvcc does by default,
 //     clang for HIP too), reassociate, or use an approximate division or square root; an FMA is
 //     written only where the Rust code calls mul_add;
@@ -24,49 +24,11 @@
 //
 // Launches (crates/gpu/src/ops/exact_elementwise.rs): grid-stride kernels take any grid; the
 // row kernels take one block per row (any block size).
-#include "ember_compat.h"
+#include "ember_exact.h"
 
-// ---- exactly rounded arithmetic ----
-//
-// HIP's __fadd_rn & co. are plain operators (contractible under clang's default
-// -ffp-contract=fast-honor-pragmas) and its __fsqrt_rn is the approximate native square root, so
-// under HIP the helpers are plain operators compiled with contraction off (the pragma covers
-// everything below it in this file), and the square root is the correctly rounded builtin. Under
-// nvcc the _rn intrinsics are documented never to be merged into an FMA, and __fdiv_rn /
-// __fsqrt_rn are IEEE round-to-nearest.
 #if defined(EMBER_PLATFORM_HIP)
 #pragma clang fp contract(off)
-EMBER_DEVICE float ex_add(float a, float b) { return a + b; }
-EMBER_DEVICE float ex_sub(float a, float b) { return a - b; }
-EMBER_DEVICE float ex_mul(float a, float b) { return a * b; }
-EMBER_DEVICE float ex_div(float a, float b) { return a / b; }
-EMBER_DEVICE float ex_fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
-EMBER_DEVICE float ex_sqrt(float a) { return __builtin_sqrtf(a); }
-EMBER_DEVICE double ex_dadd(double a, double b) { return a + b; }
-EMBER_DEVICE double ex_dmul(double a, double b) { return a * b; }
-EMBER_DEVICE double ex_ddiv(double a, double b) { return a / b; }
-EMBER_DEVICE float ex_d2f(double a) { return (float)a; }
-#else
-EMBER_DEVICE float ex_add(float a, float b) { return __fadd_rn(a, b); }
-EMBER_DEVICE float ex_sub(float a, float b) { return __fsub_rn(a, b); }
-EMBER_DEVICE float ex_mul(float a, float b) { return __fmul_rn(a, b); }
-EMBER_DEVICE float ex_div(float a, float b) { return __fdiv_rn(a, b); }
-EMBER_DEVICE float ex_fma(float a, float b, float c) { return __fmaf_rn(a, b, c); }
-EMBER_DEVICE float ex_sqrt(float a) { return __fsqrt_rn(a); }
-EMBER_DEVICE double ex_dadd(double a, double b) { return __dadd_rn(a, b); }
-EMBER_DEVICE double ex_dmul(double a, double b) { return __dmul_rn(a, b); }
-EMBER_DEVICE double ex_ddiv(double a, double b) { return __ddiv_rn(a, b); }
-EMBER_DEVICE float ex_d2f(double a) { return __double2float_rn(a); }
 #endif
-
-// A little-endian IEEE half at a 2-byte-aligned byte address, as f32 (exact).
-EMBER_DEVICE float ex_half_at(const uint8_t* p) { return ember_load_half(p); }
-
-// f16 bits as f32 (exact).
-EMBER_DEVICE float ex_half_bits(uint16_t bits) { return __half2float(__ushort_as_half(bits)); }
-
-// f32 rounded to the nearest f16 (ties to even), as bits: half::f16::from_f32.
-EMBER_DEVICE uint16_t ex_f16_bits(float x) { return __half_as_ushort(__float2half_rn(x)); }
 
 // ---- dequantisation: value e of a row, as crates/quant/src/scalar computes it ----
 
@@ -302,33 +264,6 @@ EMBER_KERNEL void ember_exact_add_f32(float* out, const float* a, const float* b
 // CPU op scale: out[i] = x[i] * scale. `out` may alias `x`.
 EMBER_KERNEL void ember_exact_scale_f32(float* out, const float* x, float scale, uint32_t n) {
     for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) out[i] = ex_mul(x[i], scale);
-}
-
-// vec.rs expf_consts: GGML's ggml_v_expf constants.
-#define EX_EXP_SHIFT 12582912.0f                 // 0x1.8p23
-#define EX_EXP_LOG2E __uint_as_float(0x3fb8aa3bu)  // 0x1.715476p+0
-#define EX_EXP_LN2_HI __uint_as_float(0x3f317200u) // 0x1.62e4p-1
-#define EX_EXP_LN2_LO __uint_as_float(0x35bfbe8eu) // 0x1.7f7d1cp-20
-#define EX_EXP_C4 __uint_as_float(0x3c072010u)     // 0x1.0e4020p-7
-#define EX_EXP_C3 __uint_as_float(0x3d2b9f17u)     // 0x1.573e2ep-5
-#define EX_EXP_C2 __uint_as_float(0x3e2aaf33u)     // 0x1.555e66p-3
-#define EX_EXP_C1 __uint_as_float(0x3efffedbu)     // 0x1.fffdb6p-2
-#define EX_EXP_C0 __uint_as_float(0x3f7ffff6u)     // 0x1.ffffecp-1
-
-// vec.rs expf_ggml, operation for operation: a degree-5 polynomial of the reduced argument,
-// scaled by 2^n with one rounding (the product j * 2^n is exact in f64, then rounded to f32).
-EMBER_DEVICE float ex_expf_ggml(float x) {
-    const float z = ex_fma(x, EX_EXP_LOG2E, EX_EXP_SHIFT);
-    const float n = ex_sub(z, EX_EXP_SHIFT);
-    const float b = ex_fma(-n, EX_EXP_LN2_LO, ex_fma(-n, EX_EXP_LN2_HI, x));
-    const float u = ex_mul(b, b);
-    const float j = ex_fma(ex_fma(ex_fma(EX_EXP_C4, b, EX_EXP_C3), u, ex_fma(EX_EXP_C2, b, EX_EXP_C1)), u, ex_fma(EX_EXP_C0, b, 1.0f));
-    if (fabsf(n) > 192.0f) return n <= 0.0f ? 0.0f : INFINITY;
-    // Rust's `n as i64` is 0 for NaN (then j is NaN too and so is the result); n is an integer
-    // in [-192, 192] otherwise.
-    const long long e = (n == n) ? (long long)n : 0;
-    const double pow2 = __longlong_as_double((e + 1023) << 52);
-    return ex_d2f(ex_dmul((double)j, pow2));
 }
 
 // vec.rs silu_ggml: x / (1 + expf(0 - x)).
