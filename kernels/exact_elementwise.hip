@@ -1,7 +1,8 @@
 // Bit-exact twins of the CPU backend's row-wise and element-wise ops, for the GPU backend's
 // reference numerics mode: embedding lookup (get_rows), RMS normalisation (alone and fused with
-// the residual add), element-wise add / bias / scale, SwiGLU, GeGLU, rotary embedding, the f16
-// K/V store and row gathers.
+// the residual add), SwiGLU, GeGLU and rotary embedding. (The element-wise add and scale,
+// the f16 K/V store and the row gathers round once or not at all, so the fast kernels of
+// elementwise.hip, attention.hip and embedding.hip are already exact and serve both modes.)
 //
 // The spec is the Rust code of the CPU backend, not GGML's C: engine/src/backend/cpu/mod.rs (the
 // ops), engine/src/backend/cpu/ops.rs (rms_norm_row, gelu_ggml, rope_head), engine/src/backend/cpu/
@@ -255,17 +256,6 @@ EMBER_KERNEL void ember_exact_add_rms_norm_f32(float* out, float* x, const float
 
 // ---- element-wise ----
 
-// CPU ops add_inplace (n_b = n) and add_bias (n_b = the row length): out[i] = a[i] + b[i % n_b].
-// `out` may alias `a`.
-EMBER_KERNEL void ember_exact_add_f32(float* out, const float* a, const float* b, uint32_t n, uint32_t n_b) {
-    for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) out[i] = ex_add(a[i], b[i % n_b]);
-}
-
-// CPU op scale: out[i] = x[i] * scale. `out` may alias `x`.
-EMBER_KERNEL void ember_exact_scale_f32(float* out, const float* x, float scale, uint32_t n) {
-    for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) out[i] = ex_mul(x[i], scale);
-}
-
 // vec.rs silu_ggml: x / (1 + expf(0 - x)).
 EMBER_DEVICE float ex_silu_ggml(float x) { return ex_div(x, ex_add(1.0f, ex_expf_ggml(ex_sub(0.0f, x)))); }
 
@@ -327,38 +317,4 @@ EMBER_KERNEL void ember_exact_rope_norm_f32(float* x, const float* cos_sin, uint
 
 EMBER_KERNEL void ember_exact_rope_neox_f32(float* x, const float* cos_sin, uint32_t n_tokens, uint32_t n_heads, uint32_t head_dim, uint32_t n_dims) {
     ex_rope<true>(x, cos_sin, n_tokens, n_heads, head_dim, n_dims);
-}
-
-// ---- K/V store and row gathers ----
-
-// CPU op kv_store: the K and V rows of token t (row_values = n_kv_heads * head_dim f32 values
-// each) rounded to the nearest f16 (ties to even, as half's convert_from_f32_slice) into slot
-// slots[t] = block * block_size + offset: row `offset` of k_blocks[block] / v_blocks[block]
-// (u64 addresses). The device layout is attention.hip's ember_kv_store_f16's ([slot][head][dim]
-// within a block), which the attention kernels read; the CPU's in-block layout differs, the
-// values do not. Negative slots and blocks without memory (address 0) are skipped.
-// Launch: grid = n_tokens, any block size.
-EMBER_KERNEL void ember_exact_kv_store_f16(const uint64_t* k_blocks, const uint64_t* v_blocks, const float* k, const float* v,
-                                           const int32_t* slots, uint32_t row_values, uint32_t block_size) {
-    const int32_t slot = slots[blockIdx.x];
-    if (slot < 0) return;
-    const uint32_t block = (uint32_t)slot / block_size, offset = (uint32_t)slot % block_size;
-    uint16_t* k_out = (uint16_t*)k_blocks[block];
-    uint16_t* v_out = (uint16_t*)v_blocks[block];
-    if (k_out == nullptr || v_out == nullptr) return;
-    k_out += (size_t)offset * row_values;
-    v_out += (size_t)offset * row_values;
-    const float* k_in = k + (size_t)blockIdx.x * row_values;
-    const float* v_in = v + (size_t)blockIdx.x * row_values;
-    for (uint32_t i = threadIdx.x; i < row_values; i += blockDim.x) {
-        k_out[i] = ex_f16_bits(k_in[i]);
-        v_out[i] = ex_f16_bits(v_in[i]);
-    }
-}
-
-// CPU op gather_rows: out[i, c] = src[rows[i], c] (a copy). Launch: grid = n rows, any block size.
-EMBER_KERNEL void ember_exact_gather_rows_f32(float* out, const float* src, const int32_t* rows, uint32_t dim) {
-    const float* src_row = src + (size_t)rows[blockIdx.x] * dim;
-    float* out_row = out + (size_t)blockIdx.x * dim;
-    for (uint32_t c = threadIdx.x; c < dim; c += blockDim.x) out_row[c] = src_row[c];
 }

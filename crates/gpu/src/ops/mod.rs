@@ -76,8 +76,8 @@ pub use elementwise::{
 };
 pub use exact_attention::{attention_exact, exp_exact, ExactExp, EXACT_MAX_HEAD_DIM};
 pub use exact_elementwise::{
-    add_exact, add_rms_norm_exact, gather_rows_exact, geglu_exact, get_rows_exact, kv_store_exact,
-    rms_norm_exact, rope_exact, scale_exact, swiglu_exact, GELU_TABLE_LEN,
+    add_rms_norm_exact, geglu_exact, get_rows_exact, rms_norm_exact, rope_exact, swiglu_exact,
+    GELU_TABLE_LEN,
 };
 pub use exact_matmul::matmul_exact;
 pub use matmul::{

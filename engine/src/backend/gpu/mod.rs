@@ -756,7 +756,7 @@ impl Backend for GpuBackend {
             let out_ptr = out.ptr("gather_rows", rows.len() * dim)?;
             // Evenly spaced rows (a copy; one layer's slice of Gemma 4's per-layer inputs) need
             // no row list uploaded mid-pass, which would end a graph capture.
-            if let (false, Some((first, stride))) = (self.reference(), evenly_spaced(rows)) {
+            if let Some((first, stride)) = evenly_spaced(rows) {
                 return ops::gather_rows_strided(
                     &self.ctx,
                     src_ptr,
@@ -769,16 +769,6 @@ impl Backend for GpuBackend {
             }
             let host: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
             let rows_ptr = self.batch_ptr(batch::Array::OutRows, &host)?;
-            if self.reference() {
-                return ops::gather_rows_exact(
-                    &self.ctx,
-                    src_ptr,
-                    dim,
-                    rows_ptr,
-                    rows.len(),
-                    out_ptr,
-                );
-            }
             ops::gather_rows(&self.ctx, src_ptr, dim, rows_ptr, rows.len(), out_ptr)
         });
     }
@@ -1282,12 +1272,7 @@ impl Backend for GpuBackend {
         self.run("add", || {
             let dst_ptr = dst.ptr("add", len)?;
             let src_ptr = src.ptr("add", len)?;
-            let add = if self.reference() {
-                ops::add_exact
-            } else {
-                ops::add
-            };
-            add(&self.ctx, dst_ptr, dst_ptr, src_ptr, len, len)
+            ops::add(&self.ctx, dst_ptr, dst_ptr, src_ptr, len, len)
         });
     }
 
@@ -1349,21 +1334,13 @@ impl Backend for GpuBackend {
         self.run("add_bias", || {
             check_vector("add_bias", bias, dim)?;
             let x_ptr = x.ptr("add_bias", n_rows * dim)?;
-            let add = if self.reference() {
-                ops::add_exact
-            } else {
-                ops::add
-            };
-            add(&self.ctx, x_ptr, x_ptr, bias.buf.ptr(), n_rows * dim, dim)
+            ops::add(&self.ctx, x_ptr, x_ptr, bias.buf.ptr(), n_rows * dim, dim)
         });
     }
 
     fn scale(&self, x: &mut GpuBuf, len: usize, scale: f32) {
         self.run("scale", || {
             let x_ptr = x.ptr("scale", len)?;
-            if self.reference() {
-                return ops::scale_exact(&self.ctx, x_ptr, x_ptr, scale, len);
-            }
             ops::scale(&self.ctx, x_ptr, x_ptr, scale, len)
         });
     }
@@ -1626,12 +1603,7 @@ impl Backend for GpuBackend {
             let v_ptr = v.ptr("kv_store", n_tokens * row)?;
             let (k_blocks, v_blocks) = layer.tables()?;
             let slots = lock(&self.batch).plan_ptr(plan, batch::Array::Slots)?;
-            let store = if self.reference() {
-                ops::kv_store_exact
-            } else {
-                ops::kv_store
-            };
-            store(
+            ops::kv_store(
                 &self.ctx,
                 k_blocks,
                 v_blocks,
