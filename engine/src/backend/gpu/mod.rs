@@ -178,6 +178,10 @@ impl GpuBackend {
     /// the reference ops run one launch each, as the CPU runs them. Weights placed so far stay.
     pub fn set_numerics(&mut self, numerics: Numerics) {
         self.numerics = numerics;
+        self.ctx.set_numerics(match numerics {
+            Numerics::Fast => ops::Numerics::Fast,
+            Numerics::Reference => ops::Numerics::Reference,
+        });
         if numerics == Numerics::Reference {
             self.set_graphs(false);
         }
@@ -1095,9 +1099,6 @@ impl Backend for GpuBackend {
         self.run("get_rows", || {
             let out_ptr = out.ptr("get_rows", ids.len() * table.cols)?;
             let ids_ptr = self.batch_ptr(batch::Array::Tokens, ids)?;
-            if self.reference() {
-                return ops::get_rows_exact(&self.ctx, table, ids_ptr, ids.len(), scale, out_ptr);
-            }
             ops::get_rows(&self.ctx, table, ids_ptr, ids.len(), scale, out_ptr)
         });
     }
@@ -1106,9 +1107,6 @@ impl Backend for GpuBackend {
         self.run("matmul", || {
             let x_ptr = x.ptr("matmul", n_tokens * w.cols)?;
             let out_ptr = out.ptr("matmul", n_tokens * w.rows)?;
-            if self.reference() {
-                return ops::matmul_exact(&self.ctx, w, x_ptr, n_tokens, out_ptr);
-            }
             ops::matmul(&self.ctx, w, x_ptr, n_tokens, out_ptr)
         });
     }
@@ -1211,12 +1209,7 @@ impl Backend for GpuBackend {
             check_vector("rms_norm", weight, dim)?;
             let x_ptr = x.ptr("rms_norm", n_rows * dim)?;
             let out_ptr = out.ptr("rms_norm", n_rows * dim)?;
-            let norm = if self.reference() {
-                ops::rms_norm_exact
-            } else {
-                ops::rms_norm
-            };
-            norm(
+            ops::rms_norm(
                 &self.ctx,
                 x_ptr,
                 weight.buf.ptr(),
@@ -1239,12 +1232,7 @@ impl Backend for GpuBackend {
         self.run("rms_norm", || {
             check_vector("rms_norm", weight, dim)?;
             let x_ptr = x.ptr("rms_norm", n_rows * dim)?;
-            let norm = if self.reference() {
-                ops::rms_norm_exact
-            } else {
-                ops::rms_norm
-            };
-            norm(&self.ctx, x_ptr, weight.buf.ptr(), n_rows, dim, eps, x_ptr)
+            ops::rms_norm(&self.ctx, x_ptr, weight.buf.ptr(), n_rows, dim, eps, x_ptr)
         });
     }
 
@@ -1291,19 +1279,6 @@ impl Backend for GpuBackend {
             let x_ptr = x.ptr("add_rms_norm", n_rows * dim)?;
             let proj_ptr = proj.ptr("add_rms_norm", n_rows * dim)?;
             let out_ptr = out.ptr("add_rms_norm", n_rows * dim)?;
-            if self.reference() {
-                // One kernel with the values of add_inplace then rms_norm, as the CPU runs them.
-                return ops::add_rms_norm_exact(
-                    &self.ctx,
-                    x_ptr,
-                    proj_ptr,
-                    weight.buf.ptr(),
-                    n_rows,
-                    dim,
-                    eps,
-                    out_ptr,
-                );
-            }
             if !ops::fusion_enabled() {
                 let n = n_rows * dim;
                 ops::add(&self.ctx, x_ptr, x_ptr, proj_ptr, n, n)?;
@@ -1349,9 +1324,6 @@ impl Backend for GpuBackend {
         self.run("swiglu", || {
             let gate_ptr = gate.ptr("swiglu", len)?;
             let up_ptr = up.ptr("swiglu", len)?;
-            if self.reference() {
-                return ops::swiglu_exact(&self.ctx, gate_ptr, gate_ptr, up_ptr, len);
-            }
             ops::swiglu(&self.ctx, gate_ptr, gate_ptr, up_ptr, len)
         });
     }
