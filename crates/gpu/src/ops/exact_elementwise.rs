@@ -513,6 +513,63 @@ mod tests {
     }
 
     #[test]
+    fn the_wrappers_run_the_exact_kernels_in_reference_numerics() {
+        // Only the exact kernels' twins are registered, so a launch of a fast kernel fails.
+        let mut f = fixture();
+        let (rows, dim) = (2, 32);
+        let x = values(rows * dim, 1.0);
+        let w = values(dim, 2.0);
+        let (x_buf, w_buf) = (upload_f32(&f.ctx, &x), upload_f32(&f.ctx, &w));
+        let out = f
+            .ctx
+            .alloc(Purpose::Scratch, (rows * dim * 4) as u64)
+            .unwrap();
+        let norm = |ctx: &GpuContext| {
+            super::super::rms_norm(ctx, x_buf.ptr(), w_buf.ptr(), rows, dim, 1e-6, out.ptr())
+        };
+        assert_eq!(f.ctx.numerics(), super::super::Numerics::Fast);
+        let error = norm(&f.ctx).unwrap_err().to_string();
+        assert!(error.contains("ember_rms_norm_f32"), "{error}");
+        f.ctx.set_numerics(super::super::Numerics::Reference);
+        norm(&f.ctx).unwrap();
+        let got = download_f32(&f.ctx, out.ptr(), rows * dim);
+        let exact = f
+            .ctx
+            .alloc(Purpose::Scratch, (rows * dim * 4) as u64)
+            .unwrap();
+        rms_norm_exact(
+            &f.ctx,
+            x_buf.ptr(),
+            w_buf.ptr(),
+            rows,
+            dim,
+            1e-6,
+            exact.ptr(),
+        )
+        .unwrap();
+        assert_eq!(got, download_f32(&f.ctx, exact.ptr(), rows * dim));
+        // The exact kernel always multiplies by a weight; a bare norm is refused, not faulted.
+        let error = super::super::rms_norm(
+            &f.ctx,
+            x_buf.ptr(),
+            DevicePtr::NULL,
+            rows,
+            dim,
+            1e-6,
+            out.ptr(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(error.contains("without a weight"), "{error}");
+        // SwiGLU's exact kernel has no twin here: the error names the kernel the wrapper chose.
+        let up = upload_f32(&f.ctx, &x);
+        let error = super::super::swiglu(&f.ctx, out.ptr(), x_buf.ptr(), up.ptr(), rows * dim)
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("ember_exact_swiglu_f32"), "{error}");
+    }
+
+    #[test]
     fn geglu_reads_the_table_it_is_given() {
         let f = fixture();
         let ctx = &f.ctx;
