@@ -424,6 +424,8 @@ pub struct GpuContext {
     capture_aborted: Mutex<Option<String>>,
     /// How the ops round.
     numerics: Numerics,
+    /// The CPU thread count whose split-KV attention the reference numerics reproduce.
+    reference_threads: usize,
 }
 
 /// Every kernel function of [`KERNEL_MODULES`] by name, with a slot for its handle on this
@@ -532,6 +534,7 @@ impl GpuContext {
             capturing: AtomicBool::new(false),
             capture_aborted: Mutex::new(None),
             numerics: Numerics::Fast,
+            reference_threads: 1,
         })
     }
 
@@ -563,6 +566,26 @@ impl GpuContext {
     /// How the ops launched on this context round.
     pub fn numerics(&self) -> Numerics {
         self.numerics
+    }
+
+    /// Sets the CPU thread count whose split-KV attention the reference numerics reproduce (the
+    /// CPU cuts a long single-token attention into one chunk per thread, so the count shows in
+    /// its digits); 0 counts as 1. Until set, 1.
+    pub fn set_reference_threads(&mut self, threads: usize) {
+        self.reference_threads = threads.max(1);
+    }
+
+    /// The CPU thread count the reference numerics reproduce.
+    pub fn reference_threads(&self) -> usize {
+        self.reference_threads
+    }
+
+    /// The largest attention head [`attention`] takes in this context's numerics.
+    pub fn max_head_dim(&self) -> usize {
+        match self.numerics {
+            Numerics::Fast => MAX_HEAD_DIM,
+            Numerics::Reference => EXACT_MAX_HEAD_DIM,
+        }
     }
 
     /// Whether the ops run their bit-exact kernels.

@@ -143,11 +143,13 @@ impl GpuBackend {
     /// says which device and pool, for headers. `idle_trim` starts the trimming thread. The
     /// numerics are `fast` with [`DEFAULT_REFERENCE_THREADS`] (see [`GpuBackend::set_numerics`]).
     pub fn new(
-        ctx: GpuContext,
+        mut ctx: GpuContext,
         name: &'static str,
         description: String,
         idle_trim: bool,
     ) -> GpuBackend {
+        ctx.set_numerics(ops::Numerics::Fast);
+        ctx.set_reference_threads(DEFAULT_REFERENCE_THREADS);
         let trimmer = if idle_trim {
             IdleTrimmer::start(Arc::clone(ctx.pool()))
         } else {
@@ -196,6 +198,7 @@ impl GpuBackend {
     /// counts as 1, as a one-thread CPU pool).
     pub fn set_reference_threads(&mut self, threads: usize) {
         self.reference_threads = threads.max(1);
+        self.ctx.set_reference_threads(threads);
     }
 
     /// The CPU thread count the reference mode reproduces.
@@ -1249,11 +1252,7 @@ impl Backend for GpuBackend {
     }
 
     fn max_head_dim(&self) -> Option<usize> {
-        Some(if self.reference() {
-            ops::EXACT_MAX_HEAD_DIM
-        } else {
-            ops::MAX_HEAD_DIM
-        })
+        Some(self.ctx.max_head_dim())
     }
 
     fn add_inplace(&self, dst: &mut GpuBuf, src: &GpuBuf, len: usize) {
@@ -1705,9 +1704,6 @@ impl Backend for GpuBackend {
                 softcap: None,
             };
             drop(arrays);
-            if self.reference() {
-                return ops::attention_exact(&self.ctx, &args, self.reference_threads);
-            }
             ops::attention(&self.ctx, &args)
         });
     }
