@@ -207,8 +207,11 @@ pub fn matmul_shared(
             format!("{}", outs.len()),
         ));
     }
+    // Reference numerics take the matrices one by one: the CPU quantizes the shared input once
+    // per matrix, each time to the same bits, so products one by one are its products.
     let fusable = |w: &DeviceMatrix| {
         n_tokens == 1
+            && !ctx.reference()
             && fusion_enabled()
             && matvec_max_tokens() >= 1
             && has_glu_kernels(w.format)

@@ -1121,10 +1121,9 @@ impl Backend for GpuBackend {
         n_tokens: usize,
         outs: &mut [&mut GpuBuf],
     ) {
-        // The fused kernels take up to three matrices (Q, K and V); more run one by one. So does
-        // the reference mode: the CPU quantizes the shared input once per matrix, each time to the
-        // same bits, so products one by one are its products.
-        if ws.len() > 3 || self.reference() {
+        // The fused kernels take up to three matrices (Q, K and V); more run one by one (as do
+        // all of them in reference numerics, which ops::matmul_shared decides).
+        if ws.len() > 3 {
             for (w, out) in ws.iter().zip(outs.iter_mut()) {
                 self.matmul(w, x, n_tokens, out);
             }
