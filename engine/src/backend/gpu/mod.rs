@@ -22,9 +22,10 @@
 //! turns this off.
 //!
 //! Numerics ([`numerics`]): in the default `fast` mode the ops are the tuned kernels above; in
-//! `reference` mode every op runs through a bit-exact kernel (`ember_gpu::ops::*_exact`), one op
-//! per launch with no fused kernels and no graphs, so the logits equal the CPU backend's bit for
-//! bit. [`GpuBackend::set_numerics`] chooses; [`open()`] takes the choice from its options.
+//! `reference` mode every op gives the CPU's bits (the context's `ember_gpu::ops::Numerics`
+//! makes each op's one wrapper pick its bit-exact kernel, `kernels/exact_*.hip`, where the fast
+//! one rounds differently), one op per launch with no fused kernels and no graphs, so the logits
+//! equal the CPU backend's bit for bit. [`GpuBackend::set_numerics`] chooses; [`open()`] takes the choice from its options.
 //!
 //! Failures: the ops cannot return errors through the [`Backend`] trait, so the first failure is
 //! recorded with the op's name, later ops are skipped, and [`Backend::take_failure`] hands it to
