@@ -48,7 +48,7 @@
 // Launch (crates/gpu/src/ops/exact_attention.rs): grid = n_tokens * n_heads blocks (block
 // t * n_heads + h computes token t, query head h), block = EXACT_ATTN_THREADS threads,
 // head_dim <= EXACT_ATTN_MAX_HEAD_DIM.
-#include "ember_compat.h"
+#include "ember_exact.h"
 
 #define EXACT_ATTN_THREADS 256
 #define EXACT_ATTN_MAX_HEAD_DIM 256
@@ -61,46 +61,9 @@
 #define EXACT_ATTN_VIEW_PAD 256
 #define EXACT_ATTN_SPLIT_MIN_CELLS 512
 
-// ---- exactly rounded arithmetic ----
-//
-// HIP's __fadd_rn & co. are plain operators (contractible under clang's default
-// -ffp-contract=fast-honor-pragmas), so under HIP the helpers are plain operators compiled with
-// contraction off (the pragma covers everything below it in this file) and the FMAs are the
-// builtins. Under nvcc the _rn intrinsics are documented never to be merged into an FMA.
 #if defined(EMBER_PLATFORM_HIP)
 #pragma clang fp contract(off)
-EMBER_DEVICE float xa_add(float a, float b) { return a + b; }
-EMBER_DEVICE float xa_sub(float a, float b) { return a - b; }
-EMBER_DEVICE float xa_mul(float a, float b) { return a * b; }
-EMBER_DEVICE float xa_div(float a, float b) { return a / b; }
-EMBER_DEVICE float xa_fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
-EMBER_DEVICE double xa_dadd(double a, double b) { return a + b; }
-EMBER_DEVICE double xa_dsub(double a, double b) { return a - b; }
-EMBER_DEVICE double xa_dmul(double a, double b) { return a * b; }
-EMBER_DEVICE double xa_dfma(double a, double b, double c) { return __builtin_fma(a, b, c); }
-EMBER_DEVICE float xa_d2f(double a) { return (float)a; }
-#else
-EMBER_DEVICE float xa_add(float a, float b) { return __fadd_rn(a, b); }
-EMBER_DEVICE float xa_sub(float a, float b) { return __fsub_rn(a, b); }
-EMBER_DEVICE float xa_mul(float a, float b) { return __fmul_rn(a, b); }
-EMBER_DEVICE float xa_div(float a, float b) { return __fdiv_rn(a, b); }
-EMBER_DEVICE float xa_fma(float a, float b, float c) { return __fmaf_rn(a, b, c); }
-EMBER_DEVICE double xa_dadd(double a, double b) { return __dadd_rn(a, b); }
-EMBER_DEVICE double xa_dsub(double a, double b) { return __dsub_rn(a, b); }
-EMBER_DEVICE double xa_dmul(double a, double b) { return __dmul_rn(a, b); }
-EMBER_DEVICE double xa_dfma(double a, double b, double c) { return __fma_rn(a, b, c); }
-EMBER_DEVICE float xa_d2f(double a) { return __double2float_rn(a); }
 #endif
-
-// f32 -> double is exact; written out for symmetry with xa_d2f.
-EMBER_DEVICE double xa_f2d(float a) { return (double)a; }
-
-// f32 rounded to the nearest f16 (ties to even) and back: half::f16::from_f32(x).to_f32(), F16C's
-// vcvtps2ph with round-to-nearest.
-EMBER_DEVICE float xa_round_f16(float x) { return __half2float(__float2half_rn(x)); }
-
-// Rust's f32::max: the other operand when one is NaN (fmaxf's rule too).
-EMBER_DEVICE float xa_max(float a, float b) { return fmaxf(a, b); }
 
 // ---- glibc's expf ----
 
@@ -126,7 +89,7 @@ EMBER_DEVICE float xa_expf_libm(float x) {
     const uint32_t abstop = (bits >> 20) & 0x7ffu;
     if (abstop >= 0x42bu) {  // |x| >= 88 (top 12 bits of 88.0f), or x is inf or NaN
         if (bits == 0xff800000u) return 0.0f;           // -inf
-        if (abstop >= 0x7f8u) return xa_add(x, x);      // +inf or NaN
+        if (abstop >= 0x7f8u) return ex_add(x, x);      // +inf or NaN
         if (x > __uint_as_float(0x42b17217u)) return __uint_as_float(0x7f800000u);  // overflow
         if (x < __uint_as_float(0xc2cff1b4u)) return 0.0f;                          // underflow
     }
@@ -135,45 +98,19 @@ EMBER_DEVICE float xa_expf_libm(float x) {
     const double c0 = __longlong_as_double(0x3ebc6af84b912394ll);         // cubic of 2^(r/32) - 1
     const double c1 = __longlong_as_double(0x3f2ebfce50fac4f3ll);
     const double c2 = __longlong_as_double(0x3f962e42ff0c52d6ll);
-    const double xd = xa_f2d(x);
-    double kd = xa_dfma(inv_ln2_n, xd, shift);
+    const double xd = ex_f2d(x);
+    double kd = ex_dfma(inv_ln2_n, xd, shift);
     const uint64_t ki = (uint64_t)__double_as_longlong(kd);
-    kd = xa_dsub(kd, shift);
-    const double r = xa_dfma(inv_ln2_n, xd, -kd);
+    kd = ex_dsub(kd, shift);
+    const double r = ex_dfma(inv_ln2_n, xd, -kd);
     const uint64_t t = xa_exp2f_table[ki % 32] + (ki << 47);
     const double s = __longlong_as_double((long long)t);
-    const double z = xa_dfma(c0, r, c1);
-    const double r2 = xa_dmul(r, r);
-    double y = xa_dfma(c2, r, 1.0);
-    y = xa_dfma(z, r2, y);
-    y = xa_dmul(y, s);
-    return xa_d2f(y);
-}
-
-// ---- GGML's vectorised expf (vec.rs expf_ggml) ----
-
-// e^x as GGML's AVX-512 `ggml_v_expf`: a degree-5 polynomial of the reduced argument, scaled
-// by 2^n with one rounding.
-EMBER_DEVICE float xa_expf_ggml(float x) {
-    const float shift = 12582912.0f;                     // 0x1.8p23
-    const float log2e = __uint_as_float(0x3fb8aa3bu);
-    const float ln2_hi = __uint_as_float(0x3f317200u);
-    const float ln2_lo = __uint_as_float(0x35bfbe8eu);
-    const float c4 = __uint_as_float(0x3c072010u);
-    const float c3 = __uint_as_float(0x3d2b9f17u);
-    const float c2 = __uint_as_float(0x3e2aaf33u);
-    const float c1 = __uint_as_float(0x3efffedbu);
-    const float c0 = __uint_as_float(0x3f7ffff6u);
-    const float z = xa_fma(x, log2e, shift);
-    const float n = xa_sub(z, shift);
-    const float b = xa_fma(-n, ln2_lo, xa_fma(-n, ln2_hi, x));
-    const float u = xa_mul(b, b);
-    const float j = xa_fma(xa_fma(xa_fma(c4, b, c3), u, xa_fma(c2, b, c1)), u, xa_fma(c0, b, 1.0f));
-    if (fabsf(n) > 192.0f) return n <= 0.0f ? 0.0f : __uint_as_float(0x7f800000u);
-    // j * 2^n, exact in f64, rounded once to f32. n is integral here (or NaN, whose j is NaN).
-    const long long e = n == n ? (long long)n : 0;
-    const double pow2 = __longlong_as_double((e + 1023) << 52);
-    return xa_d2f(xa_dmul(xa_f2d(j), pow2));
+    const double z = ex_dfma(c0, r, c1);
+    const double r2 = ex_dmul(r, r);
+    double y = ex_dfma(c2, r, 1.0);
+    y = ex_dfma(z, r2, y);
+    y = ex_dmul(y, s);
+    return ex_d2f(y);
 }
 
 // ---- cache access ----
@@ -224,22 +161,22 @@ EMBER_DEVICE float xa_dot_f16_ggml(const float* q, const ember_half* k, uint32_t
             xa_load8(k + base + 16 * j, wide, kv);
             xa_load8(k + base + 16 * j + 8, wide, kv + 8);
 #pragma unroll
-            for (int i = 0; i < 16; ++i) acc[j][i] = xa_fma(q[base + 16 * j + i], kv[i], acc[j][i]);
+            for (int i = 0; i < 16; ++i) acc[j][i] = ex_fma(q[base + 16 * j + i], kv[i], acc[j][i]);
         }
     }
     float lanes[16];
 #pragma unroll
-    for (int i = 0; i < 16; ++i) lanes[i] = xa_add(xa_add(acc[0][i], acc[2][i]), xa_add(acc[1][i], acc[3][i]));
+    for (int i = 0; i < 16; ++i) lanes[i] = ex_add(ex_add(acc[0][i], acc[2][i]), ex_add(acc[1][i], acc[3][i]));
     // _mm512_reduce_add_ps: halves added lane-wise until one value is left.
     float t8[8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) t8[i] = xa_add(lanes[i], lanes[i + 8]);
+    for (int i = 0; i < 8; ++i) t8[i] = ex_add(lanes[i], lanes[i + 8]);
     float u4[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) u4[i] = xa_add(t8[i], t8[i + 4]);
-    double sum = xa_f2d(xa_add(xa_add(u4[0], u4[2]), xa_add(u4[1], u4[3])));
-    for (uint32_t i = np; i < n; ++i) sum = xa_dadd(sum, xa_f2d(xa_mul(q[i], __half2float(k[i]))));
-    return xa_d2f(sum);
+    for (int i = 0; i < 4; ++i) u4[i] = ex_add(t8[i], t8[i + 4]);
+    double sum = ex_f2d(ex_add(ex_add(u4[0], u4[2]), ex_add(u4[1], u4[3])));
+    for (uint32_t i = np; i < n; ++i) sum = ex_dadd(sum, ex_f2d(ex_mul(q[i], __half2float(k[i]))));
+    return ex_d2f(sum);
 }
 
 // vec.rs kq_tile for one key: sum over d of q[d] * k[d] by one FMA chain from 0 (q in f32).
@@ -251,9 +188,9 @@ EMBER_DEVICE float xa_dot_chain(const float* q, const ember_half* k, uint32_t n)
         float kv[8];
         xa_load8(k + d, wide, kv);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc = xa_fma(kv[i], q[d + i], acc);
+        for (int i = 0; i < 8; ++i) acc = ex_fma(kv[i], q[d + i], acc);
     }
-    for (; d < n; ++d) acc = xa_fma(__half2float(k[d]), q[d], acc);
+    for (; d < n; ++d) acc = ex_fma(__half2float(k[d]), q[d], acc);
     return acc;
 }
 
@@ -298,7 +235,7 @@ EMBER_DEVICE float xa_softmax_f16(XaShared& sh, const uint64_t* k_blocks, const 
             const uint32_t p = start + tid;
             const ember_half* k = xa_row(k_blocks, table, p, block_size, row_values, head_offset);
             sh.v_row[tid] = xa_row(v_blocks, table, p, block_size, row_values, head_offset);
-            sh.score[tid] = xa_mul(xa_dot_f16_ggml(sh.q, k, head_dim), scale);
+            sh.score[tid] = ex_mul(xa_dot_f16_ggml(sh.q, k, head_dim), scale);
         }
         __syncthreads();
         // The running maximum before each key, and whether the key raises it (`score > max`).
@@ -316,18 +253,18 @@ EMBER_DEVICE float xa_softmax_f16(XaShared& sh, const uint64_t* k_blocks, const 
         if (tid < n) {
             const float s = sh.score[tid], m = sh.max_before[tid];
             if (sh.raised[tid]) {
-                sh.old_scale[tid] = xa_expf_libm(xa_sub(m, s));
+                sh.old_scale[tid] = xa_expf_libm(ex_sub(m, s));
                 sh.weight[tid] = 1.0f;
             } else {
                 sh.old_scale[tid] = 1.0f;
-                sh.weight[tid] = xa_expf_libm(xa_sub(s, m));
+                sh.weight[tid] = xa_expf_libm(ex_sub(s, m));
             }
         }
         __syncthreads();
         // `S = S*ms + vs`, contracted to one FMA.
         if (tid == 0) {
 #pragma unroll 8
-            for (uint32_t i = 0; i < n; ++i) run_sum = xa_fma(run_sum, sh.old_scale[i], sh.weight[i]);
+            for (uint32_t i = 0; i < n; ++i) run_sum = ex_fma(run_sum, sh.old_scale[i], sh.weight[i]);
         }
         if (tid < head_dim) {
 #pragma unroll 4
@@ -335,15 +272,15 @@ EMBER_DEVICE float xa_softmax_f16(XaShared& sh, const uint64_t* k_blocks, const 
                 if (sh.raised[i]) {
                     const float f = sh.old_scale[i];
                     if (rule == XA_RESCALE_ONE_CHUNK) {
-                        acc = xa_round_f16(xa_mul(acc, f));
+                        acc = ex_round_f16(ex_mul(acc, f));
                     } else if (f != 1.0f && f != 0.0f) {
-                        acc = xa_round_f16(xa_mul(acc, f));
+                        acc = ex_round_f16(ex_mul(acc, f));
                     } else if (f == 0.0f) {
                         acc = 0.0f;
                     }
                 }
                 // ggml_vec_mad_f16: f16(v * w + acc).
-                acc = xa_round_f16(xa_fma(__half2float(sh.v_row[i][tid]), sh.weight[i], acc));
+                acc = ex_round_f16(ex_fma(__half2float(sh.v_row[i][tid]), sh.weight[i], acc));
             }
         }
     }
@@ -376,7 +313,7 @@ EMBER_DEVICE float xa_softmax_f32(XaShared& sh, const uint64_t* k_blocks, const 
                 const uint32_t p = tile_lo + tid;
                 const ember_half* k = xa_row(k_blocks, table, p, block_size, row_values, head_offset);
                 sh.v_row[tid] = xa_row(v_blocks, table, p, block_size, row_values, head_offset);
-                sh.score[tid] = xa_mul(xa_dot_chain(sh.q, k, head_dim), scale);
+                sh.score[tid] = ex_mul(xa_dot_chain(sh.q, k, head_dim), scale);
             } else {
                 sh.score[tid] = -INFINITY;
             }
@@ -384,11 +321,11 @@ EMBER_DEVICE float xa_softmax_f32(XaShared& sh, const uint64_t* k_blocks, const 
         __syncthreads();
         if (tid == 0) {
             float tile_max = -INFINITY;
-            for (uint32_t i = visible_lo; i < visible_hi; ++i) tile_max = xa_max(tile_max, sh.score[i]);
-            const float new_max = xa_max(run_max, tile_max);
+            for (uint32_t i = visible_lo; i < visible_hi; ++i) tile_max = ex_max(tile_max, sh.score[i]);
+            const float new_max = ex_max(run_max, tile_max);
             const bool rescale = new_max > run_max;
-            const float ms = rescale ? xa_expf_libm(xa_sub(run_max, new_max)) : 1.0f;
-            if (rescale) run_sum = xa_mul(run_sum, ms);
+            const float ms = rescale ? xa_expf_libm(ex_sub(run_max, new_max)) : 1.0f;
+            if (rescale) run_sum = ex_mul(run_sum, ms);
             run_max = new_max;
             sh.max = new_max;
             sh.ms = ms;
@@ -396,33 +333,33 @@ EMBER_DEVICE float xa_softmax_f32(XaShared& sh, const uint64_t* k_blocks, const 
         }
         __syncthreads();
         // softmax_tile: p = expf_ggml(kq - max), 0 for masked keys.
-        if (tid < EXACT_ATTN_KV_TILE) sh.weight[tid] = xa_expf_ggml(xa_sub(sh.score[tid], sh.max));
+        if (tid < EXACT_ATTN_KV_TILE) sh.weight[tid] = ex_expf_ggml(ex_sub(sh.score[tid], sh.max));
         __syncthreads();
         if (tid == 0) {
             double tile_sum = 0.0;
             for (int run = 0; run < EXACT_ATTN_KV_TILE / 16; ++run) {
                 const float* v = sh.weight + 16 * run;
                 float t8[8], u4[4];
-                for (int i = 0; i < 8; ++i) t8[i] = xa_add(v[i], v[i + 8]);
-                for (int i = 0; i < 4; ++i) u4[i] = xa_add(t8[i], t8[i + 4]);
-                tile_sum = xa_dadd(tile_sum, xa_f2d(xa_add(xa_add(u4[0], u4[2]), xa_add(u4[1], u4[3]))));
+                for (int i = 0; i < 8; ++i) t8[i] = ex_add(v[i], v[i + 8]);
+                for (int i = 0; i < 4; ++i) u4[i] = ex_add(t8[i], t8[i + 4]);
+                tile_sum = ex_dadd(tile_sum, ex_f2d(ex_add(ex_add(u4[0], u4[2]), ex_add(u4[1], u4[3]))));
             }
-            run_sum = xa_d2f(xa_dadd(xa_f2d(run_sum), tile_sum));
+            run_sum = ex_d2f(ex_dadd(ex_f2d(run_sum), tile_sum));
         }
         if (tid < head_dim) {
-            if (sh.rescale) acc = xa_mul(acc, sh.ms);
+            if (sh.rescale) acc = ex_mul(acc, sh.ms);
             // ggml_vec_mad_f32: acc = v * p + acc.
 #pragma unroll 4
             for (uint32_t i = visible_lo; i < visible_hi; ++i)
-                acc = xa_fma(__half2float(sh.v_row[i][tid]), sh.weight[i], acc);
+                acc = ex_fma(__half2float(sh.v_row[i][tid]), sh.weight[i], acc);
         }
     }
     __syncthreads();
     if (tid == 0) sh.sum = run_sum;
     __syncthreads();
     const float total = sh.sum;
-    const float inv = total == 0.0f ? 0.0f : xa_div(1.0f, total);
-    return xa_mul(acc, inv);
+    const float inv = total == 0.0f ? 0.0f : ex_div(1.0f, total);
+    return ex_mul(acc, inv);
 }
 
 // ---- the kernel ----
@@ -459,7 +396,7 @@ EMBER_KERNEL void ember_exact_attention(float* out, const float* q, const uint64
     }
 
     // The query rounded to f16, as GGML converts it to the keys' type.
-    if (tid < head_dim) sh.q[tid] = xa_round_f16(q_row[tid]);
+    if (tid < head_dim) sh.q[tid] = ex_round_f16(q_row[tid]);
     // split_kv_len: the view GGML attends, (position + 1) rounded up to 256 cells.
     const uint32_t n_kv = max((position + 1 + EXACT_ATTN_VIEW_PAD - 1) / EXACT_ATTN_VIEW_PAD, 1u) * EXACT_ATTN_VIEW_PAD;
     if (n_tokens == 1 && n_kv >= EXACT_ATTN_SPLIT_MIN_CELLS) {
@@ -474,15 +411,15 @@ EMBER_KERNEL void ember_exact_attention(float* out, const float* q, const uint64
                                               head_offset, scale, XA_RESCALE_ONE_CHUNK);
             const float chunk_max = sh.max, chunk_sum = sh.sum;
             if (chunk_sum == 0.0f) continue;
-            const float new_max = xa_max(fin_max, chunk_max);
-            const float scale_old = xa_expf_libm(xa_sub(fin_max, new_max));
-            const float scale_new = xa_expf_libm(xa_sub(chunk_max, new_max));
+            const float new_max = ex_max(fin_max, chunk_max);
+            const float scale_old = xa_expf_libm(ex_sub(fin_max, new_max));
+            const float scale_new = xa_expf_libm(ex_sub(chunk_max, new_max));
             // `a*b + c*d` with the left product fused.
-            fin = xa_fma(fin, scale_old, xa_mul(part, scale_new));
-            fin_sum = xa_fma(fin_sum, scale_old, xa_mul(chunk_sum, scale_new));
+            fin = ex_fma(fin, scale_old, ex_mul(part, scale_new));
+            fin_sum = ex_fma(fin_sum, scale_old, ex_mul(chunk_sum, scale_new));
             fin_max = new_max;
         }
-        if (fin_sum != 0.0f) fin = xa_mul(fin, xa_div(1.0f, fin_sum));
+        if (fin_sum != 0.0f) fin = ex_mul(fin, ex_div(1.0f, fin_sum));
         if (tid < head_dim) out_row[tid] = fin;
         return;
     }
@@ -491,8 +428,8 @@ EMBER_KERNEL void ember_exact_attention(float* out, const float* q, const uint64
     const float acc = xa_softmax_f16(sh, k_blocks, v_blocks, table, first, position + 1, head_dim, block_size, row_values,
                                      head_offset, scale, XA_RESCALE_ATTEND);
     const float total = sh.sum;
-    const float inv = total == 0.0f ? 0.0f : xa_div(1.0f, total);
-    if (tid < head_dim) out_row[tid] = xa_mul(acc, inv);
+    const float inv = total == 0.0f ? 0.0f : ex_div(1.0f, total);
+    if (tid < head_dim) out_row[tid] = ex_mul(acc, inv);
 }
 
 // out[i] = e^x[i] for i < n by the exponential the CPU's attention uses: libm's expf
@@ -500,5 +437,5 @@ EMBER_KERNEL void ember_exact_attention(float* out, const float* q, const uint64
 // exponentials to the CPU's. Launch: any grid (grid-stride).
 EMBER_KERNEL void ember_exact_expf(float* out, const float* x, uint32_t n, uint32_t flavor) {
     for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
-        out[i] = flavor == 0 ? xa_expf_libm(x[i]) : xa_expf_ggml(x[i]);
+        out[i] = flavor == 0 ? xa_expf_libm(x[i]) : ex_expf_ggml(x[i]);
 }

@@ -1,14 +1,15 @@
 // Bit-exact twins of the CPU backend's row-wise and element-wise ops, for the GPU backend's
 // reference numerics mode: embedding lookup (get_rows), RMS normalisation (alone and fused with
-// the residual add), element-wise add / bias / scale, SwiGLU, GeGLU, rotary embedding, the f16
-// K/V store and row gathers.
+// the residual add), SwiGLU, GeGLU and rotary embedding. (The element-wise add and scale,
+// the f16 K/V store and the row gathers round once or not at all, so the fast kernels of
+// elementwise.hip, attention.hip and embedding.hip are already exact and serve both modes.)
 //
 // The spec is the Rust code of the CPU backend, not GGML's C: engine/src/backend/cpu/mod.rs (the
 // ops), engine/src/backend/cpu/ops.rs (rms_norm_row, gelu_ggml, rope_head), engine/src/backend/cpu/
 // vec.rs (expf_ggml, silu_ggml, swiglu_ggml) and crates/quant/src/scalar/{float,legacy,kquants}.rs
 // (dequantisation). Every output element sees the same f32/f64 operations in the same order with
 // the same roundings as there, so results agree bit for bit:
-//   * every floating-point operation goes through the ex_* helpers below, never a bare operator,
+//   * every floating-point operation goes through the ex_* helpers of ember_exact.h, never a bare operator,
 //     so the compiler cannot contract a multiply and an add into an FMA (nvcc does by default,
 //     clang for HIP too), reassociate, or use an approximate division or square root; an FMA is
 //     written only where the Rust code calls mul_add;
@@ -24,49 +25,11 @@
 //
 // Launches (crates/gpu/src/ops/exact_elementwise.rs): grid-stride kernels take any grid; the
 // row kernels take one block per row (any block size).
-#include "ember_compat.h"
+#include "ember_exact.h"
 
-// ---- exactly rounded arithmetic ----
-//
-// HIP's __fadd_rn & co. are plain operators (contractible under clang's default
-// -ffp-contract=fast-honor-pragmas) and its __fsqrt_rn is the approximate native square root, so
-// under HIP the helpers are plain operators compiled with contraction off (the pragma covers
-// everything below it in this file), and the square root is the correctly rounded builtin. Under
-// nvcc the _rn intrinsics are documented never to be merged into an FMA, and __fdiv_rn /
-// __fsqrt_rn are IEEE round-to-nearest.
 #if defined(EMBER_PLATFORM_HIP)
 #pragma clang fp contract(off)
-EMBER_DEVICE float ex_add(float a, float b) { return a + b; }
-EMBER_DEVICE float ex_sub(float a, float b) { return a - b; }
-EMBER_DEVICE float ex_mul(float a, float b) { return a * b; }
-EMBER_DEVICE float ex_div(float a, float b) { return a / b; }
-EMBER_DEVICE float ex_fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
-EMBER_DEVICE float ex_sqrt(float a) { return __builtin_sqrtf(a); }
-EMBER_DEVICE double ex_dadd(double a, double b) { return a + b; }
-EMBER_DEVICE double ex_dmul(double a, double b) { return a * b; }
-EMBER_DEVICE double ex_ddiv(double a, double b) { return a / b; }
-EMBER_DEVICE float ex_d2f(double a) { return (float)a; }
-#else
-EMBER_DEVICE float ex_add(float a, float b) { return __fadd_rn(a, b); }
-EMBER_DEVICE float ex_sub(float a, float b) { return __fsub_rn(a, b); }
-EMBER_DEVICE float ex_mul(float a, float b) { return __fmul_rn(a, b); }
-EMBER_DEVICE float ex_div(float a, float b) { return __fdiv_rn(a, b); }
-EMBER_DEVICE float ex_fma(float a, float b, float c) { return __fmaf_rn(a, b, c); }
-EMBER_DEVICE float ex_sqrt(float a) { return __fsqrt_rn(a); }
-EMBER_DEVICE double ex_dadd(double a, double b) { return __dadd_rn(a, b); }
-EMBER_DEVICE double ex_dmul(double a, double b) { return __dmul_rn(a, b); }
-EMBER_DEVICE double ex_ddiv(double a, double b) { return __ddiv_rn(a, b); }
-EMBER_DEVICE float ex_d2f(double a) { return __double2float_rn(a); }
 #endif
-
-// A little-endian IEEE half at a 2-byte-aligned byte address, as f32 (exact).
-EMBER_DEVICE float ex_half_at(const uint8_t* p) { return ember_load_half(p); }
-
-// f16 bits as f32 (exact).
-EMBER_DEVICE float ex_half_bits(uint16_t bits) { return __half2float(__ushort_as_half(bits)); }
-
-// f32 rounded to the nearest f16 (ties to even), as bits: half::f16::from_f32.
-EMBER_DEVICE uint16_t ex_f16_bits(float x) { return __half_as_ushort(__float2half_rn(x)); }
 
 // ---- dequantisation: value e of a row, as crates/quant/src/scalar computes it ----
 
@@ -293,44 +256,6 @@ EMBER_KERNEL void ember_exact_add_rms_norm_f32(float* out, float* x, const float
 
 // ---- element-wise ----
 
-// CPU ops add_inplace (n_b = n) and add_bias (n_b = the row length): out[i] = a[i] + b[i % n_b].
-// `out` may alias `a`.
-EMBER_KERNEL void ember_exact_add_f32(float* out, const float* a, const float* b, uint32_t n, uint32_t n_b) {
-    for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) out[i] = ex_add(a[i], b[i % n_b]);
-}
-
-// CPU op scale: out[i] = x[i] * scale. `out` may alias `x`.
-EMBER_KERNEL void ember_exact_scale_f32(float* out, const float* x, float scale, uint32_t n) {
-    for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) out[i] = ex_mul(x[i], scale);
-}
-
-// vec.rs expf_consts: GGML's ggml_v_expf constants.
-#define EX_EXP_SHIFT 12582912.0f                 // 0x1.8p23
-#define EX_EXP_LOG2E __uint_as_float(0x3fb8aa3bu)  // 0x1.715476p+0
-#define EX_EXP_LN2_HI __uint_as_float(0x3f317200u) // 0x1.62e4p-1
-#define EX_EXP_LN2_LO __uint_as_float(0x35bfbe8eu) // 0x1.7f7d1cp-20
-#define EX_EXP_C4 __uint_as_float(0x3c072010u)     // 0x1.0e4020p-7
-#define EX_EXP_C3 __uint_as_float(0x3d2b9f17u)     // 0x1.573e2ep-5
-#define EX_EXP_C2 __uint_as_float(0x3e2aaf33u)     // 0x1.555e66p-3
-#define EX_EXP_C1 __uint_as_float(0x3efffedbu)     // 0x1.fffdb6p-2
-#define EX_EXP_C0 __uint_as_float(0x3f7ffff6u)     // 0x1.ffffecp-1
-
-// vec.rs expf_ggml, operation for operation: a degree-5 polynomial of the reduced argument,
-// scaled by 2^n with one rounding (the product j * 2^n is exact in f64, then rounded to f32).
-EMBER_DEVICE float ex_expf_ggml(float x) {
-    const float z = ex_fma(x, EX_EXP_LOG2E, EX_EXP_SHIFT);
-    const float n = ex_sub(z, EX_EXP_SHIFT);
-    const float b = ex_fma(-n, EX_EXP_LN2_LO, ex_fma(-n, EX_EXP_LN2_HI, x));
-    const float u = ex_mul(b, b);
-    const float j = ex_fma(ex_fma(ex_fma(EX_EXP_C4, b, EX_EXP_C3), u, ex_fma(EX_EXP_C2, b, EX_EXP_C1)), u, ex_fma(EX_EXP_C0, b, 1.0f));
-    if (fabsf(n) > 192.0f) return n <= 0.0f ? 0.0f : INFINITY;
-    // Rust's `n as i64` is 0 for NaN (then j is NaN too and so is the result); n is an integer
-    // in [-192, 192] otherwise.
-    const long long e = (n == n) ? (long long)n : 0;
-    const double pow2 = __longlong_as_double((e + 1023) << 52);
-    return ex_d2f(ex_dmul((double)j, pow2));
-}
-
 // vec.rs silu_ggml: x / (1 + expf(0 - x)).
 EMBER_DEVICE float ex_silu_ggml(float x) { return ex_div(x, ex_add(1.0f, ex_expf_ggml(ex_sub(0.0f, x)))); }
 
@@ -392,38 +317,4 @@ EMBER_KERNEL void ember_exact_rope_norm_f32(float* x, const float* cos_sin, uint
 
 EMBER_KERNEL void ember_exact_rope_neox_f32(float* x, const float* cos_sin, uint32_t n_tokens, uint32_t n_heads, uint32_t head_dim, uint32_t n_dims) {
     ex_rope<true>(x, cos_sin, n_tokens, n_heads, head_dim, n_dims);
-}
-
-// ---- K/V store and row gathers ----
-
-// CPU op kv_store: the K and V rows of token t (row_values = n_kv_heads * head_dim f32 values
-// each) rounded to the nearest f16 (ties to even, as half's convert_from_f32_slice) into slot
-// slots[t] = block * block_size + offset: row `offset` of k_blocks[block] / v_blocks[block]
-// (u64 addresses). The device layout is attention.hip's ember_kv_store_f16's ([slot][head][dim]
-// within a block), which the attention kernels read; the CPU's in-block layout differs, the
-// values do not. Negative slots and blocks without memory (address 0) are skipped.
-// Launch: grid = n_tokens, any block size.
-EMBER_KERNEL void ember_exact_kv_store_f16(const uint64_t* k_blocks, const uint64_t* v_blocks, const float* k, const float* v,
-                                           const int32_t* slots, uint32_t row_values, uint32_t block_size) {
-    const int32_t slot = slots[blockIdx.x];
-    if (slot < 0) return;
-    const uint32_t block = (uint32_t)slot / block_size, offset = (uint32_t)slot % block_size;
-    uint16_t* k_out = (uint16_t*)k_blocks[block];
-    uint16_t* v_out = (uint16_t*)v_blocks[block];
-    if (k_out == nullptr || v_out == nullptr) return;
-    k_out += (size_t)offset * row_values;
-    v_out += (size_t)offset * row_values;
-    const float* k_in = k + (size_t)blockIdx.x * row_values;
-    const float* v_in = v + (size_t)blockIdx.x * row_values;
-    for (uint32_t i = threadIdx.x; i < row_values; i += blockDim.x) {
-        k_out[i] = ex_f16_bits(k_in[i]);
-        v_out[i] = ex_f16_bits(v_in[i]);
-    }
-}
-
-// CPU op gather_rows: out[i, c] = src[rows[i], c] (a copy). Launch: grid = n rows, any block size.
-EMBER_KERNEL void ember_exact_gather_rows_f32(float* out, const float* src, const int32_t* rows, uint32_t dim) {
-    const float* src_row = src + (size_t)rows[blockIdx.x] * dim;
-    float* out_row = out + (size_t)blockIdx.x * dim;
-    for (uint32_t c = threadIdx.x; c < dim; c += blockDim.x) out_row[c] = src_row[c];
 }

@@ -30,18 +30,18 @@
 //   * f32 and bf16: the scalar `lanes_dot` (8 lanes, separate multiply and add, a sequential
 //     tail); f16: AVX2 `vec_dot_f16` (two FMA accumulators alternating per 8 values).
 //
-// Bit-exactness rules: every float operation goes through the ex_* wrappers below. nvcc contracts
+// Bit-exactness rules: every float operation goes through the ex_* helpers of ember_exact.h. nvcc contracts
 // a*b+c into an FMA unless the _rn intrinsics are used; HIP's __fadd_rn/__fmul_rn are plain
 // `x + y` / `x * y` in its headers and are contracted too (clang's HIP default is
-// -ffp-contract=fast-honor-pragmas), so on AMD this file turns contraction off with a pragma and
-// writes the operators itself. Divisions are IEEE (nvcc __fdiv_rn; clang HIP divides correctly
+// -ffp-contract=fast-honor-pragmas), so on AMD the header and this file turn contraction off with a
+// pragma and the helpers are the operators themselves. Divisions are IEEE (nvcc __fdiv_rn; clang HIP divides correctly
 // rounded by default) and no denormal is flushed (neither compiler flushes by default).
 //
 // Launch (ops/exact_matmul.rs): quantisation kernels grid-stride or one thread per block; matmul
 // kernels with EMBER_EXACT_THREADS threads = 32 groups of 8, each block a tile of 32 / tile_tokens
 // rows by tile_tokens tokens, grid (ceil(n_rows / (32 / tile_tokens)), token tiles), tokens from
 // token0 + blockIdx.y * tile_tokens (so launches can be split in token slices).
-#include "ember_compat.h"
+#include "ember_exact.h"
 
 #if defined(EMBER_PLATFORM_HIP)
 #pragma clang fp contract(off)
@@ -51,52 +51,6 @@
 // Threads per output: the 8 float lanes of the CPU's AVX2 accumulator.
 #define EMBER_EXACT_LANES 8
 #define EMBER_EXACT_GROUPS (EMBER_EXACT_THREADS / EMBER_EXACT_LANES)
-
-// ---- Float operations, each rounded once (never contracted or reordered) ----
-
-EMBER_DEVICE float ex_add(float a, float b) {
-#if defined(EMBER_PLATFORM_CUDA)
-    return __fadd_rn(a, b);
-#else
-    return a + b;
-#endif
-}
-
-EMBER_DEVICE float ex_sub(float a, float b) {
-#if defined(EMBER_PLATFORM_CUDA)
-    return __fsub_rn(a, b);
-#else
-    return a - b;
-#endif
-}
-
-EMBER_DEVICE float ex_mul(float a, float b) {
-#if defined(EMBER_PLATFORM_CUDA)
-    return __fmul_rn(a, b);
-#else
-    return a * b;
-#endif
-}
-
-EMBER_DEVICE float ex_div(float a, float b) {
-#if defined(EMBER_PLATFORM_CUDA)
-    return __fdiv_rn(a, b);
-#else
-    return a / b;
-#endif
-}
-
-// a * b + c with one rounding (Rust's mul_add, _mm256_fmadd_ps).
-EMBER_DEVICE float ex_fma(float a, float b, float c) {
-#if defined(EMBER_PLATFORM_CUDA)
-    return __fmaf_rn(a, b, c);
-#else
-    return __builtin_fmaf(a, b, c);
-#endif
-}
-
-// f32 -> f16 (nearest, ties to even, as half::f16::from_f32 and GGML_FP32_TO_FP16) -> f32.
-EMBER_DEVICE float ex_round_f16(float v) { return __half2float(__float2half_rn(v)); }
 
 // GGML_FP32_TO_BF16 (scalar/float.rs `f32_to_bf16_bits`): nearest even, NaN kept quiet; -> f32.
 EMBER_DEVICE float ex_round_bf16(float v) {
@@ -108,12 +62,6 @@ EMBER_DEVICE float ex_round_bf16(float v) {
         bits = (u + (0x7fffu + ((u >> 16) & 1u))) >> 16;
     }
     return __uint_as_float((bits & 0xffffu) << 16);
-}
-
-// A little-endian f16 at a byte address (any alignment), widened exactly.
-EMBER_DEVICE float ex_half_at(const uint8_t* p) {
-    const unsigned short bits = (unsigned short)(p[0] | (p[1] << 8));
-    return __half2float(__ushort_as_half(bits));
 }
 
 // ---- Shuffles within one group of 8 lanes ----

@@ -86,8 +86,12 @@ pub enum AttentionKernel {
 }
 
 /// Attention of every query token over its sequence's cached keys and values. Asynchronous on
-/// the context's stream; long decode contexts take a scratch buffer from the pool.
+/// the context's stream; long decode contexts take a scratch buffer from the pool. In reference
+/// numerics, the exact kernel for the context's reference thread count.
 pub fn attention(ctx: &GpuContext, args: &AttentionArgs) -> Result<(), OpsError> {
+    if ctx.reference() {
+        return super::exact_attention::attention_exact(ctx, args, ctx.reference_threads());
+    }
     attention_with(ctx, args, AttentionKernel::Auto)
 }
 

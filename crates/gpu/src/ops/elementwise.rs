@@ -9,6 +9,8 @@
 use crate::driver::{DevicePtr, KernelArg, KernelArgs, LaunchConfig};
 use crate::kernels::KernelModule;
 
+use super::exact_elementwise;
+
 use super::{
     as_u32, stride_launch, DeviceMatrix, GpuContext, OpsError, WeightFormat, BLOCK_THREADS,
 };
@@ -38,6 +40,9 @@ pub fn get_rows(
     scale: f32,
     out: DevicePtr,
 ) -> Result<(), OpsError> {
+    if ctx.reference() {
+        return exact_elementwise::get_rows_exact(ctx, table, ids, n, scale, out);
+    }
     const OP: &str = "get_rows";
     if n == 0 {
         return Ok(());
@@ -107,6 +112,16 @@ pub fn rms_norm(
     eps: f32,
     out: DevicePtr,
 ) -> Result<(), OpsError> {
+    if ctx.reference() {
+        if weight == DevicePtr::NULL {
+            return Err(OpsError::Unsupported {
+                op: "rms_norm",
+                what: "reference numerics without a weight (the exact kernel multiplies by one)"
+                    .into(),
+            });
+        }
+        return exact_elementwise::rms_norm_exact(ctx, x, weight, n_rows, dim, eps, out);
+    }
     const OP: &str = "rms_norm";
     if n_rows == 0 {
         return Ok(());
@@ -158,6 +173,9 @@ pub fn add_rms_norm(
     eps: f32,
     out: DevicePtr,
 ) -> Result<(), OpsError> {
+    if ctx.reference() {
+        return exact_elementwise::add_rms_norm_exact(ctx, x, proj, weight, n_rows, dim, eps, out);
+    }
     const OP: &str = "add_rms_norm";
     if n_rows == 0 {
         return Ok(());
@@ -331,6 +349,9 @@ pub fn swiglu(
     up: DevicePtr,
     n: usize,
 ) -> Result<(), OpsError> {
+    if ctx.reference() {
+        return exact_elementwise::swiglu_exact(ctx, out, gate, up, n);
+    }
     glu(ctx, "swiglu", "ember_silu_mul_f32", out, gate, up, n)
 }
 

@@ -223,56 +223,6 @@ pub fn add_rms_norm_exact(
     }
 }
 
-/// `out[i] = a[i] + b[i % n_b]` for `i < n`: the CPU's `add_inplace` (`n_b = n`) and `add_bias`
-/// (`n_b` the row length). `out` may equal `a`.
-pub fn add_exact(
-    ctx: &GpuContext,
-    out: DevicePtr,
-    a: DevicePtr,
-    b: DevicePtr,
-    n: usize,
-    n_b: usize,
-) -> Result<(), OpsError> {
-    const OP: &str = "add_exact";
-    if n == 0 {
-        return Ok(());
-    }
-    if n_b == 0 || !n.is_multiple_of(n_b) {
-        return Err(OpsError::shape(
-            OP,
-            format!("a broadcast length dividing {n}"),
-            format!("{n_b}"),
-        ));
-    }
-    let args = KernelArgs::new()
-        .arg(ptr(out))
-        .arg(ptr(a))
-        .arg(ptr(b))
-        .arg(KernelArg::U32(stride_count(OP, n)?))
-        .arg(KernelArg::U32(as_u32(OP, "the broadcast length", n_b)?));
-    stride_kernel(ctx, OP, "ember_exact_add_f32", n, args)
-}
-
-/// `out[i] = x[i] * scale` for `i < n`: the CPU's `scale`. `out` may equal `x`.
-pub fn scale_exact(
-    ctx: &GpuContext,
-    out: DevicePtr,
-    x: DevicePtr,
-    scale: f32,
-    n: usize,
-) -> Result<(), OpsError> {
-    const OP: &str = "scale_exact";
-    if n == 0 {
-        return Ok(());
-    }
-    let args = KernelArgs::new()
-        .arg(ptr(out))
-        .arg(ptr(x))
-        .arg(KernelArg::F32(scale))
-        .arg(KernelArg::U32(stride_count(OP, n)?));
-    stride_kernel(ctx, OP, "ember_exact_scale_f32", n, args)
-}
-
 /// SwiGLU as the CPU's `swiglu` (GGML's vectorised `expf` polynomial, `vec::swiglu_ggml`):
 /// `out[i] = gate[i] / (1 + expf_ggml(0 - gate[i])) * up[i]`. `out` may equal `gate` or `up`.
 pub fn swiglu_exact(
@@ -388,89 +338,6 @@ pub fn rope_exact(
     }
 }
 
-/// Stores `n_tokens` rows of K and V (f32, `row_values = n_kv_heads * head_dim` each) as f16,
-/// rounded to nearest even as the CPU's `kv_store` does, into their slots, in the device layout
-/// of [`super::kv_store`] (which the attention kernels read): `slots[t] = block * block_size +
-/// offset` (i32 on the device) puts token t at row `offset` of `k_blocks[block]` /
-/// `v_blocks[block]`. Negative slots and blocks whose address is 0 are skipped.
-#[allow(clippy::too_many_arguments)]
-pub fn kv_store_exact(
-    ctx: &GpuContext,
-    k_blocks: DevicePtr,
-    v_blocks: DevicePtr,
-    k: DevicePtr,
-    v: DevicePtr,
-    slots: DevicePtr,
-    n_tokens: usize,
-    row_values: usize,
-    block_size: usize,
-) -> Result<(), OpsError> {
-    const OP: &str = "kv_store_exact";
-    if n_tokens == 0 || row_values == 0 {
-        return Ok(());
-    }
-    if block_size == 0 {
-        return Err(OpsError::shape(OP, "a block size above 0", "0"));
-    }
-    let n_tokens = as_u32(OP, "the token count", n_tokens)?;
-    let row_values = as_u32(OP, "the row length", row_values)?;
-    let args = KernelArgs::new()
-        .arg(ptr(k_blocks))
-        .arg(ptr(v_blocks))
-        .arg(ptr(k))
-        .arg(ptr(v))
-        .arg(ptr(slots))
-        .arg(KernelArg::U32(row_values))
-        .arg(KernelArg::U32(as_u32(OP, "the block size", block_size)?));
-    // SAFETY: ember_exact_kv_store_f16(const uint64_t* k_blocks, const uint64_t* v_blocks, const
-    // float* k, const float* v, const int32_t* slots, uint32_t row_values, uint32_t block_size);
-    // block t reads slots[t] and row t of k and v (sized by the caller for n_tokens rows) and
-    // writes one row of row_values halves into the block that slot names, skipping negative
-    // slots and blocks whose address is 0.
-    unsafe {
-        ctx.launch(
-            KernelModule::ExactElementwise,
-            "ember_exact_kv_store_f16",
-            LaunchConfig::linear(n_tokens, row_threads(row_values)),
-            &args,
-        )
-    }
-}
-
-/// `out[i, :] = src[rows[i], :]` for `n` rows of `dim` f32 values (`rows` i32 on the device):
-/// the CPU's `gather_rows`, a copy.
-pub fn gather_rows_exact(
-    ctx: &GpuContext,
-    src: DevicePtr,
-    dim: usize,
-    rows: DevicePtr,
-    n: usize,
-    out: DevicePtr,
-) -> Result<(), OpsError> {
-    const OP: &str = "gather_rows_exact";
-    if n == 0 || dim == 0 {
-        return Ok(());
-    }
-    let n = as_u32(OP, "the row count", n)?;
-    let dim = as_u32(OP, "the row length", dim)?;
-    let args = KernelArgs::new()
-        .arg(ptr(out))
-        .arg(ptr(src))
-        .arg(ptr(rows))
-        .arg(KernelArg::U32(dim));
-    // SAFETY: ember_exact_gather_rows_f32(float* out, const float* src, const int32_t* rows,
-    // uint32_t dim); block i copies dim floats from row rows[i] of src to row i of out, which the
-    // caller sized for n rows and for every listed row.
-    unsafe {
-        ctx.launch(
-            KernelModule::ExactElementwise,
-            "ember_exact_gather_rows_f32",
-            LaunchConfig::linear(n, row_threads(dim)),
-            &args,
-        )
-    }
-}
-
 #[cfg(test)]
 mod tests {
     //! The wrappers on the host driver against Rust twins of the kernels: each twin decodes the
@@ -482,44 +349,11 @@ mod tests {
     use half::f16;
 
     use super::*;
-    use crate::host::{HostDriver, HostLaunch};
+    use crate::host::HostDriver;
     use crate::ops::test_support::{host_fixture, Fixture};
     use crate::pool::{PoolBuffer, Purpose};
 
-    fn read_i32(launch: &HostLaunch<'_>, ptr: DevicePtr, n: usize) -> Result<Vec<i32>, String> {
-        let mut bytes = vec![0u8; n * 4];
-        launch.read(ptr, &mut bytes)?;
-        Ok(bytes
-            .chunks_exact(4)
-            .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect())
-    }
-
-    /// Work items a launch covers (grid times block).
-    fn threads(launch: &HostLaunch<'_>) -> usize {
-        launch.config().grid[0] as usize * launch.config().block[0] as usize
-    }
-
     fn register_twins(driver: &HostDriver) {
-        // ember_exact_add_f32(float* out, const float* a, const float* b, uint32_t n, uint32_t n_b)
-        driver.register_kernel("ember_exact_add_f32", |launch| {
-            let (out, a, b) = (launch.ptr_arg(0)?, launch.ptr_arg(1)?, launch.ptr_arg(2)?);
-            let (n, n_b) = (launch.u32_arg(3)? as usize, launch.u32_arg(4)? as usize);
-            if threads(launch) == 0 {
-                return Err("empty launch".into());
-            }
-            let a = launch.read_f32(a, n)?;
-            let b = launch.read_f32(b, n_b)?;
-            let values: Vec<f32> = (0..n).map(|i| a[i] + b[i % n_b]).collect();
-            launch.write_f32(out, &values)
-        });
-        // ember_exact_scale_f32(float* out, const float* x, float scale, uint32_t n)
-        driver.register_kernel("ember_exact_scale_f32", |launch| {
-            let (out, x, scale) = (launch.ptr_arg(0)?, launch.ptr_arg(1)?, launch.f32_arg(2)?);
-            let n = launch.u32_arg(3)? as usize;
-            let values: Vec<f32> = launch.read_f32(x, n)?.iter().map(|v| v * scale).collect();
-            launch.write_f32(out, &values)
-        });
         // ember_exact_rms_norm_f32(float* out, const float* x, const float* weight,
         // uint32_t n_cols, float eps); grid = rows.
         driver.register_kernel("ember_exact_rms_norm_f32", |launch| {
@@ -604,35 +438,6 @@ mod tests {
                 launch.write_f32(x, &v)
             });
         }
-        // ember_exact_kv_store_f16(const uint64_t* k_blocks, const uint64_t* v_blocks,
-        // const float* k, const float* v, const int32_t* slots, uint32_t row_values,
-        // uint32_t block_size); grid = tokens.
-        driver.register_kernel("ember_exact_kv_store_f16", |launch| {
-            let (k_blocks, v_blocks) = (launch.ptr_arg(0)?, launch.ptr_arg(1)?);
-            let (k, v, slots) = (launch.ptr_arg(2)?, launch.ptr_arg(3)?, launch.ptr_arg(4)?);
-            let (row, block_size) = (launch.u32_arg(5)? as usize, launch.u32_arg(6)? as usize);
-            let n_tokens = launch.config().grid[0] as usize;
-            let slots = read_i32(launch, slots, n_tokens)?;
-            let k = launch.read_f32(k, n_tokens * row)?;
-            let v = launch.read_f32(v, n_tokens * row)?;
-            for (t, &slot) in slots.iter().enumerate() {
-                if slot < 0 {
-                    continue;
-                }
-                let (block, offset) = (slot as usize / block_size, slot as usize % block_size);
-                for (table, values) in [(k_blocks, &k), (v_blocks, &v)] {
-                    let mut address = [0u8; 8];
-                    launch.read(table.offset(8 * block as u64), &mut address)?;
-                    let base = DevicePtr(u64::from_le_bytes(address));
-                    let bytes: Vec<u8> = values[t * row..(t + 1) * row]
-                        .iter()
-                        .flat_map(|&x| f16::from_f32(x).to_bits().to_le_bytes())
-                        .collect();
-                    launch.write(base.offset((offset * row * 2) as u64), &bytes)?;
-                }
-            }
-            Ok(())
-        });
     }
 
     fn fixture() -> Fixture {
@@ -681,27 +486,6 @@ mod tests {
     }
 
     #[test]
-    fn element_wise_wrappers_pass_their_arguments_in_kernel_order() {
-        let f = fixture();
-        let ctx = &f.ctx;
-        let a = values(96, 0.0);
-        let bias = values(32, 7.0);
-        let a_buf = upload_f32(ctx, &a);
-        let bias_buf = upload_f32(ctx, &bias);
-        add_exact(ctx, a_buf.ptr(), a_buf.ptr(), bias_buf.ptr(), 96, 32).unwrap();
-        let want: Vec<f32> = (0..96).map(|i| a[i] + bias[i % 32]).collect();
-        assert_eq!(download_f32(ctx, a_buf.ptr(), 96), want);
-        scale_exact(ctx, a_buf.ptr(), a_buf.ptr(), 0.5, 96).unwrap();
-        let want: Vec<f32> = want.iter().map(|v| v * 0.5).collect();
-        assert_eq!(download_f32(ctx, a_buf.ptr(), 96), want);
-        let error = add_exact(ctx, a_buf.ptr(), a_buf.ptr(), bias_buf.ptr(), 96, 40).unwrap_err();
-        assert_eq!(
-            error.to_string(),
-            "add_exact: expected a broadcast length dividing 96, found 40"
-        );
-    }
-
-    #[test]
     fn rms_norm_runs_one_block_per_row() {
         let f = fixture();
         let ctx = &f.ctx;
@@ -726,6 +510,63 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn the_wrappers_run_the_exact_kernels_in_reference_numerics() {
+        // Only the exact kernels' twins are registered, so a launch of a fast kernel fails.
+        let mut f = fixture();
+        let (rows, dim) = (2, 32);
+        let x = values(rows * dim, 1.0);
+        let w = values(dim, 2.0);
+        let (x_buf, w_buf) = (upload_f32(&f.ctx, &x), upload_f32(&f.ctx, &w));
+        let out = f
+            .ctx
+            .alloc(Purpose::Scratch, (rows * dim * 4) as u64)
+            .unwrap();
+        let norm = |ctx: &GpuContext| {
+            super::super::rms_norm(ctx, x_buf.ptr(), w_buf.ptr(), rows, dim, 1e-6, out.ptr())
+        };
+        assert_eq!(f.ctx.numerics(), super::super::Numerics::Fast);
+        let error = norm(&f.ctx).unwrap_err().to_string();
+        assert!(error.contains("ember_rms_norm_f32"), "{error}");
+        f.ctx.set_numerics(super::super::Numerics::Reference);
+        norm(&f.ctx).unwrap();
+        let got = download_f32(&f.ctx, out.ptr(), rows * dim);
+        let exact = f
+            .ctx
+            .alloc(Purpose::Scratch, (rows * dim * 4) as u64)
+            .unwrap();
+        rms_norm_exact(
+            &f.ctx,
+            x_buf.ptr(),
+            w_buf.ptr(),
+            rows,
+            dim,
+            1e-6,
+            exact.ptr(),
+        )
+        .unwrap();
+        assert_eq!(got, download_f32(&f.ctx, exact.ptr(), rows * dim));
+        // The exact kernel always multiplies by a weight; a bare norm is refused, not faulted.
+        let error = super::super::rms_norm(
+            &f.ctx,
+            x_buf.ptr(),
+            DevicePtr::NULL,
+            rows,
+            dim,
+            1e-6,
+            out.ptr(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(error.contains("without a weight"), "{error}");
+        // SwiGLU's exact kernel has no twin here: the error names the kernel the wrapper chose.
+        let up = upload_f32(&f.ctx, &x);
+        let error = super::super::swiglu(&f.ctx, out.ptr(), x_buf.ptr(), up.ptr(), rows * dim)
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("ember_exact_swiglu_f32"), "{error}");
     }
 
     #[test]
@@ -832,59 +673,5 @@ mod tests {
             error.to_string().contains("at most the head size 4"),
             "{error}"
         );
-    }
-
-    #[test]
-    fn kv_store_writes_rows_at_their_slots_and_skips_padding() {
-        let f = fixture();
-        let ctx = &f.ctx;
-        let (row, block_size) = (4usize, 2usize);
-        let blocks: Vec<PoolBuffer> = (0..4)
-            .map(|_| {
-                let buf = ctx
-                    .alloc(Purpose::Kv, (block_size * row * 2) as u64)
-                    .unwrap();
-                ctx.zero(buf.ptr(), (block_size * row * 2) as u64).unwrap();
-                buf
-            })
-            .collect();
-        // K blocks 0 and 1, V blocks 2 and 3.
-        let table: Vec<u8> = [0usize, 1, 2, 3]
-            .iter()
-            .flat_map(|&b| blocks[b].ptr().0.to_le_bytes())
-            .collect();
-        let table_buf = upload_bytes(ctx, &table);
-        let k = values(3 * row, 0.5);
-        let v = values(3 * row, 9.5);
-        let (k_buf, v_buf) = (upload_f32(ctx, &k), upload_f32(ctx, &v));
-        let slots: Vec<u8> = [3i32, -1, 0].iter().flat_map(|s| s.to_le_bytes()).collect();
-        let slots_buf = upload_bytes(ctx, &slots);
-        kv_store_exact(
-            ctx,
-            table_buf.ptr(),
-            table_buf.ptr().offset(16),
-            k_buf.ptr(),
-            v_buf.ptr(),
-            slots_buf.ptr(),
-            3,
-            row,
-            block_size,
-        )
-        .unwrap();
-        let read_block = |b: usize| {
-            let mut bytes = vec![0u8; block_size * row * 2];
-            ctx.download(blocks[b].ptr(), &mut bytes).unwrap();
-            bytes
-                .chunks_exact(2)
-                .map(|c| f16::from_bits(u16::from_le_bytes([c[0], c[1]])))
-                .collect::<Vec<f16>>()
-        };
-        let f16s = |values: &[f32]| values.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>();
-        // Token 0 to slot 3 (block 1, row 1), token 2 to slot 0 (block 0, row 0), token 1 skipped.
-        assert_eq!(read_block(1)[row..], f16s(&k[..row])[..]);
-        assert_eq!(read_block(0)[..row], f16s(&k[2 * row..])[..]);
-        assert_eq!(read_block(3)[row..], f16s(&v[..row])[..]);
-        assert_eq!(read_block(2)[..row], f16s(&v[2 * row..])[..]);
-        assert!(read_block(0)[row..].iter().all(|v| v.to_f32() == 0.0));
     }
 }

@@ -35,6 +35,7 @@ use crate::kernels::KernelModule;
 use crate::pool::Purpose;
 
 use super::elementwise::convert_f32_to_f16;
+use super::exact_matmul;
 use super::matvec::{has_glu_kernels, matvec, matvec_glu, matvec_multi, shared_fits_one_token};
 use super::mmq::{has_mmq_kernels, mmq};
 use super::{as_u32, DeviceMatrix, GpuContext, OpsError, WeightFormat};
@@ -206,8 +207,11 @@ pub fn matmul_shared(
             format!("{}", outs.len()),
         ));
     }
+    // Reference numerics take the matrices one by one: the CPU quantizes the shared input once
+    // per matrix, each time to the same bits, so products one by one are its products.
     let fusable = |w: &DeviceMatrix| {
         n_tokens == 1
+            && !ctx.reference()
             && fusion_enabled()
             && matvec_max_tokens() >= 1
             && has_glu_kernels(w.format)
@@ -297,6 +301,9 @@ pub fn matmul_with(
     out: DevicePtr,
     path: MatmulPath,
 ) -> Result<(), OpsError> {
+    if ctx.reference() {
+        return exact_matmul::matmul_exact(ctx, w, x, n_tokens, out);
+    }
     const OP: &str = "matmul";
     if n_tokens == 0 || w.rows == 0 {
         return Ok(());

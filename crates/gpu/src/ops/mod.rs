@@ -75,10 +75,7 @@ pub use elementwise::{
     RopeMode,
 };
 pub use exact_attention::{attention_exact, exp_exact, ExactExp, EXACT_MAX_HEAD_DIM};
-pub use exact_elementwise::{
-    add_exact, add_rms_norm_exact, gather_rows_exact, geglu_exact, get_rows_exact, kv_store_exact,
-    rms_norm_exact, rope_exact, scale_exact, swiglu_exact, GELU_TABLE_LEN,
-};
+pub use exact_elementwise::{geglu_exact, rope_exact, GELU_TABLE_LEN};
 pub use exact_matmul::matmul_exact;
 pub use matmul::{
     auto_path, fusion_enabled, matmul, matmul_glu, matmul_shared, matmul_with, matvec_max_tokens,
@@ -394,8 +391,21 @@ pub struct GpuContextOptions {
     pub disable_blas: bool,
 }
 
-/// One device as the ops see it: its driver, its own stream, its pool, its kernels, and BLAS when
-/// a library could be loaded.
+/// How the ops round, held by the [`GpuContext`] ([`GpuContext::set_numerics`]): each op has one
+/// wrapper, which picks its kernel by this setting.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Numerics {
+    /// The tuned kernels, rounding as suits the GPU (the default).
+    #[default]
+    Fast,
+    /// The bit-exact twins of the CPU backend's ops (`kernels/exact_*.hip`) where the fast kernel
+    /// rounds differently; ops whose fast kernel already rounds as the CPU does (an add, a scale,
+    /// a copy, the f16 K/V store) run it in both modes.
+    Reference,
+}
+
+/// One device as the ops see it: its driver, its own stream, its pool, its kernels, BLAS when a
+/// library could be loaded, and how its ops round.
 pub struct GpuContext {
     driver: Arc<dyn Driver>,
     device: DeviceOrdinal,
@@ -412,6 +422,10 @@ pub struct GpuContext {
     capturing: AtomicBool,
     /// Why the last capture ended early, for `end_capture` to report.
     capture_aborted: Mutex<Option<String>>,
+    /// How the ops round.
+    numerics: Numerics,
+    /// The CPU thread count whose split-KV attention the reference numerics reproduce.
+    reference_threads: usize,
 }
 
 /// Every kernel function of [`KERNEL_MODULES`] by name, with a slot for its handle on this
@@ -519,6 +533,8 @@ impl GpuContext {
             functions: FunctionTable::new(),
             capturing: AtomicBool::new(false),
             capture_aborted: Mutex::new(None),
+            numerics: Numerics::Fast,
+            reference_threads: 1,
         })
     }
 
@@ -540,6 +556,41 @@ impl GpuContext {
 
     pub fn stream(&self) -> StreamHandle {
         self.stream
+    }
+
+    /// Chooses how the ops launched on this context round.
+    pub fn set_numerics(&mut self, numerics: Numerics) {
+        self.numerics = numerics;
+    }
+
+    /// How the ops launched on this context round.
+    pub fn numerics(&self) -> Numerics {
+        self.numerics
+    }
+
+    /// Sets the CPU thread count whose split-KV attention the reference numerics reproduce (the
+    /// CPU cuts a long single-token attention into one chunk per thread, so the count shows in
+    /// its digits); 0 counts as 1. Until set, 1.
+    pub fn set_reference_threads(&mut self, threads: usize) {
+        self.reference_threads = threads.max(1);
+    }
+
+    /// The CPU thread count the reference numerics reproduce.
+    pub fn reference_threads(&self) -> usize {
+        self.reference_threads
+    }
+
+    /// The largest attention head [`attention`] takes in this context's numerics.
+    pub fn max_head_dim(&self) -> usize {
+        match self.numerics {
+            Numerics::Fast => MAX_HEAD_DIM,
+            Numerics::Reference => EXACT_MAX_HEAD_DIM,
+        }
+    }
+
+    /// Whether the ops run their bit-exact kernels.
+    pub(crate) fn reference(&self) -> bool {
+        self.numerics == Numerics::Reference
     }
 
     /// The architecture name kernels are selected by (`sm_90`, `gfx1201`).

@@ -22,9 +22,10 @@
 //! turns this off.
 //!
 //! Numerics ([`numerics`]): in the default `fast` mode the ops are the tuned kernels above; in
-//! `reference` mode every op runs through a bit-exact kernel (`ember_gpu::ops::*_exact`), one op
-//! per launch with no fused kernels and no graphs, so the logits equal the CPU backend's bit for
-//! bit. [`GpuBackend::set_numerics`] chooses; [`open()`] takes the choice from its options.
+//! `reference` mode every op gives the CPU's bits (the context's `ember_gpu::ops::Numerics`
+//! makes each op's one wrapper pick its bit-exact kernel, `kernels/exact_*.hip`, where the fast
+//! one rounds differently), one op per launch with no fused kernels and no graphs, so the logits
+//! equal the CPU backend's bit for bit. [`GpuBackend::set_numerics`] chooses; [`open()`] takes the choice from its options.
 //!
 //! Failures: the ops cannot return errors through the [`Backend`] trait, so the first failure is
 //! recorded with the op's name, later ops are skipped, and [`Backend::take_failure`] hands it to
@@ -143,11 +144,13 @@ impl GpuBackend {
     /// says which device and pool, for headers. `idle_trim` starts the trimming thread. The
     /// numerics are `fast` with [`DEFAULT_REFERENCE_THREADS`] (see [`GpuBackend::set_numerics`]).
     pub fn new(
-        ctx: GpuContext,
+        mut ctx: GpuContext,
         name: &'static str,
         description: String,
         idle_trim: bool,
     ) -> GpuBackend {
+        ctx.set_numerics(ops::Numerics::Fast);
+        ctx.set_reference_threads(DEFAULT_REFERENCE_THREADS);
         let trimmer = if idle_trim {
             IdleTrimmer::start(Arc::clone(ctx.pool()))
         } else {
@@ -178,6 +181,10 @@ impl GpuBackend {
     /// the reference ops run one launch each, as the CPU runs them. Weights placed so far stay.
     pub fn set_numerics(&mut self, numerics: Numerics) {
         self.numerics = numerics;
+        self.ctx.set_numerics(match numerics {
+            Numerics::Fast => ops::Numerics::Fast,
+            Numerics::Reference => ops::Numerics::Reference,
+        });
         if numerics == Numerics::Reference {
             self.set_graphs(false);
         }
@@ -192,6 +199,7 @@ impl GpuBackend {
     /// counts as 1, as a one-thread CPU pool).
     pub fn set_reference_threads(&mut self, threads: usize) {
         self.reference_threads = threads.max(1);
+        self.ctx.set_reference_threads(threads);
     }
 
     /// The CPU thread count the reference mode reproduces.
@@ -756,7 +764,7 @@ impl Backend for GpuBackend {
             let out_ptr = out.ptr("gather_rows", rows.len() * dim)?;
             // Evenly spaced rows (a copy; one layer's slice of Gemma 4's per-layer inputs) need
             // no row list uploaded mid-pass, which would end a graph capture.
-            if let (false, Some((first, stride))) = (self.reference(), evenly_spaced(rows)) {
+            if let Some((first, stride)) = evenly_spaced(rows) {
                 return ops::gather_rows_strided(
                     &self.ctx,
                     src_ptr,
@@ -769,16 +777,6 @@ impl Backend for GpuBackend {
             }
             let host: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
             let rows_ptr = self.batch_ptr(batch::Array::OutRows, &host)?;
-            if self.reference() {
-                return ops::gather_rows_exact(
-                    &self.ctx,
-                    src_ptr,
-                    dim,
-                    rows_ptr,
-                    rows.len(),
-                    out_ptr,
-                );
-            }
             ops::gather_rows(&self.ctx, src_ptr, dim, rows_ptr, rows.len(), out_ptr)
         });
     }
@@ -1105,9 +1103,6 @@ impl Backend for GpuBackend {
         self.run("get_rows", || {
             let out_ptr = out.ptr("get_rows", ids.len() * table.cols)?;
             let ids_ptr = self.batch_ptr(batch::Array::Tokens, ids)?;
-            if self.reference() {
-                return ops::get_rows_exact(&self.ctx, table, ids_ptr, ids.len(), scale, out_ptr);
-            }
             ops::get_rows(&self.ctx, table, ids_ptr, ids.len(), scale, out_ptr)
         });
     }
@@ -1116,9 +1111,6 @@ impl Backend for GpuBackend {
         self.run("matmul", || {
             let x_ptr = x.ptr("matmul", n_tokens * w.cols)?;
             let out_ptr = out.ptr("matmul", n_tokens * w.rows)?;
-            if self.reference() {
-                return ops::matmul_exact(&self.ctx, w, x_ptr, n_tokens, out_ptr);
-            }
             ops::matmul(&self.ctx, w, x_ptr, n_tokens, out_ptr)
         });
     }
@@ -1130,10 +1122,9 @@ impl Backend for GpuBackend {
         n_tokens: usize,
         outs: &mut [&mut GpuBuf],
     ) {
-        // The fused kernels take up to three matrices (Q, K and V); more run one by one. So does
-        // the reference mode: the CPU quantizes the shared input once per matrix, each time to the
-        // same bits, so products one by one are its products.
-        if ws.len() > 3 || self.reference() {
+        // The fused kernels take up to three matrices (Q, K and V); more run one by one (as do
+        // all of them in reference numerics, which ops::matmul_shared decides).
+        if ws.len() > 3 {
             for (w, out) in ws.iter().zip(outs.iter_mut()) {
                 self.matmul(w, x, n_tokens, out);
             }
@@ -1221,12 +1212,7 @@ impl Backend for GpuBackend {
             check_vector("rms_norm", weight, dim)?;
             let x_ptr = x.ptr("rms_norm", n_rows * dim)?;
             let out_ptr = out.ptr("rms_norm", n_rows * dim)?;
-            let norm = if self.reference() {
-                ops::rms_norm_exact
-            } else {
-                ops::rms_norm
-            };
-            norm(
+            ops::rms_norm(
                 &self.ctx,
                 x_ptr,
                 weight.buf.ptr(),
@@ -1249,12 +1235,7 @@ impl Backend for GpuBackend {
         self.run("rms_norm", || {
             check_vector("rms_norm", weight, dim)?;
             let x_ptr = x.ptr("rms_norm", n_rows * dim)?;
-            let norm = if self.reference() {
-                ops::rms_norm_exact
-            } else {
-                ops::rms_norm
-            };
-            norm(&self.ctx, x_ptr, weight.buf.ptr(), n_rows, dim, eps, x_ptr)
+            ops::rms_norm(&self.ctx, x_ptr, weight.buf.ptr(), n_rows, dim, eps, x_ptr)
         });
     }
 
@@ -1271,23 +1252,14 @@ impl Backend for GpuBackend {
     }
 
     fn max_head_dim(&self) -> Option<usize> {
-        Some(if self.reference() {
-            ops::EXACT_MAX_HEAD_DIM
-        } else {
-            ops::MAX_HEAD_DIM
-        })
+        Some(self.ctx.max_head_dim())
     }
 
     fn add_inplace(&self, dst: &mut GpuBuf, src: &GpuBuf, len: usize) {
         self.run("add", || {
             let dst_ptr = dst.ptr("add", len)?;
             let src_ptr = src.ptr("add", len)?;
-            let add = if self.reference() {
-                ops::add_exact
-            } else {
-                ops::add
-            };
-            add(&self.ctx, dst_ptr, dst_ptr, src_ptr, len, len)
+            ops::add(&self.ctx, dst_ptr, dst_ptr, src_ptr, len, len)
         });
     }
 
@@ -1306,19 +1278,6 @@ impl Backend for GpuBackend {
             let x_ptr = x.ptr("add_rms_norm", n_rows * dim)?;
             let proj_ptr = proj.ptr("add_rms_norm", n_rows * dim)?;
             let out_ptr = out.ptr("add_rms_norm", n_rows * dim)?;
-            if self.reference() {
-                // One kernel with the values of add_inplace then rms_norm, as the CPU runs them.
-                return ops::add_rms_norm_exact(
-                    &self.ctx,
-                    x_ptr,
-                    proj_ptr,
-                    weight.buf.ptr(),
-                    n_rows,
-                    dim,
-                    eps,
-                    out_ptr,
-                );
-            }
             if !ops::fusion_enabled() {
                 let n = n_rows * dim;
                 ops::add(&self.ctx, x_ptr, x_ptr, proj_ptr, n, n)?;
@@ -1349,21 +1308,13 @@ impl Backend for GpuBackend {
         self.run("add_bias", || {
             check_vector("add_bias", bias, dim)?;
             let x_ptr = x.ptr("add_bias", n_rows * dim)?;
-            let add = if self.reference() {
-                ops::add_exact
-            } else {
-                ops::add
-            };
-            add(&self.ctx, x_ptr, x_ptr, bias.buf.ptr(), n_rows * dim, dim)
+            ops::add(&self.ctx, x_ptr, x_ptr, bias.buf.ptr(), n_rows * dim, dim)
         });
     }
 
     fn scale(&self, x: &mut GpuBuf, len: usize, scale: f32) {
         self.run("scale", || {
             let x_ptr = x.ptr("scale", len)?;
-            if self.reference() {
-                return ops::scale_exact(&self.ctx, x_ptr, x_ptr, scale, len);
-            }
             ops::scale(&self.ctx, x_ptr, x_ptr, scale, len)
         });
     }
@@ -1372,9 +1323,6 @@ impl Backend for GpuBackend {
         self.run("swiglu", || {
             let gate_ptr = gate.ptr("swiglu", len)?;
             let up_ptr = up.ptr("swiglu", len)?;
-            if self.reference() {
-                return ops::swiglu_exact(&self.ctx, gate_ptr, gate_ptr, up_ptr, len);
-            }
             ops::swiglu(&self.ctx, gate_ptr, gate_ptr, up_ptr, len)
         });
     }
@@ -1626,12 +1574,7 @@ impl Backend for GpuBackend {
             let v_ptr = v.ptr("kv_store", n_tokens * row)?;
             let (k_blocks, v_blocks) = layer.tables()?;
             let slots = lock(&self.batch).plan_ptr(plan, batch::Array::Slots)?;
-            let store = if self.reference() {
-                ops::kv_store_exact
-            } else {
-                ops::kv_store
-            };
-            store(
+            ops::kv_store(
                 &self.ctx,
                 k_blocks,
                 v_blocks,
@@ -1761,9 +1704,6 @@ impl Backend for GpuBackend {
                 softcap: None,
             };
             drop(arrays);
-            if self.reference() {
-                return ops::attention_exact(&self.ctx, &args, self.reference_threads);
-            }
             ops::attention(&self.ctx, &args)
         });
     }

@@ -1,7 +1,8 @@
 //! The GPU backend's numerics modes: `fast` (the default: the tuned kernels, fused decode
-//! kernels and decode graphs, rounding as suits the GPU) and `reference` (every op through the
-//! bit-exact kernels of `ember_gpu::ops::*_exact`, so the logits equal the CPU backend's bit for
-//! bit and greedy generations match llama.cpp's reference outputs token for token).
+//! kernels and decode graphs, rounding as suits the GPU) and `reference` (every op bit-exact:
+//! the GPU context's `ember_gpu::ops::Numerics` makes each op's wrapper pick its exact kernel,
+//! so the logits equal the CPU backend's bit for bit and greedy generations match llama.cpp's
+//! reference outputs token for token).
 //!
 //! Reference mode turns the fused kernels and decode graphs off (each op runs on its own, as
 //! the CPU runs it) and computes on the host what the CPU takes from libm, with the CPU's own
