@@ -49,13 +49,38 @@ pub fn moe_tile_slots(n_pairs: usize, n_expert: usize, tile: usize) -> usize {
 /// the matrix-vector kernel, which streams an expert's rows fastest for a pair or two.
 pub const MOE_MMQ_MIN_TOKENS: usize = 32;
 
+/// Environment variable overriding [`MOE_MMQ_MIN_TOKENS`] (a positive integer), for tuning and
+/// for comparing both paths on one binary (a value above the batch keeps the matrix-vector path).
+pub const MOE_MMQ_MIN_TOKENS_ENV: &str = "EMBER_MOE_MMQ_MIN_TOKENS";
+
+fn mmq_min_tokens() -> usize {
+    static VALUE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *VALUE.get_or_init(|| {
+        std::env::var(MOE_MMQ_MIN_TOKENS_ENV)
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .filter(|&v| v > 0)
+            .unwrap_or(MOE_MMQ_MIN_TOKENS)
+    })
+}
+
 /// The pairs per tile of the grouped mmq product for `n_tokens` tokens with `n_used` of
-/// `n_expert` experts each, or None below [`MOE_MMQ_MIN_TOKENS`] (the matrix-vector path):
-/// the smallest tile of 16, 32 or 64 pairs that holds one and a half times the average pairs
-/// per expert, so that most experts take one tile (their weights read once) while few rows of
-/// the tile are empty.
+/// `n_expert` experts each, or None below [`MOE_MMQ_MIN_TOKENS`] (or its environment override:
+/// the matrix-vector path).
 pub fn moe_mmq_tile(n_tokens: usize, n_used: usize, n_expert: usize) -> Option<usize> {
-    if n_tokens < MOE_MMQ_MIN_TOKENS || n_expert == 0 {
+    mmq_tile_from(n_tokens, n_used, n_expert, mmq_min_tokens())
+}
+
+/// [`moe_mmq_tile`] with the threshold given: the smallest tile of 16, 32 or 64 pairs that holds
+/// one and a half times the average pairs per expert, so that most experts take one tile
+/// (their weights read once) while few rows of the tile are empty.
+fn mmq_tile_from(
+    n_tokens: usize,
+    n_used: usize,
+    n_expert: usize,
+    min_tokens: usize,
+) -> Option<usize> {
+    if n_tokens < min_tokens || n_expert == 0 {
         return None;
     }
     let average = (n_tokens * n_used).div_ceil(n_expert);
@@ -346,15 +371,18 @@ mod tests {
     #[test]
     fn prompts_take_the_grouped_mmq_tiles_and_decode_the_matvec() {
         // Qwen3-30B-A3B's routing, 8 of 128 experts.
-        assert_eq!(moe_mmq_tile(1, 8, 128), None);
-        assert_eq!(moe_mmq_tile(31, 8, 128), None);
+        let tile = |n_tokens| mmq_tile_from(n_tokens, 8, 128, MOE_MMQ_MIN_TOKENS);
+        assert_eq!(tile(1), None);
+        assert_eq!(tile(31), None);
         // 2 pairs per expert on average: tiles of 16.
-        assert_eq!(moe_mmq_tile(32, 8, 128), Some(16));
+        assert_eq!(tile(32), Some(16));
         // 16 pairs (1.5 x 16 = 24): tiles of 32; 32 pairs (pp512): tiles of 64.
-        assert_eq!(moe_mmq_tile(256, 8, 128), Some(32));
-        assert_eq!(moe_mmq_tile(512, 8, 128), Some(64));
-        assert_eq!(moe_mmq_tile(4096, 8, 128), Some(64));
-        assert_eq!(moe_mmq_tile(64, 8, 0), None);
+        assert_eq!(tile(256), Some(32));
+        assert_eq!(tile(512), Some(64));
+        assert_eq!(tile(4096), Some(64));
+        assert_eq!(mmq_tile_from(64, 8, 0, MOE_MMQ_MIN_TOKENS), None);
+        // A threshold above the batch keeps the matrix-vector path.
+        assert_eq!(mmq_tile_from(512, 8, 128, 513), None);
     }
 
     #[test]
