@@ -547,16 +547,35 @@ struct EmberMmqFetch {
 };
 
 // What the block multiplies: W's rows from row0 (clamped to the last row: rows past the end are
-// computed and never stored), tokens from token0 (past the end: zero activations).
+// computed and never stored), tokens from token0 (past the end: zero activations). A grouped
+// product (GATHER, the mixture-of-experts tiles) has token0 0, n_tokens the tile's pair count,
+// and per token of the tile the row of xq it reads (x_rows) and the row of y it writes (y_rows),
+// both in shared memory.
 struct EmberMmqArgs {
     const uint8_t* w;
     const int8_t* xq;
     const float2* xds;
     uint32_t n_rows, n_cols, n_tokens, row0, token0;
     size_t row_bytes;
+    const int32_t* x_rows;
+    const int32_t* y_rows;
 };
 
-template <typename F, int NT>
+// The row of xq that token `local` of the block's tile reads.
+template <bool GATHER>
+EMBER_DEVICE size_t ember_mmq_x_row(const EmberMmqArgs& a, uint32_t local) {
+    if constexpr (GATHER) return (size_t)a.x_rows[local];
+    else return (size_t)(a.token0 + local);
+}
+
+// The row of y that token `local` of the block's tile writes.
+template <bool GATHER>
+EMBER_DEVICE size_t ember_mmq_y_row(const EmberMmqArgs& a, uint32_t local) {
+    if constexpr (GATHER) return (size_t)a.y_rows[local];
+    else return (size_t)(a.token0 + local);
+}
+
+template <typename F, int NT, bool GATHER>
 EMBER_DEVICE void ember_mmq_fetch(const EmberMmqArgs& a, uint32_t step, EmberMmqFetch<F, NT>& f) {
     const uint32_t n_blocks = a.n_cols / F::BLOCK_VALUES, n_groups = a.n_cols / 32;
 #pragma unroll
@@ -569,10 +588,10 @@ EMBER_DEVICE void ember_mmq_fetch(const EmberMmqArgs& a, uint32_t step, EmberMmq
 #pragma unroll
     for (int k = 0; k < EmberMmqFetch<F, NT>::CHUNKS; ++k) {
         const int i = (int)threadIdx.x + k * EMBER_MMQ_THREADS;
-        const uint32_t token = a.token0 + (uint32_t)(i / 16), group = step * EMBER_MMQ_GROUPS + (uint32_t)((i % 16) / 2);
+        const uint32_t local = (uint32_t)(i / 16), group = step * EMBER_MMQ_GROUPS + (uint32_t)((i % 16) / 2);
         const uint32_t half = (uint32_t)(i % 2);
-        if (token < a.n_tokens && group < n_groups)
-            f.x[k] = *(const int4*)(a.xq + (size_t)token * a.n_cols + ((size_t)half * n_groups + group) * 16);
+        if (a.token0 + local < a.n_tokens && group < n_groups)
+            f.x[k] = *(const int4*)(a.xq + ember_mmq_x_row<GATHER>(a, local) * a.n_cols + ((size_t)half * n_groups + group) * 16);
         else
             f.x[k] = make_int4(0, 0, 0, 0);
     }
@@ -580,8 +599,9 @@ EMBER_DEVICE void ember_mmq_fetch(const EmberMmqArgs& a, uint32_t step, EmberMmq
 #pragma unroll
     for (int k = 0; k < EmberMmqFetch<F, NT>::SCALES; ++k) {
         const int i = (int)threadIdx.x + k * EMBER_MMQ_THREADS;
-        const uint32_t token = a.token0 + (uint32_t)(i / EMBER_MMQ_GROUPS), group = step * EMBER_MMQ_GROUPS + (uint32_t)(i % EMBER_MMQ_GROUPS);
-        f.xds[k] = token < a.n_tokens && group < n_groups ? a.xds[(size_t)token * n_groups + group] : make_float2(0.0f, 0.0f);
+        const uint32_t local = (uint32_t)(i / EMBER_MMQ_GROUPS), group = step * EMBER_MMQ_GROUPS + (uint32_t)(i % EMBER_MMQ_GROUPS);
+        f.xds[k] = a.token0 + local < a.n_tokens && group < n_groups ? a.xds[ember_mmq_x_row<GATHER>(a, local) * n_groups + group]
+                                                                     : make_float2(0.0f, 0.0f);
     }
 }
 
@@ -608,17 +628,14 @@ EMBER_DEVICE void ember_mmq_commit(const EmberMmqFetch<F, NT>& f, EmberMmqTile<N
     }
 }
 
-template <typename F, int NT, bool MMA>
-EMBER_DEVICE void ember_mmq(float* y, const uint8_t* w, const int8_t* xq, const float2* xds, uint32_t n_rows, uint32_t n_cols,
-                            uint32_t n_tokens, uint32_t steps_per_split) {
+// One block's tile: rows args.row0.. by the tile's tokens over steps [first, end), stored into
+// out (row y_row(token) of n_rows floats).
+template <typename F, int NT, bool MMA, bool GATHER>
+EMBER_DEVICE void ember_mmq_tile(float* out, const EmberMmqArgs& args, uint32_t first, uint32_t end) {
     static_assert(NT % 16 == 0 && NT <= 64, "token tiles of 16, 32 or 64");
     static_assert(EMBER_MMQ_THREADS == 2 * EMBER_MMQ_ROWS && EMBER_MMQ_ROWS == 16 * (EMBER_MMQ_THREADS / 32), "tile shape");
     __shared__ EmberMmqTile<NT> tile;
-    const size_t row_bytes = (size_t)(n_cols / F::BLOCK_VALUES) * F::BLOCK_BYTES;
-    const EmberMmqArgs args = {w, xq, xds, n_rows, n_cols, n_tokens, blockIdx.x * EMBER_MMQ_ROWS, blockIdx.y * NT, row_bytes};
-    const uint32_t n_steps = (n_cols + EMBER_MMQ_STEP - 1) / EMBER_MMQ_STEP;
-    const uint32_t first = blockIdx.z * steps_per_split, end = min(first + steps_per_split, n_steps);
-    float* out = y + (size_t)blockIdx.z * n_tokens * n_rows;
+    const uint32_t n_rows = args.n_rows, n_tokens = args.n_tokens;
 
     // The tensor-core path's C fragments, or the dp4a path's outputs.
     float acc_mma[MMA ? NT / 8 : 1][4] = {};
@@ -631,7 +648,7 @@ EMBER_DEVICE void ember_mmq(float* y, const uint8_t* w, const int8_t* xq, const 
     EmberMmqFetch<F, NT> fetched[AHEAD];
 #pragma unroll
     for (int k = 0; k < AHEAD; ++k)
-        if (first + k < end) ember_mmq_fetch<F, NT>(args, first + k, fetched[k]);
+        if (first + k < end) ember_mmq_fetch<F, NT, GATHER>(args, first + k, fetched[k]);
     for (uint32_t step = first; step < end; step += AHEAD) {
 #pragma unroll
         for (int k = 0; k < AHEAD; ++k) {
@@ -639,7 +656,7 @@ EMBER_DEVICE void ember_mmq(float* y, const uint8_t* w, const int8_t* xq, const 
                 ember_mmq_commit<F, NT>(fetched[k], tile);
                 __syncthreads();
                 // The loads of step + k + AHEAD are issued now and land while the products run.
-                if (step + k + AHEAD < end) ember_mmq_fetch<F, NT>(args, step + k + AHEAD, fetched[k]);
+                if (step + k + AHEAD < end) ember_mmq_fetch<F, NT, GATHER>(args, step + k + AHEAD, fetched[k]);
                 if constexpr (MMA) ember_mmq_step_mma<F, NT>(tile, acc_mma);
                 else ember_mmq_step_dp4a<F, NT>(tile, acc_dp4a);
                 __syncthreads();
@@ -652,20 +669,59 @@ EMBER_DEVICE void ember_mmq(float* y, const uint8_t* w, const int8_t* xq, const 
         const uint32_t row_a = args.row0 + 16 * warp + lane / 4, row_b = row_a + 8;
 #pragma unroll
         for (int n = 0; n < NT / 8; ++n) {
-            const uint32_t token_a = args.token0 + 8 * n + 2 * (lane % 4), token_b = token_a + 1;
-            if (row_a < n_rows && token_a < n_tokens) out[(size_t)token_a * n_rows + row_a] = acc_mma[n][0];
-            if (row_a < n_rows && token_b < n_tokens) out[(size_t)token_b * n_rows + row_a] = acc_mma[n][1];
-            if (row_b < n_rows && token_a < n_tokens) out[(size_t)token_a * n_rows + row_b] = acc_mma[n][2];
-            if (row_b < n_rows && token_b < n_tokens) out[(size_t)token_b * n_rows + row_b] = acc_mma[n][3];
+            const uint32_t local_a = 8 * n + 2 * (lane % 4), local_b = local_a + 1;
+            const bool in_a = args.token0 + local_a < n_tokens, in_b = args.token0 + local_b < n_tokens;
+            const size_t y_a = in_a ? ember_mmq_y_row<GATHER>(args, local_a) * n_rows : 0;
+            const size_t y_b = in_b ? ember_mmq_y_row<GATHER>(args, local_b) * n_rows : 0;
+            if (row_a < n_rows && in_a) out[y_a + row_a] = acc_mma[n][0];
+            if (row_a < n_rows && in_b) out[y_b + row_a] = acc_mma[n][1];
+            if (row_b < n_rows && in_a) out[y_a + row_b] = acc_mma[n][2];
+            if (row_b < n_rows && in_b) out[y_b + row_b] = acc_mma[n][3];
         }
     } else {
         const uint32_t row = args.row0 + threadIdx.x % EMBER_MMQ_ROWS;
 #pragma unroll
         for (int k = 0; k < NT / 2; ++k) {
-            const uint32_t token = args.token0 + 2 * k + threadIdx.x / EMBER_MMQ_ROWS;
-            if (row < n_rows && token < n_tokens) out[(size_t)token * n_rows + row] = acc_dp4a[k];
+            const uint32_t local = 2 * k + threadIdx.x / EMBER_MMQ_ROWS;
+            if (row < n_rows && args.token0 + local < n_tokens) out[ember_mmq_y_row<GATHER>(args, local) * n_rows + row] = acc_dp4a[k];
         }
     }
+}
+
+template <typename F, int NT, bool MMA>
+EMBER_DEVICE void ember_mmq(float* y, const uint8_t* w, const int8_t* xq, const float2* xds, uint32_t n_rows, uint32_t n_cols,
+                            uint32_t n_tokens, uint32_t steps_per_split) {
+    const size_t row_bytes = (size_t)(n_cols / F::BLOCK_VALUES) * F::BLOCK_BYTES;
+    const EmberMmqArgs args = {w, xq, xds, n_rows, n_cols, n_tokens, blockIdx.x * EMBER_MMQ_ROWS, blockIdx.y * NT, row_bytes, nullptr, nullptr};
+    const uint32_t n_steps = (n_cols + EMBER_MMQ_STEP - 1) / EMBER_MMQ_STEP;
+    const uint32_t first = blockIdx.z * steps_per_split, end = min(first + steps_per_split, n_steps);
+    ember_mmq_tile<F, NT, MMA, false>(y + (size_t)blockIdx.z * n_tokens * n_rows, args, first, end);
+}
+
+// The grouped product of the mixture-of-experts layers: block (bx, slot) multiplies rows 64 bx..
+// of expert tiles[slot].expert (a stack of experts, expert_bytes apart) by the tile's pairs
+// (tiles[slot] = (expert, first, count, 0) over `pairs`, count at most NT, as ember_moe_tiles of
+// moe.hip cuts them): pair p reads row p / x_div of the rounded activations and writes row p of
+// y ([n_pairs, n_rows]). No K split: a prompt's tiles give enough blocks. Unused slots (count 0)
+// return at once.
+template <typename F, int NT, bool MMA>
+EMBER_DEVICE void ember_mmq_moe(float* y, const uint8_t* w, const int8_t* xq, const float2* xds, const int32_t* pairs,
+                                const int32_t* tiles, uint32_t n_rows, uint32_t n_cols, uint64_t expert_bytes, uint32_t x_div) {
+    __shared__ int32_t x_rows[NT], y_rows[NT];
+    const int32_t* slot = tiles + 4 * (size_t)blockIdx.y;
+    const int32_t expert = slot[0], first = slot[1], count = slot[2];
+    if (count <= 0) return;  // the whole block leaves together
+    for (int i = (int)threadIdx.x; i < count && i < NT; i += EMBER_MMQ_THREADS) {
+        const int32_t pair = pairs[first + i];
+        y_rows[i] = pair;
+        x_rows[i] = pair / (int32_t)x_div;
+    }
+    __syncthreads();
+    const size_t row_bytes = (size_t)(n_cols / F::BLOCK_VALUES) * F::BLOCK_BYTES;
+    const EmberMmqArgs args = {w + (size_t)expert * expert_bytes, xq, xds, n_rows, n_cols, (uint32_t)min(count, NT), blockIdx.x * EMBER_MMQ_ROWS, 0u,
+                               row_bytes, x_rows, y_rows};
+    const uint32_t n_steps = (n_cols + EMBER_MMQ_STEP - 1) / EMBER_MMQ_STEP;
+    ember_mmq_tile<F, NT, MMA, true>(y, args, 0, n_steps);
 }
 
 // ember_mmq_<format>_n<NT>(float* y, const uint8_t* w, const int8_t* xq, const float2* xds,
@@ -677,6 +733,16 @@ EMBER_DEVICE void ember_mmq(float* y, const uint8_t* w, const int8_t* xq, const 
         name(float* y, const uint8_t* w, const int8_t* xq, const float2* xds, uint32_t n_rows, uint32_t n_cols, uint32_t n_tokens, \
              uint32_t steps_per_split) {                                                                                       \
         ember_mmq<format, nt, EMBER_MMQ_HAS_MMA != 0>(y, w, xq, xds, n_rows, n_cols, n_tokens, steps_per_split);              \
+    }
+
+// ember_mmq_moe_<format>_n<NT>(float* y, const uint8_t* w, const int8_t* xq, const float2* xds,
+// const int32_t* pairs, const int32_t* tiles, uint32_t n_rows, uint32_t n_cols, uint64_t
+// expert_bytes, uint32_t x_div): grid (ceil(n_rows / 64), tile slots); n_rows are one expert's.
+#define EMBER_MMQ_MOE(name, format, nt)                                                                                          \
+    EMBER_KERNEL void __launch_bounds__(EMBER_MMQ_THREADS)                                                                       \
+        name(float* y, const uint8_t* w, const int8_t* xq, const float2* xds, const int32_t* pairs, const int32_t* tiles,         \
+             uint32_t n_rows, uint32_t n_cols, uint64_t expert_bytes, uint32_t x_div) {                                           \
+        ember_mmq_moe<format, nt, EMBER_MMQ_HAS_MMA != 0>(y, w, xq, xds, pairs, tiles, n_rows, n_cols, expert_bytes, x_div);     \
     }
 
 // ember_mmq_quantize_<act>(int8_t* xq, float2* xds, const float* x, uint32_t n_cols): grid =
@@ -715,6 +781,31 @@ EMBER_MMQ(ember_mmq_q5_k_n64, EmberMmqQ5_K, 64)
 EMBER_MMQ(ember_mmq_q6_k_n16, EmberMmqQ6_K, 16)
 EMBER_MMQ(ember_mmq_q6_k_n32, EmberMmqQ6_K, 32)
 EMBER_MMQ(ember_mmq_q6_k_n64, EmberMmqQ6_K, 64)
+
+EMBER_MMQ_MOE(ember_mmq_moe_q4_0_n16, EmberMmqQ4_0, 16)
+EMBER_MMQ_MOE(ember_mmq_moe_q4_0_n32, EmberMmqQ4_0, 32)
+EMBER_MMQ_MOE(ember_mmq_moe_q4_0_n64, EmberMmqQ4_0, 64)
+EMBER_MMQ_MOE(ember_mmq_moe_q4_1_n16, EmberMmqQ4_1, 16)
+EMBER_MMQ_MOE(ember_mmq_moe_q4_1_n32, EmberMmqQ4_1, 32)
+EMBER_MMQ_MOE(ember_mmq_moe_q4_1_n64, EmberMmqQ4_1, 64)
+EMBER_MMQ_MOE(ember_mmq_moe_q5_0_n16, EmberMmqQ5_0, 16)
+EMBER_MMQ_MOE(ember_mmq_moe_q5_0_n32, EmberMmqQ5_0, 32)
+EMBER_MMQ_MOE(ember_mmq_moe_q5_0_n64, EmberMmqQ5_0, 64)
+EMBER_MMQ_MOE(ember_mmq_moe_q5_1_n16, EmberMmqQ5_1, 16)
+EMBER_MMQ_MOE(ember_mmq_moe_q5_1_n32, EmberMmqQ5_1, 32)
+EMBER_MMQ_MOE(ember_mmq_moe_q5_1_n64, EmberMmqQ5_1, 64)
+EMBER_MMQ_MOE(ember_mmq_moe_q8_0_n16, EmberMmqQ8_0, 16)
+EMBER_MMQ_MOE(ember_mmq_moe_q8_0_n32, EmberMmqQ8_0, 32)
+EMBER_MMQ_MOE(ember_mmq_moe_q8_0_n64, EmberMmqQ8_0, 64)
+EMBER_MMQ_MOE(ember_mmq_moe_q4_k_n16, EmberMmqQ4_K, 16)
+EMBER_MMQ_MOE(ember_mmq_moe_q4_k_n32, EmberMmqQ4_K, 32)
+EMBER_MMQ_MOE(ember_mmq_moe_q4_k_n64, EmberMmqQ4_K, 64)
+EMBER_MMQ_MOE(ember_mmq_moe_q5_k_n16, EmberMmqQ5_K, 16)
+EMBER_MMQ_MOE(ember_mmq_moe_q5_k_n32, EmberMmqQ5_K, 32)
+EMBER_MMQ_MOE(ember_mmq_moe_q5_k_n64, EmberMmqQ5_K, 64)
+EMBER_MMQ_MOE(ember_mmq_moe_q6_k_n16, EmberMmqQ6_K, 16)
+EMBER_MMQ_MOE(ember_mmq_moe_q6_k_n32, EmberMmqQ6_K, 32)
+EMBER_MMQ_MOE(ember_mmq_moe_q6_k_n64, EmberMmqQ6_K, 64)
 
 // ember_mmq_reduce(float* y, const float* partial, uint32_t n, uint32_t n_splits): y[i] = the
 // sum over z < n_splits of partial[z n + i], added in order z = 0, 1, ... Any grid.

@@ -372,3 +372,23 @@ static std::vector<float> dequant_row(Format f, const uint8_t* row, int n_cols) 
     }
     return out;
 }
+
+// The magnitude of the offset term of value c of a row (what may cancel against the scaled
+// integer part).
+static double offset_magnitude(Format f, const uint8_t* row, int c) {
+    const FormatInfo& info = FORMATS[f];
+    const uint8_t* b = row + (size_t)(c / info.block_values) * info.block_bytes;
+    switch (f) {
+        case Q4_0: return 8.0 * std::fabs(half_at(b));
+        case Q5_0: return 16.0 * std::fabs(half_at(b));
+        case Q4_1:
+        case Q5_1: return std::fabs(half_at(b + 2));
+        case Q4_K:
+        case Q5_K: {
+            int scale, min;
+            scale_min_k4((c % 256) / 32, b + 4, &scale, &min);
+            return std::fabs(half_at(b + 2)) * (double)min;
+        }
+        default: return 0.0;
+    }
+}

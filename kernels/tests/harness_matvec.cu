@@ -157,26 +157,6 @@ static int grid_for(int n_rows, Variant variant) {
     return std::min(1024, (n_rows + rows_per_block - 1) / rows_per_block);
 }
 
-// The magnitude of the offset term that the kernel adds to (and that may cancel against) the
-// scaled integer part of value c of a row.
-static double offset_magnitude(Format f, const uint8_t* row, int c) {
-    const FormatInfo& info = FORMATS[f];
-    const uint8_t* b = row + (size_t)(c / info.block_values) * info.block_bytes;
-    switch (f) {
-        case Q4_0: return 8.0 * half_at(b);
-        case Q5_0: return 16.0 * half_at(b);
-        case Q4_1:
-        case Q5_1: return std::fabs(half_at(b + 2));
-        case Q4_K:
-        case Q5_K: {
-            int scale, min;
-            scale_min_k4((c % 256) / 32, b + 4, &scale, &min);
-            return half_at(b + 2) * (double)min;
-        }
-        default: return 0.0;
-    }
-}
-
 // bf16 rounding to nearest even (crates/quant's f32_to_bf16_bits), as f32.
 static float round_to_bf16(float f) {
     uint32_t u;

@@ -97,26 +97,6 @@ static void launch(Format f, bool mma, int tile, int splits_wanted, const Activa
     if (splits > 1) ember_mmq_reduce<<<64, 256>>>(y, partial, (uint32_t)(tokens * n_rows), splits);
 }
 
-// The magnitude of the offset term of value c of a row (what may cancel against the scaled
-// integer part).
-static double offset_magnitude(Format f, const uint8_t* row, int c) {
-    const FormatInfo& info = FORMATS[f];
-    const uint8_t* b = row + (size_t)(c / info.block_values) * info.block_bytes;
-    switch (f) {
-        case Q4_0: return 8.0 * std::fabs(half_at(b));
-        case Q5_0: return 16.0 * std::fabs(half_at(b));
-        case Q4_1:
-        case Q5_1: return std::fabs(half_at(b + 2));
-        case Q4_K:
-        case Q5_K: {
-            int scale, min;
-            scale_min_k4((c % 256) / 32, b + 4, &scale, &min);
-            return std::fabs(half_at(b + 2)) * (double)min;
-        }
-        default: return 0.0;
-    }
-}
-
 static void test_format(Format f, int n_rows, int n_cols) {
     const std::vector<uint8_t> w = random_matrix(f, n_rows, n_cols);
     const size_t row_bytes = row_bytes_of(f, n_cols);

@@ -1,15 +1,39 @@
-// Mixture-of-experts combine harness: ember_moe_combine_f32 of kernels/moe.hip on random inputs,
-// without and with per-expert output scales (Gemma 4's ffn_down_exps.scale), against a plain C++
-// reference of the CPU backend's order (engine/src/backend/cpu/moe.rs): each expert's output row
-// times its scale, rounded to f32, then times the routing weight, rounded to f32, and the terms
-// added in rank order from the first. Every step is one f32 operation in both, so the check is
-// bit-exact (differing values: 0).
+// Mixture-of-experts harness, two parts.
+//
+// 1. ember_moe_combine_f32 of kernels/moe.hip on random inputs, without and with per-expert
+// output scales (Gemma 4's ffn_down_exps.scale), against a plain C++ reference of the CPU
+// backend's order (engine/src/backend/cpu/moe.rs): each expert's output row times its scale,
+// rounded to f32, then times the routing weight, rounded to f32, and the terms added in rank
+// order from the first. Every step is one f32 operation in both, so the check is bit-exact
+// (differing values: 0).
+//
+// 2. The grouped mmq product (mmq.hip's ember_mmq_moe, the prompt path: tiles of up to 16, 32
+// or 64 pairs of one expert, both the tensor-core and the dp4a products) against the grouped
+// matrix-vector product (matvec.hip's ember_moe_matvec_*, the decode path), for every format
+// both cover, on random experts and routing (ember_moe_route's distinct experts per token,
+// sorted into tiles by ember_moe_tiles) at 1, 7, 64 and 512 tokens: Qwen3-30B-A3B's shapes (128
+// experts, 8 used, gate/up 768x2048 reading token p / 8, down 2048x768 reading pair p) and
+// Gemma 4 26B-A4B's (128 experts, 8 used, 704x2816 and 2816x704). Tolerance: both round the
+// activations with the same function (ember_mv_quantize), so every group of 32 gives the same
+// exact integer sum and the same f32 scales; they differ only in the order (and contraction) of
+// the f32 products and additions over the n_cols / 32 groups. Each of those at most
+// n_cols / 32 + 8 roundings errs by 2^-24 of a partial sum bounded by sum_i (|w_i| + 2
+// |offset_i|) |x^_i| (the offset terms of q4_0/q5_0's 8 d and 16 d, q4_1/q5_1's m, the k-quants'
+// dmin min may cancel against the integer part), so |y_mmq - y_matvec| <= 2 (96 / 2^24) B =
+// 1.2e-5 B at 2816 columns; the check uses 1e-5 B with the looser bound B = max_i (|w_i| + 2
+// |offset_i|) of the row times (||x_p||_1 + n_cols max|x_p| / 127) (|x^_i - x_i| <= d / 2 <=
+// max|x_p| / 254), which is at least twice the sum above. Outputs start as NaN, so a pair no
+// block writes fails. Then the time of both at 512 tokens (and 64) on Qwen3-30B-A3B's shapes in
+// q4_K and q6_K, in microseconds (matvec, then mmq per tile size, the activation pre-pass
+// included).
 //
 // Build and run on an NVIDIA machine (repository root), or through kernels/tests/run-nvcc.sh:
 //   nvcc -std=c++17 -O2 -arch=sm_90 -x cu -I kernels kernels/tests/harness_moe.cu -o target/harness_moe
 //   target/harness_moe
-// Exit status 0 when every check passes.
+// Exit status 0 when every check passes. EMBER_HARNESS_NO_TIMING=1 skips the timing section.
 #include "../moe.hip"
+#include "../matvec.hip"
+#include "../mmq.hip"
 
 #include "harness_common.h"
 
@@ -62,6 +86,247 @@ static void test_combine(uint32_t n_tokens, uint32_t n_used, uint32_t n_expert, 
     report(name, differ, 0.0);
 }
 
+
+// ---- The grouped products ----
+
+typedef void (*MoeKernel)(float*, const uint8_t*, const int8_t*, const float2*, const int32_t*, const int32_t*, uint32_t, uint32_t,
+                          uint64_t, uint32_t);
+typedef void (*MoeMatvecKernel)(float*, const uint8_t*, const float*, const int32_t*, const int32_t*, uint32_t, uint32_t, uint64_t,
+                                uint32_t);
+typedef void (*QuantizeKernel)(int8_t*, float2*, const float*, uint32_t);
+
+template <typename F, int NT, bool MMA>
+__global__ void __launch_bounds__(EMBER_MMQ_THREADS)
+    moe_variant(float* y, const uint8_t* w, const int8_t* xq, const float2* xds, const int32_t* pairs, const int32_t* tiles,
+                uint32_t n_rows, uint32_t n_cols, uint64_t expert_bytes, uint32_t x_div) {
+    ember_mmq_moe<F, NT, MMA>(y, w, xq, xds, pairs, tiles, n_rows, n_cols, expert_bytes, x_div);
+}
+
+template <typename F, bool MMA>
+static MoeKernel pick_moe_tile(int tile) {
+    return tile == 16 ? moe_variant<F, 16, MMA> : tile == 32 ? moe_variant<F, 32, MMA> : moe_variant<F, 64, MMA>;
+}
+
+// The grouped mmq kernel of format f, tile size and product path; the matvec kernel and the
+// activation pre-pass of f.
+static MoeKernel moe_mmq_for(Format f, int tile, bool mma) {
+    switch (f) {
+#define EMBER_MOE_CASE(FORMAT, TYPE) \
+    case FORMAT: return mma ? pick_moe_tile<TYPE, true>(tile) : pick_moe_tile<TYPE, false>(tile);
+        EMBER_MOE_CASE(Q4_0, EmberMmqQ4_0)
+        EMBER_MOE_CASE(Q4_1, EmberMmqQ4_1)
+        EMBER_MOE_CASE(Q5_0, EmberMmqQ5_0)
+        EMBER_MOE_CASE(Q5_1, EmberMmqQ5_1)
+        EMBER_MOE_CASE(Q8_0, EmberMmqQ8_0)
+        EMBER_MOE_CASE(Q4_K, EmberMmqQ4_K)
+        EMBER_MOE_CASE(Q5_K, EmberMmqQ5_K)
+        EMBER_MOE_CASE(Q6_K, EmberMmqQ6_K)
+#undef EMBER_MOE_CASE
+        default: std::fprintf(stderr, "no grouped mmq kernels for %s\n", FORMATS[f].name); std::exit(2);
+    }
+}
+
+static MoeMatvecKernel moe_matvec_for(Format f) {
+    switch (f) {
+        case Q4_0: return ember_moe_matvec_q4_0;
+        case Q4_1: return ember_moe_matvec_q4_1;
+        case Q5_0: return ember_moe_matvec_q5_0;
+        case Q5_1: return ember_moe_matvec_q5_1;
+        case Q8_0: return ember_moe_matvec_q8_0;
+        case Q4_K: return ember_moe_matvec_q4_k;
+        case Q5_K: return ember_moe_matvec_q5_k;
+        case Q6_K: return ember_moe_matvec_q6_k;
+        default: std::fprintf(stderr, "no grouped matvec kernel for %s\n", FORMATS[f].name); std::exit(2);
+    }
+}
+
+static QuantizeKernel moe_quantize_for(Format f) {
+    switch (f) {
+        case Q4_1:
+        case Q5_1: return ember_mmq_quantize_q8_1;
+        case Q4_0:
+        case Q5_0:
+        case Q8_0: return ember_mmq_quantize_q8_0;
+        default: return ember_mmq_quantize_q8_k;
+    }
+}
+
+// crates/gpu/src/ops/moe.rs moe_tile_slots.
+static int tile_slots(int n_pairs, int n_expert, int tile) { return std::min(n_pairs / tile + n_expert, n_pairs); }
+
+// One layer's stack of experts on the device, with per row the bound max_i (|w_i| + 2 |offset_i|).
+struct ExpertStack {
+    Format f;
+    int n_expert, n_rows, n_cols;  // n_rows per expert
+    size_t expert_bytes;
+    DeviceBuffer<uint8_t> w;
+    std::vector<double> row_bound;
+    ExpertStack(Format format, int experts, int rows, int cols, const std::vector<uint8_t>& bytes)
+        : f(format), n_expert(experts), n_rows(rows), n_cols(cols), expert_bytes(row_bytes_of(format, cols) * rows), w(bytes),
+          row_bound((size_t)experts * rows) {
+        const size_t row_bytes = row_bytes_of(f, n_cols);
+        for (size_t r = 0; r < row_bound.size(); ++r) {
+            const uint8_t* row = bytes.data() + r * row_bytes;
+            const std::vector<float> v = dequant_row(f, row, n_cols);
+            double bound = 0.0;
+            for (int c = 0; c < n_cols; ++c) bound = std::fmax(bound, std::fabs((double)v[c]) + 2.0 * offset_magnitude(f, row, c));
+            row_bound[r] = bound;
+        }
+    }
+};
+
+// A routing of n_tokens tokens to n_used distinct experts each, sorted into tiles on the device.
+struct Routing {
+    int n_tokens, n_used, n_pairs;
+    std::vector<int32_t> experts;
+    DeviceBuffer<int32_t> dexperts, pairs, tiles;
+    int slots;
+    Routing(int tokens, int used, int n_expert, int tile)
+        : n_tokens(tokens), n_used(used), n_pairs(tokens * used), experts(random_experts(tokens, used, n_expert)), dexperts(experts),
+          pairs(n_pairs), tiles(4 * (size_t)tile_slots(n_pairs, n_expert, tile)), slots(tile_slots(n_pairs, n_expert, tile)) {
+        ember_moe_tiles<<<1, 256, 8 * n_expert>>>(pairs.ptr, tiles.ptr, dexperts.ptr, n_pairs, n_expert, slots, tile);
+        sync();
+    }
+    static std::vector<int32_t> random_experts(int tokens, int used, int n_expert) {
+        std::vector<int32_t> e((size_t)tokens * used);
+        for (int t = 0; t < tokens; ++t)
+            for (int k = 0; k < used; ++k) {
+                int32_t pick;
+                bool taken;
+                do {
+                    pick = uniform_int(0, n_expert - 1);
+                    taken = false;
+                    for (int j = 0; j < k; ++j) taken |= e[(size_t)t * used + j] == pick;
+                } while (taken);
+                e[(size_t)t * used + k] = pick;
+            }
+        return e;
+    }
+};
+
+// Runs the grouped matvec product (tiles of EMBER_MOE_TILE) into y, grid as ops/moe.rs launches it.
+static void run_matvec(const ExpertStack& s, const Routing& r8, const float* x, int x_div, float* y) {
+    const int rows_per_block = 256 / EMBER_MATVEC_LANES;
+    const int grid_x = std::max(1, std::min((s.n_rows + rows_per_block - 1) / rows_per_block, (1024 + r8.slots - 1) / r8.slots));
+    moe_matvec_for(s.f)<<<dim3(grid_x, r8.slots), 256, ember_matvec_shared_bytes(EMBER_MOE_TILE, s.n_cols)>>>(
+        y, s.w.ptr, x, r8.pairs.ptr, r8.tiles.ptr, s.n_rows, s.n_cols, s.expert_bytes, x_div);
+}
+
+// One product of the layer: `down` false is gate/up (pair p reads token p / n_used), true is down
+// (pair p reads its own row).
+static void test_grouped(const ExpertStack& s, int n_tokens, int n_used, bool down) {
+    const Routing r8(n_tokens, n_used, s.n_expert, EMBER_MOE_TILE);
+    const int n_pairs = r8.n_pairs, x_div = down ? 1 : n_used, x_rows = down ? n_pairs : n_tokens;
+    std::vector<float> x((size_t)x_rows * s.n_cols);
+    for (size_t g = 0; g < x.size() / 32; ++g) {
+        const float amplitude = std::pow(10.0f, uniform(-2, 1));
+        for (int i = 0; i < 32; ++i) x[32 * g + i] = amplitude * uniform(-1, 1);
+    }
+    std::vector<double> x_bound(x_rows);
+    for (int i = 0; i < x_rows; ++i) {
+        double l1 = 0.0, max = 0.0;
+        for (int c = 0; c < s.n_cols; ++c) {
+            const double v = std::fabs((double)x[(size_t)i * s.n_cols + c]);
+            l1 += v;
+            max = std::fmax(max, v);
+        }
+        x_bound[i] = l1 + s.n_cols * max / 127.0;
+    }
+    DeviceBuffer<float> dx(x), want((size_t)n_pairs * s.n_rows), got((size_t)n_pairs * s.n_rows);
+    DeviceBuffer<int8_t> xq(x.size());
+    DeviceBuffer<float2> xds(x.size() / 32);
+    CHECK_CUDA(cudaMemset(want.ptr, 0xff, (size_t)n_pairs * s.n_rows * sizeof(float)));
+    run_matvec(s, r8, dx.ptr, x_div, want.ptr);
+    sync();
+    const std::vector<float> reference = want.download();
+    for (int tile : {16, 32, 64}) {
+        // The same routing, cut into tiles of this size.
+        DeviceBuffer<int32_t> pairs(n_pairs), tiles(4 * (size_t)tile_slots(n_pairs, s.n_expert, tile));
+        const int slots = tile_slots(n_pairs, s.n_expert, tile);
+        ember_moe_tiles<<<1, 256, 8 * s.n_expert>>>(pairs.ptr, tiles.ptr, r8.dexperts.ptr, n_pairs, s.n_expert, slots, tile);
+        for (bool mma : {true, false}) {
+            CHECK_CUDA(cudaMemset(got.ptr, 0xff, (size_t)n_pairs * s.n_rows * sizeof(float)));
+            moe_quantize_for(s.f)<<<x_rows, 256>>>(xq.ptr, xds.ptr, dx.ptr, s.n_cols);
+            moe_mmq_for(s.f, tile, mma)<<<dim3((s.n_rows + EMBER_MMQ_ROWS - 1) / EMBER_MMQ_ROWS, slots), EMBER_MMQ_THREADS>>>(
+                got.ptr, s.w.ptr, xq.ptr, xds.ptr, pairs.ptr, tiles.ptr, s.n_rows, s.n_cols, s.expert_bytes, x_div);
+            sync();
+            const std::vector<float> y = got.download();
+            double worst = 0.0;
+            for (int p = 0; p < n_pairs && !std::isnan(worst); ++p) {
+                const size_t expert_row0 = (size_t)r8.experts[p] * s.n_rows;
+                for (int row = 0; row < s.n_rows; ++row) {
+                    const size_t i = (size_t)p * s.n_rows + row;
+                    const double bound = 1e-5 * s.row_bound[expert_row0 + row] * x_bound[p / x_div] + 1e-30;
+                    const double error = std::fabs((double)y[i] - (double)reference[i]) / bound;
+                    if (std::isnan(error)) {
+                        worst = error;
+                        break;
+                    }
+                    worst = std::fmax(worst, error);
+                }
+            }
+            char name[200];
+            std::snprintf(name, sizeof name, "moe mmq_%s %s %dx%d x%d, %d tok, tile %d, %s: |mmq - matvec| / (1e-5 B)", FORMATS[s.f].name,
+                          down ? "down" : "gate", s.n_rows, s.n_cols, s.n_expert, n_tokens, tile, mma ? "mma " : "dp4a");
+            report(name, worst, 1.0);
+        }
+    }
+}
+
+// Median time of fn over 30 calls (after 3 warm-up calls), in microseconds.
+template <typename Fn>
+static double time_us(Fn fn) {
+    cudaEvent_t start, stop;
+    CHECK_CUDA(cudaEventCreate(&start));
+    CHECK_CUDA(cudaEventCreate(&stop));
+    std::vector<float> samples;
+    for (int i = 0; i < 33; ++i) {
+        CHECK_CUDA(cudaEventRecord(start));
+        fn();
+        CHECK_CUDA(cudaEventRecord(stop));
+        CHECK_CUDA(cudaEventSynchronize(stop));
+        float ms = 0;
+        CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+        if (i >= 3) samples.push_back(ms);
+    }
+    sync();
+    CHECK_CUDA(cudaEventDestroy(start));
+    CHECK_CUDA(cudaEventDestroy(stop));
+    return median(samples) * 1e3;
+}
+
+// The time of one product of the layer by both paths (the weights, over 100 MB, do not stay in
+// L2 between calls).
+static void benchmark_grouped(const ExpertStack& s, int n_tokens, int n_used, bool down) {
+    const Routing r8(n_tokens, n_used, s.n_expert, EMBER_MOE_TILE);
+    const int n_pairs = r8.n_pairs, x_div = down ? 1 : n_used, x_rows = down ? n_pairs : n_tokens;
+    DeviceBuffer<float> dx(random_floats((size_t)x_rows * s.n_cols)), y((size_t)n_pairs * s.n_rows);
+    DeviceBuffer<int8_t> xq((size_t)x_rows * s.n_cols);
+    DeviceBuffer<float2> xds((size_t)x_rows * s.n_cols / 32);
+    char line[512];
+    int at = std::snprintf(line, sizeof line, "INFO moe_%-5s %s %4dx%-4d x%d, %3d tok: matvec %7.1f us |", FORMATS[s.f].name,
+                           down ? "down" : "gate", s.n_rows, s.n_cols, s.n_expert, n_tokens,
+                           time_us([&] { run_matvec(s, r8, dx.ptr, x_div, y.ptr); }));
+    for (int tile : {16, 32, 64}) {
+        DeviceBuffer<int32_t> pairs(n_pairs), tiles(4 * (size_t)tile_slots(n_pairs, s.n_expert, tile));
+        const int slots = tile_slots(n_pairs, s.n_expert, tile);
+        ember_moe_tiles<<<1, 256, 8 * s.n_expert>>>(pairs.ptr, tiles.ptr, r8.dexperts.ptr, n_pairs, s.n_expert, slots, tile);
+        for (bool mma : {true, false}) {
+            const double us = time_us([&] {
+                moe_quantize_for(s.f)<<<x_rows, 256>>>(xq.ptr, xds.ptr, dx.ptr, s.n_cols);
+                moe_mmq_for(s.f, tile, mma)<<<dim3((s.n_rows + EMBER_MMQ_ROWS - 1) / EMBER_MMQ_ROWS, slots), EMBER_MMQ_THREADS>>>(
+                    y.ptr, s.w.ptr, xq.ptr, xds.ptr, pairs.ptr, tiles.ptr, s.n_rows, s.n_cols, s.expert_bytes, x_div);
+            });
+            at += std::snprintf(line + at, sizeof line - at, " mmq/%d %s %7.1f us |", tile, mma ? "mma" : "dp4a", us);
+        }
+    }
+    std::printf("%s\n", line);
+}
+
+static ExpertStack* random_stack(Format f, int n_expert, int n_rows, int n_cols) {
+    return new ExpertStack(f, n_expert, n_rows, n_cols, random_matrix(f, n_expert * n_rows, n_cols));
+}
+
 int main() {
     // Qwen3-30B-A3B's routing (8 of 128, n_embd 2048) and Gemma 4 26B-A4B's (8 of 128, n_embd
     // 2816, with scales); a decode-sized and a prompt-sized batch; a width that is not a multiple
@@ -70,6 +335,27 @@ int main() {
         test_combine(1, 8, 128, 2048, scaled);
         test_combine(37, 8, 128, 2816, scaled);
         test_combine(5, 2, 4, 300, scaled);
+    }
+    const bool timing = std::getenv("EMBER_HARNESS_NO_TIMING") == nullptr;
+    // Qwen3-30B-A3B: gate/up 768x2048 and down 2048x768 per expert, in every format.
+    for (Format f : {Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K}) {
+        for (bool down : {false, true}) {
+            ExpertStack* s = down ? random_stack(f, 128, 2048, 768) : random_stack(f, 128, 768, 2048);
+            for (int tokens : {1, 7, 64, 512}) test_grouped(*s, tokens, 8, down);
+            if (timing && (f == Q4_K || f == Q6_K))
+                for (int tokens : {64, 512}) benchmark_grouped(*s, tokens, 8, down);
+            delete s;
+        }
+    }
+    // Gemma 4 26B-A4B: gate/up 704x2816 (q4_K) and down 2816x704 (704 columns: a partial last K
+    // step, so only the 32-value formats; q8_0 as the GGUF falls back to).
+    {
+        ExpertStack* gate = random_stack(Q4_K, 128, 704, 2816);
+        for (int tokens : {1, 7, 64, 512}) test_grouped(*gate, tokens, 8, false);
+        delete gate;
+        ExpertStack* down = random_stack(Q8_0, 128, 2816, 704);
+        for (int tokens : {1, 7, 64, 512}) test_grouped(*down, tokens, 8, true);
+        delete down;
     }
     return finish("harness_moe");
 }

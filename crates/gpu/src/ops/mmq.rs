@@ -18,7 +18,7 @@
 
 use crate::driver::{DevicePtr, KernelArg, KernelArgs, LaunchConfig};
 use crate::kernels::KernelModule;
-use crate::pool::Purpose;
+use crate::pool::{PoolBuffer, Purpose};
 
 use super::{as_u32, stride_launch, DeviceMatrix, GpuContext, OpsError, WeightFormat};
 
@@ -168,28 +168,8 @@ pub(crate) fn mmq_with_target(
     let n_steps = w.cols.div_ceil(MMQ_STEP);
     let (splits, steps_per_split) = k_splits(row_tiles * token_tiles, n_steps, target);
 
-    // Scratch: the int8 activations, then (256-byte aligned) one float2 per group of 32.
-    let scales_offset = values.next_multiple_of(256);
-    let activations = ctx.alloc(Purpose::Scratch, (scales_offset + values / 32 * 8) as u64)?;
+    let (activations, xds) = quantize(ctx, w.format, x, tokens, cols, values)?;
     let xq = activations.ptr();
-    let xds = xq.offset(scales_offset as u64);
-    let quantize_args = KernelArgs::new()
-        .arg(KernelArg::Ptr(xq))
-        .arg(KernelArg::Ptr(xds))
-        .arg(KernelArg::Ptr(x))
-        .arg(KernelArg::U32(cols));
-    let quantize = format!("ember_mmq_quantize_{}", activation_suffix(w.format));
-    // SAFETY: ember_mmq_quantize_*(int8_t* xq, float2* xds, const float* x, uint32_t n_cols);
-    // block t reads row t of x (n_tokens rows of cols f32, the caller's) and writes cols bytes at
-    // xq + t cols and cols / 32 float2 at xds + t cols / 32, inside the scratch buffer sized above.
-    unsafe {
-        ctx.launch(
-            KernelModule::Mmq,
-            &quantize,
-            LaunchConfig::linear(tokens, QUANTIZE_THREADS),
-            &quantize_args,
-        )
-    }?;
 
     let partials = if splits > 1 {
         Some(ctx.alloc(Purpose::Scratch, (splits * n_tokens * w.rows * 4) as u64)?)
@@ -239,6 +219,156 @@ pub(crate) fn mmq_with_target(
         }?;
     }
     Ok(())
+}
+
+/// The activation pre-pass: `n_tokens` rows of `cols` f32 at x rounded to `format`'s activation
+/// format into a scratch buffer (`values` = n_tokens x cols int8 values, then, 256-byte aligned,
+/// one float2 per group of 32, whose address comes second).
+fn quantize(
+    ctx: &GpuContext,
+    format: WeightFormat,
+    x: DevicePtr,
+    n_tokens: u32,
+    cols: u32,
+    values: usize,
+) -> Result<(PoolBuffer, DevicePtr), OpsError> {
+    let scales_offset = values.next_multiple_of(256);
+    let activations = ctx.alloc(Purpose::Scratch, (scales_offset + values / 32 * 8) as u64)?;
+    let xq = activations.ptr();
+    let xds = xq.offset(scales_offset as u64);
+    let quantize_args = KernelArgs::new()
+        .arg(KernelArg::Ptr(xq))
+        .arg(KernelArg::Ptr(xds))
+        .arg(KernelArg::Ptr(x))
+        .arg(KernelArg::U32(cols));
+    let quantize = format!("ember_mmq_quantize_{}", activation_suffix(format));
+    // SAFETY: ember_mmq_quantize_*(int8_t* xq, float2* xds, const float* x, uint32_t n_cols);
+    // block t reads row t of x (n_tokens rows of cols f32, the caller's) and writes cols bytes at
+    // xq + t cols and cols / 32 float2 at xds + t cols / 32, inside the scratch buffer sized above.
+    unsafe {
+        ctx.launch(
+            KernelModule::Mmq,
+            &quantize,
+            LaunchConfig::linear(n_tokens, QUANTIZE_THREADS),
+            &quantize_args,
+        )
+    }?;
+    Ok((activations, xds))
+}
+
+/// The grouped product of the mixture-of-experts layers with the mmq kernels (mmq.hip's
+/// `ember_mmq_moe_*`): `out[p] = W[expert of p] x[p / x_div]` for every pair of the tiles, `w` a
+/// stack of `n_expert` experts, `x` `x_rows` rows of `w.cols` f32, `out` f32 `[n_pairs,
+/// w.rows / n_expert]`. The tiles (`moe_tiles` with tile size `tile`, 16, 32 or 64) hold at most
+/// `tile` pairs of one expert each; every block multiplies one tile by 64 rows of its expert, so
+/// an expert's weights are read once per tile rather than once per 8 pairs as in `moe_matvec`.
+/// The x rows are rounded once, as the dense mmq rounds them, and gathered by pair.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_mmq(
+    ctx: &GpuContext,
+    w: &DeviceMatrix,
+    n_expert: usize,
+    x: DevicePtr,
+    x_rows: usize,
+    x_div: usize,
+    pairs: DevicePtr,
+    tiles: DevicePtr,
+    n_pairs: usize,
+    tile: usize,
+    out: DevicePtr,
+) -> Result<(), OpsError> {
+    const OP: &str = "moe_mmq";
+    if n_pairs == 0 || x_rows == 0 {
+        return Ok(());
+    }
+    if !has_mmq_kernels(w.format) {
+        return Err(OpsError::Unsupported {
+            op: OP,
+            what: format!(
+                "{} weights (it has kernels for the int8 formats but q2_K and q3_K)",
+                w.format
+            ),
+        });
+    }
+    if ![16, 32, 64].contains(&tile) {
+        return Err(OpsError::shape(
+            OP,
+            "tiles of 16, 32 or 64 pairs",
+            format!("{tile}"),
+        ));
+    }
+    if n_expert == 0
+        || !w.rows.is_multiple_of(n_expert)
+        || w.cols == 0
+        || w.format.row_bytes(w.cols).is_none()
+    {
+        return Err(OpsError::shape(
+            OP,
+            format!(
+                "a stack of {n_expert} experts of equal rows, columns a positive multiple of {}",
+                w.format.block_values()
+            ),
+            format!("{} rows of {} columns", w.rows, w.cols),
+        ));
+    }
+    if x_div == 0 || n_pairs.div_ceil(x_div) > x_rows {
+        return Err(OpsError::shape(
+            OP,
+            format!(
+                "{} rows of x for {n_pairs} pairs",
+                n_pairs.div_ceil(x_div.max(1))
+            ),
+            format!("{x_rows} rows, {x_div} pairs per row"),
+        ));
+    }
+    let rows = w.rows / n_expert;
+    let expert_bytes = DeviceMatrix::bytes_for(w.format, rows, w.cols)? as u64;
+    let rows32 = as_u32(OP, "the rows of an expert", rows)?;
+    let cols = as_u32(OP, "the column count", w.cols)?;
+    let x_rows32 = as_u32(OP, "the rows of x", x_rows)?;
+    as_u32(OP, "pairs times rows", n_pairs.saturating_mul(rows))?;
+    let values = x_rows
+        .checked_mul(w.cols)
+        .ok_or_else(|| OpsError::shape(OP, "rows times columns below 2^64", "an overflow"))?;
+    let slots = super::moe::moe_tile_slots(n_pairs, n_expert, tile);
+    if slots > MAX_GRID_YZ {
+        return Err(OpsError::shape(
+            OP,
+            format!("at most {MAX_GRID_YZ} tiles"),
+            format!("{slots}"),
+        ));
+    }
+    let (activations, xds) = quantize(ctx, w.format, x, x_rows32, cols, values)?;
+    let args = KernelArgs::new()
+        .arg(KernelArg::Ptr(out))
+        .arg(KernelArg::Ptr(w.ptr()))
+        .arg(KernelArg::Ptr(activations.ptr()))
+        .arg(KernelArg::Ptr(xds))
+        .arg(KernelArg::Ptr(pairs))
+        .arg(KernelArg::Ptr(tiles))
+        .arg(KernelArg::U32(rows32))
+        .arg(KernelArg::U32(cols))
+        .arg(KernelArg::U64(expert_bytes))
+        .arg(KernelArg::U32(as_u32(OP, "the pairs per row of x", x_div)?));
+    let config = LaunchConfig {
+        grid: [rows.div_ceil(MMQ_ROWS) as u32, slots as u32, 1],
+        block: [MMQ_THREADS, 1, 1],
+        shared_mem_bytes: 0,
+    };
+    let name = moe_kernel_name(w.format, tile);
+    // SAFETY: ember_mmq_moe_<format>_n<NT>(float* y, const uint8_t* w, const int8_t* xq, const
+    // float2* xds, const int32_t* pairs, const int32_t* tiles, uint32_t n_rows, uint32_t n_cols,
+    // uint64_t expert_bytes, uint32_t x_div) with grid (row tiles of one expert, tile slots);
+    // the tiles (moe_tiles with this tile size, slots as moe_tile_slots counts them) name
+    // experts below n_expert, whose bytes lie inside W (DeviceMatrix::new checked n_expert x
+    // expert_bytes), and pairs below n_pairs, whose rows p / x_div < x_rows of the activations
+    // (written above) and p of out (the caller's, n_pairs x rows floats) exist.
+    unsafe { ctx.launch(KernelModule::Mmq, &name, config, &args) }
+}
+
+/// The grouped kernel for `format` with tiles of `tile` pairs (16, 32 or 64).
+pub(crate) fn moe_kernel_name(format: WeightFormat, tile: usize) -> String {
+    format!("ember_mmq_moe_{}_n{tile}", format.kernel_suffix())
 }
 
 /// The kernel for `format` with token tiles of `tile` (16, 32 or 64).
@@ -300,6 +430,8 @@ mod tests {
         for tile in [16usize, 32, 64] {
             let name = kernel_name(WeightFormat::Q8_0, tile);
             driver.register_kernel(&name, move |l| mmq_q8_0_twin(l, tile));
+            let name = moe_kernel_name(WeightFormat::Q8_0, tile);
+            driver.register_kernel(&name, move |l| moe_mmq_q8_0_twin(l, tile));
         }
         // ember_mmq_reduce(float* y, const float* partial, uint32_t n, uint32_t n_splits)
         driver.register_kernel("ember_mmq_reduce", |l| {
@@ -370,6 +502,73 @@ mod tests {
         l.write_f32(y, &out)
     }
 
+    /// ember_mmq_moe_q8_0_n<tile>(float* y, const uint8_t* w, const int8_t* xq, const float2*
+    /// xds, const int32_t* pairs, const int32_t* tiles, uint32_t n_rows, uint32_t n_cols,
+    /// uint64_t expert_bytes, uint32_t x_div): block (bx, slot) writes rows 64 bx.. of the slot's
+    /// expert for its pairs, pair p reading activation row p / x_div and writing row p of y.
+    fn moe_mmq_q8_0_twin(l: &HostLaunch<'_>, tile: usize) -> Result<(), String> {
+        let (y, w, xq, xds) = (l.ptr_arg(0)?, l.ptr_arg(1)?, l.ptr_arg(2)?, l.ptr_arg(3)?);
+        let (pairs, tiles) = (l.ptr_arg(4)?, l.ptr_arg(5)?);
+        let (rows, cols) = (l.u32_arg(6)? as usize, l.u32_arg(7)? as usize);
+        let expert_bytes = match l.args().get(8) {
+            Some(KernelArg::U64(v)) => *v as usize,
+            other => return Err(format!("argument 8: expected a u64, found {other:?}")),
+        };
+        let x_div = l.u32_arg(9)? as usize;
+        let config = l.config();
+        if config.block[0] != MMQ_THREADS || config.shared_mem_bytes != 0 || config.grid[2] != 1 {
+            return Err(format!("launched with {config:?}"));
+        }
+        if config.grid[0] as usize != rows.div_ceil(MMQ_ROWS) {
+            return Err(format!("grid {:?} for {rows} rows", config.grid));
+        }
+        let slots = config.grid[1] as usize;
+        let read_i32 = |ptr: DevicePtr, n: usize| -> Result<Vec<i32>, String> {
+            let mut bytes = vec![0u8; 4 * n];
+            l.read(ptr, &mut bytes)?;
+            Ok(bytes
+                .chunks_exact(4)
+                .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect())
+        };
+        let table = read_i32(tiles, 4 * slots)?;
+        let n_groups = cols / 32;
+        for slot in table.chunks_exact(4) {
+            let (expert, first, count) = (slot[0] as usize, slot[1] as usize, slot[2] as usize);
+            if count == 0 {
+                continue;
+            }
+            if count > tile {
+                return Err(format!("a tile of {count} pairs for kernel tile {tile}"));
+            }
+            let mut weights = vec![0u8; expert_bytes];
+            l.read(w.offset((expert * expert_bytes) as u64), &mut weights)?;
+            for pair in read_i32(pairs.offset(4 * first as u64), count)? {
+                let (pair, x_row) = (pair as usize, pair as usize / x_div);
+                let mut q = vec![0u8; cols];
+                l.read(xq.offset((x_row * cols) as u64), &mut q)?;
+                let ds = l.read_f32(xds.offset((x_row * n_groups * 8) as u64), 2 * n_groups)?;
+                let out: Vec<f32> = (0..rows)
+                    .map(|r| {
+                        (0..n_groups).fold(0.0f32, |acc, g| {
+                            let block = &weights[(r * n_groups + g) * 34..][..34];
+                            let wd = f16::from_le_bytes([block[0], block[1]]).to_f32();
+                            let c: i32 = (0..32)
+                                .map(|i| {
+                                    i32::from(block[2 + i] as i8)
+                                        * i32::from(q[xq_offset(cols, 0, 32 * g + i)] as i8)
+                                })
+                                .sum();
+                            acc + (wd * ds[2 * g]) * c as f32
+                        })
+                    })
+                    .collect();
+                l.write_f32(y.offset((pair * rows * 4) as u64), &out)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Random q8_0 weights: scale 1/64 and values -64..63.
     fn q8_0_weights(rows: usize, cols: usize, seed: usize) -> Vec<u8> {
         let mut bytes = Vec::new();
@@ -411,6 +610,114 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// Writes i32 values into a new device buffer.
+    fn upload_i32(ctx: &GpuContext, values: &[i32]) -> PoolBuffer {
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        upload_bytes(ctx, &bytes)
+    }
+
+    #[test]
+    fn grouped_product_gathers_each_pairs_row_and_writes_its_output() {
+        let (ctx, _dir) = host_context(register_twins);
+        // 3 experts of 70 rows (a partial row tile) by 96 columns; 5 tokens, 2 experts each.
+        let (n_expert, rows, cols, n_tokens, n_used) = (3usize, 70usize, 96usize, 5usize, 2usize);
+        let bytes = q8_0_weights(n_expert * rows, cols, 5);
+        let matrix = DeviceMatrix::new(
+            upload_bytes(&ctx, &bytes),
+            WeightFormat::Q8_0,
+            n_expert * rows,
+            cols,
+        )
+        .unwrap();
+        let experts: Vec<usize> = (0..n_tokens * n_used)
+            .map(|p| (p / n_used + p % n_used * 2) % n_expert)
+            .collect();
+        let n_pairs = experts.len();
+        // The pairs sorted by expert and cut into tiles as ember_moe_tiles cuts them.
+        for tile in [16usize, 32, 64] {
+            let mut pairs = Vec::new();
+            let mut table = Vec::new();
+            for e in 0..n_expert {
+                let first = pairs.len() as i32;
+                pairs.extend((0..n_pairs).filter(|&p| experts[p] == e).map(|p| p as i32));
+                let count = pairs.len() as i32 - first;
+                if count > 0 {
+                    table.extend([e as i32, first, count, 0]);
+                }
+            }
+            table.resize(4 * crate::ops::moe_tile_slots(n_pairs, n_expert, tile), 0);
+            let (dpairs, dtiles) = (upload_i32(&ctx, &pairs), upload_i32(&ctx, &table));
+            // Gate/up: pair p reads token p / n_used; down: pair p reads its own row.
+            for (x_rows, x_div) in [(n_tokens, n_used), (n_pairs, 1)] {
+                let x = values(x_rows * cols, (tile + x_div) as u32);
+                let dx = upload_f32(&ctx, &x);
+                let out = upload_f32(&ctx, &vec![f32::NAN; n_pairs * rows]);
+                moe_mmq(
+                    &ctx,
+                    &matrix,
+                    n_expert,
+                    dx.ptr(),
+                    x_rows,
+                    x_div,
+                    dpairs.ptr(),
+                    dtiles.ptr(),
+                    n_pairs,
+                    tile,
+                    out.ptr(),
+                )
+                .unwrap();
+                let got = download_f32(&ctx, out.ptr(), n_pairs * rows);
+                for (p, &e) in experts.iter().enumerate() {
+                    let row_bytes = cols / 32 * 34;
+                    let qm = QMatrix {
+                        ty: GgmlType::Q8_0,
+                        rows,
+                        cols,
+                        data: &bytes[e * rows * row_bytes..][..rows * row_bytes],
+                    };
+                    let mut expected = vec![0f32; rows];
+                    let x_row = &x[p / x_div * cols..][..cols];
+                    ember_quant::matmul_f32(&qm, x_row, 1, &mut expected).unwrap();
+                    for (r, &want) in expected.iter().enumerate() {
+                        let have = got[p * rows + r];
+                        // The same exact group sums and scales; only the f32 order may differ.
+                        assert!(
+                            (have - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                            "tile {tile}, x_div {x_div}: pair {p} row {r}: {have} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn grouped_product_refuses_bad_shapes() {
+        let (ctx, _dir) = host_context(|_| {});
+        let matrix = DeviceMatrix {
+            buf: ctx.alloc(Purpose::Scratch, 34 * 30).unwrap(),
+            format: WeightFormat::Q8_0,
+            rows: 30,
+            cols: 32,
+        };
+        let p = matrix.ptr();
+        let error = moe_mmq(&ctx, &matrix, 4, p, 4, 1, p, p, 4, 16, p).unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "moe_mmq: expected a stack of 4 experts of equal rows, columns a positive multiple of 32, found 30 rows of 32 columns"
+        );
+        let error = moe_mmq(&ctx, &matrix, 3, p, 4, 1, p, p, 4, 8, p).unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "moe_mmq: expected tiles of 16, 32 or 64 pairs, found 8"
+        );
+        let error = moe_mmq(&ctx, &matrix, 3, p, 2, 1, p, p, 4, 16, p).unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "moe_mmq: expected 4 rows of x for 4 pairs, found 2 rows, 1 pairs per row"
+        );
     }
 
     #[test]
@@ -459,6 +766,10 @@ mod tests {
         {
             for tile in [16, 32, 64] {
                 let name = kernel_name(format, tile);
+                assert!(spec.functions.contains(&name.as_str()), "{name}");
+            }
+            for tile in [16, 32, 64] {
+                let name = moe_kernel_name(format, tile);
                 assert!(spec.functions.contains(&name.as_str()), "{name}");
             }
             let quantize = format!("ember_mmq_quantize_{}", activation_suffix(format));

@@ -82,10 +82,11 @@ pub use matmul::{
     mmq_max_tokens, Glu, MatmulPath, FUSION_ENV, MATVEC_MAX_TOKENS, MATVEC_MAX_TOKENS_ENV,
     MMQ_MAX_TOKENS, MMQ_MAX_TOKENS_ENV,
 };
-pub use mmq::{has_mmq_kernels, MMQ_TARGET_BLOCKS, MMQ_TARGET_BLOCKS_ENV};
+pub use mmq::{has_mmq_kernels, moe_mmq, MMQ_TARGET_BLOCKS, MMQ_TARGET_BLOCKS_ENV};
 pub use moe::{
-    has_moe_kernels, moe_add_gated, moe_combine, moe_matvec, moe_route, moe_tile_slots, moe_tiles,
-    MOE_MAX_EXPERTS, MOE_TILE,
+    has_moe_kernels, moe_add_gated, moe_combine, moe_matvec, moe_mmq_tile, moe_route,
+    moe_tile_slots, moe_tiles, MOE_MAX_EXPERTS, MOE_MMQ_MIN_TOKENS, MOE_MMQ_MIN_TOKENS_ENV,
+    MOE_TILE,
 };
 
 /// Environment variable that turns the BLAS library off (`1`): `matmul` then uses the tiled

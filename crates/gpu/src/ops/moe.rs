@@ -35,10 +35,60 @@ pub fn has_moe_kernels(format: WeightFormat) -> bool {
     has_int8_path(format)
 }
 
-/// Tile slots for `n_pairs` pairs over `n_expert` experts: every expert's last tile may be
-/// partial, and no tile is empty.
-pub fn moe_tile_slots(n_pairs: usize, n_expert: usize) -> usize {
-    (n_pairs / MOE_TILE + n_expert).min(n_pairs)
+/// Tile slots for `n_pairs` pairs over `n_expert` experts in tiles of at most `tile` pairs
+/// ([`MOE_TILE`] for `moe_matvec`, [`moe_mmq_tile`]'s for `moe_mmq`): every expert's last tile
+/// may be partial, and no tile is empty.
+pub fn moe_tile_slots(n_pairs: usize, n_expert: usize, tile: usize) -> usize {
+    (n_pairs / tile.max(1) + n_expert).min(n_pairs)
+}
+
+/// Fewest tokens for which a MoE layer's products take the grouped mmq kernels (`moe_mmq`)
+/// rather than `moe_matvec`. With 8 of 128 experts, 32 tokens give each expert 2 pairs on
+/// average: from there on the tensor-core (or dp4a) tiles cost about what the matrix-vector
+/// kernel does for one tile of 8 while reading the weights no more often; decode batches keep
+/// the matrix-vector kernel, which streams an expert's rows fastest for a pair or two.
+pub const MOE_MMQ_MIN_TOKENS: usize = 32;
+
+/// Environment variable overriding [`MOE_MMQ_MIN_TOKENS`] (a positive integer), for tuning and
+/// for comparing both paths on one binary (a value above the batch keeps the matrix-vector path).
+pub const MOE_MMQ_MIN_TOKENS_ENV: &str = "EMBER_MOE_MMQ_MIN_TOKENS";
+
+fn mmq_min_tokens() -> usize {
+    static VALUE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *VALUE.get_or_init(|| {
+        std::env::var(MOE_MMQ_MIN_TOKENS_ENV)
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .filter(|&v| v > 0)
+            .unwrap_or(MOE_MMQ_MIN_TOKENS)
+    })
+}
+
+/// The pairs per tile of the grouped mmq product for `n_tokens` tokens with `n_used` of
+/// `n_expert` experts each, or None below [`MOE_MMQ_MIN_TOKENS`] (or its environment override:
+/// the matrix-vector path).
+pub fn moe_mmq_tile(n_tokens: usize, n_used: usize, n_expert: usize) -> Option<usize> {
+    mmq_tile_from(n_tokens, n_used, n_expert, mmq_min_tokens())
+}
+
+/// [`moe_mmq_tile`] with the threshold given: the smallest tile of 16, 32 or 64 pairs that holds
+/// one and a half times the average pairs per expert, so that most experts take one tile
+/// (their weights read once) while few rows of the tile are empty.
+fn mmq_tile_from(
+    n_tokens: usize,
+    n_used: usize,
+    n_expert: usize,
+    min_tokens: usize,
+) -> Option<usize> {
+    if n_tokens < min_tokens || n_expert == 0 {
+        return None;
+    }
+    let average = (n_tokens * n_used).div_ceil(n_expert);
+    Some(match average + average / 2 {
+        0..=16 => 16,
+        17..=32 => 32,
+        _ => 64,
+    })
 }
 
 /// Per token, its `n_used` experts (most probable first) and their weights from `n_expert`
@@ -103,12 +153,14 @@ pub fn moe_route(
 }
 
 /// Sorts the `n_pairs` (token, rank) pairs of `experts` by expert into `pairs` (i32 `[n_pairs]`)
-/// and cuts them into tiles (`tiles`, i32 `[moe_tile_slots(n_pairs, n_expert), 4]`).
+/// and cuts them into tiles of at most `tile` pairs (`tiles`, i32 `[moe_tile_slots(n_pairs,
+/// n_expert, tile), 4]`).
 pub fn moe_tiles(
     ctx: &GpuContext,
     experts: DevicePtr,
     n_pairs: usize,
     n_expert: usize,
+    tile: usize,
     pairs: DevicePtr,
     tiles: DevicePtr,
 ) -> Result<(), OpsError> {
@@ -116,7 +168,10 @@ pub fn moe_tiles(
     if n_pairs == 0 {
         return Ok(());
     }
-    let slots = moe_tile_slots(n_pairs, n_expert);
+    if tile == 0 {
+        return Err(OpsError::shape(OP, "tiles of at least one pair", "0"));
+    }
+    let slots = moe_tile_slots(n_pairs, n_expert, tile);
     let args = KernelArgs::new()
         .arg(KernelArg::Ptr(pairs))
         .arg(KernelArg::Ptr(tiles))
@@ -124,7 +179,7 @@ pub fn moe_tiles(
         .arg(KernelArg::U32(as_u32(OP, "the pair count", n_pairs)?))
         .arg(KernelArg::U32(as_u32(OP, "the expert count", n_expert)?))
         .arg(KernelArg::U32(slots as u32))
-        .arg(KernelArg::U32(MOE_TILE as u32));
+        .arg(KernelArg::U32(as_u32(OP, "the tile size", tile)?));
     let config = LaunchConfig {
         shared_mem_bytes: (8 * n_expert) as u32,
         ..LaunchConfig::linear(1, 256)
@@ -183,7 +238,11 @@ pub fn moe_matvec(
     let rows = w.rows / n_expert;
     let expert_bytes = DeviceMatrix::bytes_for(w.format, rows, w.cols)? as u64;
     let rows32 = as_u32(OP, "the rows of an expert", rows)?;
-    let slots = as_u32(OP, "the tile slots", moe_tile_slots(n_pairs, n_expert))?;
+    let slots = as_u32(
+        OP,
+        "the tile slots",
+        moe_tile_slots(n_pairs, n_expert, MOE_TILE),
+    )?;
     as_u32(OP, "pairs times rows", n_pairs.saturating_mul(rows))?;
     let config = LaunchConfig {
         grid: [
@@ -303,4 +362,33 @@ pub fn moe_add_gated(
     // SAFETY: ember_moe_add_gated_f32(float* out, const float* x, const float* logit, uint32_t
     // n_embd); block (bx, t) reads row t of x and logit[t] and updates row t of out.
     unsafe { ctx.launch(KernelModule::Moe, "ember_moe_add_gated_f32", config, &args) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prompts_take_the_grouped_mmq_tiles_and_decode_the_matvec() {
+        // Qwen3-30B-A3B's routing, 8 of 128 experts.
+        let tile = |n_tokens| mmq_tile_from(n_tokens, 8, 128, MOE_MMQ_MIN_TOKENS);
+        assert_eq!(tile(1), None);
+        assert_eq!(tile(31), None);
+        // 2 pairs per expert on average: tiles of 16.
+        assert_eq!(tile(32), Some(16));
+        // 16 pairs (1.5 x 16 = 24): tiles of 32; 32 pairs (pp512): tiles of 64.
+        assert_eq!(tile(256), Some(32));
+        assert_eq!(tile(512), Some(64));
+        assert_eq!(tile(4096), Some(64));
+        assert_eq!(mmq_tile_from(64, 8, 0, MOE_MMQ_MIN_TOKENS), None);
+        // A threshold above the batch keeps the matrix-vector path.
+        assert_eq!(mmq_tile_from(512, 8, 128, 513), None);
+    }
+
+    #[test]
+    fn tile_slots_cover_a_partial_last_tile_per_expert() {
+        assert_eq!(moe_tile_slots(8, 128, MOE_TILE), 8);
+        assert_eq!(moe_tile_slots(4096, 128, 64), 192);
+        assert_eq!(moe_tile_slots(4096, 128, MOE_TILE), 640);
+    }
 }

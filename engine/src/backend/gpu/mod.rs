@@ -915,7 +915,15 @@ impl Backend for GpuBackend {
         let n_embd = moe.gate.cols;
         let n_ff = moe.n_ff;
         let n_pairs = n_tokens * n_used;
-        let slots = ops::moe_tile_slots(n_pairs, n_expert);
+        // Prompts take the grouped mmq product (tiles of up to 64 pairs of one expert), decode
+        // the grouped matrix-vector product (tiles of 8); both need every product's format.
+        let mmq_tile = ops::moe_mmq_tile(n_tokens, n_used, n_expert).filter(|_| {
+            [moe.gate, moe.up, moe.down]
+                .iter()
+                .all(|w| ops::has_mmq_kernels(w.format))
+        });
+        let tile = mmq_tile.unwrap_or(ops::MOE_TILE);
+        let slots = ops::moe_tile_slots(n_pairs, n_expert, tile);
         let mut guard = lock(&self.moe_scratch);
         let s = &mut *guard;
         self.ensure_len(&mut s.experts, n_pairs);
@@ -973,11 +981,19 @@ impl Backend for GpuBackend {
                 experts,
                 weights,
             )?;
-            ops::moe_tiles(&self.ctx, experts, n_pairs, n_expert, pairs, tiles)?;
+            ops::moe_tiles(&self.ctx, experts, n_pairs, n_expert, tile, pairs, tiles)?;
             let gate = s.gate.ptr(op, n_pairs * n_ff)?;
             let up = s.up.ptr(op, n_pairs * n_ff)?;
             for (w, y) in [(moe.gate, gate), (moe.up, up)] {
-                ops::moe_matvec(&self.ctx, w, n_expert, x_ptr, n_used, pairs, tiles, n_pairs, y)?;
+                match mmq_tile {
+                    Some(tile) => ops::moe_mmq(
+                        &self.ctx, w, n_expert, x_ptr, n_tokens, n_used, pairs, tiles, n_pairs,
+                        tile, y,
+                    )?,
+                    None => ops::moe_matvec(
+                        &self.ctx, w, n_expert, x_ptr, n_used, pairs, tiles, n_pairs, y,
+                    )?,
+                }
             }
             Ok(())
         });
@@ -992,9 +1008,15 @@ impl Backend for GpuBackend {
             let pairs = s.pairs.ptr(op, n_pairs)?;
             let tiles = s.tiles.ptr(op, 4 * slots)?;
             let routed = s.routed.ptr(op, n_pairs * n_embd)?;
-            ops::moe_matvec(
-                &self.ctx, moe.down, n_expert, h, 1, pairs, tiles, n_pairs, routed,
-            )?;
+            match mmq_tile {
+                Some(tile) => ops::moe_mmq(
+                    &self.ctx, moe.down, n_expert, h, n_pairs, 1, pairs, tiles, n_pairs, tile,
+                    routed,
+                )?,
+                None => ops::moe_matvec(
+                    &self.ctx, moe.down, n_expert, h, 1, pairs, tiles, n_pairs, routed,
+                )?,
+            }
             let weights = s.weights.ptr(op, n_pairs)?;
             let experts = s.experts.ptr(op, n_pairs)?;
             let expert_scale = moe
