@@ -259,23 +259,38 @@ static void run_prefill(const Case& c, const Setup& s, const DeviceSetup& d, flo
     sync();
 }
 
-// Worst error / tolerance over the batch (<= 1 passes).
+// Worst error / tolerance over the batch (<= 1 passes). When it fails, prints where (token,
+// its position, head, dimension), the values and the batch's largest absolute error.
 static double compare(const Case& c, const Setup& s, const std::vector<float>& got, const Reference& rounded, const Reference& exact, bool against_exact,
                       bool f16_weights) {
     const double eps = std::ldexp(1.0, -24);
-    double worst = 0.0;
+    const Reference& ref = against_exact ? exact : rounded;
+    double worst = 0.0, max_abs = 0.0;
+    size_t worst_i = 0;
     for (int t = 0; t < s.n_tokens; ++t)
         for (int h = 0; h < c.n_heads; ++h) {
             const double S = rounded.score_magnitude[(size_t)t * c.n_heads + h];
             double tol = 2.2 * (c.head_dim + 4) * eps * S + 2.0 * (rounded.n_keys[t] + 8) * eps + 8.0 * eps * c.softcap + 1e-7;
             if (against_exact) tol += 2.2 * (std::ldexp(1.0, -10) + std::ldexp(1.0, -22)) * S + std::ldexp(1.0, -11);
             if (f16_weights) tol += std::ldexp(1.0, -10) * (1.0 + std::ldexp(1.0, -10)) + rounded.n_keys[t] * 2.0 * eps;
-            const Reference& ref = against_exact ? exact : rounded;
             for (int d = 0; d < c.head_dim; ++d) {
                 const size_t i = ((size_t)t * c.n_heads + h) * c.head_dim + d;
-                worst = std::fmax(worst, std::fabs((double)got[i] - ref.out[i]) / tol);
+                const double err = std::fabs((double)got[i] - ref.out[i]);
+                max_abs = std::fmax(max_abs, err);
+                // NaN (an unwritten output) counts as the worst.
+                const double ratio = std::isnan(err) ? INFINITY : err / tol;
+                if (ratio > worst) {
+                    worst = ratio;
+                    worst_i = i;
+                }
             }
         }
+    if (!(worst <= 1.0)) {
+        const size_t row = worst_i / c.head_dim;
+        const int t = (int)(row / c.n_heads), h = (int)(row % c.n_heads), d = (int)(worst_i % c.head_dim);
+        std::printf("     worst at token %d (table %d, position %d) head %d dim %d: got %.7g, reference %.7g; max abs error %.3e\n", t,
+                    s.table_of_token[t], s.positions[t], h, d, got[worst_i], ref.out[worst_i], max_abs);
+    }
     return worst;
 }
 
