@@ -581,8 +581,8 @@ template <int D>
 struct EmberFaTile {
     // Rows padded by 8 halves (16 bytes): the fragment loads of a warp hit 32 distinct banks.
     static constexpr int STRIDE = D + 8;
-    ember_half k[EMBER_FA_KEYS][STRIDE];
-    ember_half v[EMBER_FA_KEYS][STRIDE];
+    alignas(16) ember_half k[EMBER_FA_KEYS][STRIDE];
+    alignas(16) ember_half v[EMBER_FA_KEYS][STRIDE];
     const ember_half* key_rows[EMBER_FA_KEYS];
     const ember_half* value_rows[EMBER_FA_KEYS];
     int table[EMBER_FA_ROWS], position[EMBER_FA_ROWS], first[EMBER_FA_ROWS];
