@@ -16,7 +16,7 @@
 // (score) . v. As in the CPU backend (GGML's f16 path), queries are rounded to f16 before the dot
 // products; keys and values are f16 in the cache; everything else is f32.
 //
-// Two kernels compute the same function for any batch:
+// Three kernels compute the same function for any batch:
 //   * decode (flash decoding): one thread block per (key partition, head, token); partitions of
 //     EMBER_ATTN_PARTITION keys run in parallel and a reduce kernel (launched only when a token
 //     has more than one partition) merges their (max, sum, acc) triples. For head sizes 64, 128,
@@ -31,7 +31,10 @@
 //     Heads wider than 256 (Gemma 4's 512-wide global heads) stage each key and value tile in
 //     chunks of 128 dimensions, so the kernel's static shared memory stays under 48 KiB (CUDA's
 //     static limit; AMD's LDS is 64 KiB) whatever the head size.
-// Both are deterministic: fixed reduction orders, no atomics.
+//   * prefill on the tensor cores (NVIDIA only, heads of exactly 64 and 128): the prefill's
+//     function with S = Q K^T and O += P V on mma.sync, 64 queries per block and key tiles of 64;
+//     the weights P are rounded to f16 (see "prefill on the matrix cores" below).
+// All are deterministic: fixed reduction orders, no atomics.
 //
 // kernels/tests/harness_attention.cu tests these kernels (kernels/tests/harness.cu should not).
 #include "ember_compat.h"

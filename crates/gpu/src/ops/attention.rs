@@ -15,7 +15,7 @@
 //!   key tiles of 32 staged in shared memory and reused by all 16 queries, online softmax.
 //!   On NVIDIA targets, heads of exactly 64 or 128 take its tensor-core form instead
 //!   (`ember_attention_prefill_mma_dN`: 64 queries per block, key tiles of 64, S = Q K^T and
-//!   O += P V with mma.sync, the weights P rounded to f16); see [`prefill_kernel`].
+//!   O += P V with mma.sync, the weights P rounded to f16); see `prefill_kernel`.
 //!
 //! Masking is by position, as in the CPU backend (engine/src/backend/cpu/attention.rs): token `t`
 //! sees the positions `p` of its table with `p <= positions[t]` and, with a window `w`,
@@ -86,7 +86,8 @@ pub enum AttentionKernel {
     Auto,
     /// Flash decoding: parallel over key partitions, one query per thread block.
     Decode,
-    /// Tiled flash attention: 16 queries per thread block share each key tile.
+    /// Tiled flash attention: 16 queries per thread block share each key tile (64 per block on
+    /// the tensor cores where `prefill_kernel` picks that form).
     Prefill,
 }
 
