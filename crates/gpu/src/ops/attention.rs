@@ -156,13 +156,15 @@ pub fn attention_with(
                 block: [ATTENTION_THREADS, 1, 1],
                 shared_mem_bytes: 0,
             };
-            // SAFETY: ember_attention_prefill_dN and ember_attention_prefill_mma_dN(float* out, const float* q, const uint64_t*
-            // k_blocks, const uint64_t* v_blocks, const int32_t* block_tables, const int32_t*
-            // table_of_token, const int32_t* positions, uint32_t n_tokens, uint32_t n_heads,
-            // uint32_t n_kv_heads, uint32_t head_dim, uint32_t block_size, uint32_t
-            // max_blocks_per_table, float scale, int32_t window, float softcap) with head_dim <= N
-            // (checked; the mma kernels take head_dim == N only, as prefill_kernel chooses). It reads q and writes out for n_tokens tokens, and reads the cache
-            // slots of positions the caller declared stored through its tables.
+            // SAFETY: ember_attention_prefill_dN and ember_attention_prefill_mma_dN (float* out,
+            // const float* q, const uint64_t* k_blocks, const uint64_t* v_blocks, const int32_t*
+            // block_tables, const int32_t* table_of_token, const int32_t* positions, uint32_t
+            // n_tokens, uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim, uint32_t
+            // block_size, uint32_t max_blocks_per_table, float scale, int32_t window, float
+            // softcap) with head_dim <= N (checked; prefill_kernel picks an mma kernel only for
+            // head_dim == N), 128 threads per block (ATTENTION_THREADS = EMBER_FA_THREADS). It
+            // reads q and writes out for n_tokens tokens, and reads the cache slots of positions
+            // the caller declared stored through its tables.
             unsafe { ctx.launch(KernelModule::Attention, name, config, &launch_args) }
         }
         AttentionKernel::Decode => {
