@@ -35,6 +35,11 @@ const PARTITION: usize = 64;
 const TILE_Q: usize = 16;
 /// Query tokens per block of the tensor-core prefill kernels (EMBER_FA_ROWS).
 const MMA_TILE_Q: usize = 64;
+/// The tensor-core prefill runs when the batch averages at least this many tokens per table. A
+/// block walks each table of its 64 tokens in turn, so a block of many short sequences (decode
+/// tokens batched with a prefill) would walk many caches with one busy warp: such batches keep
+/// the 16-token tiled kernel.
+const MMA_MIN_TOKENS_PER_TABLE: usize = MMA_TILE_Q / 2;
 /// Largest head size the kernels handle (EMBER_ATTN_MAX_HEAD_DIM): Gemma 4's global layers have
 /// heads of 512.
 pub const MAX_HEAD_DIM: usize = 512;
@@ -133,7 +138,8 @@ pub fn attention_with(
 
     match kernel {
         AttentionKernel::Prefill | AttentionKernel::Auto => {
-            let (name, tile_q) = prefill_kernel(ctx.arch(), args.head_dim);
+            let mma = args.n_tokens >= MMA_MIN_TOKENS_PER_TABLE * args.n_tables.max(1);
+            let (name, tile_q) = prefill_kernel(ctx.arch(), args.head_dim, mma);
             let launch_args = KernelArgs::new()
                 .arg(KernelArg::Ptr(args.out))
                 .arg(KernelArg::Ptr(args.q))
@@ -267,12 +273,12 @@ pub fn attention_with(
 }
 
 /// Checks what the kernels require of the shape.
-/// The prefill kernel for a head size on an architecture, and its query tokens per block. NVIDIA
-/// targets (every sm_* target ember builds, sm_80 and newer, has m16n8k16 mma) take the tensor-core
-/// kernel for heads of exactly 64 or 128; everything else the tiled kernel of the smallest
-/// sufficient width.
-fn prefill_kernel(arch: &str, head_dim: usize) -> (&'static str, usize) {
-    if arch.starts_with("sm_") {
+/// The prefill kernel for a head size on an architecture, and its query tokens per block. When
+/// the batch suits it (`mma`), NVIDIA targets (every sm_* target ember builds, sm_80 and newer,
+/// has m16n8k16 mma) take the tensor-core kernel for heads of exactly 64 or 128; everything else
+/// the tiled kernel of the smallest sufficient width.
+fn prefill_kernel(arch: &str, head_dim: usize, mma: bool) -> (&'static str, usize) {
+    if mma && arch.starts_with("sm_") {
         match head_dim {
             64 => return ("ember_attention_prefill_mma_d64", MMA_TILE_Q),
             128 => return ("ember_attention_prefill_mma_d128", MMA_TILE_Q),
@@ -978,31 +984,36 @@ pub(super) mod tests {
     }
 
     #[test]
-    fn nvidia_heads_of_64_and_128_take_the_tensor_core_prefill() {
+    fn nvidia_prefills_with_heads_of_64_and_128_take_the_tensor_cores() {
         assert_eq!(
-            prefill_kernel("sm_90", 128),
+            prefill_kernel("sm_90", 128, true),
             ("ember_attention_prefill_mma_d128", MMA_TILE_Q)
         );
         assert_eq!(
-            prefill_kernel("sm_80", 64),
+            prefill_kernel("sm_80", 64, true),
             ("ember_attention_prefill_mma_d64", MMA_TILE_Q)
         );
         // Other head sizes, and every AMD or host target, keep the tiled kernel.
         assert_eq!(
-            prefill_kernel("sm_90", 80),
+            prefill_kernel("sm_90", 80, true),
             ("ember_attention_prefill_d128", TILE_Q)
         );
         assert_eq!(
-            prefill_kernel("sm_90", 256),
+            prefill_kernel("sm_90", 256, true),
             ("ember_attention_prefill_d256", TILE_Q)
         );
         assert_eq!(
-            prefill_kernel("gfx1100", 128),
+            prefill_kernel("gfx1100", 128, true),
             ("ember_attention_prefill_d128", TILE_Q)
         );
         assert_eq!(
-            prefill_kernel("host", 64),
+            prefill_kernel("host", 64, true),
             ("ember_attention_prefill_d64", TILE_Q)
+        );
+        // Batches of many short sequences keep the tiled kernel on NVIDIA too.
+        assert_eq!(
+            prefill_kernel("sm_90", 128, false),
+            ("ember_attention_prefill_d128", TILE_Q)
         );
     }
 
