@@ -16,7 +16,7 @@
 // (score) . v. As in the CPU backend (GGML's f16 path), queries are rounded to f16 before the dot
 // products; keys and values are f16 in the cache; everything else is f32.
 //
-// Two kernels compute the same function for any batch:
+// Three kernels compute the same function for any batch:
 //   * decode (flash decoding): one thread block per (key partition, head, token); partitions of
 //     EMBER_ATTN_PARTITION keys run in parallel and a reduce kernel (launched only when a token
 //     has more than one partition) merges their (max, sum, acc) triples. For head sizes 64, 128,
@@ -31,7 +31,10 @@
 //     Heads wider than 256 (Gemma 4's 512-wide global heads) stage each key and value tile in
 //     chunks of 128 dimensions, so the kernel's static shared memory stays under 48 KiB (CUDA's
 //     static limit; AMD's LDS is 64 KiB) whatever the head size.
-// Both are deterministic: fixed reduction orders, no atomics.
+//   * prefill on the tensor cores (NVIDIA only, heads of exactly 64 and 128): the prefill's
+//     function with S = Q K^T and O += P V on mma.sync, 64 queries per block and key tiles of 64;
+//     the weights P are rounded to f16 (see "prefill on the matrix cores" below).
+// All are deterministic: fixed reduction orders, no atomics.
 //
 // kernels/tests/harness_attention.cu tests these kernels (kernels/tests/harness.cu should not).
 #include "ember_compat.h"
@@ -551,3 +554,260 @@ EMBER_ATTENTION_PREFILL(ember_attention_prefill_d64, 64)
 EMBER_ATTENTION_PREFILL(ember_attention_prefill_d128, 128)
 EMBER_ATTENTION_PREFILL(ember_attention_prefill_d256, 256)
 EMBER_ATTENTION_PREFILL(ember_attention_prefill_d512, 512)
+
+// ---- prefill on the matrix cores (NVIDIA mma.sync) ----
+//
+// The same function as ember_attention_prefill for head sizes of exactly 64 and 128, with the
+// products on the tensor cores: one thread block per (EMBER_FA_ROWS = 64 consecutive batch
+// tokens, head), four warps of 16 query rows each. A warp keeps its rows' queries in registers as
+// f16 A fragments of mma.sync.m16n8k16, walks the keys in tiles of EMBER_FA_KEYS = 64 staged
+// through shared memory as f16 (keys and values of the whole head, 16-byte loads), computes the
+// 16 x 64 scores with S = Q K^T (f16 products, f32 accumulation), updates its rows' running max and
+// sum in f32 (online softmax), rounds the weights P to f16 and accumulates O += P V with mma.sync
+// again (f32 accumulators). The accumulator layout of m16n8k16 (lane = 4 g + t holds rows g and
+// g + 8, columns 2 t and 2 t + 1) is also its A layout, so the weights go from the S accumulators to
+// the P V operands without shared memory; the row statistics are reduced over the 4 lanes of a
+// row with shuffles. Masks (causal, window, table, the tile's tail) are applied only where a
+// warp's tile is not wholly visible to all its rows, and a warp skips tiles none of its rows see.
+// Extra error against ember_attention_prefill: the weights are rounded to f16 (2^-11 relative),
+// and the row sums are taken over the rounded weights, so the output moves by at most about
+// 2^-10 max|v| (kernels/tests/harness_attention.cu states the bound).
+// Launch: grid = (ceil(n_tokens / EMBER_FA_ROWS), n_heads), block = EMBER_FA_THREADS (128);
+// head_dim must equal D. Compiled for NVIDIA targets only (sm_80 and newer have m16n8k16).
+#define EMBER_FA_ROWS 64
+#define EMBER_FA_KEYS 64
+#define EMBER_FA_THREADS 128
+
+#if defined(EMBER_PLATFORM_CUDA)
+
+template <int D>
+struct EmberFaTile {
+    // Rows padded by 8 halves (16 bytes): the fragment loads of a warp hit 32 distinct banks.
+    static constexpr int STRIDE = D + 8;
+    alignas(16) ember_half k[EMBER_FA_KEYS][STRIDE];
+    alignas(16) ember_half v[EMBER_FA_KEYS][STRIDE];
+    const ember_half* key_rows[EMBER_FA_KEYS];
+    const ember_half* value_rows[EMBER_FA_KEYS];
+    int table[EMBER_FA_ROWS], position[EMBER_FA_ROWS], first[EMBER_FA_ROWS];
+};
+
+EMBER_DEVICE uint32_t ember_fa_pack(float lo, float hi) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *(const uint32_t*)&h;
+}
+
+EMBER_DEVICE uint32_t ember_fa_pack_halves(ember_half lo, ember_half hi) {
+    return (uint32_t)__half_as_ushort(lo) | ((uint32_t)__half_as_ushort(hi) << 16);
+}
+
+// c (16 x 8, f32) += a (16 x 16, f16, row-major fragment) * b (16 x 8, f16, column fragment).
+EMBER_DEVICE void ember_fa_mma(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <int D>
+EMBER_DEVICE void ember_attention_prefill_mma(float* out, const float* q, const uint64_t* k_blocks, const uint64_t* v_blocks,
+                                              const int32_t* block_tables, const int32_t* table_of_token, const int32_t* positions,
+                                              uint32_t n_tokens, uint32_t n_heads, uint32_t n_kv_heads, uint32_t block_size,
+                                              uint32_t max_blocks_per_table, float scale, int32_t window, float softcap) {
+    constexpr int ROWS = EMBER_FA_ROWS, KEYS = EMBER_FA_KEYS, K_STEPS = D / 16, D_TILES = D / 8, KEY_TILES = KEYS / 8;
+    constexpr int CHUNKS = D / 8;  // 16-byte chunks per key row
+    __shared__ EmberFaTile<D> tile;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+    const uint32_t h = blockIdx.y;
+    const uint32_t kv_head = h / (n_heads / n_kv_heads);
+    const uint32_t row_values = n_kv_heads * D, head_offset = kv_head * D;
+    const int t0 = blockIdx.x * ROWS;
+    const int n_rows = min(ROWS, (int)n_tokens - t0);
+
+    for (int r = tid; r < ROWS; r += blockDim.x) {
+        const bool valid = r < n_rows;
+        tile.table[r] = valid ? table_of_token[t0 + r] : -1;
+        tile.position[r] = valid ? positions[t0 + r] : -1;
+        tile.first[r] = valid ? ember_attn_first(tile.position[r], window) : 0;
+    }
+
+    // This lane's two rows and their queries as A fragments (rounded to f16, as the tile kernel).
+    const int r0 = warp * 16 + g, r1 = r0 + 8;
+    uint32_t qa[K_STEPS][4];
+    {
+        const float* q0 = q + ((size_t)(t0 + r0) * n_heads + h) * D;
+        const float* q1 = q + ((size_t)(t0 + r1) * n_heads + h) * D;
+        const bool v0 = r0 < n_rows, v1 = r1 < n_rows;
+#pragma unroll
+        for (int ks = 0; ks < K_STEPS; ++ks) {
+            const int c = 16 * ks + 2 * t;
+            const float2 a = v0 ? *(const float2*)(q0 + c) : make_float2(0.0f, 0.0f);
+            const float2 b = v1 ? *(const float2*)(q1 + c) : make_float2(0.0f, 0.0f);
+            const float2 a8 = v0 ? *(const float2*)(q0 + c + 8) : make_float2(0.0f, 0.0f);
+            const float2 b8 = v1 ? *(const float2*)(q1 + c + 8) : make_float2(0.0f, 0.0f);
+            qa[ks][0] = ember_fa_pack(a.x, a.y);
+            qa[ks][1] = ember_fa_pack(b.x, b.y);
+            qa[ks][2] = ember_fa_pack(a8.x, a8.y);
+            qa[ks][3] = ember_fa_pack(b8.x, b8.y);
+        }
+    }
+    __syncthreads();
+
+    float o[D_TILES][4];
+#pragma unroll
+    for (int i = 0; i < D_TILES; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+    const int table0 = tile.table[r0], table1 = tile.table[r1];
+    const int pos0 = tile.position[r0], pos1 = tile.position[r1];
+    const int first0 = tile.first[r0], first1 = tile.first[r1];
+
+    for (int segment_start = 0; segment_start < n_rows;) {
+        const int table_id = tile.table[segment_start];
+        int segment_end = segment_start + 1;
+        while (segment_end < n_rows && tile.table[segment_end] == table_id) ++segment_end;
+        int lo = INT32_MAX, hi = -1;
+        for (int r = segment_start; r < segment_end; ++r) {
+            lo = min(lo, tile.first[r]);
+            hi = max(hi, tile.position[r]);
+        }
+        const int32_t* table = block_tables + (size_t)table_id * max_blocks_per_table;
+        const bool in0 = r0 >= segment_start && r0 < segment_end, in1 = r1 >= segment_start && r1 < segment_end;
+
+        for (int k0 = lo; k0 <= hi; k0 += KEYS) {
+            const int n_valid = min(KEYS, hi + 1 - k0);
+            // The previous tile's keys, values and row pointers are no longer read.
+            __syncthreads();
+            for (int i = tid; i < n_valid; i += blockDim.x) {
+                tile.key_rows[i] = ember_attn_slot(k_blocks, table, k0 + i, block_size, row_values, head_offset);
+                tile.value_rows[i] = ember_attn_slot(v_blocks, table, k0 + i, block_size, row_values, head_offset);
+            }
+            __syncthreads();
+#pragma unroll
+            for (int j = 0; j < KEYS * CHUNKS / EMBER_FA_THREADS; ++j) {
+                const int i = tid + j * EMBER_FA_THREADS, key = i / CHUNKS, c = 8 * (i % CHUNKS);
+                uint4 kb = make_uint4(0u, 0u, 0u, 0u), vb = kb;
+                if (key < n_valid) {
+                    kb = *(const uint4*)(tile.key_rows[key] + c);
+                    vb = *(const uint4*)(tile.value_rows[key] + c);
+                }
+                *(uint4*)&tile.k[key][c] = kb;
+                *(uint4*)&tile.v[key][c] = vb;
+            }
+            __syncthreads();
+
+            // Which of this warp's rows see the tile, and whether all of them see all of it.
+            const int last = k0 + n_valid - 1;
+            const bool sees0 = in0 && first0 <= last && pos0 >= k0, sees1 = in1 && first1 <= last && pos1 >= k0;
+            const bool whole0 = in0 && n_valid == KEYS && first0 <= k0 && pos0 >= last;
+            const bool whole1 = in1 && n_valid == KEYS && first1 <= k0 && pos1 >= last;
+            if (!__any_sync(0xffffffffu, sees0 || sees1)) continue;
+            const bool masked = !__all_sync(0xffffffffu, whole0 && whole1);
+
+            float s[KEY_TILES][4];
+#pragma unroll
+            for (int n = 0; n < KEY_TILES; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+            for (int ks = 0; ks < K_STEPS; ++ks)
+#pragma unroll
+                for (int n = 0; n < KEY_TILES; ++n) {
+                    const ember_half* row = &tile.k[8 * n + g][16 * ks + 2 * t];
+                    ember_fa_mma(s[n], qa[ks], *(const uint32_t*)row, *(const uint32_t*)(row + 8));
+                }
+
+            float tile_max0 = -INFINITY, tile_max1 = -INFINITY;
+#pragma unroll
+            for (int n = 0; n < KEY_TILES; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float x = ember_attn_cap(s[n][e] * scale, softcap);
+                    if (masked) {
+                        const int key = k0 + 8 * n + 2 * t + (e & 1);
+                        const bool visible = e < 2 ? in0 && key <= pos0 && key >= first0 && key <= last
+                                                   : in1 && key <= pos1 && key >= first1 && key <= last;
+                        if (!visible) x = -INFINITY;
+                    }
+                    s[n][e] = x;
+                    if (e < 2) tile_max0 = fmaxf(tile_max0, x);
+                    else tile_max1 = fmaxf(tile_max1, x);
+                }
+#pragma unroll
+            for (int mask = 1; mask <= 2; mask <<= 1) {
+                tile_max0 = fmaxf(tile_max0, __shfl_xor_sync(0xffffffffu, tile_max0, mask));
+                tile_max1 = fmaxf(tile_max1, __shfl_xor_sync(0xffffffffu, tile_max1, mask));
+            }
+            const float new_max0 = fmaxf(m0, tile_max0), new_max1 = fmaxf(m1, tile_max1);
+            const float alpha0 = new_max0 == -INFINITY ? 1.0f : expf(m0 - new_max0);
+            const float alpha1 = new_max1 == -INFINITY ? 1.0f : expf(m1 - new_max1);
+            m0 = new_max0;
+            m1 = new_max1;
+
+            // P in f16 as A fragments: key tiles 2 kk and 2 kk + 1 make the 16 keys of step kk.
+            uint32_t pa[KEYS / 16][4];
+            float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+            for (int n = 0; n < KEY_TILES; ++n) {
+                float p[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float mx = e < 2 ? new_max0 : new_max1;
+                    p[e] = mx == -INFINITY ? 0.0f : expf(s[n][e] - mx);
+                }
+                const __half2 lo = __floats2half2_rn(p[0], p[1]), hi = __floats2half2_rn(p[2], p[3]);
+                const float2 lo_f = __half22float2(lo), hi_f = __half22float2(hi);
+                sum0 += lo_f.x + lo_f.y;
+                sum1 += hi_f.x + hi_f.y;
+                pa[n / 2][2 * (n % 2)] = *(const uint32_t*)&lo;
+                pa[n / 2][2 * (n % 2) + 1] = *(const uint32_t*)&hi;
+            }
+            l0 = l0 * alpha0 + sum0;
+            l1 = l1 * alpha1 + sum1;
+#pragma unroll
+            for (int i = 0; i < D_TILES; ++i) {
+                o[i][0] *= alpha0;
+                o[i][1] *= alpha0;
+                o[i][2] *= alpha1;
+                o[i][3] *= alpha1;
+            }
+            // B fragment of V (keys x dims): lane holds keys 2 t, 2 t + 1 (and + 8) of column g.
+#pragma unroll
+            for (int kk = 0; kk < KEYS / 16; ++kk)
+#pragma unroll
+                for (int i = 0; i < D_TILES; ++i) {
+                    const int key = 16 * kk + 2 * t, c = 8 * i + g;
+                    const uint32_t b0 = ember_fa_pack_halves(tile.v[key][c], tile.v[key + 1][c]);
+                    const uint32_t b1 = ember_fa_pack_halves(tile.v[key + 8][c], tile.v[key + 9][c]);
+                    ember_fa_mma(o[i], pa[kk], b0, b1);
+                }
+        }
+        segment_start = segment_end;
+    }
+
+    // Row sums: each lane summed its own columns.
+#pragma unroll
+    for (int mask = 1; mask <= 2; mask <<= 1) {
+        l0 += __shfl_xor_sync(0xffffffffu, l0, mask);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, mask);
+    }
+    const float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+    float* dst0 = out + ((size_t)(t0 + r0) * n_heads + h) * D;
+    float* dst1 = out + ((size_t)(t0 + r1) * n_heads + h) * D;
+#pragma unroll
+    for (int i = 0; i < D_TILES; ++i) {
+        const int c = 8 * i + 2 * t;
+        if (r0 < n_rows) *(float2*)(dst0 + c) = make_float2(o[i][0] * inv0, o[i][1] * inv0);
+        if (r1 < n_rows) *(float2*)(dst1 + c) = make_float2(o[i][2] * inv1, o[i][3] * inv1);
+    }
+}
+
+#define EMBER_ATTENTION_PREFILL_MMA(name, d)                                                                                            \
+    EMBER_KERNEL void name(float* out, const float* q, const uint64_t* k_blocks, const uint64_t* v_blocks, const int32_t* block_tables, \
+                           const int32_t* table_of_token, const int32_t* positions, uint32_t n_tokens, uint32_t n_heads,               \
+                           uint32_t n_kv_heads, uint32_t head_dim, uint32_t block_size, uint32_t max_blocks_per_table, float scale,    \
+                           int32_t window, float softcap) {                                                                          \
+        (void)head_dim;                                                                                                                  \
+        ember_attention_prefill_mma<d>(out, q, k_blocks, v_blocks, block_tables, table_of_token, positions, n_tokens, n_heads,           \
+                                       n_kv_heads, block_size, max_blocks_per_table, scale, window, softcap);                          \
+    }
+
+EMBER_ATTENTION_PREFILL_MMA(ember_attention_prefill_mma_d64, 64)
+EMBER_ATTENTION_PREFILL_MMA(ember_attention_prefill_mma_d128, 128)
+
+#endif  // EMBER_PLATFORM_CUDA

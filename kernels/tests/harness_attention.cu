@@ -1,5 +1,6 @@
-// Attention harness: ember_kv_store_f16 and both attention kernels of kernels/attention.hip
-// (decode: partial + reduce; prefill: tiled flash attention) on random inputs, against a
+// Attention harness: ember_kv_store_f16 and the attention kernels of kernels/attention.hip
+// (decode: partial + reduce; prefill: tiled flash attention; prefill on the tensor cores for
+// heads of 64 and 128) on random inputs, against a
 // straightforward double-precision CPU reference, plus the time of Llama-3-8B-shaped launches.
 //
 // Every case builds a paged cache whose blocks are separate device allocations at shuffled
@@ -10,7 +11,9 @@
 // the same function for any batch). Cases: head_dim 64/80/128/256/320/512 x GQA group 1/4/8 x
 // (no window | window) x (no softcap | softcap 5), block sizes 16 and 7 (320 takes the d512
 // prefill kernel with a partial last chunk and the decode kernel's generic path; 512 is Gemma 4's
-// global head, 256 its sliding one), then Gemma 4 26B-A4B's own layer shapes.
+// global head, 256 its sliding one), then Gemma 4 26B-A4B's own layer shapes, then deep caches
+// (prefills of 1..512 queries, ragged tails included, after 0, 100, 1000 and 4096 cached tokens)
+// for heads of 64 and 128 at GQA groups 1, 4 and 8, where the tensor-core kernel matters.
 //
 // Build and run on an NVIDIA machine (repository root), or through kernels/tests/run-nvcc.sh:
 //   nvcc -std=c++17 -O2 -arch=sm_90 -x cu -I kernels kernels/tests/harness_attention.cu -o target/harness_attention
@@ -28,6 +31,14 @@
 // * against a reference fed the unrounded f32 q, k, v: f16 rounding moves q and k by 2^-11
 //   relative each, hence each score by at most 2^-10 S (+ 2^-22 S), and v by 2^-11: the bound is
 //   2.2 (2^-10 + 2^-22) S + 2^-11 + the previous tolerance.
+// * the tensor-core prefill (ember_attention_prefill_mma_dN) also rounds the softmax weights to
+//   f16 before P V and sums the rounded weights: every weight moves by at most 2^-11 relative
+//   (normal range) or 2^-25 absolute (subnormal range, weights below 2^-14 of the row's largest,
+//   which is 1), so the weighted mean of values moves by at most 2 (2^-11 + n_keys 2^-25) max|v|
+//   / (1 - 2^-11): the bound adds 2^-10 (1 + 2^-10) + n_keys 2^-24 to both tolerances above.
+//   Its sums run on the tensor cores, whose f32 accumulation may truncate (up to 1 ulp per
+//   addition where the bounds above assume rounding's 1/2), so the score and sum terms count
+//   twice: 2.2 (head_dim + 4) eps S + 2 (n_keys + 8) eps more.
 #include "../attention.hip"
 
 #include "harness_common.h"
@@ -229,6 +240,17 @@ static void run_decode(const Case& c, const Setup& s, const DeviceSetup& d, floa
     sync();
 }
 
+// The tensor-core prefill exists for heads of exactly 64 and 128 (NVIDIA only).
+static bool has_mma(const Case& c) { return c.head_dim == 64 || c.head_dim == 128; }
+
+static void run_prefill_mma(const Case& c, const Setup& s, const DeviceSetup& d, float scale, float* out) {
+    const dim3 grid((s.n_tokens + EMBER_FA_ROWS - 1) / EMBER_FA_ROWS, c.n_heads);
+    auto kernel = c.head_dim == 64 ? ember_attention_prefill_mma_d64 : ember_attention_prefill_mma_d128;
+    kernel<<<grid, EMBER_FA_THREADS>>>(out, d.q.ptr, d.k_blocks.ptr, d.v_blocks.ptr, d.tables.ptr, d.table_of_token.ptr, d.positions.ptr, s.n_tokens,
+                                       c.n_heads, c.n_kv_heads, c.head_dim, c.block_size, s.max_blocks, scale, c.window, c.softcap);
+    sync();
+}
+
 static void run_prefill(const Case& c, const Setup& s, const DeviceSetup& d, float scale, float* out) {
     const dim3 grid((s.n_tokens + EMBER_ATTN_TILE_Q - 1) / EMBER_ATTN_TILE_Q, c.n_heads);
     auto kernel = c.head_dim <= 64    ? ember_attention_prefill_d64
@@ -240,21 +262,40 @@ static void run_prefill(const Case& c, const Setup& s, const DeviceSetup& d, flo
     sync();
 }
 
-// Worst error / tolerance over the batch (<= 1 passes).
-static double compare(const Case& c, const Setup& s, const std::vector<float>& got, const Reference& rounded, const Reference& exact, bool against_exact) {
+// Worst error / tolerance over the batch (<= 1 passes). When it fails, prints where (token,
+// its position, head, dimension), the values and the batch's largest absolute error.
+static double compare(const Case& c, const Setup& s, const std::vector<float>& got, const Reference& rounded, const Reference& exact, bool against_exact,
+                      bool tensor_cores) {
     const double eps = std::ldexp(1.0, -24);
-    double worst = 0.0;
+    const Reference& ref = against_exact ? exact : rounded;
+    double worst = 0.0, max_abs = 0.0;
+    size_t worst_i = 0;
     for (int t = 0; t < s.n_tokens; ++t)
         for (int h = 0; h < c.n_heads; ++h) {
             const double S = rounded.score_magnitude[(size_t)t * c.n_heads + h];
             double tol = 2.2 * (c.head_dim + 4) * eps * S + 2.0 * (rounded.n_keys[t] + 8) * eps + 8.0 * eps * c.softcap + 1e-7;
             if (against_exact) tol += 2.2 * (std::ldexp(1.0, -10) + std::ldexp(1.0, -22)) * S + std::ldexp(1.0, -11);
-            const Reference& ref = against_exact ? exact : rounded;
+            if (tensor_cores)
+                tol += std::ldexp(1.0, -10) * (1.0 + std::ldexp(1.0, -10)) + rounded.n_keys[t] * 2.0 * eps + 2.2 * (c.head_dim + 4) * eps * S +
+                       2.0 * (rounded.n_keys[t] + 8) * eps;
             for (int d = 0; d < c.head_dim; ++d) {
                 const size_t i = ((size_t)t * c.n_heads + h) * c.head_dim + d;
-                worst = std::fmax(worst, std::fabs((double)got[i] - ref.out[i]) / tol);
+                const double err = std::fabs((double)got[i] - ref.out[i]);
+                max_abs = std::fmax(max_abs, err);
+                // NaN (an unwritten output) counts as the worst.
+                const double ratio = std::isnan(err) ? INFINITY : err / tol;
+                if (ratio > worst) {
+                    worst = ratio;
+                    worst_i = i;
+                }
             }
         }
+    if (!(worst <= 1.0)) {
+        const size_t row = worst_i / c.head_dim;
+        const int t = (int)(row / c.n_heads), h = (int)(row % c.n_heads), d = (int)(worst_i % c.head_dim);
+        std::printf("     worst at token %d (table %d, position %d) head %d dim %d: got %.7g, reference %.7g; max abs error %.3e\n", t,
+                    s.table_of_token[t], s.positions[t], h, d, got[worst_i], ref.out[worst_i], max_abs);
+    }
     return worst;
 }
 
@@ -271,18 +312,23 @@ static void run_case(const Case& c, const char* batch_name) {
     report(std::string("kv_store_f16 ") + name + " (wrong halves)", check_store(c, s), 0.0);
     const Reference rounded = reference(c, s, scale, true), exact = reference(c, s, scale, false);
     DeviceBuffer<float> out((size_t)s.n_tokens * c.n_heads * c.head_dim);
-    for (int kernel = 0; kernel < 2; ++kernel) {
+    const int n_kernels = has_mma(c) ? 3 : 2;
+    for (int kernel = 0; kernel < n_kernels; ++kernel) {
         CHECK_CUDA(cudaMemset(out.ptr, 0xff, out.n * sizeof(float)));
         if (kernel == 0) run_decode(c, s, d, scale, out.ptr);
-        else run_prefill(c, s, d, scale, out.ptr);
+        else if (kernel == 1) run_prefill(c, s, d, scale, out.ptr);
+        else run_prefill_mma(c, s, d, scale, out.ptr);
         const std::vector<float> got = out.download();
-        const std::string kernel_name = kernel == 0 ? "decode " : "prefill ";
-        report(kernel_name + name + " vs f16-input reference", compare(c, s, got, rounded, exact, false), 1.0);
-        report(kernel_name + name + " vs f32-input reference", compare(c, s, got, rounded, exact, true), 1.0);
+        const std::string kernel_name = kernel == 0 ? "decode " : kernel == 1 ? "prefill " : "prefill_mma ";
+        const bool tensor_cores = kernel == 2;
+        report(kernel_name + name + " vs f16-input reference", compare(c, s, got, rounded, exact, false, tensor_cores), 1.0);
+        report(kernel_name + name + " vs f32-input reference", compare(c, s, got, rounded, exact, true, tensor_cores), 1.0);
     }
 }
 
-static void benchmark(const char* what, const Case& c, bool decode) {
+enum class Kernel { Decode, Prefill, PrefillMma };
+
+static void benchmark(const char* what, const Case& c, Kernel kernel) {
     Setup s;
     build(c, s);
     DeviceSetup d(s);
@@ -296,15 +342,17 @@ static void benchmark(const char* what, const Case& c, bool decode) {
     std::vector<float> samples;
     for (int i = 0; i < 25; ++i) {
         CHECK_CUDA(cudaEventRecord(start));
-        if (decode) run_decode(c, s, d, scale, out.ptr);
-        else run_prefill(c, s, d, scale, out.ptr);
+        if (kernel == Kernel::Decode) run_decode(c, s, d, scale, out.ptr);
+        else if (kernel == Kernel::Prefill) run_prefill(c, s, d, scale, out.ptr);
+        else run_prefill_mma(c, s, d, scale, out.ptr);
         CHECK_CUDA(cudaEventRecord(stop));
         CHECK_CUDA(cudaEventSynchronize(stop));
         float ms = 0;
         CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
         if (i >= 5) samples.push_back(ms);
     }
-    std::printf("INFO attention %s: %.1f us (median of 20)\n", what, median(samples) * 1e3);
+    const char* kernel_name = kernel == Kernel::Decode ? "decode" : kernel == Kernel::Prefill ? "prefill" : "prefill_mma";
+    std::printf("INFO attention %s %s: %.1f us (median of 20)\n", kernel_name, what, median(samples) * 1e3);
     CHECK_CUDA(cudaEventDestroy(start));
     CHECK_CUDA(cudaEventDestroy(stop));
 }
@@ -354,6 +402,31 @@ int main() {
         run_case(sliding, "gemma4 sliding layer");
     }
 
+    // Deep caches for the tensor-core prefill: 512 queries from empty, ragged prefills (1, 63,
+    // 65, 130 queries: tails of a 64-row block) after 100, 1000 and 4096 cached tokens, one
+    // sequence per depth so the reference stays quick; a window case crosses tiles mid-block.
+    for (int head_dim : {64, 128})
+        for (int group : {1, 4, 8}) {
+            Case c;
+            c.n_heads = 8;
+            c.n_kv_heads = 8 / group;
+            c.head_dim = head_dim;
+            c.block_size = 16;
+            c.window = 0;
+            c.softcap = 0.0f;
+            c.sequences = {{0, 512}};
+            run_case(c, "512 queries at depth 0");
+            c.sequences = {{100, 63}, {1000, 65}, {4096, 1}};
+            run_case(c, "63 at depth 100, 65 at 1000, 1 at 4096");
+            c.sequences = {{4096, 130}};
+            run_case(c, "130 queries at depth 4096");
+            c.window = 1000;
+            c.softcap = 5.0f;
+            c.block_size = 7;
+            c.sequences = {{1000, 77}, {4096, 33}};
+            run_case(c, "window 1000 softcap 5: 77 at depth 1000, 33 at 4096");
+        }
+
     if (std::getenv("EMBER_HARNESS_NO_TIMING") != nullptr) return finish("harness_attention");
     // Llama-3-8B attention shapes: 32 heads, 8 KV heads, head_dim 128, blocks of 16.
     Case llama;
@@ -364,32 +437,41 @@ int main() {
     llama.window = 0;
     llama.softcap = 0.0f;
     llama.sequences = {{0, 512}};
-    benchmark("prefill 512 tokens from empty (32 heads, 8 KV, d=128)", llama, false);
+    benchmark("prefill 512 tokens from empty (32 heads, 8 KV, d=128)", llama, Kernel::Prefill);
+    benchmark("prefill 512 tokens from empty (32 heads, 8 KV, d=128)", llama, Kernel::PrefillMma);
+    llama.sequences = {{4096, 512}};
+    benchmark("prefill 512 tokens at depth 4096 (32 heads, 8 KV, d=128)", llama, Kernel::Prefill);
+    benchmark("prefill 512 tokens at depth 4096 (32 heads, 8 KV, d=128)", llama, Kernel::PrefillMma);
+    Case llama1b = llama;  // Llama-3.2-1B: 32 heads, 8 KV heads, head_dim 64
+    llama1b.head_dim = 64;
+    benchmark("prefill 512 tokens at depth 4096 (32 heads, 8 KV, d=64)", llama1b, Kernel::Prefill);
+    benchmark("prefill 512 tokens at depth 4096 (32 heads, 8 KV, d=64)", llama1b, Kernel::PrefillMma);
     llama.sequences = {{511, 1}};
-    benchmark("decode 1 token after 511 (32 heads, 8 KV, d=128)", llama, true);
+    benchmark("decode 1 token after 511 (32 heads, 8 KV, d=128)", llama, Kernel::Decode);
     llama.sequences = std::vector<Sequence>(8, Sequence{4095, 1});
-    benchmark("decode 8 sequences after 4095 each (32 heads, 8 KV, d=128)", llama, true);
+    benchmark("decode 8 sequences after 4095 each (32 heads, 8 KV, d=128)", llama, Kernel::Decode);
     // Gemma 3 270M shapes (4 heads, 1 KV head, head_dim 256) and SmolLM2-135M (9 heads, 3 KV, 64).
     Case gemma = llama;
     gemma.n_heads = 4;
     gemma.n_kv_heads = 1;
     gemma.head_dim = 256;
     gemma.sequences = {{0, 512}};
-    benchmark("prefill 512 tokens from empty (4 heads, 1 KV, d=256)", gemma, false);
+    benchmark("prefill 512 tokens from empty (4 heads, 1 KV, d=256)", gemma, Kernel::Prefill);
     Case smol = llama;
     smol.n_heads = 9;
     smol.n_kv_heads = 3;
     smol.head_dim = 64;
     smol.sequences = {{0, 512}};
-    benchmark("prefill 512 tokens from empty (9 heads, 3 KV, d=64)", smol, false);
+    benchmark("prefill 512 tokens from empty (9 heads, 3 KV, d=64)", smol, Kernel::Prefill);
+    benchmark("prefill 512 tokens from empty (9 heads, 3 KV, d=64)", smol, Kernel::PrefillMma);
     // Gemma 4 26B-A4B's global layers (16 heads, 2 KV heads, head_dim 512).
     Case gemma4 = llama;
     gemma4.n_heads = 16;
     gemma4.n_kv_heads = 2;
     gemma4.head_dim = 512;
     gemma4.sequences = {{0, 512}};
-    benchmark("prefill 512 tokens from empty (16 heads, 2 KV, d=512)", gemma4, false);
+    benchmark("prefill 512 tokens from empty (16 heads, 2 KV, d=512)", gemma4, Kernel::Prefill);
     gemma4.sequences = {{4095, 1}};
-    benchmark("decode 1 token after 4095 (16 heads, 2 KV, d=512)", gemma4, true);
+    benchmark("decode 1 token after 4095 (16 heads, 2 KV, d=512)", gemma4, Kernel::Decode);
     return finish("harness_attention");
 }

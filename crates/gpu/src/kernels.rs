@@ -234,6 +234,8 @@ pub const KERNEL_MODULES: &[ModuleSpec] = &[
             "ember_attention_prefill_d128",
             "ember_attention_prefill_d256",
             "ember_attention_prefill_d512",
+            "ember_attention_prefill_mma_d64",
+            "ember_attention_prefill_mma_d128",
         ],
     },
     ModuleSpec {

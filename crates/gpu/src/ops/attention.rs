@@ -13,6 +13,9 @@
 //!   only query of its sequence in the batch;
 //! - prefill (tiled flash attention): one thread block per (16 consecutive batch tokens, head),
 //!   key tiles of 32 staged in shared memory and reused by all 16 queries, online softmax.
+//!   On NVIDIA targets, heads of exactly 64 or 128 take its tensor-core form instead
+//!   (`ember_attention_prefill_mma_dN`: 64 queries per block, key tiles of 64, S = Q K^T and
+//!   O += P V with mma.sync, the weights P rounded to f16); see `prefill_kernel`.
 //!
 //! Masking is by position, as in the CPU backend (engine/src/backend/cpu/attention.rs): token `t`
 //! sees the positions `p` of its table with `p <= positions[t]` and, with a window `w`,
@@ -30,6 +33,13 @@ const ATTENTION_THREADS: u32 = 128;
 const PARTITION: usize = 64;
 /// Query tokens per prefill thread block (EMBER_ATTN_TILE_Q).
 const TILE_Q: usize = 16;
+/// Query tokens per block of the tensor-core prefill kernels (EMBER_FA_ROWS).
+const MMA_TILE_Q: usize = 64;
+/// The tensor-core prefill runs when the batch averages at least this many tokens per table. A
+/// block walks each table of its 64 tokens in turn, so a block of many short sequences (decode
+/// tokens batched with a prefill) would walk many caches with one busy warp: such batches keep
+/// the 16-token tiled kernel.
+const MMA_MIN_TOKENS_PER_TABLE: usize = MMA_TILE_Q / 2;
 /// Largest head size the kernels handle (EMBER_ATTN_MAX_HEAD_DIM): Gemma 4's global layers have
 /// heads of 512.
 pub const MAX_HEAD_DIM: usize = 512;
@@ -81,7 +91,8 @@ pub enum AttentionKernel {
     Auto,
     /// Flash decoding: parallel over key partitions, one query per thread block.
     Decode,
-    /// Tiled flash attention: 16 queries per thread block share each key tile.
+    /// Tiled flash attention: 16 queries per thread block share each key tile (64 per block on
+    /// the tensor cores where `prefill_kernel` picks that form).
     Prefill,
 }
 
@@ -131,15 +142,8 @@ pub fn attention_with(
 
     match kernel {
         AttentionKernel::Prefill | AttentionKernel::Auto => {
-            let name = if args.head_dim <= 64 {
-                "ember_attention_prefill_d64"
-            } else if args.head_dim <= 128 {
-                "ember_attention_prefill_d128"
-            } else if args.head_dim <= 256 {
-                "ember_attention_prefill_d256"
-            } else {
-                "ember_attention_prefill_d512"
-            };
+            let mma = args.n_tokens >= MMA_MIN_TOKENS_PER_TABLE * args.n_tables.max(1);
+            let (name, tile_q) = prefill_kernel(ctx.arch(), args.head_dim, mma);
             let launch_args = KernelArgs::new()
                 .arg(KernelArg::Ptr(args.out))
                 .arg(KernelArg::Ptr(args.q))
@@ -158,17 +162,19 @@ pub fn attention_with(
                 .arg(KernelArg::I32(window))
                 .arg(KernelArg::F32(softcap));
             let config = LaunchConfig {
-                grid: [n_tokens.div_ceil(TILE_Q as u32), n_heads, 1],
+                grid: [n_tokens.div_ceil(tile_q as u32), n_heads, 1],
                 block: [ATTENTION_THREADS, 1, 1],
                 shared_mem_bytes: 0,
             };
-            // SAFETY: ember_attention_prefill_dN(float* out, const float* q, const uint64_t*
-            // k_blocks, const uint64_t* v_blocks, const int32_t* block_tables, const int32_t*
-            // table_of_token, const int32_t* positions, uint32_t n_tokens, uint32_t n_heads,
-            // uint32_t n_kv_heads, uint32_t head_dim, uint32_t block_size, uint32_t
-            // max_blocks_per_table, float scale, int32_t window, float softcap) with head_dim <= N
-            // (checked). It reads q and writes out for n_tokens tokens, and reads the cache
-            // slots of positions the caller declared stored through its tables.
+            // SAFETY: ember_attention_prefill_dN and ember_attention_prefill_mma_dN (float* out,
+            // const float* q, const uint64_t* k_blocks, const uint64_t* v_blocks, const int32_t*
+            // block_tables, const int32_t* table_of_token, const int32_t* positions, uint32_t
+            // n_tokens, uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim, uint32_t
+            // block_size, uint32_t max_blocks_per_table, float scale, int32_t window, float
+            // softcap) with head_dim <= N (checked; prefill_kernel picks an mma kernel only for
+            // head_dim == N), 128 threads per block (ATTENTION_THREADS = EMBER_FA_THREADS). It
+            // reads q and writes out for n_tokens tokens, and reads the cache slots of positions
+            // the caller declared stored through its tables.
             unsafe { ctx.launch(KernelModule::Attention, name, config, &launch_args) }
         }
         AttentionKernel::Decode => {
@@ -271,6 +277,30 @@ pub fn attention_with(
 }
 
 /// Checks what the kernels require of the shape.
+/// The prefill kernel for a head size on an architecture, and its query tokens per block. When
+/// the batch suits it (`mma`), NVIDIA targets (every sm_* target ember builds, sm_80 and newer,
+/// has m16n8k16 mma) take the tensor-core kernel for heads of exactly 64 or 128; everything else
+/// the tiled kernel of the smallest sufficient width.
+fn prefill_kernel(arch: &str, head_dim: usize, mma: bool) -> (&'static str, usize) {
+    if mma && arch.starts_with("sm_") {
+        match head_dim {
+            64 => return ("ember_attention_prefill_mma_d64", MMA_TILE_Q),
+            128 => return ("ember_attention_prefill_mma_d128", MMA_TILE_Q),
+            _ => {}
+        }
+    }
+    let name = if head_dim <= 64 {
+        "ember_attention_prefill_d64"
+    } else if head_dim <= 128 {
+        "ember_attention_prefill_d128"
+    } else if head_dim <= 256 {
+        "ember_attention_prefill_d256"
+    } else {
+        "ember_attention_prefill_d512"
+    };
+    (name, TILE_Q)
+}
+
 fn check_shape(args: &AttentionArgs) -> Result<(), OpsError> {
     const OP: &str = "attention";
     if args.n_kv_heads == 0 || !args.n_heads.is_multiple_of(args.n_kv_heads) {
@@ -955,6 +985,40 @@ pub(super) mod tests {
         change(&mut a);
         let error = check_shape(&a).unwrap_err().to_string();
         assert!(error.contains(expected), "{error}");
+    }
+
+    #[test]
+    fn nvidia_prefills_with_heads_of_64_and_128_take_the_tensor_cores() {
+        assert_eq!(
+            prefill_kernel("sm_90", 128, true),
+            ("ember_attention_prefill_mma_d128", MMA_TILE_Q)
+        );
+        assert_eq!(
+            prefill_kernel("sm_80", 64, true),
+            ("ember_attention_prefill_mma_d64", MMA_TILE_Q)
+        );
+        // Other head sizes, and every AMD or host target, keep the tiled kernel.
+        assert_eq!(
+            prefill_kernel("sm_90", 80, true),
+            ("ember_attention_prefill_d128", TILE_Q)
+        );
+        assert_eq!(
+            prefill_kernel("sm_90", 256, true),
+            ("ember_attention_prefill_d256", TILE_Q)
+        );
+        assert_eq!(
+            prefill_kernel("gfx1100", 128, true),
+            ("ember_attention_prefill_d128", TILE_Q)
+        );
+        assert_eq!(
+            prefill_kernel("host", 64, true),
+            ("ember_attention_prefill_d64", TILE_Q)
+        );
+        // Batches of many short sequences keep the tiled kernel on NVIDIA too.
+        assert_eq!(
+            prefill_kernel("sm_90", 128, false),
+            ("ember_attention_prefill_d128", TILE_Q)
+        );
     }
 
     #[test]
