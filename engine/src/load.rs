@@ -584,20 +584,14 @@ fn load_on_cpu(
     })
 }
 
-fn load_on_gpu(
-    common: Common,
+/// Opens the GPU of `selection`, reports it (device, numerics) through `on_event`, and returns
+/// its backend, name and pool with the device's free memory before any weight is placed.
+fn open_announced(
     selection: GpuSelection,
     open_options: &OpenOptions,
-    device: &DeviceOptions,
+    path: &std::path::Path,
     on_event: &mut dyn FnMut(LoadEvent<'_>),
-) -> Result<Loaded<GpuBackend>, LoadError> {
-    let file_name = common.file_name();
-    let Common {
-        gguf,
-        tokenizer,
-        path,
-        start,
-    } = common;
+) -> Result<(GpuBackend, String, Arc<DevicePool>, u64), LoadError> {
     let driver = Arc::clone(&selection.driver);
     let ordinal = selection.ordinal;
     let Opened {
@@ -606,7 +600,7 @@ fn load_on_gpu(
         info,
         pool_reason,
     } = gpu::open(selection, open_options).map_err(|source| LoadError::Gpu {
-        path: path.clone(),
+        path: path.to_path_buf(),
         source,
     })?;
     on_event(LoadEvent::DeviceOpened {
@@ -628,6 +622,27 @@ fn load_on_gpu(
             source,
         })?
         .free;
+    Ok((backend, device_name, pool, free_before))
+}
+
+fn load_on_gpu(
+    common: Common,
+    selection: GpuSelection,
+    open_options: &OpenOptions,
+    device: &DeviceOptions,
+    on_event: &mut dyn FnMut(LoadEvent<'_>),
+) -> Result<Loaded<GpuBackend>, LoadError> {
+    let file_name = common.file_name();
+    let Common {
+        gguf,
+        tokenizer,
+        path,
+        start,
+    } = common;
+    let driver = Arc::clone(&selection.driver);
+    let ordinal = selection.ordinal;
+    let (backend, device_name, pool, free_before) =
+        open_announced(selection, open_options, &path, on_event)?;
     let model =
         load_weights(gguf, backend, &file_name, on_event).map_err(|source| LoadError::Weights {
             path: path.clone(),
@@ -749,34 +764,8 @@ fn load_offloaded(
     } = common;
     let driver = Arc::clone(&selection.driver);
     let ordinal = selection.ordinal;
-    let Opened {
-        backend,
-        device: device_name,
-        info,
-        pool_reason,
-    } = gpu::open(selection, open_options).map_err(|source| LoadError::Gpu {
-        path: path.clone(),
-        source,
-    })?;
-    on_event(LoadEvent::DeviceOpened {
-        device: &device_name,
-        info: &info,
-        pool_reason: &pool_reason,
-        blas: backend.context().blas(),
-    });
-    on_event(LoadEvent::Numerics {
-        device: &device_name,
-        numerics: backend.numerics(),
-        reference_threads: backend.reference_threads(),
-    });
-    let pool = Arc::clone(backend.pool());
-    let free_before = driver
-        .mem_info(ordinal)
-        .map_err(|source| LoadError::FreeMemory {
-            device: device_name.clone(),
-            source,
-        })?
-        .free;
+    let (backend, device_name, pool, free_before) =
+        open_announced(selection, open_options, &path, on_event)?;
     let plan_devices = [PlanDevice {
         name: device_name.clone(),
         available: device.vram_budget.unwrap_or(free_before),
