@@ -42,13 +42,14 @@ struct Steps {
 impl Steps {
     fn run(&mut self, name: &str, step: impl FnOnce() -> Result<()>) {
         let index = self.outcomes.len() + 1;
-        println!("\n==> [{index}/{}] {name}", self.total);
+        println!("\n==> [{index}/{}] {name}{}", self.total, free_disk_note());
         let started = Instant::now();
         let result = step().map_err(|error| format!("{error:#}"));
         let seconds = started.elapsed().as_secs_f64();
+        let disk = free_disk_note();
         match &result {
-            Ok(()) => println!("<== {name}: ok ({seconds:.1} s)"),
-            Err(error) => println!("<== {name}: FAILED ({seconds:.1} s)\n{error}"),
+            Ok(()) => println!("<== {name}: ok ({seconds:.1} s){disk}"),
+            Err(error) => println!("<== {name}: FAILED ({seconds:.1} s){disk}\n{error}"),
         }
         self.outcomes.push(Outcome {
             name: name.to_string(),
@@ -90,6 +91,77 @@ impl Steps {
     }
 }
 
+/// ", N GiB free on the target directory's disk" for a step's header and footer, or nothing when
+/// `df` cannot tell. A run that fills the disk then shows which step took the space.
+fn free_disk_note() -> String {
+    free_disk_bytes(&crate::target_dir())
+        .map(|bytes| format!(", {:.1} GiB free", bytes as f64 / (1u64 << 30) as f64))
+        .unwrap_or_default()
+}
+
+/// Free bytes on the file system holding `path`, from `df -Pk` (POSIX output: the fourth
+/// column of the second line is the space available, in KiB).
+fn free_disk_bytes(path: &Path) -> Option<u64> {
+    let output = std::process::Command::new("df")
+        .arg("-Pk")
+        .arg(path)
+        .output()
+        .ok()?;
+    if !output.status.success() {
+        return None;
+    }
+    let text = String::from_utf8(output.stdout).ok()?;
+    let kib: u64 = text
+        .lines()
+        .nth(1)?
+        .split_whitespace()
+        .nth(3)?
+        .parse()
+        .ok()?;
+    Some(kib * 1024)
+}
+
+/// Deletes the test executables that `cargo test --release` linked into `deps` (the
+/// `<crate>-<hash>` files with no extension, executable, with one link: the binaries cargo also
+/// places under `target/release` have two), returning how many bytes that freed. Nothing later
+/// in the run executes them, and together they are gigabytes that the artifact and image steps
+/// need on a small CI disk; a later `cargo test` links them again.
+#[cfg(unix)]
+fn remove_test_executables(deps: &Path) -> Result<u64> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let mut freed = 0;
+    let entries = match std::fs::read_dir(deps) {
+        Ok(entries) => entries,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+        Err(error) => return Err(error).with_context(|| format!("reading {}", deps.display())),
+    };
+    for entry in entries {
+        let entry = entry.with_context(|| format!("reading {}", deps.display()))?;
+        let path = entry.path();
+        let meta = entry.metadata()?;
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        let test_like = meta.is_file()
+            && path.extension().is_none()
+            && name.contains('-')
+            && meta.permissions().mode() & 0o111 != 0
+            && meta.nlink() == 1;
+        if test_like {
+            std::fs::remove_file(&path)
+                .with_context(|| format!("removing the test executable {}", path.display()))?;
+            freed += meta.len();
+        }
+    }
+    Ok(freed)
+}
+
+/// Elsewhere the executables keep their extension and their link counts are not at hand: keep
+/// them.
+#[cfg(not(unix))]
+fn remove_test_executables(_deps: &Path) -> Result<u64> {
+    Ok(0)
+}
+
 /// One step: its header and what it runs.
 type Step<'a> = (String, Box<dyn FnOnce() -> Result<()> + 'a>);
 
@@ -115,7 +187,15 @@ impl crate::flags::Test {
                 Ok(())
             }),
             step("cargo test --workspace --release --no-fail-fast", || {
-                cmd!(sh, "{cargo} test --workspace --release --no-fail-fast").run()?;
+                let tested = cmd!(sh, "{cargo} test --workspace --release --no-fail-fast").run();
+                let deps = crate::target_dir().join("release").join("deps");
+                let freed = remove_test_executables(&deps)?;
+                println!(
+                    "test: removed the test executables from {} ({:.1} GiB) to leave disk for the artifact steps",
+                    deps.display(),
+                    freed as f64 / (1u64 << 30) as f64
+                );
+                tested?;
                 Ok(())
             }),
             step(
@@ -829,6 +909,35 @@ fn docker_and_smoke(sh: &Shell, base: &str, image: &str, model: &str) -> Result<
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[cfg(unix)]
+    #[test]
+    fn only_single_link_test_executables_are_removed() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("xtask-deps-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let write = |name: &str, bytes: usize, mode: u32| {
+            let path = dir.join(name);
+            std::fs::write(&path, vec![7u8; bytes]).unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+            path
+        };
+        let test = write("engine-0123abcd", 1000, 0o755);
+        let bin = write("ember-89abcdef", 300, 0o755);
+        std::fs::hard_link(&bin, dir.join("ember-placed")).unwrap();
+        let rlib = write("libember-0123abcd.rlib", 50, 0o644);
+        let so = write("libserde_derive-00ff.so", 70, 0o755);
+        let data = write("notes-0001", 20, 0o644);
+        let freed = remove_test_executables(&dir).unwrap();
+        assert_eq!(freed, 1000);
+        assert!(!test.exists());
+        for kept in [&bin, &rlib, &so, &data] {
+            assert!(kept.exists(), "{} was removed", kept.display());
+        }
+        assert_eq!(remove_test_executables(&dir.join("missing")).unwrap(), 0);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn contains_finds_paths_in_binary_bytes() {
