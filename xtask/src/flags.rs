@@ -147,7 +147,7 @@ pub struct Test {
     #[arg(long, default_value = "smollm2-135m-instruct-q4_1")]
     pub model: String,
     /// Also run `xtask repro` for cpu and gfx1201 (a second clean build of the engine from
-    /// another folder: 5-7 more minutes on 2 cores, so not part of `.ci/run`'s budget).
+    /// another folder: 5-10 more minutes on 2 cores; `.ci/run` passes it).
     #[arg(long, conflicts_with = "skip_toolchain")]
     pub repro: bool,
 }

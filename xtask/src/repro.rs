@@ -88,6 +88,7 @@ impl crate::flags::Repro {
         );
 
         if self.no_flip {
+            remove_work(&work);
             return Ok(());
         }
         let gpu: Vec<String> = self
@@ -119,7 +120,18 @@ impl crate::flags::Repro {
             }
         }
         println!("repro: the flipped byte changes the sums, as it must");
+        remove_work(&work);
         Ok(())
+    }
+}
+
+/// Removes B's copy of the sources and its target directory once the comparisons passed (a
+/// second engine build is gigabytes that a small CI disk needs for the steps after this one); a
+/// failed comparison keeps them for inspection.
+fn remove_work(work: &Path) {
+    match std::fs::remove_dir_all(work) {
+        Ok(()) => println!("repro: removed {}", work.display()),
+        Err(error) => println!("repro: could not remove {}: {error}", work.display()),
     }
 }
 
