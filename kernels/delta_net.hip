@@ -9,8 +9,9 @@
 //      sequence's convolution state, SiLU, and the new convolution state;
 //   2. ember_delta_net_l2_norm_f32: each query and key head L2-normalised, in place;
 //   3. ember_delta_net_rule_f32: the gated delta rule over the sequence's tokens in order, from
-//      and back to its recurrent state (one token per step: the recurrent form, for decode and,
-//      as a first version, for prompts);
+//      and back to its recurrent state, one token per step (the recurrent form, for decode and
+//      short prompts), or ember_delta_net_chunked_hd{64,128}_f32, the same rule in chunks of tokens (the
+//      chunked form, for prompts);
 //   4. ember_delta_net_gated_norm_f32: each head's output RMS-normalised, times the norm
 //      weight, times silu(z), in place.
 //
@@ -198,6 +199,169 @@ EMBER_DEVICE void ember_delta_net_rule(float* out, const float* x, const float* 
 // Head size 64: one thread per row (64 values in registers); 128: two (64 values each).
 EMBER_DELTA_NET_RULE(ember_delta_net_rule_hd64_f32, 64, 32, 1)
 EMBER_DELTA_NET_RULE(ember_delta_net_rule_hd128_f32, 128, 32, 2)
+
+// 3b. The chunked form of the same rule, for prompts: the maths of the CPU's
+// engine/src/backend/cpu/delta_net/chunked.rs (flash-linear-attention's chunk_gated_delta_rule:
+// within a chunk, the new values u_t solve a unit lower triangular system, and the outputs and
+// the next state are products with the state at the chunk's start), in chunks of C tokens.
+// A block takes ROWS state rows (value indices) of one value head of one sequence and walks the
+// sequence's chunks in order, its rows in registers as in the recurrent kernels (SPLIT threads a
+// row, thread `part` holding the key indices part, part + SPLIT, ...). Per chunk, in shared
+// memory: the chunk's keys and queries, the C x C matrices A[t][s] = b_t r[t][s] (k_t.k_s)
+// (s < t) and P[t][s] = r[t][s] (q_t.k_s) (s <= t) with r[t][s] = exp(G_t - G_s) from the
+// chunk's cumulative log-gate G (summed in double), then for the block's rows Y = S0 k_t and
+// Z = S0 q_t, U by forward substitution over the tokens (overwriting Y), the outputs
+// o_t = (exp(G_t) Z_t + sum_{s<=t} P[t][s] u_s) / sqrt(HD), and the state
+// exp(G_c) S0 + sum_s r[c][s] u_s k_s^T. Every block recomputes A and P of its head (C^2 HD
+// work, less than the rows' own). Chunks of 32 keep the shared memory under 48 KiB for head
+// size 128, which every target gives a block without asking (64 KiB of LDS on AMD).
+// Launch: grid (n_v_heads * HD / ROWS, n_seq), block THREADS.
+template <uint32_t HD, uint32_t ROWS, uint32_t C, uint32_t THREADS>
+EMBER_DEVICE void ember_delta_net_chunked(float* out, const float* x, const float* beta, const float* alpha, const float* dt_bias,
+                                          const float* a, const uint64_t* states, const int32_t* starts, const int32_t* rows,
+                                          uint32_t n_k_heads, uint32_t n_v_heads, uint32_t channels, uint64_t ssm_offset) {
+    constexpr uint32_t SPLIT = THREADS / ROWS;
+    constexpr uint32_t PART = HD / SPLIT;
+    // Rows of the key and query tiles padded by one float: the threads of a warp read one
+    // column of consecutive rows without bank conflicts.
+    constexpr uint32_t STRIDE = HD + 1;
+    static_assert(SPLIT * ROWS == THREADS && PART * SPLIT == HD, "THREADS must split HD evenly");
+    static_assert((SPLIT & (SPLIT - 1)) == 0 && SPLIT <= 32, "SPLIT lanes must be a power of two within a warp");
+    static_assert(ROWS <= THREADS && C <= THREADS, "one thread per row and per token");
+    __shared__ float k_s[C * STRIDE];
+    __shared__ float q_s[C * STRIDE];
+    __shared__ float a_s[C * C];
+    __shared__ float p_s[C * C];
+    __shared__ float yu_s[C * ROWS];  // Y[t][row], then U[t][row]
+    __shared__ float z_s[C * ROWS];
+    __shared__ double cumulative_s[C];
+    __shared__ float g_s[C], gamma_s[C], b_s[C], last_s[C];
+    __shared__ int32_t row_s[C];
+
+    constexpr uint32_t blocks_per_head = HD / ROWS;
+    const uint32_t h = blockIdx.x / blocks_per_head;
+    const uint32_t j0 = (blockIdx.x % blocks_per_head) * ROWS;
+    const uint32_t jl = threadIdx.x / SPLIT;
+    const uint32_t part = threadIdx.x % SPLIT;
+    const uint32_t s = blockIdx.y;
+    const uint32_t kh = h % n_k_heads;
+    const uint32_t key_dim = n_k_heads * HD;
+    float* row_state = (float*)states[s] + ssm_offset + ((size_t)h * HD + j0 + jl) * HD;
+    float st[PART];
+#pragma unroll
+    for (uint32_t m = 0; m < PART; ++m) st[m] = row_state[part + SPLIT * m];
+    const float scale = 1.0f / sqrtf((float)HD);
+    const float bias = dt_bias[h], rate = a[h];
+    const int32_t begin = starts[s], end = starts[s + 1];
+    for (int32_t t0 = begin; t0 < end; t0 += (int32_t)C) {
+        const uint32_t c = (uint32_t)min((int32_t)C, end - t0);
+        __syncthreads();  // the previous chunk's tiles are no longer read
+        for (uint32_t idx = threadIdx.x; idx < c * HD; idx += THREADS) {
+            const uint32_t t = idx / HD, i = idx % HD;
+            const float* xr = x + (size_t)rows[t0 + t] * channels;
+            k_s[t * STRIDE + i] = xr[key_dim + kh * HD + i];
+            q_s[t * STRIDE + i] = xr[kh * HD + i];
+        }
+        if (threadIdx.x < c) {
+            const size_t row = (size_t)rows[t0 + threadIdx.x];
+            row_s[threadIdx.x] = (int32_t)row;
+            g_s[threadIdx.x] = __fmul_rn(ember_dn_softplus(__fadd_rn(alpha[row * n_v_heads + h], bias)), rate);
+            b_s[threadIdx.x] = ember_dn_sigmoid(beta[row * n_v_heads + h]);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            double sum = 0.0;
+            for (uint32_t t = 0; t < c; ++t) {
+                sum += (double)g_s[t];
+                cumulative_s[t] = sum;
+                gamma_s[t] = (float)exp(sum);
+            }
+        }
+        __syncthreads();
+        // A and P (consecutive threads take consecutive t of one s), and r[c - 1][s].
+        for (uint32_t idx = threadIdx.x; idx < C * C; idx += THREADS) {
+            const uint32_t t = idx % C, sk = idx / C;
+            if (t >= c || sk > t) continue;
+            const float* kt = k_s + t * STRIDE;
+            const float* qt = q_s + t * STRIDE;
+            const float* ks = k_s + sk * STRIDE;
+            float kk = 0.0f, qk = 0.0f;
+#pragma unroll 8
+            for (uint32_t i = 0; i < HD; ++i) {
+                kk = fmaf(kt[i], ks[i], kk);
+                qk = fmaf(qt[i], ks[i], qk);
+            }
+            const float r = expf((float)(cumulative_s[t] - cumulative_s[sk]));
+            a_s[t * C + sk] = sk < t ? b_s[t] * r * kk : 0.0f;
+            p_s[t * C + sk] = r * qk;
+            if (t == c - 1) last_s[sk] = r;
+        }
+        // Y and Z of the block's rows.
+        for (uint32_t t = 0; t < c; ++t) {
+            float y = 0.0f, z = 0.0f;
+#pragma unroll
+            for (uint32_t m = 0; m < PART; ++m) {
+                const uint32_t i = part + SPLIT * m;
+                y = fmaf(st[m], k_s[t * STRIDE + i], y);
+                z = fmaf(st[m], q_s[t * STRIDE + i], z);
+            }
+#pragma unroll
+            for (uint32_t mask = 1; mask < SPLIT; mask <<= 1) {
+                y += ember_shfl_xor(y, mask);
+                z += ember_shfl_xor(z, mask);
+            }
+            if (part == 0) {
+                yu_s[t * ROWS + jl] = y;
+                z_s[t * ROWS + jl] = z;
+            }
+        }
+        __syncthreads();
+        // U by forward substitution, one thread per row.
+        if (threadIdx.x < ROWS) {
+            const uint32_t jj = threadIdx.x;
+            const float* v = x + 2 * key_dim + (size_t)h * HD + j0 + jj;
+            for (uint32_t t = 0; t < c; ++t) {
+                const float bt = b_s[t];
+                float u = bt * v[(size_t)row_s[t] * channels] - bt * gamma_s[t] * yu_s[t * ROWS + jj];
+                for (uint32_t sk = 0; sk < t; ++sk) u = fmaf(-a_s[t * C + sk], yu_s[sk * ROWS + jj], u);
+                yu_s[t * ROWS + jj] = u;
+            }
+        }
+        __syncthreads();
+        // The outputs of the block's rows.
+        for (uint32_t idx = threadIdx.x; idx < c * ROWS; idx += THREADS) {
+            const uint32_t t = idx / ROWS, jj = idx % ROWS;
+            float o = gamma_s[t] * z_s[t * ROWS + jj];
+            for (uint32_t sk = 0; sk <= t; ++sk) o = fmaf(p_s[t * C + sk], yu_s[sk * ROWS + jj], o);
+            out[(size_t)row_s[t] * n_v_heads * HD + (size_t)h * HD + j0 + jj] = o * scale;
+        }
+        // The state after the chunk.
+        const float gamma_c = gamma_s[c - 1];
+#pragma unroll
+        for (uint32_t m = 0; m < PART; ++m) st[m] *= gamma_c;
+        for (uint32_t sk = 0; sk < c; ++sk) {
+            const float w = yu_s[sk * ROWS + jl] * last_s[sk];
+#pragma unroll
+            for (uint32_t m = 0; m < PART; ++m) st[m] = fmaf(w, k_s[sk * STRIDE + part + SPLIT * m], st[m]);
+        }
+    }
+#pragma unroll
+    for (uint32_t m = 0; m < PART; ++m) row_state[part + SPLIT * m] = st[m];
+}
+
+#define EMBER_DELTA_NET_CHUNKED(NAME, HD, ROWS, C, THREADS)                                                                       \
+    EMBER_KERNEL void __launch_bounds__(THREADS)                                                                                 \
+        NAME(float* out, const float* x, const float* beta, const float* alpha, const float* dt_bias, const float* a,            \
+             const uint64_t* states, const int32_t* starts, const int32_t* rows, uint32_t n_k_heads, uint32_t n_v_heads,         \
+             uint32_t channels, uint64_t ssm_offset) {                                                                           \
+        ember_delta_net_chunked<HD, ROWS, C, THREADS>(out, x, beta, alpha, dt_bias, a, states, starts, rows, n_k_heads, n_v_heads, \
+                                                      channels, ssm_offset);                                                     \
+    }
+
+// Head sizes 64 and 128, 16 rows a block of 256 threads (16 or 8 values of a row per thread),
+// chunks of 32 tokens.
+EMBER_DELTA_NET_CHUNKED(ember_delta_net_chunked_hd64_f32, 64, 16, 32, 256)
+EMBER_DELTA_NET_CHUNKED(ember_delta_net_chunked_hd128_f32, 128, 16, 32, 256)
 
 // The same rule for any head size (at most 1024, the block limit): one block per head, thread j
 // owns state row j and updates it where it lies in the state buffer. For head sizes without a

@@ -310,9 +310,10 @@ fn qwen35moe_tiny_matches_llama_cpp() {
 /// one batch, and read as a prompt of 40 tokens followed by one-token decode steps, give the
 /// same logits at every position within 5e-3.
 ///
-/// The linear-attention layers run the same sequential recurrence either way (see
-/// `backend/cpu/delta_net.rs`, whose unit test finds prompt and steps equal to the bit), but
-/// the rest of the network does not compute one token as it computes many. With quantized
+/// The linear-attention layers run the delta rule's chunked form over the prompts (more than 32
+/// tokens) and its recurrent form over the steps, which agree within f32 rounding (see
+/// `backend/cpu/delta_net.rs` and its tests), and the rest of the network does not compute one
+/// token as it computes many. With quantized
 /// weights the activations are rounded to 8 bits first, which turns a last-bit difference into
 /// a whole rounding step: the Q8_0 reference models differ by about 0.1 that way (the
 /// non-hybrid `qwen3moe-tiny` by 2.4, where a step also changes an expert choice). So the

@@ -12,7 +12,9 @@
 //   sizes 64 and 128 (the register-resident rule kernels) and 96 (the general one), Qwen 3.5's 4
 //   taps and 2 taps, n_v_heads = 2 n_k_heads;
 // * a prompt of 9 tokens as one call against the same tokens one call each: the outputs and
-//   states must be the same bits (each token's values go through the same expressions).
+//   states must be the same bits (each token's values go through the same expressions);
+// * the chunked rule kernels against the recurrent ones on the same inputs (tolerance at
+//   check_chunked_matches_recurrent), and the time of both at 512 and 4096 tokens.
 //
 // Build and run on an NVIDIA machine (repository root), or through kernels/tests/run-nvcc.sh:
 //   nvcc -std=c++17 -O2 -arch=sm_90 -x cu -I kernels kernels/tests/harness_delta_net.cu -o target/harness_delta_net
@@ -293,6 +295,151 @@ static void check_prompt_equals_steps(const Shape& s, int n) {
     report(name, same && nonzero ? 0.0 : 1.0, 0.0);
 }
 
+// Tokens per chunk of the chunked rule kernels (EMBER_DELTA_NET_CHUNKED's C).
+static const int CHUNK = 32;
+
+// Launch 3 alone, as ops::gated_delta_net queues it: the recurrent rule, or the chunked one.
+static void launch_rule(const Shape& s, const DeviceWeights& w, const DeviceSeqs& q, const float* conv_out, const float* beta,
+                        const float* alpha, float* out, uint64_t ssm_offset, bool chunked) {
+    const uint32_t ch = s.channels(), hd = s.head_dim;
+    if (chunked) {
+        const dim3 grid(s.n_v * hd / 16, q.n_seq);
+        if (hd == 64)
+            ember_delta_net_chunked_hd64_f32<<<grid, 256>>>(out, conv_out, beta, alpha, w.dt_bias.ptr, w.a.ptr, q.states.ptr, q.starts.ptr,
+                                                            q.rows.ptr, s.n_k, s.n_v, ch, ssm_offset);
+        else
+            ember_delta_net_chunked_hd128_f32<<<grid, 256>>>(out, conv_out, beta, alpha, w.dt_bias.ptr, w.a.ptr, q.states.ptr, q.starts.ptr,
+                                                             q.rows.ptr, s.n_k, s.n_v, ch, ssm_offset);
+        return;
+    }
+    const dim3 grid(s.n_v * hd / 32, q.n_seq);
+    if (hd == 64)
+        ember_delta_net_rule_hd64_f32<<<grid, 32>>>(out, conv_out, beta, alpha, w.dt_bias.ptr, w.a.ptr, q.states.ptr, q.starts.ptr, q.rows.ptr,
+                                                    s.n_k, s.n_v, ch, ssm_offset);
+    else
+        ember_delta_net_rule_hd128_f32<<<grid, 64>>>(out, conv_out, beta, alpha, w.dt_bias.ptr, w.a.ptr, q.states.ptr, q.starts.ptr,
+                                                     q.rows.ptr, s.n_k, s.n_v, ch, ssm_offset);
+}
+
+// The largest |a - b| over the largest |b|, over the listed rows of two [*, width] arrays.
+static double relative_error(const std::vector<float>& a, const std::vector<float>& b, const std::vector<int>& rows, int width,
+                             double& largest) {
+    double diff = 0.0;
+    largest = 0.0;
+    for (int r : rows)
+        for (int i = 0; i < width; ++i) {
+            const size_t k = (size_t)r * width + i;
+            largest = std::fmax(largest, std::fabs((double)b[k]));
+            diff = std::fmax(diff, std::isfinite(a[k]) ? std::fabs((double)a[k] - (double)b[k]) : INFINITY);
+        }
+    return diff / largest;
+}
+
+// The chunked rule against the recurrent one (checked against the double reference above) on
+// the same convolution output and start states: outputs and new states of every sequence.
+// alpha and beta ranges pick the gates: alpha far below 0 gives decays near 1 (softplus near
+// 0), far above 0 decays near 0; beta far below 0 write strengths near 0, far above near 1.
+//
+// Tolerance, relative (the largest difference over the largest magnitude of the recurrent
+// kernel's values): both compute the same sums in another order in f32 (eps = 2^-24); the state's
+// map from a token to the next is a contraction (decay at most 1 times I - b k k^T, |k| = 1,
+// b in (0, 1)), so rounding errors are not amplified and those of n tokens add up, each token
+// (or its share of its chunk) adding the rounding of sums of at most head_dim + CHUNK terms of
+// at most the largest magnitude: at most 2 (n + CHUNK) (head_dim + CHUNK) eps, n the longest
+// sequence. The CPU's test of its chunked form holds it to the same bound.
+static void check_chunked_matches_recurrent(const Shape& s, const std::vector<int>& lengths, const char* gates, float alpha_lo,
+                                            float alpha_hi, float beta_lo, float beta_hi) {
+    const float eps = 1e-6f;
+    const Weights w = random_weights(s);
+    const DeviceWeights dw(w);
+    Batch b = random_batch(s, lengths);
+    b.alpha = random_floats((size_t)b.n_rows * s.n_v, alpha_lo, alpha_hi);
+    b.beta = random_floats((size_t)b.n_rows * s.n_v, beta_lo, beta_hi);
+    const int n_seq = (int)lengths.size();
+    std::vector<std::unique_ptr<DeviceBuffer<float>>> recurrent_states, chunked_states;
+    std::vector<uint64_t> recurrent_addresses, chunked_addresses;
+    for (int i = 0; i < n_seq; ++i) {
+        std::vector<float> start = random_floats(s.state_len(), -1.0f, 1.0f);
+        for (size_t k = s.conv_len(); k < (size_t)s.state_len(); ++k) start[k] *= 0.25f;
+        recurrent_states.emplace_back(new DeviceBuffer<float>(start));
+        chunked_states.emplace_back(new DeviceBuffer<float>(start));
+        recurrent_addresses.push_back((uint64_t)recurrent_states.back()->ptr);
+        chunked_addresses.push_back((uint64_t)chunked_states.back()->ptr);
+    }
+    DeviceSeqs recurrent_seqs(recurrent_addresses, b.rows), chunked_seqs(chunked_addresses, b.rows);
+    DeviceBuffer<float> qkv(b.qkv), beta(b.beta), alpha(b.alpha);
+    DeviceBuffer<float> conv_out((size_t)b.n_rows * s.channels());
+    const size_t out_len = (size_t)b.n_rows * s.n_v * s.head_dim;
+    DeviceBuffer<float> out_recurrent(out_len), out_chunked(std::vector<float>(out_len, 1234.0f));
+    const uint32_t ch = s.channels();
+    // The convolution (it moves only the recurrent copies' convolution states) and the L2 norm.
+    ember_delta_net_conv_f32<<<dim3((ch + 127) / 128, n_seq), 128>>>(conv_out.ptr, qkv.ptr, dw.conv.ptr, recurrent_seqs.states.ptr,
+                                                                     recurrent_seqs.starts.ptr, recurrent_seqs.rows.ptr, ch, s.taps, 0);
+    ember_delta_net_l2_norm_f32<<<dim3(2 * s.n_k, b.n_rows), 32>>>(conv_out.ptr, recurrent_seqs.rows.ptr, ch, s.head_dim, eps);
+    launch_rule(s, dw, recurrent_seqs, conv_out.ptr, beta.ptr, alpha.ptr, out_recurrent.ptr, s.conv_len(), false);
+    launch_rule(s, dw, chunked_seqs, conv_out.ptr, beta.ptr, alpha.ptr, out_chunked.ptr, s.conv_len(), true);
+    sync();
+    std::vector<int> all_rows;
+    for (const auto& rs : b.rows) all_rows.insert(all_rows.end(), rs.begin(), rs.end());
+    double largest = 0.0;
+    const double out_error = relative_error(out_chunked.download(), out_recurrent.download(), all_rows, s.n_v * s.head_dim, largest);
+    double state_error = 0.0;
+    std::vector<int> ssm_rows(s.n_v * s.head_dim);
+    for (int r = 0; r < (int)ssm_rows.size(); ++r) ssm_rows[r] = r;
+    for (int i = 0; i < n_seq; ++i) {
+        const auto rec = recurrent_states[i]->download(), chu = chunked_states[i]->download();
+        const std::vector<float> rec_ssm(rec.begin() + s.conv_len(), rec.begin() + s.state_len());
+        const std::vector<float> chu_ssm(chu.begin() + s.conv_len(), chu.begin() + s.state_len());
+        double state_largest = 0.0;
+        state_error = std::fmax(state_error, relative_error(chu_ssm, rec_ssm, ssm_rows, s.head_dim, state_largest));
+    }
+    int longest = 0;
+    std::string lens;
+    for (int len : lengths) {
+        longest = std::max(longest, len);
+        lens += (lens.empty() ? "" : ",") + std::to_string(len);
+    }
+    const double bound = 2.0 * (longest + CHUNK) * (s.head_dim + CHUNK) * std::ldexp(1.0, -24);
+    char name[200];
+    std::snprintf(name, sizeof name, "chunked = recurrent, hd %d, %d/%d heads, tokens %s, %s", s.head_dim, s.n_k, s.n_v, lens.c_str(), gates);
+    report(std::string(name) + ": outputs", out_error, bound);
+    report(std::string(name) + ": state", state_error, bound);
+}
+
+// Time of the rule launch alone, recurrent and chunked, for one sequence of n tokens of Qwen 3.5
+// 35B-A3B's linear-attention layers (16 key heads and 32 value heads of 128).
+static void benchmark_rule(int n) {
+    const Shape s{16, 32, 128, 4};
+    const Weights w = random_weights(s);
+    const DeviceWeights dw(w);
+    const Batch b = random_batch(s, {n});
+    DeviceBuffer<float> state(s.state_len());
+    DeviceSeqs seqs({(uint64_t)state.ptr}, b.rows);
+    DeviceBuffer<float> conv_out(random_floats((size_t)n * s.channels(), -0.1f, 0.1f)), beta(b.beta), alpha(b.alpha);
+    DeviceBuffer<float> out((size_t)n * s.n_v * s.head_dim);
+    cudaEvent_t start, stop;
+    CHECK_CUDA(cudaEventCreate(&start));
+    CHECK_CUDA(cudaEventCreate(&stop));
+    float ms[2];
+    for (int chunked = 0; chunked < 2; ++chunked) {
+        std::vector<float> samples;
+        for (int i = 0; i < 11; ++i) {
+            CHECK_CUDA(cudaEventRecord(start));
+            launch_rule(s, dw, seqs, conv_out.ptr, beta.ptr, alpha.ptr, out.ptr, s.conv_len(), chunked != 0);
+            CHECK_CUDA(cudaEventRecord(stop));
+            sync();
+            float t = 0.0f;
+            CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
+            samples.push_back(t);
+        }
+        ms[chunked] = median(samples);
+    }
+    std::printf("time delta rule, prompt of %4d tokens (16/32 heads of 128): recurrent %9.1f us, chunked %9.1f us, %.2fx\n", n,
+                ms[0] * 1e3, ms[1] * 1e3, ms[0] / ms[1]);
+    CHECK_CUDA(cudaEventDestroy(start));
+    CHECK_CUDA(cudaEventDestroy(stop));
+}
+
 static void check_split_and_sigmoid() {
     const int n_tokens = 5, n_heads = 6, hd = 96;
     const auto q_full = random_floats((size_t)n_tokens * n_heads * 2 * hd);
@@ -371,11 +518,25 @@ int main() {
     check_delta_net({1, 3, 32, 2}, {5, 2}, 1);
     check_prompt_equals_steps({2, 4, 128, 4}, 9);
     check_prompt_equals_steps({2, 4, 96, 4}, 9);
+    // The chunked rule: one to three sequences, whole and partial chunks, mixed gates, then
+    // decays and write strengths near 0 and near 1; Qwen 3.5 35B-A3B's heads in the last.
+    check_chunked_matches_recurrent({2, 4, 128, 4}, {1}, "mixed gates", -2.0f, 2.0f, -2.0f, 2.0f);
+    check_chunked_matches_recurrent({2, 4, 128, 4}, {31}, "mixed gates", -2.0f, 2.0f, -2.0f, 2.0f);
+    check_chunked_matches_recurrent({2, 4, 128, 4}, {32, 33}, "mixed gates", -2.0f, 2.0f, -2.0f, 2.0f);
+    check_chunked_matches_recurrent({2, 4, 64, 4}, {100, 7, 64}, "mixed gates", -2.0f, 2.0f, -2.0f, 2.0f);
+    check_chunked_matches_recurrent({1, 3, 64, 4}, {257}, "mixed gates", -2.0f, 2.0f, -2.0f, 2.0f);
+    check_chunked_matches_recurrent({2, 4, 128, 4}, {200, 45}, "decays near 1, writes near 0", -24.0f, -18.0f, -9.0f, -5.0f);
+    check_chunked_matches_recurrent({2, 4, 128, 4}, {200, 45}, "decays near 1, writes near 1", -24.0f, -18.0f, 5.0f, 9.0f);
+    check_chunked_matches_recurrent({2, 4, 128, 4}, {130, 3}, "decays near 0, writes near 1", 40.0f, 60.0f, 5.0f, 9.0f);
+    check_chunked_matches_recurrent({2, 4, 64, 4}, {130, 3}, "decays near 0, writes near 0", 40.0f, 60.0f, -9.0f, -5.0f);
+    check_chunked_matches_recurrent({16, 32, 128, 4}, {300, 17, 1}, "mixed gates", -2.0f, 2.0f, -2.0f, 2.0f);
 
     if (std::getenv("EMBER_HARNESS_NO_TIMING") != nullptr) return finish("harness_delta_net");
     benchmark("decode 1 sequence (16/48 heads of 128, 4 taps)", {1});
     benchmark("decode 16 sequences", std::vector<int>(16, 1));
     benchmark("decode 64 sequences", std::vector<int>(64, 1));
     benchmark("prompt of 512 tokens", {512});
+    benchmark_rule(512);
+    benchmark_rule(4096);
     return finish("harness_delta_net");
 }

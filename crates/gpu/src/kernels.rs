@@ -390,6 +390,8 @@ pub const KERNEL_MODULES: &[ModuleSpec] = &[
             "ember_delta_net_rule_hd64_f32",
             "ember_delta_net_rule_hd128_f32",
             "ember_delta_net_rule_any_f32",
+            "ember_delta_net_chunked_hd64_f32",
+            "ember_delta_net_chunked_hd128_f32",
             "ember_delta_net_gated_norm_f32",
         ],
     },

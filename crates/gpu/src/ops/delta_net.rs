@@ -8,11 +8,14 @@
 //! its batch rows in position order, uploaded by the caller once per forward pass, so nothing
 //! here waits for the host and a decode step is captured in a graph like any other.
 //!
-//! The delta rule is its recurrent form, one token after the other per sequence, for decoding
-//! and prompts alike. A chunked form (the tokens of a prompt in blocks of 64, the intra-block
-//! part as small matrix products on the tensor cores and only one state update per block) would
-//! turn a prompt's `n` sequential steps per layer into `n / 64` and make prefill of long prompts
-//! compute-bound rather than latency-bound; it is not built yet.
+//! The delta rule has two forms. The recurrent one walks each sequence's tokens one after the
+//! other (decoding, short prompts). The chunked one (`ember_delta_net_chunked_hd*_f32`, the
+//! maths of the CPU's `delta_net/chunked.rs`) takes a prompt's tokens in chunks of 32: the
+//! intra-chunk matrices in shared memory and one state update per chunk, so a prompt's `n`
+//! sequential token steps per layer become `n / 32` chunk steps. A batch whose sequences have
+//! [`DELTA_NET_CHUNKED_MIN_ROWS`] rows or more on average runs the chunked kernels (head sizes 64
+//! and 128; others run the recurrent form). The intra-chunk products are plain FMA loops, not
+//! tensor-core tiles yet.
 
 use crate::driver::{DevicePtr, KernelArg, KernelArgs, LaunchConfig};
 use crate::kernels::KernelModule;
@@ -25,6 +28,12 @@ pub const DELTA_NET_MAX_TAPS: usize = 8;
 pub const DELTA_NET_MAX_HEAD_DIM: usize = 1024;
 /// Rows of the state one block of the register-resident rule kernels updates.
 const RULE_ROWS: u32 = 32;
+/// A batch with at least this many rows per sequence on average runs the chunked rule kernels.
+pub const DELTA_NET_CHUNKED_MIN_ROWS: usize = 32;
+/// State rows and threads of one block of the chunked rule kernels (EMBER_DELTA_NET_CHUNKED's
+/// ROWS and THREADS).
+const CHUNKED_ROWS: u32 = 16;
+const CHUNKED_THREADS: u32 = 256;
 /// Largest grid dimension y (sequences, rows) every driver accepts.
 const MAX_GRID_Y: usize = 65_535;
 
@@ -217,6 +226,12 @@ pub fn gated_delta_net(
         .arg(KernelArg::U32(channels))
         .arg(KernelArg::U64(ssm_offset as u64));
     let n_v = layer.n_v_heads as u32;
+    let chunked = match hd {
+        64 => Some("ember_delta_net_chunked_hd64_f32"),
+        128 => Some("ember_delta_net_chunked_hd128_f32"),
+        _ => None,
+    }
+    .filter(|_| seqs.n_rows >= DELTA_NET_CHUNKED_MIN_ROWS * seqs.n_seq);
     // The register-resident kernels load rows as 16-byte vectors: the state must start on one.
     // Threads per state row: each holds 64 values of it.
     let resident = match hd {
@@ -225,8 +240,22 @@ pub fn gated_delta_net(
         _ => None,
     }
     .filter(|_| ssm_offset.is_multiple_of(4));
-    match resident {
-        Some((name, split)) => {
+    match (chunked, resident) {
+        (Some(name), _) => {
+            let config = LaunchConfig {
+                grid: [n_v * (hd32 / CHUNKED_ROWS), n_seq, 1],
+                block: [CHUNKED_THREADS, 1, 1],
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: ember_delta_net_chunked_hd{64,128}_f32 takes the arguments of the
+            // register-resident rule kernels; block (b, s) updates CHUNKED_ROWS state rows of one
+            // value head of sequence s (inside its state buffer, read and written a float at a
+            // time) over the rows of s, chunk by chunk, with CHUNKED_THREADS threads (its
+            // __launch_bounds__) and its static shared memory (under 48 KiB), and writes those
+            // rows' values of the head in out.
+            unsafe { ctx.launch(KernelModule::DeltaNet, name, config, &args)? }
+        }
+        (None, Some((name, split))) => {
             let config = LaunchConfig {
                 grid: [n_v * (hd32 / RULE_ROWS), n_seq, 1],
                 block: [RULE_ROWS * split, 1, 1],
@@ -242,7 +271,7 @@ pub fn gated_delta_net(
             // values of the head in out.
             unsafe { ctx.launch(KernelModule::DeltaNet, name, config, &args)? }
         }
-        None => {
+        (None, None) => {
             let args = args.arg(KernelArg::U32(hd32));
             let config = LaunchConfig {
                 grid: [n_v, n_seq, 1],

@@ -3,20 +3,31 @@
 //! `ggml_ssm_conv` (a plain f32 sum over the taps), SiLU, the L2 norm built as
 //! `rms_norm(x, eps / n) / sqrt(n)`, and the fused `ggml_gated_delta_net`, which on the CPU is
 //! the sequential recurrence for prompts and decoding alike (llama.cpp enables the fused op on
-//! every backend that has it, so its chunked graph form never runs there). Doing the same
-//! recurrence for a prompt as for one-token steps makes the two agree to the bit.
+//! every backend that has it, so its chunked graph form never runs there).
 //!
 //! Per value head `h` (query and key head `h % n_k_heads`) and token, with the state `S` stored
 //! as GGML stores it (row `j` over the key index):
 //! `S *= exp(g)`; `delta[j] = (v[j] - S[j]·k) * beta`; `S[j] += delta[j] * k`;
 //! `o[j] = (S[j]·q) / sqrt(head_dim)`, with `g = softplus(alpha + dt_bias) * a` and
-//! `beta = sigmoid(beta_logit)`. The dot products and updates are GGML's `ggml_vec_dot_f32` and
-//! `ggml_vec_mad_f32` ([`vec::dot_f32_ggml`], [`vec::mad_f32`]).
+//! `beta = sigmoid(beta_logit)`. That recurrent form ([`rule_recurrent`]) is the definition and
+//! runs decoding and short prompts, with GGML's `ggml_vec_dot_f32` and `ggml_vec_mad_f32`
+//! ([`vec::dot_f32_ggml`], [`vec::mad_f32`]), so a prompt read a token at a time agrees with
+//! llama.cpp's to the bit. A sequence of more than [`CHUNKED_MIN_TOKENS`] tokens in one call
+//! runs the chunked form ([`chunked`]): the same rule as small matrix products over chunks of
+//! 64 tokens, equal to the recurrent form within f32 rounding, which reads and writes each
+//! head's state once a chunk instead of four times a token.
 
 use rayon::prelude::*;
 
 use super::{ops, vec};
 use crate::backend::GatedDeltaNet;
+use chunked::{rule_chunked, HeadInputs};
+
+mod chunked;
+
+/// A sequence with more than this many tokens in a call runs the chunked form of the delta rule
+/// ([`chunked`]); fewer run the recurrent form, token by token, which is also the definition.
+const CHUNKED_MIN_TOKENS: usize = 32;
 
 /// One sequence's part of [`gated_delta_net`]: its rows and its state in the layer, split into
 /// the convolution and delta-rule states (see [`crate::backend::SequenceState`]).
@@ -111,8 +122,9 @@ pub(super) fn gated_delta_net(
                 l2_norm(head, op.eps);
             }
         }
-        // The recurrence, one task per value head, each writing its own column block.
+        // The delta rule, one task per value head, each writing its own column block.
         let scale = 1.0 / (hd as f32).sqrt();
+        let chunked = n > CHUNKED_MIN_TOKENS;
         let mut per_head = vec![0f32; n_v * n * hd];
         per_head
             .par_chunks_mut(n * hd)
@@ -120,27 +132,31 @@ pub(super) fn gated_delta_net(
             .enumerate()
             .for_each(|(h, (o_head, state))| {
                 let kh = h % n_k;
-                let mut delta = vec![0f32; hd];
+                let (mut q, mut k, mut v) = (
+                    Vec::with_capacity(n * hd),
+                    Vec::with_capacity(n * hd),
+                    Vec::with_capacity(n * hd),
+                );
+                let (mut g, mut b) = (Vec::with_capacity(n), Vec::with_capacity(n));
                 for (t, &row) in rows.iter().enumerate() {
                     let x = &conv_out[t * channels..(t + 1) * channels];
-                    let q = &x[kh * hd..(kh + 1) * hd];
-                    let k = &x[key_dim + kh * hd..key_dim + (kh + 1) * hd];
-                    let v = &x[2 * key_dim + h * hd..2 * key_dim + (h + 1) * hd];
-                    let g = softplus(alpha[row * n_v + h] + op.dt_bias[h]) * op.a[h];
-                    let b = sigmoid(beta[row * n_v + h]);
-                    let decay = g.exp();
-                    state.iter_mut().for_each(|s| *s *= decay);
-                    for (j, d) in delta.iter_mut().enumerate() {
-                        let sk = vec::dot_f32_ggml(&state[j * hd..(j + 1) * hd], k);
-                        *d = (v[j] - sk) * b;
-                    }
-                    for (j, &d) in delta.iter().enumerate() {
-                        vec::mad_f32(&mut state[j * hd..(j + 1) * hd], d, k);
-                    }
-                    let o = &mut o_head[t * hd..(t + 1) * hd];
-                    for (j, o) in o.iter_mut().enumerate() {
-                        *o = vec::dot_f32_ggml(&state[j * hd..(j + 1) * hd], q) * scale;
-                    }
+                    q.extend_from_slice(&x[kh * hd..(kh + 1) * hd]);
+                    k.extend_from_slice(&x[key_dim + kh * hd..key_dim + (kh + 1) * hd]);
+                    v.extend_from_slice(&x[2 * key_dim + h * hd..2 * key_dim + (h + 1) * hd]);
+                    g.push(softplus(alpha[row * n_v + h] + op.dt_bias[h]) * op.a[h]);
+                    b.push(sigmoid(beta[row * n_v + h]));
+                }
+                let head = HeadInputs {
+                    q: &q,
+                    k: &k,
+                    v: &v,
+                    g: &g,
+                    b: &b,
+                };
+                if chunked {
+                    rule_chunked(state, &head, hd, scale, o_head);
+                } else {
+                    rule_recurrent(state, &head, hd, scale, o_head);
                 }
             });
         // The gated norm: rms_norm(o) * norm * silu(z), per head.
@@ -155,6 +171,38 @@ pub(super) fn gated_delta_net(
                     *d *= vec::silu_ggml(zv);
                 }
             }
+        }
+    }
+}
+
+/// The recurrent form of the gated delta rule for one value head, token after token, from and
+/// back to `state` (row `j` over the key index), writing `o_t * scale` to `out[t * head_dim..]`:
+/// the definition, and the form of decoding and short prompts.
+fn rule_recurrent(
+    state: &mut [f32],
+    head: &HeadInputs<'_>,
+    head_dim: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    let hd = head_dim;
+    let mut delta = vec![0f32; hd];
+    for (t, (&g, &b)) in head.g.iter().zip(head.b).enumerate() {
+        let q = &head.q[t * hd..(t + 1) * hd];
+        let k = &head.k[t * hd..(t + 1) * hd];
+        let v = &head.v[t * hd..(t + 1) * hd];
+        let decay = g.exp();
+        state.iter_mut().for_each(|s| *s *= decay);
+        for (j, d) in delta.iter_mut().enumerate() {
+            let sk = vec::dot_f32_ggml(&state[j * hd..(j + 1) * hd], k);
+            *d = (v[j] - sk) * b;
+        }
+        for (j, &d) in delta.iter().enumerate() {
+            vec::mad_f32(&mut state[j * hd..(j + 1) * hd], d, k);
+        }
+        let o = &mut out[t * hd..(t + 1) * hd];
+        for (j, o) in o.iter_mut().enumerate() {
+            *o = vec::dot_f32_ggml(&state[j * hd..(j + 1) * hd], q) * scale;
         }
     }
 }
@@ -260,11 +308,16 @@ mod tests {
         assert!(out.iter().all(|v| v.is_finite()) && out.iter().any(|&v| v != 0.0));
     }
 
-    /// The recurrence against a plain f64 transcription of the delta rule for one head.
+    /// The layer against a plain f64 transcription of the delta rule for one head: a short
+    /// prompt (the recurrent form) and one of two chunks, the second partial (the chunked form).
     #[test]
-    fn the_recurrence_computes_the_gated_delta_rule() {
+    fn the_layer_computes_the_gated_delta_rule() {
+        check_against_f64_model(5);
+        check_against_f64_model(CHUNKED_MIN_TOKENS + 38);
+    }
+
+    fn check_against_f64_model(n: usize) {
         let l = layer();
-        let n = 5;
         let qkv = values(9, n * CH, 1.0);
         let z = values(10, n * NV * HD, 1.0);
         let beta = values(11, n * NV, 2.0);
@@ -331,9 +384,120 @@ mod tests {
                 let got = out[t * NV * HD + h * HD + j] as f64;
                 assert!(
                     (got - want).abs() < 1e-4 * (1.0 + want.abs()),
-                    "token {t} value {j}: {got} vs {want}"
+                    "{n} tokens, token {t} value {j}: {got} vs {want}"
                 );
             }
         }
+    }
+
+    /// One head's inputs over `n` tokens: unit queries and keys, values in `[-1, 1]`, log-decays
+    /// in `g_range` and write strengths in `b_range`.
+    fn head_inputs(
+        seed: u64,
+        n: usize,
+        hd: usize,
+        g_range: (f32, f32),
+        b_range: (f32, f32),
+    ) -> [Vec<f32>; 5] {
+        let unit_rows = |seed: u64| {
+            let mut x = values(seed, n * hd, 1.0);
+            for row in x.chunks_exact_mut(hd) {
+                let norm = row.iter().map(|v| v * v).sum::<f32>().sqrt();
+                row.iter_mut().for_each(|v| *v /= norm);
+            }
+            x
+        };
+        let within = |seed: u64, (low, high): (f32, f32)| -> Vec<f32> {
+            values(seed, n, 1.0)
+                .iter()
+                .map(|u| low + (u + 1.0) * 0.5 * (high - low))
+                .collect()
+        };
+        [
+            unit_rows(seed),
+            unit_rows(seed + 1),
+            values(seed + 2, n * hd, 1.0),
+            within(seed + 3, g_range),
+            within(seed + 4, b_range),
+        ]
+    }
+
+    /// The chunked form against the recurrent form (the definition) on one head: outputs and
+    /// final state, from a nonzero start state, over one to four chunks, whole and partial, with
+    /// decays near 1 and near 0 and write strengths near 0 and near 1.
+    ///
+    /// Tolerance, as a relative error (the largest difference over the largest magnitude of the
+    /// recurrent form's outputs, or state). Both forms compute the same sums in another order,
+    /// in f32 (eps = 2^-24). The state's map from one token to the next is a contraction (a decay
+    /// at most 1 times `I - b k k^T` with `|k| = 1`, `b` in (0, 1)), so a rounding error made
+    /// at one token is not amplified later and the errors of `n` tokens add up: each token (or
+    /// each chunk's share of a token) adds the rounding of sums of at most `hd + CHUNK` terms of
+    /// magnitude at most the largest state or output value, so the difference between the two
+    /// forms is at most `2 (n + CHUNK) (hd + CHUNK) eps` of it (the forward substitution's
+    /// coefficients are `b r (k_t·k_s)`, at most 1, and it adds at most `CHUNK` terms per
+    /// token, counted in the `CHUNK` of each factor). A wrong decay or a token off by one moves
+    /// the results by the decay's size, far beyond the bound with the mixed gates.
+    #[test]
+    fn the_chunked_form_computes_what_the_recurrent_form_computes() {
+        let eps = f32::EPSILON as f64 / 2.0;
+        let gates = [
+            ("decays near 1", (-1e-3f32, 0.0f32)),
+            ("decays near 0", (-20.0, -5.0)),
+            ("mixed decays", (-3.0, 0.0)),
+        ];
+        let strengths = [
+            ("writes near 0", (1e-3f32, 1e-2f32)),
+            ("writes near 1", (0.99, 1.0)),
+            ("mixed writes", (0.0, 1.0)),
+        ];
+        let cases: &[(usize, usize)] =
+            &[(32, 1), (32, 33), (32, 64), (32, 65), (32, 200), (128, 130)];
+        let mut seed = 100;
+        let mut worst = 0f64;
+        for &(hd, n) in cases {
+            for (gate_name, g_range) in gates {
+                for (strength_name, b_range) in strengths {
+                    seed += 10;
+                    let [q, k, v, g, b] = head_inputs(seed, n, hd, g_range, b_range);
+                    let head = HeadInputs {
+                        q: &q,
+                        k: &k,
+                        v: &v,
+                        g: &g,
+                        b: &b,
+                    };
+                    let start = values(seed + 5, hd * hd, 0.25);
+                    let scale = 1.0 / (hd as f32).sqrt();
+                    let (mut state_r, mut out_r) = (start.clone(), vec![0f32; n * hd]);
+                    rule_recurrent(&mut state_r, &head, hd, scale, &mut out_r);
+                    let (mut state_c, mut out_c) = (start.clone(), vec![0f32; n * hd]);
+                    rule_chunked(&mut state_c, &head, hd, scale, &mut out_c);
+                    let relative = |got: &[f32], want: &[f32]| {
+                        let largest = want.iter().fold(0f64, |m, &w| m.max(w.abs() as f64));
+                        let diff = got
+                            .iter()
+                            .zip(want)
+                            .fold(0f64, |m, (&a, &b)| m.max((a as f64 - b as f64).abs()));
+                        assert!(largest > 0.0 && got.iter().all(|v| v.is_finite()));
+                        diff / largest
+                    };
+                    let bound =
+                        2.0 * (n + chunked::CHUNK) as f64 * (hd + chunked::CHUNK) as f64 * eps;
+                    let (out_error, state_error) =
+                        (relative(&out_c, &out_r), relative(&state_c, &state_r));
+                    worst = worst.max(out_error / bound).max(state_error / bound);
+                    eprintln!(
+                        "head {hd}, {n} tokens, {gate_name}, {strength_name}: relative error \
+                         outputs {out_error:.2e}, state {state_error:.2e} (bound {bound:.2e})"
+                    );
+                    assert!(
+                        out_error <= bound && state_error <= bound,
+                        "head {hd}, {n} tokens, {gate_name}, {strength_name}: outputs off by \
+                         {out_error:.3e}, state by {state_error:.3e}, bound {bound:.3e}"
+                    );
+                }
+            }
+        }
+        eprintln!("largest error over its bound: {worst:.2e}");
     }
 }

@@ -70,7 +70,7 @@ unsafe fn axpy_avx2(y: &mut [f32], a: f32, x: &[f32]) {
     axpy_lanes(y, a, x)
 }
 
-fn has_avx2() -> bool {
+pub(super) fn has_avx2() -> bool {
     static DETECTED: OnceLock<bool> = OnceLock::new();
     *DETECTED.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]

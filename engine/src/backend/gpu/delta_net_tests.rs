@@ -138,12 +138,15 @@ fn register_twins(driver: &HostDriver) {
         }
         Ok(())
     });
-    // ember_delta_net_rule_*_f32(out, x, beta, alpha, dt_bias, a, states, starts, rows, n_k,
-    // n_v, channels, ssm_offset[, head_dim])
+    // ember_delta_net_rule_*_f32 and ember_delta_net_chunked_*_f32 (the same rule, in chunks)
+    // (out, x, beta, alpha, dt_bias, a, states, starts, rows, n_k, n_v, channels, ssm_offset[,
+    // head_dim])
     for (name, fixed) in [
         ("ember_delta_net_rule_hd64_f32", Some(64)),
         ("ember_delta_net_rule_hd128_f32", Some(128)),
         ("ember_delta_net_rule_any_f32", None),
+        ("ember_delta_net_chunked_hd64_f32", Some(64)),
+        ("ember_delta_net_chunked_hd128_f32", Some(128)),
     ] {
         driver.register_kernel(name, move |l| {
             let n_seq = l.config().grid[1] as usize;
@@ -312,7 +315,11 @@ fn run<B: Backend>(
     let ssm_len = op.ssm_state_len();
     let mut store = RecurrentStates::<B>::new(2, conv_len, ssm_len);
     let mut outputs = Vec::new();
-    let passes: [Vec<(SeqId, Vec<usize>)>; 2] = [
+    // A long prompt (35 rows a sequence: the chunked rule on both backends), a short one and a
+    // decode step (the recurrent rule).
+    let long = |first: usize| (first..105).step_by(3).collect::<Vec<usize>>();
+    let passes: [Vec<(SeqId, Vec<usize>)>; 3] = [
+        vec![(7, long(0)), (2, long(1)), (9, long(2))],
         vec![(7, vec![0, 3, 5]), (2, vec![1, 4]), (9, vec![2])],
         vec![(9, vec![0]), (2, vec![2]), (7, vec![1])],
     ];
@@ -342,8 +349,8 @@ fn run<B: Backend>(
             host
         })
         .collect();
-    let second = outputs.pop().unwrap();
-    (outputs.pop().unwrap(), second, states)
+    let decode = outputs.pop().unwrap();
+    (outputs.concat(), decode, states)
 }
 
 fn gpu_vector(b: &GpuBackend, values: &[f32]) -> GpuVector {
