@@ -84,8 +84,9 @@ pub use matmul::{
 };
 pub use mmq::{has_mmq_kernels, moe_mmq, MMQ_TARGET_BLOCKS, MMQ_TARGET_BLOCKS_ENV};
 pub use moe::{
-    has_moe_kernels, moe_add_gated, moe_combine, moe_matvec, moe_mmq_tile, moe_route,
-    moe_tile_slots, moe_tiles, MOE_MAX_EXPERTS, MOE_MMQ_MIN_TOKENS, MOE_MMQ_MIN_TOKENS_ENV,
+    has_moe_kernels, moe_add_gated, moe_combine, moe_decode_fits, moe_down, moe_glu, moe_matvec,
+    moe_mmq_tile, moe_route, moe_tile_slots, moe_tiles, SharedOutput, MOE_DECODE_MAX_TOKENS,
+    MOE_DECODE_MAX_TOKENS_ENV, MOE_MAX_EXPERTS, MOE_MMQ_MIN_TOKENS, MOE_MMQ_MIN_TOKENS_ENV,
     MOE_TILE,
 };
 
