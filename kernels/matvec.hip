@@ -528,6 +528,10 @@ EMBER_DEVICE void ember_matvec_float(float* y, const uint8_t* w, const float* x,
         for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
         if (valid) {
             const uint8_t* row = w + (size_t)r * F::row_bytes(n_cols);
+            // Unrolled so that several steps' weight loads are in flight at once: a short matrix
+            // (a MoE router's 128 f32 rows of 2048: 16 blocks, 8 steps per row) would otherwise
+            // wait for memory once per step. The order of the additions is unchanged.
+#pragma unroll 4
             for (int c = 8 * sub; c < (int)n_cols; c += 8 * LANES) {
                 float v[8];
                 format.load8(row, c, v);
@@ -1061,7 +1065,9 @@ EMBER_DEVICE void ember_moe_down_int8(float* out, const uint8_t* w, const float*
                 acc[k] = 0.0f;
             }
             if (valid) {
-#pragma unroll 2
+                // Not unrolled over units: the R ranks' loads are already R times a plain row's
+                // (and decode rows mostly have one unit per lane).
+#pragma unroll 1
                 for (int u = sub; u < n_units; u += LANES)
 #pragma unroll
                     for (int k = 0; k < R; ++k)
