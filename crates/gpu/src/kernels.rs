@@ -74,7 +74,11 @@ pub const KERNEL_MODULES: &[ModuleSpec] = &[
     ModuleSpec {
         module: KernelModule::Norm,
         stem: "norm",
-        functions: &["ember_rms_norm_f32", "ember_add_rms_norm_f32"],
+        functions: &[
+            "ember_rms_norm_f32",
+            "ember_rms_norm_scale_mul_f32",
+            "ember_add_rms_norm_f32",
+        ],
     },
     ModuleSpec {
         module: KernelModule::Rope,

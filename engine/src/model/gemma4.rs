@@ -228,10 +228,15 @@ pub(super) fn run_layers<B: Backend>(model: &Model<B>, ctx: &mut Context<B>, bat
             b.rms_norm_inplace(&mut bufs.proj, &moe.post_norm_dense, n, n_embd, eps);
             b.rms_norm(&bufs.x, &moe.pre_norm, n, n_embd, eps, &mut bufs.moe_in);
             // The router's input: the block input normalised without weight, then scaled.
-            b.gather_rows(&bufs.x, n_embd, &all_rows, &mut bufs.xn);
-            b.rms_norm_unit_inplace(&mut bufs.xn, n, n_embd, eps);
-            b.scale(&mut bufs.xn, n * n_embd, 1.0 / (n_embd as f32).sqrt());
-            b.mul_rows_inplace(&mut bufs.xn, &moe.router_scale, n, n_embd);
+            b.rms_norm_unit_scale_mul(
+                &bufs.x,
+                n,
+                n_embd,
+                eps,
+                1.0 / (n_embd as f32).sqrt(),
+                &moe.router_scale,
+                &mut bufs.xn,
+            );
             let experts = &moe.experts;
             b.moe_router(&experts.router, &bufs.xn, n, &mut bufs.router);
             let op = MoeFfn {

@@ -1243,6 +1243,19 @@ impl Backend for GpuBackend {
         self.gemma4_mul_rows(x, weight, n_rows, dim);
     }
 
+    fn rms_norm_unit_scale_mul(
+        &self,
+        x: &GpuBuf,
+        n_rows: usize,
+        dim: usize,
+        eps: f32,
+        scale: f32,
+        weight: &GpuVector,
+        out: &mut GpuBuf,
+    ) {
+        self.gemma4_rms_norm_unit_scale_mul(x, n_rows, dim, eps, scale, weight, out);
+    }
+
     fn max_head_dim(&self) -> Option<usize> {
         Some(self.ctx.max_head_dim())
     }
