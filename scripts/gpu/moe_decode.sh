@@ -41,8 +41,10 @@ t "kernels and harnesses for $ARCH, models"
      _ "$ARCH" "$ROOT" "$EMBER_KERNELS_DIR/$ARCH" {} >"$OUT/kernels.log" 2>&1
  ! grep -q FAILED "$OUT/kernels.log") &
 kernels_pid=$!
+harness_pids=()
 for h in harness_moe harness; do
     nvcc -std=c++17 -O2 -arch="$ARCH" -x cu -I "$ROOT/kernels" "$ROOT/kernels/tests/$h.cu" -o "$MODELS/$h" >"$OUT/$h-build.log" 2>&1 &
+    harness_pids+=($!)
 done
 QWEN="$MODELS/qwen3-30b-a3b-q4_k_m.gguf"
 GEMMA="$MODELS/gemma4-26b-a4b-q4_k_m.gguf"
@@ -54,10 +56,9 @@ HYBRID="$MODELS/qwen35moe-4l-q4_k_m.gguf"
 synth_pid=$!
 wait "$kernels_pid"
 verdict $? "every kernels/*.hip compiles with nvcc for $ARCH"
-wait  # the harness builds (and the models)
-wait "$synth_pid" 2>/dev/null
+wait "${harness_pids[@]}"
 
-t "harnesses"
+t "harnesses (the models are being written meanwhile)"
 for h in harness_moe harness; do
     if [[ ! -x "$MODELS/$h" ]]; then
         verdict 1 "$h builds"; tail -20 "$OUT/$h-build.log"; continue
@@ -68,6 +69,7 @@ for h in harness_moe harness; do
     verdict "$status" "$h (every check; log in $OUT/$h.log)"
 done
 
+wait "$synth_pid"
 GPU=(--device cuda:0 -ngl 99)
 for m in "$QWEN" "$GEMMA" "$HYBRID"; do
     name="$(basename "$m" .gguf)"
