@@ -70,6 +70,23 @@ EMBER_KERNEL void ember_rms_norm_scale_mul_f32(float* out, const float* x, const
     for (uint32_t c = threadIdx.x; c < n_cols; c += blockDim.x) out_row[c] = row[c] * factor * scale * weight[c];
 }
 
+// RMS normalisation then a residual add, in one launch (Gemma 4's post-norms before each
+// residual): x[r, c] = x[r, c] * s_r * weight[c] (s_r = ember_rms_factor of row r, the products
+// of ember_rms_norm_f32), then dst[r, c] += x[r, c]. With the block size of ember_rms_norm_f32
+// the values are bit for bit those of ember_rms_norm_f32 in place followed by ember_add_f32. One
+// block per row; `dst` must not alias `x`.
+EMBER_KERNEL void ember_rms_norm_add_f32(float* dst, float* x, const float* weight, uint32_t n_cols, float eps) {
+    __shared__ double scratch[EMBER_MAX_WARPS];
+    float* row = x + (size_t)blockIdx.x * n_cols;
+    float* dst_row = dst + (size_t)blockIdx.x * n_cols;
+    const float factor = ember_rms_factor(row, n_cols, eps, scratch);
+    for (uint32_t c = threadIdx.x; c < n_cols; c += blockDim.x) {
+        const float normed = row[c] * factor * weight[c];
+        row[c] = normed;
+        dst_row[c] = dst_row[c] + normed;
+    }
+}
+
 // Fused residual add and RMS normalisation (decode: one launch instead of two per transition).
 // For each row r: x[r, c] += proj[r, c]; out[r, c] = rms_norm(x[r, :]) * weight[c].
 // Thread t owns the same columns and sums its squares in the same order as ember_rms_norm_f32

@@ -65,7 +65,7 @@ for h in harness_moe harness; do
     fi
     "$MODELS/$h" >"$OUT/$h.log" 2>&1
     status=$?
-    grep -E "FAIL|moe_swiglu|moe_geglu|moe_down|INFO moe decode|rms_norm_scale_mul" "$OUT/$h.log"
+    grep -E "FAIL|moe_swiglu|moe_geglu|moe_down|INFO moe decode|rms_norm_scale_mul|rms_norm_add" "$OUT/$h.log"
     verdict "$status" "$h (every check; log in $OUT/$h.log)"
 done
 

@@ -77,6 +77,7 @@ pub const KERNEL_MODULES: &[ModuleSpec] = &[
         functions: &[
             "ember_rms_norm_f32",
             "ember_rms_norm_scale_mul_f32",
+            "ember_rms_norm_add_f32",
             "ember_add_rms_norm_f32",
         ],
     },

@@ -517,6 +517,22 @@ pub trait Backend: Send + Sync + Sized + 'static {
             self.name()
         );
     }
+    /// `x[r] = rms_norm(x[r]) * weight`, then `dst[r] += x[r]`, for `n_rows` rows of `dim`
+    /// values (a post-norm before a residual add). The default runs
+    /// [`Backend::rms_norm_inplace`] and [`Backend::add_inplace`]; a backend may fuse them into
+    /// one pass with the same values.
+    fn rms_norm_add(
+        &self,
+        x: &mut Self::Buf,
+        weight: &Self::Vector,
+        n_rows: usize,
+        dim: usize,
+        eps: f32,
+        dst: &mut Self::Buf,
+    ) {
+        self.rms_norm_inplace(x, weight, n_rows, dim, eps);
+        self.add_inplace(dst, x, n_rows * dim);
+    }
     /// `out[r] = rms_norm(x[r]) * scale * weight` for `n_rows` rows of `dim` values (Gemma 4's
     /// router input: the bare norm, a scalar, then a vector broadcast over the rows, each product
     /// rounded to f32 in that order). The default copies `x` and runs

@@ -1243,6 +1243,36 @@ impl Backend for GpuBackend {
         self.gemma4_mul_rows(x, weight, n_rows, dim);
     }
 
+    fn rms_norm_add(
+        &self,
+        x: &mut GpuBuf,
+        weight: &GpuVector,
+        n_rows: usize,
+        dim: usize,
+        eps: f32,
+        dst: &mut GpuBuf,
+    ) {
+        if self.reference() {
+            // The exact norm is another kernel: the two ops one after another.
+            self.rms_norm_inplace(x, weight, n_rows, dim, eps);
+            self.add_inplace(dst, x, n_rows * dim);
+            return;
+        }
+        self.run("rms_norm_add", || {
+            check_vector("rms_norm_add", weight, dim)?;
+            let len = n_rows * dim;
+            ops::rms_norm_add(
+                &self.ctx,
+                x.ptr("rms_norm_add", len)?,
+                weight.buf.ptr(),
+                n_rows,
+                dim,
+                eps,
+                dst.ptr("rms_norm_add", len)?,
+            )
+        });
+    }
+
     fn rms_norm_unit_scale_mul(
         &self,
         x: &GpuBuf,
