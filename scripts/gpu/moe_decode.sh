@@ -12,10 +12,13 @@
 #      path they replace (EMBER_MOE_DECODE_MAX_TOKENS=0), as the kernels are bit-exact, 64 tokens
 #      per model with decode graphs on;
 #   3. `ember bench -p 512 -n 128` per model, tile path then decode kernels, on the same binary.
+# With EMBER_BASE (another ember binary, e.g. main's before this work, run on the same kernels,
+# which keep every kernel it calls with the same values), its greedy output must equal this
+# binary's too (every fusion here is bit-exact), and it is benched first.
 #
 # Usage (on the GPU machine, from the repository root; about 8 minutes with models to write):
 #   OUT=$OUT [EMBER=target/release/ember] [SYNTH=target/release/ember-synth] [MODELS=dir]
-#   [REPS=2] [SKIP_BENCH=1] scripts/gpu/moe_decode.sh
+#   [REPS=2] [SKIP_BENCH=1] [EMBER_BASE=path/to/main/ember] scripts/gpu/moe_decode.sh
 # Prints `PASS`/`FAIL` lines and the figures; exits non-zero when a check failed.
 set -uo pipefail
 
@@ -93,7 +96,17 @@ first = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), None)
 print(f"  tokens: {len(ta)} vs {len(tb)}, first difference at {first}")
 EOF
     fi
+    if [[ -n "${EMBER_BASE:-}" ]]; then
+        "$EMBER_BASE" run -m "$m" "${GPU[@]}" -p "The experts of this layer" -n 64 --temp 0 --format json \
+            >"$OUT/run-$name-base.json" 2>"$OUT/run-$name-base.err"
+        [[ -s "$OUT/run-$name-base.json" ]] && cmp -s "$OUT/run-$name-base.json" "$OUT/run-$name-decode.json"
+        verdict $? "$name: identical greedy tokens and log-probabilities, this binary vs EMBER_BASE"
+    fi
     if [[ -z "${SKIP_BENCH:-}" ]]; then
+        if [[ -n "${EMBER_BASE:-}" ]]; then
+            echo "EMBER_BASE"
+            "$EMBER_BASE" bench -m "$m" "${GPU[@]}" -p 512 -n 128 -r "$REPS" 2>"$OUT/bench-$name-base.err" | tail -3
+        fi
         t "$name: ember bench, tile path then decode kernels"
         for limit in 0 4; do
             echo "EMBER_MOE_DECODE_MAX_TOKENS=$limit"
