@@ -528,6 +528,10 @@ EMBER_DEVICE void ember_matvec_float(float* y, const uint8_t* w, const float* x,
         for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
         if (valid) {
             const uint8_t* row = w + (size_t)r * F::row_bytes(n_cols);
+            // Unrolled so that several steps' weight loads are in flight at once: a short matrix
+            // (a MoE router's 128 f32 rows of 2048: 16 blocks, 8 steps per row) would otherwise
+            // wait for memory once per step. The order of the additions is unchanged.
+#pragma unroll 4
             for (int c = 8 * sub; c < (int)n_cols; c += 8 * LANES) {
                 float v[8];
                 format.load8(row, c, v);
@@ -945,3 +949,207 @@ EMBER_MOE_MATVEC(ember_moe_matvec_q8_0, EmberMvQ8_0)
 EMBER_MOE_MATVEC(ember_moe_matvec_q4_k, EmberMvQ4_K)
 EMBER_MOE_MATVEC(ember_moe_matvec_q5_k, EmberMvQ5_K)
 EMBER_MOE_MATVEC(ember_moe_matvec_q6_k, EmberMvQ6_K)
+
+// ---- decode of mixture-of-experts layers: one block column per (token, rank) pair or token ----
+//
+// With a few tokens almost every (token, rank) pair has an expert of its own, so sorting the
+// pairs into tiles (above) buys nothing but two launches, a serial sort and kernels sized for
+// eight pairs per tile. These kernels read the router's choice directly (`experts`, int32
+// [n_pairs], pair p = token * n_used + rank, as moe.hip's ember_moe_route_f32 writes it) and fuse
+// the steps around the products, so a decode step's expert FFN is three launches (route, gate/up,
+// down) instead of seven:
+//   * ember_moe_{swiglu,geglu}_<format>: h[p] = act(G_e x[p / n_used]) * (U_e x[p / n_used]),
+//     e = experts[p]: block (bx, p) runs the dense fused kernel (ember_matvec_glu_int8) over
+//     expert e's rows. Its sums are ember_moe_matvec_*'s (the same units per lane in the same
+//     order, the same shuffle reduction) and its activation the element-wise kernels' expression,
+//     so each value equals the tile path's gate and up products followed by ember_silu_mul_f32 /
+//     ember_gelu_mul_f32. Launch: block EMBER_MATVEC_THREADS, grid (any, n_pairs), dynamic shared
+//     memory ember_matvec_shared_bytes(1, n_cols).
+//   * ember_moe_down_<format>_l<LANES>: out[t] = sum over ranks k of weights[t, k] (s_e D_e
+//     h[t n_used + k]), e = experts[t n_used + k], s_e = expert_scale[e] when given, then plus
+//     shared[t] (times sigmoid(shared_logit[t]) when given): a shared expert's output. Block
+//     (bx, t) rounds token t's n_used rows of h into shared memory and each lane group computes
+//     all ranks of its row, their weight loads issued together. Every rank's sum is the one
+//     ember_moe_matvec_* computes with 32 lanes: _l32 is that very order, and _l16 (for rows of at
+//     most 16 units) gives each of lanes 0..15 the one unit it holds with 32 lanes while lanes
+//     16..31 would add exact zeros. The products and additions that follow are
+//     ember_moe_combine_f32's and then ember_moe_add_gated_f32's (or ember_add_f32's), so `out`
+//     equals the tile path bit for bit. Launch: block EMBER_MATVEC_THREADS, grid (any, n_tokens),
+//     dynamic shared memory ember_matvec_shared_bytes(n_used, n_cols).
+// Before it rounds its activations, each lane group asks for the first row it will read to be
+// brought into L2 (ember_prefetch_l2, a hint), so the weights' DRAM latency overlaps that work.
+
+// Brings the cache line at p towards the SMs (into L2); a hint without effect on any value.
+EMBER_DEVICE void ember_prefetch_l2(const void* p) {
+#if defined(EMBER_PLATFORM_CUDA)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#else
+    (void)p;
+#endif
+}
+
+// The first row of `row_bytes` bytes at `row`, spread over the LANES lanes of a group in 128-byte
+// lines.
+template <int LANES>
+EMBER_DEVICE void ember_prefetch_row(const uint8_t* row, size_t row_bytes) {
+    for (size_t at = 128 * (size_t)(threadIdx.x % LANES); at < row_bytes; at += 128 * LANES) ember_prefetch_l2(row + at);
+}
+
+// The first row the calling lane group of an ember_matvec_* row loop takes (it may be past the
+// end: then the group has no row).
+template <int LANES>
+EMBER_DEVICE uint32_t ember_mv_first_row() {
+    const uint32_t warps_per_block = blockDim.x / EMBER_WAVE_SIZE;
+    const uint32_t warp = blockIdx.x * warps_per_block + threadIdx.x / EMBER_WAVE_SIZE;
+    return warp * (EMBER_WAVE_SIZE / LANES) + (threadIdx.x % EMBER_WAVE_SIZE) / LANES;
+}
+
+template <typename F, int GLU>
+EMBER_DEVICE void ember_moe_glu_int8(float* y, const uint8_t* wg, const uint8_t* wu, const float* x, const int32_t* experts,
+                                     uint32_t n_rows, uint32_t n_cols, uint64_t expert_bytes, uint32_t n_used) {
+    const size_t p = blockIdx.y;
+    const size_t offset = (size_t)experts[p] * expert_bytes;
+    const size_t row_bytes = (size_t)(n_cols / F::BLOCK_VALUES) * F::BLOCK_BYTES;
+    const uint32_t r = ember_mv_first_row<EMBER_MATVEC_LANES>();
+    if (r < n_rows) {
+        ember_prefetch_row<EMBER_MATVEC_LANES>(wg + offset + (size_t)r * row_bytes, row_bytes);
+        ember_prefetch_row<EMBER_MATVEC_LANES>(wu + offset + (size_t)r * row_bytes, row_bytes);
+    }
+    ember_matvec_glu_int8<F, EMBER_MATVEC_LANES, GLU>(y + p * n_rows, wg + offset, wu + offset, x + (p / n_used) * n_cols, n_rows,
+                                                      n_cols);
+}
+
+// Ranks whose weight loads a lane group of ember_moe_down_int8 issues together; more ranks are
+// taken in further rounds of this many.
+#define EMBER_MOE_DOWN_RANKS 8
+
+template <typename F, int LANES>
+EMBER_DEVICE void ember_moe_down_int8(float* out, const uint8_t* w, const float* h, const int32_t* experts, const float* weights,
+                                      const float* expert_scale, const float* shared, const float* shared_logit, uint32_t n_rows,
+                                      uint32_t n_cols, uint64_t expert_bytes, uint32_t n_used) {
+    constexpr int ROWS_PER_WARP = EMBER_WAVE_SIZE / LANES, R = EMBER_MOE_DOWN_RANKS;
+    const size_t t = blockIdx.y;
+    const int32_t* e = experts + t * n_used;
+    const float* rank_weight = weights + t * n_used;
+    const size_t row_bytes = (size_t)(n_cols / F::BLOCK_VALUES) * F::BLOCK_BYTES;
+    {
+        const uint32_t r = ember_mv_first_row<LANES>();
+        if (r < n_rows)
+            for (uint32_t k = 0; k < n_used; ++k) ember_prefetch_row<LANES>(w + (size_t)e[k] * expert_bytes + (size_t)r * row_bytes, row_bytes);
+    }
+    int8_t* xq = ember_mv_shared();
+    float2* xds = (float2*)(xq + (size_t)n_used * n_cols);
+    ember_mv_quantize<F::ACT>(xq, xds, h + t * n_used * n_cols, n_used * n_cols, n_cols);
+    __syncthreads();
+
+    const int sub = (int)(threadIdx.x % LANES);
+    const uint32_t warps_per_block = blockDim.x / EMBER_WAVE_SIZE;
+    const uint32_t warp = blockIdx.x * warps_per_block + threadIdx.x / EMBER_WAVE_SIZE;
+    const uint32_t group = (threadIdx.x % EMBER_WAVE_SIZE) / LANES;
+    const int n_units = (int)(n_cols / F::UNIT_VALUES);
+    F format;
+    for (uint32_t first = warp * ROWS_PER_WARP; first < n_rows; first += gridDim.x * warps_per_block * ROWS_PER_WARP) {
+        const uint32_t r = first + group;
+        const bool valid = r < n_rows;
+        float o = 0.0f;
+        for (uint32_t k0 = 0; k0 < n_used; k0 += R) {
+            // Ranks past n_used repeat the last one (branch-free, so the R loads go out together)
+            // and are not added.
+            const uint8_t* rows[R];
+            uint32_t rank[R];
+            float acc[R];
+#pragma unroll
+            for (int k = 0; k < R; ++k) {
+                rank[k] = min(k0 + (uint32_t)k, n_used - 1);
+                rows[k] = w + (size_t)e[rank[k]] * expert_bytes + (size_t)(valid ? r : 0) * row_bytes;
+                acc[k] = 0.0f;
+            }
+            if (valid) {
+                // Not unrolled over units: the R ranks' loads are already R times a plain row's
+                // (and decode rows mostly have one unit per lane).
+#pragma unroll 1
+                for (int u = sub; u < n_units; u += LANES)
+#pragma unroll
+                    for (int k = 0; k < R; ++k)
+                        format.template dot<1, false>(rows[k], u, xq + (size_t)rank[k] * n_cols, xds + (size_t)rank[k] * (n_cols / 32), n_cols,
+                                                      1, &acc[k]);
+            }
+#pragma unroll
+            for (int k = 0; k < R; ++k) {
+                float sum = acc[k];
+#pragma unroll
+                for (int mask = LANES / 2; mask > 0; mask >>= 1) sum += ember_shfl_xor(sum, mask);
+                if (k0 + k < n_used) {
+                    if (expert_scale != nullptr) sum = __fmul_rn(sum, expert_scale[e[k0 + k]]);
+                    const float term = __fmul_rn(sum, rank_weight[k0 + k]);
+                    o = k0 + k == 0 ? term : __fadd_rn(o, term);
+                }
+            }
+        }
+        if (valid && sub == 0) {
+            if (shared != nullptr) {
+                const float s = shared[t * n_rows + r];
+                if (shared_logit != nullptr) {
+                    const float g = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-shared_logit[t])));
+                    o = __fadd_rn(o, __fmul_rn(s, g));
+                } else {
+                    o = __fadd_rn(o, s);
+                }
+            }
+            out[t * n_rows + r] = o;
+        }
+    }
+}
+
+// ember_moe_{swiglu,geglu}_<format>(float* y, const uint8_t* w_gate, const uint8_t* w_up, const
+// float* x, const int32_t* experts, uint32_t n_rows, uint32_t n_cols, uint64_t expert_bytes,
+// uint32_t n_used)
+#define EMBER_MOE_GLU(name, format, glu)                                                                                          \
+    EMBER_KERNEL void name(float* y, const uint8_t* wg, const uint8_t* wu, const float* x, const int32_t* experts, uint32_t n_rows, \
+                           uint32_t n_cols, uint64_t expert_bytes, uint32_t n_used) {                                              \
+        ember_moe_glu_int8<format, glu>(y, wg, wu, x, experts, n_rows, n_cols, expert_bytes, n_used);                             \
+    }
+
+// ember_moe_down_<format>_l<LANES>(float* out, const uint8_t* w, const float* h, const int32_t*
+// experts, const float* weights, const float* expert_scale, const float* shared, const float*
+// shared_logit, uint32_t n_rows, uint32_t n_cols, uint64_t expert_bytes, uint32_t n_used)
+#define EMBER_MOE_DOWN(name, format, lanes)                                                                                          \
+    EMBER_KERNEL void name(float* out, const uint8_t* w, const float* h, const int32_t* experts, const float* weights,               \
+                           const float* expert_scale, const float* shared, const float* shared_logit, uint32_t n_rows,             \
+                           uint32_t n_cols, uint64_t expert_bytes, uint32_t n_used) {                                              \
+        ember_moe_down_int8<format, lanes>(out, w, h, experts, weights, expert_scale, shared, shared_logit, n_rows, n_cols,        \
+                                           expert_bytes, n_used);                                                                 \
+    }
+
+EMBER_MOE_GLU(ember_moe_swiglu_q4_0, EmberMvQ4_0, EMBER_GLU_SILU)
+EMBER_MOE_GLU(ember_moe_geglu_q4_0, EmberMvQ4_0, EMBER_GLU_GELU)
+EMBER_MOE_GLU(ember_moe_swiglu_q4_1, EmberMvQ4_1, EMBER_GLU_SILU)
+EMBER_MOE_GLU(ember_moe_geglu_q4_1, EmberMvQ4_1, EMBER_GLU_GELU)
+EMBER_MOE_GLU(ember_moe_swiglu_q5_0, EmberMvQ5_0, EMBER_GLU_SILU)
+EMBER_MOE_GLU(ember_moe_geglu_q5_0, EmberMvQ5_0, EMBER_GLU_GELU)
+EMBER_MOE_GLU(ember_moe_swiglu_q5_1, EmberMvQ5_1, EMBER_GLU_SILU)
+EMBER_MOE_GLU(ember_moe_geglu_q5_1, EmberMvQ5_1, EMBER_GLU_GELU)
+EMBER_MOE_GLU(ember_moe_swiglu_q8_0, EmberMvQ8_0, EMBER_GLU_SILU)
+EMBER_MOE_GLU(ember_moe_geglu_q8_0, EmberMvQ8_0, EMBER_GLU_GELU)
+EMBER_MOE_GLU(ember_moe_swiglu_q4_k, EmberMvQ4_K, EMBER_GLU_SILU)
+EMBER_MOE_GLU(ember_moe_geglu_q4_k, EmberMvQ4_K, EMBER_GLU_GELU)
+EMBER_MOE_GLU(ember_moe_swiglu_q5_k, EmberMvQ5_K, EMBER_GLU_SILU)
+EMBER_MOE_GLU(ember_moe_geglu_q5_k, EmberMvQ5_K, EMBER_GLU_GELU)
+EMBER_MOE_GLU(ember_moe_swiglu_q6_k, EmberMvQ6_K, EMBER_GLU_SILU)
+EMBER_MOE_GLU(ember_moe_geglu_q6_k, EmberMvQ6_K, EMBER_GLU_GELU)
+EMBER_MOE_DOWN(ember_moe_down_q4_0_l16, EmberMvQ4_0, 16)
+EMBER_MOE_DOWN(ember_moe_down_q4_0_l32, EmberMvQ4_0, 32)
+EMBER_MOE_DOWN(ember_moe_down_q4_1_l16, EmberMvQ4_1, 16)
+EMBER_MOE_DOWN(ember_moe_down_q4_1_l32, EmberMvQ4_1, 32)
+EMBER_MOE_DOWN(ember_moe_down_q5_0_l16, EmberMvQ5_0, 16)
+EMBER_MOE_DOWN(ember_moe_down_q5_0_l32, EmberMvQ5_0, 32)
+EMBER_MOE_DOWN(ember_moe_down_q5_1_l16, EmberMvQ5_1, 16)
+EMBER_MOE_DOWN(ember_moe_down_q5_1_l32, EmberMvQ5_1, 32)
+EMBER_MOE_DOWN(ember_moe_down_q8_0_l16, EmberMvQ8_0, 16)
+EMBER_MOE_DOWN(ember_moe_down_q8_0_l32, EmberMvQ8_0, 32)
+EMBER_MOE_DOWN(ember_moe_down_q4_k_l16, EmberMvQ4_K, 16)
+EMBER_MOE_DOWN(ember_moe_down_q4_k_l32, EmberMvQ4_K, 32)
+EMBER_MOE_DOWN(ember_moe_down_q5_k_l16, EmberMvQ5_K, 16)
+EMBER_MOE_DOWN(ember_moe_down_q5_k_l32, EmberMvQ5_K, 32)
+EMBER_MOE_DOWN(ember_moe_down_q6_k_l16, EmberMvQ6_K, 16)
+EMBER_MOE_DOWN(ember_moe_down_q6_k_l32, EmberMvQ6_K, 32)

@@ -31,10 +31,10 @@ EMBER_DEVICE double ember_block_sum_f64(double value, double* scratch) {
 // CPU backend (and GGML's) does, so both usually produce the same f32 scale bit for bit; the
 // order of the additions still differs. One block per row (grid = n_rows), any block size up to
 // 1024. `out` may alias `x`.
-EMBER_KERNEL void ember_rms_norm_f32(float* out, const float* x, const float* weight, uint32_t n_cols, float eps) {
-    __shared__ double scratch[EMBER_MAX_WARPS];
-    const float* row = x + (size_t)blockIdx.x * n_cols;
-    float* out_row = out + (size_t)blockIdx.x * n_cols;
+// The factor 1 / sqrt(mean(row^2) + eps) of one row, every thread of the block summing its
+// columns c = threadIdx.x, c + blockDim.x, ... (so the block size fixes the order). Every thread
+// of the block must call this.
+EMBER_DEVICE float ember_rms_factor(const float* row, uint32_t n_cols, float eps, double* scratch) {
     double sum = 0.0;
     for (uint32_t c = threadIdx.x; c < n_cols; c += blockDim.x) {
         const float square = row[c] * row[c];
@@ -42,11 +42,49 @@ EMBER_KERNEL void ember_rms_norm_f32(float* out, const float* x, const float* we
     }
     sum = ember_block_sum_f64(sum, scratch);
     const float mean = (float)(sum / (double)n_cols);
-    const float scale = 1.0f / sqrtf(mean + eps);
+    return 1.0f / sqrtf(mean + eps);
+}
+
+EMBER_KERNEL void ember_rms_norm_f32(float* out, const float* x, const float* weight, uint32_t n_cols, float eps) {
+    __shared__ double scratch[EMBER_MAX_WARPS];
+    const float* row = x + (size_t)blockIdx.x * n_cols;
+    float* out_row = out + (size_t)blockIdx.x * n_cols;
+    const float scale = ember_rms_factor(row, n_cols, eps, scratch);
     if (weight == nullptr)
         for (uint32_t c = threadIdx.x; c < n_cols; c += blockDim.x) out_row[c] = row[c] * scale;
     else
         for (uint32_t c = threadIdx.x; c < n_cols; c += blockDim.x) out_row[c] = row[c] * scale * weight[c];
+}
+
+// Gemma 4's router input in one launch instead of a copy and three: out[r, c] = x[r, c] * s_r *
+// scale * weight[c], s_r = ember_rms_factor of row r, the products rounded one at a time from
+// the left, so with the block size of ember_rms_norm_f32 the values are bit for bit those of
+// ember_rms_norm_f32 without a weight, then ember_scale_f32, then ember_mul_f32 broadcasting
+// `weight` over the rows (GGML's ggml_rms_norm, ggml_scale, ggml_mul). One block per row. `out`
+// may alias `x`.
+EMBER_KERNEL void ember_rms_norm_scale_mul_f32(float* out, const float* x, const float* weight, uint32_t n_cols, float eps, float scale) {
+    __shared__ double scratch[EMBER_MAX_WARPS];
+    const float* row = x + (size_t)blockIdx.x * n_cols;
+    float* out_row = out + (size_t)blockIdx.x * n_cols;
+    const float factor = ember_rms_factor(row, n_cols, eps, scratch);
+    for (uint32_t c = threadIdx.x; c < n_cols; c += blockDim.x) out_row[c] = row[c] * factor * scale * weight[c];
+}
+
+// RMS normalisation then a residual add, in one launch (Gemma 4's post-norms before each
+// residual): x[r, c] = x[r, c] * s_r * weight[c] (s_r = ember_rms_factor of row r, the products
+// of ember_rms_norm_f32), then dst[r, c] += x[r, c]. With the block size of ember_rms_norm_f32
+// the values are bit for bit those of ember_rms_norm_f32 in place followed by ember_add_f32. One
+// block per row; `dst` must not alias `x`.
+EMBER_KERNEL void ember_rms_norm_add_f32(float* dst, float* x, const float* weight, uint32_t n_cols, float eps) {
+    __shared__ double scratch[EMBER_MAX_WARPS];
+    float* row = x + (size_t)blockIdx.x * n_cols;
+    float* dst_row = dst + (size_t)blockIdx.x * n_cols;
+    const float factor = ember_rms_factor(row, n_cols, eps, scratch);
+    for (uint32_t c = threadIdx.x; c < n_cols; c += blockDim.x) {
+        const float normed = row[c] * factor * weight[c];
+        row[c] = normed;
+        dst_row[c] = dst_row[c] + normed;
+    }
 }
 
 // Fused residual add and RMS normalisation (decode: one launch instead of two per transition).

@@ -149,6 +149,42 @@ static void test_norm_softmax_argmax() {
         for (size_t i = 0; i < want.size(); ++i) differ += want[i] != got[i];
         report("rms_norm_f32 (no weight) then mul_f32 (row broadcast) vs rms_norm_f32 (differing values)", differ, 0.0);
     }
+    // The post-norm and the residual add in one launch against rms_norm then add_f32, with the
+    // block sizes ops::rms_norm uses for short and wide rows.
+    for (uint32_t threads : {256u, 1024u}) {
+        const std::vector<float> residual = random_floats(n_rows * n_cols, -2, 2);
+        DeviceBuffer<float> steps_x(x), steps_dst(residual), fused_x(x), fused_dst(residual);
+        ember_rms_norm_f32<<<n_rows, threads>>>(steps_x.ptr, steps_x.ptr, dw.ptr, n_cols, 1e-6f);
+        ember_add_f32<<<64, 256>>>(steps_dst.ptr, steps_dst.ptr, steps_x.ptr, n_rows * n_cols, n_rows * n_cols);
+        ember_rms_norm_add_f32<<<n_rows, threads>>>(fused_dst.ptr, fused_x.ptr, dw.ptr, n_cols, 1e-6f);
+        sync();
+        uint32_t differ = 0;
+        for (int k = 0; k < 2; ++k) {
+            const std::vector<float> want = (k ? steps_dst : steps_x).download(), got = (k ? fused_dst : fused_x).download();
+            for (size_t i = 0; i < want.size(); ++i) differ += std::memcmp(&want[i], &got[i], sizeof(float)) != 0;
+        }
+        report(threads == 256u ? "rms_norm_add_f32 vs rms_norm + add (differing values, 256 threads)"
+                               : "rms_norm_add_f32 vs rms_norm + add (differing values, 1024 threads)",
+               differ, 0.0);
+    }
+    // Gemma 4's router input in one launch against the bare norm, the scale and the row product
+    // as three launches, with the block sizes ops::rms_norm uses for short and wide rows.
+    for (uint32_t threads : {256u, 1024u}) {
+        const float scale = 1.0f / std::sqrt((float)n_cols);
+        DeviceBuffer<float> steps(n_rows * n_cols), fused(n_rows * n_cols);
+        CHECK_CUDA(cudaMemset(fused.ptr, 0xff, (size_t)n_rows * n_cols * sizeof(float)));
+        ember_rms_norm_f32<<<n_rows, threads>>>(steps.ptr, dx.ptr, nullptr, n_cols, 1e-6f);
+        ember_scale_f32<<<64, 256>>>(steps.ptr, steps.ptr, scale, n_rows * n_cols);
+        ember_mul_f32<<<64, 256>>>(steps.ptr, steps.ptr, dw.ptr, n_rows * n_cols, n_cols);
+        ember_rms_norm_scale_mul_f32<<<n_rows, threads>>>(fused.ptr, dx.ptr, dw.ptr, n_cols, 1e-6f, scale);
+        sync();
+        const std::vector<float> want = steps.download(), got = fused.download();
+        uint32_t differ = 0;
+        for (size_t i = 0; i < want.size(); ++i) differ += std::memcmp(&want[i], &got[i], sizeof(float)) != 0;
+        report(threads == 256u ? "rms_norm_scale_mul_f32 vs rms_norm (no weight) + scale + mul (differing values, 256 threads)"
+                               : "rms_norm_scale_mul_f32 vs rms_norm (no weight) + scale + mul (differing values, 1024 threads)",
+               differ, 0.0);
+    }
 
     // Fused residual add + norm against add then rms_norm with the block size ops uses for this
     // row length (2304 -> 1024 threads) and a short-row one (640): bit-exact, same arithmetic.

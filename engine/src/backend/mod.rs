@@ -517,6 +517,45 @@ pub trait Backend: Send + Sync + Sized + 'static {
             self.name()
         );
     }
+    /// `x[r] = rms_norm(x[r]) * weight`, then `dst[r] += x[r]`, for `n_rows` rows of `dim`
+    /// values (a post-norm before a residual add). The default runs
+    /// [`Backend::rms_norm_inplace`] and [`Backend::add_inplace`]; a backend may fuse them into
+    /// one pass with the same values.
+    fn rms_norm_add(
+        &self,
+        x: &mut Self::Buf,
+        weight: &Self::Vector,
+        n_rows: usize,
+        dim: usize,
+        eps: f32,
+        dst: &mut Self::Buf,
+    ) {
+        self.rms_norm_inplace(x, weight, n_rows, dim, eps);
+        self.add_inplace(dst, x, n_rows * dim);
+    }
+    /// `out[r] = rms_norm(x[r]) * scale * weight` for `n_rows` rows of `dim` values (Gemma 4's
+    /// router input: the bare norm, a scalar, then a vector broadcast over the rows, each product
+    /// rounded to f32 in that order). The default copies `x` and runs
+    /// [`Backend::rms_norm_unit_inplace`], [`Backend::scale`] and [`Backend::mul_rows_inplace`]
+    /// on the copy; a backend may fuse them into one pass with the same values. Only reachable
+    /// where [`Backend::has_gemma4_ops`] says so.
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm_unit_scale_mul(
+        &self,
+        x: &Self::Buf,
+        n_rows: usize,
+        dim: usize,
+        eps: f32,
+        scale: f32,
+        weight: &Self::Vector,
+        out: &mut Self::Buf,
+    ) {
+        let rows: Vec<usize> = (0..n_rows).collect();
+        self.gather_rows(x, dim, &rows, out);
+        self.rms_norm_unit_inplace(out, n_rows, dim, eps);
+        self.scale(out, n_rows * dim, scale);
+        self.mul_rows_inplace(out, weight, n_rows, dim);
+    }
     /// `dst[i] += src[i]` for `len` values.
     fn add_inplace(&self, dst: &mut Self::Buf, src: &Self::Buf, len: usize);
     /// The residual add fused with the following normalisation: `x[i] += proj[i]` for

@@ -208,8 +208,14 @@ pub(super) fn run_layers<B: Backend>(model: &Model<B>, ctx: &mut Context<B>, bat
             &mut bufs.attn,
         );
         b.matmul(&lw.wo, &bufs.attn, n, &mut bufs.proj);
-        b.rms_norm_inplace(&mut bufs.proj, &lw.post_attn_norm, n, n_embd, eps);
-        b.add_inplace(&mut bufs.x, &bufs.proj, n * n_embd);
+        b.rms_norm_add(
+            &mut bufs.proj,
+            &lw.post_attn_norm,
+            n,
+            n_embd,
+            eps,
+            &mut bufs.x,
+        );
 
         // Feed-forward block: the dense FFN, and the experts beside it.
         b.rms_norm(&bufs.x, &lw.ffn_norm, n, n_embd, eps, &mut bufs.xn);
@@ -228,10 +234,15 @@ pub(super) fn run_layers<B: Backend>(model: &Model<B>, ctx: &mut Context<B>, bat
             b.rms_norm_inplace(&mut bufs.proj, &moe.post_norm_dense, n, n_embd, eps);
             b.rms_norm(&bufs.x, &moe.pre_norm, n, n_embd, eps, &mut bufs.moe_in);
             // The router's input: the block input normalised without weight, then scaled.
-            b.gather_rows(&bufs.x, n_embd, &all_rows, &mut bufs.xn);
-            b.rms_norm_unit_inplace(&mut bufs.xn, n, n_embd, eps);
-            b.scale(&mut bufs.xn, n * n_embd, 1.0 / (n_embd as f32).sqrt());
-            b.mul_rows_inplace(&mut bufs.xn, &moe.router_scale, n, n_embd);
+            b.rms_norm_unit_scale_mul(
+                &bufs.x,
+                n,
+                n_embd,
+                eps,
+                1.0 / (n_embd as f32).sqrt(),
+                &moe.router_scale,
+                &mut bufs.xn,
+            );
             let experts = &moe.experts;
             b.moe_router(&experts.router, &bufs.xn, n, &mut bufs.router);
             let op = MoeFfn {
@@ -245,11 +256,23 @@ pub(super) fn run_layers<B: Backend>(model: &Model<B>, ctx: &mut Context<B>, bat
                 shared: None,
             };
             b.moe_ffn(&op, &bufs.router, &bufs.moe_in, n, &mut bufs.moe_out);
-            b.rms_norm_inplace(&mut bufs.moe_out, &moe.post_norm_experts, n, n_embd, eps);
-            b.add_inplace(&mut bufs.proj, &bufs.moe_out, n * n_embd);
+            b.rms_norm_add(
+                &mut bufs.moe_out,
+                &moe.post_norm_experts,
+                n,
+                n_embd,
+                eps,
+                &mut bufs.proj,
+            );
         }
-        b.rms_norm_inplace(&mut bufs.proj, &lw.post_ffn_norm, n, n_embd, eps);
-        b.add_inplace(&mut bufs.x, &bufs.proj, n * n_embd);
+        b.rms_norm_add(
+            &mut bufs.proj,
+            &lw.post_ffn_norm,
+            n,
+            n_embd,
+            eps,
+            &mut bufs.x,
+        );
 
         // Per-layer embedding.
         if let Some(pl) = &lw.per_layer {
@@ -260,8 +283,7 @@ pub(super) fn run_layers<B: Backend>(model: &Model<B>, ctx: &mut Context<B>, bat
             // `gelu(gate) * slice` is GGML's GELU followed by its multiply: GeGLU's values.
             b.geglu(&mut bufs.per_layer_gate, &bufs.per_layer, n * width);
             b.matmul(&pl.proj, &bufs.per_layer_gate, n, &mut bufs.proj);
-            b.rms_norm_inplace(&mut bufs.proj, &pl.post_norm, n, n_embd, eps);
-            b.add_inplace(&mut bufs.x, &bufs.proj, n * n_embd);
+            b.rms_norm_add(&mut bufs.proj, &pl.post_norm, n, n_embd, eps, &mut bufs.x);
         }
         if let Some(scale) = lw.out_scale {
             b.scale(&mut bufs.x, n * n_embd, scale);

@@ -151,6 +151,104 @@ pub fn rms_norm(
     }
 }
 
+/// Gemma 4's router input in one launch: `out[r] = rms_norm(x[r]) * scale * weight` for
+/// `n_rows` rows of `dim` values, the bare norm (no weight of its own), then the scalar, then the
+/// vector, each product rounded to f32 in that order: the values of [`rms_norm`] without a
+/// weight, [`scale`] and [`mul`] with the row broadcast (same block size, so the same summation
+/// order). `out` may be `x`. Fast numerics only (the reference numerics have no bare norm).
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm_scale_mul(
+    ctx: &GpuContext,
+    x: DevicePtr,
+    weight: DevicePtr,
+    n_rows: usize,
+    dim: usize,
+    eps: f32,
+    scale: f32,
+    out: DevicePtr,
+) -> Result<(), OpsError> {
+    const OP: &str = "rms_norm_scale_mul";
+    if ctx.reference() {
+        return Err(OpsError::Unsupported {
+            op: OP,
+            what: "reference numerics (the exact kernels have no bare RMS norm)".into(),
+        });
+    }
+    if n_rows == 0 {
+        return Ok(());
+    }
+    let n_rows = as_u32(OP, "the row count", n_rows)?;
+    let dim = as_u32(OP, "the row length", dim)?;
+    if dim == 0 {
+        return Err(OpsError::shape(OP, "a row length above 0", "0"));
+    }
+    let args = KernelArgs::new()
+        .arg(ptr(out))
+        .arg(ptr(x))
+        .arg(ptr(weight))
+        .arg(KernelArg::U32(dim))
+        .arg(KernelArg::F32(eps))
+        .arg(KernelArg::F32(scale));
+    // SAFETY: ember_rms_norm_scale_mul_f32(float* out, const float* x, const float* weight,
+    // uint32_t n_cols, float eps, float scale); one block per row touches only that row of x/out
+    // and the dim values of weight, which the caller sized.
+    unsafe {
+        ctx.launch(
+            KernelModule::Norm,
+            "ember_rms_norm_scale_mul_f32",
+            LaunchConfig::linear(n_rows, norm_block_threads(dim)),
+            &args,
+        )
+    }
+}
+
+/// RMS normalisation then a residual add in one launch: `x[r] = rms_norm(x[r]) * weight`, then
+/// `dst[r] += x[r]`, for `n_rows` rows of `dim` values: the values of [`rms_norm`] in place and
+/// [`add`] (same block size, so the same summation order). `dst` must be a buffer other than
+/// `x`. Fast numerics only (the reference numerics' norm is another kernel).
+pub fn rms_norm_add(
+    ctx: &GpuContext,
+    x: DevicePtr,
+    weight: DevicePtr,
+    n_rows: usize,
+    dim: usize,
+    eps: f32,
+    dst: DevicePtr,
+) -> Result<(), OpsError> {
+    const OP: &str = "rms_norm_add";
+    if ctx.reference() {
+        return Err(OpsError::Unsupported {
+            op: OP,
+            what: "reference numerics (rms_norm then add runs the exact norm)".into(),
+        });
+    }
+    if n_rows == 0 {
+        return Ok(());
+    }
+    let n_rows = as_u32(OP, "the row count", n_rows)?;
+    let dim = as_u32(OP, "the row length", dim)?;
+    if dim == 0 {
+        return Err(OpsError::shape(OP, "a row length above 0", "0"));
+    }
+    let args = KernelArgs::new()
+        .arg(ptr(dst))
+        .arg(ptr(x))
+        .arg(ptr(weight))
+        .arg(KernelArg::U32(dim))
+        .arg(KernelArg::F32(eps));
+    // SAFETY: ember_rms_norm_add_f32(float* dst, float* x, const float* weight, uint32_t n_cols,
+    // float eps); one block per row touches only that row of x and dst and the dim values of
+    // weight, which the caller sized.
+    unsafe {
+        ctx.launch(
+            KernelModule::Norm,
+            "ember_rms_norm_add_f32",
+            LaunchConfig::linear(n_rows, norm_block_threads(dim)),
+            &args,
+        )
+    }
+}
+
 /// Threads per block of the row-normalisation kernels: wide rows get a full block, short ones a
 /// block of their own size (rounded to 64). `rms_norm` and `add_rms_norm` must agree on it, since
 /// the block size fixes the order in which a row's squares are summed.

@@ -71,8 +71,8 @@ pub use delta_net::{
 };
 pub use elementwise::{
     add, add_rms_norm, argmax, convert_f32_to_f16, gather_rows, gather_rows_strided, geglu,
-    get_rows, mul, rms_norm, rope, rope_kv_store, scale, softcap, swiglu, RopeKvStoreArgs,
-    RopeMode,
+    get_rows, mul, rms_norm, rms_norm_add, rms_norm_scale_mul, rope, rope_kv_store, scale, softcap,
+    swiglu, RopeKvStoreArgs, RopeMode,
 };
 pub use exact_attention::{attention_exact, exp_exact, ExactExp, EXACT_MAX_HEAD_DIM};
 pub use exact_elementwise::{geglu_exact, rope_exact, GELU_TABLE_LEN};
@@ -84,8 +84,9 @@ pub use matmul::{
 };
 pub use mmq::{has_mmq_kernels, moe_mmq, MMQ_TARGET_BLOCKS, MMQ_TARGET_BLOCKS_ENV};
 pub use moe::{
-    has_moe_kernels, moe_add_gated, moe_combine, moe_matvec, moe_mmq_tile, moe_route,
-    moe_tile_slots, moe_tiles, MOE_MAX_EXPERTS, MOE_MMQ_MIN_TOKENS, MOE_MMQ_MIN_TOKENS_ENV,
+    has_moe_kernels, moe_add_gated, moe_combine, moe_decode_fits, moe_down, moe_glu, moe_matvec,
+    moe_mmq_tile, moe_route, moe_tile_slots, moe_tiles, SharedOutput, MOE_DECODE_MAX_TOKENS,
+    MOE_DECODE_MAX_TOKENS_ENV, MOE_MAX_EXPERTS, MOE_MMQ_MIN_TOKENS, MOE_MMQ_MIN_TOKENS_ENV,
     MOE_TILE,
 };
 

@@ -20,7 +20,9 @@ pub const MOE_MAX_EXPERTS: usize = 512;
 /// Threads per block of the grouped products (matvec.hip's EMBER_MATVEC_THREADS).
 const THREADS: u32 = 256;
 /// Rows one block serves per pass (threads over matvec.hip's EMBER_MATVEC_LANES).
-const ROWS_PER_BLOCK: u32 = 256 / 32;
+const ROWS_PER_BLOCK: u32 = THREADS / LANES;
+/// Lanes per row of the grouped products (matvec.hip's EMBER_MATVEC_LANES).
+const LANES: u32 = 32;
 /// Blocks a grouped product aims for in all: about one resident wave on an H200. Every block
 /// rounds its tile's activations into shared memory before it reads weights, so the blocks along
 /// the rows of one tile repeat that work; with many tiles (a prompt) each tile gets few such
@@ -279,6 +281,268 @@ pub fn moe_matvec(
     unsafe { ctx.launch(KernelModule::MatVec, &name, config, &args) }
 }
 
+/// Most tokens for which a MoE layer takes the decode kernels ([`moe_glu`], [`moe_down`]): one
+/// block column per (token, rank) pair, no sort into tiles. With 8 of 128 experts, 4 tokens'
+/// 32 pairs name about 28.5 distinct experts, so reading an expert once per pair costs about 12%
+/// more weight bytes than the tiles (the repeats mostly come from L2), and saves the sort, the
+/// separate activation and combination and their launches; from 5 tokens on the tiles read
+/// fewer bytes.
+pub const MOE_DECODE_MAX_TOKENS: usize = 4;
+
+/// Environment variable overriding [`MOE_DECODE_MAX_TOKENS`] (an integer, 0 turns the decode
+/// kernels off), for tuning and for comparing both paths on one binary.
+pub const MOE_DECODE_MAX_TOKENS_ENV: &str = "EMBER_MOE_DECODE_MAX_TOKENS";
+
+fn decode_max_tokens() -> usize {
+    static VALUE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *VALUE.get_or_init(|| {
+        std::env::var(MOE_DECODE_MAX_TOKENS_ENV)
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .unwrap_or(MOE_DECODE_MAX_TOKENS)
+    })
+}
+
+/// Whether a MoE layer over `n_tokens` tokens takes the decode kernels ([`moe_glu`] and
+/// [`moe_down`]) for experts of `n_ff` rows over `n_embd` columns with `n_used` experts per
+/// token: at most [`MOE_DECODE_MAX_TOKENS`] tokens (or its environment override), and the
+/// activations of the largest launch (a token's `n_used` rows of `n_ff` for the down product)
+/// fit the shared memory.
+pub fn moe_decode_fits(n_tokens: usize, n_used: usize, n_embd: usize, n_ff: usize) -> bool {
+    decode_fits_from(n_tokens, n_used, n_embd, n_ff, decode_max_tokens())
+}
+
+fn decode_fits_from(
+    n_tokens: usize,
+    n_used: usize,
+    n_embd: usize,
+    n_ff: usize,
+    max_tokens: usize,
+) -> bool {
+    (1..=max_tokens).contains(&n_tokens)
+        && n_used > 0
+        && n_used.saturating_mul(n_ff) / 4 * 5 <= MAX_SHARED_BYTES
+        && n_embd / 4 * 5 <= MAX_SHARED_BYTES
+}
+
+/// Checks the format and shape of one stack of experts for the decode kernels and returns the
+/// rows of one expert and its bytes.
+fn decode_stack(
+    op: &'static str,
+    w: &DeviceMatrix,
+    n_expert: usize,
+) -> Result<(u32, u64), OpsError> {
+    if !has_moe_kernels(w.format) {
+        return Err(OpsError::shape(
+            op,
+            "expert weights in q4_0, q4_1, q5_0, q5_1, q8_0, q4_K, q5_K or q6_K",
+            w.format.to_string(),
+        ));
+    }
+    if n_expert == 0 || !w.rows.is_multiple_of(n_expert) || !w.cols.is_multiple_of(32) {
+        return Err(OpsError::shape(
+            op,
+            format!("a stack of {n_expert} experts of equal rows, columns a multiple of 32"),
+            format!("{} rows of {} columns", w.rows, w.cols),
+        ));
+    }
+    let rows = w.rows / n_expert;
+    let expert_bytes = DeviceMatrix::bytes_for(w.format, rows, w.cols)? as u64;
+    Ok((as_u32(op, "the rows of an expert", rows)?, expert_bytes))
+}
+
+/// The grid along the rows of a decode launch: a block per `ROWS_PER_BLOCK`-row group of lane
+/// groups of `lanes` lanes, at most about [`TARGET_BLOCKS`] blocks in all over `columns` block
+/// columns (the rest is walked grid-stride).
+fn decode_grid_x(rows: u32, lanes: u32, columns: u32) -> u32 {
+    rows.div_ceil(THREADS / lanes)
+        .min(TARGET_BLOCKS.div_ceil(columns.max(1)))
+        .max(1)
+}
+
+/// Lanes per row of the fused down kernel for rows of `cols` values in `format`: 16 when a row
+/// has at most 16 units (64 values for the k-quants, 32 for the others), which gives the same
+/// sums as 32 lanes (matvec.hip) with half the lanes idle no more; else 32.
+fn down_lanes(format: WeightFormat, cols: usize) -> u32 {
+    if cols / format.block_values().min(64) <= 16 {
+        16
+    } else {
+        LANES
+    }
+}
+
+/// The gate and up products of a few tokens with the activation, fused (matvec.hip's
+/// ember_moe_{swiglu,geglu}_<format>): `out[p] = act(G_e x[p / n_used]) * (U_e x[p / n_used])`
+/// for every pair p of `experts` (i32 `[n_tokens, n_used]`, as [`moe_route`] writes them), e the
+/// pair's expert, `gate` and `up` stacks of `n_expert` experts in one format and shape, `out` f32
+/// `[n_pairs, gate.rows / n_expert]`. The values equal [`moe_matvec`] of both and the element-wise
+/// activation. `activation` is "swiglu" or "geglu".
+#[allow(clippy::too_many_arguments)]
+pub fn moe_glu(
+    ctx: &GpuContext,
+    gate: &DeviceMatrix,
+    up: &DeviceMatrix,
+    n_expert: usize,
+    x: DevicePtr,
+    experts: DevicePtr,
+    n_tokens: usize,
+    n_used: usize,
+    activation: &str,
+    out: DevicePtr,
+) -> Result<(), OpsError> {
+    const OP: &str = "moe_glu";
+    let n_pairs = n_tokens * n_used;
+    if n_pairs == 0 {
+        return Ok(());
+    }
+    if gate.format != up.format || gate.rows != up.rows || gate.cols != up.cols {
+        return Err(OpsError::shape(
+            OP,
+            format!(
+                "an up stack like the gate ({} {}x{})",
+                gate.format, gate.rows, gate.cols
+            ),
+            format!("{} {}x{}", up.format, up.rows, up.cols),
+        ));
+    }
+    if !matches!(activation, "swiglu" | "geglu") {
+        return Err(OpsError::shape(OP, "swiglu or geglu", activation));
+    }
+    let (rows, expert_bytes) = decode_stack(OP, gate, n_expert)?;
+    if gate.cols / 4 * 5 > MAX_SHARED_BYTES {
+        return Err(OpsError::shape(
+            OP,
+            format!(
+                "at most {} columns (a token's int8 activations in 48 KiB of shared memory)",
+                MAX_SHARED_BYTES * 4 / 5
+            ),
+            format!("{}", gate.cols),
+        ));
+    }
+    let pairs = as_u32(OP, "the pair count", n_pairs)?;
+    as_u32(
+        OP,
+        "pairs times rows",
+        n_pairs.saturating_mul(rows as usize),
+    )?;
+    let config = LaunchConfig {
+        grid: [decode_grid_x(rows, LANES, pairs), pairs, 1],
+        block: [THREADS, 1, 1],
+        shared_mem_bytes: (gate.cols / 4 * 5) as u32,
+    };
+    let args = KernelArgs::new()
+        .arg(KernelArg::Ptr(out))
+        .arg(KernelArg::Ptr(gate.ptr()))
+        .arg(KernelArg::Ptr(up.ptr()))
+        .arg(KernelArg::Ptr(x))
+        .arg(KernelArg::Ptr(experts))
+        .arg(KernelArg::U32(rows))
+        .arg(KernelArg::U32(as_u32(OP, "the column count", gate.cols)?))
+        .arg(KernelArg::U64(expert_bytes))
+        .arg(KernelArg::U32(as_u32(OP, "the ranks per token", n_used)?));
+    let name = format!("ember_moe_{activation}_{}", gate.format.kernel_suffix());
+    // SAFETY: ember_moe_{swiglu,geglu}_<format>(float* y, const uint8_t* w_gate, const uint8_t*
+    // w_up, const float* x, const int32_t* experts, uint32_t n_rows, uint32_t n_cols, uint64_t
+    // expert_bytes, uint32_t n_used) with one token's shared memory (checked to fit); block
+    // column p reads experts[p] (below n_expert, as moe_route wrote it), whose bytes lie inside
+    // both stacks (same shape, checked; DeviceMatrix::new checked the buffers), row p / n_used of
+    // x and writes row p of out, which the caller sized for n_pairs rows.
+    unsafe { ctx.launch(KernelModule::MatVec, &name, config, &args) }
+}
+
+/// A shared expert's output added by [`moe_down`]: `out[t] += output[t]`, times
+/// `sigmoid(logit[t])` when a gate is given.
+#[derive(Clone, Copy, Debug)]
+pub struct SharedOutput {
+    /// f32 `[n_tokens, n_embd]`.
+    pub output: DevicePtr,
+    /// f32 `[n_tokens]`, the shared expert's gate logits.
+    pub logit: Option<DevicePtr>,
+}
+
+/// The down product of a few tokens fused with the weighted combination (matvec.hip's
+/// ember_moe_down_<format>_l<lanes>): `out[t] = sum_k weights[t, k] scale_e D_e h[t n_used + k]`
+/// in rank order, e = `experts[t n_used + k]`, `scale_e` the expert's factor when `expert_scale`
+/// is given, then plus `shared`'s output. `down` a stack of `n_expert` experts, `h` f32
+/// `[n_tokens * n_used, down.cols]`, `out` f32 `[n_tokens, down.rows / n_expert]`. The values
+/// equal [`moe_matvec`], [`moe_combine`] and [`moe_add_gated`] (or an add) bit for bit.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_down(
+    ctx: &GpuContext,
+    down: &DeviceMatrix,
+    n_expert: usize,
+    h: DevicePtr,
+    experts: DevicePtr,
+    weights: DevicePtr,
+    expert_scale: Option<DevicePtr>,
+    shared: Option<SharedOutput>,
+    n_tokens: usize,
+    n_used: usize,
+    out: DevicePtr,
+) -> Result<(), OpsError> {
+    const OP: &str = "moe_down";
+    if n_tokens == 0 {
+        return Ok(());
+    }
+    if n_used == 0 {
+        return Err(OpsError::shape(OP, "at least one expert per token", "0"));
+    }
+    let (rows, expert_bytes) = decode_stack(OP, down, n_expert)?;
+    let shared_bytes = n_used.saturating_mul(down.cols) / 4 * 5;
+    if shared_bytes > MAX_SHARED_BYTES {
+        return Err(OpsError::shape(
+            OP,
+            format!(
+                "ranks times columns of at most {} (a token's int8 activations in 48 KiB of shared memory)",
+                MAX_SHARED_BYTES * 4 / 5
+            ),
+            format!("{n_used} x {}", down.cols),
+        ));
+    }
+    let tokens = as_u32(OP, "the token count", n_tokens)?;
+    as_u32(
+        OP,
+        "tokens times rows",
+        n_tokens.saturating_mul(rows as usize),
+    )?;
+    as_u32(
+        OP,
+        "pairs times columns",
+        (n_tokens * n_used).saturating_mul(down.cols),
+    )?;
+    let lanes = down_lanes(down.format, down.cols);
+    let config = LaunchConfig {
+        grid: [decode_grid_x(rows, lanes, tokens), tokens, 1],
+        block: [THREADS, 1, 1],
+        shared_mem_bytes: shared_bytes as u32,
+    };
+    let args = KernelArgs::new()
+        .arg(KernelArg::Ptr(out))
+        .arg(KernelArg::Ptr(down.ptr()))
+        .arg(KernelArg::Ptr(h))
+        .arg(KernelArg::Ptr(experts))
+        .arg(KernelArg::Ptr(weights))
+        .arg(KernelArg::Ptr(expert_scale.unwrap_or(DevicePtr::NULL)))
+        .arg(KernelArg::Ptr(shared.map_or(DevicePtr::NULL, |s| s.output)))
+        .arg(KernelArg::Ptr(
+            shared.and_then(|s| s.logit).unwrap_or(DevicePtr::NULL),
+        ))
+        .arg(KernelArg::U32(rows))
+        .arg(KernelArg::U32(as_u32(OP, "the column count", down.cols)?))
+        .arg(KernelArg::U64(expert_bytes))
+        .arg(KernelArg::U32(as_u32(OP, "the ranks per token", n_used)?));
+    let name = format!("ember_moe_down_{}_l{lanes}", down.format.kernel_suffix());
+    // SAFETY: ember_moe_down_<format>_l<lanes>(float* out, const uint8_t* w, const float* h,
+    // const int32_t* experts, const float* weights, const float* expert_scale, const float*
+    // shared, const float* shared_logit, uint32_t n_rows, uint32_t n_cols, uint64_t
+    // expert_bytes, uint32_t n_used) with the shared memory of n_used rows (checked to fit);
+    // block column t reads rows t * n_used.. of h, experts and weights, the experts (below
+    // n_expert, as moe_route wrote them) lie inside W (DeviceMatrix::new checked the buffer), a
+    // scale per expert when given, row t of the shared output and logit t when given, and
+    // writes row t of out, all sized by the caller for n_tokens.
+    unsafe { ctx.launch(KernelModule::MatVec, &name, config, &args) }
+}
+
 /// `out[t] = sum_k weights[t, k] routed[t * n_used + k]` for `n_tokens` tokens of `n_embd`
 /// values, in rank order. With `expert_scale` (f32, one factor per expert, Gemma 4's
 /// `ffn_down_exps.scale`), each routed row is first multiplied by the factor of its expert,
@@ -383,6 +647,36 @@ mod tests {
         assert_eq!(mmq_tile_from(64, 8, 0, MOE_MMQ_MIN_TOKENS), None);
         // A threshold above the batch keeps the matrix-vector path.
         assert_eq!(mmq_tile_from(512, 8, 128, 513), None);
+    }
+
+    #[test]
+    fn decode_kernels_serve_a_few_tokens_whose_activations_fit() {
+        // Qwen3-30B-A3B (8 of 128, n_embd 2048, expert n_ff 768) and Gemma 4 26B-A4B (2816, 704).
+        let fits = |n_tokens, max| decode_fits_from(n_tokens, 8, 2048, 768, max);
+        assert!(fits(1, MOE_DECODE_MAX_TOKENS));
+        assert!(fits(4, MOE_DECODE_MAX_TOKENS));
+        assert!(!fits(5, MOE_DECODE_MAX_TOKENS));
+        assert!(!fits(0, MOE_DECODE_MAX_TOKENS));
+        // 0 turns the decode kernels off.
+        assert!(!fits(1, 0));
+        assert!(decode_fits_from(1, 8, 2816, 704, MOE_DECODE_MAX_TOKENS));
+        // A token's down activations (n_used rows of n_ff) must fit 48 KiB: 8 x 4915 do not.
+        assert!(decode_fits_from(1, 8, 2048, 4096, 4));
+        assert!(!decode_fits_from(1, 8, 2048, 4928, 4));
+        assert!(!decode_fits_from(1, 0, 2048, 768, 4));
+    }
+
+    #[test]
+    fn down_rows_of_at_most_16_units_take_16_lanes() {
+        // Qwen3-30B-A3B's 768 columns: 12 units of q4_K or q6_K, 24 of q8_0.
+        assert_eq!(down_lanes(WeightFormat::Q4K, 768), 16);
+        assert_eq!(down_lanes(WeightFormat::Q6K, 768), 16);
+        assert_eq!(down_lanes(WeightFormat::Q8_0, 768), 32);
+        // Gemma 4's 704 columns (22 blocks of 32), Qwen3.5-35B-A3B's 512.
+        assert_eq!(down_lanes(WeightFormat::Q5_0, 704), 32);
+        assert_eq!(down_lanes(WeightFormat::Q8_0, 512), 16);
+        assert_eq!(down_lanes(WeightFormat::Q4K, 1024), 16);
+        assert_eq!(down_lanes(WeightFormat::Q4K, 1280), 32);
     }
 
     #[test]

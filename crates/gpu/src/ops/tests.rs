@@ -195,6 +195,53 @@ fn register_twins(driver: &HostDriver) {
         }
         Ok(())
     });
+    // ember_rms_norm_add_f32(float* dst, float* x, const float* weight, uint32_t n_cols, float
+    // eps); one block per row.
+    driver.register_kernel("ember_rms_norm_add_f32", |l| {
+        let (dst, x, weight) = (l.ptr_arg(0)?, l.ptr_arg(1)?, l.ptr_arg(2)?);
+        let (n_cols, eps) = (l.u32_arg(3)? as usize, l.f32_arg(4)?);
+        let weight = l.read_f32(weight, n_cols)?;
+        for row in 0..l.config().grid[0] as u64 {
+            let offset = row * n_cols as u64 * 4;
+            let values = l.read_f32(x.offset(offset), n_cols)?;
+            let mean = values.iter().map(|v| v * v).sum::<f32>() / n_cols as f32;
+            let inv = 1.0 / (mean + eps).sqrt();
+            let normed: Vec<f32> = values
+                .iter()
+                .zip(&weight)
+                .map(|(v, w)| v * inv * w)
+                .collect();
+            let sums: Vec<f32> = l
+                .read_f32(dst.offset(offset), n_cols)?
+                .iter()
+                .zip(&normed)
+                .map(|(d, v)| d + v)
+                .collect();
+            l.write_f32(x.offset(offset), &normed)?;
+            l.write_f32(dst.offset(offset), &sums)?;
+        }
+        Ok(())
+    });
+    // ember_rms_norm_scale_mul_f32(float* out, const float* x, const float* weight, uint32_t
+    // n_cols, float eps, float scale); one block per row, the products from the left.
+    driver.register_kernel("ember_rms_norm_scale_mul_f32", |l| {
+        let (out, x, weight) = (l.ptr_arg(0)?, l.ptr_arg(1)?, l.ptr_arg(2)?);
+        let (n_cols, eps, scale) = (l.u32_arg(3)? as usize, l.f32_arg(4)?, l.f32_arg(5)?);
+        let weight = l.read_f32(weight, n_cols)?;
+        for row in 0..l.config().grid[0] as u64 {
+            let offset = row * n_cols as u64 * 4;
+            let values = l.read_f32(x.offset(offset), n_cols)?;
+            let mean = values.iter().map(|v| v * v).sum::<f32>() / n_cols as f32;
+            let inv = 1.0 / (mean + eps).sqrt();
+            let out_values: Vec<f32> = values
+                .iter()
+                .zip(&weight)
+                .map(|(v, w)| v * inv * scale * w)
+                .collect();
+            l.write_f32(out.offset(offset), &out_values)?;
+        }
+        Ok(())
+    });
     // ember_add_rms_norm_f32(float* out, float* x, const float* proj, const float* weight,
     // uint32_t n_cols, float eps); one block per row.
     driver.register_kernel("ember_add_rms_norm_f32", |l| {
@@ -566,6 +613,89 @@ fn unit_rms_norm_and_broadcast_mul_wrappers() {
         error.to_string(),
         "mul: expected a broadcast length dividing 288, found 7"
     );
+}
+
+#[test]
+fn the_fused_router_input_equals_the_bare_norm_the_scale_and_the_row_product() {
+    let f = fixture();
+    let (n_rows, dim, scale_value) = (3usize, 96usize, 1.0 / (96f32).sqrt());
+    let (x, weight) = (values(n_rows * dim, 9), values(dim, 10));
+    let (dx, dweight) = (f.upload(&x), f.upload(&weight));
+    let fused = f.upload(&vec![f32::NAN; n_rows * dim]);
+    rms_norm_scale_mul(
+        &f.ctx,
+        dx.ptr(),
+        dweight.ptr(),
+        n_rows,
+        dim,
+        1e-6,
+        scale_value,
+        fused.ptr(),
+    )
+    .unwrap();
+    let steps = f.upload(&x);
+    let len = n_rows * dim;
+    rms_norm(
+        &f.ctx,
+        steps.ptr(),
+        DevicePtr::NULL,
+        n_rows,
+        dim,
+        1e-6,
+        steps.ptr(),
+    )
+    .unwrap();
+    scale(&f.ctx, steps.ptr(), steps.ptr(), scale_value, len).unwrap();
+    mul(&f.ctx, steps.ptr(), steps.ptr(), dweight.ptr(), len, dim).unwrap();
+    assert_eq!(f.download(&fused, len), f.download(&steps, len));
+    // The input is left alone.
+    assert_eq!(f.download(&dx, len), x);
+}
+
+#[test]
+fn the_fused_norm_and_residual_add_equals_the_norm_then_the_add() {
+    let f = fixture();
+    let (n_rows, dim) = (3usize, 96usize);
+    let (x, weight, residual) = (
+        values(n_rows * dim, 11),
+        values(dim, 12),
+        values(n_rows * dim, 13),
+    );
+    let len = n_rows * dim;
+    let dweight = f.upload(&weight);
+    let (fused_x, fused_dst) = (f.upload(&x), f.upload(&residual));
+    rms_norm_add(
+        &f.ctx,
+        fused_x.ptr(),
+        dweight.ptr(),
+        n_rows,
+        dim,
+        1e-6,
+        fused_dst.ptr(),
+    )
+    .unwrap();
+    let (steps_x, steps_dst) = (f.upload(&x), f.upload(&residual));
+    rms_norm(
+        &f.ctx,
+        steps_x.ptr(),
+        dweight.ptr(),
+        n_rows,
+        dim,
+        1e-6,
+        steps_x.ptr(),
+    )
+    .unwrap();
+    add(
+        &f.ctx,
+        steps_dst.ptr(),
+        steps_dst.ptr(),
+        steps_x.ptr(),
+        len,
+        len,
+    )
+    .unwrap();
+    assert_eq!(f.download(&fused_x, len), f.download(&steps_x, len));
+    assert_eq!(f.download(&fused_dst, len), f.download(&steps_dst, len));
 }
 
 #[test]

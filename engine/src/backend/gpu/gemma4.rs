@@ -59,6 +59,36 @@ impl GpuBackend {
         });
     }
 
+    /// Gemma 4's router input, `out[r] = rms_norm(x[r]) * scale * weight`, in one launch with
+    /// the values of the bare norm, the scale and the row product one after another.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn gemma4_rms_norm_unit_scale_mul(
+        &self,
+        x: &GpuBuf,
+        n_rows: usize,
+        dim: usize,
+        eps: f32,
+        scale: f32,
+        weight: &GpuVector,
+        out: &mut GpuBuf,
+    ) {
+        self.run("rms_norm_scale_mul", || {
+            self.gemma4_fast_only("rms_norm_scale_mul")?;
+            check_vector("rms_norm_scale_mul", weight, dim)?;
+            let len = n_rows * dim;
+            ops::rms_norm_scale_mul(
+                &self.ctx,
+                x.ptr("rms_norm_scale_mul", len)?,
+                weight.buf.ptr(),
+                n_rows,
+                dim,
+                eps,
+                scale,
+                out.ptr("rms_norm_scale_mul", len)?,
+            )
+        });
+    }
+
     /// `x[r * dim + i] *= weight[i]` for `n_rows` rows.
     pub(super) fn gemma4_mul_rows(
         &self,

@@ -39,6 +39,8 @@
 mod batch;
 mod delta_net;
 mod gemma4;
+mod moe;
+use moe::check_moe_shapes;
 pub mod graph;
 pub mod numerics;
 pub mod open;
@@ -110,7 +112,7 @@ pub struct GpuBackend {
 /// Device buffers of [`GpuBackend::moe_ffn`]; the i32 arrays (experts, pairs, tiles) live in
 /// f32-sized buffers (4 bytes a value either way).
 #[derive(Default)]
-struct MoeScratch {
+pub(super) struct MoeScratch {
     experts: GpuBuf,
     weights: GpuBuf,
     pairs: GpuBuf,
@@ -915,8 +917,20 @@ impl Backend for GpuBackend {
         let n_embd = moe.gate.cols;
         let n_ff = moe.n_ff;
         let n_pairs = n_tokens * n_used;
-        // Prompts take the grouped mmq product (tiles of up to 64 pairs of one expert), decode
-        // the grouped matrix-vector product (tiles of 8); both need every product's format.
+        // Decode (a few tokens) takes the fused kernels, one block column per pair, no sort into
+        // tiles (`moe::moe_ffn_decode`).
+        if ops::moe_decode_fits(n_tokens, n_used, n_embd, n_ff)
+            && moe.gate.format == moe.up.format
+            && [moe.gate, moe.up, moe.down]
+                .iter()
+                .all(|w| ops::has_moe_kernels(w.format))
+        {
+            self.moe_ffn_decode(moe, router_logits, x, n_tokens, out);
+            return;
+        }
+        // Prompts take the grouped mmq product (tiles of up to 64 pairs of one expert), smaller
+        // batches the grouped matrix-vector product (tiles of 8); both need every product's
+        // format.
         let mmq_tile = ops::moe_mmq_tile(n_tokens, n_used, n_expert).filter(|_| {
             [moe.gate, moe.up, moe.down]
                 .iter()
@@ -936,33 +950,7 @@ impl Backend for GpuBackend {
         // Routing, the sort into tiles, and the gate and up products of every pair.
         self.run("moe_ffn", || {
             let op = "moe_ffn";
-            if let Some(scale) = moe.expert_scale {
-                if scale.len() != n_expert {
-                    return Err(OpsError::Shape {
-                        op,
-                        expected: format!("a down-projection scale per expert ({n_expert})"),
-                        found: format!("{} scales", scale.len()),
-                    });
-                }
-            }
-            if moe.gate.rows != n_expert * n_ff
-                || moe.up.rows != n_expert * n_ff
-                || moe.up.cols != n_embd
-                || moe.down.rows != n_expert * n_embd
-                || moe.down.cols != n_ff
-            {
-                return Err(OpsError::Shape {
-                    op,
-                    expected: format!(
-                        "{n_expert} experts of {n_ff}x{n_embd} (gate, up) and {n_embd}x{n_ff} (down)"
-                    ),
-                    found: format!(
-                        "{}x{}, {}x{}, {}x{} in all",
-                        moe.gate.rows, moe.gate.cols, moe.up.rows, moe.up.cols, moe.down.rows,
-                        moe.down.cols
-                    ),
-                });
-            }
+            check_moe_shapes(moe)?;
             let logits = router_logits.ptr(op, n_tokens * n_expert)?;
             let x_ptr = x.ptr(op, n_tokens * n_embd)?;
             let experts = s.experts.ptr(op, n_pairs)?;
@@ -1037,37 +1025,19 @@ impl Backend for GpuBackend {
             )
         });
         if let Some(shared) = &moe.shared {
-            let n_ff = shared.n_ff;
-            self.ensure_len(&mut s.shared_gate, n_tokens * n_ff);
-            self.ensure_len(&mut s.shared_up, n_tokens * n_ff);
-            self.ensure_len(&mut s.shared_out, n_tokens * n_embd);
-            self.ffn_gate_up(
-                shared.gate,
-                shared.up,
-                x,
-                n_tokens,
-                n_ff,
-                moe.activation,
-                &mut s.shared_gate,
-                &mut s.shared_up,
-            );
-            self.matmul(shared.down, &s.shared_gate, n_tokens, &mut s.shared_out);
+            self.moe_shared_expert(shared, moe.activation, x, n_tokens, n_embd, s);
             match shared.gate_inp {
-                Some(gate_inp) => {
-                    self.ensure_len(&mut s.shared_logit, n_tokens);
-                    self.matmul(gate_inp, x, n_tokens, &mut s.shared_logit);
-                    self.run("moe_ffn", || {
-                        let op = "moe_ffn";
-                        ops::moe_add_gated(
-                            &self.ctx,
-                            out.ptr(op, n_tokens * n_embd)?,
-                            s.shared_out.ptr(op, n_tokens * n_embd)?,
-                            s.shared_logit.ptr(op, n_tokens)?,
-                            n_tokens,
-                            n_embd,
-                        )
-                    });
-                }
+                Some(_) => self.run("moe_ffn", || {
+                    let op = "moe_ffn";
+                    ops::moe_add_gated(
+                        &self.ctx,
+                        out.ptr(op, n_tokens * n_embd)?,
+                        s.shared_out.ptr(op, n_tokens * n_embd)?,
+                        s.shared_logit.ptr(op, n_tokens)?,
+                        n_tokens,
+                        n_embd,
+                    )
+                }),
                 None => self.add_inplace(out, &s.shared_out, n_tokens * n_embd),
             }
         }
@@ -1271,6 +1241,49 @@ impl Backend for GpuBackend {
 
     fn mul_rows_inplace(&self, x: &mut GpuBuf, weight: &GpuVector, n_rows: usize, dim: usize) {
         self.gemma4_mul_rows(x, weight, n_rows, dim);
+    }
+
+    fn rms_norm_add(
+        &self,
+        x: &mut GpuBuf,
+        weight: &GpuVector,
+        n_rows: usize,
+        dim: usize,
+        eps: f32,
+        dst: &mut GpuBuf,
+    ) {
+        if self.reference() {
+            // The exact norm is another kernel: the two ops one after another.
+            self.rms_norm_inplace(x, weight, n_rows, dim, eps);
+            self.add_inplace(dst, x, n_rows * dim);
+            return;
+        }
+        self.run("rms_norm_add", || {
+            check_vector("rms_norm_add", weight, dim)?;
+            let len = n_rows * dim;
+            ops::rms_norm_add(
+                &self.ctx,
+                x.ptr("rms_norm_add", len)?,
+                weight.buf.ptr(),
+                n_rows,
+                dim,
+                eps,
+                dst.ptr("rms_norm_add", len)?,
+            )
+        });
+    }
+
+    fn rms_norm_unit_scale_mul(
+        &self,
+        x: &GpuBuf,
+        n_rows: usize,
+        dim: usize,
+        eps: f32,
+        scale: f32,
+        weight: &GpuVector,
+        out: &mut GpuBuf,
+    ) {
+        self.gemma4_rms_norm_unit_scale_mul(x, n_rows, dim, eps, scale, weight, out);
     }
 
     fn max_head_dim(&self) -> Option<usize> {
