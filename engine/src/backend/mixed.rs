@@ -161,6 +161,10 @@ impl<A: Backend, B: Backend> Backend for OneOf<A, B> {
         on!(self, |d, S| d.ensure_len(S::get_mut(buf), len))
     }
 
+    fn buf_bytes(&self, buf: &Self::Buf) -> usize {
+        on!(self, |d, S| d.buf_bytes(S::get(buf)))
+    }
+
     fn gather_rows(&self, src: &Self::Buf, dim: usize, rows: &[usize], out: &mut Self::Buf) {
         on!(self, |d, S| d.gather_rows(
             S::get(src),
@@ -794,6 +798,25 @@ mod tests {
                 "-ngl {ngl}: {per_device:?}"
             );
             assert!(per_device[1] > 0, "-ngl {ngl}: {per_device:?}");
+            // The split's own count agrees with each device: the CPU's KV layers, and the
+            // GPU pool's accounting of its KV purpose, which also holds each GPU layer's
+            // device address table (a K and a V address of 8 bytes for the context's one
+            // block).
+            let memory = model.backend().memory();
+            assert_eq!(memory.device(0).now.kv, per_device[0] as u64, "-ngl {ngl}");
+            let OneOf::Second(gpu) = &model.backend().devices()[1] else {
+                panic!("device 1 is the GPU");
+            };
+            let pool_kv = gpu
+                .pool()
+                .usage()
+                .purpose(ember_gpu::pool::Purpose::Kv)
+                .current;
+            assert_eq!(
+                memory.device(1).now.kv + (ngl * 2 * 8) as u64,
+                pool_kv,
+                "-ngl {ngl}"
+            );
         }
     }
 }

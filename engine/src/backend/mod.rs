@@ -25,6 +25,7 @@ pub mod cpu;
 pub mod gpu;
 pub mod mixed;
 pub mod split;
+pub mod split_memory;
 
 use std::sync::Arc;
 
@@ -286,6 +287,9 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn alloc(&self, len: usize) -> Self::Buf;
     /// Makes sure `buf` holds at least `len` values, keeping its allocation when it already does.
     fn ensure_len(&self, buf: &mut Self::Buf, len: usize);
+    /// Bytes of memory `buf` holds now (its allocation, which may exceed its length): how a
+    /// split counts each device's scratch ([`split_memory::SplitMemory`]).
+    fn buf_bytes(&self, buf: &Self::Buf) -> usize;
     /// Copies rows `rows` of `src` (rows of `dim` values) to the first rows of `out`, in order.
     fn gather_rows(&self, src: &Self::Buf, dim: usize, rows: &[usize], out: &mut Self::Buf);
     /// Copies `values` from host memory to the start of `buf` (which holds at least as many):

@@ -395,6 +395,10 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn buf_bytes(&self, buf: &Vec<f32>) -> usize {
+        buf.capacity() * std::mem::size_of::<f32>()
+    }
+
     fn gather_rows(&self, src: &Vec<f32>, dim: usize, rows: &[usize], out: &mut Vec<f32>) {
         for (i, &r) in rows.iter().enumerate() {
             out[i * dim..(i + 1) * dim].copy_from_slice(&src[r * dim..(r + 1) * dim]);
