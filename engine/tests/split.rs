@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use ember::backend::cpu::CpuBackend;
 use ember::backend::split::{SplitBackend, SplitLayout};
+use ember::backend::Backend;
 use ember::batch::Batch;
 use ember::model::{ContextParams, Model};
 use ember_gguf::Gguf;
@@ -271,16 +272,29 @@ fn the_split_counts_each_devices_weights_kv_and_scratch_from_its_allocations() {
                 "{shape} device {device}: {usage:?}"
             );
         }
-        // Every activation buffer the context holds, counted once on each device it visited.
         let peak_kv: Vec<u64> = memory.devices().iter().map(|d| d.now.kv).collect();
         let peak_scratch: Vec<u64> = memory.devices().iter().map(|d| d.now.scratch).collect();
+        let devices = model.backend().devices();
+        let op_scratch: Vec<u64> = devices
+            .iter()
+            .map(|d| d.op_scratch_bytes() as u64)
+            .collect();
+        // The CPU's ops keep quantized activations between passes: counted with the scratch.
+        for (device, &bytes) in op_scratch.iter().enumerate() {
+            assert_eq!(
+                bytes > 0,
+                counts[device] > 0 || device == output,
+                "{op_scratch:?}"
+            );
+        }
 
-        // Dropping the context gives its KV blocks and buffers back; the peaks stay.
+        // Dropping the context gives its KV blocks and buffers back; what the devices' ops
+        // keep stays counted, until they give it back; the peaks stay.
         drop(ctx);
         for (device, usage) in memory.devices().iter().enumerate() {
             assert_eq!(
                 (usage.now.kv, usage.now.scratch),
-                (0, 0),
+                (0, op_scratch[device]),
                 "{shape} {device}"
             );
             assert_eq!(usage.peak.kv, peak_kv[device], "{shape} {device}");
@@ -289,6 +303,20 @@ fn the_split_counts_each_devices_weights_kv_and_scratch_from_its_allocations() {
                 "{shape} {device}"
             );
             assert_eq!(usage.now.weights, weights[device]);
+        }
+        model.backend().release_op_scratch();
+        for (device, usage) in memory.devices().iter().enumerate() {
+            let kept = devices[device].op_scratch_bytes() as u64;
+            assert_eq!(usage.now.scratch, kept, "{shape} {device}");
+        }
+        // The model gone, nothing is counted but the weights placed.
+        drop(model);
+        for (device, usage) in memory.devices().iter().enumerate() {
+            assert_eq!(
+                (usage.now.kv, usage.now.scratch),
+                (0, 0),
+                "{shape} {device}"
+            );
         }
     }
 }

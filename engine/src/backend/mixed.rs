@@ -153,6 +153,10 @@ impl<A: Backend, B: Backend> Backend for OneOf<A, B> {
         on!(self, |d, S| d.release_op_scratch())
     }
 
+    fn op_scratch_bytes(&self) -> usize {
+        on!(self, |d, S| d.op_scratch_bytes())
+    }
+
     fn alloc(&self, len: usize) -> Self::Buf {
         on!(self, |d, S| S::wrap(d.alloc(len)))
     }

@@ -283,6 +283,14 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// the model's activation buffers when a context goes idle.
     fn release_op_scratch(&self) {}
 
+    /// Bytes of the scratch memory the backend's own ops keep between calls, beside the
+    /// buffers of [`Backend::alloc`] (the CPU's quantized activations and expert buffers): how
+    /// a split counts each device's scratch whole. A backend whose op scratch is in a pool
+    /// that reports itself (the GPU's) leaves it at 0.
+    fn op_scratch_bytes(&self) -> usize {
+        0
+    }
+
     /// A zeroed buffer of `len` values.
     fn alloc(&self, len: usize) -> Self::Buf;
     /// Makes sure `buf` holds at least `len` values, keeping its allocation when it already does.

@@ -140,6 +140,21 @@ pub struct SplitBackend<B: Backend> {
     bytes: AtomicU64,
     /// What each device holds by purpose, as placed and allocated here.
     memory: Arc<SplitMemory>,
+    /// Each device's op scratch ([`Backend::op_scratch_bytes`]) as last counted in `memory`.
+    op_scratch: Vec<AtomicU64>,
+}
+
+impl<B: Backend> Drop for SplitBackend<B> {
+    fn drop(&mut self) {
+        // The devices' op scratch goes with them.
+        for (device, counted) in self.op_scratch.iter().enumerate() {
+            self.memory.sub(
+                device,
+                SplitPurpose::Scratch,
+                counted.load(Ordering::Relaxed),
+            );
+        }
+    }
 }
 
 /// What a split needs to know about the model: its layers' devices.
@@ -220,6 +235,17 @@ impl<B: Backend> SplitBackend<B> {
             peer_copies: AtomicU64::new(0),
             staged_copies: AtomicU64::new(0),
             bytes: AtomicU64::new(0),
+            op_scratch: (0..n).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+
+    /// Counts each device's op scratch again (after a forward pass, or after giving it back).
+    fn recount_op_scratch(&self) {
+        for (device, backend) in self.devices.iter().enumerate() {
+            let bytes = backend.op_scratch_bytes() as u64;
+            let old = self.op_scratch[device].swap(bytes, Ordering::Relaxed);
+            self.memory
+                .change(device, SplitPurpose::Scratch, old, bytes);
         }
     }
 
@@ -444,6 +470,7 @@ impl<B: Backend> Backend for SplitBackend<B> {
         for device in &self.devices {
             again |= device.end_forward();
         }
+        self.recount_op_scratch();
         again
     }
 
@@ -493,6 +520,11 @@ impl<B: Backend> Backend for SplitBackend<B> {
         for device in &self.devices {
             device.release_op_scratch();
         }
+        self.recount_op_scratch();
+    }
+
+    fn op_scratch_bytes(&self) -> usize {
+        self.devices.iter().map(Backend::op_scratch_bytes).sum()
     }
 
     fn alloc(&self, len: usize) -> Self::Buf {

@@ -7,7 +7,9 @@
 //! Every figure is counted from the allocations themselves, as the split makes them: a
 //! buffer's or KV layer's bytes are the device backend's own answer
 //! ([`super::Backend::buf_bytes`], [`super::Backend::kv_bytes`]) after each change, and are
-//! taken off again when it is dropped.
+//! taken off again when it is dropped; a device's op scratch
+//! ([`super::Backend::op_scratch_bytes`]) is counted after each forward pass and after it is
+//! given back.
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -21,7 +23,8 @@ pub enum SplitPurpose {
     Weights,
     /// KV cache blocks holding memory.
     Kv,
-    /// Activation buffers (the forward pass's scratch).
+    /// Activation buffers (the forward pass's scratch), and the scratch the device's ops keep
+    /// between calls.
     Scratch,
 }
 

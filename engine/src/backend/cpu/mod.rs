@@ -475,6 +475,22 @@ impl Backend for CpuBackend {
         moe::moe_ffn(self, moe, router_logits, x, n_tokens, out);
     }
 
+    fn op_scratch_bytes(&self) -> usize {
+        let activations: usize = self
+            .activations
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .values()
+            .map(ember_quant::QuantizedActivations::bytes)
+            .sum();
+        let moe = self
+            .moe_scratch
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .bytes();
+        activations + moe
+    }
+
     fn release_op_scratch(&self) {
         *self
             .moe_scratch
