@@ -751,7 +751,7 @@ fn load_on_gpu(
 /// The placement check of one GPU: its weights must be in its VRAM (or, with
 /// `--allow-host-weights`, a warning names the device).
 #[allow(clippy::too_many_arguments)]
-fn check_placement(
+pub(crate) fn check_placement(
     driver: &dyn ember_gpu::Driver,
     ordinal: usize,
     backend: &GpuBackend,
