@@ -169,6 +169,9 @@ impl<B: Backend> Backend for Trace<B> {
     fn ensure_len(&self, buf: &mut B::Buf, len: usize) {
         self.inner.ensure_len(buf, len)
     }
+    fn buf_bytes(&self, buf: &B::Buf) -> usize {
+        self.inner.buf_bytes(buf)
+    }
     fn gather_rows(&self, src: &B::Buf, dim: usize, rows: &[usize], out: &mut B::Buf) {
         self.inner.gather_rows(src, dim, rows, out);
         self.snap("gather_rows", out, rows.len() * dim);

@@ -35,6 +35,7 @@ pub mod load_plan;
 pub mod model;
 pub mod models;
 pub mod ops;
+pub mod peer_report;
 pub mod recurrent_state;
 pub mod sample;
 pub mod server;

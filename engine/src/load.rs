@@ -31,6 +31,7 @@ use crate::backend::gpu::{
 };
 use crate::backend::mixed::OneOf;
 use crate::backend::split::{SplitBackend, SplitLayout};
+use crate::backend::split_memory::{DeviceMemory, SplitMemory};
 use crate::backend::Backend;
 use crate::batch::Batch;
 use crate::device::{DeviceOptions, Placement, PlacementError};
@@ -56,8 +57,36 @@ pub struct Loaded<B: Backend> {
     pub load_time: Duration,
     /// The device's memory pool, on a GPU.
     pub pool: Option<Arc<DevicePool>>,
-    /// A memory report was asked for (and the model runs on a GPU, which has one to give).
+    /// A memory report was asked for (and the model runs on a GPU or over a split, which have
+    /// one to give).
     pub memory_report: bool,
+    /// Over a split: the devices without a pool of their own (the CPU, simulated devices),
+    /// whose memory the split counts.
+    pub split_memory: Option<SplitMemoryView>,
+}
+
+/// The devices of a split whose memory the split's own counts report: those without a pool
+/// (a GPU's pool reports itself, in [`LoadEvent::MemoryReport`]).
+#[derive(Debug, Clone)]
+pub struct SplitMemoryView {
+    pub memory: Arc<SplitMemory>,
+    /// The devices reported, in device order.
+    pub devices: Vec<usize>,
+}
+
+impl SplitMemoryView {
+    /// The reported devices' memory now and at peak.
+    pub fn devices(&self) -> Vec<DeviceMemory> {
+        self.devices
+            .iter()
+            .map(|&d| self.memory.device(d))
+            .collect()
+    }
+
+    /// Reports the devices' memory as a [`LoadEvent::SplitMemory`].
+    pub fn report(&self, on_event: &mut dyn FnMut(LoadEvent<'_>)) {
+        on_event(LoadEvent::SplitMemory(&self.devices()));
+    }
 }
 
 /// A model loaded on whichever backend the device options chose.
@@ -144,9 +173,10 @@ pub enum LoadEvent<'a> {
     MemoryReport(&'a MemoryReport),
     /// A memory report was asked for, but the model runs on the CPU: there is no device memory.
     NoDeviceMemory,
-    /// In a memory report, a device without a pool of its own (the CPU of a partial offload):
-    /// the bytes of the weights it computes with, read from the mapped file.
-    HostWeights { device: &'a str, bytes: u64 },
+    /// In a memory report, the devices of a split without a pool of their own (the CPU of a
+    /// partial offload, simulated devices): their weights (read from the mapped file), KV
+    /// blocks and activation buffers, now and at peak, as the split placed and allocated them.
+    SplitMemory(&'a [DeviceMemory]),
     /// The pool could not trim itself while waiting for idle before the final memory report
     /// (the report still follows).
     IdleTrimFailed(&'a PoolError),
@@ -282,14 +312,44 @@ impl<B: Backend> Loaded<B> {
     /// [`LoadEvent::MemoryReport`]. Call it once the run's contexts are dropped, so the report
     /// shows what idling gives back.
     pub fn report_memory_after_idle(&self, on_event: &mut dyn FnMut(LoadEvent<'_>)) {
-        if !self.memory_report {
-            return;
+        if let Some(reporter) = self.memory_reporter() {
+            reporter.report_after_idle(on_event);
         }
-        let Some(pool) = &self.pool else {
+    }
+
+    /// What gives the memory report at the end of a run, when one was asked for; it outlives
+    /// the model (a command that hands the model to an engine keeps it for after the engine).
+    pub fn memory_reporter(&self) -> Option<MemoryReporter> {
+        self.memory_report.then(|| MemoryReporter {
+            pool: self.pool.clone(),
+            split: self.split_memory.clone(),
+        })
+    }
+}
+
+/// The memory report of a loaded model's devices: its GPU's pool, the split's counts of the
+/// devices without one, or neither (the CPU alone).
+#[derive(Debug, Clone)]
+pub struct MemoryReporter {
+    pub pool: Option<Arc<DevicePool>>,
+    pub split: Option<SplitMemoryView>,
+}
+
+impl MemoryReporter {
+    /// Waits (at most 3 s) for the pool, if any, to trim itself after the work, then reports
+    /// every device's memory: the pool's as a [`LoadEvent::MemoryReport`], the others' as a
+    /// [`LoadEvent::SplitMemory`] (or [`LoadEvent::NoDeviceMemory`] for the CPU alone).
+    pub fn report_after_idle(&self, on_event: &mut dyn FnMut(LoadEvent<'_>)) {
+        if self.pool.is_none() && self.split.is_none() {
             on_event(LoadEvent::NoDeviceMemory);
             return;
-        };
-        report_pool_memory_after_idle(pool, on_event);
+        }
+        if let Some(pool) = &self.pool {
+            report_pool_memory_after_idle(pool, on_event);
+        }
+        if let Some(split) = &self.split {
+            split.report(on_event);
+        }
     }
 }
 
@@ -581,6 +641,7 @@ fn load_on_cpu(
         pool: None,
         // The CPU has no device memory: [`LoadEvent::NoDeviceMemory`] has said so already.
         memory_report: false,
+        split_memory: None,
     })
 }
 
@@ -677,6 +738,7 @@ fn load_on_gpu(
         load_time: start.elapsed(),
         pool: Some(pool),
         memory_report: device.memory_report,
+        split_memory: None,
     };
     if loaded.memory_report {
         if let Some(report) = loaded.memory_report_now() {
@@ -689,7 +751,7 @@ fn load_on_gpu(
 /// The placement check of one GPU: its weights must be in its VRAM (or, with
 /// `--allow-host-weights`, a warning names the device).
 #[allow(clippy::too_many_arguments)]
-fn check_placement(
+pub(crate) fn check_placement(
     driver: &dyn ember_gpu::Driver,
     ordinal: usize,
     backend: &GpuBackend,
@@ -813,6 +875,7 @@ fn load_offloaded(
         source,
     })?;
     pool.mark_loaded();
+    let model_memory = Arc::clone(model.backend().memory());
     let loaded = Loaded {
         model,
         tokenizer,
@@ -820,16 +883,19 @@ fn load_offloaded(
         load_time: start.elapsed(),
         pool: Some(pool),
         memory_report: device.memory_report,
+        // The GPU's pool reports the GPU; the split counts the CPU's memory.
+        split_memory: Some(SplitMemoryView {
+            memory: model_memory,
+            devices: vec![0],
+        }),
     };
     if loaded.memory_report {
         if let Some(report) = loaded.memory_report_now() {
             on_event(LoadEvent::MemoryReport(&report));
         }
-        let backend = loaded.model.backend();
-        on_event(LoadEvent::HostWeights {
-            device: &backend.names()[0],
-            bytes: backend.weight_bytes_per_device()[0],
-        });
+        if let Some(split) = &loaded.split_memory {
+            split.report(on_event);
+        }
     }
     Ok(loaded)
 }
@@ -961,8 +1027,13 @@ fn load_on_sims(
             path: path.clone(),
             source,
         })?;
+    // No device of the split has a pool: the split's counts are every device's report.
+    let split_memory = SplitMemoryView {
+        memory: Arc::clone(model.backend().memory()),
+        devices: (0..=n_sim).collect(),
+    };
     if device.memory_report {
-        on_event(LoadEvent::NoDeviceMemory);
+        split_memory.report(on_event);
     }
     Ok(Loaded {
         model,
@@ -970,7 +1041,8 @@ fn load_on_sims(
         path,
         load_time: start.elapsed(),
         pool: None,
-        memory_report: false,
+        memory_report: device.memory_report,
+        split_memory: Some(split_memory),
     })
 }
 

@@ -146,6 +146,24 @@ fn devices_is_short_by_default_and_complete_with_verbose_and_json() {
     );
     let pairs = peer["pairs"].as_array().unwrap();
     assert_eq!(pairs.len(), devices.len() * devices.len().saturating_sub(1));
+    // `ember info` shows the same state, from the same implementation: the gate always, each
+    // pair's line when there are pairs.
+    let info = json(&["info", "--format", "json"]);
+    assert_eq!(info["peer_copy"], *peer, "{info:#}");
+    let info_text = ok(&["info"]);
+    let gate_line = format!("peer    gate {}", peer["gate"].as_str().unwrap());
+    assert!(info_text.contains(&gate_line), "{info_text}");
+    for p in pairs {
+        let pair_line = format!(
+            "{} -> {}: ",
+            p["src"].as_str().unwrap(),
+            p["dst"].as_str().unwrap()
+        );
+        assert!(
+            info_text.contains(&pair_line),
+            "{pair_line} missing from:\n{info_text}"
+        );
+    }
 
     // Default text: the CPU, one line per runtime, the kernels, one line per device (or the
     // line saying there is none), nothing else, and no line a screen cannot hold in a few rows.

@@ -1284,3 +1284,75 @@ fn a_model_that_cannot_be_loaded_ends_the_process_with_an_error() {
     assert!(stderr.contains("error: cannot load"), "{stderr}");
     assert!(stderr.contains("broken.gguf"), "{stderr}");
 }
+
+#[test]
+fn metrics_over_a_split_give_each_devices_memory() {
+    let _serial = serial();
+    // -ngl 10 over two simulated devices (an even split: 5 layers each), the rest on the CPU.
+    let server = ServerProcess::start_ready(
+        &model(),
+        &["--device", "sim:0,sim:1", "-ngl", "10", "-c", "256"],
+        &[],
+    );
+    ok_json(&server.post_json(
+        "/v1/completions",
+        &completion(
+            "The capital of France is",
+            json!({"max_tokens": 8, "temperature": 0}),
+        ),
+    ));
+    // The attention shape from the file: a K and a V row of f16 per token and KV head, in
+    // blocks of 32 tokens, on each layer.
+    let gguf = ember_gguf::Gguf::open(&model()).unwrap();
+    let meta = gguf.metadata();
+    let n_layer = meta.get_usize("llama.block_count").unwrap();
+    let head_dim = meta.get_usize("llama.embedding_length").unwrap()
+        / meta.get_usize("llama.attention.head_count").unwrap();
+    let layer_block_bytes =
+        (32 * meta.get_usize("llama.attention.head_count_kv").unwrap() * head_dim * 2 * 2) as f64;
+    let layers = [("cpu", n_layer - 10), ("sim:0", 5), ("sim:1", 5)];
+    let series = |device: &str, purpose: &str| {
+        format!("ember_device_memory_bytes{{device=\"{device}\",purpose=\"{purpose}\"}}")
+    };
+    // The engine's block count and the split's byte counts are read at one scrape; an idle
+    // trim between two scrapes may change both, so the relation is checked on a settled one.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let metrics = server.metrics();
+        let resident = metric(&metrics, "ember_kv_blocks{state=\"resident\"}");
+        let settled = layers.iter().all(|&(device, n)| {
+            metric(&metrics, &series(device, "kv")) == resident * n as f64 * layer_block_bytes
+        });
+        if settled || Instant::now() > deadline {
+            assert!(resident > 0.0, "{metrics:?}");
+            for (device, n) in layers {
+                assert_eq!(
+                    metric(&metrics, &series(device, "kv")),
+                    resident * n as f64 * layer_block_bytes,
+                    "{device}: {n} layers of {resident} blocks"
+                );
+                assert!(
+                    metrics.contains_key(&series(device, "scratch")),
+                    "{metrics:?}"
+                );
+            }
+            // A simulated device's weights are exactly its layers' tensors, as stored.
+            for (device, first) in [("sim:0", n_layer - 10), ("sim:1", n_layer - 5)] {
+                let own: u64 = gguf
+                    .tensors()
+                    .iter()
+                    .filter(|t| {
+                        t.name
+                            .strip_prefix("blk.")
+                            .and_then(|r| r.split('.').next()?.parse::<usize>().ok())
+                            .is_some_and(|il| (first..first + 5).contains(&il))
+                    })
+                    .map(|t| t.n_bytes)
+                    .sum();
+                assert_eq!(metric(&metrics, &series(device, "weights")), own as f64);
+            }
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}

@@ -140,3 +140,85 @@ fn bad_split_flags_are_refused_naming_the_flag() {
         "{e}"
     );
 }
+
+/// `--memory-report` over simulated devices and the CPU: after the run, each device's KV cache
+/// at peak is its layers' blocks, computed here from the file's attention shape, and its
+/// weights are exactly its layers' tensors as stored (a device without the output layer).
+fn check_memory_report(model: &str) {
+    let path = common::model_path(model);
+    let gguf = ember_gguf::Gguf::open(&path).unwrap();
+    let meta = gguf.metadata();
+    let arch = meta.get_str("general.architecture").unwrap().to_string();
+    let key = |name: &str| format!("{arch}.{name}");
+    let n_layer = meta.get_usize(&key("block_count")).unwrap();
+    let n_head_kv = meta.get_usize(&key("attention.head_count_kv")).unwrap();
+    let head_dim = meta
+        .get_usize_opt(&key("attention.key_length"))
+        .unwrap()
+        .unwrap_or_else(|| {
+            meta.get_usize(&key("embedding_length")).unwrap()
+                / meta.get_usize(&key("attention.head_count")).unwrap()
+        });
+    // One block of 32 tokens holds the 5 prompt tokens and the 11 fed back of 12 generated:
+    // a K and a V row of f16 per token and KV head, on each layer.
+    let block_bytes = 32 * n_head_kv * head_dim * 2 * 2;
+
+    let (_, stderr) = run(
+        model,
+        &["--device", "sim:0,sim:1", "-ngl", "4", "--memory-report"],
+        None,
+    );
+    let after_run = stderr
+        .rsplit("memory report of the split's devices without a pool")
+        .next()
+        .unwrap();
+    let mut layers_seen = 0;
+    for device in ["cpu", "sim:0", "sim:1"] {
+        // The load plan's line: `   sim:0: layers 26..28 (2); ...`.
+        let plan_line = stderr
+            .lines()
+            .find(|l| l.trim_start().starts_with(&format!("{device}: layers ")))
+            .unwrap_or_else(|| panic!("no plan line for {device}: {stderr}"));
+        let range = plan_line.split("layers ").nth(1).unwrap();
+        let (first, rest) = range.split_once("..").unwrap();
+        let end = rest.split(' ').next().unwrap();
+        let (first, end): (usize, usize) = (first.parse().unwrap(), end.parse().unwrap());
+        layers_seen += end - first;
+        let report_line = after_run
+            .lines()
+            .find(|l| l.trim_start().starts_with(&format!("{device}: weights ")))
+            .unwrap_or_else(|| panic!("no report line for {device}: {stderr}"));
+        let kv = ember_gpu::pool::format_bytes(((end - first) * block_bytes) as u64);
+        assert!(
+            report_line.contains(&format!("kv cache 0 B now ({kv} at peak)")),
+            "{model} {device}: expected {} layers of KV ({kv}): {report_line}",
+            end - first
+        );
+        assert!(report_line.contains("scratch 0 B now ("), "{report_line}");
+        if device != "cpu" {
+            let own: u64 =
+                gguf.tensors()
+                    .iter()
+                    .filter(|t| {
+                        let layer = t.name.strip_prefix("blk.").and_then(|r| {
+                            r.split('.').next().and_then(|i| i.parse::<usize>().ok())
+                        });
+                        layer.is_some_and(|il| (first..end).contains(&il))
+                    })
+                    .map(|t| t.n_bytes)
+                    .sum();
+            let weights = ember_gpu::pool::format_bytes(own);
+            assert!(
+                report_line.contains(&format!("{device}: weights {weights},")),
+                "{model} {device}: expected {weights}: {report_line}"
+            );
+        }
+    }
+    assert_eq!(layers_seen, n_layer, "{stderr}");
+}
+
+#[test]
+fn the_memory_report_counts_each_simulated_devices_kv_and_weights() {
+    check_memory_report("smollm2-135m-instruct-q4_1");
+    check_memory_report("gemma3-270m-q4_k_m");
+}

@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use ember::backend::cpu::CpuBackend;
 use ember::backend::split::{SplitBackend, SplitLayout};
+use ember::backend::Backend;
 use ember::batch::Batch;
 use ember::model::{ContextParams, Model};
 use ember_gguf::Gguf;
@@ -203,4 +204,119 @@ fn a_corrupting_peer_pair_is_caught_and_falls_back_to_host_staging() {
     // is what the self-test is for.
     let forced = split_model(&gguf, &[2, 2, 1], 2, Some(corrupt), PeerGate::On);
     assert_ne!(bits(&run(&forced)), expected);
+}
+
+/// The layer of a `blk.N.*` tensor.
+fn layer_of(name: &str) -> Option<usize> {
+    name.strip_prefix("blk.")?.split('.').next()?.parse().ok()
+}
+
+#[test]
+fn the_split_counts_each_devices_weights_kv_and_scratch_from_its_allocations() {
+    let dir = tempfile::tempdir().unwrap();
+    // The synthetic shapes' attention, as `synth` sets it: 2 KV heads of 64, every layer with
+    // its own KV cache. A K and a V row per token and KV head, f16 on the CPU backend.
+    const KV_HEADS: usize = 2;
+    const HEAD_DIM: usize = 64;
+    const BLOCK_SIZE: usize = 16;
+    let kv_bytes_per_layer_block = BLOCK_SIZE * KV_HEADS * HEAD_DIM * 2 * 2;
+    for (shape, ty) in [("llama3.2-1b", "q4_k_m"), ("qwen3-0.6b", "q8_0")] {
+        let gguf = synth(dir.path(), shape, ty, false);
+        let counts = [2, 0, 2, 1];
+        let output = 3;
+        let model = split_model(&gguf, &counts, output, None, PeerGate::Off);
+        let memory = Arc::clone(model.backend().memory());
+
+        // Weights: a device without the output holds exactly its layers' tensors, as stored.
+        let layer_device = layout(5, &counts);
+        let weights: Vec<u64> = memory.devices().iter().map(|d| d.now.weights).collect();
+        for (device, &bytes) in weights.iter().enumerate() {
+            let own: u64 = gguf
+                .tensors()
+                .iter()
+                .filter(|t| layer_of(&t.name).is_some_and(|il| layer_device[il] == device))
+                .map(|t| t.n_bytes)
+                .sum();
+            if device == output {
+                assert!(bytes > own, "{shape}: {weights:?}");
+            } else {
+                assert_eq!(bytes, own, "{shape} device {device}: {weights:?}");
+            }
+        }
+        assert!(memory
+            .devices()
+            .iter()
+            .all(|d| d.now.kv == 0 && d.now.scratch == 0));
+
+        // 40 tokens: two blocks of 16 full and a third begun, on every layer.
+        let params = ContextParams {
+            kv_block_size: BLOCK_SIZE,
+            ..ContextParams::with_ctx(64)
+        };
+        let mut ctx = model.new_context(params);
+        let prompt: Vec<u32> = (0..40).map(|i| (i * 13 + 5) % 512).collect();
+        model
+            .forward(&mut ctx, &Batch::for_sequence(0, 0, &prompt, false))
+            .unwrap();
+        let blocks = prompt.len().div_ceil(BLOCK_SIZE);
+        let per_device = model.backend().kv_bytes_per_device(ctx.kv());
+        for (device, usage) in memory.devices().iter().enumerate() {
+            let expected = (counts[device] * blocks * kv_bytes_per_layer_block) as u64;
+            assert_eq!(usage.now.kv, expected, "{shape} device {device}");
+            assert_eq!(usage.now.kv, per_device[device] as u64, "{shape} {device}");
+            // Activations visit every device holding a layer, and only those (the output
+            // device holds the embedding table too).
+            assert_eq!(
+                usage.now.scratch > 0,
+                counts[device] > 0 || device == output,
+                "{shape} device {device}: {usage:?}"
+            );
+        }
+        let peak_kv: Vec<u64> = memory.devices().iter().map(|d| d.now.kv).collect();
+        let peak_scratch: Vec<u64> = memory.devices().iter().map(|d| d.now.scratch).collect();
+        let devices = model.backend().devices();
+        let op_scratch: Vec<u64> = devices
+            .iter()
+            .map(|d| d.op_scratch_bytes() as u64)
+            .collect();
+        // The CPU's ops keep quantized activations between passes: counted with the scratch.
+        for (device, &bytes) in op_scratch.iter().enumerate() {
+            assert_eq!(
+                bytes > 0,
+                counts[device] > 0 || device == output,
+                "{op_scratch:?}"
+            );
+        }
+
+        // Dropping the context gives its KV blocks and buffers back; what the devices' ops
+        // keep stays counted, until they give it back; the peaks stay.
+        drop(ctx);
+        for (device, usage) in memory.devices().iter().enumerate() {
+            assert_eq!(
+                (usage.now.kv, usage.now.scratch),
+                (0, op_scratch[device]),
+                "{shape} {device}"
+            );
+            assert_eq!(usage.peak.kv, peak_kv[device], "{shape} {device}");
+            assert!(
+                usage.peak.scratch >= peak_scratch[device],
+                "{shape} {device}"
+            );
+            assert_eq!(usage.now.weights, weights[device]);
+        }
+        model.backend().release_op_scratch();
+        for (device, usage) in memory.devices().iter().enumerate() {
+            let kept = devices[device].op_scratch_bytes() as u64;
+            assert_eq!(usage.now.scratch, kept, "{shape} {device}");
+        }
+        // The model gone, nothing is counted but the weights placed.
+        drop(model);
+        for (device, usage) in memory.devices().iter().enumerate() {
+            assert_eq!(
+                (usage.now.kv, usage.now.scratch),
+                (0, 0),
+                "{shape} {device}"
+            );
+        }
+    }
 }

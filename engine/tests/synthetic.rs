@@ -739,6 +739,9 @@ mod faulty {
         fn ensure_len(&self, buf: &mut Buf, len: usize) {
             self.cpu.ensure_len(buf, len)
         }
+        fn buf_bytes(&self, buf: &Buf) -> usize {
+            self.cpu.buf_bytes(buf)
+        }
         fn gather_rows(&self, src: &Buf, dim: usize, rows: &[usize], out: &mut Buf) {
             if self.go("gather_rows") {
                 self.cpu.gather_rows(src, dim, rows, out)

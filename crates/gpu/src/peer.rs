@@ -44,6 +44,27 @@ pub trait PeerLink: Send + Sync {
     fn copy(&self, src: usize, dst: usize, data: &[u8], out: &mut Vec<u8>) -> Result<(), String>;
 }
 
+/// The start-up self-test's verdict on a pair.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SelfTest {
+    /// Not run: the gate decided alone, or there is no peer path to test.
+    NotRun,
+    /// Every pattern arrived intact, both ways.
+    Passed,
+    /// A copy failed or arrived changed (the reason says which).
+    Failed,
+}
+
+impl fmt::Display for SelfTest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            SelfTest::NotRun => "not run",
+            SelfTest::Passed => "passed",
+            SelfTest::Failed => "failed",
+        })
+    }
+}
+
 /// How copies from one device to another travel.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PairState {
@@ -52,6 +73,7 @@ pub struct PairState {
     /// Whether peer copies are used; when not, `reason` says why.
     pub peer: bool,
     pub reason: String,
+    pub self_test: SelfTest,
 }
 
 impl fmt::Display for PairState {
@@ -130,16 +152,30 @@ pub fn plan_pairs(n_devices: usize, gate: PeerGate, link: Option<&dyn PeerLink>)
             if src == dst {
                 continue;
             }
-            let (peer, reason) = match (gate, link) {
-                (PeerGate::Off, _) => (false, "the peer_copy gate is off for this target".into()),
-                (_, None) => (false, "these devices have no peer copy path".into()),
-                (PeerGate::On, Some(_)) => (true, "the peer_copy gate is on".into()),
+            let (peer, reason, self_test) = match (gate, link) {
+                (PeerGate::Off, _) => (
+                    false,
+                    "the peer_copy gate is off for this target".into(),
+                    SelfTest::NotRun,
+                ),
+                (_, None) => (
+                    false,
+                    "these devices have no peer copy path".into(),
+                    SelfTest::NotRun,
+                ),
+                (PeerGate::On, Some(_)) => {
+                    (true, "the peer_copy gate is on".into(), SelfTest::NotRun)
+                }
                 (PeerGate::Probe, Some(link)) => {
                     match test_direction(link, src, dst)
                         .and_then(|()| test_direction(link, dst, src))
                     {
-                        Ok(()) => (true, "self-test passed both ways".into()),
-                        Err(failure) => (false, format!("self-test failed: {failure}")),
+                        Ok(()) => (true, "self-test passed both ways".into(), SelfTest::Passed),
+                        Err(failure) => (
+                            false,
+                            format!("self-test failed: {failure}"),
+                            SelfTest::Failed,
+                        ),
                     }
                 }
             };
@@ -148,6 +184,7 @@ pub fn plan_pairs(n_devices: usize, gate: PeerGate, link: Option<&dyn PeerLink>)
                 dst,
                 peer,
                 reason,
+                self_test,
             });
         }
     }
@@ -258,9 +295,9 @@ mod tests {
         let link = SimPeerLink::default();
         let pairs = plan_pairs(3, PeerGate::Probe, Some(&link));
         assert_eq!(pairs.len(), 6);
-        assert!(pairs
-            .iter()
-            .all(|p| p.peer && p.reason == "self-test passed both ways"));
+        assert!(pairs.iter().all(|p| p.peer
+            && p.reason == "self-test passed both ways"
+            && p.self_test == SelfTest::Passed));
     }
 
     #[test]
@@ -286,6 +323,8 @@ mod tests {
             "{}",
             pairs[0]
         );
+        assert_eq!(pairs[0].self_test, SelfTest::Failed);
+        assert_eq!(pairs[1].self_test, SelfTest::Passed);
         assert!(pairs[0]
             .to_string()
             .starts_with("0 -> 1: host staging (self-test failed"));
@@ -306,7 +345,7 @@ mod tests {
         let link = SimPeerLink::corrupting(vec![(0, 1)]);
         assert!(plan_pairs(2, PeerGate::On, Some(&link))
             .iter()
-            .all(|p| p.peer));
+            .all(|p| p.peer && p.self_test == SelfTest::NotRun));
         let off = plan_pairs(2, PeerGate::Off, Some(&link));
         assert!(off
             .iter()

@@ -61,6 +61,15 @@ impl QuantizedActivations {
         &self.data
     }
 
+    /// Bytes of memory the buffer holds: the quantized rows, and the tiled copy when one was
+    /// made.
+    pub fn bytes(&self) -> usize {
+        let tiles = self.tiles.get().map_or(0, |t| {
+            t.qs.capacity() + (t.d.capacity() + t.sh.capacity()) * std::mem::size_of::<f32>()
+        });
+        self.data.capacity() + tiles
+    }
+
     /// Token `t`'s row in GGML layout. Panics when `t >= n_tokens`, like slice indexing.
     pub fn row(&self, t: usize) -> &[u8] {
         &self.data[t * self.row_bytes..(t + 1) * self.row_bytes]

@@ -153,12 +153,20 @@ impl<A: Backend, B: Backend> Backend for OneOf<A, B> {
         on!(self, |d, S| d.release_op_scratch())
     }
 
+    fn op_scratch_bytes(&self) -> usize {
+        on!(self, |d, S| d.op_scratch_bytes())
+    }
+
     fn alloc(&self, len: usize) -> Self::Buf {
         on!(self, |d, S| S::wrap(d.alloc(len)))
     }
 
     fn ensure_len(&self, buf: &mut Self::Buf, len: usize) {
         on!(self, |d, S| d.ensure_len(S::get_mut(buf), len))
+    }
+
+    fn buf_bytes(&self, buf: &Self::Buf) -> usize {
+        on!(self, |d, S| d.buf_bytes(S::get(buf)))
     }
 
     fn gather_rows(&self, src: &Self::Buf, dim: usize, rows: &[usize], out: &mut Self::Buf) {
@@ -704,7 +712,10 @@ mod tests {
     }
 
     fn host_gpu() -> GpuBackend {
-        let driver: Arc<dyn Driver> = Arc::new(HostDriver::new(HostDriverConfig::default()));
+        host_gpu_on(Arc::new(HostDriver::new(HostDriverConfig::default())))
+    }
+
+    fn host_gpu_on(driver: Arc<dyn Driver>) -> GpuBackend {
         let pool = DevicePool::with_kind(
             driver,
             0,
@@ -721,6 +732,85 @@ mod tests {
         )
         .unwrap();
         GpuBackend::new(ctx, "host", "host test device".into(), false)
+    }
+
+    #[test]
+    fn an_offload_whose_gpu_weights_are_in_host_memory_is_refused_naming_the_gpu() {
+        use ember_gpu::driver::MemoryType;
+
+        use crate::device::DeviceOptions;
+        use crate::load::{check_placement, LoadError, LoadEvent};
+
+        let dir = tempfile::tempdir().unwrap();
+        let gguf = synth(dir.path(), "llama3.2-1b", "q4_k_m");
+        let path = dir.path().join("model.gguf");
+        for (memory_type, allow_host_weights) in [
+            (MemoryType::Device, false),
+            (MemoryType::Host, false),
+            (MemoryType::Host, true),
+        ] {
+            let driver: Arc<dyn Driver> = Arc::new(HostDriver::new(HostDriverConfig {
+                reported_memory_type: memory_type,
+                ..HostDriverConfig::default()
+            }));
+            let free_before = driver.mem_info(0).unwrap().free;
+            let backend = offload_split(
+                CpuBackend::new(2).unwrap(),
+                host_gpu_on(Arc::clone(&driver)),
+                "host:1",
+                &hparams(&gguf),
+                &plan(&gguf, 2),
+            );
+            let model = Model::from_gguf(Arc::clone(&gguf), backend, &mut |_, _| {}).unwrap();
+            let OneOf::Second(gpu) = &model.backend().devices()[1] else {
+                panic!("device 1 is the GPU");
+            };
+            let options = DeviceOptions {
+                allow_host_weights,
+                ..DeviceOptions::default()
+            };
+            let mut placed = Vec::new();
+            let result = check_placement(
+                &*driver,
+                0,
+                gpu,
+                free_before,
+                &options,
+                &path,
+                "host:1",
+                &mut |event| {
+                    if let LoadEvent::WeightsPlaced { device, verdict } = event {
+                        placed.push((device.to_string(), verdict.warnings.len()));
+                    }
+                },
+            );
+            match (memory_type, allow_host_weights) {
+                (MemoryType::Device, _) => {
+                    result.unwrap();
+                    assert_eq!(placed, [("host:1".to_string(), 0)]);
+                }
+                (_, false) => {
+                    let error = result.unwrap_err();
+                    assert!(
+                        matches!(&error, LoadError::WeightsNotInVram { device, .. } if device == "host:1"),
+                        "{error:?}"
+                    );
+                    assert_eq!(
+                        error.to_string(),
+                        format!("cannot load {} on host:1", path.display())
+                    );
+                    let cause = std::error::Error::source(&error).unwrap().to_string();
+                    assert!(cause.contains("is host memory"), "{cause}");
+                    assert!(placed.is_empty());
+                }
+                (_, true) => {
+                    result.unwrap();
+                    assert_eq!(placed.len(), 1);
+                    assert_eq!(placed[0].0, "host:1");
+                    assert!(placed[0].1 > 0, "a warning names what is in host memory");
+                }
+            }
+        }
     }
 
     /// The layer of a `blk.N.*` tensor.
@@ -794,6 +884,25 @@ mod tests {
                 "-ngl {ngl}: {per_device:?}"
             );
             assert!(per_device[1] > 0, "-ngl {ngl}: {per_device:?}");
+            // The split's own count agrees with each device: the CPU's KV layers, and the
+            // GPU pool's accounting of its KV purpose, which also holds each GPU layer's
+            // device address table (a K and a V address of 8 bytes for the context's one
+            // block).
+            let memory = model.backend().memory();
+            assert_eq!(memory.device(0).now.kv, per_device[0] as u64, "-ngl {ngl}");
+            let OneOf::Second(gpu) = &model.backend().devices()[1] else {
+                panic!("device 1 is the GPU");
+            };
+            let pool_kv = gpu
+                .pool()
+                .usage()
+                .purpose(ember_gpu::pool::Purpose::Kv)
+                .current;
+            assert_eq!(
+                memory.device(1).now.kv + (ngl * 2 * 8) as u64,
+                pool_kv,
+                "-ngl {ngl}"
+            );
         }
     }
 }

@@ -25,6 +25,7 @@ pub mod cpu;
 pub mod gpu;
 pub mod mixed;
 pub mod split;
+pub mod split_memory;
 
 use std::sync::Arc;
 
@@ -282,10 +283,21 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// the model's activation buffers when a context goes idle.
     fn release_op_scratch(&self) {}
 
+    /// Bytes of the scratch memory the backend's own ops keep between calls, beside the
+    /// buffers of [`Backend::alloc`] (the CPU's quantized activations and expert buffers): how
+    /// a split counts each device's scratch whole. A backend whose op scratch is in a pool
+    /// that reports itself (the GPU's) leaves it at 0.
+    fn op_scratch_bytes(&self) -> usize {
+        0
+    }
+
     /// A zeroed buffer of `len` values.
     fn alloc(&self, len: usize) -> Self::Buf;
     /// Makes sure `buf` holds at least `len` values, keeping its allocation when it already does.
     fn ensure_len(&self, buf: &mut Self::Buf, len: usize);
+    /// Bytes of memory `buf` holds now (its allocation, which may exceed its length): how a
+    /// split counts each device's scratch ([`split_memory::SplitMemory`]).
+    fn buf_bytes(&self, buf: &Self::Buf) -> usize;
     /// Copies rows `rows` of `src` (rows of `dim` values) to the first rows of `out`, in order.
     fn gather_rows(&self, src: &Self::Buf, dim: usize, rows: &[usize], out: &mut Self::Buf);
     /// Copies `values` from host memory to the start of `buf` (which holds at least as many):

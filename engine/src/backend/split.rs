@@ -18,6 +18,9 @@
 //! So activations cross devices where layers change device: the residual stream once per
 //! boundary, as llama.cpp's layer split does.
 //!
+//! Each device's weights, KV blocks and activation buffers are counted as they are placed and
+//! allocated ([`super::split_memory`]): the memory report of the devices without a pool.
+//!
 //! Not built: models with recurrent state (hybrids' linear attention) over more than one
 //! device, whose per-sequence state buffer holds every layer's state: they are refused at load.
 
@@ -28,6 +31,7 @@ use std::sync::Arc;
 use ember_gguf::{Gguf, TensorInfo};
 use ember_gpu::peer::{PairState, PeerLink};
 
+use super::split_memory::{SplitMemory, SplitPurpose};
 use super::{Backend, BackendError, MoeFfn, OpFailure, SharedExpert};
 use crate::batch::Batch;
 use crate::ops::{AttentionPlan, FfnActivation, RopeMode, RopeParams};
@@ -42,6 +46,17 @@ struct Parts<Buf> {
     bufs: Vec<Option<Buf>>,
     home: usize,
     len: usize,
+    /// Bytes of each device's part as last counted in `memory` (taken off when dropped).
+    counted: Vec<u64>,
+    memory: Arc<SplitMemory>,
+}
+
+impl<Buf> Drop for Parts<Buf> {
+    fn drop(&mut self) {
+        for (device, &bytes) in self.counted.iter().enumerate() {
+            self.memory.sub(device, SplitPurpose::Scratch, bytes);
+        }
+    }
 }
 
 impl<Buf> Parts<Buf> {
@@ -68,6 +83,28 @@ impl<T> OnDevice<T> {
     /// The device it is on.
     pub fn device(&self) -> usize {
         self.device
+    }
+}
+
+/// A KV storage layer on one device, its bytes counted in the split's memory (and taken off
+/// when dropped with the cache).
+pub struct SplitKvLayer<K> {
+    device: usize,
+    inner: K,
+    counted: u64,
+    memory: Arc<SplitMemory>,
+}
+
+impl<K> SplitKvLayer<K> {
+    /// The device it is on.
+    pub fn device(&self) -> usize {
+        self.device
+    }
+}
+
+impl<K> Drop for SplitKvLayer<K> {
+    fn drop(&mut self) {
+        self.memory.sub(self.device, SplitPurpose::Kv, self.counted);
     }
 }
 
@@ -101,8 +138,23 @@ pub struct SplitBackend<B: Backend> {
     peer_copies: AtomicU64,
     staged_copies: AtomicU64,
     bytes: AtomicU64,
-    /// Bytes of the weight tensors placed on each device (as stored in the file).
-    weight_bytes: Vec<AtomicU64>,
+    /// What each device holds by purpose, as placed and allocated here.
+    memory: Arc<SplitMemory>,
+    /// Each device's op scratch ([`Backend::op_scratch_bytes`]) as last counted in `memory`.
+    op_scratch: Vec<AtomicU64>,
+}
+
+impl<B: Backend> Drop for SplitBackend<B> {
+    fn drop(&mut self) {
+        // The devices' op scratch goes with them.
+        for (device, counted) in self.op_scratch.iter().enumerate() {
+            self.memory.sub(
+                device,
+                SplitPurpose::Scratch,
+                counted.load(Ordering::Relaxed),
+            );
+        }
+    }
 }
 
 /// What a split needs to know about the model: its layers' devices.
@@ -171,6 +223,7 @@ impl<B: Backend> SplitBackend<B> {
         );
         SplitBackend {
             devices,
+            memory: Arc::new(SplitMemory::new(names.clone())),
             names,
             layer_device: layout.layer_device,
             output_device: layout.output_device,
@@ -182,7 +235,17 @@ impl<B: Backend> SplitBackend<B> {
             peer_copies: AtomicU64::new(0),
             staged_copies: AtomicU64::new(0),
             bytes: AtomicU64::new(0),
-            weight_bytes: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            op_scratch: (0..n).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+
+    /// Counts each device's op scratch again (after a forward pass, or after giving it back).
+    fn recount_op_scratch(&self) {
+        for (device, backend) in self.devices.iter().enumerate() {
+            let bytes = backend.op_scratch_bytes() as u64;
+            let old = self.op_scratch[device].swap(bytes, Ordering::Relaxed);
+            self.memory
+                .change(device, SplitPurpose::Scratch, old, bytes);
         }
     }
 
@@ -194,17 +257,51 @@ impl<B: Backend> SplitBackend<B> {
     /// Bytes of the weight tensors placed on each device (as stored in the file), in device
     /// order.
     pub fn weight_bytes_per_device(&self) -> Vec<u64> {
-        self.weight_bytes
+        self.memory
+            .devices()
             .iter()
-            .map(|b| b.load(Ordering::Relaxed))
+            .map(|d| d.now.weights)
             .collect()
+    }
+
+    /// What each device holds by purpose (weights, KV blocks, activation buffers), now and at
+    /// peak, as this split placed and allocated it; shared, so that it can be read after the
+    /// model is gone.
+    pub fn memory(&self) -> &Arc<SplitMemory> {
+        &self.memory
     }
 
     /// The device `info` goes to, counting its bytes there.
     fn place(&self, info: &TensorInfo) -> usize {
         let device = self.device_of_tensor(&info.name);
-        self.weight_bytes[device].fetch_add(info.n_bytes, Ordering::Relaxed);
+        self.memory.add(device, SplitPurpose::Weights, info.n_bytes);
         device
+    }
+
+    /// Gives `parts` room for its length on `device` (allocating its part there the first
+    /// time), and counts the part's bytes.
+    fn room_on(&self, parts: &mut Parts<B::Buf>, device: usize) {
+        let len = parts.len;
+        let backend = &self.devices[device];
+        let part = match &mut parts.bufs[device] {
+            Some(buf) => {
+                backend.ensure_len(buf, len);
+                buf
+            }
+            slot @ None => slot.insert(backend.alloc(len)),
+        };
+        let bytes = backend.buf_bytes(part) as u64;
+        self.memory
+            .change(device, SplitPurpose::Scratch, parts.counted[device], bytes);
+        parts.counted[device] = bytes;
+    }
+
+    /// Counts the bytes of `layer` again after a change.
+    fn recount_kv(&self, layer: &mut SplitKvLayer<B::KvLayer>) {
+        let bytes = self.devices[layer.device].kv_bytes(&layer.inner) as u64;
+        self.memory
+            .change(layer.device, SplitPurpose::Kv, layer.counted, bytes);
+        layer.counted = bytes;
     }
 
     /// The device backends, in device order.
@@ -266,10 +363,7 @@ impl<B: Backend> SplitBackend<B> {
             return;
         }
         let len = parts.len;
-        match &mut parts.bufs[device] {
-            Some(buf) => self.devices[device].ensure_len(buf, len),
-            slot @ None => *slot = Some(self.devices[device].alloc(len)),
-        }
+        self.room_on(parts, device);
         if len > 0 {
             let mut host = Vec::with_capacity(len);
             self.devices[home].read(parts.on(home), len, &mut host);
@@ -318,11 +412,7 @@ impl<B: Backend> SplitBackend<B> {
         if parts.home == device {
             return;
         }
-        let len = parts.len;
-        match &mut parts.bufs[device] {
-            Some(b) => self.devices[device].ensure_len(b, len),
-            slot @ None => *slot = Some(self.devices[device].alloc(len)),
-        }
+        self.room_on(parts, device);
         parts.home = device;
     }
 
@@ -341,7 +431,7 @@ impl<B: Backend> Backend for SplitBackend<B> {
     type Matrix = OnDevice<B::Matrix>;
     type Vector = OnDevice<B::Vector>;
     type RopeTable = SplitRope<B::RopeTable>;
-    type KvLayer = OnDevice<B::KvLayer>;
+    type KvLayer = SplitKvLayer<B::KvLayer>;
 
     fn name(&self) -> &'static str {
         self.devices[0].name()
@@ -380,6 +470,7 @@ impl<B: Backend> Backend for SplitBackend<B> {
         for device in &self.devices {
             again |= device.end_forward();
         }
+        self.recount_op_scratch();
         again
     }
 
@@ -429,22 +520,38 @@ impl<B: Backend> Backend for SplitBackend<B> {
         for device in &self.devices {
             device.release_op_scratch();
         }
+        self.recount_op_scratch();
+    }
+
+    fn op_scratch_bytes(&self) -> usize {
+        self.devices.iter().map(Backend::op_scratch_bytes).sum()
     }
 
     fn alloc(&self, len: usize) -> Self::Buf {
         let home = self.current.load(Ordering::Relaxed);
-        let mut bufs: Vec<Option<B::Buf>> = (0..self.devices.len()).map(|_| None).collect();
-        bufs[home] = Some(self.devices[home].alloc(len));
+        let n = self.devices.len();
+        let mut parts = Parts {
+            bufs: (0..n).map(|_| None).collect(),
+            home,
+            len,
+            counted: vec![0; n],
+            memory: Arc::clone(&self.memory),
+        };
+        self.room_on(&mut parts, home);
         SplitBuf {
-            parts: RefCell::new(Parts { bufs, home, len }),
+            parts: RefCell::new(parts),
         }
     }
 
     fn ensure_len(&self, buf: &mut Self::Buf, len: usize) {
         let parts = buf.parts.get_mut();
-        let home = parts.home;
-        self.devices[home].ensure_len(parts.on_mut(home), len);
         parts.len = parts.len.max(len);
+        let home = parts.home;
+        self.room_on(parts, home);
+    }
+
+    fn buf_bytes(&self, buf: &Self::Buf) -> usize {
+        buf.parts.borrow().counted.iter().sum::<u64>() as usize
     }
 
     fn write(&self, buf: &mut Self::Buf, values: &[f32]) {
@@ -806,18 +913,24 @@ impl<B: Backend> Backend for SplitBackend<B> {
         } else {
             self.kv_devices[index % self.kv_devices.len()]
         };
-        OnDevice {
+        let mut layer = SplitKvLayer {
             device,
             inner: self.devices[device].kv_layer(max_blocks, block_size, n_kv_heads, head_dim),
-        }
+            counted: 0,
+            memory: Arc::clone(&self.memory),
+        };
+        self.recount_kv(&mut layer);
+        layer
     }
 
     fn kv_materialize(&self, layer: &mut Self::KvLayer, blocks: &[u32]) {
         self.devices[layer.device].kv_materialize(&mut layer.inner, blocks);
+        self.recount_kv(layer);
     }
 
     fn kv_release(&self, layer: &mut Self::KvLayer, blocks: &[u32]) {
         self.devices[layer.device].kv_release(&mut layer.inner, blocks);
+        self.recount_kv(layer);
     }
 
     fn kv_bytes(&self, layer: &Self::KvLayer) -> usize {

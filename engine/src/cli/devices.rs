@@ -10,6 +10,7 @@ use clap::Args;
 use serde::Serialize;
 
 use ember::backend::cpu::physical_cores;
+use ember::peer_report::PeerReport;
 use ember_gpu::devices::{list, DeviceListing};
 use ember_gpu::driver::{AttemptOutcome, DriverError, LibraryAttempt};
 use ember_gpu::pool::{format_bytes, PoolSelectOptions};
@@ -54,27 +55,7 @@ struct DevicesReport {
     kernels: KernelsEntry,
     devices: Vec<DeviceEntry>,
     failures: Vec<FailureEntry>,
-    peer_copy: PeerEntry,
-}
-
-#[derive(Debug, Serialize)]
-struct PeerEntry {
-    /// The build's `peer_copy` gate: `on`, `off` or `probe`.
-    gate: String,
-    reason: Option<String>,
-    /// Every ordered pair of GPUs listed, and how copies between them travel.
-    pairs: Vec<PairEntry>,
-}
-
-#[derive(Debug, Serialize)]
-struct PairEntry {
-    src: String,
-    dst: String,
-    peer: bool,
-    /// Why (the gate, the self-test verdict, or why there is no peer path).
-    reason: String,
-    /// `passed`, `failed` or `not run`.
-    self_test: &'static str,
+    peer_copy: PeerReport,
 }
 
 #[derive(Debug, Serialize)]
@@ -214,7 +195,7 @@ fn report(listing: &DeviceListing) -> DevicesReport {
                 Err(error) => (false, Vec::new(), Some(error.clone())),
             };
             DeviceEntry {
-                id: format!("{}:{}", d.backend, d.ordinal),
+                id: device_id(d),
                 backend: d.backend.to_string(),
                 ordinal: d.ordinal,
                 name: d.name.clone(),
@@ -252,37 +233,25 @@ fn report(listing: &DeviceListing) -> DevicesReport {
             dir: listing.kernels_dir.display().to_string(),
             architectures: listing.kernel_archs.clone(),
         },
-        peer_copy: peer_entry(&devices),
+        peer_copy: PeerReport::for_gpus(&gpu_names(&devices)),
         devices,
         failures,
     }
 }
 
-/// The peer-copy state of every ordered pair of `devices`: the gate, and the self-test's verdict
-/// where one ran (only a split's load runs it).
-fn peer_entry(devices: &[DeviceEntry]) -> PeerEntry {
-    let (gate, reason) = ember::build_manifest::peer_gate();
-    let pairs = ember_gpu::peer::plan_pairs(devices.len(), gate, None)
-        .into_iter()
-        .map(|p| PairEntry {
-            src: devices[p.src].id.clone(),
-            dst: devices[p.dst].id.clone(),
-            peer: p.peer,
-            self_test: if p.reason.starts_with("self-test passed") {
-                "passed"
-            } else if p.reason.starts_with("self-test failed") {
-                "failed"
-            } else {
-                "not run"
-            },
-            reason: p.reason,
-        })
-        .collect();
-    PeerEntry {
-        gate: gate.to_string(),
-        reason,
-        pairs,
-    }
+fn gpu_names(devices: &[DeviceEntry]) -> Vec<String> {
+    devices.iter().map(|d| d.id.clone()).collect()
+}
+
+/// A listed GPU's name as `--device` writes it (`hip:0`).
+fn device_id(device: &ember_gpu::devices::DeviceEntry) -> String {
+    format!("{}:{}", device.backend, device.ordinal)
+}
+
+/// The names of the GPUs listed, as `ember devices` names them, for the peer-copy report of
+/// `ember info`.
+pub fn listed_gpu_names(listing: &DeviceListing) -> Vec<String> {
+    listing.devices.iter().map(device_id).collect()
 }
 
 fn render_text(report: &DevicesReport, verbose: bool) -> String {
@@ -381,45 +350,37 @@ fn render_text(report: &DevicesReport, verbose: bool) -> String {
     for f in &report.failures {
         line(format!("{:<7} could not be queried: {}", f.id, f.error));
     }
-    let peer = &report.peer_copy;
-    if peer.pairs.is_empty() {
-        // Fewer than two GPUs: no pair to copy between.
-        return out;
-    }
-    line(format!(
-        "peer    gate {}{}",
-        peer.gate,
-        peer.reason
-            .as_deref()
-            .map(|r| format!(" ({r})"))
-            .unwrap_or_default()
-    ));
-    for p in &peer.pairs {
-        line(format!(
-            "          {} -> {}: {} ({}; self-test {})",
-            p.src,
-            p.dst,
-            if p.peer { "peer" } else { "host staging" },
-            p.reason,
-            p.self_test
-        ));
+    // Fewer than two GPUs: no pair to copy between, and nothing to say.
+    if !report.peer_copy.pairs.is_empty() {
+        for text in report.peer_copy.lines() {
+            line(text);
+        }
     }
     out
 }
 
-pub fn run(args: DevicesArgs) -> anyhow::Result<()> {
+/// Lists the runtimes and GPUs without probing them.
+pub fn list_devices(
+    rocm_path: Option<PathBuf>,
+    kernels_dir: Option<PathBuf>,
+    probe: bool,
+) -> DeviceListing {
     // The build's VMM gate is the run-time default; a development build has no gate and lets the
     // probe decide.
     let vmm = ember::build_manifest::feature("vmm");
     let vmm_gate = vmm.is_none_or(|f| f.enabled);
     let vmm_reason = vmm.and_then(|f| f.reason.clone());
     let options = ember_gpu::devices::ListOptions {
-        rocm_path: args.rocm_path,
-        kernels_dir: args.kernels_dir,
+        rocm_path,
+        kernels_dir,
         pool: PoolSelectOptions::from_env(vmm_gate, vmm_reason),
-        probe: args.probe,
+        probe,
     };
-    let report = report(&list(&options));
+    list(&options)
+}
+
+pub fn run(args: DevicesArgs) -> anyhow::Result<()> {
+    let report = report(&list_devices(args.rocm_path, args.kernels_dir, args.probe));
     match args.format {
         Format::Json => println!("{}", serde_json::to_string_pretty(&report)?),
         Format::Text => print!("{}", render_text(&report, args.verbose)),

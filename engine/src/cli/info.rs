@@ -10,6 +10,7 @@ use ember::backend::cpu::physical_cores;
 use ember::backend::ExpertGating;
 use ember::load::open_gguf;
 use ember::model::{architecture_of, Architecture, HParams, RopeScaling, DEFAULT_N_CTX};
+use ember::peer_report::PeerReport;
 
 use super::{load, Format};
 
@@ -26,8 +27,9 @@ pub struct InfoArgs {
     pub batch_size: usize,
     /// Output format. `json` prints one object for scripts, with stable field names:
     /// `ember_version`, `build` (the embedded build manifest: `target`, `features` with `name`,
-    /// `state`, `enabled`, `reason`, `tracking`, ...), `cpu` (`arch`, `simd`, `physical_cores`)
-    /// and `model` (null without -m; else `path`, `name`, `architecture`, `file_bytes`,
+    /// `state`, `enabled`, `reason`, `tracking`, ...), `cpu` (`arch`, `simd`, `physical_cores`),
+    /// `peer_copy` (as `ember devices` gives it: `gate` on|off|probe, `reason`, `pairs`: each
+    /// `src`, `dst`, `peer`, `reason`, `self_test` passed|failed|not run) and `model` (null without -m; else `path`, `name`, `architecture`, `file_bytes`,
     /// `n_vocab`, `n_ctx_train`, `n_embd`, `n_layer`, `n_head`, `n_head_kv`, `n_ff`, `head_dim`,
     /// `rope`, `tensor_types`, `memory` with `n_ctx`, `n_ctx_source`, `kv_bytes_per_token`,
     /// `kv_bytes`, `weights_bytes`, `scratch_bytes`, ...). Sizes are in bytes.
@@ -138,6 +140,8 @@ struct InfoReport {
     /// The embedded build manifest as built in (null when it cannot be read).
     build: serde_json::Value,
     cpu: CpuReport,
+    /// The peer-copy state of every ordered pair of the GPUs found.
+    peer_copy: PeerReport,
     model: Option<ModelReport>,
 }
 
@@ -392,6 +396,13 @@ pub fn run(args: InfoArgs) -> anyhow::Result<()> {
             simd: ember_quant::simd::detected().to_string(),
             physical_cores: physical_cores(),
         },
+        peer_copy: PeerReport::for_gpus(&super::devices::listed_gpu_names(
+            &super::devices::list_devices(
+                std::env::var_os("ROCM_PATH").map(Into::into),
+                std::env::var_os("EMBER_KERNELS_DIR").map(Into::into),
+                false,
+            ),
+        )),
         model,
     };
     match args.format {
@@ -413,6 +424,12 @@ fn render_text(report: &InfoReport) -> String {
         "cpu: {} SIMD, {} physical cores",
         report.cpu.simd, report.cpu.physical_cores
     ));
+    for text in report.peer_copy.lines() {
+        line(text);
+    }
+    if report.peer_copy.pairs.is_empty() {
+        line("          no pair of GPUs to copy between (fewer than two found)".to_string());
+    }
     let Some(m) = &report.model else {
         return out;
     };

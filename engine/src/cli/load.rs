@@ -143,10 +143,12 @@ fn print_line(event: &LoadEvent<'_>) {
         ),
         LoadEvent::WeightsPlaced { device, verdict } => eprintln!("{device}: {verdict}"),
         LoadEvent::MemoryReport(report) => eprint!("{report}"),
-        LoadEvent::HostWeights { device, bytes } => eprintln!(
-            "memory report: {device}: weights {:.1} MiB (mapped from the file; its KV cache and scratch are host memory)",
-            *bytes as f64 / (1u64 << 20) as f64
-        ),
+        LoadEvent::SplitMemory(devices) => {
+            eprintln!("memory report of the split's devices without a pool (weights read from the mapped file, KV blocks, activation buffers and the ops' own scratch):");
+            for device in devices.iter() {
+                eprintln!("  {device}");
+            }
+        }
         LoadEvent::NoDeviceMemory => {
             eprintln!("memory report: the model runs on the CPU; nothing to report")
         }
@@ -216,7 +218,7 @@ pub fn finish<B: Backend>(loaded: &Loaded<B>) {
 }
 
 /// [`finish`] for a command whose model went to an engine (now shut down): the memory report of
-/// its device pool after idling.
-pub fn print_memory_report_after_idle(pool: &std::sync::Arc<ember_gpu::DevicePool>) {
-    ember::load::report_pool_memory_after_idle(pool, &mut |event| print_line(&event));
+/// its devices after idling.
+pub fn print_memory_report_after_idle(reporter: &ember::load::MemoryReporter) {
+    reporter.report_after_idle(&mut |event| print_line(&event));
 }

@@ -220,7 +220,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let loaded = load::load_on(&args.model, args.threads, &args.device)?;
     // The prompt is read with the model's tokenizer and template before the model moves to the
     // engine thread.
-    let (prompt, n_ctx_train, kv_bytes_per_token, load_time, memory_pool, kv_memory) = with_loaded!(
+    let (prompt, n_ctx_train, kv_bytes_per_token, load_time, memory_reporter, kv_memory) = with_loaded!(
         &loaded,
         |l| {
             let model = &l.model;
@@ -242,13 +242,13 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
                 )?,
                 (None, _) => bail!("expected a prompt: pass -p TEXT, -p - (standard input), -f FILE or --prompt-ids IDS"),
             };
-            let memory_pool = l.memory_report.then(|| l.pool.clone()).flatten();
+            let memory_reporter = l.memory_reporter();
             (
                 prompt,
                 model.hparams().n_ctx_train,
                 model.hparams().kv_bytes_per_token(),
                 l.load_time,
-                memory_pool,
+                memory_reporter,
                 // The KV cache goes where the model is: this process's memory, or the device's.
                 ember::limits::KvMemory::of(l.pool.as_deref()),
             )
@@ -284,8 +284,8 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     )?;
     let result = generate_on(&engine, &args, sampling, prompt, load_time);
     engine.shutdown();
-    if let Some(pool) = memory_pool {
-        load::print_memory_report_after_idle(&pool);
+    if let Some(reporter) = memory_reporter {
+        load::print_memory_report_after_idle(&reporter);
     }
     result
 }

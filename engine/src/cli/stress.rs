@@ -24,7 +24,7 @@ use ember::kv_cache::DEFAULT_BLOCK_SIZE;
 use ember::sample::Pcg32;
 use ember::with_loaded;
 use ember_gpu::pool::format_bytes;
-use ember_gpu::{DevicePool, MemoryReport, Purpose};
+use ember_gpu::{DevicePool, Purpose};
 
 use super::device::DeviceArgs;
 use super::load;
@@ -98,8 +98,9 @@ pub fn run(args: StressArgs) -> anyhow::Result<()> {
         bail!("--oom-request: expected --vram-budget (the oversized request is one whose KV cache alone exceeds the budget)");
     }
     let loaded = load::load_on(&args.model, args.threads, &args.device)?;
-    let (pool, kv_per_token, n_vocab, description) = with_loaded!(&loaded, |l| (
+    let (pool, memory_reporter, kv_per_token, n_vocab, description) = with_loaded!(&loaded, |l| (
         l.pool.clone(),
+        l.memory_reporter(),
         l.model.hparams().kv_bytes_per_token() as u64,
         l.model.n_vocab() as u32,
         format!("{} on {}", l.path.display(), l.model.backend().describe()),
@@ -154,11 +155,9 @@ pub fn run(args: StressArgs) -> anyhow::Result<()> {
         }
     });
     engine.shutdown();
-    if args.device.memory_report {
-        if let Some(pool) = &pool {
-            let _ = ember::load::wait_for_idle_trim(pool, Duration::from_secs(3));
-            eprint!("{}", MemoryReport::from_pools(&[DevicePool::clone(pool)]));
-        }
+    // Every device: the GPU's pool after idling, the split's counts of the others.
+    if let Some(reporter) = memory_reporter {
+        load::print_memory_report_after_idle(&reporter);
     }
     result
 }

@@ -346,6 +346,7 @@ struct Inner {
     tokenizer: Arc<Tokenizer>,
     chat_template: Option<Arc<ChatTemplate>>,
     pool: Option<Arc<DevicePool>>,
+    split_memory: Option<crate::load::SplitMemoryView>,
     kv_total_blocks: usize,
 }
 
@@ -389,7 +390,7 @@ impl Engine {
     /// Starts the engine thread on a loaded model.
     pub fn start(loaded: AnyLoaded, config: EngineConfig) -> Result<Engine, EngineError> {
         config.validate()?;
-        let (info, tokenizer, chat_template, pool) = worker::describe(&loaded)?;
+        let (info, tokenizer, chat_template, pool, split_memory) = worker::describe(&loaded)?;
         let kv_total_blocks = config.kv_capacity_tokens.div_ceil(config.kv_block_size);
         let now = Instant::now();
         let shared = Arc::new(Shared {
@@ -428,6 +429,7 @@ impl Engine {
                 tokenizer,
                 chat_template,
                 pool,
+                split_memory,
                 kv_total_blocks,
             }),
         })
@@ -451,6 +453,12 @@ impl Engine {
     /// The device memory pool, when the model runs on a GPU.
     pub fn pool(&self) -> Option<&Arc<DevicePool>> {
         self.inner.pool.as_ref()
+    }
+
+    /// Over a split: the devices without a pool of their own (the CPU of a partial offload,
+    /// simulated devices), whose memory the split counts.
+    pub fn split_memory(&self) -> Option<&crate::load::SplitMemoryView> {
+        self.inner.split_memory.as_ref()
     }
 
     /// Renders a conversation through the model's chat template (with the assistant's turn

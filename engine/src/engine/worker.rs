@@ -27,9 +27,11 @@ type Described = (
     Arc<Tokenizer>,
     Option<Arc<ChatTemplate>>,
     Option<Arc<DevicePool>>,
+    Option<crate::load::SplitMemoryView>,
 );
 
-/// What the handle keeps of a loaded model: its description, tokenizer, chat template and pool.
+/// What the handle keeps of a loaded model: its description, tokenizer, chat template, pool and
+/// the split's memory counts.
 pub(super) fn describe(loaded: &AnyLoaded) -> Result<Described, EngineError> {
     match loaded {
         AnyLoaded::Cpu(loaded) => describe_on(loaded),
@@ -71,6 +73,7 @@ fn describe_on<B: Backend>(loaded: &Loaded<B>) -> Result<Described, EngineError>
         Arc::clone(&loaded.tokenizer),
         template.map(Arc::new),
         loaded.pool.clone(),
+        loaded.split_memory.clone(),
     ))
 }
 

@@ -429,7 +429,10 @@ impl Collector for EngineCollector {
 }
 
 impl EngineCollector {
-    /// Device memory: the pool's figures on a GPU; on the CPU, the KV cache's bytes.
+    /// Device memory: the pool's figures on a GPU; on the CPU alone, the KV cache's bytes; over
+    /// a split, the split's own counts for each device without a pool (the CPU of a partial
+    /// offload, simulated devices: weights, kv and scratch; the prefix cache's share is only
+    /// given for a pool's device or the CPU alone).
     fn encode_memory(
         &self,
         encoder: &mut DescriptorEncoder,
@@ -442,6 +445,34 @@ impl EngineCollector {
             return Ok(());
         };
         const MEMORY_HELP: &str = "Device memory in use by purpose: weights, kv (the KV cache's blocks holding memory), scratch, prefix_cache (the part of kv kept only by the prefix cache), and recurrent_state (the per-sequence state of hybrid models' linear-attention layers).";
+        // The split's devices without a pool, counted as the split allocates.
+        let mut split_rows = Vec::new();
+        if let Some(split) = engine.split_memory() {
+            for device in split.devices() {
+                for (purpose, bytes) in [
+                    ("weights", device.now.weights),
+                    ("kv", device.now.kv),
+                    ("scratch", device.now.scratch),
+                ] {
+                    split_rows.push((
+                        vec![
+                            ("device", device.device.clone()),
+                            ("purpose", purpose.to_string()),
+                        ],
+                        ConstGauge::new(bytes as i64),
+                    ));
+                }
+            }
+        }
+        if engine.pool().is_none() && !split_rows.is_empty() {
+            return labelled(
+                encoder,
+                "ember_device_memory_bytes",
+                MEMORY_HELP,
+                MetricType::Gauge,
+                &split_rows,
+            );
+        }
         if engine.pool().is_none() {
             let device = || vec![("device", "cpu".to_string())];
             let with = |purpose: &str| {
@@ -471,21 +502,23 @@ impl EngineCollector {
             ]
         };
         let live = |purpose: Purpose| sample.usage.purpose(purpose).current as i64;
+        let mut rows = vec![
+            (with("weights"), ConstGauge::new(live(Purpose::Weights))),
+            (with("kv"), ConstGauge::new(live(Purpose::Kv))),
+            (with("scratch"), ConstGauge::new(live(Purpose::Scratch))),
+            (with("prefix_cache"), ConstGauge::new(prefix_bytes as i64)),
+            (
+                with("recurrent_state"),
+                ConstGauge::new(live(Purpose::RecurrentState)),
+            ),
+        ];
+        rows.extend(split_rows);
         labelled(
             encoder,
             "ember_device_memory_bytes",
             MEMORY_HELP,
             MetricType::Gauge,
-            &[
-                (with("weights"), ConstGauge::new(live(Purpose::Weights))),
-                (with("kv"), ConstGauge::new(live(Purpose::Kv))),
-                (with("scratch"), ConstGauge::new(live(Purpose::Scratch))),
-                (with("prefix_cache"), ConstGauge::new(prefix_bytes as i64)),
-                (
-                    with("recurrent_state"),
-                    ConstGauge::new(live(Purpose::RecurrentState)),
-                ),
-            ],
+            &rows,
         )?;
         let device = vec![("device", sample.device.clone())];
         labelled(

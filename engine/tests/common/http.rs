@@ -29,15 +29,20 @@ pub struct ServerProcess {
 }
 
 impl ServerProcess {
-    /// Starts `ember serve -m MODEL --port 0 --device cpu -t 2` plus `args`, with `env` set, and
-    /// waits for `listening on http://...`.
+    /// Starts `ember serve -m MODEL --port 0 --device cpu -t 2` plus `args` (`--device cpu`
+    /// only when `args` name no device), with `env` set, and waits for `listening on
+    /// http://...`.
     pub fn start(model: &Path, args: &[&str], env: &[(&str, &str)]) -> ServerProcess {
         let mut command = Command::new(env!("CARGO_BIN_EXE_ember"));
         command
             .arg("serve")
             .arg("-m")
             .arg(model)
-            .args(["--port", "0", "--device", "cpu", "-t", "2"])
+            .args(["--port", "0", "-t", "2"]);
+        if !args.contains(&"--device") {
+            command.args(["--device", "cpu"]);
+        }
+        command
             .args(args)
             .env_remove("EMBER_API_KEY")
             .env_remove("EMBER_FAULT_STALL_STEP")

@@ -395,6 +395,10 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn buf_bytes(&self, buf: &Vec<f32>) -> usize {
+        buf.capacity() * std::mem::size_of::<f32>()
+    }
+
     fn gather_rows(&self, src: &Vec<f32>, dim: usize, rows: &[usize], out: &mut Vec<f32>) {
         for (i, &r) in rows.iter().enumerate() {
             out[i * dim..(i + 1) * dim].copy_from_slice(&src[r * dim..(r + 1) * dim]);
@@ -469,6 +473,22 @@ impl Backend for CpuBackend {
         out: &mut Vec<f32>,
     ) {
         moe::moe_ffn(self, moe, router_logits, x, n_tokens, out);
+    }
+
+    fn op_scratch_bytes(&self) -> usize {
+        let activations: usize = self
+            .activations
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .values()
+            .map(ember_quant::QuantizedActivations::bytes)
+            .sum();
+        let moe = self
+            .moe_scratch
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .bytes();
+        activations + moe
     }
 
     fn release_op_scratch(&self) {

@@ -58,6 +58,36 @@ pub(super) struct Scratch {
     shared_logit: Vec<f32>,
 }
 
+impl Scratch {
+    /// Bytes of memory the buffers hold.
+    pub(super) fn bytes(&self) -> usize {
+        let f32s = [
+            &self.probs,
+            &self.weights,
+            &self.rows,
+            &self.gate,
+            &self.up,
+            &self.down,
+            &self.routed,
+            &self.shared_gate,
+            &self.shared_up,
+            &self.shared_out,
+            &self.shared_logit,
+        ]
+        .iter()
+        .map(|v| v.capacity())
+        .sum::<usize>();
+        let u32s = self.order.capacity()
+            + self.experts.capacity()
+            + self
+                .routes_of_expert
+                .iter()
+                .map(Vec::capacity)
+                .sum::<usize>();
+        (f32s + u32s) * 4 + self.routes_of_expert.capacity() * std::mem::size_of::<Vec<u32>>()
+    }
+}
+
 /// Chooses and weighs the experts of one token from its router logits: writes the `n_used`
 /// chosen experts (most probable first) to `experts` and their weights to `weights`. `probs`
 /// and `order` are scratch.

@@ -759,6 +759,10 @@ impl Backend for GpuBackend {
         });
     }
 
+    fn buf_bytes(&self, buf: &GpuBuf) -> usize {
+        buf.buf.as_ref().map_or(0, |b| b.capacity() as usize)
+    }
+
     fn gather_rows(&self, src: &GpuBuf, dim: usize, rows: &[usize], out: &mut GpuBuf) {
         self.run("gather_rows", || {
             let max_row = rows.iter().copied().max().unwrap_or(0);
