@@ -654,6 +654,9 @@ fn matmul_tiled(level: Level, w: &QMatrix, x: &QuantizedActivations, out: &mut [
         ptr: out.as_mut_ptr(),
         len: out.len(),
     };
+    #[cfg(target_arch = "x86_64")]
+    let flipped = (level == Level::Avx512Vnni && is_signed_tile(w.ty))
+        .then(|| crate::x86::signed::FlippedActs::new(acts));
     (0..rows.div_ceil(job_rows))
         .into_par_iter()
         .for_each(|job| {
@@ -671,7 +674,7 @@ fn matmul_tiled(level: Level, w: &QMatrix, x: &QuantizedActivations, out: &mut [
                 );
             }
             #[cfg(target_arch = "x86_64")]
-            if level == Level::Avx512Vnni && is_signed_tile(w.ty) {
+            if let Some(flipped) = &flipped {
                 use crate::x86::signed;
                 // SAFETY: `level` is AVX-512 VNNI, which `simd::level` reports only after
                 // checking AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C on this CPU.
@@ -685,7 +688,7 @@ fn matmul_tiled(level: Level, w: &QMatrix, x: &QuantizedActivations, out: &mut [
                         stride: rows,
                     };
                     // SAFETY: as above.
-                    unsafe { signed::run_panel(&vnni, job_n, acts, tb, tb_end, target) };
+                    unsafe { signed::run_panel(&vnni, job_n, flipped, tb, tb_end, target) };
                 }
                 return;
             }

@@ -1,6 +1,6 @@
 //! AVX-512 VNNI kernels for the signed legacy formats (weights `d·q` with `q` a signed byte and
-//! no offset: Q4_0, Q5_0, Q8_0 against Q8_0 activations): the Q4_0 matvec of a decode step,
-//! and the tile kernel of prompts for all three.
+//! no offset: Q4_0, Q5_0, Q8_0 against Q8_0 activations): the Q4_0
+//! and Q8_0 matvecs of a decode step, and the tile kernel of prompts for all three.
 //!
 //! Both give bit for bit what the AVX2 kernels give (GGML's `vec_dot` order; see
 //! `avx2::legacy_loop` and `tile`): per output, eight f32 lanes, lane `l` of a 32-element
@@ -150,6 +150,97 @@ pub fn matvec_q4_0_q8_0(w: &[u8], a: &[u8], out: &mut [f32]) {
     }
 }
 
+/// Q8_0 rows (contiguous in `w`, one per element of `out`) against one Q8_0 activation row, two
+/// rows per register (one per 256-bit half, the activation block broadcast to both): the
+/// weights offset by 128 (`w ^ 0x80`, the unsigned operand of `vpdpbusd`) and the offset's
+/// contribution cancelled by `-128·Σ` of each 4-byte lane of the activations, computed once per
+/// call. Each half's eight f32 lanes are GGML's eight, so every output is bit for bit
+/// `avx2::vec_dot_q8_0_q8_0`'s; the rows past the last multiple of four are computed by it.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub fn matvec_q8_0_q8_0(w: &[u8], a: &[u8], out: &mut [f32]) {
+    let nb = a.len() / q8_0::SIZE;
+    let row_bytes = nb * q8_0::SIZE;
+    assert!(w.len() >= out.len() * row_bytes && a.len() >= nb * q8_0::SIZE);
+    let minus128 = _mm512_set1_epi8(-128);
+    // Per block: the activation's 32 quants in both halves, the correction, the scale.
+    let acts: Vec<(__m512i, __m512i, f32)> = a
+        .chunks_exact(q8_0::SIZE)
+        .map(|y| {
+            let qs = &y[q8_0::QS..q8_0::QS + QK];
+            // SAFETY: 32 readable bytes; unaligned load.
+            let v = _mm512_broadcast_i64x4(unsafe { _mm256_loadu_si256(qs.as_ptr().cast()) });
+            let fix = _mm512_sub_epi32(
+                _mm512_setzero_si512(),
+                _mm512_dpbusd_epi32(_mm512_setzero_si512(), minus128, v),
+            );
+            (v, fix, super::avx2::f16_at(y, q8_0::D))
+        })
+        .collect();
+    let pairs = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    let pairs_hi = _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    let done = out.len() / 4 * 4;
+    let mut quads = out.chunks_exact_mut(4);
+    for (i, o) in quads.by_ref().enumerate() {
+        let rows = &w[4 * i * row_bytes..(4 * i + 4) * row_bytes];
+        let base = rows.as_ptr();
+        let next = base.wrapping_add(4 * row_bytes);
+        let mut acc01 = _mm512_setzero_ps();
+        let mut acc23 = _mm512_setzero_ps();
+        for (c, (y, fix, d_a)) in acts.iter().enumerate() {
+            let x: [*const u8; 4] =
+                std::array::from_fn(|r| base.wrapping_add(r * row_bytes + c * q8_0::SIZE));
+            if c % 2 == 0 {
+                for r in 0..4 {
+                    // Prefetches never fault; `wrapping_add` keeps the arithmetic defined
+                    // past the end of the matrix.
+                    _mm_prefetch::<_MM_HINT_T0>(
+                        next.wrapping_add(r * row_bytes + c * q8_0::SIZE).cast(),
+                    );
+                }
+            }
+            // SAFETY: block c < nb of each of the four rows lies inside `rows` (sliced
+            // above): 2 scale bytes at the block's start and 32 quant bytes after them.
+            let (q01, q23, d) = unsafe {
+                let pair = |r: usize| {
+                    _mm512_inserti64x4::<1>(
+                        _mm512_castsi256_si512(_mm256_loadu_si256(x[r].add(q8_0::QS).cast())),
+                        _mm256_loadu_si256(x[r + 1].add(q8_0::QS).cast()),
+                    )
+                };
+                let bits = |r: usize| x[r].cast::<u16>().read_unaligned() as i64;
+                let d = bits(0) | bits(1) << 16 | bits(2) << 32 | bits(3) << 48;
+                (pair(0), pair(2), d)
+            };
+            let d = _mm512_castps128_ps512(_mm_mul_ps(
+                _mm_cvtph_ps(_mm_cvtsi64_si128(d)),
+                _mm_set1_ps(*d_a),
+            ));
+            let i01 = _mm512_dpbusd_epi32(*fix, _mm512_xor_si512(q01, minus128), *y);
+            let i23 = _mm512_dpbusd_epi32(*fix, _mm512_xor_si512(q23, minus128), *y);
+            acc01 = _mm512_fmadd_ps(
+                _mm512_cvtepi32_ps(i01),
+                _mm512_permutexvar_ps(pairs, d),
+                acc01,
+            );
+            acc23 = _mm512_fmadd_ps(
+                _mm512_cvtepi32_ps(i23),
+                _mm512_permutexvar_ps(pairs_hi, d),
+                acc23,
+            );
+        }
+        use super::avx2::hsum_ps;
+        let high = |v: __m512| _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+        o[0] = hsum_ps(_mm512_castps512_ps256(acc01));
+        o[1] = hsum_ps(high(acc01));
+        o[2] = hsum_ps(_mm512_castps512_ps256(acc23));
+        o[3] = hsum_ps(high(acc23));
+    }
+    for (k, o) in quads.into_remainder().iter_mut().enumerate() {
+        let row = &w[(done + k) * row_bytes..(done + k + 1) * row_bytes];
+        *o = super::avx2::vec_dot_q8_0_q8_0(row, a);
+    }
+}
+
 /// A tile panel's rows in the layout of [`run_panel`]: per group of four rows and 32-element
 /// chunk, 80 bytes of 16-byte lanes (one per row): the chunk's first 16 signed quants, its last
 /// 16, `-128·Σ` of each 4-byte lane of each (what cancels the offset of the unsigned
@@ -219,23 +310,51 @@ impl SignedPanel {
 const TILE_TOKENS: usize = 4;
 const TILE_GROUPS: usize = 2;
 
+/// Activations as [`run_panel`] reads them: the tile layout's quants plus 128 (`a ^ 0x80`, the
+/// unsigned operand of `vpdpbusd`), and the scales.
+pub struct FlippedActs<'a> {
+    qs: Vec<u8>,
+    acts: &'a TileActs,
+}
+
+impl<'a> FlippedActs<'a> {
+    pub fn new(acts: &'a TileActs) -> FlippedActs<'a> {
+        FlippedActs {
+            qs: acts.qs.iter().map(|q| q ^ 0x80).collect(),
+            acts,
+        }
+    }
+}
+
 /// `G` groups of four rows from group `g0` by `T` tokens from `t0`: the sums of four outputs
 /// per group and token, `out[t][g]`.
+///
+/// # Safety
+/// Groups `g0..g0 + G` must be inside `panel` and tokens `t0..t0 + T` inside `acts` (as
+/// [`run_panel`] checks), with `panel.n_chunks == acts.n_chunks`.
 #[allow(clippy::needless_range_loop)]
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn kernel<const G: usize, const T: usize>(
+unsafe fn kernel<const G: usize, const T: usize>(
     panel: &SignedPanel,
     g0: usize,
-    acts: &TileActs,
+    acts: &FlippedActs,
     t0: usize,
     out: &mut [[__m128; TILE_GROUPS]; TILE_TOKENS],
 ) {
     let n_chunks = panel.n_chunks;
-    let cols = acts.cols;
-    assert!(g0 + G <= panel.groups && (t0 + T) * cols <= acts.qs.len());
-    assert!((t0 + T) * n_chunks * 8 <= acts.d.len());
-    let flip = _mm512_set1_epi8(-128);
+    let cols = acts.acts.cols;
+    // SAFETY: the caller guarantees groups g0..g0 + G and tokens t0..t0 + T, so these
+    // offsets are inside the vectors.
+    let (aq, ad, pq, pfix, pd) = unsafe {
+        (
+            acts.qs.as_ptr().add(t0 * cols),
+            acts.acts.d.as_ptr().add(t0 * n_chunks * 8),
+            panel.q.as_ptr().add(2 * g0 * n_chunks),
+            panel.fix.as_ptr().add(2 * g0 * n_chunks),
+            panel.d.as_ptr().add(g0 * n_chunks),
+        )
+    };
     let mut acc_lo = [[_mm512_setzero_ps(); G]; T];
     let mut acc_hi = [[_mm512_setzero_ps(); G]; T];
     for c in 0..n_chunks {
@@ -243,26 +362,26 @@ fn kernel<const G: usize, const T: usize>(
         let mut a_hi = [_mm512_setzero_si512(); T];
         let mut d_a = [_mm512_setzero_ps(); T];
         for t in 0..T {
-            let at = (t0 + t) * cols + QK * c;
-            let qs = &acts.qs[at..at + QK];
-            // SAFETY: 16 readable bytes each; unaligned loads.
+            // SAFETY: chunk c < n_chunks of token t < T, inside the caller's tokens.
             unsafe {
-                a_lo[t] = _mm512_xor_si512(
-                    _mm512_broadcast_i32x4(_mm_loadu_si128(qs.as_ptr().cast())),
-                    flip,
-                );
-                a_hi[t] = _mm512_xor_si512(
-                    _mm512_broadcast_i32x4(_mm_loadu_si128(qs[16..].as_ptr().cast())),
-                    flip,
-                );
+                let q = aq.add(t * cols + QK * c);
+                a_lo[t] = _mm512_broadcast_i32x4(_mm_loadu_si128(q.cast()));
+                a_hi[t] = _mm512_broadcast_i32x4(_mm_loadu_si128(q.add(16).cast()));
+                d_a[t] = _mm512_set1_ps(*ad.add((t * n_chunks + c) * 8));
             }
-            d_a[t] = _mm512_set1_ps(acts.d[((t0 + t) * n_chunks + c) * 8]);
         }
         for g in 0..G {
-            let at = (g0 + g) * n_chunks + c;
-            let (w_lo, w_hi) = (panel.q[2 * at], panel.q[2 * at + 1]);
-            let (fix_lo, fix_hi) = (panel.fix[2 * at], panel.fix[2 * at + 1]);
-            let d_w = panel.d[at];
+            let at = g * n_chunks + c;
+            // SAFETY: chunk c < n_chunks of group g < G, inside the caller's groups.
+            let (w_lo, w_hi, fix_lo, fix_hi, d_w) = unsafe {
+                (
+                    *pq.add(2 * at),
+                    *pq.add(2 * at + 1),
+                    *pfix.add(2 * at),
+                    *pfix.add(2 * at + 1),
+                    *pd.add(at),
+                )
+            };
             for t in 0..T {
                 let d = _mm512_mul_ps(d_w, d_a[t]);
                 let i_lo = _mm512_dpbusd_epi32(fix_lo, a_lo[t], w_lo);
@@ -285,12 +404,17 @@ fn kernel<const G: usize, const T: usize>(
 pub fn run_panel(
     panel: &SignedPanel,
     rows: usize,
-    acts: &TileActs,
+    acts: &FlippedActs,
     t_begin: usize,
     t_end: usize,
     out: OutRows,
 ) {
-    assert!(rows <= 4 * panel.groups && panel.n_chunks == acts.n_chunks);
+    let n_chunks = panel.n_chunks;
+    assert!(rows <= 4 * panel.groups && n_chunks == acts.acts.n_chunks);
+    assert!(panel.q.len() >= 2 * panel.groups * n_chunks && panel.fix.len() == panel.q.len());
+    assert!(panel.d.len() >= panel.groups * n_chunks);
+    assert!(t_begin <= t_end && acts.qs.len() >= t_end * acts.acts.cols);
+    assert!(acts.acts.d.len() >= t_end * n_chunks * 8 && n_chunks * QK == acts.acts.cols);
     let (base, stride) = out.base(rows, t_end);
     let mut t = t_begin;
     while t < t_end {
@@ -301,7 +425,9 @@ pub fn run_panel(
             let mut sums = [[_mm_setzero_ps(); TILE_GROUPS]; TILE_TOKENS];
             macro_rules! go {
                 ($g:literal, $t:literal) => {
-                    kernel::<$g, $t>(panel, g, acts, t, &mut sums)
+                    // SAFETY: groups g..g + $g and tokens t..t + $t are inside the panel and
+                    // the activations (checked above).
+                    unsafe { kernel::<$g, $t>(panel, g, acts, t, &mut sums) }
                 };
             }
             match (groups, tokens) {
