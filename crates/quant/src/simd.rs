@@ -142,7 +142,8 @@ mod tests {
 
     /// The SIMD levels' activation quantizers give the scalar code's bytes, on values that
     /// land exactly on rounding ties (`v·127/amax` = k + 0.5, where half-to-even and
-    /// half-away-from-zero part), on zero blocks and on random ones.
+    /// half-away-from-zero part), on zero blocks, non-finite values, subnormal blocks and
+    /// random ones.
     #[test]
     fn quantize_matches_scalar_bit_for_bit() {
         let mut state = 0x9e37_79b9_7f4a_7c15u64;
@@ -159,6 +160,15 @@ mod tests {
             *v = if j == 0 { 127.0 } else { j as f32 - 16.5 };
         }
         x[64..96].fill(0.0);
+        // Non-finite values and a block so small that 127/amax overflows: NaN products and
+        // infinite ones, which the saturating cast sends to 0 and to ±127/-128.
+        x[100] = f32::NAN;
+        x[131] = f32::INFINITY;
+        x[140] = f32::NEG_INFINITY;
+        for (j, v) in x[160..192].iter_mut().enumerate() {
+            *v = if j % 3 == 0 { -1e-40 } else { 3e-41 };
+        }
+        x[192..224].fill(-0.0);
         for ty in [GgmlType::Q8_0, GgmlType::Q8_1] {
             let bytes = cols / 32 * ty.type_size();
             let mut want = vec![0u8; bytes];

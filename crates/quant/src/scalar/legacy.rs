@@ -148,9 +148,6 @@ pub fn quantize_block_q8_runtime(x: &[f32], qs: &mut [u8]) -> f32 {
 }
 
 /// Q8_0 activations as GGML's CPU backend quantizes them (see [`quantize_block_q8_runtime`]).
-/// Inlined so that `x86::avx2` can compile the same code with SSE4.1's `roundps` in reach
-/// (without it, every element's rounding is a call to libm's `rintf`).
-#[inline(always)]
 pub fn quantize_q8_0_activations(src: &[f32], dst: &mut [u8]) {
     for (x, y) in src.chunks_exact(QK).zip(dst.chunks_exact_mut(q8_0::SIZE)) {
         let d = quantize_block_q8_runtime(x, &mut y[q8_0::QS..q8_0::QS + QK]);
@@ -159,9 +156,7 @@ pub fn quantize_q8_0_activations(src: &[f32], dst: &mut [u8]) {
 }
 
 /// Q8_1 activations as GGML's CPU backend quantizes them (see [`quantize_block_q8_runtime`]);
-/// `s` is `d` times the sum of the quants, rounded to f16, as in the reference. Inlined for the
-/// reason [`quantize_q8_0_activations`] is.
-#[inline(always)]
+/// `s` is `d` times the sum of the quants, rounded to f16, as in the reference.
 pub fn quantize_q8_1_activations(src: &[f32], dst: &mut [u8]) {
     for (x, y) in src.chunks_exact(QK).zip(dst.chunks_exact_mut(q8_1::SIZE)) {
         let d = quantize_block_q8_runtime(x, &mut y[q8_1::QS..q8_1::QS + QK]);
