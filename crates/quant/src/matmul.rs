@@ -662,24 +662,34 @@ fn matmul_tiled(level: Level, w: &QMatrix, x: &QuantizedActivations, out: &mut [
         .for_each(|job| {
             let r0 = job * job_rows;
             let job_n = job_rows.min(rows - r0);
-            let mut panel = Panel::new(job_n, cols);
-            for i in 0..job_n {
-                unpack_row(
-                    level,
-                    w.ty,
-                    w.row(r0 + i),
-                    &mut panel.q[i * cols..(i + 1) * cols],
-                    &mut panel.dv[i * n_chunks * 8..(i + 1) * n_chunks * 8],
-                    &mut panel.mh[i * n_halves..(i + 1) * n_halves],
-                );
-            }
+            let unpack = || {
+                let mut panel = Panel::new(job_n, cols);
+                for i in 0..job_n {
+                    unpack_row(
+                        level,
+                        w.ty,
+                        w.row(r0 + i),
+                        &mut panel.q[i * cols..(i + 1) * cols],
+                        &mut panel.dv[i * n_chunks * 8..(i + 1) * n_chunks * 8],
+                        &mut panel.mh[i * n_halves..(i + 1) * n_halves],
+                    );
+                }
+                panel
+            };
             #[cfg(target_arch = "x86_64")]
             if let Some(flipped) = &flipped {
                 use crate::x86::signed;
+                let rb = w.row_bytes();
+                let job_rows = &w.data[r0 * rb..(r0 + job_n) * rb];
                 // SAFETY: `level` is AVX-512 VNNI, which `simd::level` reports only after
                 // checking AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C on this CPU.
-                let vnni = unsafe { signed::SignedPanel::build(&panel, job_n, cols) };
-                drop(panel);
+                let vnni = unsafe {
+                    if w.ty == GgmlType::Q4_0 {
+                        signed::SignedPanel::from_q4_0(job_rows, job_n, cols)
+                    } else {
+                        signed::SignedPanel::build(&unpack(), job_n, cols)
+                    }
+                };
                 for tb in (0..n_tokens).step_by(token_block) {
                     let tb_end = (tb + token_block).min(n_tokens);
                     let target = OutRows {
@@ -692,6 +702,7 @@ fn matmul_tiled(level: Level, w: &QMatrix, x: &QuantizedActivations, out: &mut [
                 }
                 return;
             }
+            let panel = unpack();
             for tb in (0..n_tokens).step_by(token_block) {
                 let tb_end = (tb + token_block).min(n_tokens);
                 for pr in (0..job_n).step_by(TILE_ROWS) {

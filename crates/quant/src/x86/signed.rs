@@ -257,6 +257,66 @@ pub struct SignedPanel {
 }
 
 impl SignedPanel {
+    /// [`SignedPanel::build`] of `rows` Q4_0 rows of `cols` elements (contiguous in `data`),
+    /// straight from the blocks: the same panel, without the row-major unpacking in between.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub fn from_q4_0(data: &[u8], rows: usize, cols: usize) -> SignedPanel {
+        let n_chunks = cols / QK;
+        let row_bytes = n_chunks * q4_0::SIZE;
+        let groups = rows.div_ceil(4);
+        assert!(data.len() >= rows * row_bytes);
+        let mut q = Vec::with_capacity(groups * n_chunks * 2);
+        let mut fix = Vec::with_capacity(groups * n_chunks * 2);
+        let mut d = Vec::with_capacity(groups * n_chunks);
+        let (low, eight, minus128) = (
+            _mm512_set1_epi8(0x0F),
+            _mm512_set1_epi8(8),
+            _mm512_set1_epi8(-128),
+        );
+        for g in 0..groups {
+            for c in 0..n_chunks {
+                // Rows past the end stay zero (quants 8, scale 0); their outputs are not stored.
+                let mut qs = [_mm_set1_epi8(0x88u8 as i8); 4];
+                let mut bits = 0i64;
+                for (k, qk) in qs.iter_mut().enumerate() {
+                    let r = 4 * g + k;
+                    if r < rows {
+                        let x = &data[r * row_bytes + c * q4_0::SIZE..][..q4_0::SIZE];
+                        // SAFETY: 16 readable bytes after the scale; unaligned load.
+                        *qk = unsafe { _mm_loadu_si128(x[q4_0::QS..].as_ptr().cast()) };
+                        bits |= (u16::from_le_bytes([x[0], x[1]]) as i64) << (16 * k);
+                    }
+                }
+                let v = _mm512_inserti32x4::<3>(
+                    _mm512_inserti32x4::<2>(
+                        _mm512_inserti32x4::<1>(_mm512_castsi128_si512(qs[0]), qs[1]),
+                        qs[2],
+                    ),
+                    qs[3],
+                );
+                for half in [
+                    _mm512_and_si512(v, low),
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(v), low),
+                ] {
+                    let w = _mm512_sub_epi8(half, eight);
+                    q.push(w);
+                    fix.push(_mm512_sub_epi32(
+                        _mm512_setzero_si512(),
+                        _mm512_dpbusd_epi32(_mm512_setzero_si512(), minus128, w),
+                    ));
+                }
+                d.push(spread4(_mm_cvtph_ps(_mm_cvtsi64_si128(bits))));
+            }
+        }
+        SignedPanel {
+            groups,
+            n_chunks,
+            q,
+            fix,
+            d,
+        }
+    }
+
     /// Regroups `rows` rows of `panel` (unpacked by `matmul::unpack_row` for a signed format:
     /// `q` signed bytes, `dv` the row's scale in 8 lanes per chunk) of `cols` elements.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
