@@ -75,6 +75,8 @@ fn main() {
         (GgmlType::Q4_1, 1536, 576, "ffn gate/up"),
         (GgmlType::Q4_1, 576, 1536, "ffn down"),
         (GgmlType::Q8_0, 49152, 576, "output"),
+        (GgmlType::Q4_0, 1536, 576, "ffn gate/up"),
+        (GgmlType::Q4_0, 576, 1536, "ffn down"),
         (GgmlType::Q4_K, 2048, 2048, "q4_K square"),
         (GgmlType::Q6_K, 2048, 2048, "q6_K square"),
     ];

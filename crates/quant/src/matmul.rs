@@ -145,17 +145,18 @@ impl QuantizedActivations {
         self.n_tokens = n_tokens;
         // Every byte is overwritten below; resizing only zero-fills what the buffer grows by.
         self.data.resize(bytes, 0);
+        let level = simd::level();
         if row_bytes > 0 {
             if total < QUANTIZE_MIN_PARALLEL {
                 self.data
                     .chunks_mut(row_bytes)
                     .zip(x.chunks(cols))
-                    .for_each(|(dst, src)| crate::scalar::quantize(ty, src, dst));
+                    .for_each(|(dst, src)| simd::quantize(level, ty, src, dst));
             } else {
                 self.data
                     .par_chunks_mut(row_bytes)
                     .zip(x.par_chunks(cols))
-                    .for_each(|(dst, src)| crate::scalar::quantize(ty, src, dst));
+                    .for_each(|(dst, src)| simd::quantize(level, ty, src, dst));
             }
         }
         Ok(())
@@ -177,9 +178,12 @@ pub enum Strategy {
 /// From this many tokens on, the tiled kernel beats one `vec_dot` per output: below it, the
 /// one-off unpacking of the weights costs more than the tile saves. Measured crossovers
 /// (`examples/shapes.rs`): 6-8 tokens for Q4_1 1536x576, whose unpacking is SIMD, and 12 for
-/// Q4_K 2048x2048, whose unpacking is scalar.
-fn tile_min_tokens(ty: GgmlType) -> usize {
+/// Q4_K 2048x2048, whose unpacking is scalar. Q4_0 on AVX-512 VNNI has a four-row matvec that
+/// runs a token in a quarter of the AVX2 kernel's time: the tiles pay from about 32 tokens on
+/// (1536x576).
+fn tile_min_tokens(level: Level, ty: GgmlType) -> usize {
     match ty {
+        GgmlType::Q4_0 if level == Level::Avx512Vnni => 32,
         GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 => 8,
         _ => 12,
     }
@@ -250,7 +254,7 @@ pub fn matmul_with(
     }
     let tiled = match strategy {
         Strategy::Auto => {
-            x.n_tokens >= tile_min_tokens(w.ty)
+            x.n_tokens >= tile_min_tokens(level, w.ty)
                 && has_tiles(w.ty)
                 && has_simd_tiles(level)
                 && !rowwise_like_ggml(w.ty)
@@ -659,22 +663,55 @@ fn matmul_tiled(level: Level, w: &QMatrix, x: &QuantizedActivations, out: &mut [
         ptr: out.as_mut_ptr(),
         len: out.len(),
     };
+    #[cfg(target_arch = "x86_64")]
+    let flipped = (level == Level::Avx512Vnni && is_signed_tile(w.ty))
+        .then(|| crate::x86::signed::FlippedActs::new(acts));
     (0..rows.div_ceil(job_rows))
         .into_par_iter()
         .for_each(|job| {
             let r0 = job * job_rows;
             let job_n = job_rows.min(rows - r0);
-            let mut panel = Panel::new(job_n, cols);
-            for i in 0..job_n {
-                unpack_row(
-                    level,
-                    w.ty,
-                    w.row(r0 + i),
-                    &mut panel.q[i * cols..(i + 1) * cols],
-                    &mut panel.dv[i * n_chunks * 8..(i + 1) * n_chunks * 8],
-                    &mut panel.mh[i * n_halves..(i + 1) * n_halves],
-                );
+            let unpack = || {
+                let mut panel = Panel::new(job_n, cols);
+                for i in 0..job_n {
+                    unpack_row(
+                        level,
+                        w.ty,
+                        w.row(r0 + i),
+                        &mut panel.q[i * cols..(i + 1) * cols],
+                        &mut panel.dv[i * n_chunks * 8..(i + 1) * n_chunks * 8],
+                        &mut panel.mh[i * n_halves..(i + 1) * n_halves],
+                    );
+                }
+                panel
+            };
+            #[cfg(target_arch = "x86_64")]
+            if let Some(flipped) = &flipped {
+                use crate::x86::signed;
+                let rb = w.row_bytes();
+                let job_rows = &w.data[r0 * rb..(r0 + job_n) * rb];
+                // SAFETY: `level` is AVX-512 VNNI, which `simd::level` reports only after
+                // checking AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C on this CPU.
+                let vnni = unsafe {
+                    if w.ty == GgmlType::Q4_0 {
+                        signed::SignedPanel::from_q4_0(job_rows, job_n, cols)
+                    } else {
+                        signed::SignedPanel::build(&unpack(), job_n, cols)
+                    }
+                };
+                for tb in (0..n_tokens).step_by(token_block) {
+                    let tb_end = (tb + token_block).min(n_tokens);
+                    let target = OutRows {
+                        out: out_ptr,
+                        row0: r0,
+                        stride: rows,
+                    };
+                    // SAFETY: as above.
+                    unsafe { signed::run_panel(&vnni, job_n, flipped, tb, tb_end, target) };
+                }
+                return;
             }
+            let panel = unpack();
             for tb in (0..n_tokens).step_by(token_block) {
                 let tb_end = (tb + token_block).min(n_tokens);
                 for pr in (0..job_n).step_by(TILE_ROWS) {

@@ -120,3 +120,64 @@ pub(crate) fn matvec(level: Level, ty: GgmlType, w: &[u8], a: &[u8], out: &mut [
         }
     }
 }
+
+/// Quantizes activations (whole blocks of `src`) to `ty`, a vec_dot_type, on `level`: what
+/// `scalar::quantize` gives, bit for bit, faster where the level has a kernel for `ty`.
+pub(crate) fn quantize(level: Level, ty: GgmlType, src: &[f32], dst: &mut [u8]) {
+    #[cfg(target_arch = "x86_64")]
+    if matches!(level, Level::Avx2 | Level::Avx512Vnni) {
+        // SAFETY: `level` is at least AVX2, which `simd::level` only reports after checking
+        // AVX2, FMA and F16C on this CPU.
+        if unsafe { crate::x86::avx2::quantize_q8_activations(ty, src, dst) } {
+            return;
+        }
+    }
+    let _ = level;
+    scalar::quantize(ty, src, dst)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The SIMD levels' activation quantizers give the scalar code's bytes, on values that
+    /// land exactly on rounding ties (`v·127/amax` = k + 0.5, where half-to-even and
+    /// half-away-from-zero part), on zero blocks, non-finite values, subnormal blocks and
+    /// random ones.
+    #[test]
+    fn quantize_matches_scalar_bit_for_bit() {
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        };
+        let cols = 32 * 40;
+        let mut x: Vec<f32> = (0..cols).map(|_| next() * 7.0).collect();
+        // Block 1: amax 127, so the quants are the values themselves: ties at k + 0.5.
+        for (j, v) in x[32..64].iter_mut().enumerate() {
+            *v = if j == 0 { 127.0 } else { j as f32 - 16.5 };
+        }
+        x[64..96].fill(0.0);
+        // Non-finite values and a block so small that 127/amax overflows: NaN products and
+        // infinite ones, which the saturating cast sends to 0 and to ±127/-128.
+        x[100] = f32::NAN;
+        x[131] = f32::INFINITY;
+        x[140] = f32::NEG_INFINITY;
+        for (j, v) in x[160..192].iter_mut().enumerate() {
+            *v = if j % 3 == 0 { -1e-40 } else { 3e-41 };
+        }
+        x[192..224].fill(-0.0);
+        for ty in [GgmlType::Q8_0, GgmlType::Q8_1] {
+            let bytes = cols / 32 * ty.type_size();
+            let mut want = vec![0u8; bytes];
+            scalar::quantize(ty, &x, &mut want);
+            for level in available_levels() {
+                let mut got = vec![0u8; bytes];
+                quantize(level, ty, &x, &mut got);
+                assert_eq!(got, want, "{ty} on {level:?}");
+            }
+        }
+    }
+}

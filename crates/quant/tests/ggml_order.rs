@@ -56,9 +56,19 @@ fn legacy_formats_match_vec_dot_bit_for_bit() {
     .into_iter()
     .enumerate()
     {
-        for (j, &(rows, cols, n)) in [(7, 64, 1), (9, 96, 3), (13, 576, 8), (33, 160, 21)]
-            .iter()
-            .enumerate()
+        // Rows and tokens around the AVX-512 kernels' groups (four rows per register, two
+        // registers and four tokens per tile): whole, partial and odd groups.
+        for (j, &(rows, cols, n)) in [
+            (7, 64, 1),
+            (9, 96, 3),
+            (13, 576, 8),
+            (33, 160, 21),
+            (4, 32, 4),
+            (18, 64, 7),
+            (24, 1536, 10),
+        ]
+        .iter()
+        .enumerate()
         {
             check_exact(ty, rows, cols, n, (100 * i + j) as u64);
         }

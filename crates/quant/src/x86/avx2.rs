@@ -234,6 +234,64 @@ unsafe fn block_q8_0(x: *const u8, y: *const u8) -> BlockTerms {
     }
 }
 
+/// Q8_0 or Q8_1 activations with GGML's run-time quantizer (`scalar::legacy::
+/// quantize_block_q8_runtime`), eight elements per instruction, bit for bit the scalar results:
+/// the absolute maximum is exact in any order (`maxps` with the running maximum second skips a
+/// NaN as `f32::max` does), `d` and the multiplier are the same scalar divisions, the products
+/// the same multiplications, `roundps` rounds half to even as `round_ties_even` does, and NaN
+/// and out-of-range products are sent where Rust's saturating `as i8` sends them (0, -128,
+/// 127) before the exact conversion. Q8_1's `s` is the exact integer sum times `d`, as there.
+/// Returns whether `ty` was one of the two.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub fn quantize_q8_activations(ty: crate::GgmlType, src: &[f32], dst: &mut [u8]) -> bool {
+    let (size, qs) = match ty {
+        crate::GgmlType::Q8_0 => (q8_0::SIZE, q8_0::QS),
+        crate::GgmlType::Q8_1 => (q8_1::SIZE, q8_1::QS),
+        _ => return false,
+    };
+    let sign = _mm256_set1_ps(-0.0);
+    let (lowest, highest) = (_mm256_set1_ps(-128.0), _mm256_set1_ps(127.0));
+    for (x, y) in src.chunks_exact(32).zip(dst.chunks_exact_mut(size)) {
+        // SAFETY: 8 readable floats at each offset of the 32-element block; unaligned loads.
+        let v: [__m256; 4] =
+            std::array::from_fn(|i| unsafe { _mm256_loadu_ps(x[8 * i..8 * i + 8].as_ptr()) });
+        let mut m = _mm256_setzero_ps();
+        for vi in v {
+            m = _mm256_max_ps(_mm256_andnot_ps(sign, vi), m);
+        }
+        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+        let d = amax / 127.0;
+        let id = _mm256_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
+        let q: [__m256i; 4] = std::array::from_fn(|i| {
+            let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                _mm256_mul_ps(v[i], id),
+            );
+            // NaN to +0, then the saturating cast's range.
+            let r = _mm256_and_ps(r, _mm256_cmp_ps::<_CMP_ORD_Q>(r, r));
+            _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lowest), highest))
+        });
+        let bytes = _mm256_packs_epi16(
+            _mm256_packs_epi32(q[0], q[1]),
+            _mm256_packs_epi32(q[2], q[3]),
+        );
+        let bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        let out = &mut y[qs..qs + 32];
+        // SAFETY: 32 writable bytes; unaligned store.
+        unsafe { _mm256_storeu_si256(out.as_mut_ptr().cast(), bytes) };
+        crate::blocks::write_f16(y, 0, d);
+        if size == q8_1::SIZE {
+            let sum = hsum_epi32(_mm256_add_epi32(
+                _mm256_add_epi32(q[0], q[1]),
+                _mm256_add_epi32(q[2], q[3]),
+            ));
+            crate::blocks::write_f16(y, q8_1::S, sum as f32 * d);
+        }
+    }
+    true
+}
+
 #[target_feature(enable = "avx2,fma,f16c")]
 pub fn vec_dot_q4_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
     // SAFETY: `legacy_loop` passes whole blocks of these sizes; this CPU has the features.
@@ -712,6 +770,13 @@ unsafe fn matvec_legacy(
         // SAFETY: as above.
         *o = unsafe { legacy_loop(row, a, w_size, a_size, block) };
     }
+}
+
+/// Q4_0 rows against one Q8_0 activation row (see [`matvec_legacy`]).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub fn matvec_q4_0_q8_0(w: &[u8], a: &[u8], out: &mut [f32]) {
+    // SAFETY: whole blocks of these sizes; this CPU has the features.
+    unsafe { matvec_legacy(w, a, out, q4_0::SIZE, q8_0::SIZE, block_q4_0) }
 }
 
 /// Q5_0 rows against one Q8_0 activation row (see [`matvec_legacy`]).
