@@ -67,7 +67,7 @@ use crate::pool::{DevicePool, PoolBuffer, PoolError, Purpose};
 pub use attention::{attention, kv_store, AttentionArgs, MAX_HEAD_DIM};
 pub use delta_net::{
     gated_delta_net, mul_sigmoid, split_query_gate, DeltaNetIo, DeltaNetLayer, DeltaNetSeqs,
-    DELTA_NET_MAX_HEAD_DIM, DELTA_NET_MAX_TAPS,
+    DELTA_NET_CHUNKED_MIN_ROWS, DELTA_NET_MAX_HEAD_DIM, DELTA_NET_MAX_TAPS,
 };
 pub use elementwise::{
     add, add_rms_norm, argmax, convert_f32_to_f16, gather_rows, gather_rows_strided, geglu,

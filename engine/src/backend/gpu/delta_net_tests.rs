@@ -315,9 +315,10 @@ fn run<B: Backend>(
     let ssm_len = op.ssm_state_len();
     let mut store = RecurrentStates::<B>::new(2, conv_len, ssm_len);
     let mut outputs = Vec::new();
-    // A long prompt (35 rows a sequence: the chunked rule on both backends), a short one and a
-    // decode step (the recurrent rule).
-    let long = |first: usize| (first..105).step_by(3).collect::<Vec<usize>>();
+    // A long prompt (ops::DELTA_NET_CHUNKED_MIN_ROWS + 2 rows a sequence: the chunked rule on
+    // both backends), a short one and a decode step (the recurrent rule).
+    let long_rows = ember_gpu::ops::DELTA_NET_CHUNKED_MIN_ROWS + 2;
+    let long = |first: usize| (first..3 * long_rows).step_by(3).collect::<Vec<usize>>();
     let passes: [Vec<(SeqId, Vec<usize>)>; 3] = [
         vec![(7, long(0)), (2, long(1)), (9, long(2))],
         vec![(7, vec![0, 3, 5]), (2, vec![1, 4]), (9, vec![2])],
