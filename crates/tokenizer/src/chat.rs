@@ -65,6 +65,8 @@ pub struct ChatTemplate {
     env: Arc<Environment<'static>>,
     source: String,
     fuel: u64,
+    /// Most bytes one render's thread may hold (default [`RENDER_MEMORY_BYTES`]).
+    memory_budget: usize,
     /// Set when a render passed its memory budget: its thread is stopped for good, and later
     /// renders are refused rather than stopping another.
     over_budget: AtomicBool,
@@ -131,6 +133,7 @@ impl ChatTemplate {
             env: Arc::new(env),
             source: src.to_owned(),
             fuel: DEFAULT_FUEL,
+            memory_budget: RENDER_MEMORY_BYTES,
             over_budget: AtomicBool::new(false),
         })
     }
@@ -139,6 +142,15 @@ impl ChatTemplate {
     pub fn with_fuel(mut self, fuel: u64) -> ChatTemplate {
         Arc::make_mut(&mut self.env).set_fuel(Some(fuel));
         self.fuel = fuel;
+        self
+    }
+
+    /// Sets the most bytes one render's thread may hold where the program counts them (default
+    /// [`RENDER_MEMORY_BYTES`]). A render past it is stopped for good, holding up to this much:
+    /// a harness that renders many hostile templates in one process (the fuzz target) keeps it
+    /// small so the stopped renders stay small.
+    pub fn with_memory_budget(mut self, bytes: usize) -> ChatTemplate {
+        self.memory_budget = bytes;
         self
     }
 
@@ -218,9 +230,10 @@ impl ChatTemplate {
         eos_token: &str,
         extra: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String, TokenizerError> {
+        let memory_budget = self.memory_budget;
         let over_budget = || {
             TokenizerError::TemplateRender(format!(
-                "it built values over {RENDER_MEMORY_BYTES} bytes: expected a template that builds its prompt from the messages"
+                "it built values over {memory_budget} bytes: expected a template that builds its prompt from the messages"
             ))
         };
         if self.over_budget.load(Ordering::Acquire) {
@@ -236,7 +249,7 @@ impl ChatTemplate {
         let ctx = minijinja::context! { ..fixed, ..Value::from_serialize(extra) };
         let env = Arc::clone(&self.env);
         let fuel = self.fuel;
-        let budget = Arc::new(crate::budget::RenderBudget::new(RENDER_MEMORY_BYTES));
+        let budget = Arc::new(crate::budget::RenderBudget::new(memory_budget));
         let thread_budget = Arc::clone(&budget);
         let (sender, receiver) = mpsc::channel();
         let handle = std::thread::Builder::new()
@@ -309,6 +322,7 @@ impl std::fmt::Debug for ChatTemplate {
         f.debug_struct("ChatTemplate")
             .field("source", &self.source)
             .field("fuel", &self.fuel)
+            .field("memory_budget", &self.memory_budget)
             .finish_non_exhaustive()
     }
 }

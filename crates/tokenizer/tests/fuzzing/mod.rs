@@ -56,6 +56,11 @@ fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
+/// The memory budget of a fuzzed render. A render past it is stopped for good holding up to this
+/// much, so it is small enough that hundreds of stopped renders fit under libFuzzer's RSS limit
+/// (`.ci/fuzz.sh`: 3 GiB). It is below the 16 MiB output cap, which the crate's own tests cover.
+const FUZZ_RENDER_BUDGET: usize = 4 << 20;
+
 /// Renders a fuzzed template with fuzzed messages through the renderer ember uses (its own
 /// thread, fuel, time limit, output cap and, where the program installs the counting allocator,
 /// memory budget). Rendering must end in `Ok` or `Err`, never a panic; an accepted output must be
@@ -63,9 +68,13 @@ fn text(bytes: &[u8]) -> String {
 pub fn chat_template_case(data: &[u8]) {
     let mut fields = split(data, FIELD);
     let source = text(fields.next().unwrap_or_default());
+    // A render past its memory budget is stopped for good, holding up to the budget; the fuzzer
+    // renders thousands of hostile templates in one process, so each may hold little (the
+    // default 128 MiB made the parked renders pass libFuzzer's RSS limit).
     let Ok(template) = ChatTemplate::from_source(&source) else {
         return;
     };
+    let template = template.with_memory_budget(FUZZ_RENDER_BUDGET);
     let messages: Vec<ChatMessage> = fields
         .take(64)
         .map(|m| {
