@@ -710,27 +710,20 @@ fn load_on_gpu(
             device: device_name.clone(),
             source,
         })?;
-    check_placement(
-        &*driver,
-        ordinal,
+    settle_on_gpu(
+        &model,
         model.backend(),
-        free_before,
+        GpuSite {
+            driver: &*driver,
+            ordinal,
+            pool: &pool,
+            free_before,
+            name: &device_name,
+        },
         device,
         &path,
-        &device_name,
         on_event,
     )?;
-    warm_up(&model).map_err(|source| LoadError::WarmUp {
-        device: device_name.clone(),
-        source,
-    })?;
-    // The post-load floor: weights plus what the runtime keeps once it has run every kind of
-    // work (kernel modules, the BLAS workspace), with the warm-up's memory handed back.
-    pool.trim_now().map_err(|source| LoadError::Trim {
-        device: device_name.clone(),
-        source,
-    })?;
-    pool.mark_loaded();
     let loaded = Loaded {
         model,
         tokenizer,
@@ -746,6 +739,50 @@ fn load_on_gpu(
         }
     }
     Ok(loaded)
+}
+
+/// The GPU a model was just loaded onto: its driver and ordinal, its pool, the free memory read
+/// before the weights went in, and its name for messages.
+struct GpuSite<'a> {
+    driver: &'a dyn ember_gpu::Driver,
+    ordinal: usize,
+    pool: &'a DevicePool,
+    free_before: u64,
+    name: &'a str,
+}
+
+/// What every GPU load does once the weights are in, whole model or partial offload: the
+/// placement check of the GPU's weights, a warm-up pass, then the pool trimmed to the post-load
+/// floor (weights plus what the runtime keeps once it has run every kind of work: kernel
+/// modules, the BLAS workspace) and marked loaded.
+fn settle_on_gpu<B: Backend>(
+    model: &Model<B>,
+    gpu: &GpuBackend,
+    site: GpuSite<'_>,
+    device: &DeviceOptions,
+    path: &Path,
+    on_event: &mut dyn FnMut(LoadEvent<'_>),
+) -> Result<(), LoadError> {
+    check_placement(
+        site.driver,
+        site.ordinal,
+        gpu,
+        site.free_before,
+        device,
+        path,
+        site.name,
+        on_event,
+    )?;
+    warm_up(model).map_err(|source| LoadError::WarmUp {
+        device: site.name.to_string(),
+        source,
+    })?;
+    site.pool.trim_now().map_err(|source| LoadError::Trim {
+        device: site.name.to_string(),
+        source,
+    })?;
+    site.pool.mark_loaded();
+    Ok(())
 }
 
 /// The placement check of one GPU: its weights must be in its VRAM (or, with
@@ -856,25 +893,20 @@ fn load_offloaded(
     let OneOf::Second(gpu_backend) = &model.backend().devices()[1] else {
         unreachable!("device 1 of an offload split is the GPU")
     };
-    check_placement(
-        &*driver,
-        ordinal,
+    settle_on_gpu(
+        &model,
         gpu_backend,
-        free_before,
+        GpuSite {
+            driver: &*driver,
+            ordinal,
+            pool: &pool,
+            free_before,
+            name: &device_name,
+        },
         device,
         &path,
-        &device_name,
         on_event,
     )?;
-    warm_up(&model).map_err(|source| LoadError::WarmUp {
-        device: device_name.clone(),
-        source,
-    })?;
-    pool.trim_now().map_err(|source| LoadError::Trim {
-        device: device_name.clone(),
-        source,
-    })?;
-    pool.mark_loaded();
     let model_memory = Arc::clone(model.backend().memory());
     let loaded = Loaded {
         model,
