@@ -19,8 +19,9 @@
 # LLAMA_BIN: a folder with llama-bench instead of LLAMA_SRC. MODEL: a GGUF to use instead of a
 # synthetic llama3-8b:q4_k_m; NGL_LIST (default 0 8 16 24 32); N_LAYERS the model's layers (32);
 # N_TOKENS greedy tokens (default 64); REPS bench repetitions (default 1: the CPU-heavy settings
-# are slow); BENCH_P and BENCH_N the bench's prompt and generated tokens (default 512 and 128); BEFORE_LLAMA a command run once before
-# the first llama.cpp step (with LLAMA_BIN: to wait for a build that the caller started).
+# are slow); BENCH_P and BENCH_N the bench's prompt and generated tokens (default 512 and 128);
+# BEFORE_LLAMA a command run once before the first llama.cpp step (with LLAMA_BIN: to wait for a
+# build that the caller started).
 # Prints figures and verdicts; asserts nothing about speed.
 set -uo pipefail
 
