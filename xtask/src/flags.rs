@@ -200,6 +200,10 @@ pub struct Docker {
     /// Base image; defaults to the official ROCm runtime image pinned in targets.toml.
     #[arg(long)]
     pub base: Option<String>,
+    /// Then build the image again with --no-cache from the same artifact and fail unless its file
+    /// layers have the same digests; the second image is removed.
+    #[arg(long)]
+    pub check_reproducible: bool,
 }
 
 #[derive(Debug, clap::Args)]

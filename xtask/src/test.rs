@@ -7,7 +7,8 @@
 //! checks: kernels for every target, a wrong target name failing, the gfx1201 and gfx1151
 //! artifacts and their manifests and `ember info`, the Windows artifact under wine, the release
 //! matrix and its drift detection, actionlint, no build path in the artifacts, `xtask verify` on
-//! them, the container image with its smoke test, with `--repro`, reproducibility (`xtask repro`: cpu and gfx1201
+//! them, the container image (built twice: its file layers must have the same digests) with its
+//! smoke test, with `--repro`, reproducibility (`xtask repro`: cpu and gfx1201
 //! again from another folder with a clean CARGO_TARGET_DIR, then a flipped source byte), the
 //! gfx1201 build with the host kernel toolchain hidden (it builds in the container and must equal
 //! the host build) and `xtask release --dry-run` for cpu and gfx1201. Every step runs even after an earlier one failed (a
@@ -285,7 +286,7 @@ impl crate::flags::Test {
             ));
             plan.push(step(
                 format!(
-                    "docker --target cpu --base {}, smoke --image {image}",
+                    "docker --target cpu --base {} --check-reproducible, smoke --image {image}",
                     self.base
                 ),
                 || docker_and_smoke(sh, &self.base, &image, &self.model),
@@ -896,6 +897,7 @@ fn docker_and_smoke(sh: &Shell, base: &str, image: &str, model: &str) -> Result<
     crate::flags::Docker {
         target: "cpu".to_string(),
         base: Some(base.to_string()),
+        check_reproducible: true,
     }
     .run(sh)?;
     crate::flags::Smoke {
