@@ -85,24 +85,24 @@ impl crate::flags::Docker {
                 image.reference()
             }
         };
-        let image = ImageBuild {
-            root: root.clone(),
-            artifact,
-            stem: package::package_stem(&version, Os::Linux, &target.name),
-            base,
-            version: version.clone(),
-            target: target.name.clone(),
-            source: workspace_repository(&root)?,
-            epoch: package::source_date_epoch(&root),
-        };
+        let image = ImageBuild::new(
+            &root,
+            &artifact,
+            &target.name,
+            &version,
+            &base,
+            package::source_date_epoch(&root),
+        )?;
         let tag = image_tag(&version, &target.name);
-        image.build(sh, &tag, &target.name, false)?;
+        let contexts = crate::target_dir().join("docker-context");
+        image.build(sh, &tag, &contexts.join(&target.name), false)?;
         println!(
             "docker: built {tag} in {:.1} s",
             started.elapsed().as_secs_f64()
         );
         if self.check_reproducible {
-            check_layers_reproducible(sh, &image, &tag)?;
+            let again = contexts.join(format!("{}-repro-check", target.name));
+            check_layers_reproducible(sh, &image, &tag, &again)?;
         }
         println!("docker: smoke-test it with `cargo xtask smoke --image {tag}`");
         Ok(())
@@ -124,19 +124,40 @@ struct ImageBuild {
 }
 
 impl ImageBuild {
-    /// Prepares a build context of its own (`<target dir>/docker-context/<name>`: the Dockerfile
-    /// and the file layer) and builds `tag` from it; `no_cache` rebuilds every step.
-    fn build(&self, sh: &Shell, tag: &str, name: &str, no_cache: bool) -> Result<()> {
-        let context_dir = crate::target_dir().join("docker-context").join(name);
+    /// What `cargo xtask docker` builds for `target` from `artifact`, with the `docker/` files
+    /// of the checkout `root`.
+    fn new(
+        root: &Path,
+        artifact: &Path,
+        target: &str,
+        version: &str,
+        base: &str,
+        epoch: u64,
+    ) -> Result<ImageBuild> {
+        Ok(ImageBuild {
+            root: root.to_path_buf(),
+            artifact: artifact.to_path_buf(),
+            stem: package::package_stem(version, Os::Linux, target),
+            base: base.to_string(),
+            version: version.to_string(),
+            target: target.to_string(),
+            source: workspace_repository(root)?,
+            epoch,
+        })
+    }
+
+    /// Prepares a build context of its own in `context_dir` (the Dockerfile and the file layer)
+    /// and builds `tag` from it; `no_cache` rebuilds every step.
+    fn build(&self, sh: &Shell, tag: &str, context_dir: &Path, no_cache: bool) -> Result<()> {
         if context_dir.exists() {
-            std::fs::remove_dir_all(&context_dir).with_context(|| {
+            std::fs::remove_dir_all(context_dir).with_context(|| {
                 format!(
                     "removing the previous build context {}",
                     context_dir.display()
                 )
             })?;
         }
-        std::fs::create_dir_all(&context_dir)?;
+        std::fs::create_dir_all(context_dir)?;
         std::fs::copy(
             self.root.join("docker").join(DOCKERFILE),
             context_dir.join(DOCKERFILE),
@@ -186,9 +207,33 @@ impl ImageBuild {
         )
         .run()
         .with_context(|| format!("building image {tag} (is dockerd running? .ci/setup-docker.sh starts one)"))?;
-        std::fs::remove_dir_all(&context_dir)?;
+        std::fs::remove_dir_all(context_dir)?;
         Ok(())
     }
+}
+
+/// The file layers of the image built with `--no-cache` for `target` from `artifact` and the
+/// `docker/` files of the checkout `root`, in the build context `context_dir`, under `tag`, which
+/// is removed afterwards. `cargo xtask repro --base` compares two builds' images with it.
+pub fn fresh_image_layers(
+    sh: &Shell,
+    (root, artifact): (&Path, &Path),
+    (target, version): (&str, &str),
+    base: &str,
+    epoch: u64,
+    (context_dir, tag): (&Path, &str),
+) -> Result<Vec<String>> {
+    let image = ImageBuild::new(root, artifact, target, version, base, epoch)?;
+    let layers = image
+        .build(sh, tag, context_dir, true)
+        .and_then(|()| image_layers(sh, tag));
+    let removed = cmd!(sh, "docker image rm {tag}")
+        .quiet()
+        .ignore_stdout()
+        .run();
+    let layers = layers?;
+    removed.with_context(|| format!("removing {tag}"))?;
+    Ok(layers)
 }
 
 /// The image's file layers (`RootFS.Layers`: the digests of the uncompressed layer tars, base
@@ -206,10 +251,15 @@ pub fn image_layers(sh: &Shell, tag: &str) -> Result<Vec<String>> {
 /// the same artifact, and checks that its file layers are byte-identical to `tag`'s (same
 /// digests). The image configs differ (their `created` times), so the image ids do too. The
 /// second image is removed either way.
-fn check_layers_reproducible(sh: &Shell, image: &ImageBuild, tag: &str) -> Result<()> {
+fn check_layers_reproducible(
+    sh: &Shell,
+    image: &ImageBuild,
+    tag: &str,
+    context_dir: &Path,
+) -> Result<()> {
     let started = Instant::now();
     let again = format!("{tag}-repro-check");
-    let built = image.build(sh, &again, &format!("{}-repro-check", image.target), true);
+    let built = image.build(sh, &again, context_dir, true);
     let compared = built.and_then(|()| Ok((image_layers(sh, tag)?, image_layers(sh, &again)?)));
     let removed = cmd!(sh, "docker image rm {again}")
         .quiet()
@@ -232,7 +282,7 @@ fn check_layers_reproducible(sh: &Shell, image: &ImageBuild, tag: &str) -> Resul
 }
 
 /// Every way two images' layer lists differ, by position.
-fn compare_layers(first: &[String], second: &[String]) -> Vec<String> {
+pub fn compare_layers(first: &[String], second: &[String]) -> Vec<String> {
     let mut problems = Vec::new();
     if first.len() != second.len() {
         problems.push(format!(

@@ -227,4 +227,8 @@ pub struct Repro {
     /// Skip the flipped-byte build (it needs an AMDGPU target among --targets).
     #[arg(long)]
     pub no_flip: bool,
+    /// Also build each target's image (docker/Dockerfile on this base) from each build's archive
+    /// and sources, with --no-cache, and compare their file layers; the images are removed.
+    #[arg(long)]
+    pub base: Option<String>,
 }

@@ -293,11 +293,12 @@ impl crate::flags::Test {
             ));
             if self.repro {
                 plan.push(step(
-                "repro: cpu and gfx1201 built again in another folder with a clean CARGO_TARGET_DIR are byte-identical; a flipped kernel byte changes the sums",
+                "repro: cpu and gfx1201 built again in another folder with a clean CARGO_TARGET_DIR are byte-identical, archives and images' file layers; a flipped kernel byte changes the sums",
                 || {
                     crate::flags::Repro {
                         targets: vec!["cpu".into(), "gfx1201".into()],
                         no_flip: false,
+                        base: Some(self.base.clone()),
                     }
                     .run(sh)
                 },
