@@ -23,9 +23,9 @@
 //!
 //! These are what `useradd --no-log-init --uid 10001 --user-group --create-home --home-dir
 //! /var/lib/ember --shell /usr/sbin/nologin ember` and `usermod --append --groups` wrote, with the
-//! base's `/etc/login.defs` deciding the same fields (home mode, password ageing). Not written:
-//! useradd's backup files (`/etc/passwd-` ...) and a subordinate id range in `/etc/subuid` and
-//! `/etc/subgid`, which only matter for starting user namespaces inside the container.
+//! base's `/etc/login.defs` deciding the same fields (home mode, password ageing, the subordinate
+//! id ranges it adds to `/etc/subuid` and `/etc/subgid` where the base has them). Not written:
+//! useradd's backup files (`/etc/passwd-` ...).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Write};
@@ -49,11 +49,13 @@ const GPU_GROUPS: [&str; 2] = ["video", "render"];
 /// What the layer reads from the base image. The directories are every parent of a layer entry
 /// (a unit test checks that the list covers them), so the layer can give each the base's owner
 /// and mode.
-pub const BASE_FILES: [&str; 5] = [
+pub const BASE_FILES: [&str; 7] = [
     "etc/passwd",
     "etc/group",
     "etc/shadow",
     "etc/gshadow",
+    "etc/subuid",
+    "etc/subgid",
     "etc/login.defs",
 ];
 pub const BASE_DIRS: [&str; 7] = [
@@ -322,6 +324,11 @@ struct LoginDefs {
     pass_min_days: Option<i64>,
     pass_max_days: Option<i64>,
     pass_warn_age: Option<i64>,
+    /// The uids of regular users (`UID_MIN`..=`UID_MAX`): only those get subordinate ids.
+    uid_range: (u64, u64),
+    /// (first, last, count) of a new user's subordinate uid and gid range.
+    sub_uids: (u64, u64, u64),
+    sub_gids: (u64, u64, u64),
 }
 
 impl LoginDefs {
@@ -362,14 +369,70 @@ impl LoginDefs {
                 .transpose()?;
             Ok(value.filter(|days| *days >= 0))
         };
+        let number = |key: &str, default: u64| -> Result<u64> {
+            values.get(key).map_or(Ok(default), |value| {
+                value.parse::<u64>().with_context(|| {
+                    format!("/etc/login.defs: expected a number for {key}, found {value:?}")
+                })
+            })
+        };
         let umask = octal("UMASK")?.unwrap_or(0o022);
+        // shadow-utils' defaults for keys the file does not set.
         Ok(LoginDefs {
             home_mode: octal("HOME_MODE")?.unwrap_or(0o777 & !umask),
             pass_min_days: days("PASS_MIN_DAYS")?,
             pass_max_days: days("PASS_MAX_DAYS")?,
             pass_warn_age: days("PASS_WARN_AGE")?,
+            uid_range: (number("UID_MIN", 1000)?, number("UID_MAX", 60000)?),
+            sub_uids: (
+                number("SUB_UID_MIN", 100_000)?,
+                number("SUB_UID_MAX", 600_100_000)?,
+                number("SUB_UID_COUNT", 65536)?,
+            ),
+            sub_gids: (
+                number("SUB_GID_MIN", 100_000)?,
+                number("SUB_GID_MAX", 600_100_000)?,
+                number("SUB_GID_COUNT", 65536)?,
+            ),
         })
     }
+}
+
+/// The first `count` ids from `first` on, ending by `last`, that no range of the subordinate id
+/// file `text` (`name:start:count` lines) overlaps: the range useradd gives a new user.
+fn free_subordinate_range(
+    file: &str,
+    text: &str,
+    (first, last, count): (u64, u64, u64),
+) -> Result<u64> {
+    let mut ranges = Vec::new();
+    for line in text.lines().filter(|line| !line.trim().is_empty()) {
+        let fields: Vec<&str> = line.split(':').collect();
+        let parsed = match fields.as_slice() {
+            [_, start, count] => start.parse::<u64>().ok().zip(count.parse::<u64>().ok()),
+            _ => None,
+        };
+        let (start, count) = parsed.with_context(|| {
+            format!("the base image's {file}: expected `name:start:count` lines, found {line:?}")
+        })?;
+        ranges.push((start, start.saturating_add(count)));
+    }
+    ranges.sort_unstable();
+    let mut candidate = first;
+    for (start, end) in ranges {
+        if end <= candidate {
+            continue;
+        }
+        if start >= candidate.saturating_add(count) {
+            break;
+        }
+        candidate = end;
+    }
+    ensure!(
+        count > 0 && candidate.saturating_add(count - 1) <= last,
+        "the base image's {file}: no free range of {count} ids between {first} and {last}"
+    );
+    Ok(candidate)
 }
 
 /// `text` with `line` appended as a line of its own.
@@ -474,6 +537,16 @@ fn add_accounts(layer: &mut Layer, base: &BaseFiles, epoch: u64) -> Result<Login
             age(defs.pass_warn_age)
         );
         layer.insert("etc/shadow", file(append_line(shadow, &line), entry))?;
+    }
+    let (uid_min, uid_max) = defs.uid_range;
+    if (uid_min..=uid_max).contains(&UID) {
+        for (path, range) in [("etc/subuid", defs.sub_uids), ("etc/subgid", defs.sub_gids)] {
+            if let Some((text, entry)) = base.text(path)? {
+                let start = free_subordinate_range(&format!("/{path}"), text, range)?;
+                let line = format!("{USER}:{start}:{}", range.2);
+                layer.insert(path, file(append_line(text, &line), entry))?;
+            }
+        }
     }
     if let Some((gshadow, entry)) = base.text("etc/gshadow")? {
         layer.insert(
@@ -782,6 +855,32 @@ mod tests {
     }
 
     #[test]
+    fn subordinate_ranges_are_the_first_free_ones() {
+        let check = |text: &str, range| free_subordinate_range("/etc/subuid", text, range);
+        let default = (100_000, 600_100_000, 65536);
+        assert_eq!(check("", default).unwrap(), 100_000);
+        assert_eq!(check("alice:100000:65536\n", default).unwrap(), 165_536);
+        // A gap big enough between two ranges is taken; one too small is skipped.
+        let text = "b:300000:65536\na:100000:65536\nc:165536:100\n";
+        assert_eq!(check(text, default).unwrap(), 165_636);
+        assert_eq!(
+            check(text, (100_000, 600_100_000, 200_000)).unwrap(),
+            365_536
+        );
+        assert_eq!(check("a:1:1\n", default).unwrap(), 100_000);
+        assert_eq!(
+            check("a:100000:65536\n", (100_000, 165_535, 65536))
+                .unwrap_err()
+                .to_string(),
+            "the base image's /etc/subuid: no free range of 65536 ids between 100000 and 165535"
+        );
+        assert_eq!(
+            check("a:100000\n", default).unwrap_err().to_string(),
+            "the base image's /etc/subuid: expected `name:start:count` lines, found \"a:100000\""
+        );
+    }
+
+    #[test]
     fn login_defs_decide_home_mode_and_ageing() {
         let debian =
             "# comment\nUMASK\t\t022\nPASS_MAX_DAYS\t99999\nPASS_MIN_DAYS\t0\nPASS_WARN_AGE\t7\n";
@@ -791,10 +890,19 @@ mod tests {
                 home_mode: 0o755,
                 pass_min_days: Some(0),
                 pass_max_days: Some(99999),
-                pass_warn_age: Some(7)
+                pass_warn_age: Some(7),
+                uid_range: (1000, 60000),
+                sub_uids: (100_000, 600_100_000, 65536),
+                sub_gids: (100_000, 600_100_000, 65536),
             }
         );
         let ubuntu = format!("{debian}HOME_MODE\t0750\n");
+        assert_eq!(
+            LoginDefs::parse(&format!("{debian}SUB_UID_COUNT 1000\nUID_MAX 9999\n"))
+                .unwrap()
+                .sub_uids,
+            (100_000, 600_100_000, 1000)
+        );
         assert_eq!(LoginDefs::parse(&ubuntu).unwrap().home_mode, 0o750);
         let empty = LoginDefs::parse("PASS_MAX_DAYS -1\n").unwrap();
         assert_eq!((empty.home_mode, empty.pass_max_days), (0o755, None));
@@ -874,6 +982,8 @@ mod tests {
                 0,
             ),
             ("etc/skel/.profile", text("# profile\n"), 0o644, 0),
+            ("etc/subuid", text(""), 0o644, 0),
+            ("etc/subgid", text("alice:100000:65536\n"), 0o644, 0),
         ];
         for (path, bytes, mode, gid) in files {
             layer
@@ -925,6 +1035,11 @@ mod tests {
         assert_eq!(
             text_of(&layer, "etc/gshadow"),
             "root:*::\nshadow:*::\nvideo:*::ember\nember:!::\n"
+        );
+        assert_eq!(text_of(&layer, "etc/subuid"), "ember:100000:65536\n");
+        assert_eq!(
+            text_of(&layer, "etc/subgid"),
+            "alice:100000:65536\nember:165536:65536\n"
         );
         let shadow = layer.get("etc/shadow").unwrap();
         assert_eq!((shadow.mode, shadow.uid, shadow.gid), (0o640, 0, 42));
