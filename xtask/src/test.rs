@@ -9,7 +9,8 @@
 //! matrix and its drift detection, actionlint, no build path in the artifacts, `xtask verify` on
 //! them, the container image (built twice: its file layers must have the same digests) with its
 //! smoke test, with `--repro`, reproducibility (`xtask repro`: cpu and gfx1201
-//! again from another folder with a clean CARGO_TARGET_DIR, then a flipped source byte), the
+//! again from another folder with a clean CARGO_TARGET_DIR, archives and images' file layers, then
+//! a flipped source byte), the
 //! gfx1201 build with the host kernel toolchain hidden (it builds in the container and must equal
 //! the host build) and `xtask release --dry-run` for cpu and gfx1201. Every step runs even after an earlier one failed (a
 //! later failure is often the more telling one); the summary lists them all and the command fails
