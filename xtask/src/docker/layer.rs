@@ -15,9 +15,9 @@
 //!   packing: the image has no step left that could check it) and the link `/opt/ember` to it;
 //! - the entrypoint and health-check scripts in `/usr/local/bin/`;
 //! - the `ember` user (uid and gid 10001, no login) and its group, appended to the base image's own
-//!   `/etc/passwd`, `/etc/group`, `/etc/shadow` and `/etc/gshadow`, which keep the base's owners
-//!   and modes; `ember` is a member of `video` and `render` where the base has those groups (they
-//!   own `/dev/kfd` and `/dev/dri` on ROCm hosts);
+//!   `/etc/passwd`, `/etc/group`, `/etc/shadow`, `/etc/gshadow`, `/etc/subuid` and `/etc/subgid`
+//!   (those it has), which keep the base's owners and modes; `ember` is a member of `video` and
+//!   `render` where the base has those groups (they own `/dev/kfd` and `/dev/dri` on ROCm hosts);
 //! - its home `/var/lib/ember` with the base's `/etc/skel`, and `/models`, both owned by it;
 //! - every parent directory, with the base's owner and mode where the base has it.
 //!
