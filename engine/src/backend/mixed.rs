@@ -212,6 +212,27 @@ impl<A: Backend, B: Backend> Backend for OneOf<A, B> {
         ))
     }
 
+    fn streams_weights(&self) -> bool {
+        on!(self, |d, S| d.streams_weights())
+    }
+
+    fn matmul_streamed(
+        &self,
+        gguf: &Arc<Gguf>,
+        info: &TensorInfo,
+        x: &Self::Buf,
+        n_tokens: usize,
+        out: &mut Self::Buf,
+    ) -> bool {
+        on!(self, |d, S| d.matmul_streamed(
+            gguf,
+            info,
+            S::get(x),
+            n_tokens,
+            S::get_mut(out)
+        ))
+    }
+
     fn matmul(&self, w: &Self::Matrix, x: &Self::Buf, n_tokens: usize, out: &mut Self::Buf) {
         on!(self, |d, S| d.matmul(
             S::get(w),
@@ -707,6 +728,61 @@ mod tests {
                 let stats = model.backend().transfer_stats();
                 assert_eq!(stats.staged_copies > 0, ngl < LAYERS, "{stats:?}");
                 assert_eq!(stats.peer_copies, 0, "{stats:?}");
+            }
+        }
+    }
+
+    /// A prompt's products with the CPU's weights run on the device that streams weights (a
+    /// GPU of a partial offload, here a CPU backend standing in for one), with the same logits
+    /// as one device; decode steps and batches under the threshold read the weights where they
+    /// are.
+    #[test]
+    fn prompt_products_of_the_cpus_layers_stream_to_the_second_device() {
+        let dir = tempfile::tempdir().unwrap();
+        for (shape, ty) in [("llama3.2-1b", "q4_k_m"), ("qwen3-0.6b", "q8_0")] {
+            let gguf = synth(dir.path(), shape, ty);
+            let single = Model::from_gguf(
+                Arc::clone(&gguf),
+                CpuBackend::new(2).unwrap(),
+                &mut |_, _| {},
+            )
+            .unwrap();
+            let expected = run(&single);
+            for (ngl, min_tokens) in [(2, 4), (LAYERS - 1, 9), (2, 10), (LAYERS, 4)] {
+                let plan = plan(&gguf, ngl);
+                let layer_device: Vec<usize> = plan.layers.iter().map(|&t| device_of(t)).collect();
+                let output = device_of(plan.output);
+                let backend: SplitBackend<OneOf<CpuBackend, CpuBackend>> = SplitBackend::new(
+                    vec![
+                        OneOf::First(CpuBackend::new(2).unwrap()),
+                        OneOf::Second(CpuBackend::new(2).unwrap().streaming_weights()),
+                    ],
+                    vec!["cpu".into(), "gpu".into()],
+                    SplitLayout::for_model(&hparams(&gguf), layer_device, output),
+                    None,
+                    Vec::new(),
+                )
+                .with_stream_min_tokens(min_tokens);
+                let model = Model::from_gguf(Arc::clone(&gguf), backend, &mut |_, _| {}).unwrap();
+                assert!(
+                    run(&model) == expected,
+                    "{shape} {ty} -ngl {ngl}, streaming from {min_tokens} tokens: the split differs from one device"
+                );
+                let streamed = model.backend().streamed_products();
+                // The 9-token prompt streams each of the CPU's products (its layers' and the
+                // output's) when 9 reaches the threshold; with every weight on the second
+                // device there is nothing to stream.
+                let cpu_layers = LAYERS - ngl;
+                if min_tokens <= 9 && ngl < LAYERS {
+                    // q, k, v, o, gate, up, down per layer, and the output.
+                    assert_eq!(
+                        streamed,
+                        7 * cpu_layers as u64 + 1,
+                        "{shape} {ty} -ngl {ngl}"
+                    );
+                } else {
+                    assert_eq!(streamed, 0, "{shape} {ty} -ngl {ngl}, from {min_tokens}");
+                }
             }
         }
     }

@@ -328,6 +328,29 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// `out[t] = w * x[t]` for `n_tokens` rows of `x`, activations quantized to the weight's
     /// dot-product type first, as GGML does.
     fn matmul(&self, w: &Self::Matrix, x: &Self::Buf, n_tokens: usize, out: &mut Self::Buf);
+    /// Whether this device can run [`Backend::matmul_streamed`]: a product with a weight that
+    /// lives on another device of a split, its bytes copied from the file for that product.
+    fn streams_weights(&self) -> bool {
+        false
+    }
+    /// `out = w x` as [`Backend::matmul`], for the weight `info` of `gguf` that this device does
+    /// not hold: its file bytes are copied here for this product and let go after it. A partial
+    /// offload runs the prompt products of the CPU's layers so (see
+    /// [`crate::backend::split::STREAM_MIN_TOKENS`]): copying a layer's weights to a GPU costs
+    /// less than the CPU's product over hundreds of tokens. `false` when the device cannot take
+    /// the weight now (no memory for it; a device that does not stream): nothing ran, and the
+    /// caller runs the product where the weight lives.
+    fn matmul_streamed(
+        &self,
+        gguf: &Arc<Gguf>,
+        info: &TensorInfo,
+        x: &Self::Buf,
+        n_tokens: usize,
+        out: &mut Self::Buf,
+    ) -> bool {
+        let _ = (gguf, info, x, n_tokens, out);
+        false
+    }
     /// `outs[i] = ws[i] * x` for several matrices sharing one input (Q, K and V; gate and up), so
     /// the input is quantized once per dot-product type rather than once per matrix.
     fn matmul_shared(

@@ -77,7 +77,20 @@ impl<Buf> Parts<Buf> {
 pub struct OnDevice<T> {
     device: usize,
     inner: T,
+    /// Where a device that streams weights finds it (see [`STREAM_MIN_TOKENS`]): set for the
+    /// matrices of the devices that do not stream, in a split that has one that does.
+    source: Option<Box<(Arc<Gguf>, TensorInfo)>>,
 }
+
+/// The fewest tokens of a product that a split runs on its weight-streaming device (a GPU of a
+/// partial offload) when the weight lives on a device that does not stream (the CPU). Copying a
+/// matrix of an 8B model's layer to the GPU costs a few milliseconds, about what the CPU spends
+/// on a handful of tokens of that product; a prompt batch of hundreds of tokens then runs
+/// tens of times faster than on the CPU (as llama.cpp offloads the products of host-resident
+/// layers). Above [`crate::backend::gpu::graph::GRAPH_MAX_TOKENS`], so a pass that a GPU records
+/// as a graph never streams: the weight's upload could not be recorded. Decode and small
+/// batches read the weights once where they are. `EMBER_STREAM_MIN_TOKENS` sets it (0: never).
+pub const STREAM_MIN_TOKENS: usize = 128;
 
 impl<T> OnDevice<T> {
     /// The device it is on.
@@ -142,6 +155,11 @@ pub struct SplitBackend<B: Backend> {
     memory: Arc<SplitMemory>,
     /// Each device's op scratch ([`Backend::op_scratch_bytes`]) as last counted in `memory`.
     op_scratch: Vec<AtomicU64>,
+    /// The device that runs large products of the other devices' weights
+    /// ([`Backend::matmul_streamed`]), and from how many tokens; `None` when none streams.
+    stream_to: Option<(usize, usize)>,
+    /// Products run by [`Backend::matmul_streamed`] so far.
+    streamed_products: AtomicU64,
 }
 
 impl<B: Backend> Drop for SplitBackend<B> {
@@ -221,7 +239,16 @@ impl<B: Backend> SplitBackend<B> {
             layout.layer_device.iter().all(|&d| d < n) && layout.output_device < n,
             "the layout names devices of the split"
         );
+        let stream_min = match std::env::var("EMBER_STREAM_MIN_TOKENS") {
+            Ok(value) => value.trim().parse::<usize>().unwrap_or_else(|_| {
+                tracing::warn!(%value, "EMBER_STREAM_MIN_TOKENS is not a token count; using {STREAM_MIN_TOKENS}");
+                STREAM_MIN_TOKENS
+            }),
+            Err(_) => STREAM_MIN_TOKENS,
+        };
         SplitBackend {
+            stream_to: None,
+            streamed_products: AtomicU64::new(0),
             devices,
             memory: Arc::new(SplitMemory::new(names.clone())),
             names,
@@ -237,6 +264,7 @@ impl<B: Backend> SplitBackend<B> {
             bytes: AtomicU64::new(0),
             op_scratch: (0..n).map(|_| AtomicU64::new(0)).collect(),
         }
+        .with_stream_min_tokens(stream_min)
     }
 
     /// Counts each device's op scratch again (after a forward pass, or after giving it back).
@@ -323,6 +351,25 @@ impl<B: Backend> SplitBackend<B> {
         }
     }
 
+    /// Runs products of at least `min_tokens` tokens with other devices' weights on the
+    /// weight-streaming device, if the split has one (0: never; the default is
+    /// [`STREAM_MIN_TOKENS`] or `EMBER_STREAM_MIN_TOKENS`). Weights placed before this call keep
+    /// what they were placed with.
+    pub fn with_stream_min_tokens(mut self, min_tokens: usize) -> SplitBackend<B> {
+        self.stream_to = (0..self.devices.len())
+            .rev()
+            .find(|&d| self.devices[d].streams_weights())
+            .filter(|_| min_tokens > 0 && self.devices.iter().any(|d| !d.streams_weights()))
+            .map(|d| (d, min_tokens));
+        self
+    }
+
+    /// Products that ran on the weight-streaming device with a weight of another device (see
+    /// [`STREAM_MIN_TOKENS`]) so far.
+    pub fn streamed_products(&self) -> u64 {
+        self.streamed_products.load(Ordering::Relaxed)
+    }
+
     /// Bytes of K/V memory each device holds for `kv` (a context's cache), in device order:
     /// each device holds only its own layers' blocks.
     pub fn kv_bytes_per_device(&self, kv: &crate::kv_cache::KvCache<Self>) -> Vec<usize> {
@@ -399,6 +446,50 @@ impl<B: Backend> SplitBackend<B> {
             self.devices[device].write(parts.on_mut(device), &host);
         }
         parts.home = device;
+    }
+
+    /// Runs `out = w x` on the weight-streaming device when `w` lives elsewhere and the batch
+    /// is large enough (see [`STREAM_MIN_TOKENS`]); `false` when the product is left to `w`'s
+    /// device.
+    fn streamed(
+        &self,
+        w: &OnDevice<B::Matrix>,
+        x: &SplitBuf<B::Buf>,
+        n_tokens: usize,
+        out: &mut SplitBuf<B::Buf>,
+    ) -> bool {
+        let (Some((d, min_tokens)), Some(source)) = (self.stream_to, &w.source) else {
+            return false;
+        };
+        if n_tokens < min_tokens {
+            return false;
+        }
+        let (gguf, info) = &**source;
+        self.input(x, d);
+        // `out` moves only when the product ran there: otherwise it is written where `w` is.
+        let home = out.parts.get_mut().home;
+        self.output(out, d);
+        let ran = self.uses(d).matmul_streamed(
+            gguf,
+            info,
+            x.parts.borrow().on(d),
+            n_tokens,
+            out.parts.get_mut().on_mut(d),
+        );
+        if ran {
+            self.streamed_products.fetch_add(1, Ordering::Relaxed);
+        } else {
+            out.parts.get_mut().home = home;
+        }
+        ran
+    }
+
+    /// Whether products of `n_tokens` tokens with all of `ws` run on the weight-streaming
+    /// device (so one by one, through [`SplitBackend::streamed`]).
+    fn streams(&self, ws: &[&OnDevice<B::Matrix>], n_tokens: usize) -> bool {
+        self.stream_to
+            .is_some_and(|(_, min_tokens)| n_tokens >= min_tokens)
+            && ws.iter().all(|w| w.source.is_some())
     }
 
     /// Makes `buf`'s contents available on `device`.
@@ -490,9 +581,14 @@ impl<B: Backend> Backend for SplitBackend<B> {
 
     fn matrix(&self, gguf: &Arc<Gguf>, info: &TensorInfo) -> Result<Self::Matrix, BackendError> {
         let device = self.place(info);
+        let source = self
+            .stream_to
+            .filter(|_| !self.devices[device].streams_weights())
+            .map(|_| Box::new((Arc::clone(gguf), info.clone())));
         Ok(OnDevice {
             device,
             inner: self.devices[device].matrix(gguf, info)?,
+            source,
         })
     }
 
@@ -501,6 +597,7 @@ impl<B: Backend> Backend for SplitBackend<B> {
         Ok(OnDevice {
             device,
             inner: self.devices[device].vector(gguf, info)?,
+            source: None,
         })
     }
 
@@ -517,6 +614,7 @@ impl<B: Backend> Backend for SplitBackend<B> {
         Ok(OnDevice {
             device,
             inner: self.devices[device].expert_matrix(gguf, info)?,
+            source: None,
         })
     }
 
@@ -607,6 +705,9 @@ impl<B: Backend> Backend for SplitBackend<B> {
     }
 
     fn matmul(&self, w: &Self::Matrix, x: &Self::Buf, n_tokens: usize, out: &mut Self::Buf) {
+        if self.streamed(w, x, n_tokens, out) {
+            return;
+        }
         let d = w.device;
         self.input(x, d);
         self.output(out, d);
@@ -628,7 +729,7 @@ impl<B: Backend> Backend for SplitBackend<B> {
         let Some(d) = ws.first().map(|w| w.device) else {
             return;
         };
-        if ws.iter().any(|w| w.device != d) {
+        if ws.iter().any(|w| w.device != d) || self.streams(ws, n_tokens) {
             // Matrices sharing an input belong to one layer, so to one device; were they not,
             // each product runs where its matrix is.
             for (w, out) in ws.iter().zip(outs.iter_mut()) {
@@ -661,7 +762,7 @@ impl<B: Backend> Backend for SplitBackend<B> {
         up: &mut Self::Buf,
     ) {
         let d = w_gate.device;
-        if w_up.device != d {
+        if w_up.device != d || self.streams(&[w_gate, w_up], n_tokens) {
             self.matmul_shared(&[w_gate, w_up], x, n_tokens, &mut [&mut *gate, &mut *up]);
             match activation {
                 FfnActivation::SwiGlu => self.swiglu(gate, up, n_tokens * n_ff),

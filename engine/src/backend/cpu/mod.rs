@@ -34,6 +34,8 @@ pub struct CpuBackend {
     activations: Mutex<HashMap<(GgmlType, usize), ember_quant::QuantizedActivations>>,
     /// Routing and expert buffers of the mixture-of-experts op, reused across layers and passes.
     moe_scratch: Mutex<moe::Scratch>,
+    /// Runs [`Backend::matmul_streamed`] (see [`CpuBackend::streaming_weights`]).
+    streams: bool,
 }
 
 impl std::fmt::Debug for CpuBackend {
@@ -130,7 +132,16 @@ impl CpuBackend {
             n_threads,
             activations: Mutex::new(HashMap::new()),
             moe_scratch: Mutex::new(moe::Scratch::default()),
+            streams: false,
         })
+    }
+
+    /// This backend also runs products with weights it does not hold
+    /// ([`Backend::matmul_streamed`], reading them from the file), as a GPU of a partial offload
+    /// does: a stand-in for that GPU where a split is checked without one.
+    pub fn streaming_weights(mut self) -> CpuBackend {
+        self.streams = true;
+        self
     }
 
     /// Worker threads.
@@ -446,6 +457,33 @@ impl Backend for CpuBackend {
                     row.iter_mut().for_each(|x| *x *= scale);
                 }
             });
+    }
+
+    fn streams_weights(&self) -> bool {
+        self.streams
+    }
+
+    fn matmul_streamed(
+        &self,
+        gguf: &Arc<Gguf>,
+        info: &TensorInfo,
+        x: &Vec<f32>,
+        n_tokens: usize,
+        out: &mut Vec<f32>,
+    ) -> bool {
+        if !self.streams {
+            return false;
+        }
+        match self.matrix(gguf, info) {
+            Ok(w) => {
+                self.matmul(&w, x, n_tokens, out);
+                true
+            }
+            Err(error) => {
+                tracing::debug!(tensor = %info.name, %error, "a streamed weight runs where it lives");
+                false
+            }
+        }
     }
 
     fn matmul(&self, w: &CpuMatrix, x: &Vec<f32>, n_tokens: usize, out: &mut Vec<f32>) {

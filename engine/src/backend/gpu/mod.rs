@@ -1111,6 +1111,50 @@ impl Backend for GpuBackend {
         });
     }
 
+    fn streams_weights(&self) -> bool {
+        true
+    }
+
+    fn matmul_streamed(
+        &self,
+        gguf: &Arc<Gguf>,
+        info: &TensorInfo,
+        x: &GpuBuf,
+        n_tokens: usize,
+        out: &mut GpuBuf,
+    ) -> bool {
+        // Checked as `matrix` checks a weight placed here; a weight this device cannot hold
+        // runs where it lives.
+        let (Ok(format), Ok((rows, cols))) = (weight_format(info), shape_of(info)) else {
+            return false;
+        };
+        let data = gguf.tensor_data(info);
+        if DeviceMatrix::bytes_for(format, rows, cols).ok() != Some(data.len())
+            || self.failed.load(Ordering::Acquire)
+        {
+            return false;
+        }
+        // A copy the pool cannot make room for is no failure: the CPU still has the weight.
+        let buf = match self.upload_new(Purpose::Scratch, data) {
+            Ok(buf) => buf,
+            Err(error) if error.is_out_of_memory() => {
+                tracing::debug!(tensor = %info.name, %error, "no room to stream a weight; the product runs where it lives");
+                return false;
+            }
+            Err(error) => {
+                self.run("streaming a weight", || Err(error));
+                return true;
+            }
+        };
+        self.run("matmul (streamed weight)", || {
+            let w = DeviceMatrix::new(buf, format, rows, cols)?;
+            let x_ptr = x.ptr("matmul", n_tokens * cols)?;
+            let out_ptr = out.ptr("matmul", n_tokens * rows)?;
+            ops::matmul(&self.ctx, &w, x_ptr, n_tokens, out_ptr)
+        });
+        true
+    }
+
     fn matmul_shared(
         &self,
         ws: &[&DeviceMatrix],
