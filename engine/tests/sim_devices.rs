@@ -169,7 +169,7 @@ fn check_memory_report(model: &str) {
         None,
     );
     let after_run = stderr
-        .rsplit("memory report of the split's devices without a pool")
+        .rsplit("memory report of the split's devices as the split counts them")
         .next()
         .unwrap();
     let mut layers_seen = 0;

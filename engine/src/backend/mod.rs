@@ -24,6 +24,8 @@
 pub mod cpu;
 pub mod gpu;
 pub mod mixed;
+#[cfg(unix)]
+pub mod sim;
 pub mod split;
 pub mod split_memory;
 

@@ -144,7 +144,7 @@ fn print_line(event: &LoadEvent<'_>) {
         LoadEvent::WeightsPlaced { device, verdict } => eprintln!("{device}: {verdict}"),
         LoadEvent::MemoryReport(report) => eprint!("{report}"),
         LoadEvent::SplitMemory(devices) => {
-            eprintln!("memory report of the split's devices without a pool (weights read from the mapped file, KV blocks, activation buffers and the ops' own scratch):");
+            eprintln!("memory report of the split's devices as the split counts them (weights as stored in the file, KV blocks, activation buffers and the ops' own scratch):");
             for device in devices.iter() {
                 eprintln!("  {device}");
             }
