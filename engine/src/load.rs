@@ -205,6 +205,9 @@ pub enum LoadEvent<'a> {
     IdleTrimFailed(&'a PoolError),
     /// Which device holds which layers, and its bytes by purpose.
     Plan(&'a LoadPlan),
+    /// Simulated devices told to report their weights in host memory
+    /// (`EMBER_SIM_HOST_WEIGHTS`), which their placement check will then find.
+    SimHostWeights { devices: &'a [String] },
     /// How copies travel between each ordered pair of GPUs, after the start-up peer-copy
     /// self-test; `corrupting` names the simulated pairs told to corrupt
     /// (`EMBER_SIM_CORRUPT_PEER`).
@@ -1130,6 +1133,16 @@ fn load_on_sims(
     }
     let mut split_names = vec!["cpu".to_string()];
     split_names.extend(names.iter().cloned());
+    let host_weights: Vec<String> = sims
+        .iter()
+        .filter(|sim| sim.driver.config().reported_memory_type != ember_gpu::MemoryType::Device)
+        .map(|sim| sim.name.clone())
+        .collect();
+    if !host_weights.is_empty() {
+        on_event(LoadEvent::SimHostWeights {
+            devices: &host_weights,
+        });
+    }
     let link: Arc<dyn PeerLink> = Arc::new(SimLink(sim_link));
     let mut pools = vec![None];
     pools.extend(sims.iter().map(|sim| Some(Arc::clone(&sim.pool))));

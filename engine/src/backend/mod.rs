@@ -24,7 +24,6 @@
 pub mod cpu;
 pub mod gpu;
 pub mod mixed;
-#[cfg(unix)]
 pub mod sim;
 pub mod split;
 pub mod split_memory;

@@ -16,11 +16,17 @@
 //! their memory as host memory, as a runtime that fell back to system RAM does, so the
 //! placement check's refusal (and its warning under `--allow-host-weights`) can be exercised;
 //! `EMBER_SIM_CORRUPT_PEER` ([`ember_gpu::peer`]) does the same for peer copies.
+//!
+//! The host driver maps memory with the Unix `mmap`: elsewhere there are no simulated devices.
 
+#[cfg(unix)]
 use std::sync::Arc;
 
+#[cfg(unix)]
 use ember_gpu::host::{HostDriver, HostDriverConfig};
+#[cfg(unix)]
 use ember_gpu::pool::{DevicePool, PoolConfig, PoolError, PoolKind};
+#[cfg(unix)]
 use ember_gpu::MemoryType;
 
 /// The memory a simulated device has when no `--vram-budget` asks for more.
@@ -31,6 +37,7 @@ pub const SIM_DEVICE_MEMORY: u64 = 16 << 30;
 pub const HOST_WEIGHTS_ENV: &str = "EMBER_SIM_HOST_WEIGHTS";
 
 /// One simulated device: its driver and its memory pool.
+#[cfg(unix)]
 #[derive(Debug, Clone)]
 pub struct SimDevice {
     /// `sim:N`.
@@ -39,6 +46,7 @@ pub struct SimDevice {
     pub pool: Arc<DevicePool>,
 }
 
+#[cfg(unix)]
 impl SimDevice {
     /// Opens `sim:index` with `budget` bytes of VRAM budget (`None`: the whole device, of
     /// [`SIM_DEVICE_MEMORY`]); `host_weights` makes its driver report host memory.
@@ -116,7 +124,7 @@ pub fn parse_host_weights(text: &str, n: usize) -> Result<Vec<usize>, String> {
         .collect()
 }
 
-#[cfg(test)]
+#[cfg(all(test, unix))]
 mod tests {
     use super::*;
     use ember_gpu::pool::Purpose;

@@ -156,6 +156,11 @@ fn print_line(event: &LoadEvent<'_>) {
             eprintln!("warning: trimming device memory failed: {error}")
         }
         LoadEvent::Plan(plan) => eprintln!("load plan:\n{plan}"),
+        LoadEvent::SimHostWeights { devices } => eprintln!(
+            "warning: {}: the weights of {} are observed in host memory (simulated)",
+            ember::backend::sim::HOST_WEIGHTS_ENV,
+            devices.join(", ")
+        ),
         LoadEvent::PeerPairs {
             pairs,
             names,
