@@ -1,8 +1,8 @@
 //! Loading a model to run: resolve the model name (a GGUF path, or a pinned model fetched on first
 //! use), open the GGUF file, load the tokenizer, decide the device from [`DeviceOptions`] and the
-//! model's layer count, and place the weights there. On a GPU it also checks that the weights
-//! really are in VRAM, runs one warm-up forward pass so the first request does not pay for kernel
-//! and BLAS set-up, and trims the pool to its post-load floor.
+//! model's layer count, and place the weights there. On a GPU (and on each simulated device) it
+//! also checks that the weights really are in VRAM, runs one warm-up forward pass so the first
+//! request does not pay for kernel and BLAS set-up, and trims the pool to its post-load floor.
 //!
 //! Nothing here writes to the terminal: what a user may want to see (download and tensor
 //! progress, the device chosen, the numerics mode, the placement verdict, the CPU fallback, the
@@ -64,8 +64,8 @@ pub struct Loaded<B: Backend> {
     /// A memory report was asked for (and the model runs on a GPU or over a split, which have
     /// one to give).
     pub memory_report: bool,
-    /// Over a split: the devices without a pool of their own (the CPU, simulated devices),
-    /// whose memory the split counts.
+    /// Over a split: the devices whose memory the split counts (the CPU, simulated devices),
+    /// and the simulated devices' pools.
     pub split_memory: Option<SplitMemoryView>,
 }
 
@@ -196,9 +196,10 @@ pub enum LoadEvent<'a> {
     MemoryReport(&'a MemoryReport),
     /// A memory report was asked for, but the model runs on the CPU: there is no device memory.
     NoDeviceMemory,
-    /// In a memory report, the devices of a split without a pool of their own (the CPU of a
-    /// partial offload, simulated devices): their weights (read from the mapped file), KV
-    /// blocks and activation buffers, now and at peak, as the split placed and allocated them.
+    /// In a memory report, the devices of a split without a GPU backend's pool (the CPU of a
+    /// partial offload, simulated devices, whose pools are reported beside): their weights (as
+    /// stored in the file), KV blocks and activation buffers, now and at peak, as the split
+    /// placed and allocated them.
     SplitMemory(&'a [DeviceMemory]),
     /// The pool could not trim itself while waiting for idle before the final memory report
     /// (the report still follows).

@@ -19,7 +19,8 @@
 //! boundary, as llama.cpp's layer split does.
 //!
 //! Each device's weights, KV blocks and activation buffers are counted as they are placed and
-//! allocated ([`super::split_memory`]): the memory report of the devices without a pool.
+//! allocated ([`super::split_memory`]): the memory report of the devices without a GPU
+//! backend's pool.
 //! A device given a pool ([`SplitBackend::with_pools`]: simulated devices) has the same bytes
 //! reserved from it, so its budget refuses what does not fit (a weight: the load fails naming
 //! the device; an allocation during a forward pass: the pass fails with an out-of-memory

@@ -1,8 +1,8 @@
 //! The memory a [`super::split::SplitBackend`] places on each of its devices, by purpose: the
 //! weight tensors it put there, the KV blocks its layers there hold, and the activation
-//! buffers living there. A GPU's pool accounts for its own memory; the CPU and simulated
-//! devices have no pool, so this is what `--memory-report` shows for them (and how a test
-//! checks that a split puts every byte where the plan says).
+//! buffers living there. A GPU backend's pool accounts for its own memory; the CPU has no
+//! pool, so this is what `--memory-report` shows for it, and for simulated devices beside
+//! their pools (and how a test checks that a split puts every byte where the plan says).
 //!
 //! Every figure is counted from the allocations themselves, as the split makes them: a
 //! buffer's or KV layer's bytes are the device backend's own answer

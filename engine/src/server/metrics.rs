@@ -444,9 +444,10 @@ impl Collector for EngineCollector {
 
 impl EngineCollector {
     /// Device memory: the pool's figures on a GPU; on the CPU alone, the KV cache's bytes; over
-    /// a split, the split's own counts for each device without a pool (the CPU of a partial
-    /// offload, simulated devices: weights, kv and scratch; the prefix cache's share is only
-    /// given for a pool's device or the CPU alone).
+    /// a split, the split's own counts for each device without a GPU backend's pool (the CPU of
+    /// a partial offload, simulated devices: weights, kv and scratch; the prefix cache's share
+    /// is only given for a GPU's device or the CPU alone), and the simulated devices' pool
+    /// series (held, peak held, floors, trims).
     fn encode_memory(
         &self,
         encoder: &mut DescriptorEncoder,
@@ -459,7 +460,7 @@ impl EngineCollector {
             return Ok(());
         };
         const MEMORY_HELP: &str = "Device memory in use by purpose: weights, kv (the KV cache's blocks holding memory), scratch, prefix_cache (the part of kv kept only by the prefix cache), and recurrent_state (the per-sequence state of hybrid models' linear-attention layers).";
-        // The split's devices without a pool, counted as the split allocates.
+        // The split's devices without a GPU backend's pool, counted as the split allocates.
         let mut split_rows = Vec::new();
         if let Some(split) = engine.split_memory() {
             for device in split.devices() {
