@@ -40,7 +40,9 @@ use crate::device::{DeviceOptions, Placement, PlacementError};
 use crate::load_plan::{LoadPlan, ModelBytes, PlanDevice, PlanError, PlanOptions, Target};
 use crate::model::{architecture_of, ContextParams, ForwardError, HParams, Model, ModelError};
 use crate::models::{self, PullError, PullProgress};
-use ember_gpu::peer::{plan_pairs, PairState, PeerGate, PeerLink, SimPeerLink};
+use ember_gpu::peer::PairState;
+#[cfg(unix)]
+use ember_gpu::peer::{plan_pairs, PeerGate, PeerLink, SimPeerLink};
 #[cfg(unix)]
 use ember_gpu::Driver as _;
 
@@ -1016,8 +1018,10 @@ const PLAN_BATCH: usize = 512;
 
 /// A simulated peer link as the split sees it: the split's device 0 is the CPU, so device
 /// `i + 1` is `sim:i`.
+#[cfg(unix)]
 struct SimLink(SimPeerLink);
 
+#[cfg(unix)]
 impl PeerLink for SimLink {
     fn copy(&self, src: usize, dst: usize, data: &[u8], out: &mut Vec<u8>) -> Result<(), String> {
         match (src.checked_sub(1), dst.checked_sub(1)) {
