@@ -263,6 +263,24 @@ fn a_device_whose_weights_are_in_host_memory_is_refused_or_warned_about_naming_i
         "{stderr}"
     );
 
+    // Over 1, 2, 3 and 4 devices, the last one's weights in host memory: refused, naming it.
+    for n in 1..=4 {
+        let devices: Vec<String> = (0..n).map(|i| format!("sim:{i}")).collect();
+        let last = n - 1;
+        let (out, stderr) = run_with_env(
+            model,
+            &["--device", &devices.join(",")],
+            &[("EMBER_SIM_HOST_WEIGHTS", &last.to_string())],
+        );
+        assert!(!out.status.success(), "{n} devices: {stderr}");
+        assert!(
+            stderr.contains(&format!(
+                "on sim:{last}: weights are not in VRAM on device {last} (sim:{last}): "
+            )),
+            "{n} devices: {stderr}"
+        );
+    }
+
     let (one, _) = run(model, &["--device", "sim:0"], None);
     let allowed = ["--device", "sim:0,sim:1", "--allow-host-weights"];
     let (out, stderr) = run_with_env(model, &allowed, &host_weights);
