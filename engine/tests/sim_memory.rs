@@ -147,9 +147,10 @@ fn each_simulated_device_pools_its_share_trims_to_its_floor_and_keeps_the_logits
         }
         assert_eq!(logits(&loaded.model), expected, "{n} simulated devices");
         // What the idle engine does: the ops' scratch back; then each pool's idle trimmer
-        // trims it once idle (within its idle time and a trimmer interval or so).
+        // trims it once idle (its idle time and a trimmer interval, with room for a busy
+        // machine).
         split.release_op_scratch();
-        std::thread::sleep(view.pools[0].config().idle_after + Duration::from_millis(600));
+        std::thread::sleep(view.pools[0].config().idle_after + Duration::from_secs(1));
         for (i, pool) in view.pools.iter().enumerate() {
             assert_eq!(
                 pool.trim_if_idle(Instant::now()).unwrap(),
