@@ -17,8 +17,11 @@
 #   OUT=$OUT LLAMA_SRC=llama-src.tgz EMBER=path/to/ember SYNTH=path/to/ember-synth \
 #       scripts/gpu/split.sh
 # LLAMA_BIN: a folder with llama-bench instead of LLAMA_SRC. MODEL: a GGUF to use instead of a
-# synthetic llama3-8b:q4_k_m; NGL_LIST (default 0 8 16 24 32); N_TOKENS greedy tokens (default
-# 64); REPS bench repetitions (default 1: the CPU-heavy settings are slow).
+# synthetic llama3-8b:q4_k_m; NGL_LIST (default 0 8 16 24 32); N_LAYERS the model's layers (32);
+# N_TOKENS greedy tokens (default 64); REPS bench repetitions (default 1: the CPU-heavy settings
+# are slow); BENCH_P and BENCH_N the bench's prompt and generated tokens (default 512 and 128);
+# BEFORE_LLAMA a command run once before the first llama.cpp step (with LLAMA_BIN: to wait for a
+# build that the caller started).
 # Prints figures and verdicts; asserts nothing about speed.
 set -uo pipefail
 
@@ -30,8 +33,11 @@ MODELS="${MODELS:-${TMPDIR:-/tmp}/ember-split}"
 W="${WORK:-${TMPDIR:-/tmp}/ember-split-llama}"
 ARCH="${ARCH:-sm_90}"
 REPS="${REPS:-1}"
+BENCH_P="${BENCH_P:-512}"
+BENCH_N="${BENCH_N:-128}"
 N_TOKENS="${N_TOKENS:-64}"
 NGL_LIST="${NGL_LIST:-0 8 16 24 32}"
+N_LAYERS="${N_LAYERS:-32}"
 RULE="$ROOT/scripts/gpu/golden_rule.py"
 PROMPT="${PROMPT:-The history of the printing press begins}"
 export EMBER_KERNELS_DIR="${EMBER_KERNELS_DIR:-$MODELS/kernels}"
@@ -40,7 +46,7 @@ start=$SECONDS
 t() { echo "[t=$((SECONDS - start))s] $*"; }
 # The mean tokens/s of a test's row in a bench table (`| ... | pp512 | 1234.56 ± 3.21 | ...`: both
 # ember bench and llama-bench write it so).
-rate() { grep -E "\| $1 " | grep -oE '[0-9]+(\.[0-9]+)? ±' | head -1 | cut -d' ' -f1; }
+rate() { grep -E "\|[[:space:]]+$1[[:space:]]" | grep -oE '[0-9]+(\.[0-9]+)? ±' | head -1 | cut -d' ' -f1; }
 
 llama_build=
 if [[ -z "${LLAMA_BIN:-}" ]]; then
@@ -115,19 +121,26 @@ if [[ -n "$llama_build" ]]; then
     wait "$llama_build" || { tail -20 "$OUT/llama-build-split.log"; exit 1; }
     t "llama.cpp built"
 fi
+if [[ -n "${BEFORE_LLAMA:-}" ]]; then
+    bash -c "$BEFORE_LLAMA" || { t "BEFORE_LLAMA failed: $BEFORE_LLAMA"; exit 1; }
+fi
 export LD_LIBRARY_PATH="$LLAMA_BIN${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 table="$dir/table.txt"
-printf '%-5s %12s %12s %12s %12s %8s %8s  %s\n' -ngl "ember pp512" "ember tg128" "llama pp512" \
-    "llama tg128" "pp x" "tg x" greedy >"$table"
+printf '%-5s %12s %12s %12s %12s %8s %8s  %s\n' -ngl "ember pp$BENCH_P" "ember tg$BENCH_N" \
+    "llama pp$BENCH_P" "llama tg$BENCH_N" "pp x" "tg x" greedy >"$table"
 i=0
 for ngl in $NGL_LIST; do
     t "-ngl $ngl: benches"
-    "$EMBER" bench -m "$m" --device "$(dev "$ngl")" -ngl "$ngl" -p 512 -n 128 -r "$REPS" \
+    "$EMBER" bench -m "$m" --device "$(dev "$ngl")" -ngl "$ngl" -p "$BENCH_P" -n "$BENCH_N" -r "$REPS" \
         >"$dir/ember-$ngl.txt" 2>"$dir/ember-$ngl.err" || t "  ember bench: $(tail -1 "$dir/ember-$ngl.err")"
-    "$LLAMA_BIN/llama-bench" -m "$m" -ngl "$ngl" -fa 1 -p 512 -n 128 -r "$REPS" >"$dir/llama-$ngl.txt" 2>&1 ||
+    # llama.cpp counts the output layer as one more: -ngl N_LAYERS leaves it on the CPU, while
+    # ember puts it on the GPU once every layer is there; 99 gives llama.cpp the same placement.
+    lngl=$ngl
+    ((ngl >= N_LAYERS)) && lngl=99
+    "$LLAMA_BIN/llama-bench" -m "$m" -ngl "$lngl" -fa 1 -p "$BENCH_P" -n "$BENCH_N" -r "$REPS" >"$dir/llama-$ngl.txt" 2>&1 ||
         t "  llama-bench failed (see $dir/llama-$ngl.txt)"
-    ep=$(rate pp512 <"$dir/ember-$ngl.txt") et=$(rate tg128 <"$dir/ember-$ngl.txt")
-    lp=$(rate pp512 <"$dir/llama-$ngl.txt") lt=$(rate tg128 <"$dir/llama-$ngl.txt")
+    ep=$(rate "pp$BENCH_P" <"$dir/ember-$ngl.txt") et=$(rate "tg$BENCH_N" <"$dir/ember-$ngl.txt")
+    lp=$(rate "pp$BENCH_P" <"$dir/llama-$ngl.txt") lt=$(rate "tg$BENCH_N" <"$dir/llama-$ngl.txt")
     ratio() { [[ -n "$1" && -n "$2" ]] && python3 -c "print(f'{$1/$2:.2f}')" || echo -; }
     printf '%-5s %12s %12s %12s %12s %8s %8s  %s\n' "$ngl" "${ep:--}" "${et:--}" "${lp:--}" "${lt:--}" \
         "$(ratio "$ep" "$lp")" "$(ratio "$et" "$lt")" "${verdicts[$i]}" >>"$table"

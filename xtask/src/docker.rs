@@ -4,26 +4,32 @@
 //! builds the real Dockerfile on a local debootstrapped image where the official images cannot be
 //! pulled.
 //!
-//! The build context is a folder of its own holding only the files of `docker/` that the image
-//! takes (the Dockerfile and its entrypoint and health-check scripts) and the packaged artifact, so
-//! nothing else of the checkout is sent to the daemon or can end up in the image.
+//! The build context is a folder of its own holding only the Dockerfile and the image's one file
+//! layer, a tar that xtask prepares ([`layer`]: the artifact, checked against its `SHA256SUMS`, the
+//! scripts of `docker/`, the `ember` user added to the base's account files), so nothing else of the
+//! checkout is sent to the daemon or can end up in the image, and two builds of one commit give the
+//! same layer digests with the classic builder. `--check-reproducible` builds the image a second
+//! time with `--no-cache` and compares `RootFS.Layers`; the image configs differ (`created`).
 //!
 //! This module also reads what `targets.toml` implies for a target's build manifest (features with
 //! state and reason) and compares a package's `manifest.json` with it; `cargo xtask smoke` uses
 //! both.
 
+mod layer;
+
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use xshell::{cmd, Shell};
 
 use crate::targets::{self, Feature, FeatureState, Os, Target};
 use crate::{build, manifest, package};
 
-/// The files of `docker/` that go into the build context (copied with their permissions).
-const CONTEXT_FILES: [&str; 3] = ["Dockerfile", "entrypoint.sh", "healthcheck.sh"];
+/// The build context: the Dockerfile and the file layer it ADDs at `/`.
+const DOCKERFILE: &str = "Dockerfile";
+const LAYER_FILE: &str = "ember-layer.tar";
 
 /// Image labels the Dockerfile sets and the smoke test reads back.
 pub const LABEL_TARGET: &str = "io.ember.target";
@@ -79,51 +85,246 @@ impl crate::flags::Docker {
                 image.reference()
             }
         };
+        let image = ImageBuild::new(
+            &root,
+            &artifact,
+            &target.name,
+            &version,
+            &base,
+            package::source_date_epoch(&root),
+        )?;
+        let tag = image_tag(&version, &target.name);
+        let contexts = crate::target_dir().join("docker-context");
+        image.build(sh, &tag, &contexts.join(&target.name), false)?;
+        println!(
+            "docker: built {tag} in {:.1} s",
+            started.elapsed().as_secs_f64()
+        );
+        if self.check_reproducible {
+            let again = contexts.join(format!("{}-repro-check", target.name));
+            check_layers_reproducible(sh, &image, &tag, &again)?;
+        }
+        println!("docker: smoke-test it with `cargo xtask smoke --image {tag}`");
+        Ok(())
+    }
+}
 
-        let context_dir = crate::target_dir()
-            .join("docker-context")
-            .join(&self.target);
+/// What one image is built from.
+struct ImageBuild {
+    root: PathBuf,
+    artifact: PathBuf,
+    /// The package's folder name inside the artifact.
+    stem: String,
+    base: String,
+    version: String,
+    target: String,
+    source: String,
+    /// `SOURCE_DATE_EPOCH`: the time of every entry of the image's file layer.
+    epoch: u64,
+}
+
+impl ImageBuild {
+    /// What `cargo xtask docker` builds for `target` from `artifact`, with the `docker/` files
+    /// of the checkout `root`.
+    fn new(
+        root: &Path,
+        artifact: &Path,
+        target: &str,
+        version: &str,
+        base: &str,
+        epoch: u64,
+    ) -> Result<ImageBuild> {
+        Ok(ImageBuild {
+            root: root.to_path_buf(),
+            artifact: artifact.to_path_buf(),
+            stem: package::package_stem(version, Os::Linux, target),
+            base: base.to_string(),
+            version: version.to_string(),
+            target: target.to_string(),
+            source: workspace_repository(root)?,
+            epoch,
+        })
+    }
+
+    /// Prepares a build context of its own in `context_dir` (the Dockerfile and the file layer)
+    /// and builds `tag` from it; `no_cache` rebuilds every step.
+    fn build(&self, sh: &Shell, tag: &str, context_dir: &Path, no_cache: bool) -> Result<()> {
         if context_dir.exists() {
-            std::fs::remove_dir_all(&context_dir).with_context(|| {
+            std::fs::remove_dir_all(context_dir).with_context(|| {
                 format!(
                     "removing the previous build context {}",
                     context_dir.display()
                 )
             })?;
         }
-        std::fs::create_dir_all(&context_dir)?;
-        for file in CONTEXT_FILES {
-            std::fs::copy(root.join("docker").join(file), context_dir.join(file))
-                .with_context(|| format!("copying docker/{file} into the build context"))?;
-        }
-        // A copy, not a hard link: a build rewriting the archive in place while the image is
-        // built must not change what goes into it. The copy is checked against the package's
-        // `.sha256`, which catches an archive caught mid-write.
-        let context_artifact = context_dir.join("ember.tar.gz");
-        std::fs::copy(&artifact, &context_artifact)
-            .with_context(|| format!("copying {} into the build context", artifact.display()))?;
-        crate::smoke::verify_archive_checksum(&artifact, &context_artifact)?;
+        std::fs::create_dir_all(context_dir)?;
+        std::fs::copy(
+            self.root.join("docker").join(DOCKERFILE),
+            context_dir.join(DOCKERFILE),
+        )
+        .with_context(|| format!("copying docker/{DOCKERFILE} into the build context"))?;
 
-        let tag = image_tag(&version, &target.name);
-        let target = &target.name;
-        let source = workspace_repository(&root)?;
+        // Read once and checked against the package's `.sha256`: an archive caught mid-write by a
+        // concurrent build is refused rather than packed.
+        let artifact = std::fs::read(&self.artifact)
+            .with_context(|| format!("reading {}", self.artifact.display()))?;
+        crate::smoke::verify_archive_digest(&self.artifact, &package::sha256_hex(&artifact))?;
+        let script = |name: &str| {
+            let path = self.root.join("docker").join(name);
+            std::fs::read(&path).with_context(|| format!("reading {}", path.display()))
+        };
+        let inputs = layer::Inputs {
+            artifact: &artifact,
+            stem: &self.stem,
+            entrypoint: script("entrypoint.sh")?,
+            healthcheck: script("healthcheck.sh")?,
+            epoch: self.epoch,
+        };
+        let base_files = read_base_files(sh, &self.base)?;
+        let file_layer = layer::image_layer(&inputs, &base_files).with_context(|| {
+            format!(
+                "preparing the image's file layer from {}",
+                self.artifact.display()
+            )
+        })?;
+        let layer_path = context_dir.join(LAYER_FILE);
+        let mut out = std::io::BufWriter::new(
+            std::fs::File::create(&layer_path)
+                .with_context(|| format!("creating {}", layer_path.display()))?,
+        );
+        file_layer.write(&mut out, self.epoch)?;
+        out.into_inner()
+            .map_err(|error| error.into_error())?
+            .sync_all()?;
+
+        let (base, version, target, source) =
+            (&self.base, &self.version, &self.target, &self.source);
+        let no_cache = no_cache.then_some("--no-cache");
         println!("docker: building {tag} on {base}");
         cmd!(
             sh,
-            "docker build --build-arg BASE_IMAGE={base} --build-arg EMBER_VERSION={version} --build-arg EMBER_TARGET={target} --build-arg EMBER_SOURCE={source} --tag {tag} {context_dir}"
+            "docker build {no_cache...} --build-arg BASE_IMAGE={base} --build-arg EMBER_VERSION={version} --build-arg EMBER_TARGET={target} --build-arg EMBER_SOURCE={source} --tag {tag} {context_dir}"
         )
         .run()
         .with_context(|| format!("building image {tag} (is dockerd running? .ci/setup-docker.sh starts one)"))?;
-        std::fs::remove_dir_all(&context_dir)?;
-        println!(
-            "docker: built {tag} in {:.1} s",
-            started.elapsed().as_secs_f64()
-        );
-        println!("docker: smoke-test it with `cargo xtask smoke --image {tag}`");
+        std::fs::remove_dir_all(context_dir)?;
         Ok(())
     }
 }
 
+/// The file layers of the image built with `--no-cache` for `target` from `artifact` and the
+/// `docker/` files of the checkout `root`, in the build context `context_dir`, under `tag`, which
+/// is removed afterwards. `cargo xtask repro --base` compares two builds' images with it.
+pub fn fresh_image_layers(
+    sh: &Shell,
+    (root, artifact): (&Path, &Path),
+    (target, version): (&str, &str),
+    base: &str,
+    epoch: u64,
+    (context_dir, tag): (&Path, &str),
+) -> Result<Vec<String>> {
+    let image = ImageBuild::new(root, artifact, target, version, base, epoch)?;
+    let layers = image
+        .build(sh, tag, context_dir, true)
+        .and_then(|()| image_layers(sh, tag));
+    let removed = cmd!(sh, "docker image rm {tag}")
+        .quiet()
+        .ignore_stdout()
+        .run();
+    let layers = layers?;
+    removed.with_context(|| format!("removing {tag}"))?;
+    Ok(layers)
+}
+
+/// The image's file layers (`RootFS.Layers`: the digests of the uncompressed layer tars, base
+/// layers first).
+pub fn image_layers(sh: &Shell, tag: &str) -> Result<Vec<String>> {
+    let format = "{{json .RootFS.Layers}}";
+    let layers = cmd!(sh, "docker image inspect --format {format} {tag}")
+        .quiet()
+        .read()
+        .with_context(|| format!("inspecting {tag}"))?;
+    serde_json::from_str(&layers).with_context(|| format!("reading {tag}'s layers: {layers}"))
+}
+
+/// Builds the image again with `--no-cache`, from a fresh build context in another folder and
+/// the same artifact, and checks that its file layers are byte-identical to `tag`'s (same
+/// digests). The image configs differ (their `created` times), so the image ids do too. The
+/// second image is removed either way.
+fn check_layers_reproducible(
+    sh: &Shell,
+    image: &ImageBuild,
+    tag: &str,
+    context_dir: &Path,
+) -> Result<()> {
+    let started = Instant::now();
+    let again = format!("{tag}-repro-check");
+    let built = image.build(sh, &again, context_dir, true);
+    let compared = built.and_then(|()| Ok((image_layers(sh, tag)?, image_layers(sh, &again)?)));
+    let removed = cmd!(sh, "docker image rm {again}")
+        .quiet()
+        .ignore_stdout()
+        .run();
+    let (first, second) = compared?;
+    removed.with_context(|| format!("removing {again}"))?;
+    let problems = compare_layers(&first, &second);
+    ensure!(
+        problems.is_empty(),
+        "two builds of {tag} from the same artifact have different file layers (see them with `docker save`):\n  {}",
+        problems.join("\n  ")
+    );
+    println!(
+        "docker: a second build with --no-cache gave the same {} file layers ({:.1} s)",
+        first.len(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// Every way two images' layer lists differ, by position.
+pub fn compare_layers(first: &[String], second: &[String]) -> Vec<String> {
+    let mut problems = Vec::new();
+    if first.len() != second.len() {
+        problems.push(format!(
+            "expected {} layers, found {}",
+            first.len(),
+            second.len()
+        ));
+    }
+    for (index, (a, b)) in first.iter().zip(second).enumerate() {
+        if a != b {
+            problems.push(format!("layer {index}: {a} then {b}"));
+        }
+    }
+    problems
+}
+
+/// Reads the files the layer takes from the base image (its account files, `/etc/login.defs`,
+/// `/etc/skel`, and the metadata of the directories the layer writes into) with the base's own
+/// `tar`, as root, with no network. Missing paths are left out (`--ignore-failed-read`).
+fn read_base_files(sh: &Shell, base: &str) -> Result<layer::BaseFiles> {
+    let absolute = |path: &&str| format!("/{path}");
+    let dirs: Vec<String> = layer::BASE_DIRS.iter().map(absolute).collect();
+    let files: Vec<String> = layer::BASE_FILES.iter().map(absolute).collect();
+    let skel = absolute(&layer::BASE_SKEL);
+    let output = cmd!(
+        sh,
+        "docker run --rm --user 0:0 --network none --entrypoint tar {base} --create --file - --numeric-owner --ignore-failed-read --no-recursion {dirs...} {files...} --recursion {skel}"
+    )
+    .quiet()
+    .ignore_status()
+    .output()
+    .with_context(|| format!("running tar in the base image {base} (is dockerd running? .ci/setup-docker.sh starts one)"))?;
+    if !output.status.success() {
+        bail!(
+            "reading /etc/passwd and the other account files from the base image {base} with its tar failed ({}): {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr).trim()
+        );
+    }
+    layer::BaseFiles::from_tar(&output.stdout)
+        .with_context(|| format!("reading the files of the base image {base}"))
+}
 /// `ember:<version>-<target>`.
 pub fn image_tag(version: &str, target: &str) -> String {
     format!("ember:{version}-{target}")
@@ -395,6 +596,23 @@ mod tests {
     }
 
     #[test]
+    fn layer_lists_are_compared_by_position() {
+        let layers = |names: &[&str]| names.iter().map(|n| n.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            compare_layers(&layers(&["a", "b"]), &layers(&["a", "b"])),
+            Vec::<String>::new()
+        );
+        assert_eq!(
+            compare_layers(&layers(&["a", "b"]), &layers(&["a", "c"])),
+            vec!["layer 1: b then c"]
+        );
+        assert_eq!(
+            compare_layers(&layers(&["a", "b"]), &layers(&["a"])),
+            vec!["expected 2 layers, found 1"]
+        );
+    }
+
+    #[test]
     fn image_tags() {
         assert_eq!(image_tag("0.1.0", "gfx1201"), "ember:0.1.0-gfx1201");
     }
@@ -458,16 +676,20 @@ mod tests {
                 pair.join(" ")
             );
         }
-        // The artifact and the two scripts are the only context inputs the Dockerfile reads.
+        // The file layer xtask prepares is the only context input, added at `/`, and no step
+        // runs in the image: a RUN's changes would carry the times of the build.
         let inputs: Vec<&str> = find("ADD").into_iter().chain(find("COPY")).collect();
+        assert_eq!(inputs, vec![format!("{LAYER_FILE} /")]);
+        assert_eq!(find("RUN"), Vec::<&str>::new());
+        // USER and WORKDIR name what the layer creates.
+        assert_eq!(find("USER"), vec![layer::USER]);
+        assert_eq!(find("WORKDIR"), vec![format!("/{}", layer::HOME)]);
         assert_eq!(
-            inputs,
-            vec![
-                "ember.tar.gz /opt/ember-dist/",
-                "entrypoint.sh /usr/local/bin/ember-entrypoint",
-                "healthcheck.sh /usr/local/bin/ember-healthcheck"
-            ]
+            find("ENTRYPOINT"),
+            vec![format!("[\"/{}\"]", layer::ENTRYPOINT)]
         );
+        assert!(healthcheck[0].ends_with(&format!("CMD [\"/{}\"]", layer::HEALTHCHECK)));
+        assert_eq!(find("VOLUME"), vec![format!("[\"/{}\"]", layer::MODELS)]);
         let readme =
             std::fs::read_to_string(crate::project_root().join("docker/README.md")).unwrap();
         for pair in GPU_RUN_ARGS.chunks(2) {

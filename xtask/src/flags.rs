@@ -200,6 +200,10 @@ pub struct Docker {
     /// Base image; defaults to the official ROCm runtime image pinned in targets.toml.
     #[arg(long)]
     pub base: Option<String>,
+    /// Then build the image again with --no-cache from the same artifact and fail unless its file
+    /// layers have the same digests; the second image is removed.
+    #[arg(long)]
+    pub check_reproducible: bool,
 }
 
 #[derive(Debug, clap::Args)]
@@ -223,4 +227,8 @@ pub struct Repro {
     /// Skip the flipped-byte build (it needs an AMDGPU target among --targets).
     #[arg(long)]
     pub no_flip: bool,
+    /// Also build each target's image (docker/Dockerfile on this base) from each build's archive
+    /// and sources, with --no-cache, and compare their file layers; the images are removed.
+    #[arg(long)]
+    pub base: Option<String>,
 }

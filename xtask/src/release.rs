@@ -229,6 +229,7 @@ fn image(
     crate::flags::Docker {
         target: target.name.clone(),
         base: Some(base.clone()),
+        check_reproducible: false,
     }
     .run(sh)?;
     let tag = crate::docker::image_tag(version, &target.name);

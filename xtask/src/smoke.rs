@@ -1514,7 +1514,17 @@ pub(crate) fn verify_sha256sums(dir: &Path) -> Result<usize, Vec<String>> {
             "expected SHA256SUMS next to the binary, found an error: {error}"
         )]
     })?;
-    let entries = parse_sha256sums(&text).map_err(|problem| vec![problem])?;
+    check_sha256sums(&text, |path| sha256_file(&dir.join(path)))
+}
+
+/// Checks every file that the `SHA256SUMS` text lists, getting each one's SHA-256 (hex) from
+/// `digest_of` (the path as listed); returns how many, or every problem found. `cargo xtask docker`
+/// checks an artifact's files in memory with it.
+pub(crate) fn check_sha256sums(
+    text: &str,
+    digest_of: impl Fn(&str) -> std::io::Result<String>,
+) -> Result<usize, Vec<String>> {
+    let entries = parse_sha256sums(text).map_err(|problem| vec![problem])?;
     if entries.is_empty() {
         return Err(vec![
             "expected SHA256SUMS to list files, found it empty".to_string()
@@ -1528,7 +1538,7 @@ pub(crate) fn verify_sha256sums(dir: &Path) -> Result<usize, Vec<String>> {
             ));
             continue;
         }
-        match sha256_file(&dir.join(path)) {
+        match digest_of(path) {
             Ok(actual) if actual == *digest => {}
             Ok(actual) => {
                 problems.push(format!("{path}: expected SHA-256 {digest}, found {actual}"))
@@ -1549,6 +1559,12 @@ pub(crate) fn verify_sha256sums(dir: &Path) -> Result<usize, Vec<String>> {
 /// that `cargo xtask package` writes beside it, so an archive that was rewritten while it was read
 /// (a concurrent build) or damaged in transfer is caught before anything runs from it.
 pub fn verify_archive_checksum(archive: &Path, copy: &Path) -> Result<()> {
+    let actual = sha256_file(copy).with_context(|| format!("reading {}", copy.display()))?;
+    verify_archive_digest(archive, &actual)
+}
+
+/// Checks the SHA-256 (hex) of bytes read from `archive` against its `<archive>.sha256` file.
+pub fn verify_archive_digest(archive: &Path, actual: &str) -> Result<()> {
     let file_name = archive
         .file_name()
         .and_then(|name| name.to_str())
@@ -1574,8 +1590,7 @@ pub fn verify_archive_checksum(archive: &Path, copy: &Path) -> Result<()> {
             sums_path.display()
         );
     }
-    let actual = sha256_file(copy).with_context(|| format!("reading {}", copy.display()))?;
-    if actual != *digest {
+    if actual != digest {
         bail!(
             "expected {file_name} to have SHA-256 {digest} (from {}), found {actual}: the archive is damaged or was rewritten while it was read; rebuild it",
             sums_path.display()

@@ -7,8 +7,10 @@
 //! checks: kernels for every target, a wrong target name failing, the gfx1201 and gfx1151
 //! artifacts and their manifests and `ember info`, the Windows artifact under wine, the release
 //! matrix and its drift detection, actionlint, no build path in the artifacts, `xtask verify` on
-//! them, the container image with its smoke test, with `--repro`, reproducibility (`xtask repro`: cpu and gfx1201
-//! again from another folder with a clean CARGO_TARGET_DIR, then a flipped source byte), the
+//! them, the container image (built twice: its file layers must have the same digests) with its
+//! smoke test, with `--repro`, reproducibility (`xtask repro`: cpu and gfx1201
+//! again from another folder with a clean CARGO_TARGET_DIR, archives and images' file layers, then
+//! a flipped source byte), the
 //! gfx1201 build with the host kernel toolchain hidden (it builds in the container and must equal
 //! the host build) and `xtask release --dry-run` for cpu and gfx1201. Every step runs even after an earlier one failed (a
 //! later failure is often the more telling one); the summary lists them all and the command fails
@@ -285,18 +287,19 @@ impl crate::flags::Test {
             ));
             plan.push(step(
                 format!(
-                    "docker --target cpu --base {}, smoke --image {image}",
+                    "docker --target cpu --base {} --check-reproducible, smoke --image {image}",
                     self.base
                 ),
                 || docker_and_smoke(sh, &self.base, &image, &self.model),
             ));
             if self.repro {
                 plan.push(step(
-                "repro: cpu and gfx1201 built again in another folder with a clean CARGO_TARGET_DIR are byte-identical; a flipped kernel byte changes the sums",
+                "repro: cpu and gfx1201 built again in another folder with a clean CARGO_TARGET_DIR are byte-identical, archives and images' file layers; a flipped kernel byte changes the sums",
                 || {
                     crate::flags::Repro {
                         targets: vec!["cpu".into(), "gfx1201".into()],
                         no_flip: false,
+                        base: Some(self.base.clone()),
                     }
                     .run(sh)
                 },
@@ -896,6 +899,7 @@ fn docker_and_smoke(sh: &Shell, base: &str, image: &str, model: &str) -> Result<
     crate::flags::Docker {
         target: "cpu".to_string(),
         base: Some(base.to_string()),
+        check_reproducible: true,
     }
     .run(sh)?;
     crate::flags::Smoke {

@@ -558,8 +558,10 @@ impl<B: Backend> Backend for SplitBackend<B> {
     type RopeTable = SplitRope<B::RopeTable>;
     type KvLayer = SplitKvLayer<B::KvLayer>;
 
+    /// The last device's: the accelerator of a partial offload (whose device 0 is the CPU), as
+    /// llama.cpp names the backend of a partially offloaded model; `describe` lists every device.
     fn name(&self) -> &'static str {
-        self.devices[0].name()
+        self.devices[self.devices.len() - 1].name()
     }
 
     fn describe(&self) -> String {
@@ -600,8 +602,10 @@ impl<B: Backend> Backend for SplitBackend<B> {
     }
 
     fn layer_done(&self, layer: usize, n_layers: usize) {
-        for device in &self.devices {
-            device.layer_done(layer, n_layers);
+        // Only the device that ran the layer: a device records its own layers' segments, and a
+        // segment boundary on a device that ran nothing would end and launch an empty recording.
+        if let Some(&device) = self.layer_device.get(layer) {
+            self.devices[device].layer_done(layer, n_layers);
         }
     }
 

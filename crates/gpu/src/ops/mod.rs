@@ -31,6 +31,10 @@
 //! while capturing ([`GpuContext::upload`], [`GpuContext::download`],
 //! [`GpuContext::synchronize`]) ends the capture first (the ops recorded so far are dropped, not
 //! run) and runs as usual; [`GpuContext::end_capture`] then says why the capture was aborted.
+//! A capture that has recorded nothing yet is not aborted: it ends, the call runs, and it begins
+//! again (in a layer split, a device's first op of a pass follows the copy of the activations
+//! from the previous device; the pass is still recorded whole). While a capture is open the
+//! device pool's idle trim waits ([`DevicePool::hold_idle_trim`]).
 //!
 //! Launch cost: kernel function handles are cached per context in a table resolved once per
 //! function (no lock and no allocation on the launch path).
@@ -51,7 +55,7 @@ mod moe;
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use thiserror::Error;
@@ -424,6 +428,9 @@ pub struct GpuContext {
     capturing: AtomicBool,
     /// Why the last capture ended early, for `end_capture` to report.
     capture_aborted: Mutex<Option<String>>,
+    /// Ops (kernels, copies, fills) queued since the capture began: while none is, a
+    /// synchronous call restarts the capture instead of aborting it.
+    captured_ops: AtomicU64,
     /// How the ops round.
     numerics: Numerics,
     /// The CPU thread count whose split-KV attention the reference numerics reproduce.
@@ -535,6 +542,7 @@ impl GpuContext {
             functions: FunctionTable::new(),
             capturing: AtomicBool::new(false),
             capture_aborted: Mutex::new(None),
+            captured_ops: AtomicU64::new(0),
             numerics: Numerics::Fast,
             reference_threads: 1,
         })
@@ -616,10 +624,11 @@ impl GpuContext {
 
     /// Waits for everything queued on the context's stream.
     pub fn synchronize(&self) -> Result<(), OpsError> {
-        self.abort_capture("synchronize");
-        self.driver
-            .stream_synchronize(self.device, self.stream)
-            .map_err(|source| self.driver_error("synchronizing the ops stream", source))
+        self.outside_capture("synchronize", || {
+            self.driver
+                .stream_synchronize(self.device, self.stream)
+                .map_err(|source| self.driver_error("synchronizing the ops stream", source))
+        })
     }
 
     /// Allocates from the device's pool.
@@ -633,10 +642,11 @@ impl GpuContext {
         if bytes.is_empty() {
             return Ok(());
         }
-        self.abort_capture("upload");
-        self.driver
-            .upload(self.device, dst, bytes, self.stream)
-            .map_err(|source| self.driver_error("uploading to the device", source))
+        self.outside_capture("upload", || {
+            self.driver
+                .upload(self.device, dst, bytes, self.stream)
+                .map_err(|source| self.driver_error("uploading to the device", source))
+        })
     }
 
     /// Waits for the stream, then copies `out.len()` bytes from `src` into `out`.
@@ -644,10 +654,11 @@ impl GpuContext {
         if out.is_empty() {
             return self.synchronize();
         }
-        self.abort_capture("download");
-        self.driver
-            .download(self.device, out, src, self.stream)
-            .map_err(|source| self.driver_error("downloading from the device", source))
+        self.outside_capture("download", || {
+            self.driver
+                .download(self.device, out, src, self.stream)
+                .map_err(|source| self.driver_error("downloading from the device", source))
+        })
     }
 
     /// Queues a device-to-device copy of `bytes` bytes on the context's stream.
@@ -655,6 +666,7 @@ impl GpuContext {
         if bytes == 0 {
             return Ok(());
         }
+        self.queued();
         self.driver
             .copy_dtod_async(self.device, dst, src, bytes, self.stream)
             .map_err(|source| self.driver_error("copying on the device", source))
@@ -665,6 +677,7 @@ impl GpuContext {
         if bytes == 0 {
             return Ok(());
         }
+        self.queued();
         self.driver
             .memset_d8_async(self.device, dst, 0, bytes, self.stream)
             .map_err(|source| self.driver_error("zeroing device memory", source))
@@ -691,6 +704,7 @@ impl GpuContext {
         args: &KernelArgs,
     ) -> Result<(), OpsError> {
         let function = self.function(module, name)?;
+        self.queued();
         // SAFETY: forwarded from this function's contract.
         unsafe {
             self.driver
@@ -732,11 +746,67 @@ impl GpuContext {
             .capture_aborted
             .lock()
             .unwrap_or_else(|e| e.into_inner()) = None;
-        self.driver
-            .stream_begin_capture(self.device, self.stream)
-            .map_err(|source| self.driver_error("beginning a graph capture", source))?;
+        self.pool.hold_idle_trim();
+        if let Err(source) = self.driver.stream_begin_capture(self.device, self.stream) {
+            self.pool.release_idle_trim();
+            return Err(self.driver_error("beginning a graph capture", source));
+        }
+        self.captured_ops.store(0, Ordering::Release);
         self.capturing.store(true, Ordering::Release);
         Ok(())
+    }
+
+    /// Counts an op queued while capturing (see [`GpuContext::outside_capture`]).
+    fn queued(&self) {
+        if self.capturing.load(Ordering::Relaxed) {
+            self.captured_ops.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Runs the synchronous `call` (`f`) while no capture records: a capture holding ops is
+    /// aborted first (its ops are dropped, see [`GpuContext::end_capture`]); an empty one ends,
+    /// `f` runs, and it begins again, so nothing is lost and the pass is still recorded whole.
+    fn outside_capture<T>(
+        &self,
+        call: &str,
+        f: impl FnOnce() -> Result<T, OpsError>,
+    ) -> Result<T, OpsError> {
+        if !self.capturing.load(Ordering::Acquire) {
+            return f();
+        }
+        if self.captured_ops.load(Ordering::Acquire) > 0 {
+            self.abort_capture(call);
+            return f();
+        }
+        // An empty recording: end it, run the call, record again.
+        let ended = self
+            .driver
+            .stream_end_capture(self.device, self.stream)
+            .and_then(|graph| self.driver.graph_destroy(self.device, graph));
+        if let Err(error) = ended {
+            self.capturing.store(false, Ordering::Release);
+            self.pool.release_idle_trim();
+            self.set_abort_reason(format!(
+                "{call} was called while capturing, and ending the empty capture failed: {error}"
+            ));
+            return f();
+        }
+        let result = f();
+        if let Err(error) = self.driver.stream_begin_capture(self.device, self.stream) {
+            self.capturing.store(false, Ordering::Release);
+            self.pool.release_idle_trim();
+            self.set_abort_reason(format!(
+                "the capture could not begin again after {call}: {error}"
+            ));
+        }
+        result
+    }
+
+    fn set_abort_reason(&self, reason: String) {
+        *self
+            .capture_aborted
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(reason);
     }
 
     /// Whether the context's stream is capturing.
@@ -757,6 +827,7 @@ impl GpuContext {
                 .unwrap_or_else(|| "no capture was in progress".to_string());
             return Err(OpsError::CaptureAborted { reason });
         }
+        self.pool.release_idle_trim();
         self.driver
             .stream_end_capture(self.device, self.stream)
             .map_err(|source| self.driver_error("ending a graph capture", source))
@@ -767,6 +838,7 @@ impl GpuContext {
         if !self.capturing.swap(false, Ordering::AcqRel) {
             return;
         }
+        self.pool.release_idle_trim();
         let mut reason = format!("{call} was called while capturing");
         match self.driver.stream_end_capture(self.device, self.stream) {
             Ok(graph) => {
@@ -776,10 +848,7 @@ impl GpuContext {
             }
             Err(error) => reason.push_str(&format!(" (ending the capture failed: {error})")),
         }
-        *self
-            .capture_aborted
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()) = Some(reason);
+        self.set_abort_reason(reason);
     }
 
     /// Makes a launchable graph of `graph`.
@@ -991,6 +1060,33 @@ mod capture_tests {
         scale(&ctx, buf.ptr(), buf.ptr(), 0.5, 4).unwrap();
         assert_eq!(download(&ctx, buf.ptr(), 4), [3.0, 6.0, 9.0, 12.0]);
         assert_eq!(driver.direct_launches(), 1);
+    }
+
+    #[test]
+    fn an_empty_capture_survives_a_synchronous_call() {
+        // A split device's pass: the capture opens, the activations arrive by an upload before
+        // any op of this device, then its ops are recorded. The whole pass is still one graph.
+        let (ctx, driver, _dir) = context();
+        let buf = ctx.alloc(Purpose::Scratch, 16).unwrap();
+        upload(&ctx, buf.ptr(), &[9.0, 9.0, 9.0, 9.0]);
+        ctx.begin_capture().unwrap();
+        upload(&ctx, buf.ptr(), &[1.0, 2.0, 3.0, 4.0]);
+        assert!(ctx.is_capturing(), "the empty capture began again");
+        ctx.synchronize().unwrap();
+        assert!(ctx.is_capturing(), "and again");
+        scale(&ctx, buf.ptr(), buf.ptr(), 2.0, 4).unwrap();
+        let graph = ctx.end_capture().unwrap();
+        assert_eq!(
+            driver.direct_launches(),
+            0,
+            "the scale was recorded, not run"
+        );
+        assert_eq!(download(&ctx, buf.ptr(), 4), [1.0, 2.0, 3.0, 4.0]);
+        let exec = ctx.instantiate_graph(graph).unwrap();
+        ctx.launch_graph(exec).unwrap();
+        assert_eq!(download(&ctx, buf.ptr(), 4), [2.0, 4.0, 6.0, 8.0]);
+        ctx.destroy_graph(graph).unwrap();
+        ctx.destroy_graph_exec(exec).unwrap();
     }
 
     #[test]

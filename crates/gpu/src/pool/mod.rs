@@ -266,6 +266,10 @@ struct PoolState {
     at_load: Option<MemorySnapshot>,
     at_peak: MemorySnapshot,
     after_idle: Option<MemorySnapshot>,
+    /// Graph captures open on the device ([`DevicePool::hold_idle_trim`]): no idle trim while
+    /// one is, since the trim's device synchronisation would invalidate the recording and its
+    /// unmapping could free memory the recorded ops are about to use.
+    capture_holds: u32,
 }
 
 impl PoolState {
@@ -413,6 +417,7 @@ impl DevicePool {
                     at_load: None,
                     at_peak: MemorySnapshot::default(),
                     after_idle: None,
+                    capture_holds: 0,
                 }),
             }),
         })
@@ -556,6 +561,11 @@ impl DevicePool {
     pub fn trim_if_idle(&self, now: Instant) -> Result<TrimOutcome, PoolError> {
         let shared = &self.shared;
         let mut state = shared.lock();
+        if state.capture_holds > 0 {
+            return Ok(TrimOutcome::NotIdle {
+                remaining: shared.config.idle_after,
+            });
+        }
         let idle_for = now.saturating_duration_since(state.last_activity);
         if idle_for < shared.config.idle_after {
             return Ok(TrimOutcome::NotIdle {
@@ -573,6 +583,21 @@ impl DevicePool {
             released,
             held_after: state.usage.held,
         })
+    }
+
+    /// A graph capture begins on the device: [`DevicePool::trim_if_idle`] trims nothing until
+    /// the matching [`DevicePool::release_idle_trim`]. The pool's lock orders this with a trim in
+    /// progress: a capture never begins while the idle trim synchronises and unmaps.
+    pub fn hold_idle_trim(&self) {
+        self.shared.lock().capture_holds += 1;
+    }
+
+    /// The capture that [`DevicePool::hold_idle_trim`] announced has ended. The idle time counts
+    /// from now, as after any other work.
+    pub fn release_idle_trim(&self) {
+        let mut state = self.shared.lock();
+        state.capture_holds = state.capture_holds.saturating_sub(1);
+        state.last_activity = Instant::now();
     }
 
     /// Trims to the floor now, whether idle or not (after synchronising the device).

@@ -534,3 +534,42 @@ fn available_bytes_are_the_device_free_memory_and_idle_memory_within_the_budget(
         assert_eq!(capped.available_bytes(), Some(32 * MIB), "{kind}");
     }
 }
+
+#[test]
+fn no_idle_trim_while_a_capture_is_open() {
+    for kind in [PoolKind::Vmm, PoolKind::Caching] {
+        let driver = host(HostDriverConfig::default());
+        let pool = pool(kind, &driver, config());
+        drop(pool.alloc(Purpose::Scratch, 4 * MIB).unwrap());
+        let held = driver.used_bytes();
+        assert!(held >= 4 * MIB, "{kind}: {held}");
+        pool.hold_idle_trim();
+        // Long past the idle time: a capture is open, so nothing is trimmed.
+        let later = Instant::now() + Duration::from_secs(5);
+        assert!(
+            matches!(
+                pool.trim_if_idle(later).unwrap(),
+                TrimOutcome::NotIdle { .. }
+            ),
+            "{kind}"
+        );
+        assert_eq!(driver.used_bytes(), held, "{kind}: nothing given back");
+        pool.release_idle_trim();
+        // The idle time counts from the capture's end.
+        assert!(
+            matches!(
+                pool.trim_if_idle(Instant::now()).unwrap(),
+                TrimOutcome::NotIdle { .. }
+            ),
+            "{kind}"
+        );
+        assert!(
+            matches!(
+                pool.trim_if_idle(later).unwrap(),
+                TrimOutcome::Trimmed { .. }
+            ),
+            "{kind}: trimmed once the capture ended and the idle time passed"
+        );
+        assert!(driver.used_bytes() < held, "{kind}: memory given back");
+    }
+}

@@ -1233,3 +1233,43 @@ fn an_address_table_growth_over_the_budget_fails_the_plan_cleanly() {
     // Attention over what the sequence holds still finds its table.
     assert!(cache.layer(0).tables().is_ok());
 }
+
+/// The pass of a split's later device: its capture opens at `begin_forward`, the activations
+/// arrive by `Backend::write` once the earlier devices ran their layers, then its own layers
+/// run. The write comes before any op was recorded, so the pass is still one graph: no repeat
+/// (a repeat would run the earlier devices' layers twice), no direct launch.
+#[test]
+fn activations_written_before_a_devices_first_op_keep_the_pass_recorded() {
+    let (b, driver, _dir) = backend_with_kernels();
+    let mut x = b.alloc(4);
+    let bias = b.alloc(4);
+    let host_bias = [0.25f32, -0.5, 1.0, 0.0];
+    upload_f32(&b, &bias, &host_bias);
+    let batch = Batch::for_sequence(0, 0, &[3], false);
+    let plan = AttentionPlan {
+        id: 91,
+        block_size: 32,
+        slots: vec![0],
+        positions: vec![0],
+        table_of_token: vec![0],
+        tables: vec![vec![0]],
+    };
+    for (i, start) in [[1.0f32, -2.0, 0.5, 3.0], [4.0, 0.0, -1.0, 2.0]]
+        .into_iter()
+        .enumerate()
+    {
+        b.begin_forward(&batch, &plan, &[0]);
+        Backend::write(&b, &mut x, &start);
+        for _ in 0..2 {
+            b.scale(&mut x, 4, 1.5);
+            b.add_inplace(&mut x, &bias, 4);
+        }
+        let mut out = Vec::new();
+        b.read(&x, 4, &mut out);
+        assert!(!b.end_forward(), "pass {i} needs no repeat");
+        assert_eq!(b.take_failure(), None);
+        assert_eq!(out, expected_layers(&start, &host_bias, 1.5, 2), "pass {i}");
+        assert_eq!(b.graph_stats().launched, i as u64 + 1, "one graph per pass");
+    }
+    assert_eq!(driver.direct_launches(), 0, "every op ran inside a graph");
+}
