@@ -1,8 +1,8 @@
 //! Loading a model to run: resolve the model name (a GGUF path, or a pinned model fetched on first
 //! use), open the GGUF file, load the tokenizer, decide the device from [`DeviceOptions`] and the
-//! model's layer count, and place the weights there. On a GPU it also checks that the weights
-//! really are in VRAM, runs one warm-up forward pass so the first request does not pay for kernel
-//! and BLAS set-up, and trims the pool to its post-load floor.
+//! model's layer count, and place the weights there. On a GPU (and on each simulated device) it
+//! also checks that the weights really are in VRAM, runs one warm-up forward pass so the first
+//! request does not pay for kernel and BLAS set-up, and trims the pool to its post-load floor.
 //!
 //! Nothing here writes to the terminal: what a user may want to see (download and tensor
 //! progress, the device chosen, the numerics mode, the placement verdict, the CPU fallback, the
@@ -30,6 +30,8 @@ use crate::backend::gpu::{
     self, GpuBackend, GpuOpenError, GpuSelection, Numerics, NumericsError, OpenOptions, Opened,
 };
 use crate::backend::mixed::OneOf;
+#[cfg(unix)]
+use crate::backend::sim::SimDevice;
 use crate::backend::split::{SplitBackend, SplitLayout};
 use crate::backend::split_memory::{DeviceMemory, SplitMemory};
 use crate::backend::Backend;
@@ -38,7 +40,11 @@ use crate::device::{DeviceOptions, Placement, PlacementError};
 use crate::load_plan::{LoadPlan, ModelBytes, PlanDevice, PlanError, PlanOptions, Target};
 use crate::model::{architecture_of, ContextParams, ForwardError, HParams, Model, ModelError};
 use crate::models::{self, PullError, PullProgress};
-use ember_gpu::peer::{plan_pairs, PairState, PeerGate, PeerLink, SimPeerLink};
+use ember_gpu::peer::PairState;
+#[cfg(unix)]
+use ember_gpu::peer::{plan_pairs, PeerGate, PeerLink, SimPeerLink};
+#[cfg(unix)]
+use ember_gpu::Driver as _;
 
 /// How long [`Loaded::report_memory_after_idle`] waits for the pool to trim itself.
 const IDLE_REPORT_WAIT: Duration = Duration::from_secs(3);
@@ -60,18 +66,21 @@ pub struct Loaded<B: Backend> {
     /// A memory report was asked for (and the model runs on a GPU or over a split, which have
     /// one to give).
     pub memory_report: bool,
-    /// Over a split: the devices without a pool of their own (the CPU, simulated devices),
-    /// whose memory the split counts.
+    /// Over a split: the devices whose memory the split counts (the CPU, simulated devices),
+    /// and the simulated devices' pools.
     pub split_memory: Option<SplitMemoryView>,
 }
 
-/// The devices of a split whose memory the split's own counts report: those without a pool
-/// (a GPU's pool reports itself, in [`LoadEvent::MemoryReport`]).
+/// The devices of a split whose memory the split's own counts report: those without a GPU
+/// backend's pool (a GPU's pool reports itself, in [`LoadEvent::MemoryReport`]); and the pools
+/// the split reserves from (simulated devices'), reported beside the counts.
 #[derive(Debug, Clone)]
 pub struct SplitMemoryView {
     pub memory: Arc<SplitMemory>,
     /// The devices reported, in device order.
     pub devices: Vec<usize>,
+    /// The pools of the split's simulated devices, in device order.
+    pub pools: Vec<Arc<DevicePool>>,
 }
 
 impl SplitMemoryView {
@@ -83,9 +92,25 @@ impl SplitMemoryView {
             .collect()
     }
 
-    /// Reports the devices' memory as a [`LoadEvent::SplitMemory`].
+    /// Reports the pools' memory as a [`LoadEvent::MemoryReport`] (when there are any), then
+    /// the devices' counts as a [`LoadEvent::SplitMemory`].
     pub fn report(&self, on_event: &mut dyn FnMut(LoadEvent<'_>)) {
+        if !self.pools.is_empty() {
+            let pools: Vec<DevicePool> = self.pools.iter().map(|p| DevicePool::clone(p)).collect();
+            on_event(LoadEvent::MemoryReport(&MemoryReport::from_pools(&pools)));
+        }
         on_event(LoadEvent::SplitMemory(&self.devices()));
+    }
+
+    /// Waits (at most 3 s each) for the pools to trim themselves after the work, then reports
+    /// as [`SplitMemoryView::report`] does.
+    pub fn report_after_idle(&self, on_event: &mut dyn FnMut(LoadEvent<'_>)) {
+        for pool in &self.pools {
+            if let Err(error) = wait_for_idle_trim(pool, IDLE_REPORT_WAIT) {
+                on_event(LoadEvent::IdleTrimFailed(&error));
+            }
+        }
+        self.report(on_event);
     }
 }
 
@@ -173,15 +198,19 @@ pub enum LoadEvent<'a> {
     MemoryReport(&'a MemoryReport),
     /// A memory report was asked for, but the model runs on the CPU: there is no device memory.
     NoDeviceMemory,
-    /// In a memory report, the devices of a split without a pool of their own (the CPU of a
-    /// partial offload, simulated devices): their weights (read from the mapped file), KV
-    /// blocks and activation buffers, now and at peak, as the split placed and allocated them.
+    /// In a memory report, the devices of a split without a GPU backend's pool (the CPU of a
+    /// partial offload, simulated devices, whose pools are reported beside): their weights (as
+    /// stored in the file), KV blocks and activation buffers, now and at peak, as the split
+    /// placed and allocated them.
     SplitMemory(&'a [DeviceMemory]),
     /// The pool could not trim itself while waiting for idle before the final memory report
     /// (the report still follows).
     IdleTrimFailed(&'a PoolError),
     /// Which device holds which layers, and its bytes by purpose.
     Plan(&'a LoadPlan),
+    /// Simulated devices told to report their weights in host memory
+    /// (`EMBER_SIM_HOST_WEIGHTS`), which their placement check will then find.
+    SimHostWeights { devices: &'a [String] },
     /// How copies travel between each ordered pair of GPUs, after the start-up peer-copy
     /// self-test; `corrupting` names the simulated pairs told to corrupt
     /// (`EMBER_SIM_CORRUPT_PEER`).
@@ -348,7 +377,7 @@ impl MemoryReporter {
             report_pool_memory_after_idle(pool, on_event);
         }
         if let Some(split) = &self.split {
-            split.report(on_event);
+            split.report_after_idle(on_event);
         }
     }
 }
@@ -798,7 +827,32 @@ pub(crate) fn check_placement(
     device_name: &str,
     on_event: &mut dyn FnMut(LoadEvent<'_>),
 ) -> Result<(), LoadError> {
-    let buffers = backend.placed_weights();
+    check_placement_of(
+        driver,
+        ordinal,
+        &backend.placed_weights(),
+        free_before,
+        device,
+        path,
+        device_name,
+        on_event,
+    )
+}
+
+/// The placement check of one device's weight `buffers` (name, address, bytes), a GPU's or a
+/// simulated device's: they must be in its VRAM (or, with `--allow-host-weights`, a warning
+/// names the device).
+#[allow(clippy::too_many_arguments)]
+fn check_placement_of(
+    driver: &dyn ember_gpu::Driver,
+    ordinal: usize,
+    buffers: &[(String, ember_gpu::DevicePtr, u64)],
+    free_before: u64,
+    device: &DeviceOptions,
+    path: &Path,
+    device_name: &str,
+    on_event: &mut dyn FnMut(LoadEvent<'_>),
+) -> Result<(), LoadError> {
     let views: Vec<(&str, ember_gpu::DevicePtr, u64)> = buffers
         .iter()
         .map(|(name, ptr, bytes)| (name.as_str(), *ptr, *bytes))
@@ -919,6 +973,7 @@ fn load_offloaded(
         split_memory: Some(SplitMemoryView {
             memory: model_memory,
             devices: vec![0],
+            pools: Vec::new(),
         }),
     };
     if loaded.memory_report {
@@ -956,8 +1011,6 @@ pub fn offload_split(
     )
 }
 
-/// The memory a simulated device offers the plan when no --vram-budget says otherwise.
-const SIM_DEVICE_MEMORY: u64 = 16 << 30;
 /// The context the load plan reserves KV cache for (the context is chosen after load).
 const PLAN_CONTEXT: usize = 4096;
 /// Tokens of the largest batch the plan reserves activation scratch for.
@@ -965,8 +1018,10 @@ const PLAN_BATCH: usize = 512;
 
 /// A simulated peer link as the split sees it: the split's device 0 is the CPU, so device
 /// `i + 1` is `sim:i`.
+#[cfg(unix)]
 struct SimLink(SimPeerLink);
 
+#[cfg(unix)]
 impl PeerLink for SimLink {
     fn copy(&self, src: usize, dst: usize, data: &[u8], out: &mut Vec<u8>) -> Result<(), String> {
         match (src.checked_sub(1), dst.checked_sub(1)) {
@@ -976,8 +1031,25 @@ impl PeerLink for SimLink {
     }
 }
 
+/// Simulated devices need the host driver, which maps memory with the Unix `mmap`.
+#[cfg(not(unix))]
+fn load_on_sims(
+    _common: Common,
+    _hparams: &HParams,
+    _n_sim: usize,
+    _options: &LoadOptions,
+    _on_event: &mut dyn FnMut(LoadEvent<'_>),
+) -> Result<Loaded<SplitBackend<CpuBackend>>, LoadError> {
+    Err(LoadError::SimDevices(
+        "simulated devices run on the host driver, which is built for Unix only".to_string(),
+    ))
+}
+
 /// Loads the model over `n_sim` simulated devices and the CPU, by a [`LoadPlan`]; copies
-/// between simulated devices use their peer link where the start-up self-test passes.
+/// between simulated devices use their peer link where the start-up self-test passes. Each
+/// simulated device has its own pool (budget, accounting, idle trim) and placement check, as a
+/// GPU does ([`crate::backend::sim`]).
+#[cfg(unix)]
 fn load_on_sims(
     common: Common,
     hparams: &HParams,
@@ -994,12 +1066,26 @@ fn load_on_sims(
         start,
     } = common;
     let bytes = plan_bytes(&gguf, hparams);
-    let names: Vec<String> = (0..n_sim).map(|i| format!("sim:{i}")).collect();
-    let plan_devices: Vec<PlanDevice> = names
+    let sims = SimDevice::open_all(n_sim, device.vram_budget).map_err(LoadError::SimDevices)?;
+    let names: Vec<String> = sims.iter().map(|sim| sim.name.clone()).collect();
+    let mut free_before = Vec::with_capacity(n_sim);
+    for (ordinal, sim) in sims.iter().enumerate() {
+        let free = sim
+            .driver
+            .mem_info(ordinal)
+            .map_err(|source| LoadError::FreeMemory {
+                device: sim.name.clone(),
+                source,
+            })?
+            .free;
+        free_before.push(free);
+    }
+    let plan_devices: Vec<PlanDevice> = sims
         .iter()
-        .map(|name| PlanDevice {
-            name: name.clone(),
-            available: device.vram_budget.unwrap_or(SIM_DEVICE_MEMORY),
+        .zip(&free_before)
+        .map(|(sim, &free)| PlanDevice {
+            name: sim.name.clone(),
+            available: sim.pool.available_bytes().unwrap_or(free),
         })
         .collect();
     let plan_options = PlanOptions {
@@ -1052,17 +1138,33 @@ fn load_on_sims(
     }
     let mut split_names = vec!["cpu".to_string()];
     split_names.extend(names.iter().cloned());
+    let host_weights: Vec<String> = sims
+        .iter()
+        .filter(|sim| sim.driver.config().reported_memory_type != ember_gpu::MemoryType::Device)
+        .map(|sim| sim.name.clone())
+        .collect();
+    if !host_weights.is_empty() {
+        on_event(LoadEvent::SimHostWeights {
+            devices: &host_weights,
+        });
+    }
     let link: Arc<dyn PeerLink> = Arc::new(SimLink(sim_link));
-    let backend = SplitBackend::new(backends, split_names, layout, Some(link), split_pairs);
+    let mut pools = vec![None];
+    pools.extend(sims.iter().map(|sim| Some(Arc::clone(&sim.pool))));
+    let backend = SplitBackend::new(backends, split_names, layout, Some(link), split_pairs)
+        .with_pools(pools, true);
     let model =
         load_weights(gguf, backend, &file_name, on_event).map_err(|source| LoadError::Model {
             path: path.clone(),
             source,
         })?;
-    // No device of the split has a pool: the split's counts are every device's report.
+    settle_on_sims(&model, &sims, &free_before, device, &path, on_event)?;
+    // The split's counts are every device's report (the CPU has no pool), beside the
+    // simulated devices' pools.
     let split_memory = SplitMemoryView {
         memory: Arc::clone(model.backend().memory()),
         devices: (0..=n_sim).collect(),
+        pools: sims.iter().map(|sim| Arc::clone(&sim.pool)).collect(),
     };
     if device.memory_report {
         split_memory.report(on_event);
@@ -1076,6 +1178,49 @@ fn load_on_sims(
         memory_report: device.memory_report,
         split_memory: Some(split_memory),
     })
+}
+
+/// What a load over simulated devices does once the weights are in, as [`settle_on_gpu`] does
+/// for a GPU: the placement check of each device's weights, a warm-up pass, then each pool
+/// trimmed to its post-load floor and marked loaded.
+#[cfg(unix)]
+fn settle_on_sims(
+    model: &Model<SplitBackend<CpuBackend>>,
+    sims: &[SimDevice],
+    free_before: &[u64],
+    device: &DeviceOptions,
+    path: &Path,
+    on_event: &mut dyn FnMut(LoadEvent<'_>),
+) -> Result<(), LoadError> {
+    for (ordinal, sim) in sims.iter().enumerate() {
+        // Device `ordinal + 1` of the split: its device 0 is the CPU.
+        check_placement_of(
+            &*sim.driver,
+            ordinal,
+            &model.backend().placed_weights(ordinal + 1),
+            free_before[ordinal],
+            device,
+            path,
+            &sim.name,
+            on_event,
+        )?;
+    }
+    warm_up(model).map_err(|source| LoadError::WarmUp {
+        device: sims
+            .iter()
+            .map(|sim| sim.name.as_str())
+            .collect::<Vec<_>>()
+            .join(","),
+        source,
+    })?;
+    for sim in sims {
+        sim.pool.trim_now().map_err(|source| LoadError::Trim {
+            device: sim.name.clone(),
+            source,
+        })?;
+        sim.pool.mark_loaded();
+    }
+    Ok(())
 }
 
 /// Runs one small forward pass (enough tokens for the prefill path, and a decode step) so the

@@ -1301,6 +1301,20 @@ fn metrics_over_a_split_give_each_devices_memory() {
             json!({"max_tokens": 8, "temperature": 0}),
         ),
     ));
+    let pool_series = |name: &str, device: &str| format!("{name}{{device=\"{device}\"}}");
+    let trims = |metrics: &std::collections::BTreeMap<String, f64>, device: &str| {
+        metric(
+            metrics,
+            &pool_series("ember_device_memory_trims_total", device),
+        )
+    };
+    // The pools' trims so far (the one after load): the idle trim after the request comes
+    // later, once the pool has seen no allocation or free for its idle time.
+    let after_request = server.metrics();
+    let trims_before = [
+        trims(&after_request, "sim:0"),
+        trims(&after_request, "sim:1"),
+    ];
     // The attention shape from the file: a K and a V row of f16 per token and KV head, in
     // blocks of 32 tokens, on each layer.
     let gguf = ember_gguf::Gguf::open(&model()).unwrap();
@@ -1350,6 +1364,39 @@ fn metrics_over_a_split_give_each_devices_memory() {
                     .map(|t| t.n_bytes)
                     .sum();
                 assert_eq!(metric(&metrics, &series(device, "weights")), own as f64);
+            }
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // Each simulated device's pool: it held its weights and more during the request, and once
+    // idle its trimmer trims it (a trim after the request's) back to within 5% of what it held
+    // after load (`ember stress`'s floor rule).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let metrics = server.metrics();
+        let trimmed = ["sim:0", "sim:1"]
+            .iter()
+            .zip(trims_before)
+            .all(|(device, before)| trims(&metrics, device) > before);
+        if trimmed || Instant::now() > deadline {
+            for (device, before) in ["sim:0", "sim:1"].into_iter().zip(trims_before) {
+                assert!(trims(&metrics, device) > before, "{device}: {metrics:?}");
+                let held = metric(
+                    &metrics,
+                    &pool_series("ember_device_memory_held_bytes", device),
+                );
+                let floor = metric(
+                    &metrics,
+                    &pool_series("ember_device_memory_floor_bytes", device),
+                );
+                let peak = metric(
+                    &metrics,
+                    &pool_series("ember_device_memory_peak_held_bytes", device),
+                );
+                let weights = metric(&metrics, &series(device, "weights"));
+                assert!(floor >= weights && peak > floor, "{device}: {metrics:?}");
+                assert!(held <= floor * 1.05, "{device}: held {held}, floor {floor}");
             }
             break;
         }

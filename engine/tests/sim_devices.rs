@@ -3,8 +3,10 @@
 //! simulated devices run the CPU's ops and the split moves activations bit-exactly, so the
 //! tokens are equal, which the golden rule accepts trivially); partial offload (`-ngl`) puts
 //! the first layers on the CPU with the same tokens; a corrupting peer pair is reported at
-//! start, falls back to host staging, and the tokens stay the same. Bad flag values are refused
-//! naming the flag.
+//! start, falls back to host staging, and the tokens stay the same. A device whose weights are
+//! observed in host memory (`EMBER_SIM_HOST_WEIGHTS`) is refused naming it, or warned about
+//! with `--allow-host-weights`; `--vram-budget` is each device's pool's budget. Bad flag values
+//! are refused naming the flag.
 
 mod common;
 
@@ -13,24 +15,11 @@ use std::process::Command;
 const PROMPT: &str = "The capital of France is";
 
 fn run(model: &str, args: &[&str], corrupt: Option<&str>) -> (Vec<u64>, String) {
-    let path = common::model_path(model);
-    let mut command = Command::new(env!("CARGO_BIN_EXE_ember"));
-    command
-        .env_remove("EMBER_LOG")
-        .env_remove("EMBER_SIM_CORRUPT_PEER")
-        .arg("run")
-        .arg("-m")
-        .arg(&path)
-        .args([
-            "-p", PROMPT, "-n", "12", "--temp", "0", "-t", "2", "-c", "256",
-        ])
-        .args(["--format", "json"])
-        .args(args);
-    if let Some(pairs) = corrupt {
-        command.env("EMBER_SIM_CORRUPT_PEER", pairs);
-    }
-    let out = command.output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let env: Vec<(&str, &str)> = corrupt
+        .map(|pairs| ("EMBER_SIM_CORRUPT_PEER", pairs))
+        .into_iter()
+        .collect();
+    let (out, stderr) = run_with_env(model, args, &env);
     assert!(out.status.success(), "{model} {args:?}: {stderr}");
     let json: serde_json::Value = serde_json::from_slice(&out.stdout)
         .unwrap_or_else(|e| panic!("{model} {args:?}: {e}: {stderr}"));
@@ -41,6 +30,33 @@ fn run(model: &str, args: &[&str], corrupt: Option<&str>) -> (Vec<u64>, String) 
         .map(|t| t.as_u64().unwrap())
         .collect();
     (tokens, stderr)
+}
+
+/// `ember run` of 12 greedy tokens with `args`, the simulated devices' test hooks set only as
+/// `env` says.
+fn run_with_env(
+    model: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> (std::process::Output, String) {
+    let path = common::model_path(model);
+    let mut command = Command::new(env!("CARGO_BIN_EXE_ember"));
+    command
+        .env_remove("EMBER_LOG")
+        .env_remove("EMBER_SIM_CORRUPT_PEER")
+        .env_remove("EMBER_SIM_HOST_WEIGHTS")
+        .arg("run")
+        .arg("-m")
+        .arg(&path)
+        .args([
+            "-p", PROMPT, "-n", "12", "--temp", "0", "-t", "2", "-c", "256",
+        ])
+        .args(["--format", "json"])
+        .args(args)
+        .envs(env.iter().copied());
+    let out = command.output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    (out, stderr)
 }
 
 fn check_model(model: &str) {
@@ -169,7 +185,7 @@ fn check_memory_report(model: &str) {
         None,
     );
     let after_run = stderr
-        .rsplit("memory report of the split's devices without a pool")
+        .rsplit("memory report of the split's devices as the split counts them")
         .next()
         .unwrap();
     let mut layers_seen = 0;
@@ -221,4 +237,132 @@ fn check_memory_report(model: &str) {
 fn the_memory_report_counts_each_simulated_devices_kv_and_weights() {
     check_memory_report("smollm2-135m-instruct-q4_1");
     check_memory_report("gemma3-270m-q4_k_m");
+}
+
+#[test]
+fn a_device_whose_weights_are_in_host_memory_is_refused_or_warned_about_naming_it() {
+    let model = "smollm2-135m-instruct-q4_1";
+    let split = ["--device", "sim:0,sim:1"];
+    let host_weights = [("EMBER_SIM_HOST_WEIGHTS", "1")];
+    let hook = "warning: EMBER_SIM_HOST_WEIGHTS: the weights of sim:1 are observed in host memory (simulated)";
+
+    let (out, stderr) = run_with_env(model, &split, &host_weights);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains(hook), "{stderr}");
+    // sim:0 passes its check; sim:1 is refused, by name, with the way out.
+    assert!(
+        stderr.contains("sim:0: 33.8 MiB of weights placed"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("on sim:1: weights are not in VRAM on device 1 (sim:1): 128 of 128 weight buffers (58.3 MiB of 58.3 MiB) are not device memory, e.g. token_embd.weight is host memory"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("pass --allow-host-weights to run anyway"),
+        "{stderr}"
+    );
+
+    // Over 1, 2, 3 and 4 devices, the last one's weights in host memory: refused, naming it.
+    for n in 1..=4 {
+        let devices: Vec<String> = (0..n).map(|i| format!("sim:{i}")).collect();
+        let last = n - 1;
+        let (out, stderr) = run_with_env(
+            model,
+            &["--device", &devices.join(",")],
+            &[("EMBER_SIM_HOST_WEIGHTS", &last.to_string())],
+        );
+        assert!(!out.status.success(), "{n} devices: {stderr}");
+        assert!(
+            stderr.contains(&format!(
+                "on sim:{last}: weights are not in VRAM on device {last} (sim:{last}): "
+            )),
+            "{n} devices: {stderr}"
+        );
+    }
+
+    let (one, _) = run(model, &["--device", "sim:0"], None);
+    let allowed = ["--device", "sim:0,sim:1", "--allow-host-weights"];
+    let (out, stderr) = run_with_env(model, &allowed, &host_weights);
+    assert!(out.status.success(), "{stderr}");
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let tokens: Vec<u64> = json["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect();
+    assert_eq!(tokens, one, "the warning changes nothing else");
+    assert!(stderr.contains(hook), "{stderr}");
+    assert!(
+        stderr.contains("sim:1: 58.3 MiB of weights placed, device free memory dropped by ")
+            && stderr.contains("\n  warning: 128 of 128 weight buffers (58.3 MiB of 58.3 MiB) are not device memory, e.g. token_embd.weight is host memory"),
+        "{stderr}"
+    );
+    // sim:0's weights are in its VRAM: its verdict carries no warning.
+    let lines: Vec<&str> = stderr.lines().collect();
+    let sim0 = lines
+        .iter()
+        .position(|l| l.starts_with("sim:0: 33.8 MiB of weights placed"))
+        .unwrap_or_else(|| panic!("{stderr}"));
+    assert!(!lines[sim0 + 1].starts_with("  warning"), "{stderr}");
+}
+
+#[test]
+fn each_simulated_device_has_its_own_pool_and_budget_in_the_memory_report() {
+    let model = "smollm2-135m-instruct-q4_1";
+    let args = [
+        "--device",
+        "sim:0,sim:1,sim:2",
+        "--vram-budget",
+        "1GiB",
+        "--memory-report",
+    ];
+    let (_, stderr) = run(model, &args, None);
+    for device in 0..3 {
+        assert!(
+            stderr.contains(&format!(
+                "device {device} (sim:{device}): caching pool, budget 1.0 GiB, idle floor 0 B"
+            )),
+            "{stderr}"
+        );
+    }
+}
+
+/// `ember stress` over four simulated devices: once the waves are done and the engine idles,
+/// every device's pool gives its KV blocks and activations back, within 2 s, down to within 5%
+/// of the memory it held after load (the command fails otherwise, naming the device).
+#[test]
+fn after_stress_each_simulated_devices_memory_returns_to_its_floor() {
+    let path = common::model_path("smollm2-135m-instruct-q4_1");
+    let out = Command::new(env!("CARGO_BIN_EXE_ember"))
+        .env_remove("EMBER_SIM_CORRUPT_PEER")
+        .env_remove("EMBER_SIM_HOST_WEIGHTS")
+        .arg("stress")
+        .arg("-m")
+        .arg(&path)
+        .args(["-t", "2", "--device", "sim:0,sim:1,sim:2,sim:3"])
+        .args([
+            "--waves",
+            "2",
+            "--parallel",
+            "2",
+            "--prompts",
+            "32,48",
+            "--gen",
+            "8",
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    for device in 0..4 {
+        assert!(
+            stdout.contains(&format!(
+                "device memory of sim:{device} was back within 5% of the post-load floor "
+            )),
+            "{stdout}"
+        );
+    }
 }

@@ -41,6 +41,10 @@ pub enum HostVmmFailure {
 #[derive(Clone, Debug)]
 pub struct HostDriverConfig {
     pub device_name: String,
+    /// The ordinal the device answers to (0 by default). A simulated device `sim:N`, one of
+    /// several on a host, is ordinal N, so the pool's and the placement check's messages name
+    /// it as the engine does; other ordinals are no such device.
+    pub ordinal: DeviceOrdinal,
     pub arch: String,
     /// The memory the device pretends to have; allocations beyond it fail with out-of-memory.
     pub total_memory: u64,
@@ -60,6 +64,7 @@ impl Default for HostDriverConfig {
     fn default() -> Self {
         HostDriverConfig {
             device_name: "ember host device".to_string(),
+            ordinal: 0,
             arch: "host".to_string(),
             total_memory: 1 << 30,
             granularity: 2 << 20,
@@ -536,10 +541,13 @@ impl HostDriver {
     }
 
     fn check_device(&self, device: DeviceOrdinal) -> Result<(), DriverError> {
-        if device == 0 {
+        if device == self.config.ordinal {
             Ok(())
         } else {
-            Err(DriverError::NoSuchDevice { device, count: 1 })
+            Err(DriverError::NoSuchDevice {
+                device,
+                count: self.config.ordinal + 1,
+            })
         }
     }
 
@@ -583,14 +591,15 @@ impl Driver for HostDriver {
         }
     }
 
+    /// The ordinals up to this device's (those below it belong to other simulated devices).
     fn device_count(&self) -> Result<usize, DriverError> {
-        Ok(1)
+        Ok(self.config.ordinal + 1)
     }
 
     fn device_info(&self, device: DeviceOrdinal) -> Result<DeviceInfo, DriverError> {
         self.check_device(device)?;
         Ok(DeviceInfo {
-            ordinal: 0,
+            ordinal: self.config.ordinal,
             name: self.config.device_name.clone(),
             arch: crate::kernels::normalize_arch(&self.config.arch),
             arch_raw: self.config.arch.clone(),
@@ -1094,7 +1103,7 @@ impl Driver for HostDriver {
         if self.lock().owns(ptr) {
             Ok(PointerInfo {
                 memory_type: self.config.reported_memory_type,
-                device: Some(0),
+                device: Some(self.config.ordinal),
             })
         } else {
             Ok(PointerInfo {

@@ -24,6 +24,7 @@
 pub mod cpu;
 pub mod gpu;
 pub mod mixed;
+pub mod sim;
 pub mod split;
 pub mod split_memory;
 

@@ -19,19 +19,28 @@
 //! boundary, as llama.cpp's layer split does.
 //!
 //! Each device's weights, KV blocks and activation buffers are counted as they are placed and
-//! allocated ([`super::split_memory`]): the memory report of the devices without a pool.
+//! allocated ([`super::split_memory`]): the memory report of the devices without a GPU
+//! backend's pool.
+//! A device given a pool ([`SplitBackend::with_pools`]: simulated devices) has the same bytes
+//! reserved from it, so its budget refuses what does not fit (a weight: the load fails naming
+//! the device; an allocation during a forward pass: the pass fails with an out-of-memory
+//! [`OpFailure`] naming it), its pool trims to its floor when idle, and its weights' pool
+//! buffers are what the placement check observes.
 //!
 //! Not built: models with recurrent state (hybrids' linear attention) over more than one
 //! device, whose per-sequence state buffer holds every layer's state: they are refused at load.
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use ember_gguf::{Gguf, TensorInfo};
 use ember_gpu::peer::{PairState, PeerLink};
+use ember_gpu::pool::{DevicePool, PoolBuffer, PoolError};
+use ember_gpu::DevicePtr;
 
-use super::split_memory::{SplitMemory, SplitPurpose};
+use super::gpu::trim::IdleTrimmer;
+use super::split_memory::{Reservation, SplitMemory, SplitPurpose};
 use super::{Backend, BackendError, MoeFfn, OpFailure, SharedExpert};
 use crate::batch::Batch;
 use crate::ops::{AttentionPlan, FfnActivation, RopeMode, RopeParams};
@@ -48,6 +57,8 @@ struct Parts<Buf> {
     len: usize,
     /// Bytes of each device's part as last counted in `memory` (taken off when dropped).
     counted: Vec<u64>,
+    /// Each part's bytes reserved from its device's pool, where the device has one.
+    reserved: Vec<Reservation>,
     memory: Arc<SplitMemory>,
 }
 
@@ -80,6 +91,8 @@ pub struct OnDevice<T> {
     /// Where a device that streams weights finds it (see [`STREAM_MIN_TOKENS`]): set for the
     /// matrices of the devices that do not stream, in a split that has one that does.
     source: Option<Box<(Arc<Gguf>, TensorInfo)>>,
+    /// Its bytes reserved from the device's pool, where the device has one.
+    _reserved: Option<PoolBuffer>,
 }
 
 /// The fewest tokens of a product that a split runs on its weight-streaming device (a GPU of a
@@ -105,6 +118,8 @@ pub struct SplitKvLayer<K> {
     device: usize,
     inner: K,
     counted: u64,
+    /// Its bytes reserved from the device's pool, where the device has one.
+    reserved: Reservation,
     memory: Arc<SplitMemory>,
 }
 
@@ -160,6 +175,16 @@ pub struct SplitBackend<B: Backend> {
     stream_to: Option<(usize, usize)>,
     /// Products run by [`Backend::matmul_streamed`] so far.
     streamed_products: AtomicU64,
+    /// The pool of each device that has one ([`SplitBackend::with_pools`]).
+    pools: Vec<Option<Arc<DevicePool>>>,
+    /// Each device's op scratch reserved from its pool.
+    op_scratch_reserved: Vec<Mutex<Reservation>>,
+    /// The weight buffers reserved on each device with a pool: name, address, bytes.
+    placed: Mutex<Vec<Vec<(String, DevicePtr, u64)>>>,
+    /// The first reservation that failed during ops, for [`Backend::take_failure`].
+    failure: Mutex<Option<OpFailure>>,
+    /// The idle trimmers of the pools, stopped with the split.
+    _trimmers: Vec<IdleTrimmer>,
 }
 
 impl<B: Backend> Drop for SplitBackend<B> {
@@ -263,8 +288,72 @@ impl<B: Backend> SplitBackend<B> {
             staged_copies: AtomicU64::new(0),
             bytes: AtomicU64::new(0),
             op_scratch: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            pools: (0..n).map(|_| None).collect(),
+            op_scratch_reserved: (0..n).map(|_| Mutex::default()).collect(),
+            placed: Mutex::new((0..n).map(|_| Vec::new()).collect()),
+            failure: Mutex::new(None),
+            _trimmers: Vec::new(),
         }
         .with_stream_min_tokens(stream_min)
+    }
+
+    /// Gives devices pools of their own (`pools[d]` for device `d`, `None` for a device
+    /// without one): from now on every byte the split counts on such a device is also reserved
+    /// from its pool (see the module documentation). With `idle_trim`, a thread per pool trims
+    /// it to its floor once idle, as a GPU backend's does. Call it before placing anything.
+    pub fn with_pools(mut self, pools: Vec<Option<Arc<DevicePool>>>, idle_trim: bool) -> Self {
+        assert_eq!(
+            pools.len(),
+            self.devices.len(),
+            "one pool slot per device of the split"
+        );
+        if idle_trim {
+            self._trimmers = pools
+                .iter()
+                .flatten()
+                .filter_map(|pool| IdleTrimmer::start(Arc::clone(pool)))
+                .collect();
+        }
+        self.pools = pools;
+        self
+    }
+
+    /// The pool of each device that has one, in device order.
+    pub fn pools(&self) -> &[Option<Arc<DevicePool>>] {
+        &self.pools
+    }
+
+    /// The weight buffers reserved from `device`'s pool (name, address, bytes), for its
+    /// placement check; empty for a device without a pool.
+    pub fn placed_weights(&self, device: usize) -> Vec<(String, DevicePtr, u64)> {
+        lock(&self.placed)[device].clone()
+    }
+
+    /// Resizes `reservation` on `device` (when it has a pool) to `bytes`; a failure is kept for
+    /// [`Backend::take_failure`], naming the device and the op.
+    fn reserve(
+        &self,
+        device: usize,
+        reservation: &mut Reservation,
+        purpose: SplitPurpose,
+        bytes: u64,
+        op: &'static str,
+    ) {
+        let Some(pool) = &self.pools[device] else {
+            return;
+        };
+        if let Err(error) = reservation.resize(pool, purpose, bytes) {
+            let failure = OpFailure {
+                backend: self.devices[device].name(),
+                op,
+                cause: format!("{}: {error}", self.names[device]),
+                out_of_memory: matches!(
+                    error,
+                    PoolError::BudgetExceeded { .. } | PoolError::OutOfMemory { .. }
+                ),
+            };
+            lock(&self.failure).get_or_insert(failure);
+        }
     }
 
     /// Counts each device's op scratch again (after a forward pass, or after giving it back).
@@ -274,6 +363,14 @@ impl<B: Backend> SplitBackend<B> {
             let old = self.op_scratch[device].swap(bytes, Ordering::Relaxed);
             self.memory
                 .change(device, SplitPurpose::Scratch, old, bytes);
+            let mut reserved = lock(&self.op_scratch_reserved[device]);
+            self.reserve(
+                device,
+                &mut reserved,
+                SplitPurpose::Scratch,
+                bytes,
+                "op scratch",
+            );
         }
     }
 
@@ -299,11 +396,25 @@ impl<B: Backend> SplitBackend<B> {
         &self.memory
     }
 
-    /// The device `info` goes to, counting its bytes there.
-    fn place(&self, info: &TensorInfo) -> usize {
+    /// The device `info` goes to, counting its bytes there and reserving them from its pool
+    /// (when it has one); a device over its budget refuses the tensor, naming itself.
+    fn place(&self, info: &TensorInfo) -> Result<(usize, Option<PoolBuffer>), BackendError> {
         let device = self.device_of_tensor(&info.name);
+        let reserved = match &self.pools[device] {
+            Some(pool) if info.n_bytes > 0 => {
+                let buffer = pool
+                    .alloc(SplitPurpose::Weights.pool_purpose(), info.n_bytes)
+                    .map_err(|error| BackendError::Device {
+                        tensor: info.name.clone(),
+                        cause: format!("{}: {error}", self.names[device]),
+                    })?;
+                lock(&self.placed)[device].push((info.name.clone(), buffer.ptr(), buffer.len()));
+                Some(buffer)
+            }
+            _ => None,
+        };
         self.memory.add(device, SplitPurpose::Weights, info.n_bytes);
-        device
+        Ok((device, reserved))
     }
 
     /// Gives `parts` room for its length on `device` (allocating its part there the first
@@ -322,14 +433,28 @@ impl<B: Backend> SplitBackend<B> {
         self.memory
             .change(device, SplitPurpose::Scratch, parts.counted[device], bytes);
         parts.counted[device] = bytes;
+        self.reserve(
+            device,
+            &mut parts.reserved[device],
+            SplitPurpose::Scratch,
+            bytes,
+            "alloc",
+        );
     }
 
-    /// Counts the bytes of `layer` again after a change.
-    fn recount_kv(&self, layer: &mut SplitKvLayer<B::KvLayer>) {
+    /// Counts the bytes of `layer` again after a change (`op` made it).
+    fn recount_kv(&self, layer: &mut SplitKvLayer<B::KvLayer>, op: &'static str) {
         let bytes = self.devices[layer.device].kv_bytes(&layer.inner) as u64;
         self.memory
             .change(layer.device, SplitPurpose::Kv, layer.counted, bytes);
         layer.counted = bytes;
+        self.reserve(
+            layer.device,
+            &mut layer.reserved,
+            SplitPurpose::Kv,
+            bytes,
+            op,
+        );
     }
 
     /// The device backends, in device order.
@@ -542,8 +667,8 @@ impl<B: Backend> Backend for SplitBackend<B> {
 
     fn take_failure(&self) -> Option<OpFailure> {
         // Every device's failure is taken, so none is left to blame a later pass; the first
-        // is reported.
-        let mut first = None;
+        // is reported, a pool's refusal before the devices' own.
+        let mut first = lock(&self.failure).take();
         for device in &self.devices {
             if let Some(failure) = device.take_failure() {
                 first.get_or_insert(failure);
@@ -580,7 +705,7 @@ impl<B: Backend> Backend for SplitBackend<B> {
     }
 
     fn matrix(&self, gguf: &Arc<Gguf>, info: &TensorInfo) -> Result<Self::Matrix, BackendError> {
-        let device = self.place(info);
+        let (device, reserved) = self.place(info)?;
         let source = self
             .stream_to
             .filter(|_| !self.devices[device].streams_weights())
@@ -589,15 +714,17 @@ impl<B: Backend> Backend for SplitBackend<B> {
             device,
             inner: self.devices[device].matrix(gguf, info)?,
             source,
+            _reserved: reserved,
         })
     }
 
     fn vector(&self, gguf: &Arc<Gguf>, info: &TensorInfo) -> Result<Self::Vector, BackendError> {
-        let device = self.place(info);
+        let (device, reserved) = self.place(info)?;
         Ok(OnDevice {
             device,
             inner: self.devices[device].vector(gguf, info)?,
             source: None,
+            _reserved: reserved,
         })
     }
 
@@ -610,11 +737,12 @@ impl<B: Backend> Backend for SplitBackend<B> {
         gguf: &Arc<Gguf>,
         info: &TensorInfo,
     ) -> Result<Self::Matrix, BackendError> {
-        let device = self.place(info);
+        let (device, reserved) = self.place(info)?;
         Ok(OnDevice {
             device,
             inner: self.devices[device].expert_matrix(gguf, info)?,
             source: None,
+            _reserved: reserved,
         })
     }
 
@@ -637,6 +765,7 @@ impl<B: Backend> Backend for SplitBackend<B> {
             home,
             len,
             counted: vec![0; n],
+            reserved: (0..n).map(|_| Reservation::default()).collect(),
             memory: Arc::clone(&self.memory),
         };
         self.room_on(&mut parts, home);
@@ -1022,20 +1151,21 @@ impl<B: Backend> Backend for SplitBackend<B> {
             device,
             inner: self.devices[device].kv_layer(max_blocks, block_size, n_kv_heads, head_dim),
             counted: 0,
+            reserved: Reservation::default(),
             memory: Arc::clone(&self.memory),
         };
-        self.recount_kv(&mut layer);
+        self.recount_kv(&mut layer, "kv_layer");
         layer
     }
 
     fn kv_materialize(&self, layer: &mut Self::KvLayer, blocks: &[u32]) {
         self.devices[layer.device].kv_materialize(&mut layer.inner, blocks);
-        self.recount_kv(layer);
+        self.recount_kv(layer, "kv_materialize");
     }
 
     fn kv_release(&self, layer: &mut Self::KvLayer, blocks: &[u32]) {
         self.devices[layer.device].kv_release(&mut layer.inner, blocks);
-        self.recount_kv(layer);
+        self.recount_kv(layer, "kv_release");
     }
 
     fn kv_bytes(&self, layer: &Self::KvLayer) -> usize {
@@ -1120,4 +1250,9 @@ impl<B: Backend> Backend for SplitBackend<B> {
             out.parts.get_mut().on_mut(d),
         );
     }
+}
+
+/// Locks `mutex`; a panicked holder's data is still consistent counts.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
 }

@@ -1,8 +1,8 @@
 //! The memory a [`super::split::SplitBackend`] places on each of its devices, by purpose: the
 //! weight tensors it put there, the KV blocks its layers there hold, and the activation
-//! buffers living there. A GPU's pool accounts for its own memory; the CPU and simulated
-//! devices have no pool, so this is what `--memory-report` shows for them (and how a test
-//! checks that a split puts every byte where the plan says).
+//! buffers living there. A GPU backend's pool accounts for its own memory; the CPU has no
+//! pool, so this is what `--memory-report` shows for it, and for simulated devices beside
+//! their pools (and how a test checks that a split puts every byte where the plan says).
 //!
 //! Every figure is counted from the allocations themselves, as the split makes them: a
 //! buffer's or KV layer's bytes are the device backend's own answer
@@ -10,11 +10,15 @@
 //! taken off again when it is dropped; a device's op scratch
 //! ([`super::Backend::op_scratch_bytes`]) is counted after each forward pass and after it is
 //! given back.
+//!
+//! A device with a pool of its own in the split (a simulated device, [`super::sim`]) also has
+//! every counted byte reserved from that pool ([`Reservation`]): the pool's budget then
+//! refuses what does not fit, and its accounting and idle trim are the device's, as on a GPU.
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use ember_gpu::pool::format_bytes;
+use ember_gpu::pool::{format_bytes, DevicePool, PoolBuffer, PoolError, Purpose};
 
 /// What a counted byte is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -29,6 +33,15 @@ pub enum SplitPurpose {
 }
 
 impl SplitPurpose {
+    /// The pool purpose its bytes are reserved as.
+    pub fn pool_purpose(self) -> Purpose {
+        match self {
+            SplitPurpose::Weights => Purpose::Weights,
+            SplitPurpose::Kv => Purpose::Kv,
+            SplitPurpose::Scratch => Purpose::Scratch,
+        }
+    }
+
     fn index(self) -> usize {
         match self {
             SplitPurpose::Weights => 0,
@@ -154,6 +167,45 @@ impl SplitMemory {
     /// Every device's memory, in device order.
     pub fn devices(&self) -> Vec<DeviceMemory> {
         (0..self.devices.len()).map(|d| self.device(d)).collect()
+    }
+}
+
+/// Bytes of one thing the split holds on a device (an activation buffer's part, a KV layer, a
+/// device's op scratch), reserved from the device's pool: a list of pool buffers that grows by
+/// the bytes added and gives back whole buffers when the thing shrinks, so the pool's live
+/// bytes are exactly the split's counts. Dropping it gives everything back to the pool.
+#[derive(Debug, Default)]
+pub struct Reservation {
+    buffers: Vec<PoolBuffer>,
+    bytes: u64,
+}
+
+impl Reservation {
+    /// Bytes reserved now.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Makes the reservation `bytes` long. On failure (the budget, the device's memory) the
+    /// pool's error says why, and the reservation holds less than `bytes`.
+    pub fn resize(
+        &mut self,
+        pool: &DevicePool,
+        purpose: SplitPurpose,
+        bytes: u64,
+    ) -> Result<(), PoolError> {
+        while self.bytes > bytes {
+            let Some(last) = self.buffers.pop() else {
+                break;
+            };
+            self.bytes -= last.len();
+        }
+        if bytes > self.bytes {
+            let buffer = pool.alloc(purpose.pool_purpose(), bytes - self.bytes)?;
+            self.bytes += buffer.len();
+            self.buffers.push(buffer);
+        }
+        Ok(())
     }
 }
 

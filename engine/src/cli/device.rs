@@ -18,8 +18,11 @@ use ember::load_plan::{SplitMode, TensorSplit};
 pub struct DeviceArgs {
     /// Where to run: auto (the first GPU whose architecture has kernels in this build, else the
     /// CPU), cpu, cuda:N or hip:N, or sim:0,sim:1,... (simulated GPUs on the host, for trying
-    /// layer splits without GPUs; EMBER_SIM_CORRUPT_PEER=0,1 makes copies from sim:0 to sim:1
-    /// corrupt, which the start-up peer-copy self-test catches).
+    /// layer splits without GPUs: each has its own memory pool, --vram-budget, idle trim and
+    /// placement check, and runs the CPU's ops; EMBER_SIM_CORRUPT_PEER=0,1 makes copies from
+    /// sim:0 to sim:1 corrupt, which the start-up peer-copy self-test catches;
+    /// EMBER_SIM_HOST_WEIGHTS=1 makes sim:1's weights show as host memory, which the placement
+    /// check refuses, or warns about with --allow-host-weights).
     #[arg(long, default_value = "auto")]
     pub device: DeviceSpec,
     /// Layers on the GPU (also -ngl): 0 keeps the model on the CPU; `all`, or at least the
@@ -28,7 +31,8 @@ pub struct DeviceArgs {
     /// when all fit), the rest on the CPU, as llama.cpp does.
     #[arg(long = "gpu-layers", alias = "n-gpu-layers", value_name = "N|all")]
     pub gpu_layers: Option<GpuLayers>,
-    /// Most device memory the engine may use at once (weights, KV cache and scratch), e.g. 8GiB.
+    /// Most device memory the engine may use at once (weights, KV cache and scratch), e.g. 8GiB;
+    /// over several devices, each device's own budget.
     #[arg(long, value_parser = parse_size, value_name = "SIZE")]
     pub vram_budget: Option<u64>,
     /// Print device memory by purpose at load, at peak and after idle.

@@ -144,7 +144,7 @@ fn print_line(event: &LoadEvent<'_>) {
         LoadEvent::WeightsPlaced { device, verdict } => eprintln!("{device}: {verdict}"),
         LoadEvent::MemoryReport(report) => eprint!("{report}"),
         LoadEvent::SplitMemory(devices) => {
-            eprintln!("memory report of the split's devices without a pool (weights read from the mapped file, KV blocks, activation buffers and the ops' own scratch):");
+            eprintln!("memory report of the split's devices as the split counts them (weights as stored in the file, KV blocks, activation buffers and the ops' own scratch):");
             for device in devices.iter() {
                 eprintln!("  {device}");
             }
@@ -156,6 +156,11 @@ fn print_line(event: &LoadEvent<'_>) {
             eprintln!("warning: trimming device memory failed: {error}")
         }
         LoadEvent::Plan(plan) => eprintln!("load plan:\n{plan}"),
+        LoadEvent::SimHostWeights { devices } => eprintln!(
+            "warning: {}: the weights of {} are observed in host memory (simulated)",
+            ember::backend::sim::HOST_WEIGHTS_ENV,
+            devices.join(", ")
+        ),
         LoadEvent::PeerPairs {
             pairs,
             names,

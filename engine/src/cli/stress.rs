@@ -98,13 +98,19 @@ pub fn run(args: StressArgs) -> anyhow::Result<()> {
         bail!("--oom-request: expected --vram-budget (the oversized request is one whose KV cache alone exceeds the budget)");
     }
     let loaded = load::load_on(&args.model, args.threads, &args.device)?;
-    let (pool, memory_reporter, kv_per_token, n_vocab, description) = with_loaded!(&loaded, |l| (
-        l.pool.clone(),
-        l.memory_reporter(),
-        l.model.hparams().kv_bytes_per_token() as u64,
-        l.model.n_vocab() as u32,
-        format!("{} on {}", l.path.display(), l.model.backend().describe()),
-    ));
+    let (pool, sim_pools, memory_reporter, kv_per_token, n_vocab, description) =
+        with_loaded!(&loaded, |l| (
+            l.pool.clone(),
+            // Simulated devices' pools (a split's other devices have none).
+            l.split_memory
+                .as_ref()
+                .map(|s| s.pools.clone())
+                .unwrap_or_default(),
+            l.memory_reporter(),
+            l.model.hparams().kv_bytes_per_token() as u64,
+            l.model.n_vocab() as u32,
+            format!("{} on {}", l.path.display(), l.model.backend().describe()),
+        ));
     if args.oom_request && pool.is_none() {
         bail!("--oom-request: expected the model on a GPU (the request shows a device out-of-memory failure staying with its request), found it on the CPU");
     }
@@ -148,7 +154,11 @@ pub fn run(args: StressArgs) -> anyhow::Result<()> {
     // bursts: its idle trim and the pool's trimmer (both owned by the loaded model) are what
     // give the memory back. After a shutdown the model is gone and nobody trims.
     let result = result.and_then(|()| match &pool {
-        Some(pool) => watch_floor(pool, Instant::now()),
+        Some(pool) => watch_floor(&[pool], Instant::now()),
+        None if !sim_pools.is_empty() => {
+            let pools: Vec<&DevicePool> = sim_pools.iter().map(|p| &**p).collect();
+            watch_floor(&pools, Instant::now())
+        }
         None => {
             println!("memory: the model runs on the CPU; no device memory to watch");
             Ok(())
@@ -358,72 +368,106 @@ fn stress_on(
     Ok(())
 }
 
-/// Samples device memory every 100 ms for 3 s after `idle_since` and reports when it came within
-/// 5% of the post-load floor; an error if that took longer than 2 s (or never happened).
-fn watch_floor(pool: &DevicePool, idle_since: Instant) -> anyhow::Result<()> {
-    let driver = pool.driver();
-    let device = pool.device();
-    let total = driver
-        .mem_info(device)
-        .context("cannot read the device's memory")?
-        .total;
-    let report = pool.report();
-    let Some(floor_free) = report.at_load.and_then(|s| s.device_free) else {
-        bail!("the post-load memory of the device was not recorded: expected a free-memory figure at load");
-    };
-    let floor_used = total.saturating_sub(floor_free);
-    let limit = floor_used as f64 * (1.0 + FLOOR_TOLERANCE);
-    let floor_held = report.at_load.map_or(0, |s| s.held);
-    println!(
-        "idle: device memory used at load {} (pool held {}); watching for {:.0} s whether it returns within {:.0}% ({})",
-        format_bytes(floor_used),
-        format_bytes(floor_held),
-        SAMPLE_FOR.as_secs_f64(),
-        FLOOR_TOLERANCE * 100.0,
-        format_bytes(limit as u64)
-    );
-    let mut reached: Option<Duration> = None;
+/// Samples each device's memory every 100 ms for 3 s after `idle_since` and reports when it
+/// came within 5% of its post-load floor; an error if that took longer than 2 s (or never
+/// happened) on any device, naming it. Several pools (simulated devices) are watched together,
+/// each line naming its device.
+fn watch_floor(pools: &[&DevicePool], idle_since: Instant) -> anyhow::Result<()> {
+    struct Watched<'a> {
+        pool: &'a DevicePool,
+        name: String,
+        total: u64,
+        floor_used: u64,
+        limit: f64,
+        reached: Option<Duration>,
+    }
+    let several = pools.len() > 1;
+    let mut watched = Vec::with_capacity(pools.len());
+    for &pool in pools {
+        let total = pool
+            .driver()
+            .mem_info(pool.device())
+            .context("cannot read the device's memory")?
+            .total;
+        let report = pool.report();
+        let Some(floor_free) = report.at_load.and_then(|s| s.device_free) else {
+            bail!("the post-load memory of the device was not recorded: expected a free-memory figure at load");
+        };
+        let floor_used = total.saturating_sub(floor_free);
+        let limit = floor_used as f64 * (1.0 + FLOOR_TOLERANCE);
+        let floor_held = report.at_load.map_or(0, |s| s.held);
+        let name = if several {
+            format!("{} ", report.device_name)
+        } else {
+            String::new()
+        };
+        println!(
+            "idle: {name}device memory used at load {} (pool held {}); watching for {:.0} s whether it returns within {:.0}% ({})",
+            format_bytes(floor_used),
+            format_bytes(floor_held),
+            SAMPLE_FOR.as_secs_f64(),
+            FLOOR_TOLERANCE * 100.0,
+            format_bytes(limit as u64)
+        );
+        watched.push(Watched {
+            pool,
+            name,
+            total,
+            floor_used,
+            limit,
+            reached: None,
+        });
+    }
     while idle_since.elapsed() < SAMPLE_FOR {
         let now = idle_since.elapsed();
-        let used = match driver.mem_info(device) {
-            Ok(m) => total.saturating_sub(m.free),
-            Err(error) => bail!("cannot read the device's free memory: {error}"),
-        };
-        let within = (used as f64) <= limit;
-        if within && reached.is_none() {
-            reached = Some(now);
-        } else if !within {
-            reached = None;
+        for w in &mut watched {
+            let used = match w.pool.driver().mem_info(w.pool.device()) {
+                Ok(m) => w.total.saturating_sub(m.free),
+                Err(error) => bail!("cannot read the {}device's free memory: {error}", w.name),
+            };
+            let within = (used as f64) <= w.limit;
+            if within && w.reached.is_none() {
+                w.reached = Some(now);
+            } else if !within {
+                w.reached = None;
+            }
+            println!(
+                "  +{:.1} s: {}used {} ({:+.1}% of the floor), pool held {}",
+                now.as_secs_f64(),
+                w.name,
+                format_bytes(used),
+                (used as f64 / w.floor_used.max(1) as f64 - 1.0) * 100.0,
+                format_bytes(w.pool.usage().held)
+            );
         }
-        println!(
-            "  +{:.1} s: used {} ({:+.1}% of the floor), pool held {}",
-            now.as_secs_f64(),
-            format_bytes(used),
-            (used as f64 / floor_used.max(1) as f64 - 1.0) * 100.0,
-            format_bytes(pool.usage().held)
-        );
         std::thread::sleep(SAMPLE_EVERY);
     }
-    match reached {
-        Some(at) if at <= FLOOR_DEADLINE => {
-            println!(
-                "device memory was back within {:.0}% of the post-load floor {:.1} s after idle",
+    for w in &watched {
+        let device = w.name.trim_end();
+        let on = if device.is_empty() {
+            String::new()
+        } else {
+            format!(" of {device}")
+        };
+        match w.reached {
+            Some(at) if at <= FLOOR_DEADLINE => println!(
+                "device memory{on} was back within {:.0}% of the post-load floor {:.1} s after idle",
                 FLOOR_TOLERANCE * 100.0,
                 at.as_secs_f64()
-            );
-            Ok(())
+            ),
+            Some(at) => bail!(
+                "device memory{on} came back within {:.0}% of the post-load floor only {:.1} s after idle: expected within {:.0} s",
+                FLOOR_TOLERANCE * 100.0,
+                at.as_secs_f64(),
+                FLOOR_DEADLINE.as_secs_f64()
+            ),
+            None => bail!(
+                "device memory{on} did not come back within {:.0}% of the post-load floor ({}) in {:.0} s of idle",
+                FLOOR_TOLERANCE * 100.0,
+                format_bytes(w.limit as u64),
+                SAMPLE_FOR.as_secs_f64()
+            ),
         }
-        Some(at) => bail!(
-            "device memory came back within {:.0}% of the post-load floor only {:.1} s after idle: expected within {:.0} s",
-            FLOOR_TOLERANCE * 100.0,
-            at.as_secs_f64(),
-            FLOOR_DEADLINE.as_secs_f64()
-        ),
-        None => bail!(
-            "device memory did not come back within {:.0}% of the post-load floor ({}) in {:.0} s of idle",
-            FLOOR_TOLERANCE * 100.0,
-            format_bytes(limit as u64),
-            SAMPLE_FOR.as_secs_f64()
-        ),
     }
+    Ok(())
 }

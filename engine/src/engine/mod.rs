@@ -455,8 +455,8 @@ impl Engine {
         self.inner.pool.as_ref()
     }
 
-    /// Over a split: the devices without a pool of their own (the CPU of a partial offload,
-    /// simulated devices), whose memory the split counts.
+    /// Over a split: the devices whose memory the split counts (the CPU of a partial offload,
+    /// simulated devices), and the simulated devices' pools.
     pub fn split_memory(&self) -> Option<&crate::load::SplitMemoryView> {
         self.inner.split_memory.as_ref()
     }

@@ -54,6 +54,20 @@ pub struct PoolSample {
     pub trims: u64,
 }
 
+impl PoolSample {
+    /// `pool`'s figures now, under the device name its driver gives (`sim:1`).
+    pub fn now(pool: &DevicePool) -> PoolSample {
+        let report = pool.report();
+        PoolSample {
+            device: report.device_name,
+            usage: pool.usage(),
+            held_at_load: report.at_load.map(|s| s.held),
+            floor_bytes: report.floor_bytes,
+            trims: pool.trim_generation(),
+        }
+    }
+}
+
 /// What the router and the collector share: the engine once loaded, and the pool sample.
 #[derive(Default)]
 pub struct ServedEngine {
@@ -430,9 +444,10 @@ impl Collector for EngineCollector {
 
 impl EngineCollector {
     /// Device memory: the pool's figures on a GPU; on the CPU alone, the KV cache's bytes; over
-    /// a split, the split's own counts for each device without a pool (the CPU of a partial
-    /// offload, simulated devices: weights, kv and scratch; the prefix cache's share is only
-    /// given for a pool's device or the CPU alone).
+    /// a split, the split's own counts for each device without a GPU backend's pool (the CPU of
+    /// a partial offload, simulated devices: weights, kv and scratch; the prefix cache's share
+    /// is only given for a GPU's device or the CPU alone), and the simulated devices' pool
+    /// series (held, peak held, floors, trims).
     fn encode_memory(
         &self,
         encoder: &mut DescriptorEncoder,
@@ -445,7 +460,7 @@ impl EngineCollector {
             return Ok(());
         };
         const MEMORY_HELP: &str = "Device memory in use by purpose: weights, kv (the KV cache's blocks holding memory), scratch, prefix_cache (the part of kv kept only by the prefix cache), and recurrent_state (the per-sequence state of hybrid models' linear-attention layers).";
-        // The split's devices without a pool, counted as the split allocates.
+        // The split's devices without a GPU backend's pool, counted as the split allocates.
         let mut split_rows = Vec::new();
         if let Some(split) = engine.split_memory() {
             for device in split.devices() {
@@ -465,13 +480,20 @@ impl EngineCollector {
             }
         }
         if engine.pool().is_none() && !split_rows.is_empty() {
-            return labelled(
+            labelled(
                 encoder,
                 "ember_device_memory_bytes",
                 MEMORY_HELP,
                 MetricType::Gauge,
                 &split_rows,
-            );
+            )?;
+            // The simulated devices' pools, read here: their lock is never held for long (a
+            // host-driver trim does not wait on a device).
+            let samples: Vec<PoolSample> = engine
+                .split_memory()
+                .map(|split| split.pools.iter().map(|p| PoolSample::now(p)).collect())
+                .unwrap_or_default();
+            return encode_pools(encoder, &samples);
         }
         if engine.pool().is_none() {
             let device = || vec![("device", "cpu".to_string())];
@@ -520,48 +542,90 @@ impl EngineCollector {
             MetricType::Gauge,
             &rows,
         )?;
-        let device = vec![("device", sample.device.clone())];
-        labelled(
-            encoder,
-            "ember_device_memory_held_bytes",
-            "Physical device memory the pool holds from the driver now.",
-            MetricType::Gauge,
-            &[(device.clone(), ConstGauge::new(sample.usage.held as i64))],
-        )?;
-        labelled(
-            encoder,
-            "ember_device_memory_peak_held_bytes",
-            "The most physical device memory the pool has held.",
-            MetricType::Gauge,
-            &[(
-                device.clone(),
-                ConstGauge::new(sample.usage.peak_held as i64),
-            )],
-        )?;
-        if let Some(held_at_load) = sample.held_at_load {
-            labelled(
-                encoder,
-                "ember_device_memory_floor_bytes",
-                "Device memory held right after load: the floor idle trim returns to.",
-                MetricType::Gauge,
-                &[(device.clone(), ConstGauge::new(held_at_load as i64))],
-            )?;
-        }
-        labelled(
-            encoder,
-            "ember_device_memory_pool_floor_bytes",
-            "The pool's configured floor (memory it keeps when trimming).",
-            MetricType::Gauge,
-            &[(device.clone(), ConstGauge::new(sample.floor_bytes as i64))],
-        )?;
-        labelled(
-            encoder,
-            "ember_device_memory_trims",
-            "Times the pool gave device memory back to the driver.",
-            MetricType::Counter,
-            &[(device, ConstCounter::new(sample.trims))],
-        )
+        encode_pools(encoder, std::slice::from_ref(&sample))
     }
+}
+
+/// A labelled gauge's row.
+type GaugeRow = (Vec<(&'static str, String)>, ConstGauge<i64>);
+
+/// The pools' own series, one row per device: held now and at peak, the floor after load and
+/// the configured floor, and the trims.
+fn encode_pools(
+    encoder: &mut DescriptorEncoder,
+    samples: &[PoolSample],
+) -> Result<(), std::fmt::Error> {
+    if samples.is_empty() {
+        return Ok(());
+    }
+    let rows = |value: &dyn Fn(&PoolSample) -> i64| -> Vec<GaugeRow> {
+        samples
+            .iter()
+            .map(|s| {
+                (
+                    vec![("device", s.device.clone())],
+                    ConstGauge::new(value(s)),
+                )
+            })
+            .collect()
+    };
+    labelled(
+        encoder,
+        "ember_device_memory_held_bytes",
+        "Physical device memory the pool holds from the driver now.",
+        MetricType::Gauge,
+        &rows(&|s| s.usage.held as i64),
+    )?;
+    labelled(
+        encoder,
+        "ember_device_memory_peak_held_bytes",
+        "The most physical device memory the pool has held.",
+        MetricType::Gauge,
+        &rows(&|s| s.usage.peak_held as i64),
+    )?;
+    let at_load: Vec<_> = samples
+        .iter()
+        .filter_map(|s| {
+            s.held_at_load.map(|held| {
+                (
+                    vec![("device", s.device.clone())],
+                    ConstGauge::new(held as i64),
+                )
+            })
+        })
+        .collect();
+    if !at_load.is_empty() {
+        labelled(
+            encoder,
+            "ember_device_memory_floor_bytes",
+            "Device memory held right after load: the floor idle trim returns to.",
+            MetricType::Gauge,
+            &at_load,
+        )?;
+    }
+    labelled(
+        encoder,
+        "ember_device_memory_pool_floor_bytes",
+        "The pool's configured floor (memory it keeps when trimming).",
+        MetricType::Gauge,
+        &rows(&|s| s.floor_bytes as i64),
+    )?;
+    let trims: Vec<_> = samples
+        .iter()
+        .map(|s| {
+            (
+                vec![("device", s.device.clone())],
+                ConstCounter::new(s.trims),
+            )
+        })
+        .collect();
+    labelled(
+        encoder,
+        "ember_device_memory_trims",
+        "Times the pool gave device memory back to the driver.",
+        MetricType::Counter,
+        &trims,
+    )
 }
 
 #[cfg(test)]

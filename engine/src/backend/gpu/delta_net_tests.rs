@@ -530,8 +530,11 @@ fn a_pass_whose_recording_was_aborted_updates_the_states_once_when_it_runs_again
         if aborted {
             lock(&gpu.graphs).begin(&gpu.ctx, 1, 1);
             assert!(gpu.ctx.is_capturing());
-            // A call that waits for the device ends the capture; what follows would run for
-            // real and then again in the repeat.
+            // A call that waits for the device ends a capture that holds ops (an empty one
+            // would begin again); what follows would run for real and then again in the repeat.
+            gpu.ctx
+                .zero(out.ptr("test", VD).unwrap(), (VD * 4) as u64)
+                .unwrap();
             gpu.write(&mut out, &[0.0; VD]);
             assert!(!gpu.ctx.is_capturing());
             gpu.gated_delta_net(

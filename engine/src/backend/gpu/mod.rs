@@ -44,7 +44,7 @@ use moe::check_moe_shapes;
 pub mod graph;
 pub mod numerics;
 pub mod open;
-mod trim;
+pub(crate) mod trim;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};

@@ -17,7 +17,7 @@ use ember_gpu::DevicePool;
 pub const TRIM_INTERVAL: Duration = Duration::from_millis(100);
 
 /// The running thread; stopped and joined on drop.
-pub(super) struct IdleTrimmer {
+pub(crate) struct IdleTrimmer {
     stop: Arc<AtomicBool>,
     handle: Option<JoinHandle<()>>,
 }
@@ -25,7 +25,7 @@ pub(super) struct IdleTrimmer {
 impl IdleTrimmer {
     /// Starts the thread. If the OS refuses a thread, memory is still trimmed by the pool when
     /// an allocation needs it; the refusal is logged.
-    pub(super) fn start(pool: Arc<DevicePool>) -> Option<IdleTrimmer> {
+    pub(crate) fn start(pool: Arc<DevicePool>) -> Option<IdleTrimmer> {
         let stop = Arc::new(AtomicBool::new(false));
         let stop_flag = Arc::clone(&stop);
         let spawned = std::thread::Builder::new()
