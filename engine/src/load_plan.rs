@@ -113,8 +113,9 @@ pub struct ModelBytes {
     pub layers: Vec<LayerBytes>,
     /// The output layer: final norm and output matrix.
     pub output: u64,
-    /// The token embedding table: it stays on the CPU (rows are gathered per token), as in
-    /// llama.cpp.
+    /// The token embedding table (and the other tensors outside layers and output): it goes
+    /// with the output layer, as the split places it (a model with tied embeddings reads it as
+    /// its output matrix).
     pub embedding: u64,
     /// Activation scratch each device that runs layers needs for the largest batch.
     pub scratch: u64,
@@ -137,8 +138,11 @@ impl ModelBytes {
             match layer {
                 Some(il) if il < layers.len() => layers[il].weights += info.n_bytes,
                 _ if info.name.starts_with("output") => output += info.n_bytes,
-                // Everything else (the embedding, rope factors, per-layer embeddings) stays
-                // with the embedding on the CPU.
+                // Rope frequency factors are read into host memory, not placed on a device.
+                _ if info.name.starts_with("rope_freqs") => {}
+                // Everything else (the embedding, rope factors, per-layer embeddings) goes
+                // where the output layer goes, as the split places it: a model with tied
+                // embeddings reads `token_embd` as its output matrix.
                 _ => embedding += info.n_bytes,
             }
         }
@@ -356,10 +360,9 @@ impl LoadPlan {
                 share.kv += l.kv;
             }
             if share.output {
-                share.weights += model.output;
+                share.weights += model.output + model.embedding;
             }
         }
-        shares[0].weights += model.embedding;
         for (share, device) in shares[1..].iter().zip(devices) {
             if share.total() > device.available && (!share.layers.is_empty() || share.output) {
                 return Err(PlanError::DoesNotFit {
@@ -398,8 +401,7 @@ impl fmt::Display for LoadPlan {
         let mut first = true;
         for share in self.active_shares() {
             if share.target == Target::Cpu && share.layers.is_empty() && !share.output {
-                // The CPU keeps the embedding table, which is not worth a line of its own when
-                // every layer is on a GPU.
+                // Nothing of the model is on the CPU then (the embedding goes with the output).
                 continue;
             }
             if !first {
@@ -572,7 +574,8 @@ mod tests {
         // 9 units; free after scratch 6000 and 3000: two thirds and one third.
         let p = plan(8, &[6005, 3005], None, None).unwrap();
         assert_eq!(ranges(&p), "sim:0:0..6 sim:1:6..8+out");
-        assert_eq!(p.shares[2].total(), 2 * 110 + 50 + 5);
+        // The last GPU's share: its layers, the output layer and the embedding, and scratch.
+        assert_eq!(p.shares[2].total(), 2 * 110 + 50 + 70 + 5);
     }
 
     #[test]
@@ -645,10 +648,10 @@ mod tests {
             .unwrap_err()
             .to_string()
             .starts_with("--tensor-split: spreads layers over GPUs"));
-        // 4 layers of 110 bytes, output 50, scratch 5 on a 400-byte device.
+        // 4 layers of 110 bytes, output 50 and embedding 70, scratch 5 on a 400-byte device.
         let e = plan(4, &[400], None, None).unwrap_err();
         assert!(
-            e.starts_with("sim:0 needs 495 bytes (0.00 GiB) for its layers 0..4 and the output layer, KV cache and scratch, but has 400 bytes"),
+            e.starts_with("sim:0 needs 565 bytes (0.00 GiB) for its layers 0..4 and the output layer, KV cache and scratch, but has 400 bytes"),
             "{e}"
         );
         // Fewer layers fit.

@@ -723,6 +723,14 @@ mod tests {
                     run(&model) == expected,
                     "{shape} {ty} -ngl {ngl}: the split differs from one device"
                 );
+                // The plan counted each device's weights as the split placed them (the
+                // embedding with the output layer).
+                let planned: Vec<u64> = plan.shares.iter().map(|s| s.weights).collect();
+                assert_eq!(
+                    model.backend().weight_bytes_per_device(),
+                    planned,
+                    "{shape} {ty} -ngl {ngl}"
+                );
                 // Activations cross at the boundary, through host memory; with every layer and
                 // the output on the GPU (the embedding table with them) nothing crosses.
                 let stats = model.backend().transfer_stats();
