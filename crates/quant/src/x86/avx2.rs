@@ -594,11 +594,9 @@ pub fn vec_dot_f16(w: &[u8], a: &[u8], n: usize) -> f32 {
     sum
 }
 
-/// How many rows ahead [`rows4`] prefetches.
-const PREFETCH_ROWS: usize = 4;
-
 /// Four rows against one activation row at a time, for the memory-bound matvec: each
-/// activation block is loaded once for four rows, and each row keeps its own accumulator and
+/// activation block is loaded once for four rows (contiguous in memory, which the prefetch
+/// assumes; any other rows only prefetch in vain), and each row keeps its own accumulator and
 /// min chain in the order of [`legacy_loop`] (GGML's), so a row's result is bit for bit the
 /// single-row kernel's.
 ///
@@ -615,13 +613,6 @@ unsafe fn rows4<const Q8: bool>(rows: [&[u8]; 4], a: &[u8], nb: usize) -> [f32; 
     };
     let ap = a.as_ptr();
     let wp: [*const u8; 4] = std::array::from_fn(|r| rows[r].as_ptr());
-    // Rows are short (a few cache lines), too short for the hardware prefetcher to lock on
-    // to four interleaved streams; so fetch the same columns of the next four rows (the
-    // matrix is row-contiguous) while these are computed. Prefetches never fault, and
-    // `wrapping_add` keeps the address arithmetic defined past the end of the matrix.
-    let row_bytes = nb * w_size;
-    let next: [*const u8; 4] =
-        std::array::from_fn(|r| wp[r].wrapping_add(PREFETCH_ROWS * row_bytes));
     let mut acc = [_mm256_setzero_ps(); 4];
     // The four rows' min chains, one lane each: lane-wise FMAs, so each lane is exactly the
     // scalar chain of `legacy_loop`.
@@ -651,11 +642,10 @@ unsafe fn rows4<const Q8: bool>(rows: [&[u8]; 4], a: &[u8], nb: usize) -> [f32; 
                 let sy = _mm_shuffle_ps::<0b01_01_01_01>(dsy, dsy);
                 summs = _mm_fmadd_ps(_mm256_extractf128_ps::<1>(dm), sy, summs);
             }
-            if c % 3 == 0 {
-                for n in next {
-                    _mm_prefetch::<_MM_HINT_T0>(n.wrapping_add(c * w_size).cast());
-                }
-            }
+            // Rows are short (a few cache lines), too short for the hardware prefetcher to
+            // lock on to four interleaved streams; the callers' four rows are contiguous, so
+            // stream them in as block c of each is read.
+            super::prefetch_ahead(wp[0].wrapping_add(4 * c * w_size), 4 * w_size);
             let d = [
                 _mm256_broadcastss_ps(d4),
                 _mm256_broadcastss_ps(_mm_shuffle_ps::<0b01_01_01_01>(d4, d4)),
@@ -718,7 +708,7 @@ unsafe fn matvec_pairs<const Q8: bool>(w: &[u8], a: &[u8], out: &mut [f32]) {
 
 /// Consecutive rows of a legacy format (contiguous in `w`, one per element of `out`) against
 /// one activation row, four rows at a time: the same columns of four rows are read together
-/// (with the next four rows prefetched, as [`rows4`] does), and each row keeps its own chain of
+/// (the weights prefetched as one forward stream, as [`rows4`] does), and each row keeps its own chain of
 /// [`legacy_loop`]'s steps, so every output is bit for bit that kernel's.
 ///
 /// # Safety
@@ -742,17 +732,11 @@ unsafe fn matvec_legacy(
     let mut quads = out.chunks_exact_mut(4);
     for (i, o) in quads.by_ref().enumerate() {
         let base = w[4 * i * row_bytes..].as_ptr();
-        let next = base.wrapping_add(PREFETCH_ROWS * row_bytes);
         let mut acc = [_mm256_setzero_ps(); 4];
         let mut summs = [0.0f32; 4];
         for c in 0..nb {
-            if c % 3 == 0 {
-                for r in 0..4 {
-                    _mm_prefetch::<_MM_HINT_T0>(
-                        next.wrapping_add(r * row_bytes + c * w_size).cast(),
-                    );
-                }
-            }
+            // The group's four rows are contiguous: stream them in as block c of each is read.
+            super::prefetch_ahead(base.wrapping_add(4 * c * w_size), 4 * w_size);
             for r in 0..4 {
                 // SAFETY: rows 4i..4i+4 each hold nb blocks (asserted above), and c < nb.
                 let (d, p, [m, s]) =

@@ -12,6 +12,31 @@ pub mod tile;
 use crate::simd::Level;
 use crate::GgmlType;
 
+/// How far ahead of its reads a memory-bound matvec prefetches its weights, in bytes. A matvec
+/// over four rows at a time reads four places of its group at once, a pattern the hardware
+/// prefetchers follow poorly; a plain forward stream of software prefetches this far ahead
+/// (about the bytes one core has in flight at DRAM latency, with margin) took a Q8_0
+/// 262144x640 matvec on one Zen 4 core from 9-10 GB/s to 14-19 GB/s (a plain read loop:
+/// 16.7 GB/s).
+pub(crate) const PREFETCH_AHEAD: usize = 4096;
+
+/// Prefetches the cache lines of the `step` bytes at [`PREFETCH_AHEAD`] past `p`. Called once
+/// per step of a kernel that advances through contiguous weights by `step` bytes per step, it
+/// keeps a forward stream of lines in flight; lines a step shares with the next are asked for
+/// twice, which costs next to nothing. Prefetches never fault, and `wrapping_add` keeps the
+/// address arithmetic defined past the end of the weights.
+#[inline(always)]
+pub(crate) fn prefetch_ahead(p: *const u8, step: usize) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    let ahead = p.wrapping_add(PREFETCH_AHEAD);
+    let mut off = 0;
+    while off < step {
+        // SAFETY: a prefetch is a hint: it reads nothing architecturally and never faults.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(off).cast()) };
+        off += 64;
+    }
+}
+
 /// One row's dot product on an x86 SIMD `level`, or `None` when that level has no kernel for
 /// `ty` (the caller then uses the scalar reference).
 pub fn vec_dot(level: Level, ty: GgmlType, w: &[u8], a: &[u8], n: usize) -> Option<f32> {

@@ -64,8 +64,8 @@ struct ActBlock {
 }
 
 /// Q4_0 rows (contiguous in `w`, one per element of `out`) against one Q8_0 activation row,
-/// four rows per register (see the module docs), the next four rows prefetched as
-/// `avx2::rows4` does. Every output is bit for bit `avx2::vec_dot_q4_0_q8_0`'s; the rows past
+/// four rows per register (see the module docs), the weights prefetched as one forward stream
+/// (`x86::prefetch_ahead`). Every output is bit for bit `avx2::vec_dot_q4_0_q8_0`'s; the rows past
 /// the last multiple of four are computed by it.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub fn matvec_q4_0_q8_0(w: &[u8], a: &[u8], out: &mut [f32]) {
@@ -100,21 +100,13 @@ pub fn matvec_q4_0_q8_0(w: &[u8], a: &[u8], out: &mut [f32]) {
     for (i, o) in quads.by_ref().enumerate() {
         let rows = &w[4 * i * row_bytes..(4 * i + 4) * row_bytes];
         let base = rows.as_ptr();
-        let next = base.wrapping_add(4 * row_bytes);
         let mut acc_lo = _mm512_setzero_ps();
         let mut acc_hi = _mm512_setzero_ps();
         for (c, y) in acts.iter().enumerate() {
             let x: [*const u8; 4] =
                 std::array::from_fn(|r| base.wrapping_add(r * row_bytes + c * q4_0::SIZE));
-            if c % 3 == 0 {
-                for r in 0..4 {
-                    // Prefetches never fault; `wrapping_add` keeps the arithmetic defined
-                    // past the end of the matrix.
-                    _mm_prefetch::<_MM_HINT_T0>(
-                        next.wrapping_add(r * row_bytes + c * q4_0::SIZE).cast(),
-                    );
-                }
-            }
+            // The group's four rows are contiguous: stream them in as block c of each is read.
+            super::prefetch_ahead(base.wrapping_add(4 * c * q4_0::SIZE), 4 * q4_0::SIZE);
             // SAFETY: block c < nb of each of the four rows lies inside `rows` (sliced
             // above): 2 scale bytes at the block's start and 16 quant bytes after them.
             let (q, d) = unsafe {
@@ -183,21 +175,13 @@ pub fn matvec_q8_0_q8_0(w: &[u8], a: &[u8], out: &mut [f32]) {
     for (i, o) in quads.by_ref().enumerate() {
         let rows = &w[4 * i * row_bytes..(4 * i + 4) * row_bytes];
         let base = rows.as_ptr();
-        let next = base.wrapping_add(4 * row_bytes);
         let mut acc01 = _mm512_setzero_ps();
         let mut acc23 = _mm512_setzero_ps();
         for (c, (y, fix, d_a)) in acts.iter().enumerate() {
             let x: [*const u8; 4] =
                 std::array::from_fn(|r| base.wrapping_add(r * row_bytes + c * q8_0::SIZE));
-            if c % 2 == 0 {
-                for r in 0..4 {
-                    // Prefetches never fault; `wrapping_add` keeps the arithmetic defined
-                    // past the end of the matrix.
-                    _mm_prefetch::<_MM_HINT_T0>(
-                        next.wrapping_add(r * row_bytes + c * q8_0::SIZE).cast(),
-                    );
-                }
-            }
+            // The group's four rows are contiguous: stream them in as block c of each is read.
+            super::prefetch_ahead(base.wrapping_add(4 * c * q8_0::SIZE), 4 * q8_0::SIZE);
             // SAFETY: block c < nb of each of the four rows lies inside `rows` (sliced
             // above): 2 scale bytes at the block's start and 32 quant bytes after them.
             let (q01, q23, d) = unsafe {
