@@ -1,7 +1,7 @@
 //! x86-64 SIMD kernels. `avx2` holds the dot products of every weight format and the tiled
 //! integer matmul kernel (also on AVX-512 machines, so results do not depend on the machine);
 //! `avx512` the AVX-512 VNNI kernels whose results are bit for bit the AVX2 ones (Q4_K prompts);
-//! `signed` the same for the signed legacy formats (Q4_0 and Q8_0 decode; Q4_0, Q5_0, Q8_0
+//! `signed` the same for the signed legacy formats (Q4_0, Q5_0 and Q8_0 decode; Q4_0, Q5_0, Q8_0
 //! prompts).
 
 pub mod avx2;
@@ -81,6 +81,7 @@ pub fn matvec(level: Level, ty: GgmlType, w: &[u8], a: &[u8], out: &mut [f32]) -
             GgmlType::Q4_1 => avx2::matvec_q4_1_q8_1(w, a, out),
             GgmlType::Q8_0 if level == Level::Avx512Vnni => signed::matvec_q8_0_q8_0(w, a, out),
             GgmlType::Q8_0 => avx2::matvec_q8_0_q8_0(w, a, out),
+            GgmlType::Q5_0 if level == Level::Avx512Vnni => signed::matvec_q5_0_q8_0(w, a, out),
             GgmlType::Q5_0 => avx2::matvec_q5_0_q8_0(w, a, out),
             GgmlType::Q5_1 => avx2::matvec_q5_1_q8_1(w, a, out),
             _ => return false,

@@ -1,5 +1,5 @@
 //! AVX-512 VNNI kernels for the signed legacy formats (weights `d·q` with `q` a signed byte and
-//! no offset: Q4_0, Q5_0, Q8_0 against Q8_0 activations): the Q4_0
+//! no offset: Q4_0, Q5_0, Q8_0 against Q8_0 activations): the Q4_0, Q5_0
 //! and Q8_0 matvecs of a decode step, and the tile kernel of prompts for all three.
 //!
 //! Both give bit for bit what the AVX2 kernels give (GGML's `vec_dot` order; see
@@ -21,7 +21,7 @@
 
 use std::arch::x86_64::*;
 
-use crate::blocks::{q4_0, q8_0, QK};
+use crate::blocks::{q4_0, q5_0, q8_0, QK};
 use crate::matmul::{OutRows, Panel, TileActs};
 
 /// The float lanes of four outputs (`lo`: each row's lanes 0-3 in its 128-bit lane, `hi`:
@@ -52,9 +52,10 @@ fn spread4(d: __m128) -> __m512 {
     )
 }
 
-/// One Q8_0 activation block's parts for [`matvec_q4_0_q8_0`]: its two halves broadcast to
-/// the four 128-bit lanes, `-8·Σ` of each 4-byte lane of them (what cancels the offset of the
-/// unsigned nibbles `q = w + 8`), and its scale.
+/// One Q8_0 activation block's parts for [`matvec_q4_0_q8_0`] and [`matvec_q5_0_q8_0`]: its two
+/// halves broadcast to the four 128-bit lanes, `-offset·Σ` of each 4-byte lane of them (what
+/// cancels the offset of the unsigned quants `q = w + offset`: 8 for Q4_0, 16 for Q5_0), and
+/// its scale.
 struct ActBlock {
     lo: __m512i,
     hi: __m512i,
@@ -63,18 +64,12 @@ struct ActBlock {
     d: f32,
 }
 
-/// Q4_0 rows (contiguous in `w`, one per element of `out`) against one Q8_0 activation row,
-/// four rows per register (see the module docs), the weights prefetched as one forward stream
-/// (`x86::prefetch_ahead`). Every output is bit for bit `avx2::vec_dot_q4_0_q8_0`'s; the rows past
-/// the last multiple of four are computed by it.
+/// The [`ActBlock`]s of a Q8_0 activation row, for weights whose unsigned quants carry
+/// `offset`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub fn matvec_q4_0_q8_0(w: &[u8], a: &[u8], out: &mut [f32]) {
-    let nb = a.len() / q8_0::SIZE;
-    let row_bytes = nb * q4_0::SIZE;
-    assert!(w.len() >= out.len() * row_bytes && a.len() >= nb * q8_0::SIZE);
-    let eight = _mm512_set1_epi8(8);
-    let acts: Vec<ActBlock> = a
-        .chunks_exact(q8_0::SIZE)
+fn act_blocks(a: &[u8], offset: i8) -> Vec<ActBlock> {
+    let offset = _mm512_set1_epi8(offset);
+    a.chunks_exact(q8_0::SIZE)
         .map(|y| {
             let qs = &y[q8_0::QS..q8_0::QS + QK];
             // SAFETY: 16 readable bytes each; unaligned loads.
@@ -88,12 +83,24 @@ pub fn matvec_q4_0_q8_0(w: &[u8], a: &[u8], out: &mut [f32]) {
             ActBlock {
                 lo,
                 hi,
-                fix_lo: neg(_mm512_dpbusd_epi32(_mm512_setzero_si512(), eight, lo)),
-                fix_hi: neg(_mm512_dpbusd_epi32(_mm512_setzero_si512(), eight, hi)),
+                fix_lo: neg(_mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, lo)),
+                fix_hi: neg(_mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, hi)),
                 d: super::avx2::f16_at(y, q8_0::D),
             }
         })
-        .collect();
+        .collect()
+}
+
+/// Q4_0 rows (contiguous in `w`, one per element of `out`) against one Q8_0 activation row,
+/// four rows per register (see the module docs), the weights prefetched as one forward stream
+/// (`x86::prefetch_ahead`). Every output is bit for bit `avx2::vec_dot_q4_0_q8_0`'s; the rows past
+/// the last multiple of four are computed by it.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub fn matvec_q4_0_q8_0(w: &[u8], a: &[u8], out: &mut [f32]) {
+    let nb = a.len() / q8_0::SIZE;
+    let row_bytes = nb * q4_0::SIZE;
+    assert!(w.len() >= out.len() * row_bytes && a.len() >= nb * q8_0::SIZE);
+    let acts = act_blocks(a, 8);
     let low = _mm512_set1_epi8(0x0F);
     let done = out.len() / 4 * 4;
     let mut quads = out.chunks_exact_mut(4);
@@ -139,6 +146,78 @@ pub fn matvec_q4_0_q8_0(w: &[u8], a: &[u8], out: &mut [f32]) {
     for (k, o) in quads.into_remainder().iter_mut().enumerate() {
         let row = &w[(done + k) * row_bytes..(done + k + 1) * row_bytes];
         *o = super::avx2::vec_dot_q4_0_q8_0(row, a);
+    }
+}
+
+/// Q5_0 rows (contiguous in `w`, one per element of `out`) against one Q8_0 activation row,
+/// four rows per register as [`matvec_q4_0_q8_0`]: the unsigned quants `q = w + 16` are the
+/// nibbles with each block's fifth bits set in by a byte mask (`qh` bits 0-15 for the first
+/// 16 elements of each row, 16-31 for the last). Every output is bit for bit
+/// `avx2::vec_dot_q5_0_q8_0`'s; the rows past the last multiple of four are computed by it.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub fn matvec_q5_0_q8_0(w: &[u8], a: &[u8], out: &mut [f32]) {
+    let nb = a.len() / q8_0::SIZE;
+    let row_bytes = nb * q5_0::SIZE;
+    assert!(w.len() >= out.len() * row_bytes && a.len() >= nb * q8_0::SIZE);
+    let acts = act_blocks(a, 16);
+    let low = _mm512_set1_epi8(0x0F);
+    let sixteen = _mm512_set1_epi8(16);
+    let done = out.len() / 4 * 4;
+    let mut quads = out.chunks_exact_mut(4);
+    for (i, o) in quads.by_ref().enumerate() {
+        let rows = &w[4 * i * row_bytes..(4 * i + 4) * row_bytes];
+        let base = rows.as_ptr();
+        let mut acc_lo = _mm512_setzero_ps();
+        let mut acc_hi = _mm512_setzero_ps();
+        for (c, y) in acts.iter().enumerate() {
+            let x: [*const u8; 4] =
+                std::array::from_fn(|r| base.wrapping_add(r * row_bytes + c * q5_0::SIZE));
+            // The group's four rows are contiguous: stream them in as block c of each is read.
+            super::prefetch_ahead(base.wrapping_add(4 * c * q5_0::SIZE), 4 * q5_0::SIZE);
+            // SAFETY: block c < nb of each of the four rows lies inside `rows` (sliced
+            // above): 2 scale bytes, 4 bytes of fifth bits and 16 quant bytes.
+            let (q, qh, d) = unsafe {
+                let q = _mm512_inserti32x4::<3>(
+                    _mm512_inserti32x4::<2>(
+                        _mm512_inserti32x4::<1>(
+                            _mm512_castsi128_si512(_mm_loadu_si128(x[0].add(q5_0::QS).cast())),
+                            _mm_loadu_si128(x[1].add(q5_0::QS).cast()),
+                        ),
+                        _mm_loadu_si128(x[2].add(q5_0::QS).cast()),
+                    ),
+                    _mm_loadu_si128(x[3].add(q5_0::QS).cast()),
+                );
+                let qh: [u64; 4] = std::array::from_fn(|r| {
+                    x[r].add(q5_0::QH).cast::<u32>().read_unaligned() as u64
+                });
+                let bits = |r: usize| x[r].cast::<u16>().read_unaligned() as i64;
+                let d = bits(0) | bits(1) << 16 | bits(2) << 32 | bits(3) << 48;
+                (q, qh, d)
+            };
+            // Bit 16r + j of a mask is element j (of 16) of row r's half.
+            let mask_lo = (qh[0] & 0xFFFF)
+                | (qh[1] & 0xFFFF) << 16
+                | (qh[2] & 0xFFFF) << 32
+                | (qh[3] & 0xFFFF) << 48;
+            let mask_hi =
+                qh[0] >> 16 | (qh[1] >> 16) << 16 | (qh[2] >> 16) << 32 | (qh[3] >> 16) << 48;
+            let d = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi64_si128(d)), _mm_set1_ps(y.d));
+            let d = spread4(d);
+            let q_lo = _mm512_and_si512(q, low);
+            let q_hi = _mm512_and_si512(_mm512_srli_epi16::<4>(q), low);
+            let q_lo = _mm512_or_si512(q_lo, _mm512_maskz_mov_epi8(mask_lo, sixteen));
+            let q_hi = _mm512_or_si512(q_hi, _mm512_maskz_mov_epi8(mask_hi, sixteen));
+            let i_lo = _mm512_dpbusd_epi32(y.fix_lo, q_lo, y.lo);
+            let i_hi = _mm512_dpbusd_epi32(y.fix_hi, q_hi, y.hi);
+            acc_lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i_lo), d, acc_lo);
+            acc_hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i_hi), d, acc_hi);
+        }
+        // SAFETY: `o` holds 4 writable floats; unaligned store.
+        unsafe { _mm_storeu_ps(o.as_mut_ptr(), hsum4(acc_lo, acc_hi)) };
+    }
+    for (k, o) in quads.into_remainder().iter_mut().enumerate() {
+        let row = &w[(done + k) * row_bytes..(done + k + 1) * row_bytes];
+        *o = super::avx2::vec_dot_q5_0_q8_0(row, a);
     }
 }
 
