@@ -1,7 +1,7 @@
 //! Measures matvec and 128-token matmul on the weight shapes of Gemma 3 270M Q4_K_M (Q5_0,
 //! Q4_K, Q6_K layers; a 262144-row Q8_0 output), on every SIMD level of this CPU. Run with
-//! `cargo run --release -p ember-quant --example gemma_shapes [threads]`; times are the best
-//! of the runs in one second.
+//! `cargo run --release -p ember-quant --example gemma_shapes [threads] [type]` (a type name
+//! such as Q6_K keeps only its shapes); times are the best of the runs in one second.
 
 use std::time::Instant;
 
@@ -33,6 +33,7 @@ fn main() {
         .num_threads(threads)
         .build()
         .unwrap();
+    let only = std::env::args().nth(2);
     println!("simd: {}, threads: {threads}", simd::detected());
     let shapes = [
         (GgmlType::Q8_0, 262144, 640, "output"),
@@ -46,6 +47,9 @@ fn main() {
     pool.install(|| {
         for n_tokens in [1usize, 128] {
             for &(ty, rows, cols, what) in &shapes {
+                if only.as_ref().is_some_and(|o| *o != ty.to_string()) {
+                    continue;
+                }
                 let data = weights(ty, rows, cols);
                 let w = QMatrix::new(ty, rows, cols, &data).unwrap();
                 let x: Vec<f32> = (0..n_tokens * cols)
