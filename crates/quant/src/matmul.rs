@@ -758,6 +758,8 @@ fn matmul_tiled(level: Level, w: &QMatrix, x: &QuantizedActivations, out: &mut [
                 let vnni = unsafe {
                     if w.ty == GgmlType::Q4_0 {
                         signed::SignedPanel::from_q4_0(job_rows, job_n, cols)
+                    } else if w.ty == GgmlType::Q5_0 {
+                        signed::SignedPanel::from_q5_0(job_rows, job_n, cols)
                     } else {
                         signed::SignedPanel::build(&unpack(), job_n, cols)
                     }

@@ -324,30 +324,59 @@ impl SignedPanel {
     /// straight from the blocks: the same panel, without the row-major unpacking in between.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     pub fn from_q4_0(data: &[u8], rows: usize, cols: usize) -> SignedPanel {
+        Self::from_blocks::<false>(data, rows, cols)
+    }
+
+    /// [`SignedPanel::build`] of `rows` Q5_0 rows of `cols` elements (contiguous in `data`),
+    /// straight from the blocks, as [`SignedPanel::from_q4_0`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub fn from_q5_0(data: &[u8], rows: usize, cols: usize) -> SignedPanel {
+        Self::from_blocks::<true>(data, rows, cols)
+    }
+
+    /// Q4_0 (`FIVE` false) or Q5_0 (`FIVE` true) blocks regrouped: the nibbles of four rows'
+    /// blocks in one register, for Q5_0 with the fifth bits set in by byte masks (`qh` bits
+    /// 0-15 for each row's first 16 elements, 16-31 for the last), less the format's offset.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    fn from_blocks<const FIVE: bool>(data: &[u8], rows: usize, cols: usize) -> SignedPanel {
+        let (size, qs_at) = if FIVE {
+            (q5_0::SIZE, q5_0::QS)
+        } else {
+            (q4_0::SIZE, q4_0::QS)
+        };
         let n_chunks = cols / QK;
-        let row_bytes = n_chunks * q4_0::SIZE;
+        let row_bytes = n_chunks * size;
         let groups = rows.div_ceil(4);
         assert!(data.len() >= rows * row_bytes);
         let mut q = Vec::with_capacity(groups * n_chunks * 2);
         let mut fix = Vec::with_capacity(groups * n_chunks * 2);
         let mut d = Vec::with_capacity(groups * n_chunks);
-        let (low, eight, minus128) = (
+        let (low, offset, sixteen, minus128) = (
             _mm512_set1_epi8(0x0F),
-            _mm512_set1_epi8(8),
+            _mm512_set1_epi8(if FIVE { 16 } else { 8 }),
+            _mm512_set1_epi8(16),
             _mm512_set1_epi8(-128),
         );
         for g in 0..groups {
             for c in 0..n_chunks {
-                // Rows past the end stay zero (quants 8, scale 0); their outputs are not stored.
+                // Rows past the end stay zero (quants 8, no fifth bits, scale 0); their outputs
+                // are not stored.
                 let mut qs = [_mm_set1_epi8(0x88u8 as i8); 4];
                 let mut bits = 0i64;
+                let mut mask = [0u64; 2];
                 for (k, qk) in qs.iter_mut().enumerate() {
                     let r = 4 * g + k;
                     if r < rows {
-                        let x = &data[r * row_bytes + c * q4_0::SIZE..][..q4_0::SIZE];
+                        let x = &data[r * row_bytes + c * size..][..size];
                         // SAFETY: 16 readable bytes after the scale; unaligned load.
-                        *qk = unsafe { _mm_loadu_si128(x[q4_0::QS..].as_ptr().cast()) };
+                        *qk = unsafe { _mm_loadu_si128(x[qs_at..].as_ptr().cast()) };
                         bits |= (u16::from_le_bytes([x[0], x[1]]) as i64) << (16 * k);
+                        if FIVE {
+                            let qh = u32::from_le_bytes([x[2], x[3], x[4], x[5]]) as u64;
+                            mask[0] |= (qh & 0xFFFF) << (16 * k);
+                            mask[1] |= (qh >> 16) << (16 * k);
+                        }
                     }
                 }
                 let v = _mm512_inserti32x4::<3>(
@@ -357,11 +386,19 @@ impl SignedPanel {
                     ),
                     qs[3],
                 );
-                for half in [
+                for (half, m) in [
                     _mm512_and_si512(v, low),
                     _mm512_and_si512(_mm512_srli_epi16::<4>(v), low),
-                ] {
-                    let w = _mm512_sub_epi8(half, eight);
+                ]
+                .into_iter()
+                .zip(mask)
+                {
+                    let half = if FIVE {
+                        _mm512_or_si512(half, _mm512_maskz_mov_epi8(m, sixteen))
+                    } else {
+                        half
+                    };
+                    let w = _mm512_sub_epi8(half, offset);
                     q.push(w);
                     fix.push(_mm512_sub_epi32(
                         _mm512_setzero_si512(),
