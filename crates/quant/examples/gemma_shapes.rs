@@ -1,7 +1,7 @@
 //! Measures matvec and 128-token matmul on the weight shapes of Gemma 3 270M Q4_K_M (Q5_0,
 //! Q4_K, Q6_K layers; a 262144-row Q8_0 output), on every SIMD level of this CPU. Run with
 //! `cargo run --release -p ember-quant --example gemma_shapes [threads] [type]` (a type name
-//! such as Q6_K keeps only its shapes); times are the best of the runs in one second.
+//! such as Q6_K keeps only its shapes); times are the best and the median of the runs in one second.
 
 use std::time::Instant;
 
@@ -63,16 +63,19 @@ fn main() {
                     }
                     matmul_with(level, Strategy::Auto, &w, &act, &mut out).unwrap();
                     let start = Instant::now();
-                    let mut secs = f64::MAX;
+                    let mut times = Vec::new();
                     while start.elapsed().as_secs_f64() < 1.0 {
                         let t = Instant::now();
                         matmul_with(level, Strategy::Auto, &w, &act, &mut out).unwrap();
-                        secs = secs.min(t.elapsed().as_secs_f64());
+                        times.push(t.elapsed().as_secs_f64());
                     }
+                    times.sort_by(f64::total_cmp);
+                    let (secs, median) = (times[0], times[times.len() / 2]);
                     println!(
-                        "{what:12} {ty:5} {rows:6}x{cols:<5} tokens {n_tokens:4} {:10}: {:10.1} us  {:6.1} GB/s(weights)",
+                        "{what:12} {ty:5} {rows:6}x{cols:<5} tokens {n_tokens:4} {:10}: {:10.1} us (median {:10.1})  {:6.1} GB/s(weights)",
                         level.name(),
                         secs * 1e6,
+                        median * 1e6,
                         data.len() as f64 / secs / 1e9
                     );
                 }
