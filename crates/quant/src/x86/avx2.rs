@@ -533,6 +533,9 @@ pub fn vec_dot_q6_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
     let low = _mm256_set1_epi8(0x0F);
     let mask2 = _mm256_set1_epi8(3);
     for (x, y) in w.chunks_exact(q6_k::SIZE).zip(a.chunks_exact(q8_k::SIZE)) {
+        // A decode step calls this for consecutive rows: stream the weights in ahead, into the
+        // rows that follow.
+        super::prefetch_ahead(x.as_ptr(), q6_k::SIZE);
         let sc = &x[q6_k::SCALES..q6_k::SCALES + 16];
         let mut isum = _mm256_setzero_si256();
         for c in 0..2 {
@@ -826,6 +829,9 @@ pub fn q4k_repacked_dot(w: &[u8], a: &[u8], per_pair: bool) -> f32 {
     let mut acc = 0.0f32;
     let mut acc_min = 0.0f32;
     for (x, y) in w.chunks_exact(q4_k::SIZE).zip(a.chunks_exact(q8_k::SIZE)) {
+        // A decode step calls this for consecutive rows: stream the weights in ahead, into the
+        // rows that follow.
+        super::prefetch_ahead(x.as_ptr(), q4_k::SIZE);
         let (sc, mn) = k4_scales_mins_u64(&x[q4_k::SCALES..q4_k::SCALES + 12]);
         let scale_of = |j: usize| ((sc >> (8 * j)) & 0xFF) as i16;
         let pair = |g: usize| {
