@@ -13,7 +13,7 @@ use std::arch::x86_64::*;
 
 use crate::blocks::{
     k4_scales_mins, q2_k, q3_k, q3k_scales, q4_0, q4_1, q4_k, q5_0, q5_1, q5_k, q6_k, q8_0, q8_1,
-    q8_k,
+    q8_k, QK_K,
 };
 
 /// Loads 32 bytes from the start of `b`.
@@ -241,12 +241,16 @@ unsafe fn block_q8_0(x: *const u8, y: *const u8) -> BlockTerms {
 /// the same multiplications, `roundps` rounds half to even as `round_ties_even` does, and NaN
 /// and out-of-range products are sent where Rust's saturating `as i8` sends them (0, -128,
 /// 127) before the exact conversion. Q8_1's `s` is the exact integer sum times `d`, as there.
-/// Returns whether `ty` was one of the two.
+/// Q8_K goes to [`quantize_q8_k`]. Returns whether `ty` was one of the three.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub fn quantize_q8_activations(ty: crate::GgmlType, src: &[f32], dst: &mut [u8]) -> bool {
     let (size, qs) = match ty {
         crate::GgmlType::Q8_0 => (q8_0::SIZE, q8_0::QS),
         crate::GgmlType::Q8_1 => (q8_1::SIZE, q8_1::QS),
+        crate::GgmlType::Q8_K => {
+            quantize_q8_k(src, dst);
+            return true;
+        }
         _ => return false,
     };
     let sign = _mm256_set1_ps(-0.0);
@@ -290,6 +294,75 @@ pub fn quantize_q8_activations(ty: crate::GgmlType, src: &[f32], dst: &mut [u8])
         }
     }
     true
+}
+
+/// Q8_K activations (`scalar::kquants::quantize_q8_k`, GGML's `quantize_row_q8_K_ref`), eight
+/// elements per instruction, bit for bit the scalar results: the absolute maximum as in
+/// [`quantize_q8_activations`] (NaNs skipped), the signed maximum taken from the first element
+/// whose absolute value equals it (the scalar loop keeps the first of equals), the same scalar
+/// `iscale`, the same products, and `nearest_int`'s magic-number rounding done on the same bits
+/// (so NaN and infinite products land where the scalar code sends them). The quants are within
+/// [-128, 127] (|product| <= 127 up to rounding, and NaN bits give 0..=0x3fffff before the
+/// `min(127)`), so saturating packs are the scalar `as i8`; `bsums` are exact integer sums.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn quantize_q8_k(src: &[f32], dst: &mut [u8]) {
+    let sign = _mm256_set1_ps(-0.0);
+    let magic = _mm256_set1_ps(12_582_912.0);
+    let (mantissa, half) = (
+        _mm256_set1_epi32(0x007f_ffff),
+        _mm256_set1_epi32(0x0040_0000),
+    );
+    let top = _mm256_set1_epi32(127);
+    for (x, y) in src.chunks_exact(QK_K).zip(dst.chunks_exact_mut(q8_k::SIZE)) {
+        // SAFETY: 8 readable floats at each offset of the 256-element block; unaligned loads.
+        let v: [__m256; 32] =
+            std::array::from_fn(|i| unsafe { _mm256_loadu_ps(x[8 * i..8 * i + 8].as_ptr()) });
+        let mut m = _mm256_setzero_ps();
+        for vi in v {
+            m = _mm256_max_ps(_mm256_andnot_ps(sign, vi), m);
+        }
+        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+        if amax == 0.0 {
+            y.fill(0);
+            continue;
+        }
+        let target = _mm256_set1_ps(amax);
+        let first = v
+            .iter()
+            .enumerate()
+            .find_map(|(i, vi)| {
+                let eq = _mm256_cmp_ps::<_CMP_EQ_OQ>(_mm256_andnot_ps(sign, *vi), target);
+                let bits = _mm256_movemask_ps(eq);
+                (bits != 0).then(|| 8 * i + bits.trailing_zeros() as usize)
+            })
+            .expect("the absolute maximum is one of the block's values");
+        let iscale = -127.0 / x[first];
+        let scale = _mm256_set1_ps(iscale);
+        let q: [__m256i; 32] = std::array::from_fn(|i| {
+            let val = _mm256_add_ps(_mm256_mul_ps(scale, v[i]), magic);
+            let n = _mm256_sub_epi32(_mm256_and_si256(_mm256_castps_si256(val), mantissa), half);
+            _mm256_min_epi32(n, top)
+        });
+        for c in 0..8 {
+            let bytes = _mm256_packs_epi16(
+                _mm256_packs_epi32(q[4 * c], q[4 * c + 1]),
+                _mm256_packs_epi32(q[4 * c + 2], q[4 * c + 3]),
+            );
+            let bytes =
+                _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            let out = &mut y[q8_k::QS + 32 * c..q8_k::QS + 32 * c + 32];
+            // SAFETY: 32 writable bytes; unaligned store.
+            unsafe { _mm256_storeu_si256(out.as_mut_ptr().cast(), bytes) };
+        }
+        for j in 0..16 {
+            let sum = hsum_epi32(_mm256_add_epi32(q[2 * j], q[2 * j + 1]));
+            let o = q8_k::BSUMS + 2 * j;
+            y[o..o + 2].copy_from_slice(&(sum as i16).to_le_bytes());
+        }
+        y[q8_k::D..q8_k::D + 4].copy_from_slice(&(1.0 / iscale).to_le_bytes());
+    }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
