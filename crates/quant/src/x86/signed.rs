@@ -1,6 +1,6 @@
 //! AVX-512 VNNI kernels for the signed legacy formats (weights `d·q` with `q` a signed byte and
-//! no offset: Q4_0, Q5_0, Q8_0 against Q8_0 activations): the Q4_0, Q5_0
-//! and Q8_0 matvecs of a decode step, and the tile kernel of prompts for all three.
+//! no offset: Q4_0, Q5_0, Q8_0 against Q8_0 activations): the Q4_0 and Q5_0
+//! matvecs of a decode step, and the tile kernel of prompts for all three.
 //!
 //! Both give bit for bit what the AVX2 kernels give (GGML's `vec_dot` order; see
 //! `avx2::legacy_loop` and `tile`): per output, eight f32 lanes, lane `l` of a 32-element
@@ -218,89 +218,6 @@ pub fn matvec_q5_0_q8_0(w: &[u8], a: &[u8], out: &mut [f32]) {
     for (k, o) in quads.into_remainder().iter_mut().enumerate() {
         let row = &w[(done + k) * row_bytes..(done + k + 1) * row_bytes];
         *o = super::avx2::vec_dot_q5_0_q8_0(row, a);
-    }
-}
-
-/// Q8_0 rows (contiguous in `w`, one per element of `out`) against one Q8_0 activation row, two
-/// rows per register (one per 256-bit half, the activation block broadcast to both): the
-/// weights offset by 128 (`w ^ 0x80`, the unsigned operand of `vpdpbusd`) and the offset's
-/// contribution cancelled by `-128·Σ` of each 4-byte lane of the activations, computed once per
-/// call. Each half's eight f32 lanes are GGML's eight, so every output is bit for bit
-/// `avx2::vec_dot_q8_0_q8_0`'s; the rows past the last multiple of four are computed by it.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub fn matvec_q8_0_q8_0(w: &[u8], a: &[u8], out: &mut [f32]) {
-    let nb = a.len() / q8_0::SIZE;
-    let row_bytes = nb * q8_0::SIZE;
-    assert!(w.len() >= out.len() * row_bytes && a.len() >= nb * q8_0::SIZE);
-    let minus128 = _mm512_set1_epi8(-128);
-    // Per block: the activation's 32 quants in both halves, the correction, the scale.
-    let acts: Vec<(__m512i, __m512i, f32)> = a
-        .chunks_exact(q8_0::SIZE)
-        .map(|y| {
-            let qs = &y[q8_0::QS..q8_0::QS + QK];
-            // SAFETY: 32 readable bytes; unaligned load.
-            let v = _mm512_broadcast_i64x4(unsafe { _mm256_loadu_si256(qs.as_ptr().cast()) });
-            let fix = _mm512_sub_epi32(
-                _mm512_setzero_si512(),
-                _mm512_dpbusd_epi32(_mm512_setzero_si512(), minus128, v),
-            );
-            (v, fix, super::avx2::f16_at(y, q8_0::D))
-        })
-        .collect();
-    let pairs = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    let pairs_hi = _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-    let done = out.len() / 4 * 4;
-    let mut quads = out.chunks_exact_mut(4);
-    for (i, o) in quads.by_ref().enumerate() {
-        let rows = &w[4 * i * row_bytes..(4 * i + 4) * row_bytes];
-        let base = rows.as_ptr();
-        let mut acc01 = _mm512_setzero_ps();
-        let mut acc23 = _mm512_setzero_ps();
-        for (c, (y, fix, d_a)) in acts.iter().enumerate() {
-            let x: [*const u8; 4] =
-                std::array::from_fn(|r| base.wrapping_add(r * row_bytes + c * q8_0::SIZE));
-            // The group's four rows are contiguous: stream them in as block c of each is read.
-            super::prefetch_ahead(base.wrapping_add(4 * c * q8_0::SIZE), 4 * q8_0::SIZE);
-            // SAFETY: block c < nb of each of the four rows lies inside `rows` (sliced
-            // above): 2 scale bytes at the block's start and 32 quant bytes after them.
-            let (q01, q23, d) = unsafe {
-                let pair = |r: usize| {
-                    _mm512_inserti64x4::<1>(
-                        _mm512_castsi256_si512(_mm256_loadu_si256(x[r].add(q8_0::QS).cast())),
-                        _mm256_loadu_si256(x[r + 1].add(q8_0::QS).cast()),
-                    )
-                };
-                let bits = |r: usize| x[r].cast::<u16>().read_unaligned() as i64;
-                let d = bits(0) | bits(1) << 16 | bits(2) << 32 | bits(3) << 48;
-                (pair(0), pair(2), d)
-            };
-            let d = _mm512_castps128_ps512(_mm_mul_ps(
-                _mm_cvtph_ps(_mm_cvtsi64_si128(d)),
-                _mm_set1_ps(*d_a),
-            ));
-            let i01 = _mm512_dpbusd_epi32(*fix, _mm512_xor_si512(q01, minus128), *y);
-            let i23 = _mm512_dpbusd_epi32(*fix, _mm512_xor_si512(q23, minus128), *y);
-            acc01 = _mm512_fmadd_ps(
-                _mm512_cvtepi32_ps(i01),
-                _mm512_permutexvar_ps(pairs, d),
-                acc01,
-            );
-            acc23 = _mm512_fmadd_ps(
-                _mm512_cvtepi32_ps(i23),
-                _mm512_permutexvar_ps(pairs_hi, d),
-                acc23,
-            );
-        }
-        use super::avx2::hsum_ps;
-        let high = |v: __m512| _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
-        o[0] = hsum_ps(_mm512_castps512_ps256(acc01));
-        o[1] = hsum_ps(high(acc01));
-        o[2] = hsum_ps(_mm512_castps512_ps256(acc23));
-        o[3] = hsum_ps(high(acc23));
-    }
-    for (k, o) in quads.into_remainder().iter_mut().enumerate() {
-        let row = &w[(done + k) * row_bytes..(done + k + 1) * row_bytes];
-        *o = super::avx2::vec_dot_q8_0_q8_0(row, a);
     }
 }
 
