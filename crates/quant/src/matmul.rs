@@ -336,7 +336,8 @@ fn matmul_q6k_tokens(w: &QMatrix, x: &QuantizedActivations, out: &mut [f32]) {
 /// Whether GGML's CPU backend computes `ty` by one `vec_dot` per output at every batch size (no
 /// llamafile or repacked GEMM takes it on x86; for Q4_K, matrices whose rows are not a multiple
 /// of 8 and so stay unpacked), and whose tiles here do not follow that order: such matrices stay
-/// row-wise so prompts get exactly the numbers llama.cpp gets.
+/// row-wise so prompts get exactly the numbers llama.cpp gets (on AVX-512 VNNI, Q6_K prompts
+/// take `matmul_q6k_tokens` first, which gives those same numbers faster).
 fn rowwise_like_ggml(ty: GgmlType) -> bool {
     matches!(ty, GgmlType::Q6_K | GgmlType::Q4_K)
 }
