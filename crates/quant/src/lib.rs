@@ -13,7 +13,9 @@
 //! Beyond the same mathematics, the x86 paths sum in GGML's order where llama.cpp's reference
 //! numbers depend on it: Q4_1, Q5_1, Q4_0, Q5_0, Q8_0 and Q6_K give, at every batch size and
 //! strategy, exactly what GGML's AVX2 `vec_dot` (or llamafile's `tinyBLAS`, which sums alike)
-//! gives, and Q4_K matrices that llama.cpp repacks follow its repacked GEMV/GEMM steps.
+//! gives, and Q4_K matrices that llama.cpp repacks follow its repacked GEMV/GEMM steps. The
+//! AVX-512 VNNI kernels (Q4_0 and Q5_0 decode; Q4_0, Q5_0, Q8_0, Q4_K and Q6_K prompts) and the
+//! activation quantizers form their integer sums differently but give the same bits.
 
 pub mod blocks;
 mod matmul;

@@ -252,6 +252,15 @@ pub fn matmul_with(
         );
         return Ok(());
     }
+    #[cfg(target_arch = "x86_64")]
+    if strategy == Strategy::Auto
+        && w.ty == GgmlType::Q6_K
+        && level == Level::Avx512Vnni
+        && x.n_tokens >= Q6K_TOKENS_MIN_TOKENS
+    {
+        matmul_q6k_tokens(w, x, out);
+        return Ok(());
+    }
     let tiled = match strategy {
         Strategy::Auto => {
             x.n_tokens >= tile_min_tokens(level, w.ty)
@@ -270,10 +279,65 @@ pub fn matmul_with(
     Ok(())
 }
 
+/// From this many tokens on, Q6_K matrices on AVX-512 VNNI take [`matmul_q6k_tokens`]: one
+/// token is a memory-bound matvec, where unpacking the weights for a single use gains nothing.
+#[cfg(target_arch = "x86_64")]
+const Q6K_TOKENS_MIN_TOKENS: usize = 2;
+
+/// Q6_K weights against several tokens on AVX-512 VNNI, every output bit for bit the AVX2
+/// `vec_dot` (GGML's order, which llama.cpp's reference outputs carry): each row's super-blocks
+/// are unpacked once per block of up to `avx512::TOKENS` tokens instead of once per output.
+/// Rows are split between jobs; the activations' quants are widened to words once.
+#[cfg(target_arch = "x86_64")]
+fn matmul_q6k_tokens(w: &QMatrix, x: &QuantizedActivations, out: &mut [f32]) {
+    use crate::x86::avx512::{q6k_row_tokens, widen_q8k, TOKENS};
+    let (rows, cols, n_tokens) = (w.rows, w.cols, x.n_tokens);
+    let mut widened = vec![0i16; n_tokens * cols];
+    widened
+        .par_chunks_mut(cols)
+        .zip(x.data.par_chunks(x.row_bytes))
+        // SAFETY: the caller checked that the level is AVX-512 VNNI, which `simd::level`
+        // reports only after checking AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C.
+        .for_each(|(o, row)| unsafe { widen_q8k(row, o) });
+    let chunk = rows_per_job(rows, 1);
+    let out_ptr = OutPtr::new(out);
+    (0..rows.div_ceil(chunk)).into_par_iter().for_each(|job| {
+        let r0 = job * chunk;
+        let n_rows = chunk.min(rows - r0);
+        let mut block = vec![0.0f32; TOKENS * n_rows];
+        for t0 in (0..n_tokens).step_by(TOKENS) {
+            let nt = TOKENS.min(n_tokens - t0);
+            let mut v = [0.0f32; TOKENS];
+            for i in 0..n_rows {
+                // SAFETY: as above.
+                unsafe {
+                    q6k_row_tokens(
+                        w.row(r0 + i),
+                        &x.data[t0 * x.row_bytes..],
+                        x.row_bytes,
+                        &widened[t0 * cols..],
+                        cols,
+                        &mut v[..nt],
+                    )
+                };
+                for (t, vt) in v.iter().enumerate().take(nt) {
+                    block[t * n_rows + i] = *vt;
+                }
+            }
+            for t in 0..nt {
+                // SAFETY: jobs own disjoint row ranges of every token.
+                unsafe { out_ptr.slice((t0 + t) * rows + r0, n_rows) }
+                    .copy_from_slice(&block[t * n_rows..(t + 1) * n_rows]);
+            }
+        }
+    });
+}
+
 /// Whether GGML's CPU backend computes `ty` by one `vec_dot` per output at every batch size (no
 /// llamafile or repacked GEMM takes it on x86; for Q4_K, matrices whose rows are not a multiple
 /// of 8 and so stay unpacked), and whose tiles here do not follow that order: such matrices stay
-/// row-wise so prompts get exactly the numbers llama.cpp gets.
+/// row-wise so prompts get exactly the numbers llama.cpp gets (on AVX-512 VNNI, Q6_K prompts
+/// take `matmul_q6k_tokens` first, which gives those same numbers faster).
 fn rowwise_like_ggml(ty: GgmlType) -> bool {
     matches!(ty, GgmlType::Q6_K | GgmlType::Q4_K)
 }
@@ -695,6 +759,8 @@ fn matmul_tiled(level: Level, w: &QMatrix, x: &QuantizedActivations, out: &mut [
                 let vnni = unsafe {
                     if w.ty == GgmlType::Q4_0 {
                         signed::SignedPanel::from_q4_0(job_rows, job_n, cols)
+                    } else if w.ty == GgmlType::Q5_0 {
+                        signed::SignedPanel::from_q5_0(job_rows, job_n, cols)
                     } else {
                         signed::SignedPanel::build(&unpack(), job_n, cols)
                     }

@@ -143,7 +143,8 @@ mod tests {
     /// The SIMD levels' activation quantizers give the scalar code's bytes, on values that
     /// land exactly on rounding ties (`v·127/amax` = k + 0.5, where half-to-even and
     /// half-away-from-zero part), on zero blocks, non-finite values, subnormal blocks and
-    /// random ones.
+    /// random ones (for Q8_K, whose blocks are 256 elements, these fall in its first block;
+    /// its last block holds its maximum twice with opposite signs, and the first decides).
     #[test]
     fn quantize_matches_scalar_bit_for_bit() {
         let mut state = 0x9e37_79b9_7f4a_7c15u64;
@@ -169,8 +170,10 @@ mod tests {
             *v = if j % 3 == 0 { -1e-40 } else { 3e-41 };
         }
         x[192..224].fill(-0.0);
-        for ty in [GgmlType::Q8_0, GgmlType::Q8_1] {
-            let bytes = cols / 32 * ty.type_size();
+        x[1100] = -9.5;
+        x[1200] = 9.5;
+        for ty in [GgmlType::Q8_0, GgmlType::Q8_1, GgmlType::Q8_K] {
+            let bytes = cols / ty.block_size() * ty.type_size();
             let mut want = vec![0u8; bytes];
             scalar::quantize(ty, &x, &mut want);
             for level in available_levels() {

@@ -78,10 +78,14 @@ fn legacy_formats_match_vec_dot_bit_for_bit() {
 #[test]
 fn unpacked_k_quants_match_vec_dot_bit_for_bit() {
     // Q4_K with rows not a multiple of 8 is not repacked by llama.cpp: `vec_dot` throughout.
+    // Q6_K prompts on AVX-512 VNNI take a kernel of their own that must sum as `vec_dot` does.
     let cases = [
         (GgmlType::Q6_K, 5, 1),
         (GgmlType::Q6_K, 12, 16),
         (GgmlType::Q6_K, 9, 30),
+        // Several jobs and token blocks of the AVX-512 Q6_K kernel (32 tokens per block).
+        (GgmlType::Q6_K, 37, 45),
+        (GgmlType::Q6_K, 3, 2),
         (GgmlType::Q4_K, 5, 1),
         (GgmlType::Q4_K, 13, 16),
     ];

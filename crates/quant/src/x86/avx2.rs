@@ -13,7 +13,7 @@ use std::arch::x86_64::*;
 
 use crate::blocks::{
     k4_scales_mins, q2_k, q3_k, q3k_scales, q4_0, q4_1, q4_k, q5_0, q5_1, q5_k, q6_k, q8_0, q8_1,
-    q8_k,
+    q8_k, QK_K,
 };
 
 /// Loads 32 bytes from the start of `b`.
@@ -241,12 +241,16 @@ unsafe fn block_q8_0(x: *const u8, y: *const u8) -> BlockTerms {
 /// the same multiplications, `roundps` rounds half to even as `round_ties_even` does, and NaN
 /// and out-of-range products are sent where Rust's saturating `as i8` sends them (0, -128,
 /// 127) before the exact conversion. Q8_1's `s` is the exact integer sum times `d`, as there.
-/// Returns whether `ty` was one of the two.
+/// Q8_K goes to [`quantize_q8_k`]. Returns whether `ty` was one of the three.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub fn quantize_q8_activations(ty: crate::GgmlType, src: &[f32], dst: &mut [u8]) -> bool {
     let (size, qs) = match ty {
         crate::GgmlType::Q8_0 => (q8_0::SIZE, q8_0::QS),
         crate::GgmlType::Q8_1 => (q8_1::SIZE, q8_1::QS),
+        crate::GgmlType::Q8_K => {
+            quantize_q8_k(src, dst);
+            return true;
+        }
         _ => return false,
     };
     let sign = _mm256_set1_ps(-0.0);
@@ -290,6 +294,75 @@ pub fn quantize_q8_activations(ty: crate::GgmlType, src: &[f32], dst: &mut [u8])
         }
     }
     true
+}
+
+/// Q8_K activations (`scalar::kquants::quantize_q8_k`, GGML's `quantize_row_q8_K_ref`), eight
+/// elements per instruction, bit for bit the scalar results: the absolute maximum as in
+/// [`quantize_q8_activations`] (NaNs skipped), the signed maximum taken from the first element
+/// whose absolute value equals it (the scalar loop keeps the first of equals), the same scalar
+/// `iscale`, the same products, and `nearest_int`'s magic-number rounding done on the same bits
+/// (so NaN and infinite products land where the scalar code sends them). The quants are within
+/// [-128, 127] (|product| <= 127 up to rounding, and NaN bits give 0..=0x3fffff before the
+/// `min(127)`), so saturating packs are the scalar `as i8`; `bsums` are exact integer sums.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn quantize_q8_k(src: &[f32], dst: &mut [u8]) {
+    let sign = _mm256_set1_ps(-0.0);
+    let magic = _mm256_set1_ps(12_582_912.0);
+    let (mantissa, half) = (
+        _mm256_set1_epi32(0x007f_ffff),
+        _mm256_set1_epi32(0x0040_0000),
+    );
+    let top = _mm256_set1_epi32(127);
+    for (x, y) in src.chunks_exact(QK_K).zip(dst.chunks_exact_mut(q8_k::SIZE)) {
+        // SAFETY: 8 readable floats at each offset of the 256-element block; unaligned loads.
+        let v: [__m256; 32] =
+            std::array::from_fn(|i| unsafe { _mm256_loadu_ps(x[8 * i..8 * i + 8].as_ptr()) });
+        let mut m = _mm256_setzero_ps();
+        for vi in v {
+            m = _mm256_max_ps(_mm256_andnot_ps(sign, vi), m);
+        }
+        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+        if amax == 0.0 {
+            y.fill(0);
+            continue;
+        }
+        let target = _mm256_set1_ps(amax);
+        let first = v
+            .iter()
+            .enumerate()
+            .find_map(|(i, vi)| {
+                let eq = _mm256_cmp_ps::<_CMP_EQ_OQ>(_mm256_andnot_ps(sign, *vi), target);
+                let bits = _mm256_movemask_ps(eq);
+                (bits != 0).then(|| 8 * i + bits.trailing_zeros() as usize)
+            })
+            .expect("the absolute maximum is one of the block's values");
+        let iscale = -127.0 / x[first];
+        let scale = _mm256_set1_ps(iscale);
+        let q: [__m256i; 32] = std::array::from_fn(|i| {
+            let val = _mm256_add_ps(_mm256_mul_ps(scale, v[i]), magic);
+            let n = _mm256_sub_epi32(_mm256_and_si256(_mm256_castps_si256(val), mantissa), half);
+            _mm256_min_epi32(n, top)
+        });
+        for c in 0..8 {
+            let bytes = _mm256_packs_epi16(
+                _mm256_packs_epi32(q[4 * c], q[4 * c + 1]),
+                _mm256_packs_epi32(q[4 * c + 2], q[4 * c + 3]),
+            );
+            let bytes =
+                _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            let out = &mut y[q8_k::QS + 32 * c..q8_k::QS + 32 * c + 32];
+            // SAFETY: 32 writable bytes; unaligned store.
+            unsafe { _mm256_storeu_si256(out.as_mut_ptr().cast(), bytes) };
+        }
+        for j in 0..16 {
+            let sum = hsum_epi32(_mm256_add_epi32(q[2 * j], q[2 * j + 1]));
+            let o = q8_k::BSUMS + 2 * j;
+            y[o..o + 2].copy_from_slice(&(sum as i16).to_le_bytes());
+        }
+        y[q8_k::D..q8_k::D + 4].copy_from_slice(&(1.0 / iscale).to_le_bytes());
+    }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -533,6 +606,9 @@ pub fn vec_dot_q6_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
     let low = _mm256_set1_epi8(0x0F);
     let mask2 = _mm256_set1_epi8(3);
     for (x, y) in w.chunks_exact(q6_k::SIZE).zip(a.chunks_exact(q8_k::SIZE)) {
+        // A decode step calls this for consecutive rows: stream the weights in ahead, into the
+        // rows that follow.
+        super::prefetch_ahead(x.as_ptr(), q6_k::SIZE);
         let sc = &x[q6_k::SCALES..q6_k::SCALES + 16];
         let mut isum = _mm256_setzero_si256();
         for c in 0..2 {
@@ -594,11 +670,9 @@ pub fn vec_dot_f16(w: &[u8], a: &[u8], n: usize) -> f32 {
     sum
 }
 
-/// How many rows ahead [`rows4`] prefetches.
-const PREFETCH_ROWS: usize = 4;
-
 /// Four rows against one activation row at a time, for the memory-bound matvec: each
-/// activation block is loaded once for four rows, and each row keeps its own accumulator and
+/// activation block is loaded once for four rows (contiguous in memory, which the prefetch
+/// assumes; any other rows only prefetch in vain), and each row keeps its own accumulator and
 /// min chain in the order of [`legacy_loop`] (GGML's), so a row's result is bit for bit the
 /// single-row kernel's.
 ///
@@ -615,13 +689,6 @@ unsafe fn rows4<const Q8: bool>(rows: [&[u8]; 4], a: &[u8], nb: usize) -> [f32; 
     };
     let ap = a.as_ptr();
     let wp: [*const u8; 4] = std::array::from_fn(|r| rows[r].as_ptr());
-    // Rows are short (a few cache lines), too short for the hardware prefetcher to lock on
-    // to four interleaved streams; so fetch the same columns of the next four rows (the
-    // matrix is row-contiguous) while these are computed. Prefetches never fault, and
-    // `wrapping_add` keeps the address arithmetic defined past the end of the matrix.
-    let row_bytes = nb * w_size;
-    let next: [*const u8; 4] =
-        std::array::from_fn(|r| wp[r].wrapping_add(PREFETCH_ROWS * row_bytes));
     let mut acc = [_mm256_setzero_ps(); 4];
     // The four rows' min chains, one lane each: lane-wise FMAs, so each lane is exactly the
     // scalar chain of `legacy_loop`.
@@ -651,11 +718,10 @@ unsafe fn rows4<const Q8: bool>(rows: [&[u8]; 4], a: &[u8], nb: usize) -> [f32; 
                 let sy = _mm_shuffle_ps::<0b01_01_01_01>(dsy, dsy);
                 summs = _mm_fmadd_ps(_mm256_extractf128_ps::<1>(dm), sy, summs);
             }
-            if c % 3 == 0 {
-                for n in next {
-                    _mm_prefetch::<_MM_HINT_T0>(n.wrapping_add(c * w_size).cast());
-                }
-            }
+            // Rows are short (a few cache lines), too short for the hardware prefetcher to
+            // lock on to four interleaved streams; the callers' four rows are contiguous, so
+            // stream them in as block c of each is read.
+            super::prefetch_ahead(wp[0].wrapping_add(4 * c * w_size), 4 * w_size);
             let d = [
                 _mm256_broadcastss_ps(d4),
                 _mm256_broadcastss_ps(_mm_shuffle_ps::<0b01_01_01_01>(d4, d4)),
@@ -718,7 +784,7 @@ unsafe fn matvec_pairs<const Q8: bool>(w: &[u8], a: &[u8], out: &mut [f32]) {
 
 /// Consecutive rows of a legacy format (contiguous in `w`, one per element of `out`) against
 /// one activation row, four rows at a time: the same columns of four rows are read together
-/// (with the next four rows prefetched, as [`rows4`] does), and each row keeps its own chain of
+/// (the weights prefetched as one forward stream, as [`rows4`] does), and each row keeps its own chain of
 /// [`legacy_loop`]'s steps, so every output is bit for bit that kernel's.
 ///
 /// # Safety
@@ -742,17 +808,11 @@ unsafe fn matvec_legacy(
     let mut quads = out.chunks_exact_mut(4);
     for (i, o) in quads.by_ref().enumerate() {
         let base = w[4 * i * row_bytes..].as_ptr();
-        let next = base.wrapping_add(PREFETCH_ROWS * row_bytes);
         let mut acc = [_mm256_setzero_ps(); 4];
         let mut summs = [0.0f32; 4];
         for c in 0..nb {
-            if c % 3 == 0 {
-                for r in 0..4 {
-                    _mm_prefetch::<_MM_HINT_T0>(
-                        next.wrapping_add(r * row_bytes + c * w_size).cast(),
-                    );
-                }
-            }
+            // The group's four rows are contiguous: stream them in as block c of each is read.
+            super::prefetch_ahead(base.wrapping_add(4 * c * w_size), 4 * w_size);
             for r in 0..4 {
                 // SAFETY: rows 4i..4i+4 each hold nb blocks (asserted above), and c < nb.
                 let (d, p, [m, s]) =
@@ -842,6 +902,9 @@ pub fn q4k_repacked_dot(w: &[u8], a: &[u8], per_pair: bool) -> f32 {
     let mut acc = 0.0f32;
     let mut acc_min = 0.0f32;
     for (x, y) in w.chunks_exact(q4_k::SIZE).zip(a.chunks_exact(q8_k::SIZE)) {
+        // A decode step calls this for consecutive rows: stream the weights in ahead, into the
+        // rows that follow.
+        super::prefetch_ahead(x.as_ptr(), q4_k::SIZE);
         let (sc, mn) = k4_scales_mins_u64(&x[q4_k::SCALES..q4_k::SCALES + 12]);
         let scale_of = |j: usize| ((sc >> (8 * j)) & 0xFF) as i16;
         let pair = |g: usize| {

@@ -1,5 +1,6 @@
 //! AVX-512 (F, BW, VL, VNNI) kernels: Q4_K prompt matrices in llama.cpp's repacked order, eight
-//! rows and up to [`TOKENS`] tokens per call.
+//! rows and up to [`TOKENS`] tokens per call; Q6_K prompt matrices in GGML's `vec_dot` order,
+//! one row and up to [`TOKENS`] tokens per call ([`q6k_row_tokens`]).
 //!
 //! The AVX2 kernel ([`super::avx2::q4k_repacked_rows8`]) unpacks each row's nibbles once per
 //! token and forms the integer sums with `maddubs` and `madd`. Here a pair of sub-blocks of the
@@ -17,7 +18,7 @@
 
 use std::arch::x86_64::*;
 
-use crate::blocks::{q4_k, q8_k};
+use crate::blocks::{q4_k, q6_k, q8_k, QK_K};
 
 use super::avx2::block8;
 
@@ -208,5 +209,113 @@ pub fn q4k_rows8_tokens(
     for (o, (a, m)) in out.iter_mut().zip(acc.iter().zip(&acc_min)).take(n_tokens) {
         // SAFETY: 8 f32 = 32 writable bytes; unaligned store.
         unsafe { _mm256_storeu_ps(o.as_mut_ptr(), _mm256_sub_ps(*a, *m)) };
+    }
+}
+
+/// A Q8_K activation row's quants widened to i16, for [`q6k_row_tokens`] (`vpdpwssd` takes
+/// words): `out` must hold as many elements as the row has quants.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub fn widen_q8k(row: &[u8], out: &mut [i16]) {
+    for (y, o) in row.chunks_exact(q8_k::SIZE).zip(out.chunks_exact_mut(QK_K)) {
+        for (k, o32) in o.chunks_exact_mut(32).enumerate() {
+            // SAFETY: 32 readable quant bytes of this block and 32 writable i16; unaligned.
+            unsafe {
+                let q = _mm256_loadu_si256(y[q8_k::QS + 32 * k..].as_ptr().cast());
+                _mm512_storeu_si512(o32.as_mut_ptr().cast(), _mm512_cvtepi8_epi16(q));
+            }
+        }
+    }
+}
+
+/// One Q6_K row against `out.len()` (at most [`TOKENS`]) Q8_K activation rows, each output bit
+/// for bit `avx2::vec_dot_q6_k_q8_k`'s: per super-block, the same eight exact integer lanes
+/// (lane `l`: elements `4l..4l+4` of every 32, times their scale, less `32·(bsum[2l]·sc[2l] +
+/// bsum[2l+1]·sc[2l+1])`), one FMA by `d_a·d_w` into the token's accumulator, and GGML's
+/// `hsum_float_8` at the end. Only the integer sums are formed differently: each super-block's
+/// weights are unpacked once for every token, times their scales, as words (`sc·q` fits: at
+/// most 63·128), and one `vpdpwssd` per 32 elements and token sums `sc·q·a` in pairs; lane
+/// pairs `2l, 2l+1` are then added into lane `l`. Integer sums are exact in any order.
+///
+/// `acts` holds the tokens' Q8_K rows `act_bytes` apart, `widened` their quants as words
+/// ([`widen_q8k`]), `cols` apart.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub fn q6k_row_tokens(
+    row: &[u8],
+    acts: &[u8],
+    act_bytes: usize,
+    widened: &[i16],
+    cols: usize,
+    out: &mut [f32],
+) {
+    let n = out.len();
+    let nb = cols / QK_K;
+    assert!(n <= TOKENS && row.len() >= nb * q6_k::SIZE);
+    assert!(n == 0 || (acts.len() >= (n - 1) * act_bytes + nb * q8_k::SIZE));
+    assert!(widened.len() >= n * cols && act_bytes >= nb * q8_k::SIZE);
+    let mut acc = [_mm256_setzero_ps(); TOKENS];
+    let low = _mm256_set1_epi8(0x0F);
+    let mask2 = _mm256_set1_epi8(3);
+    for b in 0..nb {
+        let x = &row[b * q6_k::SIZE..(b + 1) * q6_k::SIZE];
+        let sc = &x[q6_k::SCALES..q6_k::SCALES + 16];
+        // The 256 weights times their scales, 32 words per register, in element order.
+        let mut w = [_mm512_setzero_si512(); 8];
+        for c in 0..2 {
+            // SAFETY: the block holds 128 `ql` bytes from QL and 64 `qh` bytes from QH.
+            let (ql0, ql1, qh) = unsafe {
+                (
+                    _mm256_loadu_si256(x[q6_k::QL + 64 * c..].as_ptr().cast()),
+                    _mm256_loadu_si256(x[q6_k::QL + 64 * c + 32..].as_ptr().cast()),
+                    _mm256_loadu_si256(x[q6_k::QH + 32 * c..].as_ptr().cast()),
+                )
+            };
+            let h = |v: __m256i| _mm256_slli_epi16::<4>(_mm256_and_si256(v, mask2));
+            let quarters = [
+                _mm256_or_si256(_mm256_and_si256(ql0, low), h(qh)),
+                _mm256_or_si256(_mm256_and_si256(ql1, low), h(_mm256_srli_epi16::<2>(qh))),
+                _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(ql0), low),
+                    h(_mm256_srli_epi16::<4>(qh)),
+                ),
+                _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(ql1), low),
+                    h(_mm256_srli_epi16::<6>(qh)),
+                ),
+            ];
+            for (k, q) in quarters.into_iter().enumerate() {
+                let j = 4 * c + k;
+                let s = _mm512_inserti64x4::<1>(
+                    _mm512_set1_epi16(sc[2 * j] as i8 as i16),
+                    _mm256_set1_epi16(sc[2 * j + 1] as i8 as i16),
+                );
+                w[j] = _mm512_mullo_epi16(_mm512_cvtepu8_epi16(q), s);
+            }
+        }
+        // SAFETY: 16 scale bytes; unaligned load.
+        let scales16 = _mm256_cvtepi8_epi16(unsafe { _mm_loadu_si128(sc.as_ptr().cast()) });
+        let d_w = super::avx2::f16_at(x, q6_k::D);
+        for (t, acc_t) in acc.iter_mut().enumerate().take(n) {
+            let y = &acts[t * act_bytes + b * q8_k::SIZE..][..q8_k::SIZE];
+            let a16 = &widened[t * cols + b * QK_K..][..QK_K];
+            let mut sum = _mm512_setzero_si512();
+            for (j, wj) in w.iter().enumerate() {
+                // SAFETY: 32 readable words of this super-block; unaligned load.
+                let a = unsafe { _mm512_loadu_si512(a16[32 * j..].as_ptr().cast()) };
+                sum = _mm512_dpwssd_epi32(sum, *wj, a);
+            }
+            // Lane l of the eight: the pair sums 2l and 2l + 1.
+            let pairs = _mm512_add_epi64(sum, _mm512_srli_epi64::<32>(sum));
+            let isum = _mm512_cvtepi64_epi32(pairs);
+            // SAFETY: 16 i16 bsums of this block; unaligned load.
+            let bsums = unsafe { _mm256_loadu_si256(y[q8_k::BSUMS..].as_ptr().cast()) };
+            let offset = _mm256_slli_epi32::<5>(_mm256_madd_epi16(bsums, scales16));
+            let isum = _mm256_sub_epi32(isum, offset);
+            let d_a = f32::from_le_bytes([y[0], y[1], y[2], y[3]]);
+            let d = _mm256_set1_ps(d_a * d_w);
+            *acc_t = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(isum), *acc_t);
+        }
+    }
+    for (o, a) in out.iter_mut().zip(acc) {
+        *o = super::avx2::hsum_ps(a);
     }
 }

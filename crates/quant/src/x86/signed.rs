@@ -1,6 +1,6 @@
 //! AVX-512 VNNI kernels for the signed legacy formats (weights `d·q` with `q` a signed byte and
-//! no offset: Q4_0, Q5_0, Q8_0 against Q8_0 activations): the Q4_0
-//! and Q8_0 matvecs of a decode step, and the tile kernel of prompts for all three.
+//! no offset: Q4_0, Q5_0, Q8_0 against Q8_0 activations): the Q4_0 and Q5_0
+//! matvecs of a decode step, and the tile kernel of prompts for all three.
 //!
 //! Both give bit for bit what the AVX2 kernels give (GGML's `vec_dot` order; see
 //! `avx2::legacy_loop` and `tile`): per output, eight f32 lanes, lane `l` of a 32-element
@@ -21,7 +21,7 @@
 
 use std::arch::x86_64::*;
 
-use crate::blocks::{q4_0, q8_0, QK};
+use crate::blocks::{q4_0, q5_0, q8_0, QK};
 use crate::matmul::{OutRows, Panel, TileActs};
 
 /// The float lanes of four outputs (`lo`: each row's lanes 0-3 in its 128-bit lane, `hi`:
@@ -52,9 +52,10 @@ fn spread4(d: __m128) -> __m512 {
     )
 }
 
-/// One Q8_0 activation block's parts for [`matvec_q4_0_q8_0`]: its two halves broadcast to
-/// the four 128-bit lanes, `-8·Σ` of each 4-byte lane of them (what cancels the offset of the
-/// unsigned nibbles `q = w + 8`), and its scale.
+/// One Q8_0 activation block's parts for [`matvec_q4_0_q8_0`] and [`matvec_q5_0_q8_0`]: its two
+/// halves broadcast to the four 128-bit lanes, `-offset·Σ` of each 4-byte lane of them (what
+/// cancels the offset of the unsigned quants `q = w + offset`: 8 for Q4_0, 16 for Q5_0), and
+/// its scale.
 struct ActBlock {
     lo: __m512i,
     hi: __m512i,
@@ -63,18 +64,12 @@ struct ActBlock {
     d: f32,
 }
 
-/// Q4_0 rows (contiguous in `w`, one per element of `out`) against one Q8_0 activation row,
-/// four rows per register (see the module docs), the next four rows prefetched as
-/// `avx2::rows4` does. Every output is bit for bit `avx2::vec_dot_q4_0_q8_0`'s; the rows past
-/// the last multiple of four are computed by it.
+/// The [`ActBlock`]s of a Q8_0 activation row, for weights whose unsigned quants carry
+/// `offset`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub fn matvec_q4_0_q8_0(w: &[u8], a: &[u8], out: &mut [f32]) {
-    let nb = a.len() / q8_0::SIZE;
-    let row_bytes = nb * q4_0::SIZE;
-    assert!(w.len() >= out.len() * row_bytes && a.len() >= nb * q8_0::SIZE);
-    let eight = _mm512_set1_epi8(8);
-    let acts: Vec<ActBlock> = a
-        .chunks_exact(q8_0::SIZE)
+fn act_blocks(a: &[u8], offset: i8) -> Vec<ActBlock> {
+    let offset = _mm512_set1_epi8(offset);
+    a.chunks_exact(q8_0::SIZE)
         .map(|y| {
             let qs = &y[q8_0::QS..q8_0::QS + QK];
             // SAFETY: 16 readable bytes each; unaligned loads.
@@ -88,33 +83,37 @@ pub fn matvec_q4_0_q8_0(w: &[u8], a: &[u8], out: &mut [f32]) {
             ActBlock {
                 lo,
                 hi,
-                fix_lo: neg(_mm512_dpbusd_epi32(_mm512_setzero_si512(), eight, lo)),
-                fix_hi: neg(_mm512_dpbusd_epi32(_mm512_setzero_si512(), eight, hi)),
+                fix_lo: neg(_mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, lo)),
+                fix_hi: neg(_mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, hi)),
                 d: super::avx2::f16_at(y, q8_0::D),
             }
         })
-        .collect();
+        .collect()
+}
+
+/// Q4_0 rows (contiguous in `w`, one per element of `out`) against one Q8_0 activation row,
+/// four rows per register (see the module docs), the weights prefetched as one forward stream
+/// (`x86::prefetch_ahead`). Every output is bit for bit `avx2::vec_dot_q4_0_q8_0`'s; the rows past
+/// the last multiple of four are computed by it.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub fn matvec_q4_0_q8_0(w: &[u8], a: &[u8], out: &mut [f32]) {
+    let nb = a.len() / q8_0::SIZE;
+    let row_bytes = nb * q4_0::SIZE;
+    assert!(w.len() >= out.len() * row_bytes && a.len() >= nb * q8_0::SIZE);
+    let acts = act_blocks(a, 8);
     let low = _mm512_set1_epi8(0x0F);
     let done = out.len() / 4 * 4;
     let mut quads = out.chunks_exact_mut(4);
     for (i, o) in quads.by_ref().enumerate() {
         let rows = &w[4 * i * row_bytes..(4 * i + 4) * row_bytes];
         let base = rows.as_ptr();
-        let next = base.wrapping_add(4 * row_bytes);
         let mut acc_lo = _mm512_setzero_ps();
         let mut acc_hi = _mm512_setzero_ps();
         for (c, y) in acts.iter().enumerate() {
             let x: [*const u8; 4] =
                 std::array::from_fn(|r| base.wrapping_add(r * row_bytes + c * q4_0::SIZE));
-            if c % 3 == 0 {
-                for r in 0..4 {
-                    // Prefetches never fault; `wrapping_add` keeps the arithmetic defined
-                    // past the end of the matrix.
-                    _mm_prefetch::<_MM_HINT_T0>(
-                        next.wrapping_add(r * row_bytes + c * q4_0::SIZE).cast(),
-                    );
-                }
-            }
+            // The group's four rows are contiguous: stream them in as block c of each is read.
+            super::prefetch_ahead(base.wrapping_add(4 * c * q4_0::SIZE), 4 * q4_0::SIZE);
             // SAFETY: block c < nb of each of the four rows lies inside `rows` (sliced
             // above): 2 scale bytes at the block's start and 16 quant bytes after them.
             let (q, d) = unsafe {
@@ -150,94 +149,75 @@ pub fn matvec_q4_0_q8_0(w: &[u8], a: &[u8], out: &mut [f32]) {
     }
 }
 
-/// Q8_0 rows (contiguous in `w`, one per element of `out`) against one Q8_0 activation row, two
-/// rows per register (one per 256-bit half, the activation block broadcast to both): the
-/// weights offset by 128 (`w ^ 0x80`, the unsigned operand of `vpdpbusd`) and the offset's
-/// contribution cancelled by `-128·Σ` of each 4-byte lane of the activations, computed once per
-/// call. Each half's eight f32 lanes are GGML's eight, so every output is bit for bit
-/// `avx2::vec_dot_q8_0_q8_0`'s; the rows past the last multiple of four are computed by it.
+/// Q5_0 rows (contiguous in `w`, one per element of `out`) against one Q8_0 activation row,
+/// four rows per register as [`matvec_q4_0_q8_0`]: the unsigned quants `q = w + 16` are the
+/// nibbles with each block's fifth bits set in by a byte mask (`qh` bits 0-15 for the first
+/// 16 elements of each row, 16-31 for the last). Every output is bit for bit
+/// `avx2::vec_dot_q5_0_q8_0`'s; the rows past the last multiple of four are computed by it.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub fn matvec_q8_0_q8_0(w: &[u8], a: &[u8], out: &mut [f32]) {
+pub fn matvec_q5_0_q8_0(w: &[u8], a: &[u8], out: &mut [f32]) {
     let nb = a.len() / q8_0::SIZE;
-    let row_bytes = nb * q8_0::SIZE;
+    let row_bytes = nb * q5_0::SIZE;
     assert!(w.len() >= out.len() * row_bytes && a.len() >= nb * q8_0::SIZE);
-    let minus128 = _mm512_set1_epi8(-128);
-    // Per block: the activation's 32 quants in both halves, the correction, the scale.
-    let acts: Vec<(__m512i, __m512i, f32)> = a
-        .chunks_exact(q8_0::SIZE)
-        .map(|y| {
-            let qs = &y[q8_0::QS..q8_0::QS + QK];
-            // SAFETY: 32 readable bytes; unaligned load.
-            let v = _mm512_broadcast_i64x4(unsafe { _mm256_loadu_si256(qs.as_ptr().cast()) });
-            let fix = _mm512_sub_epi32(
-                _mm512_setzero_si512(),
-                _mm512_dpbusd_epi32(_mm512_setzero_si512(), minus128, v),
-            );
-            (v, fix, super::avx2::f16_at(y, q8_0::D))
-        })
-        .collect();
-    let pairs = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    let pairs_hi = _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    let acts = act_blocks(a, 16);
+    let low = _mm512_set1_epi8(0x0F);
+    let sixteen = _mm512_set1_epi8(16);
     let done = out.len() / 4 * 4;
     let mut quads = out.chunks_exact_mut(4);
     for (i, o) in quads.by_ref().enumerate() {
         let rows = &w[4 * i * row_bytes..(4 * i + 4) * row_bytes];
         let base = rows.as_ptr();
-        let next = base.wrapping_add(4 * row_bytes);
-        let mut acc01 = _mm512_setzero_ps();
-        let mut acc23 = _mm512_setzero_ps();
-        for (c, (y, fix, d_a)) in acts.iter().enumerate() {
+        let mut acc_lo = _mm512_setzero_ps();
+        let mut acc_hi = _mm512_setzero_ps();
+        for (c, y) in acts.iter().enumerate() {
             let x: [*const u8; 4] =
-                std::array::from_fn(|r| base.wrapping_add(r * row_bytes + c * q8_0::SIZE));
-            if c % 2 == 0 {
-                for r in 0..4 {
-                    // Prefetches never fault; `wrapping_add` keeps the arithmetic defined
-                    // past the end of the matrix.
-                    _mm_prefetch::<_MM_HINT_T0>(
-                        next.wrapping_add(r * row_bytes + c * q8_0::SIZE).cast(),
-                    );
-                }
-            }
+                std::array::from_fn(|r| base.wrapping_add(r * row_bytes + c * q5_0::SIZE));
+            // The group's four rows are contiguous: stream them in as block c of each is read.
+            super::prefetch_ahead(base.wrapping_add(4 * c * q5_0::SIZE), 4 * q5_0::SIZE);
             // SAFETY: block c < nb of each of the four rows lies inside `rows` (sliced
-            // above): 2 scale bytes at the block's start and 32 quant bytes after them.
-            let (q01, q23, d) = unsafe {
-                let pair = |r: usize| {
-                    _mm512_inserti64x4::<1>(
-                        _mm512_castsi256_si512(_mm256_loadu_si256(x[r].add(q8_0::QS).cast())),
-                        _mm256_loadu_si256(x[r + 1].add(q8_0::QS).cast()),
-                    )
-                };
+            // above): 2 scale bytes, 4 bytes of fifth bits and 16 quant bytes.
+            let (q, qh, d) = unsafe {
+                let q = _mm512_inserti32x4::<3>(
+                    _mm512_inserti32x4::<2>(
+                        _mm512_inserti32x4::<1>(
+                            _mm512_castsi128_si512(_mm_loadu_si128(x[0].add(q5_0::QS).cast())),
+                            _mm_loadu_si128(x[1].add(q5_0::QS).cast()),
+                        ),
+                        _mm_loadu_si128(x[2].add(q5_0::QS).cast()),
+                    ),
+                    _mm_loadu_si128(x[3].add(q5_0::QS).cast()),
+                );
+                let qh: [u64; 4] = std::array::from_fn(|r| {
+                    x[r].add(q5_0::QH).cast::<u32>().read_unaligned() as u64
+                });
                 let bits = |r: usize| x[r].cast::<u16>().read_unaligned() as i64;
                 let d = bits(0) | bits(1) << 16 | bits(2) << 32 | bits(3) << 48;
-                (pair(0), pair(2), d)
+                (q, qh, d)
             };
-            let d = _mm512_castps128_ps512(_mm_mul_ps(
-                _mm_cvtph_ps(_mm_cvtsi64_si128(d)),
-                _mm_set1_ps(*d_a),
-            ));
-            let i01 = _mm512_dpbusd_epi32(*fix, _mm512_xor_si512(q01, minus128), *y);
-            let i23 = _mm512_dpbusd_epi32(*fix, _mm512_xor_si512(q23, minus128), *y);
-            acc01 = _mm512_fmadd_ps(
-                _mm512_cvtepi32_ps(i01),
-                _mm512_permutexvar_ps(pairs, d),
-                acc01,
-            );
-            acc23 = _mm512_fmadd_ps(
-                _mm512_cvtepi32_ps(i23),
-                _mm512_permutexvar_ps(pairs_hi, d),
-                acc23,
-            );
+            // Bit 16r + j of a mask is element j (of 16) of row r's half.
+            let mask_lo = (qh[0] & 0xFFFF)
+                | (qh[1] & 0xFFFF) << 16
+                | (qh[2] & 0xFFFF) << 32
+                | (qh[3] & 0xFFFF) << 48;
+            let mask_hi =
+                qh[0] >> 16 | (qh[1] >> 16) << 16 | (qh[2] >> 16) << 32 | (qh[3] >> 16) << 48;
+            let d = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi64_si128(d)), _mm_set1_ps(y.d));
+            let d = spread4(d);
+            let q_lo = _mm512_and_si512(q, low);
+            let q_hi = _mm512_and_si512(_mm512_srli_epi16::<4>(q), low);
+            let q_lo = _mm512_or_si512(q_lo, _mm512_maskz_mov_epi8(mask_lo, sixteen));
+            let q_hi = _mm512_or_si512(q_hi, _mm512_maskz_mov_epi8(mask_hi, sixteen));
+            let i_lo = _mm512_dpbusd_epi32(y.fix_lo, q_lo, y.lo);
+            let i_hi = _mm512_dpbusd_epi32(y.fix_hi, q_hi, y.hi);
+            acc_lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i_lo), d, acc_lo);
+            acc_hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i_hi), d, acc_hi);
         }
-        use super::avx2::hsum_ps;
-        let high = |v: __m512| _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
-        o[0] = hsum_ps(_mm512_castps512_ps256(acc01));
-        o[1] = hsum_ps(high(acc01));
-        o[2] = hsum_ps(_mm512_castps512_ps256(acc23));
-        o[3] = hsum_ps(high(acc23));
+        // SAFETY: `o` holds 4 writable floats; unaligned store.
+        unsafe { _mm_storeu_ps(o.as_mut_ptr(), hsum4(acc_lo, acc_hi)) };
     }
     for (k, o) in quads.into_remainder().iter_mut().enumerate() {
         let row = &w[(done + k) * row_bytes..(done + k + 1) * row_bytes];
-        *o = super::avx2::vec_dot_q8_0_q8_0(row, a);
+        *o = super::avx2::vec_dot_q5_0_q8_0(row, a);
     }
 }
 
@@ -261,30 +241,59 @@ impl SignedPanel {
     /// straight from the blocks: the same panel, without the row-major unpacking in between.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     pub fn from_q4_0(data: &[u8], rows: usize, cols: usize) -> SignedPanel {
+        Self::from_blocks::<false>(data, rows, cols)
+    }
+
+    /// [`SignedPanel::build`] of `rows` Q5_0 rows of `cols` elements (contiguous in `data`),
+    /// straight from the blocks, as [`SignedPanel::from_q4_0`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub fn from_q5_0(data: &[u8], rows: usize, cols: usize) -> SignedPanel {
+        Self::from_blocks::<true>(data, rows, cols)
+    }
+
+    /// Q4_0 (`FIVE` false) or Q5_0 (`FIVE` true) blocks regrouped: the nibbles of four rows'
+    /// blocks in one register, for Q5_0 with the fifth bits set in by byte masks (`qh` bits
+    /// 0-15 for each row's first 16 elements, 16-31 for the last), less the format's offset.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    fn from_blocks<const FIVE: bool>(data: &[u8], rows: usize, cols: usize) -> SignedPanel {
+        let (size, qs_at) = if FIVE {
+            (q5_0::SIZE, q5_0::QS)
+        } else {
+            (q4_0::SIZE, q4_0::QS)
+        };
         let n_chunks = cols / QK;
-        let row_bytes = n_chunks * q4_0::SIZE;
+        let row_bytes = n_chunks * size;
         let groups = rows.div_ceil(4);
         assert!(data.len() >= rows * row_bytes);
         let mut q = Vec::with_capacity(groups * n_chunks * 2);
         let mut fix = Vec::with_capacity(groups * n_chunks * 2);
         let mut d = Vec::with_capacity(groups * n_chunks);
-        let (low, eight, minus128) = (
+        let (low, offset, sixteen, minus128) = (
             _mm512_set1_epi8(0x0F),
-            _mm512_set1_epi8(8),
+            _mm512_set1_epi8(if FIVE { 16 } else { 8 }),
+            _mm512_set1_epi8(16),
             _mm512_set1_epi8(-128),
         );
         for g in 0..groups {
             for c in 0..n_chunks {
-                // Rows past the end stay zero (quants 8, scale 0); their outputs are not stored.
+                // Rows past the end stay zero (quants 8, no fifth bits, scale 0); their outputs
+                // are not stored.
                 let mut qs = [_mm_set1_epi8(0x88u8 as i8); 4];
                 let mut bits = 0i64;
+                let mut mask = [0u64; 2];
                 for (k, qk) in qs.iter_mut().enumerate() {
                     let r = 4 * g + k;
                     if r < rows {
-                        let x = &data[r * row_bytes + c * q4_0::SIZE..][..q4_0::SIZE];
+                        let x = &data[r * row_bytes + c * size..][..size];
                         // SAFETY: 16 readable bytes after the scale; unaligned load.
-                        *qk = unsafe { _mm_loadu_si128(x[q4_0::QS..].as_ptr().cast()) };
+                        *qk = unsafe { _mm_loadu_si128(x[qs_at..].as_ptr().cast()) };
                         bits |= (u16::from_le_bytes([x[0], x[1]]) as i64) << (16 * k);
+                        if FIVE {
+                            let qh = u32::from_le_bytes([x[2], x[3], x[4], x[5]]) as u64;
+                            mask[0] |= (qh & 0xFFFF) << (16 * k);
+                            mask[1] |= (qh >> 16) << (16 * k);
+                        }
                     }
                 }
                 let v = _mm512_inserti32x4::<3>(
@@ -294,11 +303,19 @@ impl SignedPanel {
                     ),
                     qs[3],
                 );
-                for half in [
+                for (half, m) in [
                     _mm512_and_si512(v, low),
                     _mm512_and_si512(_mm512_srli_epi16::<4>(v), low),
-                ] {
-                    let w = _mm512_sub_epi8(half, eight);
+                ]
+                .into_iter()
+                .zip(mask)
+                {
+                    let half = if FIVE {
+                        _mm512_or_si512(half, _mm512_maskz_mov_epi8(m, sixteen))
+                    } else {
+                        half
+                    };
+                    let w = _mm512_sub_epi8(half, offset);
                     q.push(w);
                     fix.push(_mm512_sub_epi32(
                         _mm512_setzero_si512(),
