@@ -1132,9 +1132,16 @@ fn load_on_sims(
     };
     let layer_device: Vec<usize> = plan.layers.iter().map(|&t| index(t)).collect();
     let layout = SplitLayout::for_model(hparams, layer_device, index(plan.output));
+    // Device 0 is the CPU; the simulated GPUs take the prompt products of its layers as a GPU
+    // of a partial offload does (`split::STREAM_MIN_TOKENS`).
     let mut backends = Vec::with_capacity(n_sim + 1);
-    for _ in 0..=n_sim {
-        backends.push(CpuBackend::new(options.threads).map_err(LoadError::CpuThreads)?);
+    for i in 0..=n_sim {
+        let backend = CpuBackend::new(options.threads).map_err(LoadError::CpuThreads)?;
+        backends.push(if i == 0 {
+            backend
+        } else {
+            backend.streaming_weights()
+        });
     }
     let mut split_names = vec!["cpu".to_string()];
     split_names.extend(names.iter().cloned());

@@ -2,7 +2,8 @@
 //! layer split gives the same greedy tokens as one simulated device and as the CPU (the
 //! simulated devices run the CPU's ops and the split moves activations bit-exactly, so the
 //! tokens are equal, which the golden rule accepts trivially); partial offload (`-ngl`) puts
-//! the first layers on the CPU with the same tokens; a corrupting peer pair is reported at
+//! the first layers on the CPU with the same tokens, also when the prompt's products of the
+//! CPU's layers are streamed to a simulated GPU; a corrupting peer pair is reported at
 //! start, falls back to host staging, and the tokens stay the same. A device whose weights are
 //! observed in host memory (`EMBER_SIM_HOST_WEIGHTS`) is refused naming it, or warned about
 //! with `--allow-host-weights`; `--vram-budget` is each device's pool's budget. Bad flag values
@@ -88,6 +89,22 @@ fn check_model(model: &str) {
     let (partial, stderr) = run(model, &["--device", "sim:0,sim:1,sim:2", "-ngl", "3"], None);
     assert_eq!(partial, cpu, "{model}: -ngl 3 against the CPU");
     assert!(stderr.contains("     cpu: layers 0.."), "{stderr}");
+    // The prompt's products of the CPU's layers streamed to a simulated GPU (from 2 tokens
+    // here, so the short prompt streams): the same tokens.
+    let (out, stderr) = run_with_env(
+        model,
+        &["--device", "sim:0", "-ngl", "2"],
+        &[("EMBER_STREAM_MIN_TOKENS", "2")],
+    );
+    assert!(out.status.success(), "{stderr}");
+    let streamed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let streamed: Vec<u64> = streamed["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect();
+    assert_eq!(streamed, cpu, "{model}: -ngl 2, prompt products streamed");
 
     let (corrupted, stderr) = run(model, &split, Some("0,1"));
     assert_eq!(corrupted, one, "{model}: a corrupting pair falls back");
