@@ -3,23 +3,15 @@
 //! matrices. Matvec reports weight bytes per second; matmul reports FLOP/s as "elements".
 //! Threads: `EMBER_BENCH_THREADS` (default 2).
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use ember_quant::{matmul, quantize, quantize_activations, vec_dot_type, GgmlType, QMatrix};
+#[path = "../examples/common/mod.rs"]
+mod common;
+use common::weights;
 
-fn weights(ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
-    let mut state = 0x2545_F491_4F6C_DD1Du64;
-    let x: Vec<f32> = (0..rows * cols)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2
-        })
-        .collect();
-    let mut data = vec![0u8; ty.row_bytes((rows * cols) as u64).unwrap() as usize];
-    quantize(ty, &x, &mut data).unwrap();
-    data
-}
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use ember_quant::{matmul, quantize_activations, vec_dot_type, GgmlType, QMatrix};
+
+/// The seed of the weights.
+const SEED: u64 = 0x2545_F491_4F6C_DD1D;
 
 fn bench(c: &mut Criterion) {
     let threads = std::env::var("EMBER_BENCH_THREADS")
@@ -45,7 +37,7 @@ fn bench(c: &mut Criterion) {
         group.measurement_time(std::time::Duration::from_secs(2));
         group.warm_up_time(std::time::Duration::from_millis(500));
         for (ty, rows, cols) in shapes {
-            let data = weights(ty, rows, cols);
+            let data = weights(ty, rows, cols, SEED);
             let w = QMatrix::new(ty, rows, cols, &data).unwrap();
             let x: Vec<f32> = (0..n_tokens * cols)
                 .map(|i| ((i % 23) as f32 - 11.0) * 0.05)

@@ -5,24 +5,15 @@
 
 use std::time::Instant;
 
+mod common;
+use common::weights;
+
 use ember_quant::{
-    matmul_with, quantize, quantize_activations, simd, vec_dot_type, GgmlType, QMatrix, Strategy,
+    matmul_with, quantize_activations, simd, vec_dot_type, GgmlType, QMatrix, Strategy,
 };
 
-fn weights(ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
-    let mut state = 0x1234_5678_9abc_def0u64;
-    let x: Vec<f32> = (0..rows * cols)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2
-        })
-        .collect();
-    let mut data = vec![0u8; ty.row_bytes((rows * cols) as u64).unwrap() as usize];
-    quantize(ty, &x, &mut data).unwrap();
-    data
-}
+/// The seed of the weights.
+const SEED: u64 = 0x1234_5678_9abc_def0;
 
 fn main() {
     let threads: usize = std::env::args()
@@ -50,7 +41,7 @@ fn main() {
                 if only.as_ref().is_some_and(|o| *o != ty.to_string()) {
                     continue;
                 }
-                let data = weights(ty, rows, cols);
+                let data = weights(ty, rows, cols, SEED);
                 let w = QMatrix::new(ty, rows, cols, &data).unwrap();
                 let x: Vec<f32> = (0..n_tokens * cols)
                     .map(|i| ((i % 17) as f32 - 8.0) * 0.1)

@@ -5,24 +5,15 @@
 
 use std::time::Instant;
 
+mod common;
+use common::weights;
+
 use ember_quant::{
-    matmul_with, quantize, quantize_activations, simd, vec_dot_type, GgmlType, QMatrix, Strategy,
+    matmul_with, quantize_activations, simd, vec_dot_type, GgmlType, QMatrix, Strategy,
 };
 
-fn weights(ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
-    let mut state = 0x1234_5678_9abc_def0u64;
-    let x: Vec<f32> = (0..rows * cols)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2
-        })
-        .collect();
-    let mut data = vec![0u8; ty.row_bytes((rows * cols) as u64).unwrap() as usize];
-    quantize(ty, &x, &mut data).unwrap();
-    data
-}
+/// The seed of the weights.
+const SEED: u64 = 0x1234_5678_9abc_def0;
 
 fn measure(
     ty: GgmlType,
@@ -31,7 +22,7 @@ fn measure(
     n_tokens: usize,
     strategy: Strategy,
 ) -> (f64, f64, f64) {
-    let data = weights(ty, rows, cols);
+    let data = weights(ty, rows, cols, SEED);
     let w = QMatrix::new(ty, rows, cols, &data).unwrap();
     let x: Vec<f32> = (0..n_tokens * cols)
         .map(|i| ((i % 17) as f32 - 8.0) * 0.1)
@@ -113,11 +104,11 @@ fn model_pass(n_tokens: usize, runs: usize) {
         .map(|_| {
             [(d, d), (kv, d), (kv, d), (d, d), (ff, d), (ff, d), (d, ff)]
                 .iter()
-                .map(|&(r, c)| (r, c, weights(GgmlType::Q4_1, r, c)))
+                .map(|&(r, c)| (r, c, weights(GgmlType::Q4_1, r, c, SEED)))
                 .collect()
         })
         .collect();
-    let output = weights(GgmlType::Q8_0, vocab, d);
+    let output = weights(GgmlType::Q8_0, vocab, d, SEED);
     let x: Vec<f32> = (0..n_tokens * ff)
         .map(|i| ((i % 13) as f32 - 6.0) * 0.1)
         .collect();

@@ -682,6 +682,25 @@ mod tests {
         out
     }
 
+    /// The split of `plan` over the CPU and `second` (a CPU backend standing in for the GPU).
+    fn two_cpu_split(
+        gguf: &Gguf,
+        plan: &LoadPlan,
+        second: CpuBackend,
+    ) -> SplitBackend<OneOf<CpuBackend, CpuBackend>> {
+        let layer_device: Vec<usize> = plan.layers.iter().map(|&t| device_of(t)).collect();
+        SplitBackend::new(
+            vec![
+                OneOf::First(CpuBackend::new(2).unwrap()),
+                OneOf::Second(second),
+            ],
+            vec!["cpu".into(), "gpu".into()],
+            SplitLayout::for_model(&hparams(gguf), layer_device, device_of(plan.output)),
+            None,
+            Vec::new(),
+        )
+    }
+
     #[test]
     fn cpu_and_second_backend_split_gives_bit_identical_logits_at_every_ngl() {
         let dir = tempfile::tempdir().unwrap();
@@ -706,18 +725,8 @@ mod tests {
                     layer_device[LAYERS - ngl..].iter().all(|&d| d == 1),
                     "the last layers go to the GPU: {plan:?}"
                 );
-                let output = device_of(plan.output);
-                assert_eq!(output == 1, ngl == LAYERS, "{plan:?}");
-                let backend: SplitBackend<OneOf<CpuBackend, CpuBackend>> = SplitBackend::new(
-                    vec![
-                        OneOf::First(CpuBackend::new(2).unwrap()),
-                        OneOf::Second(CpuBackend::new(2).unwrap()),
-                    ],
-                    vec!["cpu".into(), "gpu".into()],
-                    SplitLayout::for_model(&hparams(&gguf), layer_device, output),
-                    None,
-                    Vec::new(),
-                );
+                assert_eq!(device_of(plan.output) == 1, ngl == LAYERS, "{plan:?}");
+                let backend = two_cpu_split(&gguf, &plan, CpuBackend::new(2).unwrap());
                 let model = Model::from_gguf(Arc::clone(&gguf), backend, &mut |_, _| {}).unwrap();
                 assert!(
                     run(&model) == expected,
@@ -758,17 +767,10 @@ mod tests {
             let expected = run(&single);
             for (ngl, min_tokens) in [(2, 4), (LAYERS - 1, 9), (2, 10), (LAYERS, 4)] {
                 let plan = plan(&gguf, ngl);
-                let layer_device: Vec<usize> = plan.layers.iter().map(|&t| device_of(t)).collect();
-                let output = device_of(plan.output);
-                let backend: SplitBackend<OneOf<CpuBackend, CpuBackend>> = SplitBackend::new(
-                    vec![
-                        OneOf::First(CpuBackend::new(2).unwrap()),
-                        OneOf::Second(CpuBackend::new(2).unwrap().streaming_weights()),
-                    ],
-                    vec!["cpu".into(), "gpu".into()],
-                    SplitLayout::for_model(&hparams(&gguf), layer_device, output),
-                    None,
-                    Vec::new(),
+                let backend = two_cpu_split(
+                    &gguf,
+                    &plan,
+                    CpuBackend::new(2).unwrap().streaming_weights(),
                 )
                 .with_stream_min_tokens(min_tokens);
                 let model = Model::from_gguf(Arc::clone(&gguf), backend, &mut |_, _| {}).unwrap();
