@@ -253,19 +253,12 @@ pub fn quantize_q8_activations(ty: crate::GgmlType, src: &[f32], dst: &mut [u8])
         }
         _ => return false,
     };
-    let sign = _mm256_set1_ps(-0.0);
     let (lowest, highest) = (_mm256_set1_ps(-128.0), _mm256_set1_ps(127.0));
     for (x, y) in src.chunks_exact(32).zip(dst.chunks_exact_mut(size)) {
         // SAFETY: 8 readable floats at each offset of the 32-element block; unaligned loads.
         let v: [__m256; 4] =
             std::array::from_fn(|i| unsafe { _mm256_loadu_ps(x[8 * i..8 * i + 8].as_ptr()) });
-        let mut m = _mm256_setzero_ps();
-        for vi in v {
-            m = _mm256_max_ps(_mm256_andnot_ps(sign, vi), m);
-        }
-        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
-        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-        let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+        let amax = abs_max(&v);
         let d = amax / 127.0;
         let id = _mm256_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
         let q: [__m256i; 4] = std::array::from_fn(|i| {
@@ -296,6 +289,21 @@ pub fn quantize_q8_activations(ty: crate::GgmlType, src: &[f32], dst: &mut [u8])
     true
 }
 
+/// The largest absolute value of `v`'s lanes (`max` drops a NaN lane in favour of the running
+/// maximum, as the quantizers' scalar loops skip NaNs).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn abs_max(v: &[__m256]) -> f32 {
+    let sign = _mm256_set1_ps(-0.0);
+    let mut m = _mm256_setzero_ps();
+    for &vi in v {
+        m = _mm256_max_ps(_mm256_andnot_ps(sign, vi), m);
+    }
+    let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+    let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)))
+}
+
 /// Q8_K activations (`scalar::kquants::quantize_q8_k`, GGML's `quantize_row_q8_K_ref`), eight
 /// elements per instruction, bit for bit the scalar results: the absolute maximum as in
 /// [`quantize_q8_activations`] (NaNs skipped), the signed maximum taken from the first element
@@ -317,13 +325,7 @@ fn quantize_q8_k(src: &[f32], dst: &mut [u8]) {
         // SAFETY: 8 readable floats at each offset of the 256-element block; unaligned loads.
         let v: [__m256; 32] =
             std::array::from_fn(|i| unsafe { _mm256_loadu_ps(x[8 * i..8 * i + 8].as_ptr()) });
-        let mut m = _mm256_setzero_ps();
-        for vi in v {
-            m = _mm256_max_ps(_mm256_andnot_ps(sign, vi), m);
-        }
-        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
-        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-        let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+        let amax = abs_max(&v);
         if amax == 0.0 {
             y.fill(0);
             continue;
