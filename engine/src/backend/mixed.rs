@@ -682,6 +682,16 @@ mod tests {
         out
     }
 
+    /// The model on one CPU backend: the reference of the splits.
+    fn one_cpu(gguf: &Arc<Gguf>) -> Model<CpuBackend> {
+        Model::from_gguf(
+            Arc::clone(gguf),
+            CpuBackend::new(2).unwrap(),
+            &mut |_, _| {},
+        )
+        .unwrap()
+    }
+
     /// The split of `plan` over the CPU and `second` (a CPU backend standing in for the GPU).
     fn two_cpu_split(
         gguf: &Gguf,
@@ -706,13 +716,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         for (shape, ty) in [("llama3.2-1b", "q4_k_m"), ("qwen3-0.6b", "q8_0")] {
             let gguf = synth(dir.path(), shape, ty);
-            let single = Model::from_gguf(
-                Arc::clone(&gguf),
-                CpuBackend::new(2).unwrap(),
-                &mut |_, _| {},
-            )
-            .unwrap();
-            let expected = run(&single);
+            let expected = run(&one_cpu(&gguf));
             for ngl in 1..=LAYERS {
                 let plan = plan(&gguf, ngl);
                 let layer_device: Vec<usize> = plan.layers.iter().map(|&t| device_of(t)).collect();
@@ -758,13 +762,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         for (shape, ty) in [("llama3.2-1b", "q4_k_m"), ("qwen3-0.6b", "q8_0")] {
             let gguf = synth(dir.path(), shape, ty);
-            let single = Model::from_gguf(
-                Arc::clone(&gguf),
-                CpuBackend::new(2).unwrap(),
-                &mut |_, _| {},
-            )
-            .unwrap();
-            let expected = run(&single);
+            let expected = run(&one_cpu(&gguf));
             for (ngl, min_tokens) in [(2, 4), (LAYERS - 1, 9), (2, 10), (LAYERS, 4)] {
                 let plan = plan(&gguf, ngl);
                 let backend = two_cpu_split(

@@ -591,8 +591,8 @@ impl<B: Backend> SplitBackend<B> {
         }
         let (gguf, info) = &**source;
         self.input(x, d);
-        // `out` moves only when the product ran there: otherwise it is written where `w` is.
-        let home = out.parts.get_mut().home;
+        // When the product does not run there, the caller's `output` moves `out` to `w`'s
+        // device (no copy: the product overwrites it).
         self.output(out, d);
         let ran = self.uses(d).matmul_streamed(
             gguf,
@@ -603,8 +603,6 @@ impl<B: Backend> SplitBackend<B> {
         );
         if ran {
             self.streamed_products.fetch_add(1, Ordering::Relaxed);
-        } else {
-            out.parts.get_mut().home = home;
         }
         ran
     }
