@@ -1,6 +1,7 @@
-//! Where a model runs: the device names (`auto`, `cpu`, `cuda:N`, `hip:N`), the GPU layer count,
-//! memory sizes, and the rule that turns those choices and a model's layer count into a
-//! [`Placement`] (CPU, or a GPU with or without a CPU fallback).
+//! Where a model runs: the device names (`auto`, `cpu`, `cuda:N`, `hip:N`, lists of GPUs such as
+//! `cuda:0,cuda:1`, simulated devices), the GPU layer count, memory sizes, and the rule that turns
+//! those choices and a model's layer count into a [`Placement`] (CPU, a GPU with or without a CPU
+//! fallback, or a layer split over several GPUs).
 //!
 //! The command line parses its flags into [`DeviceOptions`]; the loader ([`crate::load`]) and any
 //! other front end decide from that plain struct, so every front end places a model the same
@@ -24,10 +25,64 @@ pub enum DeviceSpec {
     /// with its own layers and KV cache, copies between them as between GPUs (see
     /// [`crate::backend::split`]). For running layer splits on a machine without GPUs.
     Sim(usize),
+    /// Several GPUs of one kind (`cuda:0,cuda:1`): a layer split over them, by a load plan.
+    Gpus(GpuKind, GpuList),
 }
 
 /// The most simulated devices `--device sim:0,...` makes.
 pub const MAX_SIM_DEVICES: usize = 16;
+
+/// The most GPUs a `--device` list names.
+pub const MAX_GPUS: usize = 16;
+
+/// The environment variable that lets a `--device` list name one GPU more than once
+/// (`cuda:0,cuda:0`): a testing aid, so a split over "two GPUs" (two backends, each with its own
+/// pool and KV cache, copies between them as between GPUs) runs on a machine with one.
+pub const ALLOW_REPEATED_DEVICE_ENV: &str = "EMBER_ALLOW_REPEATED_DEVICE";
+
+/// The device numbers of a `--device` list of GPUs, in the order given (a fixed array, so that
+/// [`DeviceSpec`] stays `Copy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GpuList {
+    ordinals: [u16; MAX_GPUS],
+    len: u8,
+}
+
+impl GpuList {
+    /// The list of `ordinals`; `None` when it is empty, longer than [`MAX_GPUS`], or a number
+    /// does not fit.
+    pub fn new(ordinals: &[usize]) -> Option<GpuList> {
+        if ordinals.is_empty() || ordinals.len() > MAX_GPUS {
+            return None;
+        }
+        let mut list = GpuList {
+            ordinals: [0; MAX_GPUS],
+            len: ordinals.len() as u8,
+        };
+        for (slot, &ordinal) in list.ordinals.iter_mut().zip(ordinals) {
+            *slot = u16::try_from(ordinal).ok()?;
+        }
+        Some(list)
+    }
+
+    /// The device numbers, in order.
+    pub fn ordinals(&self) -> Vec<usize> {
+        self.ordinals[..usize::from(self.len)]
+            .iter()
+            .map(|&o| usize::from(o))
+            .collect()
+    }
+
+    /// How many GPUs the list names.
+    pub fn len(&self) -> usize {
+        usize::from(self.len)
+    }
+
+    /// Always false: a list names at least one GPU.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
 
 impl fmt::Display for DeviceSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -37,6 +92,14 @@ impl fmt::Display for DeviceSpec {
             DeviceSpec::Gpu(kind, ordinal) => write!(f, "{kind}:{ordinal}"),
             DeviceSpec::Sim(n) => {
                 let names: Vec<String> = (0..*n).map(|i| format!("sim:{i}")).collect();
+                f.write_str(&names.join(","))
+            }
+            DeviceSpec::Gpus(kind, list) => {
+                let names: Vec<String> = list
+                    .ordinals()
+                    .iter()
+                    .map(|ordinal| format!("{kind}:{ordinal}"))
+                    .collect();
                 f.write_str(&names.join(","))
             }
         }
@@ -56,14 +119,20 @@ impl FromStr for DeviceSpec {
     type Err = FlagError;
 
     fn from_str(text: &str) -> Result<DeviceSpec, FlagError> {
-        let error = || FlagError {
+        let error = || {
+            FlagError {
             flag: "--device",
-            expected: "auto, cpu, cuda:N or hip:N (N a device number such as 0)",
+            expected: "auto, cpu, cuda:N or hip:N (N a device number such as 0), a list of GPUs such as cuda:0,cuda:1, or sim:0,sim:1,...",
             found: text.to_string(),
+        }
         };
         let lower = text.trim().to_ascii_lowercase();
         if lower.starts_with("sim") {
             return parse_sim(text, &lower);
+        }
+        if lower.contains(',') {
+            let allow_repeated = std::env::var(ALLOW_REPEATED_DEVICE_ENV).is_ok_and(|v| v == "1");
+            return parse_gpu_list(text, allow_repeated);
         }
         match lower.as_str() {
             "auto" => return Ok(DeviceSpec::Auto),
@@ -88,6 +157,51 @@ impl FromStr for DeviceSpec {
             Some(_) => return Err(error()),
         };
         Ok(DeviceSpec::Gpu(kind, ordinal))
+    }
+}
+
+/// `cuda:0,cuda:1,...` or `hip:0,hip:1,...`: several GPUs of one kind. A GPU named twice is
+/// refused unless `allow_repeated` ([`ALLOW_REPEATED_DEVICE_ENV`]).
+pub fn parse_gpu_list(text: &str, allow_repeated: bool) -> Result<DeviceSpec, FlagError> {
+    let error = |expected: &'static str| FlagError {
+        flag: "--device",
+        expected,
+        found: text.to_string(),
+    };
+    let mut kind = None;
+    let mut ordinals = Vec::new();
+    for part in text.split(',') {
+        // A single name parses as one GPU (`cuda` alone is `cuda:0`); anything else in a list
+        // (cpu, auto, a simulated device, another list) is refused.
+        match part.trim().parse::<DeviceSpec>() {
+            Ok(DeviceSpec::Gpu(part_kind, ordinal)) if part.trim().contains(':') => {
+                if kind.is_some_and(|k| k != part_kind) {
+                    return Err(error(
+                        "GPUs of one kind, such as cuda:0,cuda:1 or hip:0,hip:1 (CUDA and HIP devices cannot share a split)",
+                    ));
+                }
+                kind = Some(part_kind);
+                ordinals.push(ordinal);
+            }
+            _ => {
+                return Err(error(
+                    "a list of GPUs of one kind, such as cuda:0,cuda:1 or hip:0,hip:1 (cpu, auto and sim:N cannot be listed with GPUs; the CPU takes the layers -ngl leaves off the GPUs)",
+                ))
+            }
+        }
+    }
+    let repeated = ordinals
+        .iter()
+        .enumerate()
+        .any(|(i, o)| ordinals[..i].contains(o));
+    if repeated && !allow_repeated {
+        return Err(error(
+            "each GPU named once, such as cuda:0,cuda:1 (set EMBER_ALLOW_REPEATED_DEVICE=1 to run a split over one GPU named twice, a testing aid)",
+        ));
+    }
+    match (kind, GpuList::new(&ordinals)) {
+        (Some(kind), Some(list)) => Ok(DeviceSpec::Gpus(kind, list)),
+        _ => Err(error("at most 16 GPUs, each numbered below 65536")),
     }
 }
 
@@ -243,6 +357,13 @@ pub enum Placement {
     Sim {
         devices: usize,
     },
+    /// Over several GPUs, by a load plan: `layers` of them on the GPUs (`None`: all), the
+    /// others on the CPU.
+    Gpus {
+        kind: GpuKind,
+        ordinals: GpuList,
+        layers: Option<usize>,
+    },
 }
 
 /// Device choices that contradict each other or ask for something not supported.
@@ -270,6 +391,14 @@ impl DeviceOptions {
         };
         match (self.device, all) {
             (DeviceSpec::Sim(devices), _) => Ok(Placement::Sim { devices }),
+            (DeviceSpec::Gpus(..), Some(0)) => Err(PlacementError::NoLayersOnGpu {
+                device: self.device,
+            }),
+            (DeviceSpec::Gpus(kind, ordinals), layers) => Ok(Placement::Gpus {
+                kind,
+                ordinals,
+                layers,
+            }),
             (DeviceSpec::Cpu, None) if self.gpu_layers.is_none() => Ok(Placement::Cpu),
             (DeviceSpec::Cpu, Some(0)) => Ok(Placement::Cpu),
             (DeviceSpec::Cpu, _) => Err(PlacementError::LayersOnCpu {
@@ -328,7 +457,7 @@ mod tests {
             let error = device(bad).unwrap_err();
             assert_eq!(
                 error,
-                format!("--device: expected auto, cpu, cuda:N or hip:N (N a device number such as 0), found {bad:?}")
+                format!("--device: expected auto, cpu, cuda:N or hip:N (N a device number such as 0), a list of GPUs such as cuda:0,cuda:1, or sim:0,sim:1,..., found {bad:?}")
             );
         }
         assert_eq!(DeviceSpec::Gpu(GpuKind::Hip, 2).to_string(), "hip:2");
@@ -362,6 +491,103 @@ mod tests {
                 Ok(Placement::Sim { devices: 2 })
             );
         }
+    }
+
+    fn list(kind: GpuKind, ordinals: &[usize]) -> DeviceSpec {
+        DeviceSpec::Gpus(kind, GpuList::new(ordinals).unwrap())
+    }
+
+    #[test]
+    fn gpu_lists() {
+        assert_eq!(device("cuda:0,cuda:1"), Ok(list(GpuKind::Cuda, &[0, 1])));
+        assert_eq!(
+            device(" HIP:2, hip:0 ,rocm:1"),
+            Ok(list(GpuKind::Hip, &[2, 0, 1]))
+        );
+        assert_eq!(
+            list(GpuKind::Cuda, &[1, 0, 3]).to_string(),
+            "cuda:1,cuda:0,cuda:3"
+        );
+        assert_eq!(
+            list(GpuKind::Hip, &[0, 1]).to_string().parse(),
+            Ok(list(GpuKind::Hip, &[0, 1]))
+        );
+        // A single GPU stays what it was.
+        assert_eq!(device("cuda:1"), Ok(DeviceSpec::Gpu(GpuKind::Cuda, 1)));
+        let mixed = "--device: expected GPUs of one kind, such as cuda:0,cuda:1 or hip:0,hip:1 (CUDA and HIP devices cannot share a split)";
+        assert_eq!(
+            device("cuda:0,hip:1"),
+            Err(format!("{mixed}, found \"cuda:0,hip:1\""))
+        );
+        for bad in [
+            "cuda:0,cpu",
+            "cpu,cuda:0",
+            "auto,cuda:1",
+            "cuda:0,sim:1",
+            "cuda:0,",
+            "cuda:0,cuda",
+            "cuda:0,cuda:x",
+            "cuda:0,vulkan:1",
+        ] {
+            assert_eq!(
+                device(bad),
+                Err(format!("--device: expected a list of GPUs of one kind, such as cuda:0,cuda:1 or hip:0,hip:1 (cpu, auto and sim:N cannot be listed with GPUs; the CPU takes the layers -ngl leaves off the GPUs), found {bad:?}")),
+            );
+        }
+        let seventeen: Vec<String> = (0..17).map(|i| format!("cuda:{i}")).collect();
+        assert_eq!(
+            device(&seventeen.join(",")),
+            Err(format!(
+                "--device: expected at most 16 GPUs, each numbered below 65536, found {:?}",
+                seventeen.join(",")
+            ))
+        );
+    }
+
+    #[test]
+    fn a_repeated_gpu_needs_the_testing_aid() {
+        let repeated = "--device: expected each GPU named once, such as cuda:0,cuda:1 (set EMBER_ALLOW_REPEATED_DEVICE=1 to run a split over one GPU named twice, a testing aid)";
+        for (text, allowed) in [
+            ("cuda:0,cuda:0", list(GpuKind::Cuda, &[0, 0])),
+            ("hip:1,hip:0,hip:1", list(GpuKind::Hip, &[1, 0, 1])),
+        ] {
+            assert_eq!(
+                parse_gpu_list(text, false).map_err(|e| e.to_string()),
+                Err(format!("{repeated}, found {text:?}"))
+            );
+            assert_eq!(parse_gpu_list(text, true), Ok(allowed));
+        }
+        // The tests never set the variable, so `--device` itself refuses.
+        if std::env::var(ALLOW_REPEATED_DEVICE_ENV).is_err() {
+            assert_eq!(
+                device("cuda:0,cuda:0"),
+                Err(format!("{repeated}, found \"cuda:0,cuda:0\""))
+            );
+        }
+    }
+
+    #[test]
+    fn a_gpu_list_is_a_plan_over_its_gpus() {
+        use GpuLayers::{All, Count};
+        let cuda01 = list(GpuKind::Cuda, &[0, 1]);
+        let DeviceSpec::Gpus(_, ordinals) = cuda01 else {
+            unreachable!()
+        };
+        let gpus = |layers| {
+            Ok(Placement::Gpus {
+                kind: GpuKind::Cuda,
+                ordinals,
+                layers,
+            })
+        };
+        assert_eq!(placement(cuda01, None), gpus(None));
+        assert_eq!(placement(cuda01, Some(All)), gpus(None));
+        assert_eq!(placement(cuda01, Some(Count(40))), gpus(None));
+        assert_eq!(placement(cuda01, Some(Count(7))), gpus(Some(7)));
+        assert_eq!(
+            placement(cuda01, Some(Count(0))),
+            Err("-ngl 0 keeps every layer on the CPU, but --device cuda:0,cuda:1 asks for a GPU: drop -ngl 0 or use --device cpu".into())
+        );
     }
 
     #[test]

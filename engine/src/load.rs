@@ -40,9 +40,9 @@ use crate::device::{DeviceOptions, Placement, PlacementError};
 use crate::load_plan::{LoadPlan, ModelBytes, PlanDevice, PlanError, PlanOptions, Target};
 use crate::model::{architecture_of, ContextParams, ForwardError, HParams, Model, ModelError};
 use crate::models::{self, PullError, PullProgress};
-use ember_gpu::peer::PairState;
+use ember_gpu::peer::{plan_pairs, DriverPeerLink, PairState, PeerLink};
 #[cfg(unix)]
-use ember_gpu::peer::{plan_pairs, PeerGate, PeerLink, SimPeerLink};
+use ember_gpu::peer::{PeerGate, SimPeerLink};
 #[cfg(unix)]
 use ember_gpu::Driver as _;
 
@@ -121,12 +121,14 @@ pub enum AnyLoaded {
     /// Over simulated devices (`--device sim:0,...`), with the CPU for layers -ngl leaves off
     /// them: device 0 of the split is the CPU, device `i + 1` is `sim:i`.
     Sim(Box<Loaded<SplitBackend<CpuBackend>>>),
-    /// Partial offload (`-ngl N` below the layer count): device 0 of the split is the CPU,
-    /// device 1 the GPU.
+    /// A split over the CPU and one or more GPUs: a partial offload (`-ngl N` below the layer
+    /// count) on one GPU, or a layer split over several (`--device cuda:0,cuda:1`, with the
+    /// layers -ngl leaves off them on the CPU, possibly none). Device 0 of the split is the
+    /// CPU, device `i + 1` the `i`-th GPU listed.
     Offload(Box<Loaded<SplitBackend<Offloaded>>>),
 }
 
-/// A device of a partial offload: the CPU or the GPU.
+/// A device of a split over the CPU and GPUs: the CPU or a GPU.
 pub type Offloaded = OneOf<CpuBackend, GpuBackend>;
 
 /// Runs the same generic code on whichever backend a model was loaded on:
@@ -507,9 +509,39 @@ pub fn load(
         let loaded = load_on_sims(common, &hparams, devices, options, on_event)?;
         return Ok(AnyLoaded::Sim(Box::new(loaded)));
     }
+    if let Placement::Gpus {
+        kind,
+        ordinals,
+        layers,
+    } = placement
+    {
+        let mut selections = Vec::with_capacity(ordinals.len());
+        for ordinal in ordinals.ordinals() {
+            let Some(selected) = select_gpu(
+                &path,
+                &hparams,
+                device,
+                Some((kind, ordinal)),
+                false,
+                on_event,
+            )?
+            else {
+                unreachable!("a GPU named with --device is required, never replaced by the CPU")
+            };
+            selections.push(selected);
+        }
+        let common = Common {
+            gguf,
+            tokenizer: Arc::new(tokenizer),
+            path,
+            start,
+        };
+        let loaded = load_on_gpus(common, &hparams, layers, selections, options, on_event)?;
+        return Ok(AnyLoaded::Offload(Box::new(loaded)));
+    }
     let mut offload = None;
     let gpu_device = match placement {
-        Placement::Sim { .. } => unreachable!("handled above"),
+        Placement::Sim { .. } | Placement::Gpus { .. } => unreachable!("handled above"),
         Placement::Cpu => None,
         Placement::Gpu {
             device: wanted,
@@ -544,12 +576,11 @@ pub fn load(
                 Ok(AnyLoaded::Gpu(Box::new(loaded)))
             }
             Some(layers) => {
-                let loaded = load_offloaded(
+                let loaded = load_on_gpus(
                     common,
                     &hparams,
-                    layers,
-                    selection,
-                    &open_options,
+                    Some(layers),
+                    vec![(selection, open_options)],
                     options,
                     on_event,
                 )?;
@@ -739,16 +770,18 @@ fn load_on_gpu(
             device: device_name.clone(),
             source,
         })?;
-    settle_on_gpu(
+    settle_on_gpus(
         &model,
-        model.backend(),
-        GpuSite {
-            driver: &*driver,
-            ordinal,
-            pool: &pool,
-            free_before,
-            name: &device_name,
-        },
+        &[(
+            model.backend(),
+            GpuSite {
+                driver: &*driver,
+                ordinal,
+                pool: &pool,
+                free_before,
+                name: &device_name,
+            },
+        )],
         device,
         &path,
         on_event,
@@ -780,37 +813,42 @@ struct GpuSite<'a> {
     name: &'a str,
 }
 
-/// What every GPU load does once the weights are in, whole model or partial offload: the
-/// placement check of the GPU's weights, a warm-up pass, then the pool trimmed to the post-load
-/// floor (weights plus what the runtime keeps once it has run every kind of work: kernel
-/// modules, the BLAS workspace) and marked loaded.
-fn settle_on_gpu<B: Backend>(
+/// What every GPU load does once the weights are in, whole model, partial offload or a split
+/// over several GPUs: the placement check of each GPU's weights (refusing, or warning with
+/// `--allow-host-weights`, naming the GPU), a warm-up pass, then each pool trimmed to its
+/// post-load floor (weights plus what the runtime keeps once it has run every kind of work:
+/// kernel modules, the BLAS workspace) and marked loaded.
+fn settle_on_gpus<B: Backend>(
     model: &Model<B>,
-    gpu: &GpuBackend,
-    site: GpuSite<'_>,
+    gpus: &[(&GpuBackend, GpuSite<'_>)],
     device: &DeviceOptions,
     path: &Path,
     on_event: &mut dyn FnMut(LoadEvent<'_>),
 ) -> Result<(), LoadError> {
-    check_placement(
-        site.driver,
-        site.ordinal,
-        gpu,
-        site.free_before,
-        device,
-        path,
-        site.name,
-        on_event,
-    )?;
+    for (gpu, site) in gpus {
+        check_placement(
+            site.driver,
+            site.ordinal,
+            gpu,
+            site.free_before,
+            device,
+            path,
+            site.name,
+            on_event,
+        )?;
+    }
+    let names: Vec<&str> = gpus.iter().map(|(_, site)| site.name).collect();
     warm_up(model).map_err(|source| LoadError::WarmUp {
-        device: site.name.to_string(),
+        device: names.join(","),
         source,
     })?;
-    site.pool.trim_now().map_err(|source| LoadError::Trim {
-        device: site.name.to_string(),
-        source,
-    })?;
-    site.pool.mark_loaded();
+    for (_, site) in gpus {
+        site.pool.trim_now().map_err(|source| LoadError::Trim {
+            device: site.name.to_string(),
+            source,
+        })?;
+        site.pool.mark_loaded();
+    }
     Ok(())
 }
 
@@ -895,15 +933,82 @@ pub(crate) fn plan_bytes(gguf: &Gguf, hparams: &HParams) -> ModelBytes {
     )
 }
 
-/// Partial offload: the last `layers` layers (and the output layer when all fit) on the GPU,
-/// the rest on the CPU, by a [`LoadPlan`]. Activations cross through host memory at the
-/// boundary; each device's KV cache holds its own layers.
-fn load_offloaded(
+/// The plan options of `device`'s flags, with `gpu_layers` layers on the GPUs (`None`: all).
+fn plan_options(device: &DeviceOptions, gpu_layers: Option<usize>) -> PlanOptions {
+    PlanOptions {
+        gpu_layers,
+        split_mode: device.split_mode,
+        tensor_split: device.tensor_split.clone(),
+        main_gpu: device.main_gpu,
+    }
+}
+
+/// The split device of a plan's target: device 0 is the CPU, device `i + 1` the plan's
+/// device `i` (a GPU, or a simulated one).
+fn split_index(target: Target) -> usize {
+    match target {
+        Target::Cpu => 0,
+        Target::Gpu(i) => i + 1,
+    }
+}
+
+/// The split's layout of `plan` (see [`split_index`]).
+fn split_layout(hparams: &HParams, plan: &LoadPlan) -> SplitLayout {
+    let layer_device: Vec<usize> = plan.layers.iter().map(|&t| split_index(t)).collect();
+    SplitLayout::for_model(hparams, layer_device, split_index(plan.output))
+}
+
+/// The pairs of the plan's devices as the split numbers them (its device 0 is the CPU).
+fn split_pairs(pairs: &[PairState]) -> Vec<PairState> {
+    pairs
+        .iter()
+        .map(|p| PairState {
+            src: p.src + 1,
+            dst: p.dst + 1,
+            ..p.clone()
+        })
+        .collect()
+}
+
+/// The names of the GPUs of a list as messages and the plan show them: `cuda:0`, and for a
+/// GPU named again (`EMBER_ALLOW_REPEATED_DEVICE`), its place in the list after a `#`
+/// (`cuda:0#1`), so each backend has a name of its own.
+fn distinct_names(names: Vec<String>) -> Vec<String> {
+    names
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            if names[..i].contains(name) {
+                format!("{name}#{i}")
+            } else {
+                name.clone()
+            }
+        })
+        .collect()
+}
+
+/// An opened GPU of a split: its backend, name, pool, driver and ordinal, and its free memory
+/// before any weight was placed.
+struct OpenedGpu {
+    backend: GpuBackend,
+    name: String,
+    pool: Arc<DevicePool>,
+    driver: Arc<dyn ember_gpu::Driver>,
+    ordinal: usize,
+    free_before: u64,
+}
+
+/// A split over the CPU and one or more GPUs, by a [`LoadPlan`]: a partial offload on one GPU
+/// (the last `layers` layers, and the output layer when all fit, on the GPU), or a layer split
+/// over several GPUs with the layers `-ngl` leaves off them on the CPU. Each GPU has its own
+/// backend (context, stream, pool, KV cache, placement check); activations cross at layer
+/// boundaries by peer copy between GPUs whose pair passed the start-up self-test (or whose
+/// build gate is `on`), through host memory otherwise and between the CPU and a GPU.
+fn load_on_gpus(
     common: Common,
     hparams: &HParams,
-    layers: usize,
-    selection: GpuSelection,
-    open_options: &OpenOptions,
+    layers: Option<usize>,
+    selections: Vec<(GpuSelection, OpenOptions)>,
     options: &LoadOptions,
     on_event: &mut dyn FnMut(LoadEvent<'_>),
 ) -> Result<Loaded<SplitBackend<Offloaded>>, LoadError> {
@@ -915,53 +1020,115 @@ fn load_offloaded(
         path,
         start,
     } = common;
-    let driver = Arc::clone(&selection.driver);
-    let ordinal = selection.ordinal;
-    let (backend, device_name, pool, free_before) =
-        open_announced(selection, open_options, &path, on_event)?;
-    let plan_devices = [PlanDevice {
-        name: device_name.clone(),
-        available: device.vram_budget.unwrap_or(free_before),
-    }];
-    let plan_options = PlanOptions {
-        gpu_layers: Some(layers),
-        split_mode: device.split_mode,
-        tensor_split: device.tensor_split.clone(),
-        main_gpu: device.main_gpu,
-    };
-    let plan = LoadPlan::new(&plan_bytes(&gguf, hparams), &plan_devices, &plan_options).map_err(
-        |source| LoadError::Plan {
-            path: path.clone(),
-            source,
-        },
-    )?;
+    let mut gpus = Vec::with_capacity(selections.len());
+    for (selection, open_options) in selections {
+        let driver = Arc::clone(&selection.driver);
+        let ordinal = selection.ordinal;
+        let (backend, name, pool, free_before) =
+            open_announced(selection, &open_options, &path, on_event)?;
+        gpus.push(OpenedGpu {
+            backend,
+            name,
+            pool,
+            driver,
+            ordinal,
+            free_before,
+        });
+    }
+    let names = distinct_names(gpus.iter().map(|gpu| gpu.name.clone()).collect());
+    // A GPU named more than once shares its free memory between its backends.
+    let plan_devices: Vec<PlanDevice> = gpus
+        .iter()
+        .zip(&names)
+        .map(|(gpu, name)| {
+            let sharing = gpus.iter().filter(|g| g.ordinal == gpu.ordinal).count() as u64;
+            PlanDevice {
+                name: name.clone(),
+                available: device.vram_budget.unwrap_or(gpu.free_before / sharing),
+            }
+        })
+        .collect();
+    let plan = LoadPlan::new(
+        &plan_bytes(&gguf, hparams),
+        &plan_devices,
+        &plan_options(device, layers),
+    )
+    .map_err(|source| LoadError::Plan {
+        path: path.clone(),
+        source,
+    })?;
     on_event(LoadEvent::Plan(&plan));
+    let (link, pairs) = if gpus.len() > 1 {
+        let link = DriverPeerLink::new(
+            gpus.iter()
+                .map(|gpu| (Arc::clone(&gpu.driver), gpu.ordinal))
+                .collect(),
+        );
+        let (gate, _) = crate::build_manifest::peer_gate();
+        let pairs = plan_pairs(gpus.len(), gate, Some(&link));
+        on_event(LoadEvent::PeerPairs {
+            pairs: &pairs,
+            names: &names,
+            corrupting: &[],
+        });
+        let link: Arc<dyn PeerLink> = Arc::new(ShiftedLink(Arc::new(link)));
+        (Some(link), split_pairs(&pairs))
+    } else {
+        (None, Vec::new())
+    };
     let cpu = CpuBackend::new(options.threads).map_err(LoadError::CpuThreads)?;
-    let backend = offload_split(cpu, backend, &device_name, hparams, &plan);
+    let mut sites = Vec::with_capacity(gpus.len());
+    let mut backends = vec![OneOf::First(cpu)];
+    let mut split_names = vec!["cpu".to_string()];
+    for (gpu, name) in gpus.into_iter().zip(&names) {
+        backends.push(OneOf::Second(gpu.backend));
+        split_names.push(name.clone());
+        sites.push((gpu.driver, gpu.ordinal, gpu.pool, gpu.free_before));
+    }
+    let backend = SplitBackend::new(
+        backends,
+        split_names,
+        split_layout(hparams, &plan),
+        link,
+        pairs,
+    );
     let model =
         load_weights(gguf, backend, &file_name, on_event).map_err(|source| LoadError::Weights {
             path: path.clone(),
-            device: device_name.clone(),
+            device: names.join(","),
             source,
         })?;
-    let OneOf::Second(gpu_backend) = &model.backend().devices()[1] else {
-        unreachable!("device 1 of an offload split is the GPU")
-    };
-    settle_on_gpu(
-        &model,
-        gpu_backend,
-        GpuSite {
-            driver: &*driver,
-            ordinal,
-            pool: &pool,
-            free_before,
-            name: &device_name,
-        },
-        device,
-        &path,
-        on_event,
-    )?;
+    let settled: Vec<(&GpuBackend, GpuSite<'_>)> = sites
+        .iter()
+        .zip(&names)
+        .enumerate()
+        .map(|(i, ((driver, ordinal, pool, free_before), name))| {
+            let OneOf::Second(gpu) = &model.backend().devices()[i + 1] else {
+                unreachable!("devices 1.. of a GPU split are the GPUs")
+            };
+            (
+                gpu,
+                GpuSite {
+                    driver: &**driver,
+                    ordinal: *ordinal,
+                    pool,
+                    free_before: *free_before,
+                    name,
+                },
+            )
+        })
+        .collect();
+    settle_on_gpus(&model, &settled, device, &path, on_event)?;
+    drop(settled);
     let model_memory = Arc::clone(model.backend().memory());
+    // The output device's pool is the model's pool (the one a single GPU would have: the
+    // server's KV admission reads it); the other GPUs' pools are reported beside it, and the
+    // split's counts report the CPU.
+    let output_gpu = split_index(plan.output)
+        .checked_sub(1)
+        .unwrap_or(sites.len() - 1);
+    let mut pools: Vec<Arc<DevicePool>> = sites.into_iter().map(|(_, _, pool, _)| pool).collect();
+    let pool = pools.remove(output_gpu);
     let loaded = Loaded {
         model,
         tokenizer,
@@ -969,11 +1136,10 @@ fn load_offloaded(
         load_time: start.elapsed(),
         pool: Some(pool),
         memory_report: device.memory_report,
-        // The GPU's pool reports the GPU; the split counts the CPU's memory.
         split_memory: Some(SplitMemoryView {
             memory: model_memory,
             devices: vec![0],
-            pools: Vec::new(),
+            pools,
         }),
     };
     if loaded.memory_report {
@@ -987,6 +1153,25 @@ fn load_offloaded(
     Ok(loaded)
 }
 
+/// The split of `plan` over the CPU (device 0) and `gpus` (devices 1.., named `gpu_names`),
+/// copies between GPUs by `link` where `pairs` (numbered as the split numbers its devices)
+/// allow, through host memory elsewhere.
+pub fn gpu_split(
+    cpu: CpuBackend,
+    gpus: Vec<GpuBackend>,
+    gpu_names: &[String],
+    hparams: &HParams,
+    plan: &LoadPlan,
+    link: Option<Arc<dyn PeerLink>>,
+    pairs: Vec<PairState>,
+) -> SplitBackend<Offloaded> {
+    let mut backends = vec![OneOf::First(cpu)];
+    backends.extend(gpus.into_iter().map(OneOf::Second));
+    let mut names = vec!["cpu".to_string()];
+    names.extend(gpu_names.iter().cloned());
+    SplitBackend::new(backends, names, split_layout(hparams, plan), link, pairs)
+}
+
 /// The split of a partial offload by `plan`: device 0 the CPU, device 1 the GPU (named
 /// `gpu_name`); copies between them go through host memory.
 pub fn offload_split(
@@ -996,16 +1181,12 @@ pub fn offload_split(
     hparams: &HParams,
     plan: &LoadPlan,
 ) -> SplitBackend<Offloaded> {
-    let index = |target: Target| match target {
-        Target::Cpu => 0,
-        Target::Gpu(_) => 1,
-    };
-    let layer_device: Vec<usize> = plan.layers.iter().map(|&t| index(t)).collect();
-    let layout = SplitLayout::for_model(hparams, layer_device, index(plan.output));
-    SplitBackend::new(
-        vec![OneOf::First(cpu), OneOf::Second(gpu)],
-        vec!["cpu".to_string(), gpu_name.to_string()],
-        layout,
+    gpu_split(
+        cpu,
+        vec![gpu],
+        &[gpu_name.to_string()],
+        hparams,
+        plan,
         None,
         Vec::new(),
     )
@@ -1016,13 +1197,11 @@ const PLAN_CONTEXT: usize = 4096;
 /// Tokens of the largest batch the plan reserves activation scratch for.
 const PLAN_BATCH: usize = 512;
 
-/// A simulated peer link as the split sees it: the split's device 0 is the CPU, so device
-/// `i + 1` is `sim:i`.
-#[cfg(unix)]
-struct SimLink(SimPeerLink);
+/// A peer link of the plan's devices (simulated devices, GPUs) as the split sees it: the
+/// split's device 0 is the CPU, so its device `i + 1` is the link's device `i`.
+pub struct ShiftedLink(pub Arc<dyn PeerLink>);
 
-#[cfg(unix)]
-impl PeerLink for SimLink {
+impl PeerLink for ShiftedLink {
     fn copy(&self, src: usize, dst: usize, data: &[u8], out: &mut Vec<u8>) -> Result<(), String> {
         match (src.checked_sub(1), dst.checked_sub(1)) {
             (Some(src), Some(dst)) => self.0.copy(src, dst, data, out),
@@ -1088,15 +1267,13 @@ fn load_on_sims(
             available: sim.pool.available_bytes().unwrap_or(free),
         })
         .collect();
-    let plan_options = PlanOptions {
-        gpu_layers: match device.gpu_layers {
+    let plan_options = plan_options(
+        device,
+        match device.gpu_layers {
             None | Some(crate::device::GpuLayers::All) => None,
             Some(crate::device::GpuLayers::Count(n)) => Some(n),
         },
-        split_mode: device.split_mode,
-        tensor_split: device.tensor_split.clone(),
-        main_gpu: device.main_gpu,
-    };
+    );
     let plan =
         LoadPlan::new(&bytes, &plan_devices, &plan_options).map_err(|source| LoadError::Plan {
             path: path.clone(),
@@ -1118,20 +1295,8 @@ fn load_on_sims(
         names: &names,
         corrupting: &corrupting,
     });
-    let split_pairs: Vec<PairState> = sim_pairs
-        .iter()
-        .map(|p| PairState {
-            src: p.src + 1,
-            dst: p.dst + 1,
-            ..p.clone()
-        })
-        .collect();
-    let index = |target: Target| match target {
-        Target::Cpu => 0,
-        Target::Gpu(i) => i + 1,
-    };
-    let layer_device: Vec<usize> = plan.layers.iter().map(|&t| index(t)).collect();
-    let layout = SplitLayout::for_model(hparams, layer_device, index(plan.output));
+    let split_pairs = split_pairs(&sim_pairs);
+    let layout = split_layout(hparams, &plan);
     // Device 0 is the CPU; the simulated GPUs take the prompt products of its layers as a GPU
     // of a partial offload does (`split::STREAM_MIN_TOKENS`).
     let mut backends = Vec::with_capacity(n_sim + 1);
@@ -1155,7 +1320,7 @@ fn load_on_sims(
             devices: &host_weights,
         });
     }
-    let link: Arc<dyn PeerLink> = Arc::new(SimLink(sim_link));
+    let link: Arc<dyn PeerLink> = Arc::new(ShiftedLink(Arc::new(sim_link)));
     let mut pools = vec![None];
     pools.extend(sims.iter().map(|sim| Some(Arc::clone(&sim.pool))));
     let backend = SplitBackend::new(backends, split_names, layout, Some(link), split_pairs)

@@ -269,6 +269,16 @@ impl CudaDriver {
         Ok(())
     }
 
+    /// `device`'s primary context (retained on first use), for the calls that name contexts.
+    fn context_of(&self, device: DeviceOrdinal) -> Result<sys::CUcontext, DriverError> {
+        self.bind(device)?;
+        let context = self.contexts[device]
+            .get()
+            .copied()
+            .expect("bind retains the device's primary context");
+        Ok(context as sys::CUcontext)
+    }
+
     fn attribute(
         &self,
         cu_device: sys::CUdevice,
@@ -433,6 +443,75 @@ impl Driver for CudaDriver {
         // SAFETY: both are device addresses, validated by the driver.
         cu!("cuMemcpyDtoDAsync_v2", unsafe {
             sys::cuMemcpyDtoDAsync_v2(dst.0, src.0, bytes as usize, Self::stream(stream))
+        })
+    }
+
+    fn can_access_peer(
+        &self,
+        device: DeviceOrdinal,
+        peer: DeviceOrdinal,
+    ) -> Result<bool, DriverError> {
+        let cu_device = self.cu_device(device)?;
+        let cu_peer = self.cu_device(peer)?;
+        if device == peer {
+            return Ok(true);
+        }
+        let mut can: c_int = 0;
+        // SAFETY: the out-pointer is a live local; both devices were checked above.
+        cu!("cuDeviceCanAccessPeer", unsafe {
+            sys::cuDeviceCanAccessPeer(&mut can, cu_device, cu_peer)
+        })?;
+        Ok(can != 0)
+    }
+
+    fn enable_peer_access(
+        &self,
+        device: DeviceOrdinal,
+        peer: DeviceOrdinal,
+    ) -> Result<(), DriverError> {
+        if device == peer {
+            self.cu_device(device)?;
+            return Ok(());
+        }
+        let peer_context = self.context_of(peer)?;
+        self.bind(device)?;
+        // SAFETY: the peer's primary context is retained for the life of the driver; the
+        // flags must be 0.
+        let result = guarded("cuCtxEnablePeerAccess", || unsafe {
+            sys::cuCtxEnablePeerAccess(peer_context, 0)
+        })?;
+        match result {
+            sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(()),
+            other => check("cuCtxEnablePeerAccess", other),
+        }
+    }
+
+    fn copy_peer_async(
+        &self,
+        dst_device: DeviceOrdinal,
+        dst: DevicePtr,
+        src_device: DeviceOrdinal,
+        src: DevicePtr,
+        bytes: u64,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        if dst_device == src_device {
+            return self.copy_dtod_async(dst_device, dst, src, bytes, stream);
+        }
+        let src_context = self.context_of(src_device)?;
+        let dst_context = self.context_of(dst_device)?;
+        self.bind(dst_device)?;
+        // SAFETY: both are device addresses of the devices named, validated by the driver;
+        // both contexts are retained for the life of the driver.
+        cu!("cuMemcpyPeerAsync", unsafe {
+            sys::cuMemcpyPeerAsync(
+                dst.0,
+                dst_context,
+                src.0,
+                src_context,
+                bytes as usize,
+                Self::stream(stream),
+            )
         })
     }
 

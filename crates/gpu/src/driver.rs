@@ -664,6 +664,58 @@ pub trait Driver: Send + Sync + fmt::Debug {
         })
     }
 
+    /// Whether `device` can read and write memory of `peer` directly
+    /// (`cuDeviceCanAccessPeer`/`hipDeviceCanAccessPeer`). A device always reaches its own
+    /// memory, so `device == peer` is true (a split over one GPU named twice).
+    fn can_access_peer(
+        &self,
+        device: DeviceOrdinal,
+        peer: DeviceOrdinal,
+    ) -> Result<bool, DriverError> {
+        let _ = (device, peer);
+        Err(DriverError::Unsupported {
+            backend: self.backend(),
+            what: "peer access".into(),
+        })
+    }
+
+    /// Lets `device` access `peer`'s memory (`cuCtxEnablePeerAccess`/
+    /// `hipDeviceEnablePeerAccess`); access already enabled is success, and so is
+    /// `device == peer`.
+    fn enable_peer_access(
+        &self,
+        device: DeviceOrdinal,
+        peer: DeviceOrdinal,
+    ) -> Result<(), DriverError> {
+        let _ = (device, peer);
+        Err(DriverError::Unsupported {
+            backend: self.backend(),
+            what: "peer access".into(),
+        })
+    }
+
+    /// Queues a copy of `bytes` bytes from `src` on `src_device` to `dst` on `dst_device`, on
+    /// `stream` (a stream of `dst_device`), without host staging (`cuMemcpyPeerAsync`/
+    /// `hipMemcpyPeerAsync`); with `src_device == dst_device`, a device-to-device copy. Like
+    /// every stream op it is recorded, not run, while `stream` captures a graph. The caller
+    /// makes sure the work that wrote `src` has finished.
+    #[allow(clippy::too_many_arguments)]
+    fn copy_peer_async(
+        &self,
+        dst_device: DeviceOrdinal,
+        dst: DevicePtr,
+        src_device: DeviceOrdinal,
+        src: DevicePtr,
+        bytes: u64,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        let _ = (dst_device, dst, src_device, src, bytes, stream);
+        Err(DriverError::Unsupported {
+            backend: self.backend(),
+            what: "peer copies".into(),
+        })
+    }
+
     /// Copies `src` to device memory and waits for the copy to finish.
     fn upload(
         &self,

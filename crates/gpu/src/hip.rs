@@ -150,6 +150,8 @@ const HIP_SUCCESS: HipStatus = 0;
 const HIP_ERROR_INVALID_VALUE: HipStatus = 1;
 const HIP_ERROR_OUT_OF_MEMORY: HipStatus = 2;
 const HIP_ERROR_NOT_READY: HipStatus = 600;
+/// `hipErrorPeerAccessAlreadyEnabled`: what enabling peer access a second time answers.
+const HIP_ERROR_PEER_ACCESS_ALREADY_ENABLED: HipStatus = 704;
 
 const MEMCPY_HOST_TO_DEVICE: c_int = 1;
 const MEMCPY_DEVICE_TO_HOST: c_int = 2;
@@ -287,6 +289,18 @@ struct HipApi {
     runtime_get_version: unsafe extern "C" fn(*mut c_int) -> HipStatus,
     vmm: Option<VmmApi>,
     graph: Option<GraphApi>,
+    peer: Option<PeerApi>,
+}
+
+/// The peer-to-peer entry points (`hipDeviceCanAccessPeer(int*, int deviceId, int
+/// peerDeviceId)`, `hipDeviceEnablePeerAccess(int peerDeviceId, unsigned flags)`,
+/// `hipMemcpyPeerAsync(void* dst, int dstDeviceId, const void* src, int srcDevice, size_t,
+/// hipStream_t)`).
+struct PeerApi {
+    can_access_peer: unsafe extern "C" fn(*mut c_int, c_int, c_int) -> HipStatus,
+    enable_peer_access: unsafe extern "C" fn(c_int, c_uint) -> HipStatus,
+    memcpy_peer_async:
+        unsafe extern "C" fn(Handle, c_int, *const c_void, c_int, usize, Handle) -> HipStatus,
 }
 
 /// The HIP driver. See the module docs.
@@ -441,6 +455,13 @@ impl HipDriver {
                 exec_destroy: optional_symbol!(library, "hipGraphExecDestroy")?,
             })
         })();
+        let peer = (|| {
+            Some(PeerApi {
+                can_access_peer: optional_symbol!(library, "hipDeviceCanAccessPeer")?,
+                enable_peer_access: optional_symbol!(library, "hipDeviceEnablePeerAccess")?,
+                memcpy_peer_async: optional_symbol!(library, "hipMemcpyPeerAsync")?,
+            })
+        })();
         let api = HipApi {
             init: symbol!(library, name, "hipInit"),
             get_device_count: symbol!(library, name, "hipGetDeviceCount"),
@@ -475,6 +496,7 @@ impl HipDriver {
             runtime_get_version: symbol!(library, name, "hipRuntimeGetVersion"),
             vmm,
             graph,
+            peer,
         };
         let loaded_path =
             library_path_of(api.init as *const c_void).or_else(|| Some(PathBuf::from(&name)));
@@ -536,6 +558,14 @@ impl HipDriver {
                 backend: Backend::Hip,
                 what: format!("{what}: the runtime lacks the hipGraph entry points"),
             })
+    }
+
+    /// The peer-to-peer entry points, or why peer copies cannot be used.
+    fn peer_api(&self) -> Result<&PeerApi, DriverError> {
+        self.api.peer.as_ref().ok_or_else(|| DriverError::Unsupported {
+            backend: Backend::Hip,
+            what: "peer copies: the runtime lacks hipDeviceCanAccessPeer, hipDeviceEnablePeerAccess or hipMemcpyPeerAsync".to_string(),
+        })
     }
 
     fn check(&self, call: &'static str, status: HipStatus) -> Result<(), DriverError> {
@@ -791,6 +821,78 @@ impl Driver for HipDriver {
                 handle(src.0) as *const c_void,
                 bytes as usize,
                 MEMCPY_DEVICE_TO_DEVICE,
+                handle(stream.0),
+            )
+        })
+    }
+
+    fn can_access_peer(
+        &self,
+        device: DeviceOrdinal,
+        peer: DeviceOrdinal,
+    ) -> Result<bool, DriverError> {
+        for ordinal in [device, peer] {
+            if ordinal >= self.device_count {
+                return Err(DriverError::NoSuchDevice {
+                    device: ordinal,
+                    count: self.device_count,
+                });
+            }
+        }
+        // HIP answers 0 for a device and itself; a device reaches its own memory.
+        if device == peer {
+            return Ok(true);
+        }
+        let api = self.peer_api()?;
+        let mut can: c_int = 0;
+        // SAFETY: the out-pointer is a live local; both ordinals are in range.
+        self.check("hipDeviceCanAccessPeer", unsafe {
+            (api.can_access_peer)(&mut can, device as c_int, peer as c_int)
+        })?;
+        Ok(can != 0)
+    }
+
+    fn enable_peer_access(
+        &self,
+        device: DeviceOrdinal,
+        peer: DeviceOrdinal,
+    ) -> Result<(), DriverError> {
+        self.set_device(device)?;
+        if device == peer {
+            return Ok(());
+        }
+        let api = self.peer_api()?;
+        // SAFETY: `device` is current; the flags must be 0; the runtime validates `peer`.
+        let status = unsafe { (api.enable_peer_access)(peer as c_int, 0) };
+        if status == HIP_ERROR_PEER_ACCESS_ALREADY_ENABLED {
+            return Ok(());
+        }
+        self.check("hipDeviceEnablePeerAccess", status)
+    }
+
+    fn copy_peer_async(
+        &self,
+        dst_device: DeviceOrdinal,
+        dst: DevicePtr,
+        src_device: DeviceOrdinal,
+        src: DevicePtr,
+        bytes: u64,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        if dst_device == src_device {
+            return self.copy_dtod_async(dst_device, dst, src, bytes, stream);
+        }
+        let api = self.peer_api()?;
+        self.set_device(dst_device)?;
+        // SAFETY: both pointers are device addresses of the devices named; the runtime
+        // validates them and the stream.
+        self.check("hipMemcpyPeerAsync", unsafe {
+            (api.memcpy_peer_async)(
+                handle(dst.0),
+                dst_device as c_int,
+                handle(src.0) as *const c_void,
+                src_device as c_int,
+                bytes as usize,
                 handle(stream.0),
             )
         })

@@ -16,10 +16,17 @@
 //! logic runs for real here. A synchronisation or a host copy on a capturing stream invalidates
 //! the capture, as on a GPU. [`HostDriver::fail_graphs`] makes every capture fail, to test the
 //! fallbacks.
+//!
+//! Peer copies: each host driver is one device, so drivers standing for several GPUs are made
+//! peers of each other with [`HostDriver::connect_peers`]; a peer copy then reads the source
+//! driver's memory (checked there) and writes this one's, and is recorded like any stream op
+//! while the stream captures. [`HostDriverConfig::corrupt_peer_from`] makes the copies from
+//! chosen devices arrive changed, as a broken copy engine's do, to exercise the start-up
+//! self-test and its fallback to host staging.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
 use std::time::Instant;
 
 use crate::driver::{
@@ -58,6 +65,9 @@ pub struct HostDriverConfig {
     /// Simulates a runtime whose free-memory figure does not move when memory is allocated.
     pub free_memory_frozen: bool,
     pub integrated: bool,
+    /// Peer copies from these devices into this one arrive corrupted
+    /// ([`crate::peer::corrupt`]): a broken peer path, for tests of the start-up self-test.
+    pub corrupt_peer_from: Vec<DeviceOrdinal>,
 }
 
 impl Default for HostDriverConfig {
@@ -73,6 +83,7 @@ impl Default for HostDriverConfig {
             reported_memory_type: MemoryType::Device,
             free_memory_frozen: false,
             integrated: false,
+            corrupt_peer_from: Vec::new(),
         }
     }
 }
@@ -197,6 +208,13 @@ enum HostOp {
         value: u32,
         count: u64,
     },
+    /// A copy from another host driver's device (see [`HostDriver::connect_peers`]).
+    CopyPeer {
+        dst: DevicePtr,
+        src_device: DeviceOrdinal,
+        src: DevicePtr,
+        bytes: u64,
+    },
 }
 
 impl HostOp {
@@ -206,6 +224,7 @@ impl HostOp {
         match (self, other) {
             (HostOp::Launch { function: a, .. }, HostOp::Launch { function: b, .. }) => a == b,
             (HostOp::CopyDtoD { .. }, HostOp::CopyDtoD { .. })
+            | (HostOp::CopyPeer { .. }, HostOp::CopyPeer { .. })
             | (HostOp::MemsetD8 { .. }, HostOp::MemsetD8 { .. })
             | (HostOp::MemsetD32 { .. }, HostOp::MemsetD32 { .. }) => true,
             _ => false,
@@ -350,6 +369,21 @@ fn round_up(value: u64, to: u64) -> u64 {
     value.div_ceil(to) * to
 }
 
+/// A device's driver found for a peer copy: this one, or a peer held alive for the copy.
+enum DriverRef<'a> {
+    This(&'a HostDriver),
+    Peer(Arc<HostDriver>),
+}
+
+impl DriverRef<'_> {
+    fn get(&self) -> &HostDriver {
+        match self {
+            DriverRef::This(driver) => driver,
+            DriverRef::Peer(driver) => driver,
+        }
+    }
+}
+
 /// The host driver. See the module docs.
 pub struct HostDriver {
     config: HostDriverConfig,
@@ -358,6 +392,8 @@ pub struct HostDriver {
     fail_graphs: AtomicBool,
     direct_launches: AtomicU64,
     graph_launches: AtomicU64,
+    /// The other devices' drivers, for peer copies (weak: peers refer to each other).
+    peers: RwLock<Vec<Weak<HostDriver>>>,
 }
 
 impl std::fmt::Debug for HostDriver {
@@ -377,7 +413,35 @@ impl HostDriver {
             fail_graphs: AtomicBool::new(false),
             direct_launches: AtomicU64::new(0),
             graph_launches: AtomicU64::new(0),
+            peers: RwLock::new(Vec::new()),
         }
+    }
+
+    /// Makes every driver of `drivers` (devices of distinct ordinals) a peer of every other, so
+    /// peer copies between their devices work as between GPUs of one host.
+    pub fn connect_peers(drivers: &[Arc<HostDriver>]) {
+        for driver in drivers {
+            let others: Vec<Weak<HostDriver>> = drivers
+                .iter()
+                .filter(|other| !Arc::ptr_eq(other, driver))
+                .map(Arc::downgrade)
+                .collect();
+            *driver.peers.write().unwrap_or_else(|e| e.into_inner()) = others;
+        }
+    }
+
+    /// The driver of device `ordinal`: this one, or a connected peer.
+    fn driver_of(&self, ordinal: DeviceOrdinal) -> Option<DriverRef<'_>> {
+        if ordinal == self.config.ordinal {
+            return Some(DriverRef::This(self));
+        }
+        self.peers
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter_map(Weak::upgrade)
+            .find(|peer| peer.config.ordinal == ordinal)
+            .map(DriverRef::Peer)
     }
 
     /// Makes every later stream capture fail at its start (`fail = true`), to test fallbacks.
@@ -477,7 +541,48 @@ impl HostDriver {
                 words.fill(*value);
                 Ok(())
             }
+            HostOp::CopyPeer {
+                dst,
+                src_device,
+                src,
+                bytes,
+            } => self.copy_from_peer(*dst, *src_device, *src, *bytes),
         }
+    }
+
+    /// Runs a peer copy: reads the source device's memory (checked by its driver), then writes
+    /// this one's, corrupted when this device is told to corrupt copies from the source.
+    fn copy_from_peer(
+        &self,
+        dst: DevicePtr,
+        src_device: DeviceOrdinal,
+        src: DevicePtr,
+        bytes: u64,
+    ) -> Result<(), DriverError> {
+        let source = self.driver_of(src_device).ok_or_else(|| {
+            invalid(
+                "hostMemcpyPeerAsync",
+                format!("device {src_device} is not a peer of device {}: connect the host drivers with HostDriver::connect_peers", self.config.ordinal),
+            )
+        })?;
+        let mut data = vec![0u8; bytes as usize];
+        {
+            let state = source.get().lock();
+            state.check_accessible(src, bytes)?;
+            // SAFETY: the source range is checked accessible and kept mapped by its driver's
+            // lock; `data` is a separate host buffer of `bytes` bytes.
+            unsafe {
+                std::ptr::copy_nonoverlapping(src.0 as *const u8, data.as_mut_ptr(), data.len())
+            };
+        }
+        if self.config.corrupt_peer_from.contains(&src_device) {
+            crate::peer::corrupt(&mut data);
+        }
+        let state = self.lock();
+        state.check_accessible(dst, bytes)?;
+        // SAFETY: the destination range is checked accessible and kept mapped by the lock.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst.0 as *mut u8, data.len()) };
+        Ok(())
     }
 
     fn run_kernel(
@@ -722,6 +827,56 @@ impl Driver for HostDriver {
     ) -> Result<(), DriverError> {
         self.check_device(device)?;
         let op = HostOp::CopyDtoD { dst, src, bytes };
+        if self.record(stream, || op.clone()) {
+            return Ok(());
+        }
+        self.execute(&op)
+    }
+
+    fn can_access_peer(
+        &self,
+        device: DeviceOrdinal,
+        peer: DeviceOrdinal,
+    ) -> Result<bool, DriverError> {
+        self.check_device(device)?;
+        Ok(self.driver_of(peer).is_some())
+    }
+
+    fn enable_peer_access(
+        &self,
+        device: DeviceOrdinal,
+        peer: DeviceOrdinal,
+    ) -> Result<(), DriverError> {
+        self.check_device(device)?;
+        match self.driver_of(peer) {
+            Some(_) => Ok(()),
+            None => Err(invalid(
+                "hostDeviceEnablePeerAccess",
+                format!("device {peer} is not a peer of device {device}"),
+            )),
+        }
+    }
+
+    fn copy_peer_async(
+        &self,
+        dst_device: DeviceOrdinal,
+        dst: DevicePtr,
+        src_device: DeviceOrdinal,
+        src: DevicePtr,
+        bytes: u64,
+        stream: StreamHandle,
+    ) -> Result<(), DriverError> {
+        self.check_device(dst_device)?;
+        let op = if src_device == dst_device {
+            HostOp::CopyDtoD { dst, src, bytes }
+        } else {
+            HostOp::CopyPeer {
+                dst,
+                src_device,
+                src,
+                bytes,
+            }
+        };
         if self.record(stream, || op.clone()) {
             return Ok(());
         }
@@ -1633,6 +1788,87 @@ mod tests {
         out.chunks_exact(4)
             .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
             .collect()
+    }
+
+    /// Two connected host devices, 0 and 1, the second told to corrupt copies from the first
+    /// when `corrupt`.
+    fn peer_pair(corrupt: bool) -> (Arc<HostDriver>, Arc<HostDriver>) {
+        let a = Arc::new(HostDriver::new(HostDriverConfig::default()));
+        let b = Arc::new(HostDriver::new(HostDriverConfig {
+            ordinal: 1,
+            corrupt_peer_from: if corrupt { vec![0] } else { Vec::new() },
+            ..HostDriverConfig::default()
+        }));
+        HostDriver::connect_peers(&[Arc::clone(&a), Arc::clone(&b)]);
+        (a, b)
+    }
+
+    #[test]
+    fn peer_copies_reach_connected_devices_only_and_corrupt_when_told() {
+        for corrupt in [false, true] {
+            let (a, b) = peer_pair(corrupt);
+            let (sa, sb) = (a.stream_create(0).unwrap(), b.stream_create(1).unwrap());
+            let data: Vec<u8> = (0..1000u32).map(|i| (i * 7) as u8).collect();
+            let src = a.alloc(0, 1000).unwrap();
+            let dst = b.alloc(1, 1000).unwrap();
+            a.upload(0, src, &data, sa).unwrap();
+            assert!(b.can_access_peer(1, 0).unwrap());
+            b.enable_peer_access(1, 0).unwrap();
+            b.enable_peer_access(1, 0).unwrap();
+            b.copy_peer_async(1, dst, 0, src, 1000, sb).unwrap();
+            let mut out = vec![0u8; 1000];
+            b.download(1, &mut out, dst, sb).unwrap();
+            assert_eq!(out == data, !corrupt);
+            if corrupt {
+                let changed: Vec<usize> = (0..1000).filter(|&i| out[i] != data[i]).collect();
+                assert_eq!(changed, [3, 391, 779]);
+            }
+            // The source is checked by its own driver: an address it does not own fails.
+            let error = b.copy_peer_async(1, dst, 0, dst, 8, sb).unwrap_err();
+            assert!(
+                error
+                    .to_string()
+                    .contains("is not device memory of this driver"),
+                "{error}"
+            );
+        }
+        // A driver not connected is no peer.
+        let lone = HostDriver::new(HostDriverConfig::default());
+        assert!(!lone.can_access_peer(0, 1).unwrap());
+        assert!(lone.can_access_peer(0, 0).unwrap());
+        let stream = lone.stream_create(0).unwrap();
+        let error = lone
+            .copy_peer_async(0, DevicePtr(64), 1, DevicePtr(64), 8, stream)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("device 1 is not a peer of device 0"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn a_peer_copy_on_a_capturing_stream_is_recorded_and_replayed() {
+        let (a, b) = peer_pair(false);
+        let (sa, sb) = (a.stream_create(0).unwrap(), b.stream_create(1).unwrap());
+        let src = a.alloc(0, 16).unwrap();
+        let dst = b.alloc(1, 16).unwrap();
+        a.upload(0, src, &[5u8; 16], sa).unwrap();
+        b.upload(1, dst, &[0u8; 16], sb).unwrap();
+        b.stream_begin_capture(1, sb).unwrap();
+        b.copy_peer_async(1, dst, 0, src, 16, sb).unwrap();
+        let graph = b.stream_end_capture(1, sb).unwrap();
+        let mut out = [0u8; 16];
+        b.download(1, &mut out, dst, sb).unwrap();
+        assert_eq!(out, [0u8; 16], "nothing copied while capturing");
+        let exec = b.graph_instantiate(1, graph).unwrap();
+        a.upload(0, src, &[9u8; 16], sa).unwrap();
+        b.graph_launch(1, exec, sb).unwrap();
+        b.download(1, &mut out, dst, sb).unwrap();
+        assert_eq!(
+            out, [9u8; 16],
+            "the replay copies what the source holds then"
+        );
     }
 
     #[test]

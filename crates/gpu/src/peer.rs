@@ -13,8 +13,15 @@
 //! through a staging buffer that can be told to corrupt one direction of a pair
 //! (`EMBER_SIM_CORRUPT_PEER=0,1` corrupts copies from device 0 to device 1), so the self-test
 //! and the fallback can be exercised on a machine without GPUs.
+//!
+//! [`DriverPeerLink`] is the peer path of real GPUs: a pattern is uploaded to a buffer on the
+//! source device, copied by the driver's peer copy to a buffer on the destination, and
+//! downloaded there, so the self-test checks the very copy the split then uses.
 
 use std::fmt;
+use std::sync::Arc;
+
+use crate::driver::{DeviceOrdinal, Driver, DriverError, StreamHandle};
 
 /// The `peer_copy` gate of a build target (`targets.toml`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -246,19 +253,170 @@ impl PeerLink for SimPeerLink {
         out.clear();
         out.extend_from_slice(data);
         if self.corrupt.contains(&(src, dst)) {
-            // A high bit of every 97th 4-byte word flipped (of the one byte when shorter): in
-            // f32 data an exponent bit, so the damage is large, as a broken copy engine's is,
-            // and reaches the first value of every buffer.
-            if out.len() < 4 {
-                if let Some(byte) = out.first_mut() {
-                    *byte ^= 0x40;
-                }
-            }
-            for index in (3..out.len()).step_by(4 * 97) {
-                out[index] ^= 0x40;
-            }
+            corrupt(out);
         }
         Ok(())
+    }
+}
+
+/// What a simulated broken peer copy does to the bytes it carries ([`SimPeerLink`], and the
+/// host driver's peer copies told to corrupt): a high bit of every 97th 4-byte word flipped (of
+/// the one byte when shorter). In f32 data that is an exponent bit, so the damage is large, as a
+/// broken copy engine's is, and reaches the first value of every buffer.
+pub fn corrupt(bytes: &mut [u8]) {
+    if bytes.len() < 4 {
+        if let Some(byte) = bytes.first_mut() {
+            *byte ^= 0x40;
+        }
+    }
+    for index in (3..bytes.len()).step_by(4 * 97) {
+        bytes[index] ^= 0x40;
+    }
+}
+
+/// The peer path of GPUs: device `i` of the link is `devices[i]` (a driver and its ordinal;
+/// one ordinal may appear twice, two backends on one GPU, where the copy is a device-to-device
+/// one).
+#[derive(Debug, Clone)]
+pub struct DriverPeerLink {
+    devices: Vec<(Arc<dyn Driver>, DeviceOrdinal)>,
+}
+
+impl DriverPeerLink {
+    pub fn new(devices: Vec<(Arc<dyn Driver>, DeviceOrdinal)>) -> DriverPeerLink {
+        DriverPeerLink { devices }
+    }
+
+    /// Lets device `dst` read device `src`'s memory: `Err` says why it cannot (no peer access
+    /// between them, or the driver refused to enable it).
+    pub fn enable(&self, src: usize, dst: usize) -> Result<(), String> {
+        let (src_driver, src_ordinal) = self.device(src)?;
+        let (dst_driver, dst_ordinal) = self.device(dst)?;
+        let _ = src_driver;
+        let can = dst_driver
+            .can_access_peer(dst_ordinal, src_ordinal)
+            .map_err(|e| {
+                format!("cannot ask whether device {dst_ordinal} reaches device {src_ordinal}: {e}")
+            })?;
+        if !can {
+            return Err(format!(
+                "device {dst_ordinal} cannot access the memory of device {src_ordinal} (no peer access between them)"
+            ));
+        }
+        dst_driver
+            .enable_peer_access(dst_ordinal, src_ordinal)
+            .map_err(|e| format!("cannot enable peer access from device {dst_ordinal} to device {src_ordinal}: {e}"))
+    }
+
+    fn device(&self, index: usize) -> Result<(&Arc<dyn Driver>, DeviceOrdinal), String> {
+        self.devices
+            .get(index)
+            .map(|(driver, ordinal)| (driver, *ordinal))
+            .ok_or_else(|| {
+                format!(
+                    "device {index} is not one of the link's {} devices",
+                    self.devices.len()
+                )
+            })
+    }
+
+    /// Upload to `src`, peer copy to `dst`, download from `dst`; every buffer and stream made
+    /// here is given back whatever happens.
+    fn copy_through(
+        &self,
+        src: usize,
+        dst: usize,
+        data: &[u8],
+        out: &mut Vec<u8>,
+    ) -> Result<(), DriverError> {
+        let (src_driver, src_ordinal) = (&self.devices[src].0, self.devices[src].1);
+        let (dst_driver, dst_ordinal) = (&self.devices[dst].0, self.devices[dst].1);
+        let bytes = data.len().max(1) as u64;
+        let src_stream = Scoped::stream(src_driver, src_ordinal)?;
+        let dst_stream = Scoped::stream(dst_driver, dst_ordinal)?;
+        let src_buf = Scoped::alloc(src_driver, src_ordinal, bytes)?;
+        let dst_buf = Scoped::alloc(dst_driver, dst_ordinal, bytes)?;
+        src_driver.upload(
+            src_ordinal,
+            crate::DevicePtr(src_buf.handle),
+            data,
+            StreamHandle(src_stream.handle),
+        )?;
+        dst_driver.copy_peer_async(
+            dst_ordinal,
+            crate::DevicePtr(dst_buf.handle),
+            src_ordinal,
+            crate::DevicePtr(src_buf.handle),
+            data.len() as u64,
+            StreamHandle(dst_stream.handle),
+        )?;
+        dst_driver.stream_synchronize(dst_ordinal, StreamHandle(dst_stream.handle))?;
+        out.clear();
+        out.resize(data.len(), 0);
+        dst_driver.download(
+            dst_ordinal,
+            out,
+            crate::DevicePtr(dst_buf.handle),
+            StreamHandle(dst_stream.handle),
+        )
+    }
+}
+
+/// A stream or an allocation of the self-test, destroyed or freed when dropped.
+struct Scoped<'a> {
+    driver: &'a Arc<dyn Driver>,
+    ordinal: DeviceOrdinal,
+    handle: u64,
+    stream: bool,
+}
+
+impl<'a> Scoped<'a> {
+    fn stream(driver: &'a Arc<dyn Driver>, ordinal: DeviceOrdinal) -> Result<Self, DriverError> {
+        let stream = driver.stream_create(ordinal)?;
+        Ok(Scoped {
+            driver,
+            ordinal,
+            handle: stream.0,
+            stream: true,
+        })
+    }
+
+    fn alloc(
+        driver: &'a Arc<dyn Driver>,
+        ordinal: DeviceOrdinal,
+        bytes: u64,
+    ) -> Result<Self, DriverError> {
+        let ptr = driver.alloc(ordinal, bytes)?;
+        Ok(Scoped {
+            driver,
+            ordinal,
+            handle: ptr.0,
+            stream: false,
+        })
+    }
+}
+
+impl Drop for Scoped<'_> {
+    fn drop(&mut self) {
+        // A failure to give back a test buffer or stream leaks it; the test's verdict stands.
+        let result = if self.stream {
+            self.driver
+                .stream_destroy(self.ordinal, StreamHandle(self.handle))
+        } else {
+            self.driver
+                .free(self.ordinal, crate::DevicePtr(self.handle))
+        };
+        if let Err(error) = result {
+            tracing::warn!(%error, "the peer-copy self-test could not give back a buffer or stream");
+        }
+    }
+}
+
+impl PeerLink for DriverPeerLink {
+    fn copy(&self, src: usize, dst: usize, data: &[u8], out: &mut Vec<u8>) -> Result<(), String> {
+        self.enable(src, dst)?;
+        self.copy_through(src, dst, data, out)
+            .map_err(|e| e.to_string())
     }
 }
 
@@ -371,6 +529,100 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// `n` connected host devices; copies into device `dst` from `src` corrupt for each pair of
+    /// `corrupt`.
+    #[cfg(unix)]
+    fn host_gpus(n: usize, corrupt: &[(usize, usize)]) -> Vec<Arc<crate::host::HostDriver>> {
+        use crate::host::{HostDriver, HostDriverConfig};
+        let drivers: Vec<Arc<HostDriver>> = (0..n)
+            .map(|ordinal| {
+                Arc::new(HostDriver::new(HostDriverConfig {
+                    ordinal,
+                    corrupt_peer_from: corrupt
+                        .iter()
+                        .filter(|&&(_, dst)| dst == ordinal)
+                        .map(|&(src, _)| src)
+                        .collect(),
+                    ..HostDriverConfig::default()
+                }))
+            })
+            .collect();
+        HostDriver::connect_peers(&drivers);
+        drivers
+    }
+
+    #[cfg(unix)]
+    fn link_over(drivers: &[Arc<crate::host::HostDriver>]) -> DriverPeerLink {
+        DriverPeerLink::new(
+            drivers
+                .iter()
+                .map(|d| (Arc::clone(d) as Arc<dyn Driver>, d.config().ordinal))
+                .collect(),
+        )
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn the_driver_link_self_tests_real_peer_copies_and_catches_a_corrupting_direction() {
+        let drivers = host_gpus(3, &[(0, 2)]);
+        let pairs = plan_pairs(3, PeerGate::Probe, Some(&link_over(&drivers)));
+        assert_eq!(
+            peers(&pairs),
+            [
+                (0, 1, true),
+                (0, 2, false),
+                (1, 0, true),
+                (1, 2, true),
+                (2, 0, false),
+                (2, 1, true)
+            ]
+        );
+        assert!(
+            pairs[1]
+                .reason
+                .starts_with("self-test failed: a copy of 1 bytes at offset 0 arrived changed"),
+            "{}",
+            pairs[1]
+        );
+        // Every buffer and stream of the test was given back.
+        for driver in &drivers {
+            assert_eq!(driver.used_bytes(), 0);
+        }
+        let clean = plan_pairs(3, PeerGate::Probe, Some(&link_over(&host_gpus(3, &[]))));
+        assert!(clean
+            .iter()
+            .all(|p| p.peer && p.self_test == SelfTest::Passed));
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn the_driver_link_says_why_devices_without_peer_access_fall_back() {
+        use crate::host::{HostDriver, HostDriverConfig};
+        // Two host devices never connected: neither reaches the other.
+        let drivers: Vec<Arc<HostDriver>> = (0..2)
+            .map(|ordinal| {
+                Arc::new(HostDriver::new(HostDriverConfig {
+                    ordinal,
+                    ..HostDriverConfig::default()
+                }))
+            })
+            .collect();
+        let pairs = plan_pairs(2, PeerGate::Probe, Some(&link_over(&drivers)));
+        assert_eq!(peers(&pairs), [(0, 1, false), (1, 0, false)]);
+        assert_eq!(
+            pairs[0].reason,
+            "self-test failed: a copy of 1 bytes at offset 0 failed: device 1 cannot access the memory of device 0 (no peer access between them)"
+        );
+        // One GPU named twice: its "peer" copies are device-to-device copies, and pass.
+        let one = host_gpus(1, &[]);
+        let twice = DriverPeerLink::new(vec![
+            (Arc::clone(&one[0]) as Arc<dyn Driver>, 0),
+            (Arc::clone(&one[0]) as Arc<dyn Driver>, 0),
+        ]);
+        let pairs = plan_pairs(2, PeerGate::Probe, Some(&twice));
+        assert!(pairs.iter().all(|p| p.peer), "{pairs:?}");
     }
 
     #[test]

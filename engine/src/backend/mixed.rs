@@ -216,6 +216,25 @@ impl<A: Backend, B: Backend> Backend for OneOf<A, B> {
         on!(self, |d, S| d.streams_weights())
     }
 
+    fn copy_from_peer(
+        &self,
+        from: &Self,
+        src: &Self::Buf,
+        dst: &mut Self::Buf,
+        len: usize,
+    ) -> Result<bool, String> {
+        match (self, from, src, dst) {
+            (OneOf::First(a), OneOf::First(from), OneOf::First(src), OneOf::First(dst)) => {
+                a.copy_from_peer(from, src, dst, len)
+            }
+            (OneOf::Second(b), OneOf::Second(from), OneOf::Second(src), OneOf::Second(dst)) => {
+                b.copy_from_peer(from, src, dst, len)
+            }
+            // Between the two types (the CPU and a GPU) there is no peer path.
+            _ => Ok(false),
+        }
+    }
+
     fn matmul_streamed(
         &self,
         gguf: &Arc<Gguf>,

@@ -329,6 +329,21 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// `out[t] = w * x[t]` for `n_tokens` rows of `x`, activations quantized to the weight's
     /// dot-product type first, as GGML does.
     fn matmul(&self, w: &Self::Matrix, x: &Self::Buf, n_tokens: usize, out: &mut Self::Buf);
+    /// Copies the first `len` values of `src`, a buffer of `from` (another device of a split),
+    /// into `dst` on this device without host staging: a GPU's peer copy, queued on its stream
+    /// (so a decode graph records it). `Ok(false)` when this pair of devices has no such path
+    /// (the split then stages the values through host memory); `Err` says why a copy it tried
+    /// failed (the split logs it and stages). `dst` holds at least `len` values.
+    fn copy_from_peer(
+        &self,
+        from: &Self,
+        src: &Self::Buf,
+        dst: &mut Self::Buf,
+        len: usize,
+    ) -> Result<bool, String> {
+        let _ = (from, src, dst, len);
+        Ok(false)
+    }
     /// Whether this device can run [`Backend::matmul_streamed`]: a product with a weight that
     /// lives on another device of a split, its bytes copied from the file for that product.
     fn streams_weights(&self) -> bool {

@@ -11,9 +11,11 @@
 //!   cache holds only its own layers' blocks;
 //! - an activation buffer on the device that last wrote it ("home"). An op runs on the device
 //!   of its weight or KV layer, or, for ops without one, where its first buffer is; inputs
-//!   living elsewhere are moved there first (read to host memory, then written to the device:
-//!   host staging, or a peer copy where the pair's [`PairState`] allows one). Outputs an op
-//!   overwrites are only re-homed, not copied.
+//!   living elsewhere are moved there first: where the pair's [`PairState`] allows a peer
+//!   copy, by the devices' own ([`Backend::copy_from_peer`]: GPUs copy device to device, on the
+//!   destination's stream, so a decode graph records it) or else over the split's peer link
+//!   (simulated devices); otherwise read to host memory, then written to the device (host
+//!   staging). Outputs an op overwrites are only re-homed, not copied.
 //!
 //! So activations cross devices where layers change device: the residual stream once per
 //! boundary, as llama.cpp's layer split does.
@@ -536,10 +538,39 @@ impl<B: Backend> SplitBackend<B> {
         }
         let len = parts.len;
         self.room_on(parts, device);
+        // A pair whose peer copies are trusted first tries the devices' own peer copy (GPUs:
+        // device to device, queued on the destination's stream); a device type without one
+        // (simulated devices) goes through the link below.
+        let mut device_peer_failed = false;
+        if len > 0 && self.peer(home, device) {
+            let (src, dst) = two_parts(&mut parts.bufs, home, device);
+            match self.devices[device].copy_from_peer(&self.devices[home], src, dst, len) {
+                Ok(true) => {
+                    self.peer_copies.fetch_add(1, Ordering::Relaxed);
+                    self.bytes.fetch_add(len as u64 * 4, Ordering::Relaxed);
+                    parts.home = device;
+                    return;
+                }
+                Ok(false) => {}
+                Err(error) => {
+                    // A peer copy that fails after passing the self-test: the source still
+                    // holds the values, so they are staged and the failure logged.
+                    tracing::warn!(
+                        src = %self.names[home],
+                        dst = %self.names[device],
+                        %error,
+                        "a peer copy failed; using host staging for it"
+                    );
+                    device_peer_failed = true;
+                }
+            }
+        }
         if len > 0 {
             let mut host = Vec::with_capacity(len);
             self.devices[home].read(parts.on(home), len, &mut host);
-            if let (true, Some(link)) = (self.peer(home, device), &self.link) {
+            if let (true, false, Some(link)) =
+                (self.peer(home, device), device_peer_failed, &self.link)
+            {
                 let bytes: Vec<u8> = host.iter().flat_map(|v| v.to_le_bytes()).collect();
                 let mut arrived = Vec::with_capacity(bytes.len());
                 match link.copy(home, device, &bytes, &mut arrived) {
@@ -1251,6 +1282,24 @@ impl<B: Backend> Backend for SplitBackend<B> {
 }
 
 /// Locks `mutex`; a panicked holder's data is still consistent counts.
+/// The buffers of devices `a` (to read) and `b` (to write), `a != b`, both allocated.
+fn two_parts<Buf>(bufs: &mut [Option<Buf>], a: usize, b: usize) -> (&Buf, &mut Buf) {
+    const MISSING: &str = "a buffer is allocated on a device before an op runs there";
+    if a < b {
+        let (low, high) = bufs.split_at_mut(b);
+        (
+            low[a].as_ref().expect(MISSING),
+            high[0].as_mut().expect(MISSING),
+        )
+    } else {
+        let (low, high) = bufs.split_at_mut(a);
+        (
+            high[0].as_ref().expect(MISSING),
+            low[b].as_mut().expect(MISSING),
+        )
+    }
+}
+
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|e| e.into_inner())
 }

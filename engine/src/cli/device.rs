@@ -17,7 +17,11 @@ use ember::load_plan::{SplitMode, TensorSplit};
 #[derive(Debug, Clone, Args)]
 pub struct DeviceArgs {
     /// Where to run: auto (the first GPU whose architecture has kernels in this build, else the
-    /// CPU), cpu, cuda:N or hip:N, or sim:0,sim:1,... (simulated GPUs on the host, for trying
+    /// CPU), cpu, cuda:N or hip:N, a list of GPUs of one kind such as cuda:0,cuda:1 or
+    /// hip:0,hip:1 (a layer split over them, by free memory or --tensor-split; copies between
+    /// them by peer copy where the start-up self-test passes, else through host memory; a GPU
+    /// named twice is refused unless EMBER_ALLOW_REPEATED_DEVICE=1, a testing aid that runs the
+    /// split over one GPU), or sim:0,sim:1,... (simulated GPUs on the host, for trying
     /// layer splits without GPUs: each has its own memory pool, --vram-budget, idle trim and
     /// placement check, and runs the CPU's ops; EMBER_SIM_CORRUPT_PEER=0,1 makes copies from
     /// sim:0 to sim:1 corrupt, which the start-up peer-copy self-test catches;

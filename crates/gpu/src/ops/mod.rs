@@ -672,6 +672,26 @@ impl GpuContext {
             .map_err(|source| self.driver_error("copying on the device", source))
     }
 
+    /// Queues a copy of `bytes` bytes from `src` on `from`'s device to `dst` on this one, on
+    /// this context's stream, without host staging ([`Driver::copy_peer_async`]; recorded like
+    /// any queued op while the stream captures). The caller has made sure `from`'s work that
+    /// wrote `src` is done.
+    pub fn copy_from_peer(
+        &self,
+        dst: DevicePtr,
+        from: &GpuContext,
+        src: DevicePtr,
+        bytes: u64,
+    ) -> Result<(), OpsError> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.queued();
+        self.driver
+            .copy_peer_async(self.device, dst, from.device, src, bytes, self.stream)
+            .map_err(|source| self.driver_error("copying from a peer device", source))
+    }
+
     /// Queues a fill of `bytes` bytes at `dst` with zeros on the context's stream.
     pub fn zero(&self, dst: DevicePtr, bytes: u64) -> Result<(), OpsError> {
         if bytes == 0 {

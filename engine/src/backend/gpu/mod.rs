@@ -791,6 +791,31 @@ impl Backend for GpuBackend {
         GpuBackend::write(self, buf, values);
     }
 
+    fn copy_from_peer(
+        &self,
+        from: &GpuBackend,
+        src: &GpuBuf,
+        dst: &mut GpuBuf,
+        len: usize,
+    ) -> Result<bool, String> {
+        if len == 0 {
+            return Ok(true);
+        }
+        // The source's recorded pass runs now, and its stream drains, so the copy reads what
+        // the source's ops wrote (as a host read of the source would).
+        from.finish_graph();
+        if from.failed.load(Ordering::Acquire) {
+            return Err("the source device has failed an op".into());
+        }
+        from.ctx.synchronize().map_err(|e| e.to_string())?;
+        let src_ptr = src.ptr("peer copy", len).map_err(|e| e.to_string())?;
+        let dst_ptr = dst.ptr("peer copy", len).map_err(|e| e.to_string())?;
+        self.ctx
+            .copy_from_peer(dst_ptr, &from.ctx, src_ptr, (len * 4) as u64)
+            .map_err(|e| e.to_string())?;
+        Ok(true)
+    }
+
     fn read(&self, buf: &GpuBuf, len: usize, out: &mut Vec<f32>) {
         out.clear();
         // The recorded pass runs now, before its results are read.
