@@ -959,7 +959,7 @@ fn split_layout(hparams: &HParams, plan: &LoadPlan) -> SplitLayout {
 }
 
 /// The pairs of the plan's devices as the split numbers them (its device 0 is the CPU).
-fn split_pairs(pairs: &[PairState]) -> Vec<PairState> {
+pub(crate) fn split_pairs(pairs: &[PairState]) -> Vec<PairState> {
     pairs
         .iter()
         .map(|p| PairState {

@@ -1820,6 +1820,9 @@ impl Backend for GpuBackend {
 #[cfg(all(test, unix))]
 mod tests;
 
+#[cfg(all(test, unix))]
+mod split_tests;
+
 /// `(first, stride)` when `rows` are `first, first + stride, first + 2 stride, ...` (stride 0
 /// only for a single row).
 fn evenly_spaced(rows: &[usize]) -> Option<(usize, usize)> {

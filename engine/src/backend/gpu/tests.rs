@@ -327,7 +327,7 @@ fn backend_with_kernels() -> (GpuBackend, Arc<HostDriver>, tempfile::TempDir) {
     (backend, driver, dir)
 }
 
-fn register_elementwise_twins(driver: &HostDriver) {
+pub(super) fn register_elementwise_twins(driver: &HostDriver) {
     // ember_scale_f32(float* out, const float* x, float scale, uint32_t n)
     driver.register_kernel("ember_scale_f32", |launch| {
         let (out, x) = (launch.ptr_arg(0)?, launch.ptr_arg(1)?);
