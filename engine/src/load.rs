@@ -1065,7 +1065,8 @@ fn load_on_gpus(
                 .collect(),
         );
         let (gate, _) = crate::build_manifest::peer_gate();
-        let pairs = plan_pairs(gpus.len(), gate, Some(&link));
+        let mut pairs = plan_pairs(gpus.len(), gate, Some(&link));
+        link.enable_trusted(&mut pairs);
         on_event(LoadEvent::PeerPairs {
             pairs: &pairs,
             names: &names,
@@ -1537,6 +1538,39 @@ mod tests {
         loaded.memory_report = true;
         loaded.report_memory_after_idle(&mut |event| after.push(describe(&event)));
         assert_eq!(after, ["no device memory"]);
+    }
+
+    #[test]
+    fn a_gpu_list_reaches_the_loader_and_needs_every_gpu_it_names() {
+        use crate::backend::gpu::GpuKind;
+        use crate::device::GpuList;
+
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tiny.gguf");
+        std::fs::write(&path, tiny_model()).unwrap();
+        let mut options = cpu_options(&path);
+        options.device.device = DeviceSpec::Gpus(GpuKind::Cuda, GpuList::new(&[0, 0]).unwrap());
+        let mut events = Vec::new();
+        let result = load(&options, &mut |event| events.push(describe(&event)));
+        match result {
+            // A machine with a CUDA GPU loads the split over it (named twice).
+            Ok(AnyLoaded::Offload(loaded)) => {
+                assert_eq!(loaded.model.backend().names()[1..], ["cuda:0", "cuda:0#1"]);
+            }
+            Ok(_) => panic!("a list of GPUs loaded as something else than a split"),
+            // Elsewhere the GPU is required: an error naming it, never the CPU instead.
+            Err(error) => {
+                assert!(matches!(error, LoadError::Gpu { .. }), "{error:?}");
+                assert_eq!(
+                    error.to_string(),
+                    format!("cannot load {} on a GPU", path.display())
+                );
+                assert!(
+                    events.iter().all(|e| !e.starts_with("CpuFallback")),
+                    "{events:?}"
+                );
+            }
+        }
     }
 
     #[test]

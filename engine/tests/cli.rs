@@ -309,6 +309,40 @@ fn gpu_flags_without_a_gpu_say_what_happens() {
 }
 
 #[test]
+fn gpu_lists_are_one_kind_each_gpu_once_unless_the_testing_aid_says_otherwise() {
+    // The flags are refused before any model is opened, so no model is needed.
+    let run = |device: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_ember"))
+            .env_remove("EMBER_LOG")
+            .env_remove("EMBER_ALLOW_REPEATED_DEVICE")
+            .args(["run", "-m", "no-such.gguf", "-p", "Hi", "--device", device])
+            .output()
+            .unwrap();
+        (out.status.code(), text(&out.stderr))
+    };
+    for (device, says) in [
+        (
+            "cuda:0,cuda:0",
+            "set EMBER_ALLOW_REPEATED_DEVICE=1 to run a split over one GPU named twice",
+        ),
+        ("hip:1,hip:0,hip:1", "each GPU named once"),
+        ("cuda:0,hip:1", "CUDA and HIP devices cannot share a split"),
+        (
+            "cuda:0,cpu",
+            "cpu, auto and sim:N cannot be listed with GPUs",
+        ),
+    ] {
+        let (code, stderr) = run(device);
+        assert_eq!(code, Some(2), "{device}: {stderr}");
+        assert!(stderr.contains(says), "{device}: {stderr}");
+        assert!(
+            stderr.contains(&format!("{device:?}")),
+            "{device}: {stderr}"
+        );
+    }
+}
+
+#[test]
 fn run_flags_mean_what_they_say() {
     let model = common::model_path(MODEL);
     let model = model.to_str().unwrap();

@@ -290,9 +290,8 @@ impl DriverPeerLink {
     /// Lets device `dst` read device `src`'s memory: `Err` says why it cannot (no peer access
     /// between them, or the driver refused to enable it).
     pub fn enable(&self, src: usize, dst: usize) -> Result<(), String> {
-        let (src_driver, src_ordinal) = self.device(src)?;
+        let (_, src_ordinal) = self.device(src)?;
         let (dst_driver, dst_ordinal) = self.device(dst)?;
-        let _ = src_driver;
         let can = dst_driver
             .can_access_peer(dst_ordinal, src_ordinal)
             .map_err(|e| {
@@ -306,6 +305,21 @@ impl DriverPeerLink {
         dst_driver
             .enable_peer_access(dst_ordinal, src_ordinal)
             .map_err(|e| format!("cannot enable peer access from device {dst_ordinal} to device {src_ordinal}: {e}"))
+    }
+
+    /// Enables peer access for the pairs trusted without a self-test (the `peer_copy` gate
+    /// `on`; the self-test enables the pairs it tests): a pair whose devices cannot reach each
+    /// other turns to host staging, with the reason.
+    pub fn enable_trusted(&self, pairs: &mut [PairState]) {
+        for pair in pairs
+            .iter_mut()
+            .filter(|p| p.peer && p.self_test == SelfTest::NotRun)
+        {
+            if let Err(reason) = self.enable(pair.src, pair.dst) {
+                pair.peer = false;
+                pair.reason = format!("the peer_copy gate is on, but {reason}");
+            }
+        }
     }
 
     fn device(&self, index: usize) -> Result<(&Arc<dyn Driver>, DeviceOrdinal), String> {
@@ -615,6 +629,18 @@ mod tests {
             pairs[0].reason,
             "self-test failed: a copy of 1 bytes at offset 0 failed: device 1 cannot access the memory of device 0 (no peer access between them)"
         );
+        // The gate on trusts them without a test, but they still cannot reach each other.
+        let mut trusted = plan_pairs(2, PeerGate::On, Some(&link_over(&drivers)));
+        link_over(&drivers).enable_trusted(&mut trusted);
+        assert_eq!(peers(&trusted), [(0, 1, false), (1, 0, false)]);
+        assert_eq!(
+            trusted[1].reason,
+            "the peer_copy gate is on, but device 0 cannot access the memory of device 1 (no peer access between them)"
+        );
+        let connected = host_gpus(2, &[]);
+        let mut trusted = plan_pairs(2, PeerGate::On, Some(&link_over(&connected)));
+        link_over(&connected).enable_trusted(&mut trusted);
+        assert!(trusted.iter().all(|p| p.peer), "{trusted:?}");
         // One GPU named twice: its "peer" copies are device-to-device copies, and pass.
         let one = host_gpus(1, &[]);
         let twice = DriverPeerLink::new(vec![
