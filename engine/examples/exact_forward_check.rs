@@ -526,8 +526,8 @@ fn main() -> anyhow::Result<()> {
     let device = match args.device {
         DeviceSpec::Gpu(kind, ordinal) => Some((kind, ordinal)),
         DeviceSpec::Auto => None,
-        DeviceSpec::Cpu | DeviceSpec::Sim(_) => bail!(
-            "--device: expected a GPU (auto, cuda:N or hip:N), found {}",
+        DeviceSpec::Cpu | DeviceSpec::Sim(_) | DeviceSpec::Gpus(..) => bail!(
+            "--device: expected one GPU (auto, cuda:N or hip:N), found {}",
             args.device
         ),
     };

@@ -961,9 +961,9 @@ fn main() -> anyhow::Result<()> {
     let device = match args.device {
         DeviceSpec::Gpu(kind, ordinal) => Some((kind, ordinal)),
         DeviceSpec::Auto => None,
-        DeviceSpec::Cpu | DeviceSpec::Sim(_) => {
+        DeviceSpec::Cpu | DeviceSpec::Sim(_) | DeviceSpec::Gpus(..) => {
             anyhow::bail!(
-                "--device: expected a GPU (auto, cuda:N or hip:N), found {}",
+                "--device: expected one GPU (auto, cuda:N or hip:N), found {}",
                 args.device
             )
         }
