@@ -1427,6 +1427,11 @@ mod tests {
     /// A one-layer llama model with zero weights and a four-token vocabulary: enough to load,
     /// not to say anything.
     fn tiny_model() -> Vec<u8> {
+        tiny_model_of(1)
+    }
+
+    /// [`tiny_model`] with `n_layer` layers.
+    fn tiny_model_of(n_layer: usize) -> Vec<u8> {
         let mut writer = GgufWriter::new();
         let count = |n: usize| Value::U32(n as u32);
         let strings = |items: &[&str]| {
@@ -1436,7 +1441,7 @@ mod tests {
             ("general.architecture", Value::String("llama".into())),
             ("llama.context_length", count(64)),
             ("llama.embedding_length", count(N_EMBD)),
-            ("llama.block_count", count(1)),
+            ("llama.block_count", count(n_layer)),
             ("llama.feed_forward_length", count(N_FF)),
             ("llama.attention.head_count", count(2)),
             ("llama.attention.head_count_kv", count(2)),
@@ -1467,7 +1472,9 @@ mod tests {
             ("ffn_up", vec![N_EMBD, N_FF]),
             ("ffn_down", vec![N_FF, N_EMBD]),
         ] {
-            tensors.push((format!("blk.0.{name}.weight"), dims));
+            for il in 0..n_layer {
+                tensors.push((format!("blk.{il}.{name}.weight"), dims.clone()));
+            }
         }
         for (name, dims) in tensors {
             let n_elements: usize = dims.iter().product();
@@ -1571,6 +1578,174 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// Loads the 4-layer tiny model over host GPUs (each `(ordinal, weights reported in host
+    /// memory)`, peers of each other) through the multi-GPU load path, `-ngl gpu_layers`.
+    #[cfg(unix)]
+    fn load_on_host_gpus(
+        gpus: &[(usize, bool)],
+        gpu_layers: Option<usize>,
+        allow_host_weights: bool,
+    ) -> (Result<(), LoadError>, Vec<String>) {
+        use ember_gpu::host::{HostDriver, HostDriverConfig};
+
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tiny4.gguf");
+        std::fs::write(&path, tiny_model_of(4)).unwrap();
+        let kernels_dir = dir.path().join("kernels");
+        for spec in ember_gpu::kernels::KERNEL_MODULES {
+            let object = kernels_dir
+                .join("host")
+                .join(format!("{}.hsaco", spec.stem));
+            std::fs::create_dir_all(object.parent().unwrap()).unwrap();
+            std::fs::write(object, b"host code object").unwrap();
+        }
+        let drivers: Vec<Arc<HostDriver>> = gpus
+            .iter()
+            .map(|&(ordinal, host_memory)| {
+                Arc::new(HostDriver::new(HostDriverConfig {
+                    ordinal,
+                    reported_memory_type: if host_memory {
+                        ember_gpu::MemoryType::Host
+                    } else {
+                        ember_gpu::MemoryType::Device
+                    },
+                    ..HostDriverConfig::default()
+                }))
+            })
+            .collect();
+        HostDriver::connect_peers(&drivers);
+        let mut options = cpu_options(&path);
+        options.device.allow_host_weights = allow_host_weights;
+        let selections = drivers
+            .iter()
+            .map(|driver| {
+                let ordinal = driver.config().ordinal;
+                let driver: Arc<dyn ember_gpu::Driver> = driver.clone();
+                let open_options = OpenOptions {
+                    device: Some((gpu::GpuKind::Cuda, ordinal)),
+                    rocm_path: None,
+                    kernels_dir: Some(kernels_dir.clone()),
+                    budget: None,
+                    idle_trim: false,
+                    numerics: Some(Numerics::Fast),
+                    reference_threads: None,
+                };
+                let selection = GpuSelection {
+                    kind: gpu::GpuKind::Cuda,
+                    ordinal,
+                    info: driver.device_info(ordinal).unwrap(),
+                    driver,
+                    kernels_dir: kernels_dir.clone(),
+                };
+                (selection, open_options)
+            })
+            .collect();
+        let gguf = open_gguf(&path).unwrap();
+        let hparams =
+            HParams::from_metadata(architecture_of(&gguf).unwrap(), gguf.metadata()).unwrap();
+        let common = Common {
+            tokenizer: Arc::new(Tokenizer::from_gguf(&gguf).unwrap()),
+            gguf,
+            path,
+            start: Instant::now(),
+        };
+        let mut events = Vec::new();
+        let result = load_on_gpus(
+            common,
+            &hparams,
+            gpu_layers,
+            selections,
+            &options,
+            &mut |event| {
+                events.push(match event {
+                    LoadEvent::Plan(plan) => {
+                        format!("plan {:?} output {:?}", plan.layers, plan.output)
+                    }
+                    LoadEvent::PeerPairs { pairs, names, .. } => pairs
+                        .iter()
+                        .map(|p| format!("{} -> {} peer {}", names[p.src], names[p.dst], p.peer))
+                        .collect::<Vec<_>>()
+                        .join("; "),
+                    LoadEvent::WeightsPlaced { device, verdict } => {
+                        format!("placed {device} warnings {}", verdict.warnings.len())
+                    }
+                    _ => String::new(),
+                })
+            },
+        );
+        events.retain(|e| !e.is_empty());
+        (result.map(|_| ()), events)
+    }
+
+    /// Over host GPUs the load goes as far as the host driver can: the plan, the peer pairs
+    /// self-tested, each GPU's placement check; its warm-up pass needs the model's kernels,
+    /// which the host driver does not run, and fails naming every GPU.
+    #[cfg(unix)]
+    #[test]
+    fn a_split_over_host_gpus_plans_tests_its_pairs_and_checks_each_gpus_weights() {
+        use crate::load_plan::Target;
+
+        let (result, events) = load_on_host_gpus(&[(0, false), (1, false)], None, false);
+        let error = result.unwrap_err();
+        assert!(
+            matches!(&error, LoadError::WarmUp { device, .. } if device == "cuda:0,cuda:1"),
+            "{error:?}"
+        );
+        let gpu = Target::Gpu;
+        assert_eq!(
+            events,
+            [
+                format!(
+                    "plan {:?} output {:?}",
+                    // The output GPU also holds the embedding and output layer.
+                    [gpu(0), gpu(0), gpu(0), gpu(1)],
+                    gpu(1)
+                ),
+                "cuda:0 -> cuda:1 peer true; cuda:1 -> cuda:0 peer true".to_string(),
+                "placed cuda:0 warnings 0".to_string(),
+                "placed cuda:1 warnings 0".to_string(),
+            ]
+        );
+        // -ngl 3 of 4 layers: the first on the CPU, and the output layer with it (as a
+        // partial offload keeps it).
+        let (_, events) = load_on_host_gpus(&[(0, false), (1, false)], Some(3), false);
+        assert_eq!(
+            events[0],
+            format!(
+                "plan {:?} output {:?}",
+                [Target::Cpu, gpu(0), gpu(0), gpu(1)],
+                Target::Cpu
+            )
+        );
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn a_gpu_of_a_split_whose_weights_are_in_host_memory_is_refused_by_name() {
+        let (result, events) = load_on_host_gpus(&[(0, false), (1, true), (2, false)], None, false);
+        let error = result.unwrap_err();
+        assert!(
+            matches!(&error, LoadError::WeightsNotInVram { device, .. } if device == "cuda:1"),
+            "{error:?}"
+        );
+        assert!(
+            events.contains(&"placed cuda:0 warnings 0".to_string()),
+            "{events:?}"
+        );
+        // With --allow-host-weights it is a warning naming the GPU, and the load goes on.
+        let (result, events) = load_on_host_gpus(&[(0, false), (1, true), (2, false)], None, true);
+        assert!(
+            matches!(result, Err(LoadError::WarmUp { .. })),
+            "{result:?}"
+        );
+        let placed: Vec<&String> = events.iter().filter(|e| e.starts_with("placed")).collect();
+        assert_eq!(placed.len(), 3, "{events:?}");
+        assert!(
+            placed[1].starts_with("placed cuda:1 warnings ") && !placed[1].ends_with(" 0"),
+            "{events:?}"
+        );
     }
 
     #[test]
