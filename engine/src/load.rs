@@ -1,8 +1,11 @@
 //! Loading a model to run: resolve the model name (a GGUF path, or a pinned model fetched on first
 //! use), open the GGUF file, load the tokenizer, decide the device from [`DeviceOptions`] and the
-//! model's layer count, and place the weights there. On a GPU (and on each simulated device) it
-//! also checks that the weights really are in VRAM, runs one warm-up forward pass so the first
-//! request does not pay for kernel and BLAS set-up, and trims the pool to its post-load floor.
+//! model's layer count, and place the weights there: on the CPU, a GPU, a split over the CPU and
+//! one or more GPUs (a partial offload, or `--device cuda:0,cuda:1`, one path for both), or
+//! simulated devices. On each GPU (and each simulated device) it also checks that the weights
+//! really are in VRAM, runs one warm-up forward pass so the first request does not pay for
+//! kernel and BLAS set-up, and trims the pool to its post-load floor. Over several GPUs the
+//! start-up peer-copy self-test decides, pair by pair, how activations cross.
 //!
 //! Nothing here writes to the terminal: what a user may want to see (download and tensor
 //! progress, the device chosen, the numerics mode, the placement verdict, the CPU fallback, the
@@ -1086,6 +1089,9 @@ fn load_on_gpus(
         split_names.push(name.clone());
         sites.push((gpu.driver, gpu.ordinal, gpu.pool, gpu.free_before));
     }
+    // No pools for the split to reserve from (`with_pools`, the simulated devices' way): each
+    // GPU backend allocates its weights, KV blocks and scratch from its own pool already, so a
+    // reservation on top would count every byte twice.
     let backend = SplitBackend::new(
         backends,
         split_names,

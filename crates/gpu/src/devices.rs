@@ -10,6 +10,7 @@ use crate::cuda::CudaDriver;
 use crate::driver::{describe_attempts, Backend, DeviceOrdinal, Driver, DriverError, RuntimeInfo};
 use crate::hip::{HipDriver, HipLoadOptions};
 use crate::kernels::{available_archs, default_kernels_dir, find_code_object, KERNEL_MODULES};
+use crate::peer::DriverPeerLink;
 use crate::pool::{format_bytes, select_pool, PoolKind, PoolSelectOptions};
 
 /// A runtime's load result, as `list_with` takes it.
@@ -68,6 +69,9 @@ pub struct DeviceListing {
     pub failures: Vec<DeviceFailure>,
     pub kernels_dir: PathBuf,
     pub kernel_archs: Vec<String>,
+    /// The peer path between the listed GPUs, in listing order (each GPU's driver and
+    /// ordinal): for the peer-copy self-test of a probing listing. `None` with fewer than two.
+    pub peer_link: Option<DriverPeerLink>,
 }
 
 impl DeviceListing {
@@ -100,7 +104,9 @@ pub fn list_with(drivers: Vec<DriverLoad>, options: &ListOptions) -> DeviceListi
         failures: Vec::new(),
         kernel_archs: available_archs(&kernels_dir),
         kernels_dir,
+        peer_link: None,
     };
+    let mut peer_devices: Vec<(Arc<dyn Driver>, DeviceOrdinal)> = Vec::new();
     for (backend, driver) in drivers {
         let driver = match driver {
             Ok(driver) => driver,
@@ -129,7 +135,10 @@ pub fn list_with(drivers: Vec<DriverLoad>, options: &ListOptions) -> DeviceListi
         };
         for ordinal in 0..count {
             match entry(&*driver, ordinal, options, &listing.kernels_dir) {
-                Ok(entry) => listing.devices.push(entry),
+                Ok(entry) => {
+                    listing.devices.push(entry);
+                    peer_devices.push((Arc::clone(&driver), ordinal));
+                }
                 Err(error) => listing.failures.push(DeviceFailure {
                     backend,
                     ordinal,
@@ -137,6 +146,9 @@ pub fn list_with(drivers: Vec<DriverLoad>, options: &ListOptions) -> DeviceListi
                 }),
             }
         }
+    }
+    if peer_devices.len() > 1 {
+        listing.peer_link = Some(DriverPeerLink::new(peer_devices));
     }
     listing
 }
@@ -372,6 +384,48 @@ mod tests {
             listing.devices[0].pool_reason
         );
         assert!(listing.to_string().contains("probe passed"), "{listing}");
+    }
+
+    #[test]
+    fn a_listing_of_several_gpus_carries_their_peer_link_for_the_self_test() {
+        use crate::peer::{plan_pairs, PeerGate};
+
+        let drivers: Vec<Arc<HostDriver>> = (0..2)
+            .map(|ordinal| {
+                Arc::new(HostDriver::new(HostDriverConfig {
+                    ordinal,
+                    corrupt_peer_from: if ordinal == 1 { vec![0] } else { Vec::new() },
+                    ..HostDriverConfig::default()
+                }))
+            })
+            .collect();
+        HostDriver::connect_peers(&drivers);
+        let listing = list_with(
+            drivers
+                .iter()
+                .map(|d| (Backend::Host, Ok(Arc::clone(d) as Arc<dyn Driver>)))
+                .collect(),
+            &ListOptions::default(),
+        );
+        // The second host driver answers for ordinals 0 and 1 but is only device 1.
+        let listed: Vec<DeviceOrdinal> = listing.devices.iter().map(|d| d.ordinal).collect();
+        assert_eq!(listed, [0, 1]);
+        let link = listing
+            .peer_link
+            .as_ref()
+            .expect("two GPUs have a peer link");
+        let pairs = plan_pairs(2, PeerGate::Probe, Some(link));
+        // Copies into device 1 from device 0 corrupt: the pair falls back both ways.
+        assert!(pairs.iter().all(|p| !p.peer), "{pairs:?}");
+        assert!(pairs[0].reason.contains("arrived changed"), "{pairs:?}");
+        let one = list_with(
+            vec![(
+                Backend::Host,
+                Ok(Arc::clone(&drivers[0]) as Arc<dyn Driver>),
+            )],
+            &ListOptions::default(),
+        );
+        assert!(one.peer_link.is_none());
     }
 
     #[test]

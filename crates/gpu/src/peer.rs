@@ -290,8 +290,15 @@ impl DriverPeerLink {
     /// Lets device `dst` read device `src`'s memory: `Err` says why it cannot (no peer access
     /// between them, or the driver refused to enable it).
     pub fn enable(&self, src: usize, dst: usize) -> Result<(), String> {
-        let (_, src_ordinal) = self.device(src)?;
+        let (src_driver, src_ordinal) = self.device(src)?;
         let (dst_driver, dst_ordinal) = self.device(dst)?;
+        if src_driver.backend() != dst_driver.backend() {
+            return Err(format!(
+                "a {} device and a {} device have no peer path",
+                src_driver.backend(),
+                dst_driver.backend()
+            ));
+        }
         let can = dst_driver
             .can_access_peer(dst_ordinal, src_ordinal)
             .map_err(|e| {

@@ -28,7 +28,8 @@ pub struct DevicesArgs {
     #[arg(long, env = "EMBER_KERNELS_DIR")]
     pub kernels_dir: Option<PathBuf>,
     /// Run the VMM probe on each GPU (maps, grows, sets access and touches memory) instead of
-    /// reporting the gate and the device's VMM attribute only.
+    /// reporting the gate and the device's VMM attribute only; with several GPUs, also the
+    /// start-up peer-copy self-test of every pair (where the build's peer_copy gate is probe).
     #[arg(long)]
     pub probe: bool,
     /// Also show every runtime library name tried and what became of it, why each GPU gets the
@@ -150,7 +151,7 @@ fn short_error(error: &DriverError) -> String {
     }
 }
 
-fn report(listing: &DeviceListing) -> DevicesReport {
+fn report(listing: &DeviceListing, probe: bool) -> DevicesReport {
     let runtimes = listing
         .runtimes
         .iter()
@@ -233,7 +234,15 @@ fn report(listing: &DeviceListing) -> DevicesReport {
             dir: listing.kernels_dir.display().to_string(),
             architectures: listing.kernel_archs.clone(),
         },
-        peer_copy: PeerReport::for_gpus(&gpu_names(&devices)),
+        peer_copy: match (probe, &listing.peer_link) {
+            // --probe runs the start-up peer-copy self-test over the listed GPUs, as a load
+            // over them would.
+            (true, Some(link)) => {
+                let (gate, reason) = ember::build_manifest::peer_gate();
+                PeerReport::probe(&gpu_names(&devices), gate, reason, Some(link))
+            }
+            _ => PeerReport::for_gpus(&gpu_names(&devices)),
+        },
         devices,
         failures,
     }
@@ -380,7 +389,10 @@ pub fn list_devices(
 }
 
 pub fn run(args: DevicesArgs) -> anyhow::Result<()> {
-    let report = report(&list_devices(args.rocm_path, args.kernels_dir, args.probe));
+    let report = report(
+        &list_devices(args.rocm_path, args.kernels_dir, args.probe),
+        args.probe,
+    );
     match args.format {
         Format::Json => println!("{}", serde_json::to_string_pretty(&report)?),
         Format::Text => print!("{}", render_text(&report, args.verbose)),
