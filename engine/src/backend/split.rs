@@ -1281,7 +1281,6 @@ impl<B: Backend> Backend for SplitBackend<B> {
     }
 }
 
-/// Locks `mutex`; a panicked holder's data is still consistent counts.
 /// The buffers of devices `a` (to read) and `b` (to write), `a != b`, both allocated.
 fn two_parts<Buf>(bufs: &mut [Option<Buf>], a: usize, b: usize) -> (&Buf, &mut Buf) {
     const MISSING: &str = "a buffer is allocated on a device before an op runs there";
@@ -1300,6 +1299,7 @@ fn two_parts<Buf>(bufs: &mut [Option<Buf>], a: usize, b: usize) -> (&Buf, &mut B
     }
 }
 
+/// Locks `mutex`; a panicked holder's data is still consistent counts.
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|e| e.into_inner())
 }
