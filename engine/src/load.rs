@@ -1594,6 +1594,17 @@ mod tests {
         gpu_layers: Option<usize>,
         allow_host_weights: bool,
     ) -> (Result<(), LoadError>, Vec<String>) {
+        load_on_host_gpus_with(gpus, gpu_layers, allow_host_weights, |_| {})
+    }
+
+    /// [`load_on_host_gpus`] with the device options changed by `flags` first.
+    #[cfg(unix)]
+    fn load_on_host_gpus_with(
+        gpus: &[(usize, bool)],
+        gpu_layers: Option<usize>,
+        allow_host_weights: bool,
+        flags: impl FnOnce(&mut DeviceOptions),
+    ) -> (Result<(), LoadError>, Vec<String>) {
         use ember_gpu::host::{HostDriver, HostDriverConfig};
 
         let dir = tempfile::tempdir().unwrap();
@@ -1624,6 +1635,7 @@ mod tests {
         HostDriver::connect_peers(&drivers);
         let mut options = cpu_options(&path);
         options.device.allow_host_weights = allow_host_weights;
+        flags(&mut options.device);
         let selections = drivers
             .iter()
             .map(|driver| {
@@ -1725,6 +1737,39 @@ mod tests {
                 Target::Cpu
             )
         );
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn the_split_flags_shape_the_plan_over_host_gpus() {
+        use crate::load_plan::{SplitMode, Target};
+
+        let gpu = Target::Gpu;
+        let plan_of = |flags: fn(&mut DeviceOptions)| {
+            let (_, events) =
+                load_on_host_gpus_with(&[(0, false), (1, false), (2, false)], None, false, flags);
+            events[0].clone()
+        };
+        let plan =
+            |layers: [Target; 4], output: Target| format!("plan {layers:?} output {output:?}");
+        assert_eq!(
+            plan_of(|d| d.tensor_split = Some(vec![0.0, 1.0, 3.0])),
+            plan([gpu(1), gpu(2), gpu(2), gpu(2)], gpu(2))
+        );
+        assert_eq!(
+            plan_of(|d| {
+                d.split_mode = SplitMode::None;
+                d.main_gpu = 1;
+            }),
+            plan([gpu(1); 4], gpu(1))
+        );
+        // A split flag the plan cannot follow is refused before any weight is placed.
+        let (result, events) =
+            load_on_host_gpus_with(&[(0, false), (1, false)], None, false, |d| {
+                d.tensor_split = Some(vec![1.0, 1.0, 1.0])
+            });
+        assert!(matches!(result, Err(LoadError::Plan { .. })), "{result:?}");
+        assert!(events.is_empty(), "{events:?}");
     }
 
     #[cfg(unix)]
