@@ -180,11 +180,44 @@ pub fn feature(name: &str) -> Option<&'static Feature> {
         .find(|feature| feature.name == name)
 }
 
-/// The `peer_copy` gate of this build and its reason, as the split uses it: `on` and `probe` as
-/// written; `off` and `unsupported` keep every copy in host memory. A development build (no
-/// manifest, or no `peer_copy` feature) probes, as the targets that need it most do.
-pub fn peer_gate() -> (ember_gpu::peer::PeerGate, Option<String>) {
-    gate_of(feature("peer_copy"))
+/// The environment variable that overrides the build's `peer_copy` gate at run time: `on`, `off`
+/// or `probe`. `off` is the run-time form of the workaround that setups with corrupting peer
+/// copies otherwise needed a rebuild for.
+pub const PEER_COPY_ENV: &str = "EMBER_PEER_COPY";
+
+/// The `peer_copy` gate and its reason, as the split uses it: [`PEER_COPY_ENV`] when set, else this
+/// build's gate: `on` and `probe` as written; `off` and `unsupported` keep every copy in host
+/// memory. A development build (no manifest, or no `peer_copy` feature) probes, as the targets
+/// that need it most do. An unknown value of the variable is an error naming it.
+pub fn peer_gate() -> Result<(ember_gpu::peer::PeerGate, Option<String>), String> {
+    gate_with_override(
+        feature("peer_copy"),
+        std::env::var(PEER_COPY_ENV).ok().as_deref(),
+    )
+}
+
+fn gate_with_override(
+    feature: Option<&Feature>,
+    value: Option<&str>,
+) -> Result<(ember_gpu::peer::PeerGate, Option<String>), String> {
+    use ember_gpu::peer::PeerGate;
+    let Some(value) = value else {
+        return Ok(gate_of(feature));
+    };
+    let gate = match value.trim().to_ascii_lowercase().as_str() {
+        "on" => PeerGate::On,
+        "off" => PeerGate::Off,
+        "probe" => PeerGate::Probe,
+        _ => {
+            return Err(format!(
+                "{PEER_COPY_ENV}: expected on, off or probe, found {value:?}"
+            ))
+        }
+    };
+    Ok((
+        gate,
+        Some(format!("{PEER_COPY_ENV}={gate} in the environment")),
+    ))
 }
 
 fn gate_of(feature: Option<&Feature>) -> (ember_gpu::peer::PeerGate, Option<String>) {
@@ -335,6 +368,27 @@ mod tests {
         assert_eq!(gate(&feature("off", Some("x"))).0, PeerGate::Off);
         assert_eq!(gate(&feature("unsupported", None)).0, PeerGate::Off);
         assert_eq!(super::gate_of(None).0, PeerGate::Probe);
+        // The environment overrides the build, in any case, with a reason naming it.
+        let on = feature("on", Some("peer copies work on this family"));
+        assert_eq!(
+            super::gate_with_override(Some(&on), Some("OFF")).unwrap(),
+            (
+                PeerGate::Off,
+                Some("EMBER_PEER_COPY=off in the environment".into())
+            )
+        );
+        assert_eq!(
+            super::gate_with_override(None, Some("probe")).unwrap().0,
+            PeerGate::Probe
+        );
+        assert_eq!(
+            super::gate_with_override(Some(&on), None).unwrap(),
+            super::gate_of(Some(&on))
+        );
+        assert_eq!(
+            super::gate_with_override(Some(&on), Some("sometimes")).unwrap_err(),
+            "EMBER_PEER_COPY: expected on, off or probe, found \"sometimes\""
+        );
     }
 
     use super::*;

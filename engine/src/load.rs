@@ -323,6 +323,8 @@ pub enum LoadError {
         #[source]
         source: PlanError,
     },
+    #[error("cannot set up peer copies between the GPUs: {0}")]
+    PeerCopy(String),
     #[error("cannot set up the simulated devices: {0}")]
     SimDevices(String),
     #[error("cannot trim the memory pool of {device}")]
@@ -1067,8 +1069,16 @@ fn load_on_gpus(
                 .map(|gpu| (Arc::clone(&gpu.driver), gpu.ordinal))
                 .collect(),
         );
-        let (gate, _) = crate::build_manifest::peer_gate();
+        let (gate, reason) = crate::build_manifest::peer_gate().map_err(LoadError::PeerCopy)?;
         let mut pairs = plan_pairs(gpus.len(), gate, Some(&link));
+        // Turned off at run time: the pairs say so rather than blaming the build target.
+        if let (PeerGate::Off, Some(reason)) = (gate, reason.as_deref()) {
+            if reason.starts_with(crate::build_manifest::PEER_COPY_ENV) {
+                for pair in &mut pairs {
+                    pair.reason = format!("peer copies are off: {reason}");
+                }
+            }
+        }
         link.enable_trusted(&mut pairs);
         on_event(LoadEvent::PeerPairs {
             pairs: &pairs,

@@ -34,7 +34,9 @@ impl PeerReport {
     /// build's gate. No self-test runs here: only the load of a split runs it, so a probed pair
     /// says `not run`.
     pub fn for_gpus(names: &[String]) -> PeerReport {
-        let (gate, reason) = crate::build_manifest::peer_gate();
+        // A bad EMBER_PEER_COPY, which a load over these GPUs refuses, shows as the reason.
+        let (gate, reason) =
+            crate::build_manifest::peer_gate().unwrap_or_else(|error| (PeerGate::Off, Some(error)));
         PeerReport::probe(names, gate, reason, None)
     }
 
@@ -159,7 +161,7 @@ mod tests {
             .all(|p| !p.peer && p.self_test == "not run" && p.reason.contains("gate is off")));
         let gpus = PeerReport::for_gpus(&names(1));
         assert!(gpus.pairs.is_empty());
-        let (gate, _) = crate::build_manifest::peer_gate();
+        let (gate, _) = crate::build_manifest::peer_gate().unwrap();
         assert_eq!(gpus.gate, gate.to_string());
     }
 }

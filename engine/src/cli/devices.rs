@@ -238,7 +238,10 @@ fn report(listing: &DeviceListing, probe: bool) -> DevicesReport {
             // --probe runs the start-up peer-copy self-test over the listed GPUs, as a load
             // over them would.
             (true, Some(link)) => {
-                let (gate, reason) = ember::build_manifest::peer_gate();
+                // `run` has checked EMBER_PEER_COPY; a value that went bad since keeps copies
+                // in host memory, with the error as the reason.
+                let (gate, reason) = ember::build_manifest::peer_gate()
+                    .unwrap_or_else(|error| (ember_gpu::peer::PeerGate::Off, Some(error)));
                 PeerReport::probe(&gpu_names(&devices), gate, reason, Some(link))
             }
             _ => PeerReport::for_gpus(&gpu_names(&devices)),
@@ -389,6 +392,9 @@ pub fn list_devices(
 }
 
 pub fn run(args: DevicesArgs) -> anyhow::Result<()> {
+    if args.probe {
+        ember::build_manifest::peer_gate().map_err(anyhow::Error::msg)?;
+    }
     let report = report(
         &list_devices(args.rocm_path, args.kernels_dir, args.probe),
         args.probe,
