@@ -31,10 +31,28 @@ impl Crate {
 
 /// The crates compiled into the `ember` binary for `rust_target`: the `ember` package and
 /// everything it reaches through normal (not build or dev) dependencies that apply to that
-/// platform, sorted by name and version. `--locked --offline`: the lock file decides, nothing is
-/// fetched.
+/// platform, sorted by name and version. The lock file decides: the target's locked crates are
+/// fetched (`--locked`), then read with `--locked --offline`.
 pub fn engine_crates(root: &Path, rust_target: &str) -> Result<Vec<Crate>> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
+    // `cargo metadata --filter-platform` still needs the manifest of every locked package that
+    // applies to the platform, dev-dependencies included, and a machine that has built only for
+    // its host lacks the target's own crates (Windows ones on Linux). Fetch them first, locked:
+    // a no-op when they are cached, and the build that follows needs them anyway.
+    let fetched = std::process::Command::new(&cargo)
+        .args(["fetch", "--locked", "--target", rust_target])
+        .current_dir(root)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::inherit())
+        .status()
+        .with_context(|| format!("running `{cargo} fetch`"))?;
+    if !fetched.success() {
+        bail!(
+            "`{cargo} fetch --locked --target {rust_target}` failed ({fetched}): the crates of \
+             Cargo.lock for {rust_target} could not be fetched; check the network or cargo's \
+             registry settings"
+        );
+    }
     let output = std::process::Command::new(&cargo)
         .args([
             "metadata",
