@@ -139,8 +139,9 @@ pub fn attention(
     let n_chunks = rayon::current_num_threads().max(1);
     // A sequence with one token in the batch over a long cache takes the split-KV path.
     let split = |t: usize| tokens_of(t) == 1 && split_kv_len(plan.positions[t] as usize).is_some();
-    if tiles.len() >= 2 * rayon::current_num_threads() {
-        // Prompt processing: one task per tile, all KV heads.
+    let threads = rayon::current_num_threads();
+    if tiles.len() >= 2 * threads {
+        // Prompt processing with tiles enough for every thread: one task per tile, all KV heads.
         let mut parts = Vec::with_capacity(tiles.len());
         let mut rest = &mut out[..n_tokens * row_len];
         for tile in tiles {
@@ -174,6 +175,37 @@ pub fn attention(
                     }
                 }
             });
+    } else if tiles.iter().any(|tile| tile.len() > 1) {
+        // A prompt of fewer tiles than twice the threads (256 tokens are 8 tiles): one task per
+        // (KV head, tile), so every thread has work and each tile still walks the cache once per
+        // head. A task's outputs are strided in `out` (its head's columns of its tile's tokens),
+        // so each writes its own run of a KV-head-major staging buffer, scattered afterwards.
+        // The same `attend` calls on the same tiles as above: the same bits.
+        let gd = group * head_dim;
+        let mut staged = vec![0f32; n_kv_heads * n_tokens * gd];
+        let mut tasks = Vec::with_capacity(n_kv_heads * tiles.len());
+        let mut rest = staged.as_mut_slice();
+        for kv_head in 0..n_kv_heads {
+            for tile in &tiles {
+                let (part, tail) = rest.split_at_mut(tile.len() * gd);
+                tasks.push((kv_head, tile.clone(), part));
+                rest = tail;
+            }
+        }
+        tasks
+            .into_par_iter()
+            .for_each_init(Scratch::default, |scratch, (kv_head, tile, part)| {
+                if tile.len() == 1 && split(tile.start) {
+                    attend_split(&shape, tile.start, kv_head, n_chunks, part);
+                } else {
+                    attend(&shape, tile, kv_head, part, gd, 0, scratch);
+                }
+            });
+        for (kv_head, head_rows) in staged.chunks_exact(n_tokens * gd).enumerate() {
+            for (t, row) in head_rows.chunks_exact(gd).enumerate() {
+                out[t * row_len + kv_head * gd..][..gd].copy_from_slice(row);
+            }
+        }
     } else {
         // Decoding: one task per (token, KV head); a token over a long cache takes GGML's
         // split-KV path (one KV chunk per thread, merged in order).
@@ -578,6 +610,112 @@ mod tests {
         seen.clear();
         for_each_run(0, 0, 16, |b, s, e| seen.push((b, s, e)));
         assert_eq!(seen, vec![(0, 0, 1)]);
+    }
+
+    /// A layer of `n_blocks` blocks filled with deterministic values in about -1..1.
+    fn filled_layer(
+        n_blocks: usize,
+        block_size: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+    ) -> CpuKvLayer {
+        let mut state = 0x2545_f491_u32;
+        let mut next = move || {
+            state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            half::f16::from_f32((state >> 8) as f32 / (1u32 << 23) as f32 - 1.0)
+        };
+        let len = block_size * n_kv_heads * head_dim;
+        let mut block = || (0..len).map(|_| next()).collect::<Vec<_>>();
+        CpuKvLayer {
+            block_size,
+            n_kv_heads,
+            head_dim,
+            k: (0..n_blocks).map(|_| block()).collect(),
+            v: (0..n_blocks).map(|_| block()).collect(),
+        }
+    }
+
+    /// Each sequence `(table, first position, tokens)` adds its tokens to the plan.
+    fn plan_of(block_size: usize, sequences: &[(Vec<u32>, u32, u32)]) -> AttentionPlan {
+        let mut plan = AttentionPlan {
+            block_size,
+            ..Default::default()
+        };
+        for (index, (table, first, n)) in sequences.iter().enumerate() {
+            for pos in *first..first + n {
+                plan.slots.push(plan.slot(table, pos as usize) as u32);
+                plan.positions.push(pos);
+                plan.table_of_token.push(index as u32);
+            }
+            plan.tables.push(table.clone());
+        }
+        plan
+    }
+
+    #[test]
+    fn prompt_attention_gives_the_same_bits_at_every_thread_count() {
+        let (block_size, n_kv_heads, group, head_dim) = (16, 2, 3, 64);
+        let n_heads = n_kv_heads * group;
+        let layer = filled_layer(24, block_size, n_kv_heads, head_dim);
+        let cases = [
+            // 100 tokens from position 0: the f32 path, 4 tiles.
+            vec![((0..8).rev().collect::<Vec<u32>>(), 0, 100)],
+            // 40 tokens after 20 cached ones: the f16 path; beside it a second sequence's 70.
+            vec![
+                (vec![9, 3, 11, 8], 20, 40),
+                (vec![12, 14, 13, 15, 16, 17, 18, 19], 10, 70),
+            ],
+            // A single tile of 5 tokens, and a one-token sequence past 256 cells (split-KV).
+            vec![
+                (vec![20, 21], 3, 5),
+                ((0..18).collect::<Vec<u32>>(), 270, 1),
+            ],
+        ];
+        for (case, sequences) in cases.iter().enumerate() {
+            let plan = plan_of(block_size, sequences);
+            let n_tokens = plan.n_tokens();
+            let q: Vec<f32> = (0..n_tokens * n_heads * head_dim)
+                .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.5)
+                .collect();
+            for window in [None, Some(24)] {
+                let run = |threads: usize| {
+                    let pool = rayon::ThreadPoolBuilder::new()
+                        .num_threads(threads)
+                        .build()
+                        .unwrap();
+                    let mut out = vec![f32::NAN; n_tokens * n_heads * head_dim];
+                    pool.install(|| {
+                        attention(
+                            &q, &layer, &plan, n_heads, n_kv_heads, head_dim, 0.125, window,
+                            &mut out,
+                        )
+                    });
+                    out
+                };
+                let one = run(1);
+                assert!(
+                    one.iter().all(|x| x.is_finite()),
+                    "case {case}: every output written"
+                );
+                for threads in [2, 3, 8, 16] {
+                    let got = run(threads);
+                    // The split-KV token's chunks follow the thread count, as llama.cpp's do.
+                    let compared = if case == 2 {
+                        5 * n_heads * head_dim
+                    } else {
+                        got.len()
+                    };
+                    let same = one[..compared]
+                        .iter()
+                        .zip(&got[..compared])
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(
+                        same,
+                        "case {case}, window {window:?}: {threads} threads differ from 1"
+                    );
+                }
+            }
+        }
     }
 
     #[test]
