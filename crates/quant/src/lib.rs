@@ -8,7 +8,8 @@
 //!
 //! Layout of the crate: [`blocks`] (block layouts), `scalar` (the reference), `x86` and
 //! `aarch64` (SIMD twins of the scalar kernels), `matmul` (tiling and threading),
-//! `repack_order` (Q4_K in the order of llama.cpp's repacked x86 kernels).
+//! `repack_order` (Q4_K in the order of llama.cpp's repacked x86 kernels), [`team`] (the
+//! threads of decoding's short ops).
 //!
 //! Beyond the same mathematics, the x86 paths sum in GGML's order where llama.cpp's reference
 //! numbers depend on it: Q4_1, Q5_1, Q4_0, Q5_0, Q8_0 and Q6_K give, at every batch size and
@@ -22,6 +23,7 @@ mod matmul;
 mod repack_order;
 mod scalar;
 pub mod simd;
+pub mod team;
 
 #[cfg(target_arch = "aarch64")]
 mod aarch64;

@@ -371,21 +371,6 @@ pub(crate) fn split_rows(rows: usize, bytes: usize, align: usize) -> (usize, usi
     (rows.div_ceil(chunk.max(1)), chunk.max(1))
 }
 
-/// Runs `job(0..n_jobs)` once each. When there are as many jobs as threads in the current pool,
-/// every thread is handed its job at once (`rayon::broadcast`): a parallel iterator would hand
-/// the work down a tree of `join`s, and at decode, where workers fall asleep between ops, each
-/// level of that tree waits for one more thread to wake (four levels for 16 threads, about 200
-/// times per token). Which job runs where never changes a result: jobs own fixed row ranges.
-pub(crate) fn run_jobs(n_jobs: usize, job: impl Fn(usize) + Sync + Send) {
-    if n_jobs == 1 {
-        job(0);
-    } else if n_jobs == rayon::current_num_threads() {
-        rayon::broadcast(|ctx| job(ctx.index()));
-    } else {
-        (0..n_jobs).into_par_iter().for_each(job);
-    }
-}
-
 /// Row-wise: the rows are split into one contiguous range per job (decode rows are short,
 /// a few cache lines, so a few big jobs cost less to schedule than many small ones), and each
 /// job sweeps its rows over every token while they are in cache.
@@ -396,7 +381,7 @@ fn matmul_rowwise(level: Level, w: &QMatrix, x: &QuantizedActivations, out: &mut
         ptr: out.as_mut_ptr(),
         len: out.len(),
     };
-    run_jobs(n_jobs, |job: usize| {
+    crate::team::for_each_index(n_jobs, |job: usize| {
         let r0 = job * chunk;
         let n = chunk.min(rows - r0);
         for t in 0..x.n_tokens {

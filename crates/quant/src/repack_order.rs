@@ -235,7 +235,7 @@ pub(crate) fn matmul(
             }
         }
     };
-    crate::matmul::run_jobs(rows.div_ceil(chunk), job);
+    crate::team::for_each_index(rows.div_ceil(chunk), job);
 }
 
 #[cfg(test)]

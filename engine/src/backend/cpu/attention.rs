@@ -41,6 +41,11 @@ const QUERY_TILE: usize = 32;
 /// one-query-at-a-time path with an f16 query and f16 accumulators.
 const F32_PATH_MIN_TOKENS: usize = 64;
 
+thread_local! {
+    /// The decode path's scratch, one per thread that runs its tasks.
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
+}
+
 #[derive(Default)]
 struct Scratch {
     scores: Vec<f32>,
@@ -208,18 +213,27 @@ pub fn attention(
         }
     } else {
         // Decoding: one task per (token, KV head); a token over a long cache takes GGML's
-        // split-KV path (one KV chunk per thread, merged in order).
-        out[..n_tokens * row_len]
-            .par_chunks_mut(group * head_dim)
-            .enumerate()
-            .for_each_init(Scratch::default, |scratch, (task, part)| {
-                let (t, kv_head) = (task / n_kv_heads, task % n_kv_heads);
-                if split(t) {
-                    attend_split(&shape, t, kv_head, n_chunks, part);
-                } else {
-                    attend(&shape, t..t + 1, kv_head, part, 0, 0, scratch);
-                }
-            });
+        // split-KV path (one KV chunk per thread, merged in order). On the decode team where
+        // one is entered (see `ember_quant::team`), with each thread's scratch kept.
+        let parts: Vec<std::sync::Mutex<&mut [f32]>> = out[..n_tokens * row_len]
+            .chunks_mut(group * head_dim)
+            .map(std::sync::Mutex::new)
+            .collect();
+        ember_quant::team::for_each_index(parts.len(), |task| {
+            let (t, kv_head) = (task / n_kv_heads, task % n_kv_heads);
+            // Each task locks only its own part: never contended.
+            let mut part = parts[task]
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if split(t) {
+                attend_split(&shape, t, kv_head, n_chunks, &mut part);
+            } else {
+                SCRATCH.with(|scratch| {
+                    let scratch = &mut scratch.borrow_mut();
+                    attend(&shape, t..t + 1, kv_head, &mut part, 0, 0, scratch);
+                });
+            }
+        });
     }
 }
 

@@ -25,6 +25,14 @@ use crate::ops::AttentionPlan;
 /// Rows per rayon task for the cheap row-wise ops; below this a single thread does the work.
 const ROWS_PER_TASK: usize = 8;
 
+/// Batches of fewer tokens than this (decode steps) run their products and attention on the
+/// backend's [`Team`](ember_quant::team::Team), whose workers stay awake between the step's ops;
+/// larger batches, whose ops are long, on the rayon pool.
+const TEAM_MAX_TOKENS: usize = 8;
+
+/// `off` runs decode steps on the rayon pool as well (to measure what the team gains).
+pub const TEAM_ENV: &str = "EMBER_CPU_TEAM";
+
 /// The CPU backend: a rayon thread pool of a chosen size.
 pub struct CpuBackend {
     pool: rayon::ThreadPool,
@@ -36,6 +44,9 @@ pub struct CpuBackend {
     moe_scratch: Mutex<moe::Scratch>,
     /// Runs [`Backend::matmul_streamed`] (see [`CpuBackend::streaming_weights`]).
     streams: bool,
+    /// The threads of decode steps (see [`TEAM_MAX_TOKENS`]); none where its threads could not
+    /// be started, and then decode runs on the rayon pool.
+    team: Option<ember_quant::team::Team>,
 }
 
 impl std::fmt::Debug for CpuBackend {
@@ -127,13 +138,41 @@ impl CpuBackend {
             .num_threads(n_threads)
             .thread_name(|i| format!("ember-cpu-{i}"))
             .build()?;
+        let setting = std::env::var(TEAM_ENV).ok();
+        let team = match setting.as_deref() {
+            Some("off") => None,
+            value => {
+                if let Some(other) = value.filter(|v| *v != "on") {
+                    tracing::warn!("{TEAM_ENV}={other:?} is neither `on` nor `off`; taken as `on`");
+                }
+                match ember_quant::team::Team::new(n_threads) {
+                    Ok(team) => Some(team),
+                    Err(error) => {
+                        tracing::warn!(
+                            "cannot start the CPU decode threads ({error}); decoding runs on \
+                             the pool"
+                        );
+                        None
+                    }
+                }
+            }
+        };
         Ok(CpuBackend {
             pool,
             n_threads,
             activations: Mutex::new(HashMap::new()),
             moe_scratch: Mutex::new(moe::Scratch::default()),
             streams: false,
+            team,
         })
+    }
+
+    /// Runs `f`, an op over `n_tokens` tokens, on the decode team when the batch is that small.
+    fn on_team<R>(&self, n_tokens: usize, f: impl FnOnce() -> R) -> R {
+        match &self.team {
+            Some(team) if n_tokens < TEAM_MAX_TOKENS => team.enter(f),
+            _ => f(),
+        }
     }
 
     /// This backend also runs products with weights it does not hold
@@ -490,7 +529,7 @@ impl Backend for CpuBackend {
         let q = w.qmatrix();
         let out = &mut out[..n_tokens * q.rows];
         self.with_activations(q.ty, q.cols, &x[..n_tokens * q.cols], n_tokens, |acts| {
-            products(&q, acts, out)
+            self.on_team(n_tokens, || products(&q, acts, out))
         });
     }
 
@@ -784,8 +823,10 @@ impl Backend for CpuBackend {
         window: Option<usize>,
         out: &mut Vec<f32>,
     ) {
-        attention::attention(
-            q, layer, plan, n_heads, n_kv_heads, head_dim, kq_scale, window, out,
-        );
+        self.on_team(plan.n_tokens(), || {
+            attention::attention(
+                q, layer, plan, n_heads, n_kv_heads, head_dim, kq_scale, window, out,
+            )
+        });
     }
 }
