@@ -43,9 +43,9 @@ use crate::device::{DeviceOptions, Placement, PlacementError};
 use crate::load_plan::{LoadPlan, ModelBytes, PlanDevice, PlanError, PlanOptions, Target};
 use crate::model::{architecture_of, ContextParams, ForwardError, HParams, Model, ModelError};
 use crate::models::{self, PullError, PullProgress};
-use ember_gpu::peer::{plan_pairs, DriverPeerLink, PairState, PeerGate, PeerLink};
 #[cfg(unix)]
 use ember_gpu::peer::SimPeerLink;
+use ember_gpu::peer::{plan_pairs, DriverPeerLink, PairState, PeerGate, PeerLink};
 #[cfg(unix)]
 use ember_gpu::Driver as _;
 
