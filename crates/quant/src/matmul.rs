@@ -708,6 +708,17 @@ fn matmul_tiled(level: Level, w: &QMatrix, x: &QuantizedActivations, out: &mut [
     let job_rows = (CACHE_BLOCK_BYTES / row_bytes / TILE_ROWS * TILE_ROWS)
         .clamp(TILE_ROWS, rows_per_job(rows, TILE_ROWS));
     let token_block = (CACHE_BLOCK_BYTES / row_bytes).max(8) / 2 * 2;
+    // Few row jobs for many threads (576 rows are 36 jobs: three waves on 16 threads, the last
+    // a quarter full): the tokens are split too, in whole token blocks, into as many groups as
+    // bring the jobs to four per thread. Each group unpacks its rows again, a small cost beside
+    // a block of tokens; every output is computed by the same tile calls as without the split.
+    let row_jobs = rows.div_ceil(job_rows);
+    let token_blocks = n_tokens.div_ceil(token_block);
+    let groups = (4 * rayon::current_num_threads())
+        .div_ceil(row_jobs)
+        .clamp(1, token_blocks);
+    let blocks_per_group = token_blocks.div_ceil(groups);
+    let groups = token_blocks.div_ceil(blocks_per_group);
     let out_ptr = OutPtr {
         ptr: out.as_mut_ptr(),
         len: out.len(),
@@ -715,67 +726,68 @@ fn matmul_tiled(level: Level, w: &QMatrix, x: &QuantizedActivations, out: &mut [
     #[cfg(target_arch = "x86_64")]
     let flipped = (level == Level::Avx512Vnni && is_signed_tile(w.ty))
         .then(|| crate::x86::signed::FlippedActs::new(acts));
-    (0..rows.div_ceil(job_rows))
-        .into_par_iter()
-        .for_each(|job| {
-            let r0 = job * job_rows;
-            let job_n = job_rows.min(rows - r0);
-            let unpack = || {
-                let mut panel = Panel::new(job_n, cols);
-                for i in 0..job_n {
-                    unpack_row(
-                        level,
-                        w.ty,
-                        w.row(r0 + i),
-                        &mut panel.q[i * cols..(i + 1) * cols],
-                        &mut panel.dv[i * n_chunks * 8..(i + 1) * n_chunks * 8],
-                        &mut panel.mh[i * n_halves..(i + 1) * n_halves],
-                    );
+    (0..row_jobs * groups).into_par_iter().for_each(|job| {
+        let (job, group) = (job / groups, job % groups);
+        let tokens = group * blocks_per_group * token_block
+            ..((group + 1) * blocks_per_group * token_block).min(n_tokens);
+        let r0 = job * job_rows;
+        let job_n = job_rows.min(rows - r0);
+        let unpack = || {
+            let mut panel = Panel::new(job_n, cols);
+            for i in 0..job_n {
+                unpack_row(
+                    level,
+                    w.ty,
+                    w.row(r0 + i),
+                    &mut panel.q[i * cols..(i + 1) * cols],
+                    &mut panel.dv[i * n_chunks * 8..(i + 1) * n_chunks * 8],
+                    &mut panel.mh[i * n_halves..(i + 1) * n_halves],
+                );
+            }
+            panel
+        };
+        #[cfg(target_arch = "x86_64")]
+        if let Some(flipped) = &flipped {
+            use crate::x86::signed;
+            let rb = w.row_bytes();
+            let job_rows = &w.data[r0 * rb..(r0 + job_n) * rb];
+            // SAFETY: `level` is AVX-512 VNNI, which `simd::level` reports only after
+            // checking AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C on this CPU.
+            let vnni = unsafe {
+                if w.ty == GgmlType::Q4_0 {
+                    signed::SignedPanel::from_q4_0(job_rows, job_n, cols)
+                } else if w.ty == GgmlType::Q5_0 {
+                    signed::SignedPanel::from_q5_0(job_rows, job_n, cols)
+                } else {
+                    signed::SignedPanel::build(&unpack(), job_n, cols)
                 }
-                panel
             };
-            #[cfg(target_arch = "x86_64")]
-            if let Some(flipped) = &flipped {
-                use crate::x86::signed;
-                let rb = w.row_bytes();
-                let job_rows = &w.data[r0 * rb..(r0 + job_n) * rb];
-                // SAFETY: `level` is AVX-512 VNNI, which `simd::level` reports only after
-                // checking AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C on this CPU.
-                let vnni = unsafe {
-                    if w.ty == GgmlType::Q4_0 {
-                        signed::SignedPanel::from_q4_0(job_rows, job_n, cols)
-                    } else if w.ty == GgmlType::Q5_0 {
-                        signed::SignedPanel::from_q5_0(job_rows, job_n, cols)
-                    } else {
-                        signed::SignedPanel::build(&unpack(), job_n, cols)
-                    }
+            for tb in tokens.clone().step_by(token_block) {
+                let tb_end = (tb + token_block).min(tokens.end);
+                let target = OutRows {
+                    out: out_ptr,
+                    row0: r0,
+                    stride: rows,
                 };
-                for tb in (0..n_tokens).step_by(token_block) {
-                    let tb_end = (tb + token_block).min(n_tokens);
-                    let target = OutRows {
-                        out: out_ptr,
-                        row0: r0,
-                        stride: rows,
-                    };
-                    // SAFETY: as above.
-                    unsafe { signed::run_panel(&vnni, job_n, flipped, tb, tb_end, target) };
-                }
-                return;
+                // SAFETY: as above.
+                unsafe { signed::run_panel(&vnni, job_n, flipped, tb, tb_end, target) };
             }
-            let panel = unpack();
-            for tb in (0..n_tokens).step_by(token_block) {
-                let tb_end = (tb + token_block).min(n_tokens);
-                for pr in (0..job_n).step_by(TILE_ROWS) {
-                    let pr_n = TILE_ROWS.min(job_n - pr);
-                    let target = OutRows {
-                        out: out_ptr,
-                        row0: r0 + pr,
-                        stride: rows,
-                    };
-                    run_panel(level, w.ty, &panel, pr, pr_n, acts, tb, tb_end, target);
-                }
+            return;
+        }
+        let panel = unpack();
+        for tb in tokens.clone().step_by(token_block) {
+            let tb_end = (tb + token_block).min(tokens.end);
+            for pr in (0..job_n).step_by(TILE_ROWS) {
+                let pr_n = TILE_ROWS.min(job_n - pr);
+                let target = OutRows {
+                    out: out_ptr,
+                    row0: r0 + pr,
+                    stride: rows,
+                };
+                run_panel(level, w.ty, &panel, pr, pr_n, acts, tb, tb_end, target);
             }
-        });
+        }
+    });
 }
 
 /// The output matrix (`n_tokens` rows of `stride` floats), shared by the jobs of a tiled
@@ -1009,6 +1021,44 @@ mod tests {
                     rowwise_job(level, &w, x.row(t), 0, o);
                 }
                 assert_eq!(out, one, "{ty}, {n} tokens, {threads} threads");
+            }
+        }
+    }
+
+    /// The tiled path splits tokens as well as rows when the rows make few jobs for the pool:
+    /// every split (1 thread: none; 8 and 48: two or more token groups, the last one short)
+    /// gives the bits of one thread, on every tile kernel this machine has.
+    #[test]
+    fn tiled_token_groups_give_the_bits_of_one_thread() {
+        let (rows, cols, n) = (70, 512, 301);
+        for ty in [
+            GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::Q5_0,
+            GgmlType::Q8_0,
+            GgmlType::Q4_K,
+        ] {
+            let wf = acts(rows * cols, 0.011);
+            let mut wq = vec![0u8; bytes_for("w", ty, rows * cols).unwrap()];
+            crate::quantize(ty, &wf, &mut wq).unwrap();
+            let w = QMatrix::new(ty, rows, cols, &wq).unwrap();
+            let x = quantize_activations(vec_dot_type(ty), &acts(n * cols, 0.05), n, cols).unwrap();
+            for level in simd::available_levels() {
+                let run = |threads: usize| {
+                    let mut out = vec![f32::NAN; n * rows];
+                    rayon::ThreadPoolBuilder::new()
+                        .num_threads(threads)
+                        .build()
+                        .unwrap()
+                        .install(|| matmul_with(level, Strategy::Tiled, &w, &x, &mut out))
+                        .unwrap();
+                    out
+                };
+                let one = run(1);
+                assert!(one.iter().all(|v| v.is_finite()), "{ty} {level:?}");
+                for threads in [8, 48] {
+                    assert_eq!(run(threads), one, "{ty}, {level:?}, {threads} threads");
+                }
             }
         }
     }
