@@ -25,9 +25,9 @@ use crate::ops::AttentionPlan;
 /// Rows per rayon task for the cheap row-wise ops; below this a single thread does the work.
 const ROWS_PER_TASK: usize = 8;
 
-/// Batches of fewer tokens than this (decode steps) run their products and attention on the
-/// backend's [`Team`](ember_quant::team::Team), whose workers stay awake between the step's ops;
-/// larger batches, whose ops are long, on the rayon pool.
+/// Batches of fewer tokens than this (decode steps) run their products, experts and attention
+/// on the backend's [`Team`](ember_quant::team::Team), whose workers stay awake between the
+/// step's ops; larger batches, whose ops are long, on the rayon pool.
 const TEAM_MAX_TOKENS: usize = 8;
 
 /// `off` runs decode steps on the rayon pool as well (to measure what the team gains).
@@ -549,7 +549,10 @@ impl Backend for CpuBackend {
         n_tokens: usize,
         out: &mut Vec<f32>,
     ) {
-        moe::moe_ffn(self, moe, router_logits, x, n_tokens, out);
+        // A decode step's experts are a dozen small products per layer: on the team.
+        self.on_team(n_tokens, || {
+            moe::moe_ffn(self, moe, router_logits, x, n_tokens, out)
+        });
     }
 
     fn op_scratch_bytes(&self) -> usize {
