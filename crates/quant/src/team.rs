@@ -185,8 +185,15 @@ pub fn for_each_index(n_jobs: usize, job: impl Fn(usize) + Sync + Send) {
         // previous value before returning.
         let inner = unsafe { &*inner };
         if n_jobs <= MAX_JOBS && !inner.busy.swap(true, Ordering::Acquire) {
+            /// Gives the team back also when `run` raises an index's panic again.
+            struct Release<'a>(&'a AtomicBool);
+            impl Drop for Release<'_> {
+                fn drop(&mut self) {
+                    self.0.store(false, Ordering::Release);
+                }
+            }
+            let _release = Release(&inner.busy);
             run(inner, n_jobs, &job);
-            inner.busy.store(false, Ordering::Release);
             return;
         }
     }
@@ -364,6 +371,10 @@ mod tests {
                 for_each_index(16, |i| assert_ne!(i, 11, "index eleven"));
             }));
             assert!(caught.is_err());
+            assert!(
+                !team.inner.busy.load(Ordering::Acquire),
+                "the team is free again after the panic"
+            );
             let count = AtomicUsize::new(0);
             for_each_index(16, |_| {
                 count.fetch_add(1, Ordering::Relaxed);
