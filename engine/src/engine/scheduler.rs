@@ -109,6 +109,15 @@ pub struct Scheduler {
     ended: Vec<(usize, FinishReason, Option<String>)>,
 }
 
+/// Where in a step [`Scheduler::step`] calls its `publish` hook.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepPoint {
+    /// A forward pass is about to run.
+    BeforeForward,
+    /// A pass has run and sampled; its tokens are about to be sent.
+    TokensReady,
+}
+
 /// What one step did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StepReport {
@@ -417,13 +426,16 @@ impl Scheduler {
     }
 
     /// One scheduling step: admission, one forward pass (or its per-sequence retries after a
-    /// failure), sampling and events. `before_forward` runs right before each forward pass with
-    /// the running sequences (the engine publishes them, so a hung pass is visible).
+    /// failure), sampling and events. `publish` runs with the running sequences and the context
+    /// right before each forward pass ([`StepPoint::BeforeForward`]: the engine publishes them,
+    /// so a hung pass is visible) and after each pass, before any of its tokens is sent
+    /// ([`StepPoint::TokensReady`]: what a client has received is never ahead of the published
+    /// state, such as the KV blocks the pass took).
     pub fn step<B: Backend>(
         &mut self,
         model: &Model<B>,
         ctx: &mut Context<B>,
-        before_forward: &mut dyn FnMut(&[SlotSnapshot]),
+        publish: &mut dyn FnMut(StepPoint, &[SlotSnapshot], &Context<B>),
     ) -> StepReport {
         let mut report = StepReport::default();
         self.admit(ctx);
@@ -448,10 +460,10 @@ impl Scheduler {
 
         self.ended.clear();
         let slots = self.slots(Instant::now());
-        before_forward(&slots);
+        publish(StepPoint::BeforeForward, &slots, ctx);
         report.passes += 1;
         report.tokens += members.iter().map(|m| m.count).sum::<usize>();
-        if let Err(error) = self.run_pass(model, ctx, &members) {
+        if let Err(error) = self.run_pass(model, ctx, &members, publish) {
             self.totals.failed_steps += 1;
             if members.len() == 1 {
                 self.ended.push((
@@ -462,10 +474,12 @@ impl Scheduler {
             } else {
                 tracing::warn!(%error, sequences = members.len(), "a batch failed; retrying each sequence alone");
                 for member in &members {
-                    before_forward(&slots);
+                    publish(StepPoint::BeforeForward, &slots, ctx);
                     report.passes += 1;
                     report.tokens += member.count;
-                    if let Err(error) = self.run_pass(model, ctx, std::slice::from_ref(member)) {
+                    if let Err(error) =
+                        self.run_pass(model, ctx, std::slice::from_ref(member), publish)
+                    {
                         self.ended.push((
                             member.index,
                             FinishReason::Cancelled,
@@ -541,6 +555,7 @@ impl Scheduler {
         model: &Model<B>,
         ctx: &mut Context<B>,
         members: &[Member],
+        publish: &mut dyn FnMut(StepPoint, &[SlotSnapshot], &Context<B>),
     ) -> Result<(), ForwardError> {
         self.batch.clear();
         for member in members {
@@ -592,6 +607,7 @@ impl Scheduler {
             self.sample_rows(logits, n_vocab, &row_of)
         };
         let now = Instant::now();
+        publish(StepPoint::TokensReady, &self.slots(now), ctx);
         for member in members {
             let seq = &mut self.running[member.index];
             seq.n_computed += member.count;

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use ember_gpu::DevicePool;
 use ember_tokenizer::{ChatTemplate, Tokenizer};
 
-use super::scheduler::Scheduler;
+use super::scheduler::{Scheduler, StepPoint};
 use super::{Command, EngineError, KvSnapshot, ModelInfo, Shared, Snapshot};
 use crate::backend::Backend;
 use crate::load::{AnyLoaded, Loaded};
@@ -131,13 +131,26 @@ struct Worker<'a> {
 }
 
 impl Worker<'_> {
+    /// The cache's blocks and the recurrent state, as `ctx` holds them now.
+    fn kv_snapshot<B: Backend>(&self, ctx: &crate::model::Context<B>) -> KvSnapshot {
+        let stats = ctx.kv_stats();
+        KvSnapshot {
+            block_size: ctx.kv().block_size(),
+            total_blocks: stats.capacity,
+            used_blocks: stats.used,
+            cached_blocks: stats.cached,
+            resident_blocks: stats.resident,
+            bytes_per_block: self.bytes_per_block,
+            recurrent_state_bytes: ctx.state_stats().bytes,
+        }
+    }
+
     fn snapshot<B: Backend>(
         &self,
         scheduler: &Scheduler,
         ctx: &crate::model::Context<B>,
     ) -> Snapshot {
         let now = Instant::now();
-        let stats = ctx.kv_stats();
         Snapshot {
             started_at: self.started_at,
             heartbeat: now,
@@ -147,15 +160,7 @@ impl Worker<'_> {
             last_step_tokens: self.last_step_tokens,
             running: scheduler.slots(now),
             waiting: scheduler.n_waiting(),
-            kv: KvSnapshot {
-                block_size: ctx.kv().block_size(),
-                total_blocks: stats.capacity,
-                used_blocks: stats.used,
-                cached_blocks: stats.cached,
-                resident_blocks: stats.resident,
-                bytes_per_block: self.bytes_per_block,
-                recurrent_state_bytes: ctx.state_stats().bytes,
-            },
+            kv: self.kv_snapshot(ctx),
             totals: scheduler.totals(),
             draining: self.shared.draining.load(Ordering::Acquire),
             stopped: None,
@@ -224,16 +229,23 @@ fn run<B: Backend>(loaded: Loaded<B>, shared: &Arc<Shared>, commands: &mpsc::Rec
             idle_since = None;
             trimmed = false;
             let step_number = worker.steps + 1;
-            let report = scheduler.step(model, &mut ctx, &mut |slots| {
-                // The step is about to run: publish that, with what it holds, so a pass that
-                // never returns is visible to `/health` while this thread is stuck in it.
+            let report = scheduler.step(model, &mut ctx, &mut |point, slots, ctx| {
+                // Before the pass: publish that the step runs, with what it holds, so a pass
+                // that never returns is visible to `/health` while this thread is stuck in it.
+                // After it, before its tokens go out: the cache as the pass left it.
                 let now = Instant::now();
                 let mut snapshot =
                     (**shared.snapshot.lock().unwrap_or_else(|e| e.into_inner())).clone();
                 snapshot.heartbeat = now;
-                snapshot.step_started = Some(now);
+                if point == StepPoint::BeforeForward {
+                    snapshot.step_started = Some(now);
+                }
                 snapshot.running = slots.to_vec();
+                snapshot.kv = worker.kv_snapshot(ctx);
                 shared.publish(snapshot);
+                if point != StepPoint::BeforeForward {
+                    return;
+                }
                 if let Some((stall_step, stall_for)) = config.fault_stall {
                     if stall_step == step_number {
                         tracing::warn!(
