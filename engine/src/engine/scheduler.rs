@@ -118,6 +118,10 @@ pub enum StepPoint {
     TokensReady,
 }
 
+/// The hook [`Scheduler::step`] calls at each [`StepPoint`] with the running sequences and the
+/// context.
+pub type Publish<'a, B> = dyn FnMut(StepPoint, &[SlotSnapshot], &Context<B>) + 'a;
+
 /// What one step did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StepReport {
@@ -435,7 +439,7 @@ impl Scheduler {
         &mut self,
         model: &Model<B>,
         ctx: &mut Context<B>,
-        publish: &mut dyn FnMut(StepPoint, &[SlotSnapshot], &Context<B>),
+        publish: &mut Publish<'_, B>,
     ) -> StepReport {
         let mut report = StepReport::default();
         self.admit(ctx);
@@ -555,7 +559,7 @@ impl Scheduler {
         model: &Model<B>,
         ctx: &mut Context<B>,
         members: &[Member],
-        publish: &mut dyn FnMut(StepPoint, &[SlotSnapshot], &Context<B>),
+        publish: &mut Publish<'_, B>,
     ) -> Result<(), ForwardError> {
         self.batch.clear();
         for member in members {
