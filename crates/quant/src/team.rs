@@ -136,11 +136,6 @@ impl Team {
         Ok(team)
     }
 
-    /// Threads of the team, the caller's included.
-    pub fn threads(&self) -> usize {
-        self.threads
-    }
-
     /// Runs `f` with this team current on the calling thread: [`for_each_index`] inside it
     /// runs its indices on the team.
     pub fn enter<R>(&self, f: impl FnOnce() -> R) -> R {

@@ -41,11 +41,6 @@ const QUERY_TILE: usize = 32;
 /// one-query-at-a-time path with an f16 query and f16 accumulators.
 const F32_PATH_MIN_TOKENS: usize = 64;
 
-thread_local! {
-    /// The decode path's scratch, one per thread that runs its tasks.
-    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
-}
-
 #[derive(Default)]
 struct Scratch {
     scores: Vec<f32>,
@@ -141,10 +136,10 @@ pub fn attention(
             attend(s, tile, kv_head, out, token_stride, base, scratch)
         }
     };
-    let n_chunks = rayon::current_num_threads().max(1);
+    let threads = rayon::current_num_threads();
+    let n_chunks = threads.max(1);
     // A sequence with one token in the batch over a long cache takes the split-KV path.
     let split = |t: usize| tokens_of(t) == 1 && split_kv_len(plan.positions[t] as usize).is_some();
-    let threads = rayon::current_num_threads();
     if tiles.len() >= 2 * threads {
         // Prompt processing with tiles enough for every thread: one task per tile, all KV heads.
         let mut parts = Vec::with_capacity(tiles.len());
@@ -214,7 +209,7 @@ pub fn attention(
     } else {
         // Decoding: one task per (token, KV head); a token over a long cache takes GGML's
         // split-KV path (one KV chunk per thread, merged in order). On the decode team where
-        // one is entered (see `ember_quant::team`), with each thread's scratch kept.
+        // one is entered (see `ember_quant::team`).
         let parts: Vec<std::sync::Mutex<&mut [f32]>> = out[..n_tokens * row_len]
             .chunks_mut(group * head_dim)
             .map(std::sync::Mutex::new)
@@ -228,10 +223,9 @@ pub fn attention(
             if split(t) {
                 attend_split(&shape, t, kv_head, n_chunks, &mut part);
             } else {
-                SCRATCH.with(|scratch| {
-                    let scratch = &mut scratch.borrow_mut();
-                    attend(&shape, t..t + 1, kv_head, &mut part, 0, 0, scratch);
-                });
+                // Scratch of the task's own: nothing stays held past the op.
+                let scratch = &mut Scratch::default();
+                attend(&shape, t..t + 1, kv_head, &mut part, 0, 0, scratch);
             }
         });
     }
