@@ -149,8 +149,10 @@ pub(crate) fn matmul(
     let chunk = if n_tokens == 1 {
         crate::matmul::split_rows(rows, rows * row_bytes, 16).1
     } else {
+        // Whole sixteen-row groups (the AVX-512 kernel's) where the rows allow it.
         let jobs = rayon::current_num_threads().max(1) * 4;
-        (rows.div_ceil(jobs).div_ceil(8) * 8).max(8)
+        let group = if rows.is_multiple_of(16) { 16 } else { 8 };
+        (rows.div_ceil(jobs).div_ceil(group) * group).max(group)
     };
     let out = crate::matmul::OutPtr::new(&mut out[..rows * n_tokens]);
     let job = |c: usize| {
@@ -161,13 +163,23 @@ pub(crate) fn matmul(
             && n_rows.is_multiple_of(8)
             && crate::simd::level() == crate::simd::Level::Avx512Vnni
         {
-            use crate::x86::avx512::{q4k_rows8_tokens, Rows8Scales, TokenRows, TOKENS};
-            let mut meta = Rows8Scales::default();
-            let mut v = [[0f32; 8]; TOKENS];
+            use crate::x86::avx512::{q4k_rows16_tokens, Rows16Scales, TokenRows, ROWS, TOKENS};
+            let mut meta = Rows16Scales::default();
+            let mut v = [[0f32; ROWS]; TOKENS];
+            // A last group of 8 rows runs as 16 with 8 rows of zeros (scales 0: outputs 0).
+            let mut padded = Vec::new();
             // Each group's metadata is decoded once; its rows stay in cache while every block
             // of tokens passes over them.
-            for g in (r0..r0 + n_rows).step_by(8) {
-                let group = &w[g * row_bytes..(g + 8) * row_bytes];
+            for g in (r0..r0 + n_rows).step_by(ROWS) {
+                let n = ROWS.min(r0 + n_rows - g);
+                let group = if n == ROWS {
+                    &w[g * row_bytes..(g + ROWS) * row_bytes]
+                } else {
+                    padded.clear();
+                    padded.extend_from_slice(&w[g * row_bytes..(g + n) * row_bytes]);
+                    padded.resize(ROWS * row_bytes, 0);
+                    &padded[..]
+                };
                 // SAFETY: `simd::level` reports AVX-512 VNNI only after checking AVX-512 F, BW,
                 // VL and VNNI, AVX2, FMA and F16C.
                 unsafe { meta.decode(group, row_bytes) };
@@ -175,7 +187,7 @@ pub(crate) fn matmul(
                     let nt = TOKENS.min(n_tokens - t0);
                     // SAFETY: as above.
                     unsafe {
-                        q4k_rows8_tokens(
+                        q4k_rows16_tokens(
                             group,
                             row_bytes,
                             &meta,
@@ -190,7 +202,7 @@ pub(crate) fn matmul(
                     }
                     for (t, vt) in v.iter().enumerate().take(nt) {
                         // SAFETY: jobs own disjoint row ranges of every token.
-                        unsafe { out.slice((t0 + t) * rows + g, 8) }.copy_from_slice(vt);
+                        unsafe { out.slice((t0 + t) * rows + g, n) }.copy_from_slice(&vt[..n]);
                     }
                 }
             }
@@ -307,6 +319,47 @@ mod tests {
         }
     }
 
+    /// The whole product, on whichever kernels this CPU takes: row counts that leave a group of
+    /// 8 (padded to 16 on AVX-512), token counts across the block size, several threads.
+    #[test]
+    fn the_matmul_is_the_portable_order_bit_for_bit() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .unwrap();
+        for (seed, rows, n_tokens) in [
+            (1u64, 8, 5),
+            (2, 24, 37),
+            (3, 40, 2),
+            (4, 96, 33),
+            (5, 16, 1),
+        ] {
+            let nb = 2 + (seed as usize % 3);
+            let (row_bytes, act_bytes) = (nb * q4_k::SIZE, nb * q8_k::SIZE);
+            let w: Vec<u8> = (0..rows as u64)
+                .flat_map(|r| weight_row(seed * 31 + r, nb))
+                .collect();
+            let acts: Vec<u8> = (0..n_tokens as u64)
+                .flat_map(|t| act_row(seed * 7919 + t * 104729, nb))
+                .collect();
+            let mut out = vec![f32::NAN; rows * n_tokens];
+            pool.install(|| matmul(&w, row_bytes, rows, &acts, act_bytes, n_tokens, &mut out));
+            for t in 0..n_tokens {
+                let a = &acts[t * act_bytes..(t + 1) * act_bytes];
+                for r in 0..rows {
+                    let want =
+                        dot_portable(&w[r * row_bytes..(r + 1) * row_bytes], a, n_tokens > 3);
+                    let got = out[t * rows + r];
+                    assert_eq!(
+                        got.to_bits(),
+                        want.to_bits(),
+                        "rows {rows} tokens {n_tokens}: token {t} row {r}: {got} vs {want}"
+                    );
+                }
+            }
+        }
+    }
+
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn eight_rows_at_once_are_each_row_bit_for_bit() {
@@ -344,19 +397,21 @@ mod tests {
 
     #[cfg(target_arch = "x86_64")]
     #[test]
-    fn eight_rows_by_many_tokens_are_each_output_bit_for_bit() {
-        use crate::x86::avx512::{q4k_rows8_tokens, Rows8Scales, TokenRows, TOKENS};
+    fn sixteen_rows_by_many_tokens_are_each_output_bit_for_bit() {
+        use crate::x86::avx512::{q4k_rows16_tokens, Rows16Scales, TokenRows, ROWS, TOKENS};
         if crate::simd::level() != crate::simd::Level::Avx512Vnni {
             eprintln!("skipped: this CPU has no AVX-512 VNNI");
             return;
         }
         // One value reused across groups of different widths, as a matmul job reuses it.
-        let mut meta = Rows8Scales::default();
-        let mut out = [[f32::NAN; 8]; TOKENS];
+        let mut meta = Rows16Scales::default();
+        let mut out = [[f32::NAN; ROWS]; TOKENS];
         for seed in 1..24u64 {
             let nb = 1 + (seed as usize % 5);
             let row_bytes = nb * q4_k::SIZE;
-            let rows: Vec<u8> = (0..8).flat_map(|r| weight_row(seed * 13 + r, nb)).collect();
+            let rows: Vec<u8> = (0..ROWS as u64)
+                .flat_map(|r| weight_row(seed * 13 + r, nb))
+                .collect();
             let n_tokens = [1, 2, 3, 4, 7, 16, 31, TOKENS][seed as usize % 8];
             let acts: Vec<u8> = (0..n_tokens as u64)
                 .flat_map(|t| act_row(seed * 7919 + t * 104729, nb))
@@ -367,7 +422,7 @@ mod tests {
             for per_pair in [false, true] {
                 // SAFETY: as above.
                 unsafe {
-                    q4k_rows8_tokens(
+                    q4k_rows16_tokens(
                         &rows,
                         row_bytes,
                         &meta,

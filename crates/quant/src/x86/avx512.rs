@@ -1,13 +1,15 @@
-//! AVX-512 (F, BW, VL, VNNI) kernels: Q4_K prompt matrices in llama.cpp's repacked order, eight
-//! rows and up to [`TOKENS`] tokens per call; Q6_K prompt matrices in GGML's `vec_dot` order,
-//! one row and up to [`TOKENS`] tokens per call ([`q6k_row_tokens`]).
+//! AVX-512 (F, BW, VL, VNNI) kernels: Q4_K prompt matrices in llama.cpp's repacked order,
+//! sixteen rows and up to [`TOKENS`] tokens per call ([`q4k_rows16_tokens`]); Q6_K prompt
+//! matrices in GGML's `vec_dot` order, one row and up to [`TOKENS`] tokens per call
+//! ([`q6k_row_tokens`]).
 //!
-//! The AVX2 kernel ([`super::avx2::q4k_repacked_rows8`]) unpacks each row's nibbles once per
-//! token and forms the integer sums with `maddubs` and `madd`. Here a pair of sub-blocks of the
-//! eight rows is unpacked once into eight registers (low nibbles in the lower 256 bits, high
-//! nibbles in the upper 256, so the register lines up with the 64 activation bytes of the pair)
-//! and reused for every token: per token, one `vpdpbusd` per row, one 8-row transpose-reduce,
-//! and one multiplication by the sub-block scales laid out to match the reduced lanes.
+//! The Q4_K kernel keeps one row per 32-bit lane. Per pair of sub-blocks, the sixteen rows'
+//! nibbles are gathered once into sixteen registers, one per sub-block half and 4-byte step
+//! (lane `r`: row `r`'s four weights of that step), and reused for every token: per token, each
+//! step is one `vpdpbusd` of its register with the token's four activations broadcast, so a
+//! lane accumulates its own row's sum and no reduction across lanes is needed. The sub-block
+//! scales multiply the two halves' lane sums, and the min terms come from one `vpmaddwd` of the
+//! rows' two mins (as word pairs) with the token's two 32-element sums.
 //!
 //! The integer terms are exact in any order, and the float steps (per super-block, or per pair
 //! of sub-blocks) are the AVX2 kernel's, in the same order: every output is bit for bit
@@ -22,31 +24,32 @@ use crate::blocks::{q4_k, q6_k, q8_k, QK_K};
 
 use super::avx2::block8;
 
-/// Tokens one call of [`q4k_rows8_tokens`] takes at most (its float accumulators live on the
-/// stack).
+/// Tokens one call of [`q4k_rows16_tokens`] takes at most (its accumulators live on the stack).
 pub const TOKENS: usize = 32;
 
-/// The scales, mins and super-block factors of 8 consecutive Q4_K rows, decoded once for every
-/// token of a batch: per super-block and pair `p` of sub-blocks, the scales as i32 lanes
-/// `[s(2p) rows 0-3 | s(2p+1) rows 0-3 | s(2p) rows 4-7 | s(2p+1) rows 4-7]` (the lane order of
-/// the kernel's reduction); per super-block and sub-block `j`, the mins of rows 0-7; per
-/// super-block, `d` and `dmin` of rows 0-7.
+/// Rows one call of [`q4k_rows16_tokens`] computes.
+pub const ROWS: usize = 16;
+
+/// The scales, mins and super-block factors of 16 consecutive Q4_K rows, decoded once for every
+/// token of a batch, one row per lane: per super-block and sub-block `j`, the scales as i32;
+/// per super-block and pair `p` of sub-blocks, the mins of sub-blocks `2p` and `2p + 1` as the
+/// low and high word of each i32; per super-block, `d` and `dmin`.
 #[derive(Default)]
-pub struct Rows8Scales {
+pub struct Rows16Scales {
     scales: Vec<__m512i>,
-    mins: Vec<__m256i>,
-    d: Vec<__m256>,
-    dmin: Vec<__m256>,
+    mins: Vec<__m512i>,
+    d: Vec<__m512>,
+    dmin: Vec<__m512>,
 }
 
-impl Rows8Scales {
-    /// Decodes the metadata of the 8 rows of `row_bytes` bytes each in `rows` (contiguous) in
+impl Rows16Scales {
+    /// Decodes the metadata of the 16 rows of `row_bytes` bytes each in `rows` (contiguous) in
     /// place of what it held.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     pub fn decode(&mut self, rows: &[u8], row_bytes: usize) {
         let nb = row_bytes / q4_k::SIZE;
-        assert!(rows.len() >= 8 * row_bytes);
-        let Rows8Scales {
+        assert!(rows.len() >= ROWS * row_bytes);
+        let Rows16Scales {
             scales,
             mins,
             d,
@@ -57,55 +60,33 @@ impl Rows8Scales {
         d.clear();
         dmin.clear();
         for b in 0..nb {
-            let k = block8(rows, row_bytes, b);
-            let (sc_rows, mn_rows) = (&k.sc, &k.mn);
-            for p in 0..4 {
-                let (lo, hi) = (&sc_rows[2 * p], &sc_rows[2 * p + 1]);
-                let lanes = [
-                    lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3], lo[4], lo[5], lo[6],
-                    lo[7], hi[4], hi[5], hi[6], hi[7],
-                ];
+            let (k0, k1) = (
+                block8(rows, row_bytes, b),
+                block8(&rows[8 * row_bytes..], row_bytes, b),
+            );
+            let lanes = |f: &dyn Fn(&super::avx2::Block8, usize) -> i32| -> __m512i {
+                let v: [i32; ROWS] =
+                    std::array::from_fn(|r| if r < 8 { f(&k0, r) } else { f(&k1, r - 8) });
                 // SAFETY: 16 i32 = 64 readable bytes; unaligned load.
-                scales.push(unsafe { _mm512_loadu_si512(lanes.as_ptr().cast()) });
+                unsafe { _mm512_loadu_si512(v.as_ptr().cast()) }
+            };
+            for j in 0..8 {
+                scales.push(lanes(&|k, r| k.sc[j][r]));
             }
-            for row in mn_rows {
-                // SAFETY: 8 i32 = 32 readable bytes; unaligned load.
-                mins.push(unsafe { _mm256_loadu_si256(row.as_ptr().cast()) });
+            for p in 0..4 {
+                // Mins are 6-bit: both fit a word, and `vpmaddwd` sums their two products.
+                mins.push(lanes(&|k, r| k.mn[2 * p][r] | (k.mn[2 * p + 1][r] << 16)));
             }
-            // SAFETY: 8 f32 = 32 readable bytes each; unaligned loads.
-            unsafe {
-                d.push(_mm256_loadu_ps(k.d.as_ptr()));
-                dmin.push(_mm256_loadu_ps(k.dmin.as_ptr()));
-            }
+            let floats = |f: &dyn Fn(&super::avx2::Block8, usize) -> f32| -> __m512 {
+                let v: [f32; ROWS] =
+                    std::array::from_fn(|r| if r < 8 { f(&k0, r) } else { f(&k1, r - 8) });
+                // SAFETY: 16 f32 = 64 readable bytes; unaligned load.
+                unsafe { _mm512_loadu_ps(v.as_ptr()) }
+            };
+            d.push(floats(&|k, r| k.d[r]));
+            dmin.push(floats(&|k, r| k.dmin[r]));
         }
     }
-}
-
-/// The 8 rows' sums of the lanes of `v[r]`, low 256 bits and high 256 bits apart, as
-/// `[low rows 0-3 | high rows 0-3 | low rows 4-7 | high rows 4-7]`.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn reduce8_halves(v: &[__m512i; 8]) -> __m512i {
-    // Within each 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] for rows a, b ...
-    let pair = |a: __m512i, b: __m512i| {
-        _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b))
-    };
-    let (p0, p1, p2, p3) = (
-        pair(v[0], v[1]),
-        pair(v[2], v[3]),
-        pair(v[4], v[5]),
-        pair(v[6], v[7]),
-    );
-    // ... then [Σa, Σb, Σc, Σd] per 128-bit lane: rows 0-3 and rows 4-7.
-    let quad = |a: __m512i, b: __m512i| {
-        _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b))
-    };
-    let (q0, q1) = (quad(p0, p1), quad(p2, p3));
-    // Lanes 0+1 hold the low 256 bits' partial sums, lanes 2+3 the high ones'.
-    _mm512_add_epi32(
-        _mm512_shuffle_i64x2::<0b10_00_10_00>(q0, q1),
-        _mm512_shuffle_i64x2::<0b11_01_11_01>(q0, q1),
-    )
 }
 
 /// `count` Q8_K activation rows, `stride` bytes apart in `data`.
@@ -116,19 +97,25 @@ pub struct TokenRows<'a> {
     pub count: usize,
 }
 
-/// The outputs of 8 consecutive rows of a repacked Q4_K matrix (`rows`, contiguous, `row_bytes`
-/// each, their [`Rows8Scales`] `meta`) for the activation rows of `acts` (at most [`TOKENS`]):
-/// `out[t][r]`. Each output takes exactly the steps of
-/// `repack_order`'s definition: per super-block the exact integer terms, turned into floats per
-/// pair of sub-blocks (`per_pair`, the gemm's steps) or once per super-block (the gemv's).
+/// The 4-byte little-endian word at `at` of `bytes`.
+#[inline(always)]
+fn word(bytes: &[u8], at: usize) -> i32 {
+    i32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]])
+}
+
+/// The outputs of 16 consecutive rows of a Q4_K matrix (`rows`, contiguous, `row_bytes` each,
+/// their [`Rows16Scales`] `meta`) for the activation rows of `acts` (at most [`TOKENS`]):
+/// `out[t][r]`. Each output takes exactly the steps of `repack_order`'s definition: per
+/// super-block the exact integer terms, turned into floats per pair of sub-blocks (`per_pair`,
+/// the gemm's steps) or once per super-block (the gemv's).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub fn q4k_rows8_tokens(
+pub fn q4k_rows16_tokens(
     rows: &[u8],
     row_bytes: usize,
-    meta: &Rows8Scales,
+    meta: &Rows16Scales,
     acts: TokenRows,
     per_pair: bool,
-    out: &mut [[f32; 8]],
+    out: &mut [[f32; ROWS]],
 ) {
     let TokenRows {
         data: acts,
@@ -137,78 +124,87 @@ pub fn q4k_rows8_tokens(
     } = acts;
     let nb = row_bytes / q4_k::SIZE;
     assert!(n_tokens <= TOKENS && out.len() >= n_tokens);
-    assert!(rows.len() >= 8 * row_bytes && meta.d.len() >= nb);
+    assert!(rows.len() >= ROWS * row_bytes && meta.d.len() >= nb);
     assert!(n_tokens == 0 || acts.len() >= (n_tokens - 1) * act_bytes + nb * q8_k::SIZE);
+    assert!(ROWS * row_bytes <= i32::MAX as usize);
     let low = _mm512_set1_epi8(0x0F);
-    // Shift counts per 16-bit lane: 0 in the low 256 bits (low nibbles), 4 in the high ones.
-    let shift = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(4));
-    let mut acc = [_mm256_setzero_ps(); TOKENS];
-    let mut acc_min = [_mm256_setzero_ps(); TOKENS];
-    let mut i_sum = [_mm256_setzero_si256(); TOKENS];
-    let mut m_sum = [_mm256_setzero_si256(); TOKENS];
+    // Byte offsets of the 16 rows, for the gathers.
+    let offsets = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32(row_bytes as i32),
+    );
+    let mut acc = [_mm512_setzero_ps(); TOKENS];
+    let mut acc_min = [_mm512_setzero_ps(); TOKENS];
+    let mut i_sum = [_mm512_setzero_si512(); TOKENS];
+    let mut m_sum = [_mm512_setzero_si512(); TOKENS];
     for b in 0..nb {
         for p in 0..4 {
-            let mut w = [_mm512_setzero_si512(); 8];
-            for (r, wr) in w.iter_mut().enumerate() {
-                let at = r * row_bytes + b * q4_k::SIZE + q4_k::QS + 32 * p;
-                let q = &rows[at..at + 32];
-                // SAFETY: 32 readable bytes; unaligned load.
-                let q = unsafe { _mm256_loadu_si256(q.as_ptr().cast()) };
-                *wr = _mm512_and_si512(_mm512_srlv_epi16(_mm512_broadcast_i64x4(q), shift), low);
+            // w[h][k], lane r: row r's 4-byte step k of this pair's 32 bytes, low nibbles
+            // (sub-block 2p) for h = 0, high ones (2p + 1) for h = 1.
+            let mut w = [[_mm512_setzero_si512(); 8]; 2];
+            let base = b * q4_k::SIZE + q4_k::QS + 32 * p;
+            for k in 0..8 {
+                // SAFETY: every lane reads 4 bytes at `r·row_bytes + base + 4k`, inside row r's
+                // super-block b of the 16 rows asserted above.
+                let q = unsafe {
+                    _mm512_i32gather_epi32::<1>(offsets, rows[base + 4 * k..].as_ptr().cast())
+                };
+                w[0][k] = _mm512_and_si512(q, low);
+                w[1][k] = _mm512_and_si512(_mm512_srli_epi16::<4>(q), low);
             }
-            let sc = meta.scales[4 * b + p];
-            let (mn0, mn1) = (meta.mins[8 * b + 2 * p], meta.mins[8 * b + 2 * p + 1]);
+            let (sc0, sc1) = (meta.scales[8 * b + 2 * p], meta.scales[8 * b + 2 * p + 1]);
+            let mins = meta.mins[4 * b + p];
             for t in 0..n_tokens {
                 let y = &acts[t * act_bytes + b * q8_k::SIZE..][..q8_k::SIZE];
-                let ys = &y[q8_k::QS + 64 * p..q8_k::QS + 64 * p + 64];
-                // SAFETY: 64 readable bytes; unaligned load.
-                let yv = unsafe { _mm512_loadu_si512(ys.as_ptr().cast()) };
-                let mut v = [_mm512_setzero_si512(); 8];
-                for (vr, wr) in v.iter_mut().zip(&w) {
-                    *vr = _mm512_dpbusd_epi32(_mm512_setzero_si512(), *wr, yv);
+                let qs = q8_k::QS + 64 * p;
+                // Two accumulators per half: shorter dependency chains.
+                let mut s = [_mm512_setzero_si512(); 4];
+                for k in 0..8 {
+                    let (lo, hi) = (word(y, qs + 4 * k), word(y, qs + 32 + 4 * k));
+                    s[k % 2] = _mm512_dpbusd_epi32(s[k % 2], w[0][k], _mm512_set1_epi32(lo));
+                    s[2 + k % 2] =
+                        _mm512_dpbusd_epi32(s[2 + k % 2], w[1][k], _mm512_set1_epi32(hi));
                 }
-                let scaled = _mm512_mullo_epi32(reduce8_halves(&v), sc);
-                let i_p = _mm512_castsi512_si256(_mm512_add_epi32(
-                    _mm512_shuffle_i64x2::<0b10_00_10_00>(scaled, scaled),
-                    _mm512_shuffle_i64x2::<0b11_01_11_01>(scaled, scaled),
-                ));
-                let bsum = |k: usize| {
-                    i16::from_le_bytes([y[q8_k::BSUMS + 2 * k], y[q8_k::BSUMS + 2 * k + 1]]) as i32
-                };
-                let b0 = bsum(4 * p) + bsum(4 * p + 1);
-                let b1 = bsum(4 * p + 2) + bsum(4 * p + 3);
-                let m_p = _mm256_add_epi32(
-                    _mm256_mullo_epi32(mn0, _mm256_set1_epi32(b0)),
-                    _mm256_mullo_epi32(mn1, _mm256_set1_epi32(b1)),
+                let i_p = _mm512_add_epi32(
+                    _mm512_mullo_epi32(_mm512_add_epi32(s[0], s[1]), sc0),
+                    _mm512_mullo_epi32(_mm512_add_epi32(s[2], s[3]), sc1),
                 );
+                // The 32-element sums of sub-blocks 2p and 2p + 1 (16-element bsums in pairs;
+                // at most 32·128 in size, so each fits a word).
+                let bsum = |k: usize| {
+                    i16::from_le_bytes([y[q8_k::BSUMS + 2 * k], y[q8_k::BSUMS + 2 * k + 1]])
+                };
+                let b0 = bsum(4 * p).wrapping_add(bsum(4 * p + 1)) as u16 as i32;
+                let b1 = bsum(4 * p + 2).wrapping_add(bsum(4 * p + 3)) as u16 as i32;
+                let m_p = _mm512_madd_epi16(mins, _mm512_set1_epi32(b0 | (b1 << 16)));
                 if per_pair {
-                    let d8 = _mm256_set1_ps(f32::from_le_bytes([y[0], y[1], y[2], y[3]]));
-                    let scale = _mm256_mul_ps(meta.d[b], d8);
-                    let scale_min = _mm256_mul_ps(meta.dmin[b], d8);
-                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i_p), scale, acc[t]);
-                    acc_min[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m_p), scale_min, acc_min[t]);
+                    let d8 = _mm512_set1_ps(f32::from_le_bytes([y[0], y[1], y[2], y[3]]));
+                    let scale = _mm512_mul_ps(meta.d[b], d8);
+                    let scale_min = _mm512_mul_ps(meta.dmin[b], d8);
+                    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i_p), scale, acc[t]);
+                    acc_min[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(m_p), scale_min, acc_min[t]);
                 } else {
-                    i_sum[t] = _mm256_add_epi32(i_sum[t], i_p);
-                    m_sum[t] = _mm256_add_epi32(m_sum[t], m_p);
+                    i_sum[t] = _mm512_add_epi32(i_sum[t], i_p);
+                    m_sum[t] = _mm512_add_epi32(m_sum[t], m_p);
                 }
             }
         }
         if !per_pair {
             for t in 0..n_tokens {
                 let y = &acts[t * act_bytes + b * q8_k::SIZE..][..4];
-                let d8 = _mm256_set1_ps(f32::from_le_bytes([y[0], y[1], y[2], y[3]]));
-                let scale = _mm256_mul_ps(meta.d[b], d8);
-                let scale_min = _mm256_mul_ps(meta.dmin[b], d8);
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i_sum[t]), scale, acc[t]);
-                acc_min[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m_sum[t]), scale_min, acc_min[t]);
-                i_sum[t] = _mm256_setzero_si256();
-                m_sum[t] = _mm256_setzero_si256();
+                let d8 = _mm512_set1_ps(f32::from_le_bytes([y[0], y[1], y[2], y[3]]));
+                let scale = _mm512_mul_ps(meta.d[b], d8);
+                let scale_min = _mm512_mul_ps(meta.dmin[b], d8);
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i_sum[t]), scale, acc[t]);
+                acc_min[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(m_sum[t]), scale_min, acc_min[t]);
+                i_sum[t] = _mm512_setzero_si512();
+                m_sum[t] = _mm512_setzero_si512();
             }
         }
     }
     for (o, (a, m)) in out.iter_mut().zip(acc.iter().zip(&acc_min)).take(n_tokens) {
-        // SAFETY: 8 f32 = 32 writable bytes; unaligned store.
-        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), _mm256_sub_ps(*a, *m)) };
+        // SAFETY: 16 f32 = 64 writable bytes; unaligned store.
+        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), _mm512_sub_ps(*a, *m)) };
     }
 }
 
