@@ -163,8 +163,11 @@ pub(crate) fn matmul(
             && n_rows.is_multiple_of(8)
             && crate::simd::level() == crate::simd::Level::Avx512Vnni
         {
-            use crate::x86::avx512::{q4k_rows16_tokens, Rows16Scales, TokenRows, ROWS, TOKENS};
+            use crate::x86::avx512::{
+                q4k_rows16_tokens, Rows16Acc, Rows16Scales, TokenRows, ROWS, TOKENS,
+            };
             let mut meta = Rows16Scales::default();
+            let mut scratch = Box::<Rows16Acc>::default();
             let mut v = [[0f32; ROWS]; TOKENS];
             // A last group of 8 rows runs as 16 with 8 rows of zeros (scales 0: outputs 0).
             let mut padded = Vec::new();
@@ -197,6 +200,7 @@ pub(crate) fn matmul(
                                 count: nt,
                             },
                             gemm,
+                            &mut scratch,
                             &mut v,
                         );
                     }
@@ -398,13 +402,16 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn sixteen_rows_by_many_tokens_are_each_output_bit_for_bit() {
-        use crate::x86::avx512::{q4k_rows16_tokens, Rows16Scales, TokenRows, ROWS, TOKENS};
+        use crate::x86::avx512::{
+            q4k_rows16_tokens, Rows16Acc, Rows16Scales, TokenRows, ROWS, TOKENS,
+        };
         if crate::simd::level() != crate::simd::Level::Avx512Vnni {
             eprintln!("skipped: this CPU has no AVX-512 VNNI");
             return;
         }
         // One value reused across groups of different widths, as a matmul job reuses it.
         let mut meta = Rows16Scales::default();
+        let mut scratch = Box::<Rows16Acc>::default();
         let mut out = [[f32::NAN; ROWS]; TOKENS];
         for seed in 1..24u64 {
             let nb = 1 + (seed as usize % 5);
@@ -432,6 +439,7 @@ mod tests {
                             count: n_tokens,
                         },
                         per_pair,
+                        &mut scratch,
                         &mut out,
                     )
                 };

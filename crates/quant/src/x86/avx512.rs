@@ -89,6 +89,23 @@ impl Rows16Scales {
     }
 }
 
+/// The per-token accumulators of [`q4k_rows16_tokens`], kept by the caller from call to call:
+/// a call clears only the entries of its tokens (clearing all of them, 8 KiB, on every call
+/// took several percent of a prompt's time).
+pub struct Rows16Acc {
+    acc: [__m512; TOKENS],
+    acc_min: [__m512; TOKENS],
+    i_sum: [__m512i; TOKENS],
+    m_sum: [__m512i; TOKENS],
+}
+
+impl Default for Rows16Acc {
+    fn default() -> Self {
+        // SAFETY: all-zero bits are valid vectors (zeros).
+        unsafe { std::mem::zeroed() }
+    }
+}
+
 /// `count` Q8_K activation rows, `stride` bytes apart in `data`.
 #[derive(Clone, Copy)]
 pub struct TokenRows<'a> {
@@ -115,6 +132,7 @@ pub fn q4k_rows16_tokens(
     meta: &Rows16Scales,
     acts: TokenRows,
     per_pair: bool,
+    scratch: &mut Rows16Acc,
     out: &mut [[f32; ROWS]],
 ) {
     let TokenRows {
@@ -133,25 +151,34 @@ pub fn q4k_rows16_tokens(
         _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
         _mm512_set1_epi32(row_bytes as i32),
     );
-    let mut acc = [_mm512_setzero_ps(); TOKENS];
-    let mut acc_min = [_mm512_setzero_ps(); TOKENS];
-    let mut i_sum = [_mm512_setzero_si512(); TOKENS];
-    let mut m_sum = [_mm512_setzero_si512(); TOKENS];
+    let Rows16Acc {
+        acc,
+        acc_min,
+        i_sum,
+        m_sum,
+    } = scratch;
+    for t in 0..n_tokens {
+        acc[t] = _mm512_setzero_ps();
+        acc_min[t] = _mm512_setzero_ps();
+        i_sum[t] = _mm512_setzero_si512();
+        m_sum[t] = _mm512_setzero_si512();
+    }
     for b in 0..nb {
         for p in 0..4 {
             // w[h][k], lane r: row r's 4-byte step k of this pair's 32 bytes, low nibbles
             // (sub-block 2p) for h = 0, high ones (2p + 1) for h = 1.
-            let mut w = [[_mm512_setzero_si512(); 8]; 2];
             let base = b * q4_k::SIZE + q4_k::QS + 32 * p;
-            for k in 0..8 {
-                // SAFETY: every lane reads 4 bytes at `r·row_bytes + base + 4k`, inside row r's
-                // super-block b of the 16 rows asserted above.
-                let q = unsafe {
-                    _mm512_i32gather_epi32::<1>(offsets, rows[base + 4 * k..].as_ptr().cast())
-                };
-                w[0][k] = _mm512_and_si512(q, low);
-                w[1][k] = _mm512_and_si512(_mm512_srli_epi16::<4>(q), low);
-            }
+            // SAFETY: every lane reads 4 bytes at `r·row_bytes + base + 4k`, inside row r's
+            // super-block b of the 16 rows asserted above.
+            let q: [__m512i; 8] = std::array::from_fn(|k| unsafe {
+                _mm512_i32gather_epi32::<1>(offsets, rows[base + 4 * k..].as_ptr().cast())
+            });
+            // Built whole rather than written into zeroed arrays: nothing is spilled to be
+            // cleared on every pair.
+            let w = [
+                q.map(|v| _mm512_and_si512(v, low)),
+                q.map(|v| _mm512_and_si512(_mm512_srli_epi16::<4>(v), low)),
+            ];
             let (sc0, sc1) = (meta.scales[8 * b + 2 * p], meta.scales[8 * b + 2 * p + 1]);
             let mins = meta.mins[4 * b + p];
             for t in 0..n_tokens {
@@ -202,7 +229,7 @@ pub fn q4k_rows16_tokens(
             }
         }
     }
-    for (o, (a, m)) in out.iter_mut().zip(acc.iter().zip(&acc_min)).take(n_tokens) {
+    for (o, (a, m)) in out.iter_mut().zip(acc.iter().zip(acc_min.iter())).take(n_tokens) {
         // SAFETY: 16 f32 = 64 writable bytes; unaligned store.
         unsafe { _mm512_storeu_ps(o.as_mut_ptr(), _mm512_sub_ps(*a, *m)) };
     }
