@@ -206,7 +206,14 @@ pub(crate) fn matmul(
                     }
                     for (t, vt) in v.iter().enumerate().take(nt) {
                         // SAFETY: jobs own disjoint row ranges of every token.
-                        unsafe { out.slice((t0 + t) * rows + g, n) }.copy_from_slice(&vt[..n]);
+                        let dst = unsafe { out.slice((t0 + t) * rows + g, n) };
+                        if let Ok(dst) = <&mut [f32; ROWS]>::try_from(&mut *dst) {
+                            // A copy of known size, inlined: a call per token cost 4% of a
+                            // prompt's time.
+                            *dst = *vt;
+                        } else {
+                            dst.copy_from_slice(&vt[..n]);
+                        }
                     }
                 }
             }
