@@ -163,12 +163,18 @@ pub(crate) fn matmul(
             && n_rows.is_multiple_of(8)
             && crate::simd::level() == crate::simd::Level::Avx512Vnni
         {
+            use crate::x86::amx;
             use crate::x86::avx512::{
                 q4k_rows16_tokens, Rows16Acc, Rows16Scales, TokenRows, ROWS, TOKENS,
             };
             let mut meta = Rows16Scales::default();
+            // AMX tiles from a block of 16 tokens on, where the CPU and the OS allow them.
+            let use_amx = gemm && n_tokens >= amx::TOKENS && amx::usable();
+            // SAFETY: `amx::usable` checked AMX, the OS grant and AVX-512 VNNI.
+            let _tiles = use_amx.then(|| unsafe { amx::Tiles::configure() });
+            let mut amx_scratch = use_amx.then(Box::<amx::AmxScratch>::default);
             let mut scratch = Box::<Rows16Acc>::default();
-            let mut v = [[0f32; ROWS]; TOKENS];
+            let mut v = [[0f32; ROWS]; amx::CALL_TOKENS];
             // A last group of 8 rows runs as 16 with 8 rows of zeros (scales 0: outputs 0).
             let mut padded = Vec::new();
             // Each group's metadata is decoded once; its rows stay in cache while every block
@@ -186,23 +192,40 @@ pub(crate) fn matmul(
                 // SAFETY: `simd::level` reports AVX-512 VNNI only after checking AVX-512 F, BW,
                 // VL and VNNI, AVX2, FMA and F16C.
                 unsafe { meta.decode(group, row_bytes) };
-                for t0 in (0..n_tokens).step_by(TOKENS) {
-                    let nt = TOKENS.min(n_tokens - t0);
-                    // SAFETY: as above.
-                    unsafe {
-                        q4k_rows16_tokens(
-                            group,
-                            row_bytes,
-                            &meta,
-                            TokenRows {
-                                data: &acts[t0 * act_bytes..],
-                                stride: act_bytes,
-                                count: nt,
-                            },
-                            gemm,
-                            &mut scratch,
-                            &mut v,
-                        );
+                let block = if use_amx { amx::CALL_TOKENS } else { TOKENS };
+                for t0 in (0..n_tokens).step_by(block) {
+                    let nt = block.min(n_tokens - t0);
+                    match amx_scratch.as_deref_mut() {
+                        // SAFETY: `amx::usable` returned true and this thread's tiles are
+                        // configured (`_tiles`, held until the job ends).
+                        Some(s) => unsafe {
+                            amx::q4k_rows16_tokens_amx(
+                                group,
+                                row_bytes,
+                                &meta,
+                                &acts[t0 * act_bytes..],
+                                act_bytes,
+                                nt,
+                                s,
+                                &mut v,
+                            )
+                        },
+                        // SAFETY: as above.
+                        None => unsafe {
+                            q4k_rows16_tokens(
+                                group,
+                                row_bytes,
+                                &meta,
+                                TokenRows {
+                                    data: &acts[t0 * act_bytes..],
+                                    stride: act_bytes,
+                                    count: nt,
+                                },
+                                gemm,
+                                &mut scratch,
+                                &mut v,
+                            );
+                        },
                     }
                     for (t, vt) in v.iter().enumerate().take(nt) {
                         // SAFETY: jobs own disjoint row ranges of every token.
@@ -462,6 +485,63 @@ mod tests {
                             "seed {seed} token {t} of {n_tokens} row {r} per_pair {per_pair}: {g} vs {want}"
                         );
                     }
+                }
+            }
+        }
+    }
+
+    /// The AMX kernel on its own, where this CPU and OS allow tiles: token counts 1 to 64
+    /// (short blocks read a padded copy), super-blocks 1 to 5, weights with every nibble 15 and
+    /// activations at -128 in some blocks, against the portable definition (gemm steps).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn amx_tiles_give_every_output_bit_for_bit() {
+        use crate::x86::amx;
+        use crate::x86::avx512::{Rows16Scales, ROWS};
+        if !amx::usable() {
+            eprintln!("skipped: no AMX tiles here (CPU, OS grant or EMBER_CPU_AMX=off)");
+            return;
+        }
+        // SAFETY: `amx::usable` checked AMX, the OS grant and AVX-512 VNNI.
+        let _tiles = unsafe { amx::Tiles::configure() };
+        let mut meta = Rows16Scales::default();
+        let mut scratch = Box::<amx::AmxScratch>::default();
+        let mut out = [[f32::NAN; ROWS]; amx::CALL_TOKENS];
+        for seed in 1..24u64 {
+            let nb = 1 + (seed as usize % 5);
+            let row_bytes = nb * q4_k::SIZE;
+            let rows: Vec<u8> = (0..ROWS as u64)
+                .flat_map(|r| weight_row(seed * 17 + r, nb))
+                .collect();
+            let n_tokens = [1, 2, 15, 16, 17, 33, 64, 50][seed as usize % 8];
+            let acts: Vec<u8> = (0..n_tokens as u64)
+                .flat_map(|t| act_row(seed * 6151 + t * 104729, nb))
+                .collect();
+            let act_bytes = nb * q8_k::SIZE;
+            // SAFETY: AVX-512 VNNI and AMX checked above; this thread's tiles are configured.
+            unsafe {
+                meta.decode(&rows, row_bytes);
+                amx::q4k_rows16_tokens_amx(
+                    &rows,
+                    row_bytes,
+                    &meta,
+                    &acts,
+                    act_bytes,
+                    n_tokens,
+                    &mut scratch,
+                    &mut out,
+                );
+            }
+            for (t, got) in out.iter().enumerate().take(n_tokens) {
+                let a = &acts[t * act_bytes..(t + 1) * act_bytes];
+                for (r, g) in got.iter().enumerate() {
+                    let want = dot_portable(&rows[r * row_bytes..(r + 1) * row_bytes], a, true);
+                    assert!(want.is_finite(), "seed {seed} token {t} row {r}");
+                    assert_eq!(
+                        g.to_bits(),
+                        want.to_bits(),
+                        "seed {seed} token {t} of {n_tokens} row {r}: {g} vs {want}"
+                    );
                 }
             }
         }

@@ -89,6 +89,24 @@ impl Rows16Scales {
     }
 }
 
+impl Rows16Scales {
+    /// The 16 rows' scales of sub-block `j` of super-block `b`, one per i32 lane.
+    pub(crate) fn scale(&self, b: usize, j: usize) -> __m512i {
+        self.scales[8 * b + j]
+    }
+
+    /// The 16 rows' mins of sub-blocks `2p` and `2p + 1` of super-block `b`, as the low and
+    /// high word of each lane.
+    pub(crate) fn mins_pair(&self, b: usize, p: usize) -> __m512i {
+        self.mins[4 * b + p]
+    }
+
+    /// The 16 rows' `d` and `dmin` of super-block `b`.
+    pub(crate) fn factors(&self, b: usize) -> (__m512, __m512) {
+        (self.d[b], self.dmin[b])
+    }
+}
+
 /// The per-token accumulators of [`q4k_rows16_tokens`], kept by the caller from call to call:
 /// a call clears only the entries of its tokens (clearing all of them, 8 KiB, on every call
 /// took several percent of a prompt's time).
@@ -229,7 +247,11 @@ pub fn q4k_rows16_tokens(
             }
         }
     }
-    for (o, (a, m)) in out.iter_mut().zip(acc.iter().zip(acc_min.iter())).take(n_tokens) {
+    for (o, (a, m)) in out
+        .iter_mut()
+        .zip(acc.iter().zip(acc_min.iter()))
+        .take(n_tokens)
+    {
         // SAFETY: 16 f32 = 64 writable bytes; unaligned store.
         unsafe { _mm512_storeu_ps(o.as_mut_ptr(), _mm512_sub_ps(*a, *m)) };
     }

@@ -5,6 +5,7 @@
 //! `signed` the same for the signed legacy formats (Q4_0 and Q5_0 decode; Q4_0, Q5_0, Q8_0
 //! prompts).
 
+pub mod amx;
 pub mod avx2;
 pub mod avx512;
 pub mod signed;
