@@ -1412,3 +1412,137 @@ fn metrics_over_a_split_give_each_devices_memory() {
         std::thread::sleep(Duration::from_millis(200));
     }
 }
+
+/// A tiny synthetic Qwen 3.5 hybrid (three Gated DeltaNet layers with a recurrent state per
+/// sequence, one full-attention layer) written into `dir`.
+fn write_hybrid(dir: &std::path::Path) -> PathBuf {
+    use ember_synth::{write_model, Shape, ShapeOverrides, SynthOptions, TypeSpec};
+    let mut shape = Shape::named("qwen3.5-27b").unwrap();
+    ShapeOverrides {
+        layers: Some(4),
+        vocab: Some(2048),
+        embd: Some(128),
+        heads: Some(4),
+        kv_heads: Some(1),
+        head_dim: Some(64),
+        ff: Some(256),
+        linear_k_heads: Some(2),
+        linear_v_heads: Some(4),
+        linear_head_dim: Some(32),
+        ..ShapeOverrides::default()
+    }
+    .apply(&mut shape)
+    .unwrap();
+    let path = dir.join("qwen35-serve.gguf");
+    let opts = SynthOptions {
+        shape,
+        types: TypeSpec::parse("q8_0").unwrap(),
+        pure: false,
+        seed: 23,
+        fast: false,
+    };
+    write_model(&opts, &path, |_| {}).unwrap();
+    path
+}
+
+/// The recurrent-state bytes `/metrics` reports (the CPU's row of `ember_device_memory_bytes`).
+fn recurrent_state_bytes(metrics: &std::collections::BTreeMap<String, f64>) -> f64 {
+    metric(
+        metrics,
+        "ember_device_memory_bytes{device=\"cpu\",purpose=\"recurrent_state\"}",
+    )
+}
+
+#[test]
+fn a_hybrid_model_serves_sixteen_streams_and_frees_the_states_of_cancelled_ones() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let model = write_hybrid(dir.path());
+    let server = ServerProcess::start_ready(&model, &["--parallel", "16"], &[]);
+    let port = server.port;
+    assert_eq!(recurrent_state_bytes(&server.metrics()), 0.0);
+
+    // 16 streams at once, prompts of different lengths given as token ids; the even ones run
+    // to their end, the odd ones hang up after their first chunks.
+    let barrier = Arc::new(Barrier::new(16));
+    let handles: Vec<_> = (0..16u64)
+        .map(|k| {
+            let prompt: Vec<u64> = (0..8 + 5 * k)
+                .map(|i| 10 + (i * 37 + k * 11) % 2000)
+                .collect();
+            let body = json!({
+                "prompt": prompt,
+                "max_tokens": if k % 2 == 0 { 24 } else { 400 },
+                "ignore_eos": true,
+                "temperature": 0,
+                "stream": true,
+            });
+            let barrier = Arc::clone(&barrier);
+            std::thread::spawn(move || {
+                barrier.wait();
+                let mut stream = EventStream::open(port, "/v1/completions", &body, &[]);
+                assert_eq!(stream.status, 200);
+                if k % 2 == 1 {
+                    for _ in 0..3 {
+                        stream.next_data().expect("a chunk before hanging up");
+                    }
+                    return None;
+                }
+                let chunks: Vec<Value> = stream
+                    .collect_all()
+                    .iter()
+                    .filter(|e| e.as_str() != "[DONE]")
+                    .map(|e| serde_json::from_str(e).unwrap())
+                    .collect();
+                Some(chunks)
+            })
+        })
+        .collect();
+
+    // While the streams run, their states are memory /metrics shows.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut most_state = 0.0f64;
+    let mut most_running = 0.0f64;
+    while handles.iter().any(|h| !h.is_finished()) {
+        let metrics = server.metrics();
+        most_state = most_state.max(recurrent_state_bytes(&metrics));
+        most_running = most_running.max(metric(&metrics, "ember_requests_running"));
+        assert!(Instant::now() < deadline, "the streams did not finish");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let mut finished = 0;
+    for handle in handles {
+        if let Some(chunks) = handle.join().expect("client thread") {
+            let reason = stream_finish_reason(&chunks);
+            assert_eq!(reason, "length", "{chunks:?}");
+            finished += 1;
+        }
+    }
+    assert_eq!(finished, 8);
+    assert!(
+        most_running > 1.0,
+        "the streams ran together: {most_running}"
+    );
+    assert!(most_state > 0.0, "/metrics never showed a recurrent state");
+
+    // Every sequence ended (8 finished, 8 cancelled): no state, no KV block, nothing running.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let metrics = server.metrics();
+        let state = recurrent_state_bytes(&metrics);
+        let used = metric(&metrics, "ember_kv_blocks{state=\"used\"}");
+        let running = metric(&metrics, "ember_requests_running");
+        let cancelled = metric(
+            &metrics,
+            "ember_requests_ended_total{outcome=\"cancelled\"}",
+        );
+        if state == 0.0 && used == 0.0 && running == 0.0 && cancelled >= 8.0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "after the streams ended: recurrent state {state} bytes, used blocks {used}, running {running}, cancelled {cancelled}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
