@@ -8,6 +8,8 @@
 //! whatever else is in the batch (the linear-attention op runs each sequence's recurrence on its
 //! own), as for the other architectures in `engine.rs`.
 
+mod common;
+
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -17,35 +19,11 @@ use ember::generate;
 use ember::load::{self, AnyLoaded, LoadOptions};
 use ember::model::ContextParams;
 use ember::sample::{Sampler, SamplerParams};
-use ember_synth::{write_model, Shape, ShapeOverrides, SynthOptions, TypeSpec};
 
 fn write_hybrid(dir: &Path) -> String {
-    let mut shape = Shape::named("qwen3.5-27b").unwrap();
-    ShapeOverrides {
-        layers: Some(4),
-        vocab: Some(1024),
-        embd: Some(128),
-        heads: Some(4),
-        kv_heads: Some(1),
-        head_dim: Some(64),
-        ff: Some(256),
-        linear_k_heads: Some(2),
-        linear_v_heads: Some(4),
-        linear_head_dim: Some(32),
-        ..ShapeOverrides::default()
-    }
-    .apply(&mut shape)
-    .unwrap();
-    let path = dir.join("qwen35-engine.gguf");
-    let opts = SynthOptions {
-        shape,
-        types: TypeSpec::parse("q8_0").unwrap(),
-        pure: false,
-        seed: 21,
-        fast: false,
-    };
-    write_model(&opts, &path, |_| {}).unwrap();
-    path.display().to_string()
+    common::write_hybrid(dir, "qwen35-engine.gguf", 1024, 21)
+        .display()
+        .to_string()
 }
 
 fn load_model(path: &str) -> AnyLoaded {

@@ -1413,38 +1413,6 @@ fn metrics_over_a_split_give_each_devices_memory() {
     }
 }
 
-/// A tiny synthetic Qwen 3.5 hybrid (three Gated DeltaNet layers with a recurrent state per
-/// sequence, one full-attention layer) written into `dir`.
-fn write_hybrid(dir: &std::path::Path) -> PathBuf {
-    use ember_synth::{write_model, Shape, ShapeOverrides, SynthOptions, TypeSpec};
-    let mut shape = Shape::named("qwen3.5-27b").unwrap();
-    ShapeOverrides {
-        layers: Some(4),
-        vocab: Some(2048),
-        embd: Some(128),
-        heads: Some(4),
-        kv_heads: Some(1),
-        head_dim: Some(64),
-        ff: Some(256),
-        linear_k_heads: Some(2),
-        linear_v_heads: Some(4),
-        linear_head_dim: Some(32),
-        ..ShapeOverrides::default()
-    }
-    .apply(&mut shape)
-    .unwrap();
-    let path = dir.join("qwen35-serve.gguf");
-    let opts = SynthOptions {
-        shape,
-        types: TypeSpec::parse("q8_0").unwrap(),
-        pure: false,
-        seed: 23,
-        fast: false,
-    };
-    write_model(&opts, &path, |_| {}).unwrap();
-    path
-}
-
 /// The recurrent-state bytes `/metrics` reports (the CPU's row of `ember_device_memory_bytes`).
 fn recurrent_state_bytes(metrics: &std::collections::BTreeMap<String, f64>) -> f64 {
     metric(
@@ -1457,7 +1425,7 @@ fn recurrent_state_bytes(metrics: &std::collections::BTreeMap<String, f64>) -> f
 fn a_hybrid_model_serves_sixteen_streams_and_frees_the_states_of_cancelled_ones() {
     let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
-    let model = write_hybrid(dir.path());
+    let model = common::write_hybrid(dir.path(), "qwen35-serve.gguf", 2048, 23);
     let server = ServerProcess::start_ready(&model, &["--parallel", "16"], &[]);
     let port = server.port;
     assert_eq!(recurrent_state_bytes(&server.metrics()), 0.0);

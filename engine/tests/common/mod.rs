@@ -48,3 +48,35 @@ pub fn golden_jsonl(file: &str) -> Vec<serde_json::Value> {
         .map(|l| serde_json::from_str(l).expect("valid JSON line"))
         .collect()
 }
+
+/// A tiny synthetic Qwen 3.5 hybrid in Q8_0 (three Gated DeltaNet layers with a recurrent state
+/// per sequence, one full-attention layer; 128 wide, `vocab` tokens), written as `dir/name`.
+pub fn write_hybrid(dir: &std::path::Path, name: &str, vocab: usize, seed: u64) -> PathBuf {
+    use ember_synth::{write_model, Shape, ShapeOverrides, SynthOptions, TypeSpec};
+    let mut shape = Shape::named("qwen3.5-27b").unwrap();
+    ShapeOverrides {
+        layers: Some(4),
+        vocab: Some(vocab),
+        embd: Some(128),
+        heads: Some(4),
+        kv_heads: Some(1),
+        head_dim: Some(64),
+        ff: Some(256),
+        linear_k_heads: Some(2),
+        linear_v_heads: Some(4),
+        linear_head_dim: Some(32),
+        ..ShapeOverrides::default()
+    }
+    .apply(&mut shape)
+    .unwrap();
+    let path = dir.join(name);
+    let opts = SynthOptions {
+        shape,
+        types: TypeSpec::parse("q8_0").unwrap(),
+        pure: false,
+        seed,
+        fast: false,
+    };
+    write_model(&opts, &path, |_| {}).unwrap();
+    path
+}
