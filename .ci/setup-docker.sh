@@ -43,11 +43,15 @@ if docker info >/dev/null 2>&1; then
 else
     mkdir -p "$(dirname "$daemon_log")"
     # A pid file left by a daemon that no longer runs (a machine restored from a snapshot, a
-    # killed run) makes dockerd refuse to start: remove it when its process is gone.
+    # killed run) makes dockerd refuse to start: remove it when its pid is not a dockerd (the
+    # number may have been reused by another process since).
     pidfile=/var/run/docker.pid
-    if [[ -f "$pidfile" ]] && ! kill -0 "$(cat "$pidfile" 2>/dev/null)" 2>/dev/null; then
-        log "removing the stale $pidfile (pid $(cat "$pidfile" 2>/dev/null) is not running)"
-        sudo_if_needed rm -f "$pidfile"
+    if [[ -f "$pidfile" ]]; then
+        pid="$(cat "$pidfile" 2>/dev/null)"
+        if [[ "$(cat "/proc/$pid/comm" 2>/dev/null)" != dockerd ]]; then
+            log "removing the stale $pidfile (pid $pid is not a running dockerd)"
+            sudo_if_needed rm -f "$pidfile"
+        fi
     fi
     log "starting dockerd (log: $daemon_log)"
     sudo_if_needed sh -c "nohup dockerd >'$daemon_log' 2>&1 &"
