@@ -82,8 +82,13 @@ pub fn available_levels() -> Vec<Level> {
         .collect()
 }
 
-/// The name of the SIMD path in use, e.g. "avx512vnni", "avx2", "neon" or "scalar".
+/// The name of the SIMD path in use, e.g. "avx512vnni", "avx2", "neon" or "scalar";
+/// "avx512vnni+amx" where Q4_K prompt products also use AMX tiles (see `x86::amx::usable`).
 pub fn detected() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    if crate::x86::amx::usable() {
+        return "avx512vnni+amx";
+    }
     level().name()
 }
 
