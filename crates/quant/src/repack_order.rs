@@ -143,13 +143,14 @@ pub(crate) fn matmul(
     out: &mut [f32],
 ) {
     let gemm = n_tokens > 3;
-    // Rows split between threads in multiples of 16 (whole eight-row groups, and whole cache
-    // lines of output); one token gets one job per thread at most, each big enough to pay for
-    // waking its thread, and a batch more jobs than threads for balance.
+    // Rows split between threads in multiples of 16 (whole groups of the eight- and sixteen-row
+    // kernels, and whole cache lines of output); one token gets one job per thread at most,
+    // each big enough to pay for waking its thread, and a batch more jobs than threads for
+    // balance.
     let chunk = if n_tokens == 1 {
         crate::matmul::split_rows(rows, rows * row_bytes, 16).1
     } else {
-        // Whole sixteen-row groups (the AVX-512 kernel's) where the rows allow it.
+        // Whole sixteen-row groups (the AVX-512 and AMX kernels') where the rows allow it.
         let jobs = rayon::current_num_threads().max(1) * 4;
         let group = if rows.is_multiple_of(16) { 16 } else { 8 };
         (rows.div_ceil(jobs).div_ceil(group) * group).max(group)
