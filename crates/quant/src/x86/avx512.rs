@@ -22,8 +22,6 @@ use std::arch::x86_64::*;
 
 use crate::blocks::{q4_k, q6_k, q8_k, QK_K};
 
-use super::avx2::block8;
-
 /// Tokens one call of [`q4k_rows16_tokens`] takes at most (its accumulators live on the stack).
 pub const TOKENS: usize = 32;
 
@@ -45,10 +43,18 @@ pub struct Rows16Scales {
 impl Rows16Scales {
     /// Decodes the metadata of the 16 rows of `row_bytes` bytes each in `rows` (contiguous) in
     /// place of what it held.
+    ///
+    /// One row per lane from the start: per super-block, four gathers read the 16 rows' `d` and
+    /// `dmin` and their three words of packed 6-bit scales and mins, and the unpacking of
+    /// GGML's `get_scale_min_k4` runs on all 16 lanes at once. (Unpacking row by row and
+    /// transposing through memory was 44% of a mixture-of-experts prompt, whose experts see a
+    /// handful of tokens each, so the decode is shared by few.)
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     pub fn decode(&mut self, rows: &[u8], row_bytes: usize) {
         let nb = row_bytes / q4_k::SIZE;
         assert!(rows.len() >= ROWS * row_bytes);
+        // Gather offsets are i32: the 16 rows' bytes must be addressable from the first.
+        assert!(ROWS * row_bytes <= i32::MAX as usize);
         let Rows16Scales {
             scales,
             mins,
@@ -59,32 +65,65 @@ impl Rows16Scales {
         mins.clear();
         d.clear();
         dmin.clear();
+        let offsets = _mm512_mullo_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+            _mm512_set1_epi32(row_bytes as i32),
+        );
+        let low6 = _mm512_set1_epi32(0x3f3f_3f3f);
+        let low4 = _mm512_set1_epi32(0x0f0f_0f0f);
+        let low2 = _mm512_set1_epi32(0x0303_0303);
+        let byte = _mm512_set1_epi32(0xff);
         for b in 0..nb {
-            let (k0, k1) = (
-                block8(rows, row_bytes, b),
-                block8(&rows[8 * row_bytes..], row_bytes, b),
+            let block = rows[b * q4_k::SIZE..].as_ptr();
+            // SAFETY: lane r reads the 4 bytes at `r * row_bytes + b * SIZE + k` for k in
+            // {D, SCALES, SCALES + 4, SCALES + 8}, inside row r's super-block b (D and DMIN are
+            // the first 4 bytes, the scales the next 12), and `rows` holds all 16 rows.
+            let [factors, w0, w1, w2] = [q4_k::D, q4_k::SCALES, q4_k::SCALES + 4, q4_k::SCALES + 8]
+                .map(|k| unsafe { _mm512_i32gather_epi32::<1>(offsets, block.add(k).cast()) });
+            debug_assert_eq!(q4_k::DMIN, q4_k::D + 2);
+            // The bytes of sub-blocks 0-3 (low) and 4-7 (high), as `get_scale_min_k4` forms them.
+            let sc_lo = _mm512_and_si512(w0, low6);
+            let mn_lo = _mm512_and_si512(w1, low6);
+            let sc_hi = _mm512_or_si512(
+                _mm512_and_si512(w2, low4),
+                _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srli_epi32::<6>(w0), low2)),
             );
-            let lanes = |f: &dyn Fn(&super::avx2::Block8, usize) -> i32| -> __m512i {
-                let v: [i32; ROWS] =
-                    std::array::from_fn(|r| if r < 8 { f(&k0, r) } else { f(&k1, r - 8) });
-                // SAFETY: 16 i32 = 64 readable bytes; unaligned load.
-                unsafe { _mm512_loadu_si512(v.as_ptr().cast()) }
-            };
-            for j in 0..8 {
-                scales.push(lanes(&|k, r| k.sc[j][r]));
+            let mn_hi = _mm512_or_si512(
+                _mm512_and_si512(_mm512_srli_epi32::<4>(w2), low4),
+                _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srli_epi32::<6>(w1), low2)),
+            );
+            for packed in [sc_lo, sc_hi] {
+                scales.push(_mm512_and_si512(packed, byte));
+                scales.push(_mm512_and_si512(_mm512_srli_epi32::<8>(packed), byte));
+                scales.push(_mm512_and_si512(_mm512_srli_epi32::<16>(packed), byte));
+                scales.push(_mm512_srli_epi32::<24>(packed));
             }
-            for p in 0..4 {
-                // Mins are 6-bit: both fit a word, and `vpmaddwd` sums their two products.
-                mins.push(lanes(&|k, r| k.mn[2 * p][r] | (k.mn[2 * p + 1][r] << 16)));
+            // Mins of sub-blocks 2p and 2p + 1 as the low and high word: bytes 0, 2 of the
+            // packed word, or its bytes 1, 3 moved down a byte.
+            let words = _mm512_set1_epi32(0x00ff_00ff);
+            for packed in [mn_lo, mn_hi] {
+                let (even, odd) = (
+                    _mm512_and_si512(packed, words),
+                    _mm512_and_si512(_mm512_srli_epi32::<8>(packed), words),
+                );
+                // Pair (0, 1): bytes 0 and 1; pair (2, 3): bytes 2 and 3.
+                let pair01 = _mm512_or_si512(
+                    _mm512_and_si512(even, byte),
+                    _mm512_slli_epi32::<16>(_mm512_and_si512(odd, byte)),
+                );
+                let pair23 = _mm512_or_si512(
+                    _mm512_srli_epi32::<16>(even),
+                    _mm512_andnot_si512(_mm512_set1_epi32(0xffff), odd),
+                );
+                mins.push(pair01);
+                mins.push(pair23);
             }
-            let floats = |f: &dyn Fn(&super::avx2::Block8, usize) -> f32| -> __m512 {
-                let v: [f32; ROWS] =
-                    std::array::from_fn(|r| if r < 8 { f(&k0, r) } else { f(&k1, r - 8) });
-                // SAFETY: 16 f32 = 64 readable bytes; unaligned load.
-                unsafe { _mm512_loadu_ps(v.as_ptr()) }
-            };
-            d.push(floats(&|k, r| k.d[r]));
-            dmin.push(floats(&|k, r| k.dmin[r]));
+            d.push(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(factors)));
+            dmin.push(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<
+                16,
+            >(
+                factors
+            ))));
         }
     }
 }
