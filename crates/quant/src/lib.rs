@@ -32,7 +32,8 @@ mod x86;
 
 pub use ember_gguf::GgmlType;
 pub use matmul::{
-    matmul, matmul_f32, matmul_with, quantize_activations, QuantizedActivations, Strategy,
+    matmul, matmul_f32, matmul_rows, matmul_with, quantize_activations, QuantizedActivations,
+    Strategy, ROW_RANGE_ALIGN,
 };
 
 /// Errors of this crate: what was expected and what was found.

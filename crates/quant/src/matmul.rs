@@ -236,10 +236,87 @@ pub fn matmul_with(
     } else {
         Level::Scalar
     };
-    if strategy == Strategy::Auto
-        && w.ty == GgmlType::Q4_K
-        && crate::repack_order::repacks_q4_k(w.rows)
+    dispatch(
+        level,
+        strategy,
+        w,
+        x,
+        out,
+        crate::repack_order::repacks_q4_k(w.rows),
+    );
+    Ok(())
+}
+
+/// Row alignment of [`matmul_rows`]: every kernel's groups of rows (and every split of rows
+/// between jobs) divide it, so a range starting at a multiple of it gives each output the bits
+/// of the whole product.
+pub const ROW_RANGE_ALIGN: usize = 16;
+
+/// Rows `rows` of [`matmul`]`(w, x)`, on the calling thread alone: `out` holds `x.n_tokens` rows
+/// of `rows.len()` outputs, each bit for bit its value in the whole product. `rows.start` must
+/// be a multiple of [`ROW_RANGE_ALIGN`] and `rows.end` one too or `w.rows`. For callers that
+/// split a product (or several) between threads themselves.
+pub fn matmul_rows(
+    w: &QMatrix,
+    x: &QuantizedActivations,
+    rows: std::ops::Range<usize>,
+    out: &mut [f32],
+) -> Result<(), QuantError> {
+    let aligned = |r: usize| r.is_multiple_of(ROW_RANGE_ALIGN);
+    if rows.start > rows.end
+        || rows.end > w.rows
+        || !aligned(rows.start)
+        || !(aligned(rows.end) || rows.end == w.rows)
     {
+        return Err(QuantError::LengthMismatch {
+            what: "matmul_rows range (aligned start, aligned end or the last row)",
+            unit: "rows at most",
+            expected: w.rows,
+            found: rows.end,
+        });
+    }
+    let rb = w.row_bytes();
+    let part = QMatrix {
+        ty: w.ty,
+        rows: rows.len(),
+        cols: w.cols,
+        data: &w.data[rows.start * rb..rows.end * rb],
+    };
+    let expected = vec_dot_type(w.ty);
+    if x.ty != expected {
+        return Err(QuantError::ActivationType {
+            expected,
+            found: x.ty,
+        });
+    }
+    check_len("activation columns", "columns", w.cols, x.cols)?;
+    check_len(
+        "matmul_rows output",
+        "elements",
+        x.n_tokens * part.rows,
+        out.len(),
+    )?;
+    if out.is_empty() {
+        return Ok(());
+    }
+    // The order of the whole matrix: whether it takes the repacked Q4_K kernels depends on its
+    // row count, not the range's.
+    let repack = crate::repack_order::repacks_q4_k(w.rows);
+    crate::team::inline(|| dispatch(simd::level(), Strategy::Auto, &part, x, out, repack));
+    Ok(())
+}
+
+/// The kernel choice of [`matmul_with`] on checked arguments; `repack_q4k`: whether a Q4_K
+/// matrix follows llama.cpp's repacked order (decided on the whole matrix's rows).
+fn dispatch(
+    level: Level,
+    strategy: Strategy,
+    w: &QMatrix,
+    x: &QuantizedActivations,
+    out: &mut [f32],
+    repack_q4k: bool,
+) {
+    if strategy == Strategy::Auto && w.ty == GgmlType::Q4_K && repack_q4k {
         // llama.cpp multiplies such matrices with its repacked kernels; follow their order.
         crate::repack_order::matmul(
             w.data,
@@ -250,7 +327,7 @@ pub fn matmul_with(
             x.n_tokens,
             out,
         );
-        return Ok(());
+        return;
     }
     #[cfg(target_arch = "x86_64")]
     if strategy == Strategy::Auto
@@ -259,7 +336,7 @@ pub fn matmul_with(
         && x.n_tokens >= Q6K_TOKENS_MIN_TOKENS
     {
         matmul_q6k_tokens(w, x, out);
-        return Ok(());
+        return;
     }
     let tiled = match strategy {
         Strategy::Auto => {
@@ -276,7 +353,6 @@ pub fn matmul_with(
     } else {
         matmul_rowwise(level, w, x, out);
     }
-    Ok(())
 }
 
 /// From this many tokens on, Q6_K matrices on AVX-512 VNNI take [`matmul_q6k_tokens`]: one
@@ -957,6 +1033,55 @@ mod tests {
         (0..n)
             .map(|i| ((i * 7 % 23) as f32 - 11.0) * seed)
             .collect()
+    }
+
+    /// Every aligned row range of a product, computed alone, gives the bits of the whole
+    /// product: for each type's kernels (Q4_K with and without llama.cpp's repacked order, whose
+    /// choice follows the whole matrix's rows), one token and several; misaligned ranges are
+    /// refused.
+    #[test]
+    fn row_ranges_give_the_bits_of_the_whole_product() {
+        let cols = 512;
+        for ty in [
+            GgmlType::Q4_K,
+            GgmlType::Q4_0,
+            GgmlType::Q5_0,
+            GgmlType::Q6_K,
+            GgmlType::Q8_0,
+        ] {
+            for rows in [72, 68, 37] {
+                let wf: Vec<f32> = (0..rows * cols)
+                    .map(|i| (((i * 2_654_435_761usize) >> 7) % 1000) as f32 / 500.0 - 1.0)
+                    .collect();
+                let mut wq = vec![0u8; bytes_for("w", ty, rows * cols).unwrap()];
+                crate::quantize(ty, &wf, &mut wq).unwrap();
+                let w = QMatrix::new(ty, rows, cols, &wq).unwrap();
+                for n in [1, 3, 20] {
+                    let x = quantize_activations(vec_dot_type(ty), &acts(n * cols, 0.05), n, cols)
+                        .unwrap();
+                    let mut whole = vec![0.0f32; n * rows];
+                    matmul(&w, &x, &mut whole).unwrap();
+                    let ends = (16..rows).step_by(16).chain([rows]);
+                    let mut start = 0;
+                    for end in ends {
+                        let mut part = vec![f32::NAN; n * (end - start)];
+                        matmul_rows(&w, &x, start..end, &mut part).unwrap();
+                        for t in 0..n {
+                            for r in start..end {
+                                assert_eq!(
+                                    part[t * (end - start) + r - start].to_bits(),
+                                    whole[t * rows + r].to_bits(),
+                                    "{ty} rows {rows}, {n} tokens, row {r} of range {start}..{end}"
+                                );
+                            }
+                        }
+                        start = end;
+                    }
+                    let mut part = vec![0.0f32; n * 8];
+                    assert!(matmul_rows(&w, &x, 8..16, &mut part).is_err());
+                }
+            }
+        }
     }
 
     /// A reused buffer gives exactly what a fresh quantization gives, growing and shrinking,

@@ -167,6 +167,20 @@ impl Drop for Team {
     }
 }
 
+/// Runs `f` with every [`for_each_index`] inside it run inline, on the calling thread: for a
+/// caller that has already split its work between threads (one index of its own op computes
+/// one part of a product, whose own split would only wake threads that are busy).
+pub fn inline<R>(f: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            IN_JOB.with(|c| c.set(self.0));
+        }
+    }
+    let _restore = Restore(IN_JOB.with(|c| c.replace(true)));
+    f()
+}
+
 /// Runs `job(0..n_jobs)`, each index once, on the current team ([`Team::enter`]) or else on
 /// rayon's current pool. Returns when all have run; a panic of one is raised again here.
 pub fn for_each_index(n_jobs: usize, job: impl Fn(usize) + Sync + Send) {

@@ -26,6 +26,7 @@ use rayon::prelude::*;
 use super::{ops, products, vec, CpuBackend, CpuMatrix};
 use crate::backend::{Backend, ExpertGating, MoeFfn, MoeRouting};
 use crate::ops::FfnActivation;
+use ember_gguf::GgmlType;
 
 /// Tokens per rayon task when combining expert outputs.
 const TOKENS_PER_TASK: usize = 4;
@@ -56,6 +57,10 @@ pub(super) struct Scratch {
     shared_up: Vec<f32>,
     shared_out: Vec<f32>,
     shared_logit: Vec<f32>,
+    /// Quantized input of a one-token step, per activation type (gate and up may differ).
+    step_acts: Vec<ember_quant::QuantizedActivations>,
+    /// Quantized input of each chosen expert's down product in a one-token step, by rank.
+    step_down_acts: Vec<ember_quant::QuantizedActivations>,
 }
 
 impl Scratch {
@@ -84,7 +89,15 @@ impl Scratch {
                 .iter()
                 .map(Vec::capacity)
                 .sum::<usize>();
-        (f32s + u32s) * 4 + self.routes_of_expert.capacity() * std::mem::size_of::<Vec<u32>>()
+        let acts = self
+            .step_acts
+            .iter()
+            .chain(&self.step_down_acts)
+            .map(ember_quant::QuantizedActivations::bytes)
+            .sum::<usize>();
+        (f32s + u32s) * 4
+            + self.routes_of_expert.capacity() * std::mem::size_of::<Vec<u32>>()
+            + acts
     }
 }
 
@@ -164,6 +177,163 @@ pub(super) fn router_f32(router: &CpuMatrix, x: &[f32], n_tokens: usize, out: &m
         });
 }
 
+/// The buffers of [`one_token_experts`].
+struct StepBuffers<'a> {
+    acts: &'a mut Vec<ember_quant::QuantizedActivations>,
+    down_acts: &'a mut Vec<ember_quant::QuantizedActivations>,
+    /// `n_used` rows of `n_ff`: the gate products, then the activation.
+    gate: &'a mut Vec<f32>,
+    up: &'a mut Vec<f32>,
+    /// `n_used` rows of `n_embd`: each chosen expert's output (times its factor).
+    routed: &'a mut [f32],
+}
+
+/// A buffer written in disjoint ranges by the jobs of one op.
+#[derive(Clone, Copy)]
+struct Disjoint {
+    ptr: *mut f32,
+    len: usize,
+}
+
+// SAFETY: jobs write through it only to ranges no other job touches (see `range`), and the
+// buffer outlives the op.
+unsafe impl Send for Disjoint {}
+// SAFETY: as above.
+unsafe impl Sync for Disjoint {}
+
+impl Disjoint {
+    fn new(buf: &mut [f32]) -> Disjoint {
+        Disjoint {
+            ptr: buf.as_mut_ptr(),
+            len: buf.len(),
+        }
+    }
+
+    /// # Safety
+    /// No other live slice of the buffer overlaps `range`.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn range(&self, range: std::ops::Range<usize>) -> &mut [f32] {
+        assert!(range.start <= range.end && range.end <= self.len);
+        // SAFETY: in bounds (checked), not aliased (the caller's promise).
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(range.start), range.len()) }
+    }
+}
+
+/// Rows per job when `n_parts` matrices of `rows` rows are split between `threads`: about two
+/// jobs per thread in all, in whole [`ember_quant::ROW_RANGE_ALIGN`] runs.
+fn rows_per_job(rows: usize, n_parts: usize, threads: usize) -> usize {
+    let align = ember_quant::ROW_RANGE_ALIGN;
+    let per_part = (2 * threads).div_ceil(n_parts.max(1)).max(1);
+    (rows.div_ceil(per_part).div_ceil(align) * align).max(align)
+}
+
+/// Finds (or makes) the buffer of quantized activations of type `ty` and width `cols`.
+fn acts_slot(
+    list: &mut Vec<ember_quant::QuantizedActivations>,
+    ty: GgmlType,
+    cols: usize,
+) -> usize {
+    if let Some(i) = list.iter().position(|a| a.ty() == ty && a.cols() == cols) {
+        return i;
+    }
+    list.push(
+        ember_quant::QuantizedActivations::empty(ty, cols)
+            .expect("vec_dot_type is an activation type"),
+    );
+    list.len() - 1
+}
+
+/// The chosen experts of a single token (a decode step of one sequence): every expert's gate
+/// and up products in one op, split between the threads by (expert, rows), the activation over
+/// all of them, then every down product in a second op. Expert by expert, a step was a dozen
+/// products per layer each split between every thread, each too small to pay for the threads it
+/// woke (on 16 threads, 0.69x llama.cpp's decode). The numbers are those of the per-expert path:
+/// each output is the same dot product ([`ember_quant::matmul_rows`]), the activations are
+/// quantized row by row, and the activation and factor are the same elementwise ops.
+fn one_token_experts(
+    backend: &CpuBackend,
+    moe: &MoeFfn<'_, CpuMatrix>,
+    x: &[f32],
+    experts: &[u32],
+    buffers: StepBuffers<'_>,
+) {
+    let StepBuffers {
+        acts,
+        down_acts,
+        gate,
+        up,
+        routed,
+    } = buffers;
+    let n_used = experts.len();
+    let (n_embd, n_ff) = (moe.gate.cols, moe.n_ff);
+    let threads = backend.n_threads();
+    let gate_ty = ember_quant::vec_dot_type(moe.gate.info.ty);
+    let up_ty = ember_quant::vec_dot_type(moe.up.info.ty);
+    let gi = acts_slot(acts, gate_ty, n_embd);
+    let ui = acts_slot(acts, up_ty, n_embd);
+    for i in [gi, ui] {
+        acts[i]
+            .requantize(x, 1)
+            .expect("activation shape matches the matrix");
+    }
+    let (gate_acts, up_acts) = (&acts[gi], &acts[ui]);
+    let chunk = rows_per_job(n_ff, n_used, threads);
+    let per_expert = n_ff.div_ceil(chunk);
+    let (gate_out, up_out) = (
+        Disjoint::new(&mut gate[..n_used * n_ff]),
+        Disjoint::new(&mut up[..n_used * n_ff]),
+    );
+    ember_quant::team::for_each_index(n_used * per_expert, |job| {
+        let (rank, part) = (job / per_expert, job % per_expert);
+        let e = experts[rank] as usize;
+        let rows = part * chunk..((part + 1) * chunk).min(n_ff);
+        let at = rank * n_ff + rows.start..rank * n_ff + rows.end;
+        // SAFETY: (rank, rows) ranges of different jobs are disjoint.
+        let (g, u) = unsafe { (gate_out.range(at.clone()), up_out.range(at)) };
+        ember_quant::matmul_rows(&moe.gate.stacked(e), gate_acts, rows.clone(), g)
+            .expect("matmul shapes match");
+        ember_quant::matmul_rows(&moe.up.stacked(e), up_acts, rows, u)
+            .expect("matmul shapes match");
+    });
+    match moe.activation {
+        FfnActivation::SwiGlu => backend.swiglu(gate, up, n_used * n_ff),
+        FfnActivation::GeGlu => backend.geglu(gate, up, n_used * n_ff),
+    }
+    let down_ty = ember_quant::vec_dot_type(moe.down.info.ty);
+    if down_acts.len() < n_used
+        || down_acts
+            .iter()
+            .any(|a| a.ty() != down_ty || a.cols() != n_ff)
+    {
+        down_acts.clear();
+        down_acts.extend((0..n_used).map(|_| {
+            ember_quant::QuantizedActivations::empty(down_ty, n_ff)
+                .expect("vec_dot_type is an activation type")
+        }));
+    }
+    for (a, row) in down_acts.iter_mut().zip(gate.chunks_exact(n_ff)) {
+        a.requantize(row, 1)
+            .expect("activation shape matches the matrix");
+    }
+    let down_acts = &down_acts[..];
+    let chunk = rows_per_job(n_embd, n_used, threads);
+    let per_expert = n_embd.div_ceil(chunk);
+    let out = Disjoint::new(&mut routed[..n_used * n_embd]);
+    ember_quant::team::for_each_index(n_used * per_expert, |job| {
+        let (rank, part) = (job / per_expert, job % per_expert);
+        let e = experts[rank] as usize;
+        let rows = part * chunk..((part + 1) * chunk).min(n_embd);
+        // SAFETY: (rank, rows) ranges of different jobs are disjoint.
+        let dst = unsafe { out.range(rank * n_embd + rows.start..rank * n_embd + rows.end) };
+        ember_quant::matmul_rows(&moe.down.stacked(e), &down_acts[rank], rows, dst)
+            .expect("matmul shapes match");
+        // GGML scales the expert's output by its factor as a separate op, before the weight.
+        if let Some(f) = moe.expert_scale.map(|s| s[e]) {
+            dst.iter_mut().for_each(|d| *d *= f);
+        }
+    });
+}
+
 /// [`Backend::moe_ffn`] on the CPU (see the module docs for the order of operations).
 pub(super) fn moe_ffn(
     backend: &CpuBackend,
@@ -202,6 +372,8 @@ pub(super) fn moe_ffn(
         shared_up,
         shared_out,
         shared_logit,
+        step_acts,
+        step_down_acts,
     } = &mut *guard;
 
     experts.resize(n_tokens * n_used, 0);
@@ -222,48 +394,67 @@ pub(super) fn moe_ffn(
     }
 
     routed.resize(n_tokens * n_used * n_embd, 0.0);
-    for (e, routes) in routes_of_expert.iter().enumerate() {
-        if routes.is_empty() {
-            continue;
-        }
-        let m = routes.len();
-        rows.resize(m * n_embd, 0.0);
-        for (row, &route) in rows.chunks_exact_mut(n_embd).zip(routes) {
-            let t = route as usize / n_used;
-            row.copy_from_slice(&x[t * n_embd..(t + 1) * n_embd]);
-        }
-        let (w_gate, w_up, w_down) = (moe.gate.stacked(e), moe.up.stacked(e), moe.down.stacked(e));
-        gate.resize(m * n_ff, 0.0);
-        up.resize(m * n_ff, 0.0);
-        let same_activations =
-            ember_quant::vec_dot_type(w_gate.ty) == ember_quant::vec_dot_type(w_up.ty);
-        backend.with_activations(w_gate.ty, n_embd, &rows[..], m, |acts| {
-            products(&w_gate, acts, &mut gate[..]);
-            if same_activations {
-                products(&w_up, acts, &mut up[..]);
+    if n_tokens == 1 {
+        gate.resize(n_used * n_ff, 0.0);
+        up.resize(n_used * n_ff, 0.0);
+        one_token_experts(
+            backend,
+            moe,
+            &x[..n_embd],
+            experts,
+            StepBuffers {
+                acts: step_acts,
+                down_acts: step_down_acts,
+                gate,
+                up,
+                routed,
+            },
+        );
+    } else {
+        for (e, routes) in routes_of_expert.iter().enumerate() {
+            if routes.is_empty() {
+                continue;
             }
-        });
-        if !same_activations {
-            backend.with_activations(w_up.ty, n_embd, &rows[..], m, |acts| {
-                products(&w_up, acts, &mut up[..])
+            let m = routes.len();
+            rows.resize(m * n_embd, 0.0);
+            for (row, &route) in rows.chunks_exact_mut(n_embd).zip(routes) {
+                let t = route as usize / n_used;
+                row.copy_from_slice(&x[t * n_embd..(t + 1) * n_embd]);
+            }
+            let (w_gate, w_up, w_down) =
+                (moe.gate.stacked(e), moe.up.stacked(e), moe.down.stacked(e));
+            gate.resize(m * n_ff, 0.0);
+            up.resize(m * n_ff, 0.0);
+            let same_activations =
+                ember_quant::vec_dot_type(w_gate.ty) == ember_quant::vec_dot_type(w_up.ty);
+            backend.with_activations(w_gate.ty, n_embd, &rows[..], m, |acts| {
+                products(&w_gate, acts, &mut gate[..]);
+                if same_activations {
+                    products(&w_up, acts, &mut up[..]);
+                }
             });
-        }
-        match moe.activation {
-            FfnActivation::SwiGlu => backend.swiglu(gate, up, m * n_ff),
-            FfnActivation::GeGlu => backend.geglu(gate, up, m * n_ff),
-        }
-        down.resize(m * n_embd, 0.0);
-        backend.with_activations(w_down.ty, n_ff, &gate[..], m, |acts| {
-            products(&w_down, acts, &mut down[..])
-        });
-        // GGML scales the expert's output by its factor as a separate op, before the weight.
-        let factor = moe.expert_scale.map(|s| s[e]);
-        for (row, &route) in down.chunks_exact(n_embd).zip(routes) {
-            let route = route as usize;
-            let dst = &mut routed[route * n_embd..(route + 1) * n_embd];
-            match factor {
-                Some(f) => dst.iter_mut().zip(row).for_each(|(d, &y)| *d = y * f),
-                None => dst.copy_from_slice(row),
+            if !same_activations {
+                backend.with_activations(w_up.ty, n_embd, &rows[..], m, |acts| {
+                    products(&w_up, acts, &mut up[..])
+                });
+            }
+            match moe.activation {
+                FfnActivation::SwiGlu => backend.swiglu(gate, up, m * n_ff),
+                FfnActivation::GeGlu => backend.geglu(gate, up, m * n_ff),
+            }
+            down.resize(m * n_embd, 0.0);
+            backend.with_activations(w_down.ty, n_ff, &gate[..], m, |acts| {
+                products(&w_down, acts, &mut down[..])
+            });
+            // GGML scales the expert's output by its factor as a separate op, before the weight.
+            let factor = moe.expert_scale.map(|s| s[e]);
+            for (row, &route) in down.chunks_exact(n_embd).zip(routes) {
+                let route = route as usize;
+                let dst = &mut routed[route * n_embd..(route + 1) * n_embd];
+                match factor {
+                    Some(f) => dst.iter_mut().zip(row).for_each(|(d, &y)| *d = y * f),
+                    None => dst.copy_from_slice(row),
+                }
             }
         }
     }
@@ -349,7 +540,6 @@ mod tests {
     const N_FF: usize = 32;
     const N_EXPERT: usize = 6;
     const N_USED: usize = 2;
-    const N_FF_SHARED: usize = 64;
 
     /// A file holding stacked experts and a gated shared expert of type `ty`, and the backend's
     /// placements of them.
@@ -364,16 +554,22 @@ mod tests {
     }
 
     fn layer(backend: &CpuBackend, ty: GgmlType) -> Layer {
+        layer_of(backend, ty, N_EMBD, N_FF)
+    }
+
+    fn layer_of(backend: &CpuBackend, ty: GgmlType, n_embd: usize, n_ff: usize) -> Layer {
+        // The shared expert is twice as wide as a routed one.
+        let (e, f, sf) = (n_embd as u64, n_ff as u64, 2 * n_ff as u64);
         let mut writer = GgufWriter::new();
         writer.metadata("general.architecture", Value::String("test".into()));
         let tensors: [(&str, Vec<u64>); 7] = [
-            ("gate", vec![N_EMBD as u64, N_FF as u64, N_EXPERT as u64]),
-            ("up", vec![N_EMBD as u64, N_FF as u64, N_EXPERT as u64]),
-            ("down", vec![N_FF as u64, N_EMBD as u64, N_EXPERT as u64]),
-            ("shared_gate", vec![N_EMBD as u64, N_FF_SHARED as u64]),
-            ("shared_up", vec![N_EMBD as u64, N_FF_SHARED as u64]),
-            ("shared_down", vec![N_FF_SHARED as u64, N_EMBD as u64]),
-            ("shared_gate_inp", vec![N_EMBD as u64]),
+            ("gate", vec![e, f, N_EXPERT as u64]),
+            ("up", vec![e, f, N_EXPERT as u64]),
+            ("down", vec![f, e, N_EXPERT as u64]),
+            ("shared_gate", vec![e, sf]),
+            ("shared_up", vec![e, sf]),
+            ("shared_down", vec![sf, e]),
+            ("shared_gate_inp", vec![e]),
         ];
         for (i, (name, dims)) in tensors.iter().enumerate() {
             let n: u64 = dims.iter().product();
@@ -400,7 +596,7 @@ mod tests {
             gate: &layer.gate,
             up: &layer.up,
             down: &layer.down,
-            n_ff: N_FF,
+            n_ff: layer.gate.rows,
             activation: FfnActivation::SwiGlu,
             routing: routing(N_EXPERT, N_USED, true),
             expert_scale: None,
@@ -408,7 +604,7 @@ mod tests {
                 gate: &layer.shared_gate,
                 up: &layer.shared_up,
                 down: &layer.shared_down,
-                n_ff: N_FF_SHARED,
+                n_ff: layer.shared_gate.rows,
                 gate_inp: Some(&layer.shared_gate_inp),
             }),
         }
@@ -511,6 +707,53 @@ mod tests {
                     batched[t * N_EMBD..(t + 1) * N_EMBD],
                     "token {t}, shared expert {with_shared}"
                 );
+            }
+        }
+    }
+
+    /// A single token's experts run as two ops split by (expert, rows) between the threads
+    /// (`one_token_experts`); a batch runs expert by expert. Both give a token the same bits,
+    /// for each weight type's kernels, with the rows split into several jobs per expert (3
+    /// threads) or none (1), with and without the shared expert and the per-expert factors.
+    #[test]
+    fn a_decode_step_split_by_expert_and_rows_gives_the_bits_of_the_batch_path() {
+        const E: usize = 256;
+        const F: usize = 512;
+        for threads in [1, 3] {
+            let backend = CpuBackend::new(threads).unwrap();
+            for ty in [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0, GgmlType::Q5_0] {
+                let layer = layer_of(&backend, ty, E, F);
+                // Two tokens: each expert sees at most two, where every type's kernels give
+                // each output the one-token bits (Q4_K changes order from four tokens on).
+                let n_tokens = 2;
+                let logits = values(301, n_tokens * N_EXPERT, 3.0);
+                let x = values(302, n_tokens * E, 1.0);
+                let factors = values(303, N_EXPERT, 2.0);
+                for (with_shared, scaled) in [(false, false), (true, false), (false, true)] {
+                    let mut op = op(&layer, with_shared);
+                    if scaled {
+                        op.expert_scale = Some(&factors);
+                    }
+                    let mut batched = vec![0f32; n_tokens * E];
+                    backend.install(|| backend.moe_ffn(&op, &logits, &x, n_tokens, &mut batched));
+                    for t in 0..n_tokens {
+                        let mut alone = vec![f32::NAN; E];
+                        let token_logits = logits[t * N_EXPERT..(t + 1) * N_EXPERT].to_vec();
+                        let token_x = x[t * E..(t + 1) * E].to_vec();
+                        backend.install(|| {
+                            backend.moe_ffn(&op, &token_logits, &token_x, 1, &mut alone)
+                        });
+                        let same = alone
+                            .iter()
+                            .zip(&batched[t * E..(t + 1) * E])
+                            .all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(
+                            same,
+                            "{ty}, {threads} threads, token {t}, shared {with_shared}, \
+                             factors {scaled}"
+                        );
+                    }
+                }
             }
         }
     }
