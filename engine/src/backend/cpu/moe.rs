@@ -23,7 +23,7 @@
 
 use rayon::prelude::*;
 
-use super::{ops, products, vec, CpuBackend, CpuMatrix};
+use super::{ops, vec, CpuBackend, CpuMatrix};
 use crate::backend::{Backend, ExpertGating, MoeFfn, MoeRouting};
 use crate::ops::FfnActivation;
 use ember_gguf::GgmlType;
@@ -57,10 +57,12 @@ pub(super) struct Scratch {
     shared_up: Vec<f32>,
     shared_out: Vec<f32>,
     shared_logit: Vec<f32>,
-    /// Quantized input of a one-token step, per activation type (gate and up may differ).
-    step_acts: Vec<ember_quant::QuantizedActivations>,
-    /// Quantized input of each chosen expert's down product in a one-token step, by rank.
-    step_down_acts: Vec<ember_quant::QuantizedActivations>,
+    /// The experts chosen by any token of the batch, with their runs of grouped rows.
+    groups: Vec<Group>,
+    /// Quantized inputs of each group's gate, up (where its type differs) and down products.
+    gate_acts: Vec<ember_quant::QuantizedActivations>,
+    up_acts: Vec<ember_quant::QuantizedActivations>,
+    down_acts: Vec<ember_quant::QuantizedActivations>,
 }
 
 impl Scratch {
@@ -83,6 +85,7 @@ impl Scratch {
         .map(|v| v.capacity())
         .sum::<usize>();
         let u32s = self.order.capacity()
+            + self.groups.capacity() * std::mem::size_of::<Group>() / 4
             + self.experts.capacity()
             + self
                 .routes_of_expert
@@ -90,9 +93,10 @@ impl Scratch {
                 .map(Vec::capacity)
                 .sum::<usize>();
         let acts = self
-            .step_acts
+            .gate_acts
             .iter()
-            .chain(&self.step_down_acts)
+            .chain(&self.up_acts)
+            .chain(&self.down_acts)
             .map(ember_quant::QuantizedActivations::bytes)
             .sum::<usize>();
         (f32s + u32s) * 4
@@ -177,32 +181,53 @@ pub(super) fn router_f32(router: &CpuMatrix, x: &[f32], n_tokens: usize, out: &m
         });
 }
 
-/// The buffers of [`one_token_experts`].
-struct StepBuffers<'a> {
-    acts: &'a mut Vec<ember_quant::QuantizedActivations>,
-    down_acts: &'a mut Vec<ember_quant::QuantizedActivations>,
-    /// `n_used` rows of `n_ff`: the gate products, then the activation.
-    gate: &'a mut Vec<f32>,
-    up: &'a mut Vec<f32>,
-    /// `n_used` rows of `n_embd`: each chosen expert's output (times its factor).
-    routed: &'a mut [f32],
+/// An expert chosen by some token of the batch: its routes' rows are rows `start..start +
+/// count` of the grouped buffers (in [`Scratch::routes_of_expert`] order).
+#[derive(Clone, Copy)]
+pub(super) struct Group {
+    expert: usize,
+    start: usize,
+    count: usize,
 }
 
-/// A buffer written in disjoint ranges by the jobs of one op.
-#[derive(Clone, Copy)]
-struct Disjoint {
-    ptr: *mut f32,
+/// The buffers of [`run_experts`].
+struct ExpertBuffers<'a> {
+    groups: &'a [Group],
+    /// Grouped input rows (`n_embd` each).
+    rows: &'a mut Vec<f32>,
+    /// Grouped gate products, then the activation (`n_ff` each).
+    gate: &'a mut Vec<f32>,
+    up: &'a mut Vec<f32>,
+    /// Grouped down products (`n_embd` each).
+    down: &'a mut Vec<f32>,
+    /// Each route's expert output times the expert's factor, by route.
+    routed: &'a mut [f32],
+    gate_acts: &'a mut Vec<ember_quant::QuantizedActivations>,
+    up_acts: &'a mut Vec<ember_quant::QuantizedActivations>,
+    down_acts: &'a mut Vec<ember_quant::QuantizedActivations>,
+}
+
+/// A slice written in disjoint parts by the jobs of one op.
+struct Disjoint<T> {
+    ptr: *mut T,
     len: usize,
 }
 
-// SAFETY: jobs write through it only to ranges no other job touches (see `range`), and the
-// buffer outlives the op.
-unsafe impl Send for Disjoint {}
-// SAFETY: as above.
-unsafe impl Sync for Disjoint {}
+impl<T> Clone for Disjoint<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for Disjoint<T> {}
 
-impl Disjoint {
-    fn new(buf: &mut [f32]) -> Disjoint {
+// SAFETY: jobs reach the slice only through `range`/`at` on parts no other job touches, and the
+// slice outlives the op; `T: Send` moves no non-sendable value between threads.
+unsafe impl<T: Send> Send for Disjoint<T> {}
+// SAFETY: as above.
+unsafe impl<T: Send> Sync for Disjoint<T> {}
+
+impl<T> Disjoint<T> {
+    fn new(buf: &mut [T]) -> Disjoint<T> {
         Disjoint {
             ptr: buf.as_mut_ptr(),
             len: buf.len(),
@@ -210,126 +235,243 @@ impl Disjoint {
     }
 
     /// # Safety
-    /// No other live slice of the buffer overlaps `range`.
+    /// No other live reference into the slice overlaps `range`.
     #[allow(clippy::mut_from_ref)]
-    unsafe fn range(&self, range: std::ops::Range<usize>) -> &mut [f32] {
+    unsafe fn range(&self, range: std::ops::Range<usize>) -> &mut [T] {
         assert!(range.start <= range.end && range.end <= self.len);
         // SAFETY: in bounds (checked), not aliased (the caller's promise).
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(range.start), range.len()) }
     }
+
+    /// # Safety
+    /// As [`Disjoint::range`], for element `i`.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn at(&self, i: usize) -> &mut T {
+        // SAFETY: the caller's promise.
+        unsafe { &mut self.range(i..i + 1)[0] }
+    }
 }
 
-/// Rows per job when `n_parts` matrices of `rows` rows are split between `threads`: about two
-/// jobs per thread in all, in whole [`ember_quant::ROW_RANGE_ALIGN`] runs.
-fn rows_per_job(rows: usize, n_parts: usize, threads: usize) -> usize {
-    let align = ember_quant::ROW_RANGE_ALIGN;
-    let per_part = (2 * threads).div_ceil(n_parts.max(1)).max(1);
-    (rows.div_ceil(per_part).div_ceil(align) * align).max(align)
-}
-
-/// Finds (or makes) the buffer of quantized activations of type `ty` and width `cols`.
-fn acts_slot(
+/// Makes `list` hold at least `n` buffers of quantized activations of type `ty`, `cols` wide.
+fn ensure_acts(
     list: &mut Vec<ember_quant::QuantizedActivations>,
+    n: usize,
     ty: GgmlType,
     cols: usize,
-) -> usize {
-    if let Some(i) = list.iter().position(|a| a.ty() == ty && a.cols() == cols) {
-        return i;
+) {
+    if list.iter().any(|a| a.ty() != ty || a.cols() != cols) {
+        list.clear();
     }
-    list.push(
-        ember_quant::QuantizedActivations::empty(ty, cols)
-            .expect("vec_dot_type is an activation type"),
-    );
-    list.len() - 1
+    while list.len() < n {
+        list.push(
+            ember_quant::QuantizedActivations::empty(ty, cols)
+                .expect("vec_dot_type is an activation type"),
+        );
+    }
 }
 
-/// The chosen experts of a single token (a decode step of one sequence): every expert's gate
-/// and up products in one op, split between the threads by (expert, rows), the activation over
-/// all of them, then every down product in a second op. Expert by expert, a step was a dozen
-/// products per layer each split between every thread, each too small to pay for the threads it
-/// woke (on 16 threads, 0.69x llama.cpp's decode). The numbers are those of the per-expert path:
-/// each output is the same dot product ([`ember_quant::matmul_rows`]), the activations are
-/// quantized row by row, and the activation and factor are the same elementwise ops.
-fn one_token_experts(
+/// How the products of a stack of experts are split into jobs: whole experts where there are
+/// enough of them for every thread (a prompt), else runs of rows of each expert (a decode step's
+/// few experts: about two jobs per thread in all), in whole [`ember_quant::ROW_RANGE_ALIGN`]s.
+fn rows_per_job(rows: usize, n_groups: usize, threads: usize) -> usize {
+    if n_groups >= 2 * threads {
+        return rows;
+    }
+    let align = ember_quant::ROW_RANGE_ALIGN;
+    let per_group = (2 * threads).div_ceil(n_groups.max(1)).max(1);
+    (rows.div_ceil(per_group).div_ceil(align) * align)
+        .max(align)
+        .min(rows)
+}
+
+thread_local! {
+    /// Outputs of one job whose rows are a part of its expert's, for more than one token.
+    static PART: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Rows `rows` of expert matrix `w` against `acts` (the `group`'s `count` rows), written to the
+/// group's rows of `out` (grouped, `stride` wide), columns `rows`.
+fn product_part(
+    w: &ember_quant::QMatrix<'_>,
+    acts: &ember_quant::QuantizedActivations,
+    rows: std::ops::Range<usize>,
+    group: Group,
+    out: Disjoint<f32>,
+    stride: usize,
+) {
+    let width = rows.len();
+    if width == stride || group.count == 1 {
+        // The outputs are one contiguous run: the group's rows whole, or one token's part.
+        let at = group.start * stride + rows.start;
+        // SAFETY: jobs of one op own disjoint (group, rows) parts of `out`.
+        let dst = unsafe { out.range(at..at + (group.count - 1) * stride + width) };
+        ember_quant::matmul_rows(w, acts, rows, dst).expect("matmul shapes match");
+        return;
+    }
+    PART.with_borrow_mut(|part| {
+        part.resize(group.count * width, 0.0);
+        ember_quant::matmul_rows(w, acts, rows.clone(), part).expect("matmul shapes match");
+        for (i, src) in part.chunks_exact(width).enumerate() {
+            let at = (group.start + i) * stride + rows.start;
+            // SAFETY: as above.
+            unsafe { out.range(at..at + width) }.copy_from_slice(src);
+        }
+    });
+}
+
+/// The routed experts of a batch, every chosen expert at once rather than one after another:
+/// one op gathers and quantizes each expert's input rows, one runs every gate and up product,
+/// the activation runs over all of them, one op quantizes the down inputs and one runs every
+/// down product, each split between the threads by expert (and by rows where the experts are
+/// fewer than the threads). Expert by expert, a layer was five ops per expert, each too small
+/// to pay for the threads it woke: on 16 threads 0.72x llama.cpp's prompt speed and 0.69x its
+/// decode. Each output is the same dot product as the expert's whole product would give
+/// ([`ember_quant::matmul_rows`]), the activations are quantized row by row, and the
+/// activation and factors are the same elementwise ops.
+fn run_experts(
     backend: &CpuBackend,
     moe: &MoeFfn<'_, CpuMatrix>,
     x: &[f32],
-    experts: &[u32],
-    buffers: StepBuffers<'_>,
+    n_used: usize,
+    routes_of_expert: &[Vec<u32>],
+    buffers: ExpertBuffers<'_>,
 ) {
-    let StepBuffers {
-        acts,
-        down_acts,
+    let ExpertBuffers {
+        groups,
+        rows,
         gate,
         up,
+        down,
         routed,
+        gate_acts,
+        up_acts,
+        down_acts,
     } = buffers;
-    let n_used = experts.len();
     let (n_embd, n_ff) = (moe.gate.cols, moe.n_ff);
+    let n_groups = groups.len();
+    let grouped = groups.last().map_or(0, |g| g.start + g.count);
     let threads = backend.n_threads();
+
+    // Inputs: each expert's rows gathered and quantized (row by row, as one batch would be).
     let gate_ty = ember_quant::vec_dot_type(moe.gate.info.ty);
     let up_ty = ember_quant::vec_dot_type(moe.up.info.ty);
-    let gi = acts_slot(acts, gate_ty, n_embd);
-    let ui = acts_slot(acts, up_ty, n_embd);
-    for i in [gi, ui] {
-        acts[i]
-            .requantize(x, 1)
-            .expect("activation shape matches the matrix");
+    let same_activations = gate_ty == up_ty;
+    ensure_acts(gate_acts, n_groups, gate_ty, n_embd);
+    if !same_activations {
+        ensure_acts(up_acts, n_groups, up_ty, n_embd);
     }
-    let (gate_acts, up_acts) = (&acts[gi], &acts[ui]);
-    let chunk = rows_per_job(n_ff, n_used, threads);
-    let per_expert = n_ff.div_ceil(chunk);
-    let (gate_out, up_out) = (
-        Disjoint::new(&mut gate[..n_used * n_ff]),
-        Disjoint::new(&mut up[..n_used * n_ff]),
-    );
-    ember_quant::team::for_each_index(n_used * per_expert, |job| {
-        let (rank, part) = (job / per_expert, job % per_expert);
-        let e = experts[rank] as usize;
-        let rows = part * chunk..((part + 1) * chunk).min(n_ff);
-        let at = rank * n_ff + rows.start..rank * n_ff + rows.end;
-        // SAFETY: (rank, rows) ranges of different jobs are disjoint.
-        let (g, u) = unsafe { (gate_out.range(at.clone()), up_out.range(at)) };
-        ember_quant::matmul_rows(&moe.gate.stacked(e), gate_acts, rows.clone(), g)
-            .expect("matmul shapes match");
-        ember_quant::matmul_rows(&moe.up.stacked(e), up_acts, rows, u)
-            .expect("matmul shapes match");
-    });
-    match moe.activation {
-        FfnActivation::SwiGlu => backend.swiglu(gate, up, n_used * n_ff),
-        FfnActivation::GeGlu => backend.geglu(gate, up, n_used * n_ff),
-    }
-    let down_ty = ember_quant::vec_dot_type(moe.down.info.ty);
-    if down_acts.len() < n_used
-        || down_acts
-            .iter()
-            .any(|a| a.ty() != down_ty || a.cols() != n_ff)
+    rows.resize(grouped * n_embd, 0.0);
     {
-        down_acts.clear();
-        down_acts.extend((0..n_used).map(|_| {
-            ember_quant::QuantizedActivations::empty(down_ty, n_ff)
-                .expect("vec_dot_type is an activation type")
-        }));
+        let (rows_out, gate_in, up_in) = (
+            Disjoint::new(rows),
+            Disjoint::new(gate_acts),
+            Disjoint::new(up_acts),
+        );
+        ember_quant::team::for_each_index(n_groups, |g| {
+            let group = groups[g];
+            let routes = &routes_of_expert[group.expert];
+            // SAFETY: job `g` alone touches group `g`'s rows and activation buffers.
+            let mine = unsafe {
+                rows_out.range(group.start * n_embd..(group.start + group.count) * n_embd)
+            };
+            for (row, &route) in mine.chunks_exact_mut(n_embd).zip(routes) {
+                let t = route as usize / n_used;
+                row.copy_from_slice(&x[t * n_embd..(t + 1) * n_embd]);
+            }
+            // SAFETY: as above.
+            unsafe { gate_in.at(g) }
+                .requantize(mine, group.count)
+                .expect("activation shape matches the matrix");
+            if !same_activations {
+                // SAFETY: as above.
+                unsafe { up_in.at(g) }
+                    .requantize(mine, group.count)
+                    .expect("activation shape matches the matrix");
+            }
+        });
     }
-    for (a, row) in down_acts.iter_mut().zip(gate.chunks_exact(n_ff)) {
-        a.requantize(row, 1)
-            .expect("activation shape matches the matrix");
+
+    // Gate and up products.
+    gate.resize(grouped * n_ff, 0.0);
+    up.resize(grouped * n_ff, 0.0);
+    {
+        let up_acts: &[ember_quant::QuantizedActivations] =
+            if same_activations { gate_acts } else { up_acts };
+        let gate_acts = &gate_acts[..];
+        let chunk = rows_per_job(n_ff, n_groups, threads);
+        let parts = n_ff.div_ceil(chunk);
+        let (gate_out, up_out) = (Disjoint::new(gate), Disjoint::new(up));
+        ember_quant::team::for_each_index(n_groups * parts, |job| {
+            let (g, part) = (job / parts, job % parts);
+            let group = groups[g];
+            let rows = part * chunk..((part + 1) * chunk).min(n_ff);
+            let e = group.expert;
+            product_part(
+                &moe.gate.stacked(e),
+                &gate_acts[g],
+                rows.clone(),
+                group,
+                gate_out,
+                n_ff,
+            );
+            product_part(&moe.up.stacked(e), &up_acts[g], rows, group, up_out, n_ff);
+        });
     }
+    match moe.activation {
+        FfnActivation::SwiGlu => backend.swiglu(gate, up, grouped * n_ff),
+        FfnActivation::GeGlu => backend.geglu(gate, up, grouped * n_ff),
+    }
+
+    // Down products, and each route's output (times its expert's factor) in its place.
+    let down_ty = ember_quant::vec_dot_type(moe.down.info.ty);
+    ensure_acts(down_acts, n_groups, down_ty, n_ff);
+    {
+        let (gate, down_in) = (&gate[..], Disjoint::new(down_acts));
+        ember_quant::team::for_each_index(n_groups, |g| {
+            let group = groups[g];
+            // SAFETY: job `g` alone touches group `g`'s buffer.
+            unsafe { down_in.at(g) }
+                .requantize(
+                    &gate[group.start * n_ff..(group.start + group.count) * n_ff],
+                    group.count,
+                )
+                .expect("activation shape matches the matrix");
+        });
+    }
+    down.resize(grouped * n_embd, 0.0);
     let down_acts = &down_acts[..];
-    let chunk = rows_per_job(n_embd, n_used, threads);
-    let per_expert = n_embd.div_ceil(chunk);
-    let out = Disjoint::new(&mut routed[..n_used * n_embd]);
-    ember_quant::team::for_each_index(n_used * per_expert, |job| {
-        let (rank, part) = (job / per_expert, job % per_expert);
-        let e = experts[rank] as usize;
+    let chunk = rows_per_job(n_embd, n_groups, threads);
+    let parts = n_embd.div_ceil(chunk);
+    let (down_out, routed_out) = (Disjoint::new(down), Disjoint::new(routed));
+    ember_quant::team::for_each_index(n_groups * parts, |job| {
+        let (g, part) = (job / parts, job % parts);
+        let group = groups[g];
         let rows = part * chunk..((part + 1) * chunk).min(n_embd);
-        // SAFETY: (rank, rows) ranges of different jobs are disjoint.
-        let dst = unsafe { out.range(rank * n_embd + rows.start..rank * n_embd + rows.end) };
-        ember_quant::matmul_rows(&moe.down.stacked(e), &down_acts[rank], rows, dst)
-            .expect("matmul shapes match");
+        let e = group.expert;
+        product_part(
+            &moe.down.stacked(e),
+            &down_acts[g],
+            rows.clone(),
+            group,
+            down_out,
+            n_embd,
+        );
         // GGML scales the expert's output by its factor as a separate op, before the weight.
-        if let Some(f) = moe.expert_scale.map(|s| s[e]) {
-            dst.iter_mut().for_each(|d| *d *= f);
+        let factor = moe.expert_scale.map(|s| s[e]);
+        for (i, &route) in routes_of_expert[e].iter().enumerate() {
+            let (src, dst) = ((group.start + i) * n_embd, route as usize * n_embd);
+            // SAFETY: job (g, part) alone touches these rows' columns `rows`: the group's rows
+            // of `down`, its routes' rows of `routed` (each route belongs to one group).
+            let (y, d) = unsafe {
+                (
+                    down_out.range(src + rows.start..src + rows.end),
+                    routed_out.range(dst + rows.start..dst + rows.end),
+                )
+            };
+            match factor {
+                Some(f) => d.iter_mut().zip(y.iter()).for_each(|(d, &y)| *d = y * f),
+                None => d.copy_from_slice(y),
+            }
         }
     });
 }
@@ -372,8 +514,10 @@ pub(super) fn moe_ffn(
         shared_up,
         shared_out,
         shared_logit,
-        step_acts,
-        step_down_acts,
+        groups,
+        gate_acts,
+        up_acts,
+        down_acts,
     } = &mut *guard;
 
     experts.resize(n_tokens * n_used, 0);
@@ -394,70 +538,36 @@ pub(super) fn moe_ffn(
     }
 
     routed.resize(n_tokens * n_used * n_embd, 0.0);
-    if n_tokens == 1 {
-        gate.resize(n_used * n_ff, 0.0);
-        up.resize(n_used * n_ff, 0.0);
-        one_token_experts(
-            backend,
-            moe,
-            &x[..n_embd],
-            experts,
-            StepBuffers {
-                acts: step_acts,
-                down_acts: step_down_acts,
-                gate,
-                up,
-                routed,
-            },
-        );
-    } else {
-        for (e, routes) in routes_of_expert.iter().enumerate() {
-            if routes.is_empty() {
-                continue;
-            }
-            let m = routes.len();
-            rows.resize(m * n_embd, 0.0);
-            for (row, &route) in rows.chunks_exact_mut(n_embd).zip(routes) {
-                let t = route as usize / n_used;
-                row.copy_from_slice(&x[t * n_embd..(t + 1) * n_embd]);
-            }
-            let (w_gate, w_up, w_down) =
-                (moe.gate.stacked(e), moe.up.stacked(e), moe.down.stacked(e));
-            gate.resize(m * n_ff, 0.0);
-            up.resize(m * n_ff, 0.0);
-            let same_activations =
-                ember_quant::vec_dot_type(w_gate.ty) == ember_quant::vec_dot_type(w_up.ty);
-            backend.with_activations(w_gate.ty, n_embd, &rows[..], m, |acts| {
-                products(&w_gate, acts, &mut gate[..]);
-                if same_activations {
-                    products(&w_up, acts, &mut up[..]);
-                }
+    groups.clear();
+    let mut grouped = 0;
+    for (e, routes) in routes_of_expert.iter().enumerate() {
+        if !routes.is_empty() {
+            groups.push(Group {
+                expert: e,
+                start: grouped,
+                count: routes.len(),
             });
-            if !same_activations {
-                backend.with_activations(w_up.ty, n_embd, &rows[..], m, |acts| {
-                    products(&w_up, acts, &mut up[..])
-                });
-            }
-            match moe.activation {
-                FfnActivation::SwiGlu => backend.swiglu(gate, up, m * n_ff),
-                FfnActivation::GeGlu => backend.geglu(gate, up, m * n_ff),
-            }
-            down.resize(m * n_embd, 0.0);
-            backend.with_activations(w_down.ty, n_ff, &gate[..], m, |acts| {
-                products(&w_down, acts, &mut down[..])
-            });
-            // GGML scales the expert's output by its factor as a separate op, before the weight.
-            let factor = moe.expert_scale.map(|s| s[e]);
-            for (row, &route) in down.chunks_exact(n_embd).zip(routes) {
-                let route = route as usize;
-                let dst = &mut routed[route * n_embd..(route + 1) * n_embd];
-                match factor {
-                    Some(f) => dst.iter_mut().zip(row).for_each(|(d, &y)| *d = y * f),
-                    None => dst.copy_from_slice(row),
-                }
-            }
+            grouped += routes.len();
         }
     }
+    run_experts(
+        backend,
+        moe,
+        x,
+        n_used,
+        routes_of_expert,
+        ExpertBuffers {
+            groups,
+            rows,
+            gate,
+            up,
+            down,
+            routed,
+            gate_acts,
+            up_acts,
+            down_acts,
+        },
+    );
 
     let routed = &routed[..];
     let weights = &weights[..];
@@ -711,48 +821,58 @@ mod tests {
         }
     }
 
-    /// A single token's experts run as two ops split by (expert, rows) between the threads
-    /// (`one_token_experts`); a batch runs expert by expert. Both give a token the same bits,
-    /// for each weight type's kernels, with the rows split into several jobs per expert (3
-    /// threads) or none (1), with and without the shared expert and the per-expert factors.
+    /// The experts' products split by whole experts (1 thread: every batch has at least two
+    /// groups) or by (expert, rows) (3 threads, fewer than six groups), for a batch and for
+    /// each of its tokens alone, give every output the same bits: for each weight type's
+    /// kernels, with several tokens per expert (rows of a part copied into place) and one, with
+    /// and without the shared expert and the per-expert factors.
     #[test]
-    fn a_decode_step_split_by_expert_and_rows_gives_the_bits_of_the_batch_path() {
+    fn expert_products_split_by_rows_or_whole_give_the_same_bits() {
         const E: usize = 256;
         const F: usize = 512;
-        for threads in [1, 3] {
-            let backend = CpuBackend::new(threads).unwrap();
-            for ty in [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0, GgmlType::Q5_0] {
-                let layer = layer_of(&backend, ty, E, F);
-                // Two tokens: each expert sees at most two, where every type's kernels give
-                // each output the one-token bits (Q4_K changes order from four tokens on).
-                let n_tokens = 2;
-                let logits = values(301, n_tokens * N_EXPERT, 3.0);
-                let x = values(302, n_tokens * E, 1.0);
-                let factors = values(303, N_EXPERT, 2.0);
-                for (with_shared, scaled) in [(false, false), (true, false), (false, true)] {
-                    let mut op = op(&layer, with_shared);
-                    if scaled {
-                        op.expert_scale = Some(&factors);
-                    }
-                    let mut batched = vec![0f32; n_tokens * E];
-                    backend.install(|| backend.moe_ffn(&op, &logits, &x, n_tokens, &mut batched));
-                    for t in 0..n_tokens {
-                        let mut alone = vec![f32::NAN; E];
-                        let token_logits = logits[t * N_EXPERT..(t + 1) * N_EXPERT].to_vec();
-                        let token_x = x[t * E..(t + 1) * E].to_vec();
-                        backend.install(|| {
-                            backend.moe_ffn(&op, &token_logits, &token_x, 1, &mut alone)
-                        });
-                        let same = alone
-                            .iter()
-                            .zip(&batched[t * E..(t + 1) * E])
-                            .all(|(a, b)| a.to_bits() == b.to_bits());
-                        assert!(
-                            same,
-                            "{ty}, {threads} threads, token {t}, shared {with_shared}, \
-                             factors {scaled}"
-                        );
-                    }
+        let one = CpuBackend::new(1).unwrap();
+        let three = CpuBackend::new(3).unwrap();
+        for ty in [
+            GgmlType::Q4_K,
+            GgmlType::Q6_K,
+            GgmlType::Q8_0,
+            GgmlType::Q5_0,
+        ] {
+            let layer = layer_of(&one, ty, E, F);
+            // Q4_K products take llama.cpp's gemm order from four tokens on (a token alone takes
+            // its gemv order), so its batch keeps every expert under four.
+            let n_tokens = if ty == GgmlType::Q4_K { 3 } else { 5 };
+            let logits = values(301, n_tokens * N_EXPERT, 3.0);
+            let x = values(302, n_tokens * E, 1.0);
+            let factors = values(303, N_EXPERT, 2.0);
+            for (with_shared, scaled) in [(false, false), (true, false), (false, true)] {
+                let mut op = op(&layer, with_shared);
+                if scaled {
+                    op.expert_scale = Some(&factors);
+                }
+                let run = |backend: &CpuBackend, logits: &[f32], x: &[f32], n: usize| {
+                    let mut out = vec![f32::NAN; n * E];
+                    let (logits, x) = (logits.to_vec(), x.to_vec());
+                    backend.install(|| backend.moe_ffn(&op, &logits, &x, n, &mut out));
+                    out.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
+                };
+                let what = format!("{ty}, shared {with_shared}, factors {scaled}");
+                let batched = run(&three, &logits, &x, n_tokens);
+                assert!(
+                    batched == run(&one, &logits, &x, n_tokens),
+                    "{what}: 3 threads against 1"
+                );
+                for t in 0..n_tokens {
+                    let alone = run(
+                        &three,
+                        &logits[t * N_EXPERT..(t + 1) * N_EXPERT],
+                        &x[t * E..(t + 1) * E],
+                        1,
+                    );
+                    assert!(
+                        alone == batched[t * E..(t + 1) * E],
+                        "{what}: token {t} alone against the batch"
+                    );
                 }
             }
         }
