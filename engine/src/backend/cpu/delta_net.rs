@@ -61,6 +61,56 @@ fn l2_norm(x: &mut [f32], eps: f32) {
     }
 }
 
+/// One channel of the causal convolution over a sequence's tokens: its taps, and where its
+/// inputs are (the sequence's rows of `qkv`, `channels` wide, after the window state).
+struct ConvChannel<'a> {
+    weights: &'a [f32],
+    qkv: &'a [f32],
+    rows: &'a [usize],
+    channels: usize,
+    c: usize,
+}
+
+impl ConvChannel<'_> {
+    /// The convolution and SiLU of every token into `col`, and the channel's new window state:
+    /// the last `state.len()` inputs of state + tokens.
+    #[inline(always)]
+    fn run(&self, col: &mut [f32], state: &mut [f32]) {
+        let kept = state.len();
+        let n = col.len();
+        let input = |state: &[f32], i: usize| -> f32 {
+            if i < kept {
+                state[i]
+            } else {
+                self.qkv[self.rows[i - kept] * self.channels + self.c]
+            }
+        };
+        for (t, o) in col.iter_mut().enumerate() {
+            let mut sum = 0f32;
+            for (k, &w) in self.weights.iter().enumerate() {
+                sum += input(state, t + k) * w;
+            }
+            *o = vec::silu_ggml(sum);
+        }
+        // In place, front to back: input `n + i` comes from the state only when fewer tokens
+        // than taps arrived, and then from a later slot than `i`, not yet overwritten.
+        for i in 0..kept {
+            state[i] = input(state, n + i);
+        }
+    }
+
+    /// [`ConvChannel::run`] compiled with FMA, so the exponential's fused multiply-adds are
+    /// instructions rather than calls to the C library's `fmaf` (the same bits either way).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn run_fma(&self, col: &mut [f32], state: &mut [f32]) {
+        self.run(col, state)
+    }
+}
+
 /// [`crate::backend::Backend::gated_delta_net`] on the CPU.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn gated_delta_net(
@@ -94,23 +144,19 @@ pub(super) fn gated_delta_net(
             .enumerate()
             .with_min_len(64)
             .for_each(|(c, (col, state))| {
-                let weights = &op.conv[c * taps..(c + 1) * taps];
-                let input = |i: usize| -> f32 {
-                    if i < kept {
-                        state[i]
-                    } else {
-                        qkv[rows[i - kept] * channels + c]
-                    }
+                let channel = ConvChannel {
+                    weights: &op.conv[c * taps..(c + 1) * taps],
+                    qkv,
+                    rows,
+                    channels,
+                    c,
                 };
-                for (t, o) in col.iter_mut().enumerate() {
-                    let mut sum = 0f32;
-                    for (k, &w) in weights.iter().enumerate() {
-                        sum += input(t + k) * w;
-                    }
-                    *o = vec::silu_ggml(sum);
+                #[cfg(target_arch = "x86_64")]
+                if vec::has_avx2() {
+                    // SAFETY: `has_avx2` checked at run time that the CPU has AVX2 and FMA.
+                    return unsafe { channel.run_fma(col, state) };
                 }
-                let next: Vec<f32> = (0..kept).map(|i| input(n + i)).collect();
-                state.copy_from_slice(&next);
+                channel.run(col, state);
             });
         // Token-major Q, K and V with each query and key head L2-normalised.
         let mut conv_out = vec![0f32; n * channels];

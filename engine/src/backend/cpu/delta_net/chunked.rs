@@ -147,20 +147,74 @@ fn rule_lanes<const FMA: bool>(
 ) {
     let d = head_dim;
     let n = head.g.len();
+    // Taken out of the thread's slot and put back, not borrowed in a closure: a closure would
+    // be compiled without the caller's target features (no FMA: `mul_add` a library call).
+    let mut scratch = SCRATCH.take();
+    scratch.resize(d);
+    rule_in::<FMA>(state, head, d, n, scale, out, &mut scratch);
+    SCRATCH.set(scratch);
+}
+
+/// The working matrices of [`rule_lanes`], kept per thread: a head's are about 320 KiB at a
+/// head size of 128, which fresh from the allocator (a mapping of its own) cost a page fault
+/// per 4 KiB on every head of every layer.
+#[derive(Default)]
+struct Scratch {
+    s_t: Vec<f32>,
+    kq: Vec<f32>,
+    yz: Vec<f32>,
+    k_t: Vec<f32>,
+    kk_qk: Vec<f32>,
+    u: Vec<f32>,
+    p: Vec<f32>,
+    decay: Vec<f32>,
+}
+
+impl Scratch {
+    /// Sizes the matrices for head size `d` (their contents are overwritten before use).
+    fn resize(&mut self, d: usize) {
+        self.s_t.resize(d * d, 0.0);
+        self.kq.resize(2 * CHUNK * d, 0.0);
+        self.yz.resize(2 * CHUNK * d, 0.0);
+        self.k_t.resize(d * CHUNK, 0.0);
+        self.kk_qk.resize(2 * CHUNK * CHUNK, 0.0);
+        self.u.resize(CHUNK * d, 0.0);
+        self.p.resize(CHUNK * CHUNK, 0.0);
+        self.decay.resize(CHUNK * CHUNK, 0.0);
+    }
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
+}
+
+#[inline(always)]
+fn rule_in<const FMA: bool>(
+    state: &mut [f32],
+    head: &HeadInputs<'_>,
+    d: usize,
+    n: usize,
+    scale: f32,
+    out: &mut [f32],
+    scratch: &mut Scratch,
+) {
+    let Scratch {
+        s_t,
+        kq,
+        yz,
+        k_t,
+        kk_qk,
+        u,
+        p,
+        decay,
+    } = scratch;
     // The state transposed (key-major) while the chunks run: `s_t[i * d + j] = S[j][i]`, so that
     // `K S0^T` and the update are products of row-major matrices.
-    let mut s_t = vec![0f32; d * d];
-    transpose(&state[..d * d], d, d, &mut s_t);
+    transpose(&state[..d * d], d, d, s_t);
     // The chunk's keys then queries (`2c x d`), their products with the state (`Y = K S0^T`
     // then `Z = Q S0^T`), the keys transposed (`d x c`), `[K; Q] K^T` (`2c x c`), the new values
-    // `U` (`c x d`), the output mixing matrix `P` (`c x c`) and the decays `r` (`CHUNK` wide).
-    let mut kq = vec![0f32; 2 * CHUNK * d];
-    let mut yz = vec![0f32; 2 * CHUNK * d];
-    let mut k_t = vec![0f32; d * CHUNK];
-    let mut kk_qk = vec![0f32; 2 * CHUNK * CHUNK];
-    let mut u = vec![0f32; CHUNK * d];
-    let mut p = vec![0f32; CHUNK * CHUNK];
-    let mut decay = vec![0f32; CHUNK * CHUNK];
+    // `U` (`c x d`), the output mixing matrix `P` (`c x c`) and the decays `r` (`CHUNK` wide):
+    // every element read is written first in its chunk.
     let mut cumulative = [0f64; CHUNK];
     let mut gamma = [0f32; CHUNK];
     for t0 in (0..n).step_by(CHUNK) {
@@ -188,7 +242,7 @@ fn rule_lanes<const FMA: bool>(
         kq[..c * d].copy_from_slice(keys);
         kq[c * d..].copy_from_slice(queries);
         yz.fill(0.0);
-        gemm_acc::<FMA>(kq, &s_t, yz, 2 * c, d, d);
+        gemm_acc::<FMA>(kq, s_t, yz, 2 * c, d, d);
         let k_t = &mut k_t[..d * c];
         transpose(keys, c, d, k_t);
         kk_qk.fill(0.0);
@@ -241,9 +295,9 @@ fn rule_lanes<const FMA: bool>(
         }
         let gamma_c = gamma[c - 1];
         s_t.iter_mut().for_each(|s| *s *= gamma_c);
-        gemm_acc::<FMA>(k_t, u, &mut s_t, d, c, d);
+        gemm_acc::<FMA>(k_t, u, s_t, d, c, d);
     }
-    transpose(&s_t, d, d, &mut state[..d * d]);
+    transpose(s_t, d, d, &mut state[..d * d]);
 }
 
 #[cfg(test)]
