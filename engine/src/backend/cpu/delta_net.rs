@@ -61,6 +61,48 @@ fn l2_norm(x: &mut [f32], eps: f32) {
     }
 }
 
+/// The gated norm of one sequence's tokens: `rms_norm(o) * weight * silu(z)` per value head,
+/// `o` from the delta rule's head-major outputs, `z` and the result by batch row.
+struct GatedNorm<'a> {
+    per_head: &'a [f32],
+    z: &'a [f32],
+    weight: &'a [f32],
+    eps: f32,
+    n: usize,
+    n_v: usize,
+    hd: usize,
+}
+
+impl GatedNorm<'_> {
+    #[inline(always)]
+    fn run(&self, rows: &[usize], out: &mut [f32]) {
+        let (n, hd) = (self.n, self.hd);
+        let value_dim = self.n_v * hd;
+        for (t, &row) in rows.iter().enumerate() {
+            let dst = &mut out[row * value_dim..(row + 1) * value_dim];
+            for h in 0..self.n_v {
+                let o = &self.per_head[(h * n + t) * hd..(h * n + t + 1) * hd];
+                let d = &mut dst[h * hd..(h + 1) * hd];
+                ops::rms_norm_row(o, self.weight, self.eps, d);
+                let zh = &self.z[row * value_dim + h * hd..row * value_dim + (h + 1) * hd];
+                for (d, &zv) in d.iter_mut().zip(zh) {
+                    *d *= vec::silu_ggml(zv);
+                }
+            }
+        }
+    }
+
+    /// [`GatedNorm::run`] compiled with FMA (see [`ConvChannel::run_fma`]).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn run_fma(&self, rows: &[usize], out: &mut [f32]) {
+        self.run(rows, out)
+    }
+}
+
 /// One channel of the causal convolution over a sequence's tokens: its taps, and where its
 /// inputs are (the sequence's rows of `qkv`, `channels` wide, after the window state).
 struct ConvChannel<'a> {
@@ -206,18 +248,22 @@ pub(super) fn gated_delta_net(
                 }
             });
         // The gated norm: rms_norm(o) * norm * silu(z), per head.
-        for (t, &row) in rows.iter().enumerate() {
-            let dst = &mut out[row * value_dim..(row + 1) * value_dim];
-            for h in 0..n_v {
-                let o = &per_head[(h * n + t) * hd..(h * n + t + 1) * hd];
-                let d = &mut dst[h * hd..(h + 1) * hd];
-                ops::rms_norm_row(o, op.norm, op.eps, d);
-                let zh = &z[row * value_dim + h * hd..row * value_dim + (h + 1) * hd];
-                for (d, &zv) in d.iter_mut().zip(zh) {
-                    *d *= vec::silu_ggml(zv);
-                }
-            }
+        let norm = GatedNorm {
+            per_head: &per_head,
+            z,
+            weight: op.norm,
+            eps: op.eps,
+            n,
+            n_v,
+            hd,
+        };
+        #[cfg(target_arch = "x86_64")]
+        if vec::has_avx2() {
+            // SAFETY: `has_avx2` checked at run time that the CPU has AVX2 and FMA.
+            unsafe { norm.run_fma(rows, out) };
+            continue;
         }
+        norm.run(rows, out);
     }
 }
 

@@ -535,7 +535,7 @@ impl Backend for CpuBackend {
 
     fn moe_router(&self, router: &CpuMatrix, x: &Vec<f32>, n_tokens: usize, out: &mut Vec<f32>) {
         if router.info.ty == GgmlType::F32 {
-            moe::router_f32(router, x, n_tokens, out);
+            self.on_team(n_tokens, || moe::router_f32(router, x, n_tokens, out));
         } else {
             self.matmul(router, x, n_tokens, out);
         }

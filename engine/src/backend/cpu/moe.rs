@@ -31,6 +31,9 @@ use ember_gguf::GgmlType;
 /// Tokens per rayon task when combining expert outputs.
 const TOKENS_PER_TASK: usize = 4;
 
+/// Router rows (experts) per job of a one-token router product.
+const ROUTER_ROWS_PER_JOB: usize = 16;
+
 /// llama.cpp clamps the sum of the chosen weights to at least this (the smallest normal f16)
 /// before dividing by it, so an all-zero choice does not divide by zero.
 const MIN_WEIGHT_SUM: f32 = 6.103_515_6e-5;
@@ -166,6 +169,26 @@ pub(super) fn router_f32(router: &CpuMatrix, x: &[f32], n_tokens: usize, out: &m
         &decoded
     };
     let tinyblas = n_tokens >= 2 && n_embd % 16 == 0 && n_expert % 4 == 0;
+    if n_tokens == 1 {
+        // A decode step: the experts' rows split between the threads (one token alone was one
+        // thread reading the whole router, a few MB per layer).
+        let logits = Disjoint::new(&mut out[..n_expert]);
+        let token = &x[..n_embd];
+        let n_jobs = n_expert.div_ceil(ROUTER_ROWS_PER_JOB);
+        ember_quant::team::for_each_index(n_jobs, |job| {
+            let first = job * ROUTER_ROWS_PER_JOB;
+            let last = (first + ROUTER_ROWS_PER_JOB).min(n_expert);
+            // SAFETY: the jobs' row ranges are disjoint.
+            let mine = unsafe { logits.range(first..last) };
+            for (logit, row) in mine
+                .iter_mut()
+                .zip(weights[first * n_embd..last * n_embd].chunks_exact(n_embd))
+            {
+                *logit = vec::dot_f32_ggml(row, token);
+            }
+        });
+        return;
+    }
     out[..n_tokens * n_expert]
         .par_chunks_mut(n_expert)
         .with_min_len(TOKENS_PER_TASK)
@@ -875,6 +898,35 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    /// A one-token router product split between threads by rows (experts) gives each logit
+    /// GGML's one-token F32 dot product of its row, on 1 thread and on 3, a last job short.
+    #[test]
+    fn a_one_token_router_gives_each_expert_its_row_dot_product() {
+        const E: usize = 96;
+        const EXPERTS: usize = 40;
+        let weights = values(401, EXPERTS * E, 0.5);
+        let mut writer = GgufWriter::new();
+        writer.metadata("general.architecture", Value::String("test".into()));
+        let bytes = weights.iter().flat_map(|v| v.to_le_bytes()).collect();
+        writer.tensor("router", &[E as u64, EXPERTS as u64], GgmlType::F32, bytes);
+        let gguf = Arc::new(Gguf::from_bytes(writer.to_bytes()).unwrap());
+        let x = values(402, E, 1.0);
+        let want: Vec<u32> = weights
+            .chunks_exact(E)
+            .map(|row| vec::dot_f32_ggml(row, &x).to_bits())
+            .collect();
+        for threads in [1, 3] {
+            let backend = CpuBackend::new(threads).unwrap();
+            let router = backend
+                .matrix(&gguf, &gguf.tensor("router").unwrap().clone())
+                .unwrap();
+            let mut out = vec![f32::NAN; EXPERTS];
+            backend.install(|| backend.moe_router(&router, &x, 1, &mut out));
+            let got: Vec<u32> = out.iter().map(|v| v.to_bits()).collect();
+            assert_eq!(got, want, "{threads} threads");
         }
     }
 
