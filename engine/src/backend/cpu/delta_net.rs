@@ -19,6 +19,7 @@
 
 use rayon::prelude::*;
 
+use super::ops::Disjoint;
 use super::{ops, vec};
 use crate::backend::GatedDeltaNet;
 use chunked::{rule_chunked, HeadInputs};
@@ -74,20 +75,18 @@ struct GatedNorm<'a> {
 }
 
 impl GatedNorm<'_> {
+    /// Token `t` of the sequence, batch row `row`, into `dst` (`n_v * hd` values).
     #[inline(always)]
-    fn run(&self, rows: &[usize], out: &mut [f32]) {
+    fn run(&self, t: usize, row: usize, dst: &mut [f32]) {
         let (n, hd) = (self.n, self.hd);
         let value_dim = self.n_v * hd;
-        for (t, &row) in rows.iter().enumerate() {
-            let dst = &mut out[row * value_dim..(row + 1) * value_dim];
-            for h in 0..self.n_v {
-                let o = &self.per_head[(h * n + t) * hd..(h * n + t + 1) * hd];
-                let d = &mut dst[h * hd..(h + 1) * hd];
-                ops::rms_norm_row(o, self.weight, self.eps, d);
-                let zh = &self.z[row * value_dim + h * hd..row * value_dim + (h + 1) * hd];
-                for (d, &zv) in d.iter_mut().zip(zh) {
-                    *d *= vec::silu_ggml(zv);
-                }
+        for h in 0..self.n_v {
+            let o = &self.per_head[(h * n + t) * hd..(h * n + t + 1) * hd];
+            let d = &mut dst[h * hd..(h + 1) * hd];
+            ops::rms_norm_row(o, self.weight, self.eps, d);
+            let zh = &self.z[row * value_dim + h * hd..row * value_dim + (h + 1) * hd];
+            for (d, &zv) in d.iter_mut().zip(zh) {
+                *d *= vec::silu_ggml(zv);
             }
         }
     }
@@ -98,8 +97,8 @@ impl GatedNorm<'_> {
     /// The CPU must support AVX2 and FMA.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn run_fma(&self, rows: &[usize], out: &mut [f32]) {
-        self.run(rows, out)
+    unsafe fn run_fma(&self, t: usize, row: usize, dst: &mut [f32]) {
+        self.run(t, row, dst)
     }
 }
 
@@ -202,14 +201,18 @@ pub(super) fn gated_delta_net(
             });
         // Token-major Q, K and V with each query and key head L2-normalised.
         let mut conv_out = vec![0f32; n * channels];
-        for (t, row) in conv_out.chunks_exact_mut(channels).enumerate() {
-            for (c, v) in row.iter_mut().enumerate() {
-                *v = conv_t[c * n + t];
-            }
-            for head in row[..2 * key_dim].chunks_exact_mut(hd) {
-                l2_norm(head, op.eps);
-            }
-        }
+        conv_out
+            .par_chunks_mut(channels)
+            .enumerate()
+            .with_min_len(4)
+            .for_each(|(t, row)| {
+                for (c, v) in row.iter_mut().enumerate() {
+                    *v = conv_t[c * n + t];
+                }
+                for head in row[..2 * key_dim].chunks_exact_mut(hd) {
+                    l2_norm(head, op.eps);
+                }
+            });
         // The delta rule, one task per value head, each writing its own column block.
         let scale = 1.0 / (hd as f32).sqrt();
         let chunked = n > CHUNKED_MIN_TOKENS;
@@ -257,13 +260,21 @@ pub(super) fn gated_delta_net(
             n_v,
             hd,
         };
-        #[cfg(target_arch = "x86_64")]
-        if vec::has_avx2() {
-            // SAFETY: `has_avx2` checked at run time that the CPU has AVX2 and FMA.
-            unsafe { norm.run_fma(rows, out) };
-            continue;
-        }
-        norm.run(rows, out);
+        // Token by token in parallel: each writes its own batch row of `out`.
+        let out_rows = Disjoint::new(&mut out[..]);
+        rows.par_iter()
+            .enumerate()
+            .with_min_len(4)
+            .for_each(|(t, &row)| {
+                // SAFETY: a sequence's batch rows are distinct, so are the tokens' row ranges.
+                let dst = unsafe { out_rows.range(row * value_dim..(row + 1) * value_dim) };
+                #[cfg(target_arch = "x86_64")]
+                if vec::has_avx2() {
+                    // SAFETY: `has_avx2` checked at run time that the CPU has AVX2 and FMA.
+                    return unsafe { norm.run_fma(t, row, dst) };
+                }
+                norm.run(t, row, dst);
+            });
     }
 }
 

@@ -191,6 +191,51 @@ fn rope_head_impl(head: &mut [f32], cos_sin: &[f32], n_dims: usize, mode: RopeMo
     }
 }
 
+/// A slice written in disjoint parts by the jobs of one op.
+pub(super) struct Disjoint<T> {
+    ptr: *mut T,
+    len: usize,
+}
+
+impl<T> Clone for Disjoint<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for Disjoint<T> {}
+
+// SAFETY: jobs reach the slice only through `range`/`at` on parts no other job touches, and the
+// slice outlives the op; `T: Send` moves no non-sendable value between threads.
+unsafe impl<T: Send> Send for Disjoint<T> {}
+// SAFETY: as above.
+unsafe impl<T: Send> Sync for Disjoint<T> {}
+
+impl<T> Disjoint<T> {
+    pub(super) fn new(buf: &mut [T]) -> Disjoint<T> {
+        Disjoint {
+            ptr: buf.as_mut_ptr(),
+            len: buf.len(),
+        }
+    }
+
+    /// # Safety
+    /// No other live reference into the slice overlaps `range`.
+    #[allow(clippy::mut_from_ref)]
+    pub(super) unsafe fn range(&self, range: std::ops::Range<usize>) -> &mut [T] {
+        assert!(range.start <= range.end && range.end <= self.len);
+        // SAFETY: in bounds (checked), not aliased (the caller's promise).
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(range.start), range.len()) }
+    }
+
+    /// # Safety
+    /// As [`Disjoint::range`], for element `i`.
+    #[allow(clippy::mut_from_ref)]
+    pub(super) unsafe fn at(&self, i: usize) -> &mut T {
+        // SAFETY: the caller's promise.
+        unsafe { &mut self.range(i..i + 1)[0] }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
