@@ -16,6 +16,9 @@
 # columns are then "-"). Knobs (environment), with their defaults:
 #   THREADS="1 2 4 8 16"  thread counts (counts above the machine's logical CPUs are skipped)
 #   MODELS_LIST="smollm2-135m:q4_0 smollm2-135m:q4_1 llama3.2-1b:q4_k_m"  shape:type to write
+#   LAYERS=               N writes every model with N layers (real widths): the MoE shapes
+#                         (qwen3-30b-a3b, gemma4-26b-a4b, qwen3.5-35b-a3b) at 10-12 layers fit
+#                         the time budget
 #   PP=256 TG=64 REPS=2   the tests: the issue asks for pp512/tg128 -r 3, which at one thread on
 #                         the 1B model alone takes minutes per engine; these halve the tokens and
 #                         drop a repetition so the whole run fits in 8 minutes. Set PP=512 TG=128
@@ -72,9 +75,10 @@ fi
 
 models=()
 for entry in $MODELS_LIST; do
-    m="$W/models/${entry%%:*}-${entry##*:}.gguf"
+    m="$W/models/${entry%%:*}-${entry##*:}${LAYERS:+-${LAYERS}l}.gguf"
     fast=$("$SYNTH" --help | grep -q -- '--fast' && echo --fast)
-    [[ -s "$m" ]] || "$SYNTH" --shape "${entry%%:*}" --type "${entry##*:}" $fast -o "$m" \
+    [[ -s "$m" ]] || "$SYNTH" --shape "${entry%%:*}" --type "${entry##*:}" ${LAYERS:+--layers "$LAYERS"} \
+        $fast -o "$m" \
         >"$OUT/synth-$(basename "$m").log" 2>&1 ||
         { t "$entry: ember-synth failed (see $OUT/synth-$(basename "$m").log)"; exit 1; }
     models+=("$m")

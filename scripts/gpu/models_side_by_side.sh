@@ -18,8 +18,10 @@
 #   OUT=$OUT LLAMA_SRC=llama-src.tgz EMBER=path/to/ember SYNTH=path/to/ember-synth \
 #       scripts/gpu/models_side_by_side.sh
 # CALIBRATE=1 adds the yardsticks: ember's GPU run against ember's CPU run, and llama.cpp's CPU
-# run against llama.cpp's GPU run, on the same tokens (random weights at real depth can amplify
-# rounding differences, so the cross-engine figure means little without them).
+# run against llama.cpp's GPU run, on the same tokens. Random weights amplify rounding: on an
+# H100 (2026-12-07) llama.cpp's own CPU and GPU runs differed by mean KLD 2.4 on Qwen3-30B-A3B
+# and 0.13 even at 4 layers, so the cross-engine figure means little without them.
+# LAYERS=N writes each model with N layers (real widths), for that shallower comparison.
 # Knobs: MODELS_LIST ("shape:type ..."), CTX and CHUNKS (the KLD text: CTX x CHUNKS tokens, of
 # which llama-perplexity scores the second half of each chunk), REPS, BANDWIDTH_GBS (default the
 # H200's 4800), STRESS=0 to skip the stress runs, LLAMA_BUILD (a folder with an existing build),
@@ -82,10 +84,15 @@ llama_ready() {
     export LD_LIBRARY_PATH="$LLAMA_BUILD/bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 }
 
+# A model's name in file names and tables: shape-type, and -Nl with LAYERS=N.
+name_of() { echo "${1%%:*}-${1##*:}${LAYERS:+-${LAYERS}l}"; }
+NAMES=$(for entry in $MODELS_LIST; do name_of "$entry"; done)
+
 for entry in $MODELS_LIST; do
-    name="${entry%%:*}-${entry##*:}"
+    name=$(name_of "$entry")
     m="$W/models/$name.gguf"
-    "$SYNTH" --shape "${entry%%:*}" --type "${entry##*:}" --fast -o "$m" >"$OUT/synth-$name.log" 2>&1 ||
+    "$SYNTH" --shape "${entry%%:*}" --type "${entry##*:}" ${LAYERS:+--layers "$LAYERS"} --fast -o "$m" \
+        >"$OUT/synth-$name.log" 2>&1 ||
         { t "$name: ember-synth failed"; tail -3 "$OUT/synth-$name.log"; failed=1; continue; }
     t "$name written ($(du -h "$m" | cut -f1))"
     "$EMBER" info -m "$m" >"$OUT/info-$name.txt" 2>&1
@@ -132,7 +139,7 @@ for entry in $MODELS_LIST; do
     rm -f "$m"
 done
 
-python3 - "$OUT" "$BANDWIDTH_GBS" $MODELS_LIST <<'EOF'
+python3 - "$OUT" "$BANDWIDTH_GBS" $NAMES <<'EOF'
 import os, re, sys
 out, bandwidth = sys.argv[1], float(sys.argv[2]) * 1e9
 
@@ -168,8 +175,7 @@ def active_bytes(text):
 
 print("\n| model | test | llama.cpp t/s | ember t/s | ember / llama.cpp | ember bandwidth share |")
 print("| --- | --- | ---: | ---: | ---: | ---: |")
-for entry in sys.argv[3:]:
-    name = entry.replace(":", "-")
+for name in sys.argv[3:]:
     eb, lb = read(f"ember-bench-{name}.txt"), read(f"llama-bench-{name}.txt")
     act = active_bytes(read(f"info-{name}.txt"))
     for test in ("pp512", "tg128"):
@@ -178,8 +184,7 @@ for entry in sys.argv[3:]:
         share = f"{e * act / bandwidth:.0%}" if (e and act and test == "tg128") else ""
         print(f"| {name} | {test} | {l or '-'} | {e or '-'} | {ratio} | {share} |")
 print("\nKLD, ember GPU (fast numerics) against llama.cpp GPU on the same tokens:")
-for entry in sys.argv[3:]:
-    name = entry.replace(":", "-")
+for name in sys.argv[3:]:
     for label, file in (
         ("ember GPU against llama.cpp GPU", f"kld-{name}.txt"),
         ("ember GPU against ember CPU", f"kld-ember-gpu-vs-cpu-{name}.txt"),
@@ -193,8 +198,7 @@ for entry in sys.argv[3:]:
         for l in lines[:8]:
             print("   " + l.strip())
 EOF
-for entry in $MODELS_LIST; do
-    name="${entry%%:*}-${entry##*:}"
+for name in $NAMES; do
     echo "-- memory, $name:"
     grep -iE "floor|idle|peak|recurrent|state|wave" "$OUT/stress-$name.txt" 2>/dev/null | tail -12
 done

@@ -59,6 +59,13 @@ pub enum QuantError {
     },
     #[error("activations are {found}, expected {expected} (the vec_dot_type of the weights)")]
     ActivationType { expected: GgmlType, found: GgmlType },
+    #[error("row range {start}..{end} of a {rows}-row matrix: it must lie inside the matrix, start at a multiple of {align} and end at one or at the last row")]
+    RowRange {
+        start: usize,
+        end: usize,
+        rows: usize,
+        align: usize,
+    },
     #[error("matrix of {rows} x {cols} {ty}: size overflows usize")]
     Overflow {
         ty: GgmlType,

@@ -268,11 +268,11 @@ pub fn matmul_rows(
         || !aligned(rows.start)
         || !(aligned(rows.end) || rows.end == w.rows)
     {
-        return Err(QuantError::LengthMismatch {
-            what: "matmul_rows range (aligned start, aligned end or the last row)",
-            unit: "rows at most",
-            expected: w.rows,
-            found: rows.end,
+        return Err(QuantError::RowRange {
+            start: rows.start,
+            end: rows.end,
+            rows: w.rows,
+            align: ROW_RANGE_ALIGN,
         });
     }
     let rb = w.row_bytes();
@@ -1078,7 +1078,15 @@ mod tests {
                         start = end;
                     }
                     let mut part = vec![0.0f32; n * 8];
-                    assert!(matmul_rows(&w, &x, 8..16, &mut part).is_err());
+                    assert!(matches!(
+                        matmul_rows(&w, &x, 8..16, &mut part),
+                        Err(QuantError::RowRange { start: 8, .. })
+                    ));
+                    let mut part = vec![0.0f32; n * rows];
+                    assert!(matches!(
+                        matmul_rows(&w, &x, 0..rows + 1, &mut part),
+                        Err(QuantError::RowRange { .. })
+                    ));
                 }
             }
         }

@@ -66,6 +66,14 @@ pub fn scratch_bytes(hp: &HParams, n_vocab: usize, n: usize) -> usize {
     });
     let mut floats =
         n * (3 * hp.n_embd + q_factor * max_q + 2 * max_kv + 2 * max_ff + linear) + 2 * n_vocab;
+    if let Some(moe) = hp.moe {
+        // The CPU's grouped expert buffers: each token's row once per chosen expert as the
+        // experts' input, gate, up and down products and weighted output, with quantized copies
+        // of the gate/up and down inputs (about a byte a value, counted as a quarter float).
+        let per_route = 3 * hp.n_embd + 2 * moe.n_ff_expert;
+        let quantized = (2 * hp.n_embd + moe.n_ff_expert).div_ceil(4);
+        floats += n * moe.n_expert_used * (per_route + quantized);
+    }
     if hp.architecture == Architecture::Gemma4 {
         // The experts' input and output, the router logits, and the per-layer inputs of every
         // layer (twice while they are computed) with one layer's slice and its gate.
