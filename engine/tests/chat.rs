@@ -480,12 +480,16 @@ mod terminal {
         let echoed = session.screen.wait_for("the story request's echo", |t| {
             plain(t).contains(&format!("{story}\n"))
         });
-        let echoed = plain(&echoed);
-        let answer_start = echoed.rfind(&format!("{story}\n")).unwrap() + story.len() + 1;
+        assert!(plain(&echoed).contains(story));
+        // The words after the last echo of the request, once they are not the line editor's
+        // own echo of it (the terminal may show the typed line first, then the editor's
+        // redraw starting with its prompt "> ", and Ctrl-C must come once the answer streams).
         session.screen.wait_for("the answer to start", |t| {
-            plain(t)
-                .get(answer_start..)
-                .is_some_and(|a| a.split_whitespace().count() >= 3)
+            let text = plain(t);
+            text.rfind(&format!("{story}\n")).is_some_and(|at| {
+                let after = &text[at + story.len() + 1..];
+                !after.trim_start().starts_with('>') && after.split_whitespace().count() >= 3
+            })
         });
         session.type_keys("\x03");
         let text = session.screen.wait_for("the stopped answer's stats", |t| {
