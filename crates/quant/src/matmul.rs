@@ -214,14 +214,7 @@ pub fn matmul_with(
     x: &QuantizedActivations,
     out: &mut [f32],
 ) -> Result<(), QuantError> {
-    let expected = vec_dot_type(w.ty);
-    if x.ty != expected {
-        return Err(QuantError::ActivationType {
-            expected,
-            found: x.ty,
-        });
-    }
-    check_len("activation columns", "columns", w.cols, x.cols)?;
+    check_activations(w, x)?;
     let total = x.n_tokens.checked_mul(w.rows).ok_or(QuantError::Overflow {
         ty: w.ty,
         rows: w.rows,
@@ -245,6 +238,18 @@ pub fn matmul_with(
         crate::repack_order::repacks_q4_k(w.rows),
     );
     Ok(())
+}
+
+/// That `x` is of `w`'s dot-product type and as wide as `w`.
+fn check_activations(w: &QMatrix, x: &QuantizedActivations) -> Result<(), QuantError> {
+    let expected = vec_dot_type(w.ty);
+    if x.ty != expected {
+        return Err(QuantError::ActivationType {
+            expected,
+            found: x.ty,
+        });
+    }
+    check_len("activation columns", "columns", w.cols, x.cols)
 }
 
 /// Row alignment of [`matmul_rows`]: every kernel's groups of rows (and every split of rows
@@ -282,14 +287,7 @@ pub fn matmul_rows(
         cols: w.cols,
         data: &w.data[rows.start * rb..rows.end * rb],
     };
-    let expected = vec_dot_type(w.ty);
-    if x.ty != expected {
-        return Err(QuantError::ActivationType {
-            expected,
-            found: x.ty,
-        });
-    }
-    check_len("activation columns", "columns", w.cols, x.cols)?;
+    check_activations(w, x)?;
     check_len(
         "matmul_rows output",
         "elements",
