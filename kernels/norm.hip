@@ -1,27 +1,6 @@
 // RMS normalisation.
 #include "ember_compat.h"
-
-// Sum over the whole block in double; every thread gets the result. `scratch` holds one double
-// per warp.
-EMBER_DEVICE double ember_block_sum_f64(double value, double* scratch) {
-    const int lane = threadIdx.x % EMBER_WAVE_SIZE;
-    const int warp = threadIdx.x / EMBER_WAVE_SIZE;
-    const int n_warps = (blockDim.x + EMBER_WAVE_SIZE - 1) / EMBER_WAVE_SIZE;
-#pragma unroll
-    for (int mask = EMBER_WAVE_SIZE / 2; mask > 0; mask >>= 1) {
-#if defined(EMBER_PLATFORM_CUDA)
-        value += __shfl_xor_sync(0xffffffffu, value, mask, 32);
-#else
-        value += __shfl_xor(value, mask, EMBER_WAVE_SIZE);
-#endif
-    }
-    __syncthreads();
-    if (lane == 0) scratch[warp] = value;
-    __syncthreads();
-    value = 0.0;
-    for (int w = 0; w < n_warps; ++w) value += scratch[w];
-    return value;
-}
+#include "ember_norm.h"
 
 // CPU op: for each row r of x [n_rows, n_cols]:
 //   out[r, c] = x[r, c] * (1 / sqrt(mean_c(x[r, :]^2) + eps)) * weight[c]
@@ -31,20 +10,6 @@ EMBER_DEVICE double ember_block_sum_f64(double value, double* scratch) {
 // CPU backend (and GGML's) does, so both usually produce the same f32 scale bit for bit; the
 // order of the additions still differs. One block per row (grid = n_rows), any block size up to
 // 1024. `out` may alias `x`.
-// The factor 1 / sqrt(mean(row^2) + eps) of one row, every thread of the block summing its
-// columns c = threadIdx.x, c + blockDim.x, ... (so the block size fixes the order). Every thread
-// of the block must call this.
-EMBER_DEVICE float ember_rms_factor(const float* row, uint32_t n_cols, float eps, double* scratch) {
-    double sum = 0.0;
-    for (uint32_t c = threadIdx.x; c < n_cols; c += blockDim.x) {
-        const float square = row[c] * row[c];
-        sum += (double)square;
-    }
-    sum = ember_block_sum_f64(sum, scratch);
-    const float mean = (float)(sum / (double)n_cols);
-    return 1.0f / sqrtf(mean + eps);
-}
-
 EMBER_KERNEL void ember_rms_norm_f32(float* out, const float* x, const float* weight, uint32_t n_cols, float eps) {
     __shared__ double scratch[EMBER_MAX_WARPS];
     const float* row = x + (size_t)blockIdx.x * n_cols;

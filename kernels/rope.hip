@@ -11,6 +11,7 @@
 // Values at or beyond n_dims are left unchanged (partial rotary embeddings).
 // Launch: grid = n_tokens * n_heads (one block per head), any block size.
 #include "ember_compat.h"
+#include "ember_norm.h"
 
 EMBER_DEVICE void ember_rope_angle(int position, uint32_t i, float theta_scale, float freq_scale, const float* freq_factors, float* c, float* s) {
     float theta_base = (float)position;
@@ -53,24 +54,39 @@ EMBER_KERNEL void ember_rope_neox_f32(float* x, const int32_t* positions, const 
 // q [n_tokens, n_heads, head_dim] and k [n_tokens, n_kv_heads, head_dim] are rotated in place;
 // v [n_tokens, n_kv_heads, head_dim]. Token t goes to slot slots[t] (block slots[t] / block_size
 // of k_blocks / v_blocks, u64 addresses), skipped when negative or when either block address is
-// 0, as ember_kv_store_f16 does. Launch: grid = n_tokens * (n_heads + n_kv_heads), one block per
-// head (q heads first), any block size.
+// 0, as ember_kv_store_f16 does. With q_norm / k_norm (QK-norm: Qwen3, Gemma 3 and 4, Qwen 3.5)
+// each q / k head is first RMS-normalised in place and multiplied by the weight, as
+// norm.hip's ember_rms_norm_f32 does with one block per head: launched with that kernel's block
+// size for head_dim (ops::rope_kv_store does), the sums run in its order and the values are its
+// bits. A null weight skips that norm. Launch: grid = n_tokens * (n_heads + n_kv_heads), one
+// block per head (q heads first), any block size (the norm's when a weight is given).
 template <bool NEOX>
 EMBER_DEVICE void ember_rope_pair(uint32_t i, uint32_t half_dims, uint32_t* ia, uint32_t* ib) {
     *ia = NEOX ? i : 2 * i;
     *ib = NEOX ? i + half_dims : 2 * i + 1;
 }
 
+// The head's norm in place (see above); every thread of the block calls it (it has barriers).
+EMBER_DEVICE void ember_head_norm(float* x, const float* weight, uint32_t head_dim, float eps, double* scratch) {
+    if (weight == nullptr) return;  // the same for the whole block
+    const float factor = ember_rms_factor(x, head_dim, eps, scratch);
+    for (uint32_t c = threadIdx.x; c < head_dim; c += blockDim.x) x[c] = x[c] * factor * weight[c];
+    __syncthreads();  // rope pairs read values other threads wrote
+}
+
 template <bool NEOX>
 EMBER_DEVICE void ember_rope_kv_store(float* q, float* k, const float* v, const int32_t* positions, const float* freq_factors,
                                       uint32_t n_tokens, uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim, uint32_t n_dims,
                                       float theta_scale, float freq_scale, const uint64_t* k_blocks, const uint64_t* v_blocks,
-                                      const int32_t* slots, uint32_t block_size) {
+                                      const int32_t* slots, uint32_t block_size, const float* q_norm, const float* k_norm,
+                                      float eps) {
+    __shared__ double scratch[EMBER_MAX_WARPS];
     const uint32_t half_dims = n_dims / 2;
     const uint32_t q_heads = n_tokens * n_heads;
     if (blockIdx.x < q_heads) {
         const uint32_t token = blockIdx.x / n_heads;
         float* x = q + (size_t)blockIdx.x * head_dim;
+        ember_head_norm(x, q_norm, head_dim, eps, scratch);
         for (uint32_t i = threadIdx.x; i < half_dims; i += blockDim.x) {
             float c, s;
             ember_rope_angle(positions[token], i, theta_scale, freq_scale, freq_factors, &c, &s);
@@ -86,6 +102,7 @@ EMBER_DEVICE void ember_rope_kv_store(float* q, float* k, const float* v, const 
     const uint32_t token = kv_head / n_kv_heads, head = kv_head % n_kv_heads;
     float* x = k + (size_t)kv_head * head_dim;
     const float* vx = v + (size_t)kv_head * head_dim;
+    ember_head_norm(x, k_norm, head_dim, eps, scratch);
     ember_half* k_out = nullptr;
     ember_half* v_out = nullptr;
     const int32_t slot = slots[token];
@@ -126,15 +143,17 @@ EMBER_DEVICE void ember_rope_kv_store(float* q, float* k, const float* v, const 
 EMBER_KERNEL void ember_rope_kv_store_norm_f32(float* q, float* k, const float* v, const int32_t* positions, const float* freq_factors,
                                                uint32_t n_tokens, uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,
                                                uint32_t n_dims, float theta_scale, float freq_scale, const uint64_t* k_blocks,
-                                               const uint64_t* v_blocks, const int32_t* slots, uint32_t block_size) {
+                                               const uint64_t* v_blocks, const int32_t* slots, uint32_t block_size,
+                                               const float* q_norm, const float* k_norm, float eps) {
     ember_rope_kv_store<false>(q, k, v, positions, freq_factors, n_tokens, n_heads, n_kv_heads, head_dim, n_dims, theta_scale, freq_scale,
-                               k_blocks, v_blocks, slots, block_size);
+                               k_blocks, v_blocks, slots, block_size, q_norm, k_norm, eps);
 }
 
 EMBER_KERNEL void ember_rope_kv_store_neox_f32(float* q, float* k, const float* v, const int32_t* positions, const float* freq_factors,
                                                uint32_t n_tokens, uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,
                                                uint32_t n_dims, float theta_scale, float freq_scale, const uint64_t* k_blocks,
-                                               const uint64_t* v_blocks, const int32_t* slots, uint32_t block_size) {
+                                               const uint64_t* v_blocks, const int32_t* slots, uint32_t block_size,
+                                               const float* q_norm, const float* k_norm, float eps) {
     ember_rope_kv_store<true>(q, k, v, positions, freq_factors, n_tokens, n_heads, n_kv_heads, head_dim, n_dims, theta_scale, freq_scale,
-                              k_blocks, v_blocks, slots, block_size);
+                              k_blocks, v_blocks, slots, block_size, q_norm, k_norm, eps);
 }

@@ -24,7 +24,7 @@ use anyhow::{bail, Context as _};
 use clap::Parser;
 use ember::backend::cpu::CpuBackend;
 use ember::backend::gpu::{self, Numerics, OpenOptions};
-use ember::backend::{Backend, BackendError, OpFailure, RopeMode, RopeParams};
+use ember::backend::{Backend, BackendError, OpFailure, QkNorm, RopeMode, RopeParams};
 use ember::batch::Batch;
 use ember::device::DeviceSpec;
 use ember::kv_cache::AttentionPlan;
@@ -367,6 +367,7 @@ impl<B: Backend> Backend for Trace<B> {
         q: &mut B::Buf,
         k: &mut B::Buf,
         v: &B::Buf,
+        norm: QkNorm<'_, B::Vector>,
         table: &B::RopeTable,
         n_tokens: usize,
         n_heads: usize,
@@ -377,7 +378,7 @@ impl<B: Backend> Backend for Trace<B> {
         plan: &AttentionPlan,
     ) {
         self.inner.rope_kv_store(
-            q, k, v, table, n_tokens, n_heads, n_kv_heads, head_dim, mode, layer, plan,
+            q, k, v, norm, table, n_tokens, n_heads, n_kv_heads, head_dim, mode, layer, plan,
         );
         self.snap("rope_kv_store: q", q, n_tokens * n_heads * head_dim);
         self.snap("rope_kv_store: k", k, n_tokens * n_kv_heads * head_dim);

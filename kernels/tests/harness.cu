@@ -292,10 +292,23 @@ static void test_rope() {
         const uint32_t n_kv_heads = 2, block_size = 4, row = n_kv_heads * head_dim;
         const std::vector<float> k = random_floats(n_tokens * row), v = random_floats(n_tokens * row);
         const std::vector<int32_t> slots = {5, 0, -1, 2, 7};  // blocks 1, 0, none, 0, 1
-        for (int variant = 0; variant < 2; ++variant) {
-            const bool neox = variant == 1;
-            DeviceBuffer<float> dq(x), dk(k), dv(v), rq(x), rk(k), df(factors);
+        // Variants 2 and 3 add the QK-norm: per-head weights for q and k, the separate path
+        // normalising first with ember_rms_norm_f32 at the block size ops::rms_norm takes for
+        // head_dim (128) and the fused kernel launched with that size too.
+        const std::vector<float> qw = random_floats(head_dim, 0.5f, 1.5f), kw = random_floats(head_dim, 0.5f, 1.5f);
+        const uint32_t norm_threads = 128;
+        const float eps = 1e-6f;
+        for (int variant = 0; variant < 4; ++variant) {
+            const bool neox = variant & 1, normed = variant & 2;
+            DeviceBuffer<float> dq(x), dk(k), dv(v), rq(x), rk(k), df(factors), dqw(qw), dkw(kw);
             DeviceBuffer<int32_t> dp(pos), ds(slots);
+            const float* qn = normed ? dqw.ptr : nullptr;
+            const float* kn = normed ? dkw.ptr : nullptr;
+            const uint32_t threads = normed ? norm_threads : 64;
+            if (normed) {
+                ember_rms_norm_f32<<<n_tokens * n_heads, norm_threads>>>(rq.ptr, rq.ptr, dqw.ptr, head_dim, eps);
+                ember_rms_norm_f32<<<n_tokens * n_kv_heads, norm_threads>>>(rk.ptr, rk.ptr, dkw.ptr, head_dim, eps);
+            }
             // Zeroed caches of 2 blocks; block 0 has K and V memory, block 1 only K memory.
             DeviceBuffer<uint16_t> kc((size_t)2 * block_size * row), vc((size_t)2 * block_size * row);
             const std::vector<uint64_t> kt = {(uint64_t)(uintptr_t)kc.ptr, (uint64_t)(uintptr_t)(kc.ptr + block_size * row)};
@@ -304,15 +317,15 @@ static void test_rope() {
             if (neox) {
                 ember_rope_neox_f32<<<n_tokens * n_heads, 32>>>(rq.ptr, dp.ptr, df.ptr, n_heads, head_dim, n_dims, theta_scale, freq_scale);
                 ember_rope_neox_f32<<<n_tokens * n_kv_heads, 32>>>(rk.ptr, dp.ptr, df.ptr, n_kv_heads, head_dim, n_dims, theta_scale, freq_scale);
-                ember_rope_kv_store_neox_f32<<<n_tokens * (n_heads + n_kv_heads), 64>>>(dq.ptr, dk.ptr, dv.ptr, dp.ptr, df.ptr, n_tokens, n_heads,
-                                                                                       n_kv_heads, head_dim, n_dims, theta_scale, freq_scale,
-                                                                                       dkt.ptr, dvt.ptr, ds.ptr, block_size);
+                ember_rope_kv_store_neox_f32<<<n_tokens * (n_heads + n_kv_heads), threads>>>(
+                    dq.ptr, dk.ptr, dv.ptr, dp.ptr, df.ptr, n_tokens, n_heads, n_kv_heads, head_dim, n_dims, theta_scale, freq_scale,
+                    dkt.ptr, dvt.ptr, ds.ptr, block_size, qn, kn, eps);
             } else {
                 ember_rope_norm_f32<<<n_tokens * n_heads, 32>>>(rq.ptr, dp.ptr, df.ptr, n_heads, head_dim, n_dims, theta_scale, freq_scale);
                 ember_rope_norm_f32<<<n_tokens * n_kv_heads, 32>>>(rk.ptr, dp.ptr, df.ptr, n_kv_heads, head_dim, n_dims, theta_scale, freq_scale);
-                ember_rope_kv_store_norm_f32<<<n_tokens * (n_heads + n_kv_heads), 64>>>(dq.ptr, dk.ptr, dv.ptr, dp.ptr, df.ptr, n_tokens, n_heads,
-                                                                                       n_kv_heads, head_dim, n_dims, theta_scale, freq_scale,
-                                                                                       dkt.ptr, dvt.ptr, ds.ptr, block_size);
+                ember_rope_kv_store_norm_f32<<<n_tokens * (n_heads + n_kv_heads), threads>>>(
+                    dq.ptr, dk.ptr, dv.ptr, dp.ptr, df.ptr, n_tokens, n_heads, n_kv_heads, head_dim, n_dims, theta_scale, freq_scale,
+                    dkt.ptr, dvt.ptr, ds.ptr, block_size, qn, kn, eps);
             }
             sync();
             const std::vector<float> gq = dq.download(), wq = rq.download(), gk = dk.download(), wk = rk.download();
@@ -331,9 +344,9 @@ static void test_rope() {
             }
             for (size_t i = 0; i < gkc.size(); ++i) differ += gkc[i] != want_k[i];
             for (size_t i = 0; i < gvc.size(); ++i) differ += gvc[i] != want_v[i];
-            report(neox ? "rope_kv_store_neox_f32 vs rope + rope + f16 store (differing values)"
-                        : "rope_kv_store_norm_f32 vs rope + rope + f16 store (differing values)",
-                   differ, 0.0);
+            const std::string name = std::string(neox ? "rope_kv_store_neox_f32" : "rope_kv_store_norm_f32") + " vs " +
+                                     (normed ? "rms_norm(q) + rms_norm(k) + " : "") + "rope + rope + f16 store (differing values)";
+            report(name, differ, 0.0);
         }
     }
 }

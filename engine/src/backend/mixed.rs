@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use ember_gguf::{Gguf, TensorInfo};
 
-use super::{Backend, BackendError, MoeFfn, OpFailure, SharedExpert};
+use super::{Backend, BackendError, MoeFfn, OpFailure, QkNorm, SharedExpert};
 use crate::batch::Batch;
 use crate::ops::{AttentionPlan, FfnActivation, RopeMode, RopeParams};
 
@@ -545,6 +545,7 @@ impl<A: Backend, B: Backend> Backend for OneOf<A, B> {
         q: &mut Self::Buf,
         k: &mut Self::Buf,
         v: &Self::Buf,
+        norm: QkNorm<'_, Self::Vector>,
         table: &Self::RopeTable,
         n_tokens: usize,
         n_heads: usize,
@@ -558,6 +559,7 @@ impl<A: Backend, B: Backend> Backend for OneOf<A, B> {
             S::get_mut(q),
             S::get_mut(k),
             S::get(v),
+            norm.map(|w| S::get(w)),
             S::get(table),
             n_tokens,
             n_heads,

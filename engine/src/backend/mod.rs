@@ -100,6 +100,35 @@ pub struct MoeRouting {
     pub weights_scale: Option<f32>,
 }
 
+/// QK-norm (Qwen3, Gemma 3 and 4, Qwen 3.5): per-head RMS-norm weights (`head_dim` values each)
+/// for the queries and the keys, applied before rope, as [`Backend::rms_norm_inplace`] of every
+/// head would. `None` skips that norm.
+pub struct QkNorm<'a, V> {
+    pub q: Option<&'a V>,
+    pub k: Option<&'a V>,
+    pub eps: f32,
+}
+
+impl<'a, V> QkNorm<'a, V> {
+    /// No norm on either side.
+    pub fn none() -> Self {
+        QkNorm {
+            q: None,
+            k: None,
+            eps: 0.0,
+        }
+    }
+
+    /// The same norms with each weight mapped (a composite backend's per-device part).
+    pub fn map<W>(&self, f: impl Fn(&'a V) -> &'a W) -> QkNorm<'a, W> {
+        QkNorm {
+            q: self.q.map(&f),
+            k: self.k.map(&f),
+            eps: self.eps,
+        }
+    }
+}
+
 /// A shared expert: a gated FFN every token goes through beside its routed experts (Qwen 3.5
 /// MoE), its output optionally scaled per token by `sigmoid(gate_inp x)` before it is added.
 pub struct SharedExpert<'a, M> {
@@ -677,15 +706,17 @@ pub trait Backend: Send + Sync + Sized + 'static {
         v: &Self::Buf,
         plan: &AttentionPlan,
     );
+    /// The QK-norm of `norm` ([`Backend::rms_norm_inplace`] of every q and k head), then
     /// [`Backend::rope`] of `q` (`n_heads` heads) and of `k` (`n_kv_heads` heads), then
     /// [`Backend::kv_store`] of the rotated `k` and of `v` into `layer`. A device backend runs
-    /// the three as one kernel with the same values; `plan` covers the same `n_tokens` tokens.
+    /// them as one kernel with the same values; `plan` covers the same `n_tokens` tokens.
     #[allow(clippy::too_many_arguments)]
     fn rope_kv_store(
         &self,
         q: &mut Self::Buf,
         k: &mut Self::Buf,
         v: &Self::Buf,
+        norm: QkNorm<'_, Self::Vector>,
         table: &Self::RopeTable,
         n_tokens: usize,
         n_heads: usize,
@@ -695,6 +726,12 @@ pub trait Backend: Send + Sync + Sized + 'static {
         layer: &mut Self::KvLayer,
         plan: &AttentionPlan,
     ) {
+        if let Some(weight) = norm.q {
+            self.rms_norm_inplace(q, weight, n_tokens * n_heads, head_dim, norm.eps);
+        }
+        if let Some(weight) = norm.k {
+            self.rms_norm_inplace(k, weight, n_tokens * n_kv_heads, head_dim, norm.eps);
+        }
         self.rope(q, table, n_tokens, n_heads, head_dim, mode);
         self.rope(k, table, n_tokens, n_kv_heads, head_dim, mode);
         self.kv_store(layer, k, v, plan);

@@ -43,7 +43,7 @@ use ember_gpu::DevicePtr;
 
 use super::gpu::trim::IdleTrimmer;
 use super::split_memory::{Reservation, SplitMemory, SplitPurpose};
-use super::{Backend, BackendError, MoeFfn, OpFailure, SharedExpert};
+use super::{Backend, BackendError, MoeFfn, OpFailure, QkNorm, SharedExpert};
 use crate::batch::Batch;
 use crate::ops::{AttentionPlan, FfnActivation, RopeMode, RopeParams};
 
@@ -1224,6 +1224,7 @@ impl<B: Backend> Backend for SplitBackend<B> {
         q: &mut Self::Buf,
         k: &mut Self::Buf,
         v: &Self::Buf,
+        norm: QkNorm<'_, Self::Vector>,
         table: &Self::RopeTable,
         n_tokens: usize,
         n_heads: usize,
@@ -1234,6 +1235,20 @@ impl<B: Backend> Backend for SplitBackend<B> {
         plan: &AttentionPlan,
     ) {
         let d = layer.device;
+        // A layer's norm weights live on its device; any that would not run as separate norms
+        // first, where their weight is.
+        let apart = |w: Option<&Self::Vector>| w.is_some_and(|w| w.device != d);
+        let norm = if apart(norm.q) || apart(norm.k) {
+            if let Some(weight) = norm.q {
+                self.rms_norm_inplace(q, weight, n_tokens * n_heads, head_dim, norm.eps);
+            }
+            if let Some(weight) = norm.k {
+                self.rms_norm_inplace(k, weight, n_tokens * n_kv_heads, head_dim, norm.eps);
+            }
+            QkNorm::none()
+        } else {
+            norm
+        };
         self.in_place(q, d);
         self.in_place(k, d);
         self.input(v, d);
@@ -1241,6 +1256,7 @@ impl<B: Backend> Backend for SplitBackend<B> {
             q.parts.get_mut().on_mut(d),
             k.parts.get_mut().on_mut(d),
             v.parts.borrow().on(d),
+            norm.map(|w| &w.inner),
             &table.tables[d],
             n_tokens,
             n_heads,

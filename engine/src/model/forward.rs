@@ -18,7 +18,7 @@
 use super::arch::Architecture;
 use super::weights::{FfnWeights, MixerWeights};
 use super::{ContextParams, ForwardError, Model, TruncateError};
-use crate::backend::{Backend, GatedDeltaNet, MoeFfn, RopeParams, SharedExpert};
+use crate::backend::{Backend, GatedDeltaNet, MoeFfn, QkNorm, RopeParams, SharedExpert};
 use crate::batch::{Batch, SeqId};
 use crate::kv_cache::{AttentionPlan, KvCache, PoolStats};
 use crate::recurrent_state::{RecurrentStates, StateStats};
@@ -563,24 +563,24 @@ fn run_layers<B: Backend>(model: &Model<B>, ctx: &mut Context<B>, batch: &Batch)
                 if let Some(bias) = &att.bv {
                     b.add_bias(&mut bufs.v, bias, n, kv_len);
                 }
-                if let Some(norm) = &att.q_norm {
-                    b.rms_norm_inplace(&mut bufs.q, norm, n * n_head, hd, eps);
-                }
-                if let Some(norm) = &att.k_norm {
-                    b.rms_norm_inplace(&mut bufs.k, norm, n * n_head_kv, hd, eps);
-                }
                 let rope = if shape.sliding_window {
                     &bufs.rope_local
                 } else {
                     &bufs.rope_global
                 };
-                // Rope of q and k and the K/V store (one kernel on a device); the query scaling
-                // below touches only q, so doing it after the store leaves every value as
-                // before.
+                // The QK-norm, rope of q and k and the K/V store (one kernel on a device); the
+                // query scaling below touches only q, so doing it after the store leaves every
+                // value as before.
+                let norm = QkNorm {
+                    q: att.q_norm.as_ref(),
+                    k: att.k_norm.as_ref(),
+                    eps,
+                };
                 b.rope_kv_store(
                     &mut bufs.q,
                     &mut bufs.k,
                     &bufs.v,
+                    norm,
                     rope,
                     n,
                     n_head,

@@ -22,7 +22,7 @@
 
 use super::forward::{Context, Readout};
 use super::Model;
-use crate::backend::{Backend, MoeFfn, RopeParams};
+use crate::backend::{Backend, MoeFfn, QkNorm, RopeParams};
 use crate::batch::Batch;
 use crate::ops::FfnActivation;
 
@@ -168,13 +168,17 @@ pub(super) fn run_layers<B: Backend>(model: &Model<B>, ctx: &mut Context<B>, bat
                         b.gather_rows(&bufs.k, kv_len, &all_rows, &mut bufs.v);
                     }
                 }
-                b.rms_norm_inplace(&mut bufs.q, &lw.q_norm, n * n_head, hd, eps);
-                b.rms_norm_inplace(&mut bufs.k, &kvw.k_norm, n * n_head_kv, hd, eps);
                 b.rms_norm_unit_inplace(&mut bufs.v, n * n_head_kv, hd, eps);
+                let norm = QkNorm {
+                    q: Some(&lw.q_norm),
+                    k: Some(&kvw.k_norm),
+                    eps,
+                };
                 b.rope_kv_store(
                     &mut bufs.q,
                     &mut bufs.k,
                     &bufs.v,
+                    norm,
                     rope,
                     n,
                     n_head,

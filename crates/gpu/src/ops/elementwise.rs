@@ -579,11 +579,19 @@ pub struct RopeKvStoreArgs {
     /// i32 `[n_tokens]`: `block * block_size + offset`, negative for none.
     pub slots: DevicePtr,
     pub block_size: usize,
+    /// QK-norm: per-head RMS-norm weights (`head_dim` f32 each) applied to the q and the k heads
+    /// before rope, with `norm_eps`, as [`rms_norm`] of `n_tokens * heads` rows of `head_dim`
+    /// would; none skips that norm.
+    pub q_norm: Option<DevicePtr>,
+    pub k_norm: Option<DevicePtr>,
+    pub norm_eps: f32,
 }
 
 /// [`rope`] of q, [`rope`] of k and [`super::kv_store`] of the rotated k and of v, in one launch
-/// with the same values (the same expressions in one kernel, kernels/rope.hip). For the decode
-/// step, where the three are tiny launches each.
+/// with the same values (the same expressions in one kernel, kernels/rope.hip). With
+/// `q_norm` / `k_norm`, [`rms_norm`] of each q / k head comes first, in the same launch and with
+/// the same bits (the block size of [`rms_norm`] for `head_dim`, so the same summation order).
+/// For the decode step, where these are tiny launches each.
 pub fn rope_kv_store(ctx: &GpuContext, a: &RopeKvStoreArgs) -> Result<(), OpsError> {
     const OP: &str = "rope_kv_store";
     if a.n_tokens == 0 || a.head_dim == 0 || (a.n_heads == 0 && a.n_kv_heads == 0) {
@@ -645,18 +653,26 @@ pub fn rope_kv_store(ctx: &GpuContext, a: &RopeKvStoreArgs) -> Result<(), OpsErr
         .arg(ptr(a.k_blocks))
         .arg(ptr(a.v_blocks))
         .arg(ptr(a.slots))
-        .arg(KernelArg::U32(as_u32(OP, "the block size", a.block_size)?));
-    let threads = ((a.head_dim / 2) as u32)
-        .next_multiple_of(32)
-        .clamp(32, 256);
+        .arg(KernelArg::U32(as_u32(OP, "the block size", a.block_size)?))
+        .arg(ptr(a.q_norm.unwrap_or(DevicePtr::NULL)))
+        .arg(ptr(a.k_norm.unwrap_or(DevicePtr::NULL)))
+        .arg(KernelArg::F32(a.norm_eps));
+    let head_dim = as_u32(OP, "the head size", a.head_dim)?;
+    let threads = if a.q_norm.is_some() || a.k_norm.is_some() {
+        // The norm's summation order is its block size's: rms_norm's for a row of head_dim.
+        norm_block_threads(head_dim)
+    } else {
+        (head_dim / 2).next_multiple_of(32).clamp(32, 256)
+    };
     // SAFETY: ember_rope_kv_store_{norm,neox}_f32(float* q, float* k, const float* v, const
     // int32_t* positions, const float* freq_factors, uint32_t n_tokens, uint32_t n_heads,
     // uint32_t n_kv_heads, uint32_t head_dim, uint32_t n_dims, float theta_scale, float
     // freq_scale, const uint64_t* k_blocks, const uint64_t* v_blocks, const int32_t* slots,
-    // uint32_t block_size); block b < n_tokens * n_heads rotates head b of q, the others head
+    // uint32_t block_size, const float* q_norm, const float* k_norm, float eps); block
+    // b < n_tokens * n_heads normalises (with a q_norm) and rotates head b of q, the others head
     // b - n_tokens * n_heads of k and store it and the same head of v into the block its token's
     // slot names (the caller's buffers hold n_tokens rows of each; the block tables as for
-    // kv_store).
+    // kv_store; the norm weights, when given, head_dim values each).
     unsafe {
         ctx.launch(
             KernelModule::Rope,

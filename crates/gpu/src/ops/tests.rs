@@ -894,7 +894,18 @@ fn rope_kv_store_equals_rope_rope_and_kv_store() {
     let factors = f.upload(&[1.0, 2.0, 4.0]);
     // Token 0 goes to block 1 slot 2; token 1 has no slot (padding).
     let slots = f.upload_i32(&[block_size as i32 + 2, -1]);
-    for mode in [RopeMode::Normal, RopeMode::Neox] {
+    // With the QK-norm too: each head normalised first, as rms_norm of every head would.
+    let (q_weight, k_weight) = (
+        f.upload(&values(head_dim, 24)),
+        f.upload(&values(head_dim, 25)),
+    );
+    let eps = 1e-6;
+    for (mode, normed) in [
+        (RopeMode::Normal, false),
+        (RopeMode::Neox, false),
+        (RopeMode::Normal, true),
+        (RopeMode::Neox, true),
+    ] {
         let (dq, dk, dv) = (f.upload(&q), f.upload(&k), f.upload(&v));
         let k_cache = f.zeros(2 * block_size * row / 2);
         let v_cache = f.zeros(2 * block_size * row / 2);
@@ -922,11 +933,18 @@ fn rope_kv_store_equals_rope_rope_and_kv_store() {
             v_blocks: table.ptr().offset(16),
             slots: slots.ptr(),
             block_size,
+            q_norm: normed.then(|| q_weight.ptr()),
+            k_norm: normed.then(|| k_weight.ptr()),
+            norm_eps: eps,
         };
         rope_kv_store(&f.ctx, &args).unwrap();
-        // The reference: the separate rope launches on copies.
+        // The reference: the separate norm and rope launches on copies.
         let (rq, rk) = (f.upload(&q), f.upload(&k));
-        for (x, heads) in [(&rq, n_heads), (&rk, n_kv_heads)] {
+        for (x, heads, weight) in [(&rq, n_heads, &q_weight), (&rk, n_kv_heads, &k_weight)] {
+            if normed {
+                let rows = n_tokens * heads;
+                rms_norm(&f.ctx, x.ptr(), weight.ptr(), rows, head_dim, eps, x.ptr()).unwrap();
+            }
             rope(
                 &f.ctx,
                 x.ptr(),
@@ -945,10 +963,14 @@ fn rope_kv_store_equals_rope_rope_and_kv_store() {
         assert_eq!(
             f.download(&dq, q.len()),
             f.download(&rq, q.len()),
-            "{mode:?} q"
+            "{mode:?} q (normed: {normed})"
         );
         let roped_k = f.download(&rk, k.len());
-        assert_eq!(f.download(&dk, k.len()), roped_k, "{mode:?} k");
+        assert_eq!(
+            f.download(&dk, k.len()),
+            roped_k,
+            "{mode:?} k (normed: {normed})"
+        );
         let mut cache = vec![0u8; block_size * row * 2];
         f.ctx.download(k_cache.ptr().offset(0), &mut cache).unwrap();
         let slot_bytes = |cache: &[u8]| -> Vec<f32> {

@@ -54,8 +54,8 @@ use ember_gpu::ops::{self, AttentionArgs, DeviceMatrix, GpuContext, OpsError, We
 use ember_gpu::{DevicePool, DevicePtr, PoolBuffer, Purpose};
 
 use super::{
-    Backend, BackendError, ExpertGating, GatedDeltaNet, MoeFfn, OpFailure, RopeMode, RopeParams,
-    SequenceState,
+    Backend, BackendError, ExpertGating, GatedDeltaNet, MoeFfn, OpFailure, QkNorm, RopeMode,
+    RopeParams, SequenceState,
 };
 use crate::batch::Batch;
 use crate::ops::{AttentionPlan, FfnActivation};
@@ -1701,6 +1701,7 @@ impl Backend for GpuBackend {
         q: &mut GpuBuf,
         k: &mut GpuBuf,
         v: &GpuBuf,
+        norm: QkNorm<'_, GpuVector>,
         table: &GpuRopeTable,
         n_tokens: usize,
         n_heads: usize,
@@ -1711,6 +1712,12 @@ impl Backend for GpuBackend {
         plan: &AttentionPlan,
     ) {
         if !ops::fusion_enabled() || self.reference() {
+            if let Some(weight) = norm.q {
+                self.rms_norm_inplace(q, weight, n_tokens * n_heads, head_dim, norm.eps);
+            }
+            if let Some(weight) = norm.k {
+                self.rms_norm_inplace(k, weight, n_tokens * n_kv_heads, head_dim, norm.eps);
+            }
             self.rope(q, table, n_tokens, n_heads, head_dim, mode);
             self.rope(k, table, n_tokens, n_kv_heads, head_dim, mode);
             self.kv_store(layer, k, v, plan);
@@ -1741,6 +1748,9 @@ impl Backend for GpuBackend {
                     ),
                 });
             }
+            for weight in [norm.q, norm.k].into_iter().flatten() {
+                check_vector("rope_kv_store", weight, head_dim)?;
+            }
             layer.sync_table(&self.ctx)?;
             let row = n_kv_heads * head_dim;
             let q_ptr = q.ptr("rope_kv_store", n_tokens * n_heads * head_dim)?;
@@ -1768,6 +1778,9 @@ impl Backend for GpuBackend {
                     v_blocks,
                     slots,
                     block_size: layer.block_size,
+                    q_norm: norm.q.map(|w| w.buf.ptr()),
+                    k_norm: norm.k.map(|w| w.buf.ptr()),
+                    norm_eps: norm.eps,
                 },
             )
         });
