@@ -435,6 +435,9 @@ pub struct GpuContext {
     numerics: Numerics,
     /// The CPU thread count whose split-KV attention the reference numerics reproduce.
     reference_threads: usize,
+    /// Kernel launches queued and the CPU time spent in the driver's launch calls (nanoseconds).
+    launches: AtomicU64,
+    launch_nanos: AtomicU64,
 }
 
 /// Every kernel function of [`KERNEL_MODULES`] by name, with a slot for its handle on this
@@ -545,7 +548,17 @@ impl GpuContext {
             captured_ops: AtomicU64::new(0),
             numerics: Numerics::Fast,
             reference_threads: 1,
+            launches: AtomicU64::new(0),
+            launch_nanos: AtomicU64::new(0),
         })
+    }
+
+    /// Kernel launches queued so far and the CPU time the driver's launch calls took.
+    pub fn launch_stats(&self) -> (u64, std::time::Duration) {
+        (
+            self.launches.load(Ordering::Relaxed),
+            std::time::Duration::from_nanos(self.launch_nanos.load(Ordering::Relaxed)),
+        )
     }
 
     pub fn driver(&self) -> &Arc<dyn Driver> {
@@ -725,12 +738,16 @@ impl GpuContext {
     ) -> Result<(), OpsError> {
         let function = self.function(module, name)?;
         self.queued();
+        let started = std::time::Instant::now();
         // SAFETY: forwarded from this function's contract.
-        unsafe {
+        let launched = unsafe {
             self.driver
                 .launch(self.device, function, &config, self.stream, args)
-        }
-        .map_err(|source| self.driver_error(&format!("launching {name}"), source))
+        };
+        self.launch_nanos
+            .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        self.launches.fetch_add(1, Ordering::Relaxed);
+        launched.map_err(|source| self.driver_error(&format!("launching {name}"), source))
     }
 
     /// The handle of `name` of `module`, from the context's table once resolved.

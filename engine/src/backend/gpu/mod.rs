@@ -40,6 +40,7 @@ mod batch;
 mod delta_net;
 mod gemma4;
 mod moe;
+mod op_times;
 use moe::check_moe_shapes;
 pub mod graph;
 pub mod numerics;
@@ -107,6 +108,8 @@ pub struct GpuBackend {
     delta_net: Mutex<delta_net::DeltaNetScratch>,
     /// Device copies of Gemma 4's per-expert down-projection scales ([`gemma4`]).
     expert_scales: Mutex<gemma4::ExpertScales>,
+    /// CPU time per op when `EMBER_GPU_OP_TIMES=1` ([`op_times`]).
+    op_times: op_times::OpTimes,
 }
 
 /// Device buffers of [`GpuBackend::moe_ffn`]; the i32 arrays (experts, pairs, tiles) live in
@@ -176,6 +179,7 @@ impl GpuBackend {
             moe_scratch: Mutex::new(MoeScratch::default()),
             delta_net: Mutex::new(delta_net::DeltaNetScratch::default()),
             expert_scales: Mutex::new(gemma4::ExpertScales::default()),
+            op_times: op_times::OpTimes::from_env(),
         }
     }
 
@@ -359,7 +363,7 @@ impl GpuBackend {
             });
             return;
         }
-        if let Err(error) = f() {
+        if let Err(error) = self.op_times.time(op, f) {
             self.record(op, error);
         }
     }
@@ -403,6 +407,10 @@ impl Drop for GpuBackend {
         graphs.drop_execs(&self.ctx);
         if graphs.stats().launched > 0 {
             tracing::info!(device = self.ctx.device(), "{}", graphs.stats().summary());
+        }
+        let (launches, launch_time) = self.ctx.launch_stats();
+        if let Some(table) = self.op_times.report(launches, launch_time) {
+            tracing::info!(device = self.ctx.device(), "{table}");
         }
     }
 }
