@@ -9,11 +9,20 @@ use std::time::{Duration, Instant};
 /// Environment variable: `1` turns the op timing on.
 pub const OP_TIMES_ENV: &str = "EMBER_GPU_OP_TIMES";
 
-/// Per op name: calls and total CPU time.
+/// One op's calls, total CPU time and slowest call.
+#[derive(Clone, Copy, Debug)]
+struct Row {
+    op: &'static str,
+    calls: u64,
+    total: Duration,
+    slowest: Duration,
+}
+
+/// Per op name: calls and CPU time.
 #[derive(Debug, Default)]
 pub(super) struct OpTimes {
     enabled: bool,
-    table: Mutex<Vec<(&'static str, u64, Duration)>>,
+    table: Mutex<Vec<Row>>,
 }
 
 impl OpTimes {
@@ -33,38 +42,98 @@ impl OpTimes {
         let result = f();
         let elapsed = started.elapsed();
         let mut table = super::lock(&self.table);
-        match table.iter_mut().find(|(name, _, _)| *name == op) {
+        match table.iter_mut().find(|row| row.op == op) {
             Some(row) => {
-                row.1 += 1;
-                row.2 += elapsed;
+                row.calls += 1;
+                row.total += elapsed;
+                row.slowest = row.slowest.max(elapsed);
             }
-            None => table.push((op, 1, elapsed)),
+            None => table.push(Row {
+                op,
+                calls: 1,
+                total: elapsed,
+                slowest: elapsed,
+            }),
         }
         result
     }
 
     /// The table, most time first, one line per op, with the driver's launch calls
-    /// (`launches`, `launch_time`) as the last line; none when timing is off.
+    /// (`launches`, `launch_time`) as the last line; none when timing is off. The mean leaves
+    /// out each op's slowest call, which holds one-time costs (a kernel module's first load).
     pub(super) fn report(&self, launches: u64, launch_time: Duration) -> Option<String> {
         if !self.enabled {
             return None;
         }
         let mut table = super::lock(&self.table).clone();
-        table.sort_by(|a, b| b.2.cmp(&a.2));
-        let mut text = String::from("CPU time of the ops (calls, total, mean):");
-        for (op, calls, total) in table {
-            let mean = total.as_secs_f64() * 1e6 / calls.max(1) as f64;
+        table.sort_by(|a, b| b.total.cmp(&a.total));
+        let mut text =
+            String::from("CPU time of the ops (calls, total, slowest call, mean of the others):");
+        for row in table {
+            let rest = (row.total - row.slowest).as_secs_f64() * 1e6;
+            let mean = rest / row.calls.saturating_sub(1).max(1) as f64;
             text.push_str(&format!(
-                "\n  {op:<28} {calls:>8} {:>10.1} ms {mean:>8.2} us",
-                total.as_secs_f64() * 1e3
+                "\n  {:<32} {:>8} {:>10.1} ms {:>10.1} us {mean:>8.2} us",
+                row.op,
+                row.calls,
+                row.total.as_secs_f64() * 1e3,
+                row.slowest.as_secs_f64() * 1e6
             ));
         }
         let mean = launch_time.as_secs_f64() * 1e6 / launches.max(1) as f64;
         text.push_str(&format!(
-            "\n  {:<28} {launches:>8} {:>10.1} ms {mean:>8.2} us",
+            "\n  {:<32} {launches:>8} {:>10.1} ms {:>13} {mean:>8.2} us",
             "(driver launch calls)",
-            launch_time.as_secs_f64() * 1e3
+            launch_time.as_secs_f64() * 1e3,
+            "-"
         ));
         Some(text)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_report_counts_calls_and_leaves_the_slowest_out_of_the_mean() {
+        let times = OpTimes {
+            enabled: true,
+            table: Mutex::new(Vec::new()),
+        };
+        for i in 0..3 {
+            let value = times.time("matmul", || {
+                if i == 0 {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                i * 2
+            });
+            assert_eq!(value, i * 2, "the op's result comes back");
+        }
+        times.time("attention", || ());
+        let rows = super::super::lock(&times.table).clone();
+        let matmul = rows.iter().find(|r| r.op == "matmul").unwrap();
+        assert_eq!(matmul.calls, 3);
+        assert!(matmul.slowest >= Duration::from_millis(20));
+        assert!(matmul.total - matmul.slowest < Duration::from_millis(20));
+        let text = times.report(4, Duration::from_micros(8)).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 4, "a header, two ops, the launch line: {text}");
+        assert!(
+            lines[1].trim_start().starts_with("matmul"),
+            "most time first: {text}"
+        );
+        assert!(
+            lines[3].ends_with("2.00 us"),
+            "8 us over 4 launches: {text}"
+        );
+    }
+
+    #[test]
+    fn off_it_records_nothing() {
+        let times = OpTimes::default();
+        assert_eq!(times.time("matmul", || 7), 7);
+        assert!(super::super::lock(&times.table).is_empty());
+        assert!(times.report(1, Duration::from_micros(1)).is_none());
     }
 }
