@@ -66,7 +66,7 @@ impl OpTimes {
             return None;
         }
         let mut table = super::lock(&self.table).clone();
-        table.sort_by(|a, b| b.total.cmp(&a.total));
+        table.sort_by_key(|row| std::cmp::Reverse(row.total));
         let mut text =
             String::from("CPU time of the ops (calls, total, slowest call, mean of the others):");
         for row in table {
