@@ -307,8 +307,10 @@ fn register_twins(driver: &HostDriver) {
     // ember_rope_kv_store_{norm,neox}_f32(float* q, float* k, const float* v, const int32_t*
     // positions, const float* freq_factors, uint32_t n_tokens, uint32_t n_heads, uint32_t
     // n_kv_heads, uint32_t head_dim, uint32_t n_dims, float theta_scale, float freq_scale, const
-    // uint64_t* k_blocks, const uint64_t* v_blocks, const int32_t* slots, uint32_t block_size);
-    // one block per head, q heads first.
+    // uint64_t* k_blocks, const uint64_t* v_blocks, const int32_t* slots, uint32_t block_size,
+    // const float* q_norm, const float* k_norm, float eps); one block per head, q heads first,
+    // each normalised first (as ember_rms_norm_f32 above) when its weight is given, with
+    // ember_rms_norm_f32's block size for head_dim.
     for (name, neox) in [
         ("ember_rope_kv_store_norm_f32", false),
         ("ember_rope_kv_store_neox_f32", true),
@@ -324,8 +326,23 @@ fn register_twins(driver: &HostDriver) {
             let (theta_scale, freq_scale) = (l.f32_arg(10)?, l.f32_arg(11)?);
             let (k_blocks, v_blocks, slots) = (l.ptr_arg(12)?, l.ptr_arg(13)?, l.ptr_arg(14)?);
             let block_size = l.u32_arg(15)? as usize;
+            let (q_norm, k_norm, eps) = (l.ptr_arg(16)?, l.ptr_arg(17)?, l.f32_arg(18)?);
             if l.config().grid[0] as usize != n_tokens * (n_heads + n_kv_heads) {
                 return Err(format!("grid {:?}", l.config().grid));
+            }
+            let norm_weight = |weight: DevicePtr| -> Result<Option<Vec<f32>>, String> {
+                if weight == DevicePtr::NULL {
+                    return Ok(None);
+                }
+                Ok(Some(l.read_f32(weight, head_dim)?))
+            };
+            let (q_weight, k_weight) = (norm_weight(q_norm)?, norm_weight(k_norm)?);
+            let norm_threads = (head_dim as u32).next_multiple_of(64).clamp(64, 1024);
+            if (q_weight.is_some() || k_weight.is_some()) && l.config().block[0] != norm_threads {
+                return Err(format!(
+                    "block {:?}: a norm sums in ember_rms_norm_f32's order only with its {norm_threads} threads",
+                    l.config().block
+                ));
             }
             let positions = read_i32(l, positions, n_tokens)?;
             let slots = read_i32(l, slots, n_tokens)?;
@@ -349,10 +366,17 @@ fn register_twins(driver: &HostDriver) {
                     head[ib] = a * theta.sin() + b * theta.cos();
                 }
             };
-            for (x, heads) in [(q, n_heads), (k, n_kv_heads)] {
+            for (x, heads, weight) in [(q, n_heads, &q_weight), (k, n_kv_heads, &k_weight)] {
                 for block in 0..n_tokens * heads {
                     let at = x.offset((block * head_dim * 4) as u64);
                     let mut head = l.read_f32(at, head_dim)?;
+                    if let Some(weight) = weight {
+                        let mean = head.iter().map(|v| v * v).sum::<f32>() / head_dim as f32;
+                        let inv = 1.0 / (mean + eps).sqrt();
+                        for (v, w) in head.iter_mut().zip(weight) {
+                            *v = *v * inv * w;
+                        }
+                    }
                     rotate(&mut head, positions[block / heads]);
                     l.write_f32(at, &head)?;
                 }
