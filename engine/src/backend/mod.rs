@@ -119,6 +119,28 @@ impl<'a, V> QkNorm<'a, V> {
         }
     }
 
+    /// The norms as separate ops on `b`: [`Backend::rms_norm_inplace`] of every q head
+    /// (`n_tokens * n_heads` rows of `head_dim`) and every k head, what a fused
+    /// [`Backend::rope_kv_store`] does first.
+    #[allow(clippy::too_many_arguments)]
+    pub fn apply<B: Backend<Vector = V>>(
+        &self,
+        b: &B,
+        q: &mut B::Buf,
+        k: &mut B::Buf,
+        n_tokens: usize,
+        n_heads: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+    ) {
+        if let Some(weight) = self.q {
+            b.rms_norm_inplace(q, weight, n_tokens * n_heads, head_dim, self.eps);
+        }
+        if let Some(weight) = self.k {
+            b.rms_norm_inplace(k, weight, n_tokens * n_kv_heads, head_dim, self.eps);
+        }
+    }
+
     /// The same norms with each weight mapped (a composite backend's per-device part).
     pub fn map<W>(&self, f: impl Fn(&'a V) -> &'a W) -> QkNorm<'a, W> {
         QkNorm {
@@ -726,12 +748,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
         layer: &mut Self::KvLayer,
         plan: &AttentionPlan,
     ) {
-        if let Some(weight) = norm.q {
-            self.rms_norm_inplace(q, weight, n_tokens * n_heads, head_dim, norm.eps);
-        }
-        if let Some(weight) = norm.k {
-            self.rms_norm_inplace(k, weight, n_tokens * n_kv_heads, head_dim, norm.eps);
-        }
+        norm.apply(self, q, k, n_tokens, n_heads, n_kv_heads, head_dim);
         self.rope(q, table, n_tokens, n_heads, head_dim, mode);
         self.rope(k, table, n_tokens, n_kv_heads, head_dim, mode);
         self.kv_store(layer, k, v, plan);

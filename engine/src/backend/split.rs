@@ -1239,12 +1239,7 @@ impl<B: Backend> Backend for SplitBackend<B> {
         // first, where their weight is.
         let apart = |w: Option<&Self::Vector>| w.is_some_and(|w| w.device != d);
         let norm = if apart(norm.q) || apart(norm.k) {
-            if let Some(weight) = norm.q {
-                self.rms_norm_inplace(q, weight, n_tokens * n_heads, head_dim, norm.eps);
-            }
-            if let Some(weight) = norm.k {
-                self.rms_norm_inplace(k, weight, n_tokens * n_kv_heads, head_dim, norm.eps);
-            }
+            norm.apply(self, q, k, n_tokens, n_heads, n_kv_heads, head_dim);
             QkNorm::none()
         } else {
             norm

@@ -435,7 +435,10 @@ pub struct GpuContext {
     numerics: Numerics,
     /// The CPU thread count whose split-KV attention the reference numerics reproduce.
     reference_threads: usize,
-    /// Kernel launches queued and the CPU time spent in the driver's launch calls (nanoseconds).
+    /// Whether launches are counted and timed ([`GpuContext::set_launch_timing`]).
+    time_launches: bool,
+    /// Kernel launches queued and the CPU time spent in the driver's launch calls (nanoseconds),
+    /// while timing is on.
     launches: AtomicU64,
     launch_nanos: AtomicU64,
 }
@@ -548,12 +551,20 @@ impl GpuContext {
             captured_ops: AtomicU64::new(0),
             numerics: Numerics::Fast,
             reference_threads: 1,
+            time_launches: false,
             launches: AtomicU64::new(0),
             launch_nanos: AtomicU64::new(0),
         })
     }
 
-    /// Kernel launches queued so far and the CPU time the driver's launch calls took.
+    /// Counts and times the driver's launch calls from now on (off by default: the launch path
+    /// then reads no clock).
+    pub fn set_launch_timing(&mut self, on: bool) {
+        self.time_launches = on;
+    }
+
+    /// Kernel launches queued so far and the CPU time the driver's launch calls took, while
+    /// launch timing was on.
     pub fn launch_stats(&self) -> (u64, std::time::Duration) {
         (
             self.launches.load(Ordering::Relaxed),
@@ -738,15 +749,17 @@ impl GpuContext {
     ) -> Result<(), OpsError> {
         let function = self.function(module, name)?;
         self.queued();
-        let started = std::time::Instant::now();
+        let started = self.time_launches.then(std::time::Instant::now);
         // SAFETY: forwarded from this function's contract.
         let launched = unsafe {
             self.driver
                 .launch(self.device, function, &config, self.stream, args)
         };
-        self.launch_nanos
-            .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        self.launches.fetch_add(1, Ordering::Relaxed);
+        if let Some(started) = started {
+            self.launch_nanos
+                .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            self.launches.fetch_add(1, Ordering::Relaxed);
+        }
         launched.map_err(|source| self.driver_error(&format!("launching {name}"), source))
     }
 

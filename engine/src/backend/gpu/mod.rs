@@ -156,6 +156,8 @@ impl GpuBackend {
     ) -> GpuBackend {
         ctx.set_numerics(ops::Numerics::Fast);
         ctx.set_reference_threads(DEFAULT_REFERENCE_THREADS);
+        let op_times = op_times::OpTimes::from_env();
+        ctx.set_launch_timing(op_times.enabled());
         let trimmer = if idle_trim {
             IdleTrimmer::start(Arc::clone(ctx.pool()))
         } else {
@@ -179,7 +181,7 @@ impl GpuBackend {
             moe_scratch: Mutex::new(MoeScratch::default()),
             delta_net: Mutex::new(delta_net::DeltaNetScratch::default()),
             expert_scales: Mutex::new(gemma4::ExpertScales::default()),
-            op_times: op_times::OpTimes::from_env(),
+            op_times,
         }
     }
 
@@ -1720,12 +1722,7 @@ impl Backend for GpuBackend {
         plan: &AttentionPlan,
     ) {
         if !ops::fusion_enabled() || self.reference() {
-            if let Some(weight) = norm.q {
-                self.rms_norm_inplace(q, weight, n_tokens * n_heads, head_dim, norm.eps);
-            }
-            if let Some(weight) = norm.k {
-                self.rms_norm_inplace(k, weight, n_tokens * n_kv_heads, head_dim, norm.eps);
-            }
+            norm.apply(self, q, k, n_tokens, n_heads, n_kv_heads, head_dim);
             self.rope(q, table, n_tokens, n_heads, head_dim, mode);
             self.rope(k, table, n_tokens, n_kv_heads, head_dim, mode);
             self.kv_store(layer, k, v, plan);

@@ -1,7 +1,7 @@
 //! CPU time of the GPU backend's ops, for finding what makes a decode step slow to record:
 //! `EMBER_GPU_OP_TIMES=1` times every op body ([`GpuBackend::run`](super::GpuBackend)) and the
 //! driver launch calls, and the backend logs the table (`info`) when it is dropped. Off, an op
-//! pays one branch on a constant.
+//! and a launch pay one branch each.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -31,6 +31,11 @@ impl OpTimes {
             enabled: std::env::var(OP_TIMES_ENV).is_ok_and(|v| v.trim() == "1"),
             table: Mutex::new(Vec::new()),
         }
+    }
+
+    /// Whether timing is on.
+    pub(super) fn enabled(&self) -> bool {
+        self.enabled
     }
 
     /// Runs `f`, adding its CPU time to `op`'s row when timing is on.
