@@ -553,6 +553,17 @@ EMBER_DEVICE void ember_matvec_float(float* y, const uint8_t* w, const float* x,
 // Lanes per row of the exported kernels (crates/gpu/src/ops/matvec.rs sizes its grid with it).
 #define EMBER_MATVEC_LANES 32
 
+// Register cap of the one-token fused kernels (gate/up, Q/K/V and the experts' gate/up) on CUDA:
+// at most 64 registers a thread, so that 4 blocks of EMBER_MATVEC_THREADS fit an SM's 64K
+// registers. Uncapped, nvcc gave them 66 (sm_90), which fits 3 blocks: a decode step's expert
+// gate/up launch (768 blocks for 8 experts of 768 rows) then ran in two waves at 37.5%
+// occupancy. The cap changes which registers hold what, never an operation or its order.
+#if defined(EMBER_PLATFORM_CUDA)
+#define EMBER_DECODE_BOUNDS __launch_bounds__(EMBER_MATVEC_THREADS, 4)
+#else
+#define EMBER_DECODE_BOUNDS
+#endif
+
 #define EMBER_MATVEC_INT8(name, format, nt)                                                                                      \
     EMBER_KERNEL void name(float* y, const uint8_t* w, const float* x, uint32_t n_rows, uint32_t n_cols, uint32_t n_tokens) { \
         ember_matvec_int8<format, nt, EMBER_MATVEC_LANES>(y, w, x, n_rows, n_cols, n_tokens);                                   \
@@ -720,7 +731,7 @@ EMBER_DEVICE void ember_matvec_glu_float(float* y, const uint8_t* wg, const uint
 // ember_matvec_{swiglu,geglu}_<format>_t1(float* y, const uint8_t* w_gate, const uint8_t* w_up,
 // const float* x, uint32_t n_rows, uint32_t n_cols): one token, y [n_rows].
 #define EMBER_MATVEC_GLU_INT8(name, format, glu)                                                                                  \
-    EMBER_KERNEL void name(float* y, const uint8_t* wg, const uint8_t* wu, const float* x, uint32_t n_rows, uint32_t n_cols) { \
+    EMBER_KERNEL void EMBER_DECODE_BOUNDS name(float* y, const uint8_t* wg, const uint8_t* wu, const float* x, uint32_t n_rows, uint32_t n_cols) { \
         ember_matvec_glu_int8<format, EMBER_MATVEC_LANES, glu>(y, wg, wu, x, n_rows, n_cols);                                     \
     }
 
@@ -846,7 +857,7 @@ EMBER_DEVICE void ember_matvec_multi_float(const EmberMvSegments& s, const float
 // ember_matvec3_<format>_t1(float* y0, float* y1, float* y2, const uint8_t* w0, const uint8_t* w1,
 // const uint8_t* w2, const float* x, uint32_t rows0, uint32_t rows1, uint32_t rows2, uint32_t n_cols)
 #define EMBER_MATVEC3_INT8(name, format)                                                                                           \
-    EMBER_KERNEL void name(float* y0, float* y1, float* y2, const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, const float* x, \
+    EMBER_KERNEL void EMBER_DECODE_BOUNDS name(float* y0, float* y1, float* y2, const uint8_t* w0, const uint8_t* w1, const uint8_t* w2, const float* x, \
                            uint32_t rows0, uint32_t rows1, uint32_t rows2, uint32_t n_cols) {                                       \
         const EmberMvSegments s = {{y0, y1, y2}, {w0, w1, w2}, {rows0, rows1, rows2}};                                              \
         ember_matvec_multi_int8<format, EMBER_MATVEC_LANES>(s, x, n_cols);                                                          \
@@ -965,19 +976,30 @@ EMBER_MOE_MATVEC(ember_moe_matvec_q6_k, EmberMvQ6_K)
 //     so each value equals the tile path's gate and up products followed by ember_silu_mul_f32 /
 //     ember_gelu_mul_f32. Launch: block EMBER_MATVEC_THREADS, grid (any, n_pairs), dynamic shared
 //     memory ember_matvec_shared_bytes(1, n_cols).
+//   * ember_quantize_act_<act>(hq, hds, h, n_rows, n_cols): rows of f32 values rounded once, as
+//     ember_mv_quantize rounds them inside the other kernels, into the layout of the shared
+//     activations (int8 [n_rows, n_cols] chunk-major per row, then a float2 per 32 values), for
+//     the down kernel, whose input is n_used rows per token. Launch: block EMBER_MATVEC_THREADS,
+//     grid any (a block per row, grid-stride).
 //   * ember_moe_down_<format>_l<LANES>: out[t] = sum over ranks k of weights[t, k] (s_e D_e
 //     h[t n_used + k]), e = experts[t n_used + k], s_e = expert_scale[e] when given, then plus
-//     shared[t] (times sigmoid(shared_logit[t]) when given): a shared expert's output. Block
-//     (bx, t) rounds token t's n_used rows of h into shared memory and each lane group computes
-//     all ranks of its row, their weight loads issued together. Every rank's sum is the one
-//     ember_moe_matvec_* computes with 32 lanes: _l32 is that very order, and _l16 (for rows of at
-//     most 16 units) gives each of lanes 0..15 the one unit it holds with 32 lanes while lanes
-//     16..31 would add exact zeros. The products and additions that follow are
+//     shared[t] (times sigmoid(shared_logit[t]) when given): a shared expert's output. h comes
+//     rounded by ember_quantize_act_* (hq, hds, for the format's activation type). Block (bx, t)
+//     takes EMBER_WAVE_SIZE / LANES rows; its warp w computes ranks w, w + warps, ... of them (one
+//     row per lane group), each rank's dot product read straight from hq, and leaves the rank's
+//     term in shared memory; then one lane per row adds the terms in rank order. Every rank's
+//     sum is the one ember_moe_matvec_* computes with 32 lanes: _l32 is that very order, and _l16
+//     (for rows of at most 16 units) gives each of lanes 0..15 the one unit it holds with 32 lanes
+//     while lanes 16..31 would add exact zeros. The products and additions that follow are
 //     ember_moe_combine_f32's and then ember_moe_add_gated_f32's (or ember_add_f32's), so `out`
-//     equals the tile path bit for bit. Launch: block EMBER_MATVEC_THREADS, grid (any, n_tokens),
-//     dynamic shared memory ember_matvec_shared_bytes(n_used, n_cols).
-// Before it rounds its activations, each lane group asks for the first row it will read to be
-// brought into L2 (ember_prefetch_l2, a hint), so the weights' DRAM latency overlaps that work.
+//     equals the tile path bit for bit. Spreading the ranks over warps (rather than every rank
+//     of a row in one lane group, the layout before) gives a decode step's down product eight
+//     times the warps, each with an eighth of the instructions: the kernel was bound by the
+//     latency of its instructions at two warps per scheduler. Launch: block EMBER_MATVEC_THREADS,
+//     grid (any, n_tokens), dynamic shared memory n_used * (EMBER_WAVE_SIZE / LANES) floats.
+// Before it rounds its activations, each lane group of the gate/up kernel asks for the first row
+// it will read to be brought into L2 (ember_prefetch_l2, a hint), so the weights' DRAM latency
+// overlaps that work.
 
 // Brings the cache line at p towards the SMs (into L2); a hint without effect on any value.
 EMBER_DEVICE void ember_prefetch_l2(const void* p) {
@@ -1019,76 +1041,54 @@ EMBER_DEVICE void ember_moe_glu_int8(float* y, const uint8_t* wg, const uint8_t*
                                                       n_cols);
 }
 
-// Ranks whose weight loads a lane group of ember_moe_down_int8 issues together; more ranks are
-// taken in further rounds of this many.
-#define EMBER_MOE_DOWN_RANKS 8
+template <int ACT>
+EMBER_DEVICE void ember_quantize_act_rows(int8_t* xq, float2* xds, const float* x, uint32_t n_rows, uint32_t n_cols) {
+    for (uint32_t r = blockIdx.x; r < n_rows; r += gridDim.x)
+        ember_mv_quantize<ACT>(xq + (size_t)r * n_cols, xds + (size_t)r * (n_cols / 32), x + (size_t)r * n_cols, n_cols, n_cols);
+}
 
 template <typename F, int LANES>
-EMBER_DEVICE void ember_moe_down_int8(float* out, const uint8_t* w, const float* h, const int32_t* experts, const float* weights,
-                                      const float* expert_scale, const float* shared, const float* shared_logit, uint32_t n_rows,
-                                      uint32_t n_cols, uint64_t expert_bytes, uint32_t n_used) {
-    constexpr int ROWS_PER_WARP = EMBER_WAVE_SIZE / LANES, R = EMBER_MOE_DOWN_RANKS;
+EMBER_DEVICE void ember_moe_down_int8(float* out, const uint8_t* w, const int8_t* hq, const float2* hds, const int32_t* experts,
+                                      const float* weights, const float* expert_scale, const float* shared, const float* shared_logit,
+                                      uint32_t n_rows, uint32_t n_cols, uint64_t expert_bytes, uint32_t n_used) {
+    constexpr int ROWS_PER_WARP = EMBER_WAVE_SIZE / LANES;
     const size_t t = blockIdx.y;
     const int32_t* e = experts + t * n_used;
     const float* rank_weight = weights + t * n_used;
     const size_t row_bytes = (size_t)(n_cols / F::BLOCK_VALUES) * F::BLOCK_BYTES;
-    {
-        const uint32_t r = ember_mv_first_row<LANES>();
-        if (r < n_rows)
-            for (uint32_t k = 0; k < n_used; ++k) ember_prefetch_row<LANES>(w + (size_t)e[k] * expert_bytes + (size_t)r * row_bytes, row_bytes);
-    }
-    int8_t* xq = ember_mv_shared();
-    float2* xds = (float2*)(xq + (size_t)n_used * n_cols);
-    ember_mv_quantize<F::ACT>(xq, xds, h + t * n_used * n_cols, n_used * n_cols, n_cols);
-    __syncthreads();
-
-    const int sub = (int)(threadIdx.x % LANES);
-    const uint32_t warps_per_block = blockDim.x / EMBER_WAVE_SIZE;
-    const uint32_t warp = blockIdx.x * warps_per_block + threadIdx.x / EMBER_WAVE_SIZE;
-    const uint32_t group = (threadIdx.x % EMBER_WAVE_SIZE) / LANES;
     const int n_units = (int)(n_cols / F::UNIT_VALUES);
+    const uint32_t n_warps = blockDim.x / EMBER_WAVE_SIZE, warp = threadIdx.x / EMBER_WAVE_SIZE;
+    const uint32_t group = (threadIdx.x % EMBER_WAVE_SIZE) / LANES;
+    const int sub = (int)(threadIdx.x % LANES);
+    // terms[k * ROWS_PER_WARP + i]: rank k's weighted sum for row i of the block's rows.
+    float* terms = (float*)ember_mv_shared();
     F format;
-    for (uint32_t first = warp * ROWS_PER_WARP; first < n_rows; first += gridDim.x * warps_per_block * ROWS_PER_WARP) {
+    for (uint32_t first = blockIdx.x * ROWS_PER_WARP; first < n_rows; first += gridDim.x * ROWS_PER_WARP) {
         const uint32_t r = first + group;
         const bool valid = r < n_rows;
-        float o = 0.0f;
-        for (uint32_t k0 = 0; k0 < n_used; k0 += R) {
-            // Ranks past n_used repeat the last one (branch-free, so the R loads go out together)
-            // and are not added.
-            const uint8_t* rows[R];
-            uint32_t rank[R];
-            float acc[R];
-#pragma unroll
-            for (int k = 0; k < R; ++k) {
-                rank[k] = min(k0 + (uint32_t)k, n_used - 1);
-                rows[k] = w + (size_t)e[rank[k]] * expert_bytes + (size_t)(valid ? r : 0) * row_bytes;
-                acc[k] = 0.0f;
-            }
+        for (uint32_t k = warp; k < n_used; k += n_warps) {
+            const size_t pair = t * n_used + k;
+            const int32_t expert = e[k];
+            const uint8_t* row = w + (size_t)expert * expert_bytes + (size_t)(valid ? r : 0) * row_bytes;
+            float acc = 0.0f;
             if (valid) {
-                // Not unrolled over units: the R ranks' loads are already R times a plain row's
-                // (and decode rows mostly have one unit per lane).
-#pragma unroll 1
                 for (int u = sub; u < n_units; u += LANES)
-#pragma unroll
-                    for (int k = 0; k < R; ++k)
-                        format.template dot<1, false>(rows[k], u, xq + (size_t)rank[k] * n_cols, xds + (size_t)rank[k] * (n_cols / 32), n_cols,
-                                                      1, &acc[k]);
+                    format.template dot<1, false>(row, u, hq + pair * n_cols, hds + pair * (n_cols / 32), n_cols, 1, &acc);
             }
 #pragma unroll
-            for (int k = 0; k < R; ++k) {
-                float sum = acc[k];
-#pragma unroll
-                for (int mask = LANES / 2; mask > 0; mask >>= 1) sum += ember_shfl_xor(sum, mask);
-                if (k0 + k < n_used) {
-                    if (expert_scale != nullptr) sum = __fmul_rn(sum, expert_scale[e[k0 + k]]);
-                    const float term = __fmul_rn(sum, rank_weight[k0 + k]);
-                    o = k0 + k == 0 ? term : __fadd_rn(o, term);
-                }
+            for (int mask = LANES / 2; mask > 0; mask >>= 1) acc += ember_shfl_xor(acc, mask);
+            if (valid && sub == 0) {
+                if (expert_scale != nullptr) acc = __fmul_rn(acc, expert_scale[expert]);
+                terms[k * ROWS_PER_WARP + group] = __fmul_rn(acc, rank_weight[k]);
             }
         }
-        if (valid && sub == 0) {
+        __syncthreads();
+        if (threadIdx.x < (uint32_t)ROWS_PER_WARP && first + threadIdx.x < n_rows) {
+            const uint32_t row = first + threadIdx.x;
+            float o = terms[threadIdx.x];
+            for (uint32_t k = 1; k < n_used; ++k) o = __fadd_rn(o, terms[k * ROWS_PER_WARP + threadIdx.x]);
             if (shared != nullptr) {
-                const float s = shared[t * n_rows + r];
+                const float s = shared[t * n_rows + row];
                 if (shared_logit != nullptr) {
                     const float g = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-shared_logit[t])));
                     o = __fadd_rn(o, __fmul_rn(s, g));
@@ -1096,28 +1096,40 @@ EMBER_DEVICE void ember_moe_down_int8(float* out, const uint8_t* w, const float*
                     o = __fadd_rn(o, s);
                 }
             }
-            out[t * n_rows + r] = o;
+            out[t * n_rows + row] = o;
         }
+        // The terms are written again for the next rows.
+        __syncthreads();
     }
 }
+
+// ember_quantize_act_<act>(int8_t* xq, float2* xds, const float* x, uint32_t n_rows, uint32_t n_cols)
+#define EMBER_QUANTIZE_ACT(name, act)                                                                         \
+    EMBER_KERNEL void name(int8_t* xq, float2* xds, const float* x, uint32_t n_rows, uint32_t n_cols) { \
+        ember_quantize_act_rows<act>(xq, xds, x, n_rows, n_cols);                                         \
+    }
+
+EMBER_QUANTIZE_ACT(ember_quantize_act_q8_0, EMBER_ACT_Q8_0)
+EMBER_QUANTIZE_ACT(ember_quantize_act_q8_1, EMBER_ACT_Q8_1)
+EMBER_QUANTIZE_ACT(ember_quantize_act_q8_k, EMBER_ACT_Q8_K)
 
 // ember_moe_{swiglu,geglu}_<format>(float* y, const uint8_t* w_gate, const uint8_t* w_up, const
 // float* x, const int32_t* experts, uint32_t n_rows, uint32_t n_cols, uint64_t expert_bytes,
 // uint32_t n_used)
 #define EMBER_MOE_GLU(name, format, glu)                                                                                          \
-    EMBER_KERNEL void name(float* y, const uint8_t* wg, const uint8_t* wu, const float* x, const int32_t* experts, uint32_t n_rows, \
+    EMBER_KERNEL void EMBER_DECODE_BOUNDS name(float* y, const uint8_t* wg, const uint8_t* wu, const float* x, const int32_t* experts, uint32_t n_rows, \
                            uint32_t n_cols, uint64_t expert_bytes, uint32_t n_used) {                                              \
         ember_moe_glu_int8<format, glu>(y, wg, wu, x, experts, n_rows, n_cols, expert_bytes, n_used);                             \
     }
 
-// ember_moe_down_<format>_l<LANES>(float* out, const uint8_t* w, const float* h, const int32_t*
-// experts, const float* weights, const float* expert_scale, const float* shared, const float*
-// shared_logit, uint32_t n_rows, uint32_t n_cols, uint64_t expert_bytes, uint32_t n_used)
+// ember_moe_down_<format>_l<LANES>(float* out, const uint8_t* w, const int8_t* hq, const float2* hds,
+// const int32_t* experts, const float* weights, const float* expert_scale, const float* shared,
+// const float* shared_logit, uint32_t n_rows, uint32_t n_cols, uint64_t expert_bytes, uint32_t n_used)
 #define EMBER_MOE_DOWN(name, format, lanes)                                                                                          \
-    EMBER_KERNEL void name(float* out, const uint8_t* w, const float* h, const int32_t* experts, const float* weights,               \
-                           const float* expert_scale, const float* shared, const float* shared_logit, uint32_t n_rows,             \
-                           uint32_t n_cols, uint64_t expert_bytes, uint32_t n_used) {                                              \
-        ember_moe_down_int8<format, lanes>(out, w, h, experts, weights, expert_scale, shared, shared_logit, n_rows, n_cols,        \
+    EMBER_KERNEL void name(float* out, const uint8_t* w, const int8_t* hq, const float2* hds, const int32_t* experts,               \
+                           const float* weights, const float* expert_scale, const float* shared, const float* shared_logit,         \
+                           uint32_t n_rows, uint32_t n_cols, uint64_t expert_bytes, uint32_t n_used) {                              \
+        ember_moe_down_int8<format, lanes>(out, w, hq, hds, experts, weights, expert_scale, shared, shared_logit, n_rows, n_cols,   \
                                            expert_bytes, n_used);                                                                 \
     }
 

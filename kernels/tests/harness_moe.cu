@@ -27,8 +27,9 @@
 // q4_K and q6_K, in microseconds (matvec, then mmq per tile size, the activation pre-pass
 // included).
 //
-// 3. The decode kernels (matvec.hip's ember_moe_{swiglu,geglu}_* and ember_moe_down_*_l16/_l32,
-// what moe_ffn runs for 1 to 4 tokens) against the tile path they replace there (ember_moe_tiles,
+// 3. The decode kernels (matvec.hip's ember_moe_{swiglu,geglu}_*, and ember_quantize_act_* then
+// ember_moe_down_*_l16/_l32: what moe_ffn runs for 1 to 4 tokens) against the tile path they
+// replace there (ember_moe_tiles,
 // ember_moe_matvec_* for gate and up, ember_silu_mul_f32 / ember_gelu_mul_f32; ember_moe_matvec_*
 // for down, ember_moe_combine_f32, then ember_add_f32 or ember_moe_add_gated_f32 for a shared
 // expert), for every format, 1 to 4 tokens, 128, 256 and 512 experts, with and without
@@ -384,8 +385,9 @@ struct DecodeStack {
 };
 
 typedef void (*MoeGluKernel)(float*, const uint8_t*, const uint8_t*, const float*, const int32_t*, uint32_t, uint32_t, uint64_t, uint32_t);
-typedef void (*MoeDownKernel)(float*, const uint8_t*, const float*, const int32_t*, const float*, const float*, const float*, const float*,
-                              uint32_t, uint32_t, uint64_t, uint32_t);
+typedef void (*MoeDownKernel)(float*, const uint8_t*, const int8_t*, const float2*, const int32_t*, const float*, const float*,
+                              const float*, const float*, uint32_t, uint32_t, uint64_t, uint32_t);
+typedef void (*ActQuantizeKernel)(int8_t*, float2*, const float*, uint32_t, uint32_t);
 
 static MoeGluKernel moe_glu_for(Format f, bool gelu) {
     switch (f) {
@@ -495,13 +497,38 @@ static void tile_down(const DecodeStack& down, DecodeBatch& b, const float* h, D
     if (extra == DOWN_SHARED_GATED) ember_moe_add_gated_f32<<<grid, 256, 0, st>>>(out, b.shared.ptr, b.logit.ptr, down.n_rows);
 }
 
+// crates/gpu/src/ops/moe.rs: activation_kernel.
+static ActQuantizeKernel act_quantize_for(Format f) {
+    if (f == Q4_1 || f == Q5_1) return ember_quantize_act_q8_1;
+    if (FORMATS[f].block_values == 256) return ember_quantize_act_q8_k;
+    return ember_quantize_act_q8_0;
+}
+
+// The rounded down input of the decode path: at most 4 tokens x 10 ranks x 1536 columns here
+// (allocated once, before any capture).
+static int8_t* down_scratch() {
+    static DeviceBuffer<int8_t> scratch((size_t)4 * 10 * 1536 * 5 / 4);
+    return scratch.ptr;
+}
+
+// The decode path's down product as crates/gpu/src/ops/moe.rs's moe_down launches it: h rounded
+// once (ember_quantize_act_*), then ember_moe_down_*.
 static void decode_down(const DecodeStack& down, DecodeBatch& b, const float* h, DownExtra extra, float* out, cudaStream_t st) {
     const int lanes = down_lanes(down.f, down.n_cols);
     const bool shared = extra == DOWN_SHARED || extra == DOWN_SHARED_GATED;
-    moe_down_for(down.f, lanes)<<<dim3(decode_grid_x(down.n_rows, lanes, b.n_tokens), b.n_tokens), 256,
-                                  ember_matvec_shared_bytes(b.n_used, down.n_cols), st>>>(
-        out, down.w.ptr, h, b.dexperts.ptr, b.weights.ptr, extra == DOWN_SCALED ? b.scale.ptr : nullptr, shared ? b.shared.ptr : nullptr,
-        extra == DOWN_SHARED_GATED ? b.logit.ptr : nullptr, down.n_rows, down.n_cols, down.expert_bytes, b.n_used);
+    const size_t values = (size_t)b.n_pairs * down.n_cols;
+    if (values * 5 / 4 > (size_t)4 * 10 * 1536 * 5 / 4) {
+        std::fprintf(stderr, "decode_down: %zu values exceed the scratch\n", values);
+        std::exit(2);
+    }
+    int8_t* hq = down_scratch();
+    float2* hds = (float2*)(hq + values);
+    act_quantize_for(down.f)<<<std::min(b.n_pairs, 1024), 256, 0, st>>>(hq, hds, h, b.n_pairs, down.n_cols);
+    moe_down_for(down.f, lanes)<<<dim3((down.n_rows + 32 / lanes - 1) / (32 / lanes), b.n_tokens), 256,
+                                  b.n_used * (64 / lanes) * sizeof(float), st>>>(
+        out, down.w.ptr, hq, hds, b.dexperts.ptr, b.weights.ptr, extra == DOWN_SCALED ? b.scale.ptr : nullptr,
+        shared ? b.shared.ptr : nullptr, extra == DOWN_SHARED_GATED ? b.logit.ptr : nullptr, down.n_rows, down.n_cols,
+        down.expert_bytes, b.n_used);
 }
 
 static uint32_t count_differing(const DeviceBuffer<float>& a, const DeviceBuffer<float>& b, size_t n) {

@@ -88,10 +88,10 @@ pub use matmul::{
 };
 pub use mmq::{has_mmq_kernels, moe_mmq, MMQ_TARGET_BLOCKS, MMQ_TARGET_BLOCKS_ENV};
 pub use moe::{
-    has_moe_kernels, moe_add_gated, moe_combine, moe_decode_fits, moe_down, moe_glu, moe_matvec,
-    moe_mmq_tile, moe_route, moe_tile_slots, moe_tiles, SharedOutput, MOE_DECODE_MAX_TOKENS,
-    MOE_DECODE_MAX_TOKENS_ENV, MOE_MAX_EXPERTS, MOE_MMQ_MIN_TOKENS, MOE_MMQ_MIN_TOKENS_ENV,
-    MOE_TILE,
+    has_moe_kernels, moe_add_gated, moe_combine, moe_decode_fits, moe_down, moe_down_scratch_bytes,
+    moe_glu, moe_matvec, moe_mmq_tile, moe_route, moe_tile_slots, moe_tiles, SharedOutput,
+    MOE_DECODE_MAX_TOKENS, MOE_DECODE_MAX_TOKENS_ENV, MOE_MAX_EXPERTS, MOE_MMQ_MIN_TOKENS,
+    MOE_MMQ_MIN_TOKENS_ENV, MOE_TILE,
 };
 
 /// Environment variable that turns the BLAS library off (`1`): `matmul` then uses the tiled

@@ -306,8 +306,8 @@ fn decode_max_tokens() -> usize {
 /// Whether a MoE layer over `n_tokens` tokens takes the decode kernels ([`moe_glu`] and
 /// [`moe_down`]) for experts of `n_ff` rows over `n_embd` columns with `n_used` experts per
 /// token: at most [`MOE_DECODE_MAX_TOKENS`] tokens (or its environment override), and the
-/// activations of the largest launch (a token's `n_used` rows of `n_ff` for the down product)
-/// fit the shared memory.
+/// gate/up kernel's activations (a row of `n_embd`, rounded to int8 in shared memory) fit. The
+/// down product reads its rounded input from global scratch, so `n_ff` has no bound here.
 pub fn moe_decode_fits(n_tokens: usize, n_used: usize, n_embd: usize, n_ff: usize) -> bool {
     decode_fits_from(n_tokens, n_used, n_embd, n_ff, decode_max_tokens())
 }
@@ -321,7 +321,7 @@ fn decode_fits_from(
 ) -> bool {
     (1..=max_tokens).contains(&n_tokens)
         && n_used > 0
-        && n_used.saturating_mul(n_ff) / 4 * 5 <= MAX_SHARED_BYTES
+        && n_ff > 0
         && n_embd / 4 * 5 <= MAX_SHARED_BYTES
 }
 
@@ -358,6 +358,27 @@ fn decode_grid_x(rows: u32, lanes: u32, columns: u32) -> u32 {
     rows.div_ceil(THREADS / lanes)
         .min(TARGET_BLOCKS.div_ceil(columns.max(1)))
         .max(1)
+}
+
+/// Bytes of the scratch [`moe_down`] rounds its input into: `n_tokens * n_used` rows of `cols`
+/// int8 values and a pair of f32 per 32 of them.
+pub fn moe_down_scratch_bytes(n_tokens: usize, n_used: usize, cols: usize) -> usize {
+    n_tokens.saturating_mul(n_used).saturating_mul(cols) / 4 * 5
+}
+
+/// The kernel that rounds activations for `format`'s dot products (matvec.hip's
+/// ember_quantize_act_*: Q8_0 for the 32-value formats with a scale, Q8_1 for those with a
+/// minimum too, Q8_K for the k-quants).
+fn activation_kernel(format: WeightFormat) -> &'static str {
+    match format {
+        WeightFormat::Q4_1 | WeightFormat::Q5_1 => "ember_quantize_act_q8_1",
+        WeightFormat::Q2K
+        | WeightFormat::Q3K
+        | WeightFormat::Q4K
+        | WeightFormat::Q5K
+        | WeightFormat::Q6K => "ember_quantize_act_q8_k",
+        _ => "ember_quantize_act_q8_0",
+    }
 }
 
 /// Lanes per row of the fused down kernel for rows of `cols` values in `format`: 16 when a row
@@ -466,12 +487,17 @@ pub struct SharedOutput {
 /// is given, then plus `shared`'s output. `down` a stack of `n_expert` experts, `h` f32
 /// `[n_tokens * n_used, down.cols]`, `out` f32 `[n_tokens, down.rows / n_expert]`. The values
 /// equal [`moe_matvec`], [`moe_combine`] and [`moe_add_gated`] (or an add) bit for bit.
+///
+/// Two launches: h rounded to the format's 8-bit activations once (matvec.hip's
+/// ember_quantize_act_*, into `h_quantized`, a scratch of [`moe_down_scratch_bytes`] bytes), then
+/// the product, whose blocks read those instead of each rounding all of h again.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_down(
     ctx: &GpuContext,
     down: &DeviceMatrix,
     n_expert: usize,
     h: DevicePtr,
+    h_quantized: DevicePtr,
     experts: DevicePtr,
     weights: DevicePtr,
     expert_scale: Option<DevicePtr>,
@@ -488,38 +514,61 @@ pub fn moe_down(
         return Err(OpsError::shape(OP, "at least one expert per token", "0"));
     }
     let (rows, expert_bytes) = decode_stack(OP, down, n_expert)?;
-    let shared_bytes = n_used.saturating_mul(down.cols) / 4 * 5;
-    if shared_bytes > MAX_SHARED_BYTES {
-        return Err(OpsError::shape(
-            OP,
-            format!(
-                "ranks times columns of at most {} (a token's int8 activations in 48 KiB of shared memory)",
-                MAX_SHARED_BYTES * 4 / 5
-            ),
-            format!("{n_used} x {}", down.cols),
-        ));
-    }
     let tokens = as_u32(OP, "the token count", n_tokens)?;
     as_u32(
         OP,
         "tokens times rows",
         n_tokens.saturating_mul(rows as usize),
     )?;
-    as_u32(
-        OP,
-        "pairs times columns",
-        (n_tokens * n_used).saturating_mul(down.cols),
-    )?;
+    let n_pairs = n_tokens
+        .checked_mul(n_used)
+        .ok_or_else(|| OpsError::shape(OP, "tokens times ranks below 2^64", "an overflow"))?;
+    as_u32(OP, "pairs times columns", n_pairs.saturating_mul(down.cols))?;
+    let pairs = as_u32(OP, "the pair count", n_pairs)?;
+    let cols = as_u32(OP, "the column count", down.cols)?;
+    let h_values = (n_pairs * down.cols) as u64;
+    let quantize = LaunchConfig {
+        grid: [pairs.min(TARGET_BLOCKS), 1, 1],
+        block: [THREADS, 1, 1],
+        shared_mem_bytes: 0,
+    };
+    let quantize_args = KernelArgs::new()
+        .arg(KernelArg::Ptr(h_quantized))
+        .arg(KernelArg::Ptr(h_quantized.offset(h_values)))
+        .arg(KernelArg::Ptr(h))
+        .arg(KernelArg::U32(pairs))
+        .arg(KernelArg::U32(cols));
+    // SAFETY: ember_quantize_act_<act>(int8_t* xq, float2* xds, const float* x, uint32_t n_rows,
+    // uint32_t n_cols) reads n_pairs rows of down.cols f32 of h and writes n_pairs * down.cols
+    // int8 values at h_quantized and a float2 per 32 of them right after (down.cols is a multiple
+    // of 32, checked by decode_stack, so the float2s are 8-byte aligned): the
+    // moe_down_scratch_bytes the caller provides.
+    unsafe {
+        ctx.launch(
+            KernelModule::MatVec,
+            activation_kernel(down.format),
+            quantize,
+            &quantize_args,
+        )?;
+    }
+    // A block takes a wave's worth of rows (wave / lanes: 32 or 64 lanes per wave) and walks
+    // them grid-stride, so the grid is sized for 32-lane waves (blocks with no rows of a 64-lane
+    // target leave at once) and the shared terms for 64.
     let lanes = down_lanes(down.format, down.cols);
     let config = LaunchConfig {
-        grid: [decode_grid_x(rows, lanes, tokens), tokens, 1],
+        grid: [rows.div_ceil(32 / lanes), tokens, 1],
         block: [THREADS, 1, 1],
-        shared_mem_bytes: shared_bytes as u32,
+        shared_mem_bytes: as_u32(
+            OP,
+            "the ranks' terms",
+            n_used.saturating_mul(64 / lanes as usize) * 4,
+        )?,
     };
     let args = KernelArgs::new()
         .arg(KernelArg::Ptr(out))
         .arg(KernelArg::Ptr(down.ptr()))
-        .arg(KernelArg::Ptr(h))
+        .arg(KernelArg::Ptr(h_quantized))
+        .arg(KernelArg::Ptr(h_quantized.offset(h_values)))
         .arg(KernelArg::Ptr(experts))
         .arg(KernelArg::Ptr(weights))
         .arg(KernelArg::Ptr(expert_scale.unwrap_or(DevicePtr::NULL)))
@@ -528,18 +577,19 @@ pub fn moe_down(
             shared.and_then(|s| s.logit).unwrap_or(DevicePtr::NULL),
         ))
         .arg(KernelArg::U32(rows))
-        .arg(KernelArg::U32(as_u32(OP, "the column count", down.cols)?))
+        .arg(KernelArg::U32(cols))
         .arg(KernelArg::U64(expert_bytes))
         .arg(KernelArg::U32(as_u32(OP, "the ranks per token", n_used)?));
     let name = format!("ember_moe_down_{}_l{lanes}", down.format.kernel_suffix());
-    // SAFETY: ember_moe_down_<format>_l<lanes>(float* out, const uint8_t* w, const float* h,
-    // const int32_t* experts, const float* weights, const float* expert_scale, const float*
-    // shared, const float* shared_logit, uint32_t n_rows, uint32_t n_cols, uint64_t
-    // expert_bytes, uint32_t n_used) with the shared memory of n_used rows (checked to fit);
-    // block column t reads rows t * n_used.. of h, experts and weights, the experts (below
-    // n_expert, as moe_route wrote them) lie inside W (DeviceMatrix::new checked the buffer), a
-    // scale per expert when given, row t of the shared output and logit t when given, and
-    // writes row t of out, all sized by the caller for n_tokens.
+    // SAFETY: ember_moe_down_<format>_l<lanes>(float* out, const uint8_t* w, const int8_t* hq,
+    // const float2* hds, const int32_t* experts, const float* weights, const float*
+    // expert_scale, const float* shared, const float* shared_logit, uint32_t n_rows, uint32_t
+    // n_cols, uint64_t expert_bytes, uint32_t n_used) with n_used terms per row of a block in
+    // shared memory; block column t reads rows t * n_used.. of the rounded h (written by the
+    // launch above), experts and weights, the experts (below n_expert, as moe_route wrote them)
+    // lie inside W (DeviceMatrix::new checked the buffer), a scale per expert when given, row t
+    // of the shared output and logit t when given, and writes row t of out, all sized by the
+    // caller for n_tokens.
     unsafe { ctx.launch(KernelModule::MatVec, &name, config, &args) }
 }
 
@@ -660,9 +710,12 @@ mod tests {
         // 0 turns the decode kernels off.
         assert!(!fits(1, 0));
         assert!(decode_fits_from(1, 8, 2816, 704, MOE_DECODE_MAX_TOKENS));
-        // A token's down activations (n_used rows of n_ff) must fit 48 KiB: 8 x 4915 do not.
-        assert!(decode_fits_from(1, 8, 2048, 4096, 4));
-        assert!(!decode_fits_from(1, 8, 2048, 4928, 4));
+        // The down product's input is rounded into global scratch, so any n_ff serves; the
+        // gate/up input (a row of n_embd) must fit 48 KiB as int8 plus scales: 39296 columns do,
+        // 39360 do not.
+        assert!(decode_fits_from(1, 8, 2048, 4928, 4));
+        assert!(decode_fits_from(1, 8, 39296, 768, 4));
+        assert!(!decode_fits_from(1, 8, 39360, 768, 4));
         assert!(!decode_fits_from(1, 0, 2048, 768, 4));
     }
 

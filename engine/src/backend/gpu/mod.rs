@@ -121,6 +121,8 @@ pub(super) struct MoeScratch {
     pairs: GpuBuf,
     tiles: GpuBuf,
     gate: GpuBuf,
+    /// The decode path's `gate` (h) rounded for the down product ([`ops::moe_down`]).
+    gate_quantized: GpuBuf,
     up: GpuBuf,
     routed: GpuBuf,
     shared_gate: GpuBuf,

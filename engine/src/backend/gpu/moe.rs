@@ -117,6 +117,9 @@ impl GpuBackend {
         self.ensure_len(&mut s.experts, n_pairs);
         self.ensure_len(&mut s.weights, n_pairs);
         self.ensure_len(&mut s.gate, n_pairs * n_ff);
+        // Bytes, held in f32s.
+        let quantized_len = ops::moe_down_scratch_bytes(n_tokens, n_used, n_ff).div_ceil(4);
+        self.ensure_len(&mut s.gate_quantized, quantized_len);
         self.run("moe_ffn", || {
             let op = "moe_ffn";
             check_moe_shapes(moe)?;
@@ -166,6 +169,7 @@ impl GpuBackend {
                 moe.down,
                 n_expert,
                 h,
+                s.gate_quantized.ptr(op, quantized_len)?,
                 experts,
                 weights,
                 expert_scale,
