@@ -10,6 +10,14 @@
 # Prints, per engine, each kernel's launches, total and mean time, and the total divided by the
 # passes run, sorted by total. Usage (on the GPU machine, from the repository root):
 #   EMBER=path/to/ember LLAMA_BIN=folder MODEL=file.gguf [STEPS=8] [ONLY=llama] scripts/gpu/profile.sh
+#
+# SECTIONS=REGEX adds, for ember, Nsight Compute's full sections (`--set full`) of the kernels
+# whose names match REGEX, over COUNT launches (default 16) after the first SKIP (default 30:
+# past the prompt pass and into the decode steps), summarised by kernel_stats.py as one row per
+# launch: time, registers, grid, waves, achieved occupancy, IPC, cycles per issued instruction,
+# warps per scheduler, DRAM share, instructions. This is what tells a kernel bound by its
+# instructions or too few warps from one bound by memory. The report is kept as
+# $OUT/ncu-sections.ncu-rep (open it with `ncu -i`).
 set -uo pipefail
 
 EMBER="${EMBER:?EMBER: the ember binary}"
@@ -53,6 +61,16 @@ EMBER_GPU_GRAPHS=0 "$NCU" --clock-control none --metrics gpu__time_duration.sum 
     "$EMBER" run -m "$MODEL" --device cuda:0 -ngl 99 -p "Hello" -n "$STEPS" --temp 0 \
     >"$OUT/ncu-ember.csv" 2>"$OUT/ncu-ember.err" || tail -5 "$OUT/ncu-ember.err"
 summarise "$OUT/ncu-ember.csv" "$STEPS"
+fi
+
+if [[ -n "${SECTIONS:-}" && "${ONLY:-}" != llama ]]; then
+    echo "== ember: full sections of the kernels matching '$SECTIONS' (launches ${SKIP:-30}+1 to ${SKIP:-30}+${COUNT:-16}), graphs off"
+    EMBER_GPU_GRAPHS=0 "$NCU" --clock-control none --set full -k "regex:$SECTIONS" \
+        --launch-skip "${SKIP:-30}" --launch-count "${COUNT:-16}" -f -o "$OUT/ncu-sections" \
+        "$EMBER" run -m "$MODEL" --device cuda:0 -ngl 99 -p "Hello" -n "$STEPS" --temp 0 \
+        >"$OUT/ncu-sections.out" 2>&1 || tail -5 "$OUT/ncu-sections.out"
+    "$NCU" -i "$OUT/ncu-sections.ncu-rep" --page details >"$OUT/ncu-sections.txt" 2>&1 &&
+        python3 "$(dirname "$0")/kernel_stats.py" "$OUT/ncu-sections.txt"
 fi
 
 if [[ -n "$LLAMA_BIN" ]]; then
