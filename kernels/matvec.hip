@@ -967,8 +967,8 @@ EMBER_MOE_MATVEC(ember_moe_matvec_q6_k, EmberMvQ6_K)
 // pairs into tiles (above) buys nothing but two launches, a serial sort and kernels sized for
 // eight pairs per tile. These kernels read the router's choice directly (`experts`, int32
 // [n_pairs], pair p = token * n_used + rank, as moe.hip's ember_moe_route_f32 writes it) and fuse
-// the steps around the products, so a decode step's expert FFN is three launches (route, gate/up,
-// down) instead of seven:
+// the steps around the products, so a decode step's expert FFN is four launches (route, gate/up,
+// rounding of the down input, down) instead of seven:
 //   * ember_moe_{swiglu,geglu}_<format>: h[p] = act(G_e x[p / n_used]) * (U_e x[p / n_used]),
 //     e = experts[p]: block (bx, p) runs the dense fused kernel (ember_matvec_glu_int8) over
 //     expert e's rows. Its sums are ember_moe_matvec_*'s (the same units per lane in the same
