@@ -497,7 +497,7 @@ static void tile_down(const DecodeStack& down, DecodeBatch& b, const float* h, D
     if (extra == DOWN_SHARED_GATED) ember_moe_add_gated_f32<<<grid, 256, 0, st>>>(out, b.shared.ptr, b.logit.ptr, down.n_rows);
 }
 
-// crates/gpu/src/ops/moe.rs: activation_kernel.
+// crates/gpu/src/ops/mmq.rs: activation_suffix (which ember_quantize_act_* moe_down launches).
 static ActQuantizeKernel act_quantize_for(Format f) {
     if (f == Q4_1 || f == Q5_1) return ember_quantize_act_q8_1;
     if (FORMATS[f].block_values == 256) return ember_quantize_act_q8_k;

@@ -68,8 +68,9 @@ pub fn has_mmq_kernels(format: WeightFormat) -> bool {
     )
 }
 
-/// The activation format `format`'s weights are dotted against, as named by the pre-pass kernels.
-fn activation_suffix(format: WeightFormat) -> &'static str {
+/// The activation format `format`'s weights are dotted against, as named by the pre-pass kernels
+/// (and matvec.hip's ember_quantize_act_*).
+pub(crate) fn activation_suffix(format: WeightFormat) -> &'static str {
     match format {
         WeightFormat::Q4_1 | WeightFormat::Q5_1 => "q8_1",
         WeightFormat::Q2K

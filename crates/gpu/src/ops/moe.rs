@@ -11,6 +11,7 @@ use crate::driver::{DevicePtr, KernelArg, KernelArgs, LaunchConfig};
 use crate::kernels::KernelModule;
 
 use super::matvec::has_int8_path;
+use super::mmq::activation_suffix;
 use super::{as_u32, DeviceMatrix, GpuContext, OpsError, WeightFormat};
 
 /// Pairs per tile (matvec.hip's EMBER_MOE_TILE).
@@ -366,21 +367,6 @@ pub fn moe_down_scratch_bytes(n_tokens: usize, n_used: usize, cols: usize) -> us
     n_tokens.saturating_mul(n_used).saturating_mul(cols) / 4 * 5
 }
 
-/// The kernel that rounds activations for `format`'s dot products (matvec.hip's
-/// ember_quantize_act_*: Q8_0 for the 32-value formats with a scale, Q8_1 for those with a
-/// minimum too, Q8_K for the k-quants).
-fn activation_kernel(format: WeightFormat) -> &'static str {
-    match format {
-        WeightFormat::Q4_1 | WeightFormat::Q5_1 => "ember_quantize_act_q8_1",
-        WeightFormat::Q2K
-        | WeightFormat::Q3K
-        | WeightFormat::Q4K
-        | WeightFormat::Q5K
-        | WeightFormat::Q6K => "ember_quantize_act_q8_k",
-        _ => "ember_quantize_act_q8_0",
-    }
-}
-
 /// Lanes per row of the fused down kernel for rows of `cols` values in `format`: 16 when a row
 /// has at most 16 units (64 values for the k-quants, 32 for the others), which gives the same
 /// sums as 32 lanes (matvec.hip) with half the lanes idle no more; else 32.
@@ -546,7 +532,7 @@ pub fn moe_down(
     unsafe {
         ctx.launch(
             KernelModule::MatVec,
-            activation_kernel(down.format),
+            &format!("ember_quantize_act_{}", activation_suffix(down.format)),
             quantize,
             &quantize_args,
         )?;
