@@ -110,6 +110,11 @@ EMBER_DEVICE void ember_mv_quantize(int8_t* xq, float2* xds, const float* x, uin
         }
 #pragma unroll
         for (int c = 0; c < BATCH; ++c) {
+            // A chunk wholly past the end is skipped by its whole team (the shuffles below stay
+            // within a team): a one-token row of 2048 values fills one chunk of the four, and
+            // rounding the three empty ones cost each block of a decode product as much as the
+            // full one.
+            if (batch + (c * n_teams + team) * 256 >= n_values) continue;
             const uint32_t i = batch + (c * n_teams + team) * 256 + 8 * (uint32_t)lane;
             const bool valid = i < n_values;
             const float* v = values[c];
