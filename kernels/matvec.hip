@@ -1000,6 +1000,13 @@ EMBER_MOE_MATVEC(ember_moe_matvec_q6_k, EmberMvQ6_K)
 // Before it rounds its activations, each lane group of the gate/up kernel asks for the first row
 // it will read to be brought into L2 (ember_prefetch_l2, a hint), so the weights' DRAM latency
 // overlaps that work.
+// Tried and dropped: folding the routing into the router product's launch and the rounding of h
+// into the gate/up launch, each done by the block that finishes last (a ticket counter, a fence
+// before and after). Bit for bit the same, but slower inside a decode graph on an H100: the
+// expert FFN with the rounding in its last block took 27.7 us against 25.9 us for the two
+// launches (harness_moe, Qwen3-30B-A3B shapes), and full-depth Qwen3-30B-A3B decode fell from
+// 291-297 to 281-282 tokens/s. A graph's next kernel starts within a microsecond or so; a
+// last-block tail is a serial chain of fence, atomic, loads and reductions on one SM.
 
 // Brings the cache line at p towards the SMs (into L2); a hint without effect on any value.
 EMBER_DEVICE void ember_prefetch_l2(const void* p) {
