@@ -522,7 +522,8 @@ fn check_elementwise(
     logits[vocab + 30_000] = 40.0;
     let dlogits = upload_f32(ctx, &logits)?;
     let dindex = ctx.alloc(Purpose::Scratch, 12)?;
-    ops::argmax(ctx, dlogits.ptr(), 3, vocab, dindex.ptr())?;
+    let dparts = ctx.alloc(Purpose::Scratch, ops::argmax_scratch_bytes(3, vocab) as u64)?;
+    ops::argmax(ctx, dlogits.ptr(), 3, vocab, dparts.ptr(), dindex.ptr())?;
     let got = download_i32(ctx, &dindex, 3)?;
     let wrong = (0..3)
         .filter(|&r| {

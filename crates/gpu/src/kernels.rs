@@ -120,7 +120,7 @@ pub const KERNEL_MODULES: &[ModuleSpec] = &[
     ModuleSpec {
         module: KernelModule::Argmax,
         stem: "argmax",
-        functions: &["ember_argmax_f32"],
+        functions: &["ember_argmax_partial_f32", "ember_argmax_merge_f32"],
     },
     ModuleSpec {
         module: KernelModule::MatVec,

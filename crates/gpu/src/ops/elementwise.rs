@@ -760,39 +760,83 @@ pub fn gather_rows_strided(
     }
 }
 
+/// Values of a row that one block of the first argmax pass reads (argmax.hip's
+/// EMBER_ARGMAX_PART).
+const ARGMAX_PART: usize = 1024;
+
+/// Bytes of the `parts` scratch of [`argmax`] for `n_rows` rows of `n_cols` values: a value and
+/// an index per part of each row.
+pub fn argmax_scratch_bytes(n_rows: usize, n_cols: usize) -> usize {
+    n_rows
+        .saturating_mul(n_cols.div_ceil(ARGMAX_PART))
+        .saturating_mul(8)
+}
+
 /// `out[r] = argmax_c x[r, c]` (i32, ties to the lowest index, -inf never chosen), or -1 for a
-/// row holding NaN or +inf, for `n_rows` rows of `n_cols`.
+/// row holding NaN or +inf, for `n_rows` rows of `n_cols`. Two launches: each row's parts of
+/// 1024 values by a block each (their winners into `parts`, [`argmax_scratch_bytes`] bytes),
+/// then one block per row over its parts; the result does not depend on the split.
 pub fn argmax(
     ctx: &GpuContext,
     x: DevicePtr,
     n_rows: usize,
     n_cols: usize,
+    parts: DevicePtr,
     out: DevicePtr,
 ) -> Result<(), OpsError> {
     const OP: &str = "argmax";
     if n_rows == 0 {
         return Ok(());
     }
-    if n_cols == 0 || n_cols > i32::MAX as usize {
+    // Parts are the grid's second dimension (at most 65,535 blocks).
+    let max_cols = 65_535 * ARGMAX_PART;
+    if n_cols == 0 || n_cols > max_cols {
         return Err(OpsError::shape(
             OP,
-            "a row length between 1 and 2^31 - 1",
+            format!("a row length between 1 and {max_cols}"),
             format!("{n_cols}"),
         ));
     }
-    let n_rows = as_u32(OP, "the row count", n_rows)?;
-    let args = KernelArgs::new()
-        .arg(ptr(out))
+    let rows = as_u32(OP, "the row count", n_rows)?;
+    let n_parts = n_cols.div_ceil(ARGMAX_PART);
+    let part_slots = as_u32(OP, "rows times parts", n_rows.saturating_mul(n_parts))?;
+    let part_indices = parts.offset(u64::from(part_slots) * 4);
+    let partial = KernelArgs::new()
+        .arg(ptr(parts))
+        .arg(ptr(part_indices))
         .arg(ptr(x))
         .arg(KernelArg::U32(n_cols as u32));
-    // SAFETY: ember_argmax_f32(int32_t* out, const float* x, uint32_t n_cols); block r reads row
-    // r of x and writes out[r]; 1024 threads is a multiple of every warp size.
+    let config = LaunchConfig {
+        grid: [rows, n_parts as u32, 1],
+        block: [256, 1, 1],
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: ember_argmax_partial_f32(float* part_values, int32_t* part_indices, const float*
+    // x, uint32_t n_cols); block (r, p) reads values p * 1024.. of row r of x and writes part
+    // slot r * n_parts + p of both arrays, which lie in the argmax_scratch_bytes of `parts`;
+    // 256 threads is a multiple of every warp size.
     unsafe {
         ctx.launch(
             KernelModule::Argmax,
-            "ember_argmax_f32",
-            LaunchConfig::linear(n_rows, 1024),
-            &args,
+            "ember_argmax_partial_f32",
+            config,
+            &partial,
+        )
+    }?;
+    let merge = KernelArgs::new()
+        .arg(ptr(out))
+        .arg(ptr(parts))
+        .arg(ptr(part_indices))
+        .arg(KernelArg::U32(n_parts as u32));
+    // SAFETY: ember_argmax_merge_f32(int32_t* out, const float* part_values, const int32_t*
+    // part_indices, uint32_t n_parts); block r reads row r's n_parts slots (written by the
+    // launch above on the same stream) and writes out[r], which the caller sized for n_rows.
+    unsafe {
+        ctx.launch(
+            KernelModule::Argmax,
+            "ember_argmax_merge_f32",
+            LaunchConfig::linear(rows, 256),
+            &merge,
         )
     }
 }

@@ -451,22 +451,64 @@ fn register_twins(driver: &HostDriver) {
         }
         Ok(())
     });
-    // ember_argmax_f32(int32_t* out, const float* x, uint32_t n_cols); one block per row.
-    driver.register_kernel("ember_argmax_f32", |l| {
-        let (out, x, n_cols) = (l.ptr_arg(0)?, l.ptr_arg(1)?, l.u32_arg(2)? as usize);
+    // ember_argmax_partial_f32(float* part_values, int32_t* part_indices, const float* x,
+    // uint32_t n_cols); block (r, p) takes values 1024 p.. of row r.
+    driver.register_kernel("ember_argmax_partial_f32", |l| {
+        let (values_out, indices_out, x) = (l.ptr_arg(0)?, l.ptr_arg(1)?, l.ptr_arg(2)?);
+        let n_cols = l.u32_arg(3)? as usize;
+        let [n_rows, n_parts, _] = l.config().grid;
+        let (mut values, mut indices) = (Vec::new(), Vec::new());
+        for row in 0..n_rows as usize {
+            let x = l.read_f32(x.offset((row * n_cols * 4) as u64), n_cols)?;
+            for part in 0..n_parts as usize {
+                let range = 1024 * part..(1024 * (part + 1)).min(n_cols);
+                // The first largest of the part (-inf never chosen: index 0x7fffffff when there
+                // is none); -1 for a part holding NaN or +inf.
+                let mut best = (i32::MAX, f32::NEG_INFINITY);
+                for c in range.clone() {
+                    if x[c] > best.1 {
+                        best = (c as i32, x[c]);
+                    }
+                }
+                let bad = x[range].iter().any(|v| v.is_nan() || *v == f32::INFINITY);
+                values.push(best.1);
+                indices.extend((if bad { -1 } else { best.0 }).to_le_bytes());
+            }
+        }
+        l.write_f32(values_out, &values)?;
+        l.write(indices_out, &indices)
+    });
+    // ember_argmax_merge_f32(int32_t* out, const float* part_values, const int32_t*
+    // part_indices, uint32_t n_parts); one block per row.
+    driver.register_kernel("ember_argmax_merge_f32", |l| {
+        let (out, values, indices) = (l.ptr_arg(0)?, l.ptr_arg(1)?, l.ptr_arg(2)?);
+        let n_parts = l.u32_arg(3)? as usize;
+        let n_rows = l.config().grid[0] as usize;
+        let values = l.read_f32(values, n_rows * n_parts)?;
+        let indices: Vec<i32> = l
+            .read_f32(indices, n_rows * n_parts)?
+            .iter()
+            .map(|v| v.to_bits() as i32)
+            .collect();
         let mut bytes = Vec::new();
-        for row in 0..l.config().grid[0] as usize {
-            let values = l.read_f32(x.offset((row * n_cols * 4) as u64), n_cols)?;
-            // The greedy rule: the first largest, -inf never chosen, 0 for a row of -inf; -1 for
-            // a row holding NaN or +inf.
-            let mut best = (0usize, f32::NEG_INFINITY);
-            for (c, &v) in values.iter().enumerate() {
-                if v > best.1 {
-                    best = (c, v);
+        for row in 0..n_rows {
+            let parts = row * n_parts..(row + 1) * n_parts;
+            let bad = indices[parts.clone()].contains(&-1);
+            // Parts in order, each the first largest of its values: the first largest part.
+            let mut best = (i32::MAX, f32::NEG_INFINITY);
+            for p in parts {
+                if values[p] > best.1 {
+                    best = (indices[p], values[p]);
                 }
             }
-            let bad = values.iter().any(|v| v.is_nan() || *v == f32::INFINITY);
-            bytes.extend((if bad { -1 } else { best.0 as i32 }).to_le_bytes());
+            let index = if bad {
+                -1
+            } else if best.0 == i32::MAX {
+                0
+            } else {
+                best.0
+            };
+            bytes.extend(index.to_le_bytes());
         }
         l.write(out, &bytes)
     });
@@ -823,7 +865,11 @@ fn row_wrappers_launch_one_block_per_row() {
     assert_eq!(&f.download(&gathered, dim)[..], &x[dim..2 * dim]);
 
     let index = f.ctx.alloc(Purpose::Scratch, 12).unwrap();
-    argmax(&f.ctx, dx.ptr(), n_rows, dim, index.ptr()).unwrap();
+    let parts = f
+        .ctx
+        .alloc(Purpose::Scratch, argmax_scratch_bytes(n_rows, dim) as u64)
+        .unwrap();
+    argmax(&f.ctx, dx.ptr(), n_rows, dim, parts.ptr(), index.ptr()).unwrap();
     let mut bytes = [0u8; 12];
     f.ctx.download(index.ptr(), &mut bytes).unwrap();
     for r in 0..n_rows {
@@ -832,6 +878,58 @@ fn row_wrappers_launch_one_block_per_row() {
         let got = i32::from_le_bytes(bytes[4 * r..4 * r + 4].try_into().unwrap());
         assert_eq!(got, best as i32, "row {r}");
     }
+}
+
+/// Rows of several 1024-value parts: the winner in the last part, a tie across parts (the lower
+/// index wins), NaN or +inf in one part (-1), -inf everywhere (0), -inf around one finite value.
+#[test]
+fn argmax_over_parts_is_the_first_largest_of_the_row() {
+    let f = fixture();
+    let n_cols = 4100; // five parts, the last of 4 values
+    let mut rows: Vec<Vec<f32>> = Vec::new();
+    let base: Vec<f32> = (0..n_cols)
+        .map(|c| ((c * 37) % 1000) as f32 / 1000.0)
+        .collect();
+    let mut last = base.clone();
+    last[4099] = 5.0;
+    rows.push(last);
+    let mut tie = base.clone();
+    tie[3000] = 7.0;
+    tie[20] = 7.0;
+    tie[2048] = 7.0;
+    rows.push(tie);
+    let mut nan = base.clone();
+    nan[2500] = f32::NAN;
+    rows.push(nan);
+    let mut inf = base.clone();
+    inf[1024] = f32::INFINITY;
+    rows.push(inf);
+    rows.push(vec![f32::NEG_INFINITY; n_cols]);
+    let mut lone = vec![f32::NEG_INFINITY; n_cols];
+    lone[3333] = -1e30;
+    rows.push(lone);
+    let want = [4099, 20, -1, -1, 0, 3333];
+    let x: Vec<f32> = rows.concat();
+    let dx = f.upload(&x);
+    let out = f
+        .ctx
+        .alloc(Purpose::Scratch, 4 * rows.len() as u64)
+        .unwrap();
+    let parts = f
+        .ctx
+        .alloc(
+            Purpose::Scratch,
+            argmax_scratch_bytes(rows.len(), n_cols) as u64,
+        )
+        .unwrap();
+    argmax(&f.ctx, dx.ptr(), rows.len(), n_cols, parts.ptr(), out.ptr()).unwrap();
+    let mut bytes = vec![0u8; 4 * rows.len()];
+    f.ctx.download(out.ptr(), &mut bytes).unwrap();
+    let got: Vec<i32> = bytes
+        .chunks_exact(4)
+        .map(|b| i32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    assert_eq!(got, want);
 }
 
 #[test]
@@ -1080,8 +1178,8 @@ fn bad_shapes_are_errors_before_any_launch() {
         "softcap: expected a positive finite cap, found 0",
     );
     check(
-        argmax(&f.ctx, p, 1, 0, p),
-        "argmax: expected a row length between 1 and 2^31 - 1, found 0",
+        argmax(&f.ctx, p, 1, 0, p, p),
+        "argmax: expected a row length between 1 and 67107840, found 0",
     );
     check(
         scale(&f.ctx, p, p, 1.0, 1 << 33),

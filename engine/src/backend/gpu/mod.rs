@@ -869,11 +869,14 @@ impl Backend for GpuBackend {
         if n_rows == 0 || lock(&self.graphs).redo_pending() {
             return;
         }
-        self.ensure_len(scratch, n_rows);
+        // The indices, then the kernels' per-part winners (f32-sized slots).
+        let parts_len = ops::argmax_scratch_bytes(n_rows, n_cols).div_ceil(4);
+        self.ensure_len(scratch, n_rows + parts_len);
         self.run("argmax", || {
             let x_ptr = x.ptr("argmax", n_rows * n_cols)?;
-            let index_ptr = scratch.ptr("argmax", n_rows)?;
-            ops::argmax(&self.ctx, x_ptr, n_rows, n_cols, index_ptr)?;
+            let index_ptr = scratch.ptr("argmax", n_rows + parts_len)?;
+            let parts_ptr = index_ptr.offset(4 * n_rows as u64);
+            ops::argmax(&self.ctx, x_ptr, n_rows, n_cols, parts_ptr, index_ptr)?;
             let mut bytes = vec![0u8; n_rows * 4];
             self.ctx.download(index_ptr, &mut bytes)?;
             // The kernel writes i32s below `n_cols`, or -1 for a row holding NaN or +inf, whose
