@@ -12,6 +12,13 @@
 # Knobs: MODELS_LIST ("shape:type ..."), DEPTHS (comma-separated, as llama-bench's -d), REPS,
 # BANDWIDTH_GBS (the limit the fractions are taken against, default the H200's 4800 GB/s),
 # PROFILE=0 to skip the profiles. Prints figures; asserts nothing about speed.
+#
+# Before and after in the same call: EMBER_BASE (another ember binary) with BASE_KERNELS (the
+# kernels/ folder it was built with, e.g. `git archive BASE kernels | tar x -C base`) is benched
+# too, base and new alternating per repetition (REPS runs of `-r 3` each, so a drifting clock
+# hits both), and its greedy output on a fixed prompt is compared with the new build's (the same
+# bytes, or DIFFER: expected only where a change alters rounding). The table then has the base's
+# t/s and new / base.
 # Ran as `.h200/run1.sh` on 2026-12-03 (its figures are in that session's closing note).
 set -uo pipefail
 
@@ -39,6 +46,13 @@ llama_build=$!
 ls "$ROOT"/kernels/*.hip | xargs -P 4 -I{} sh -c \
     'nvcc -cubin -arch=sm_90 -O3 -std=c++17 -x cu -I "$1/kernels" -o "$2/$(basename "$3" .hip).cubin" "$3" || echo "FAILED $3"' \
     _ "$ROOT" "$W/kernels/sm_90" {} >"$OUT/kernels.log" 2>&1
+if [[ -n "${EMBER_BASE:-}" ]]; then
+    BASE_KERNELS="${BASE_KERNELS:?BASE_KERNELS: the kernels/ folder EMBER_BASE was built with}"
+    mkdir -p "$W/base-kernels/sm_90"
+    ls "$BASE_KERNELS"/*.hip | xargs -P 4 -I{} sh -c \
+        'nvcc -cubin -arch=sm_90 -O3 -std=c++17 -x cu -I "$1" -o "$2/$(basename "$3" .hip).cubin" "$3" || echo "FAILED $3"' \
+        _ "$BASE_KERNELS" "$W/base-kernels/sm_90" {} >>"$OUT/kernels.log" 2>&1
+fi
 if grep -q FAILED "$OUT/kernels.log"; then
     grep -A10 FAILED "$OUT/kernels.log" | head -40
     exit 1
@@ -56,8 +70,30 @@ done
 t "models written"
 
 for m in "${models[@]}"; do
-    "$EMBER" bench -m "$m" --device cuda:0 -ngl 99 -p 512 -n 128 -d "$DEPTHS" -r "$REPS" \
-        2>"$OUT/ember-$(basename "$m").err" | grep -E "pp512|tg128" >"$OUT/ember-$(basename "$m").txt"
+    name="$(basename "$m")"
+    if [[ -n "${EMBER_BASE:-}" ]]; then
+        # Alternating runs of three repetitions; the table takes the median of each build's runs.
+        : >"$OUT/ember-$name.txt"
+        : >"$OUT/base-$name.txt"
+        for ((i = 0; i < REPS; i++)); do
+            EMBER_KERNELS_DIR="$W/base-kernels" "$EMBER_BASE" bench -m "$m" --device cuda:0 -ngl 99 -p 512 -n 128 \
+                -d "$DEPTHS" -r 3 2>>"$OUT/base-$name.err" | grep -E "pp512|tg128" >>"$OUT/base-$name.txt"
+            "$EMBER" bench -m "$m" --device cuda:0 -ngl 99 -p 512 -n 128 -d "$DEPTHS" -r 3 \
+                2>>"$OUT/ember-$name.err" | grep -E "pp512|tg128" >>"$OUT/ember-$name.txt"
+        done
+        EMBER_KERNELS_DIR="$W/base-kernels" "$EMBER_BASE" run -m "$m" --device cuda:0 -ngl 99 -p "The history of the" \
+            -n 48 --temp 0 >"$OUT/greedy-base-$name.txt" 2>/dev/null
+        "$EMBER" run -m "$m" --device cuda:0 -ngl 99 -p "The history of the" -n 48 --temp 0 \
+            >"$OUT/greedy-new-$name.txt" 2>/dev/null
+        if cmp -s "$OUT/greedy-base-$name.txt" "$OUT/greedy-new-$name.txt"; then
+            t "$name: greedy output the same as the base's ($(wc -c <"$OUT/greedy-new-$name.txt") bytes)"
+        else
+            t "$name: greedy output DIFFERS from the base's"
+        fi
+    else
+        "$EMBER" bench -m "$m" --device cuda:0 -ngl 99 -p 512 -n 128 -d "$DEPTHS" -r "$REPS" \
+            2>"$OUT/ember-$name.err" | grep -E "pp512|tg128" >"$OUT/ember-$name.txt"
+    fi
 done
 t "ember benches done"
 if [[ "${PROFILE:-1}" != 0 && ${#models[@]} -gt 0 ]]; then
@@ -74,12 +110,13 @@ done
 t "llama.cpp benches done"
 
 python3 - "$OUT" "$BANDWIDTH_GBS" "${models[@]}" <<'EOF'
-import os, re, sys
+import os, re, statistics, sys
 out, bandwidth = sys.argv[1], float(sys.argv[2]) * 1e9
 
 def rows(path, value_column):
     """test name -> t/s from a markdown table printed by a bench (the test is the column before
-    the figures; value_column counts from the end)."""
+    the figures; value_column counts from the end); a test printed by several runs (base and
+    new alternating) gets the median of its runs."""
     found = {}
     if not os.path.exists(path):
         return found
@@ -87,22 +124,26 @@ def rows(path, value_column):
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         test = next((c for c in cells if re.match(r"^(pp|tg)\d+( @ d\d+)?$", c)), None)
         if test:
-            found[test] = float(cells[value_column].split("±")[0])
-    return found
+            found.setdefault(test, []).append(float(cells[value_column].split("±")[0]))
+    return {test: statistics.median(values) for test, values in found.items()}
 
-print(f"| model | test | llama.cpp t/s | ember t/s | ember / llama.cpp | ember, share of {bandwidth / 1e9:.0f} GB/s |")
-print("| --- | --- | ---: | ---: | ---: | ---: |")
+with_base = any(os.path.exists(f"{out}/base-{os.path.basename(m)}.txt") for m in sys.argv[3:])
+base_head = " base t/s | new / base |" if with_base else ""
+print(f"| model | test | llama.cpp t/s |{base_head} ember t/s | ember / llama.cpp | ember, share of {bandwidth / 1e9:.0f} GB/s |")
+print("| --- | --- | ---: |" + (" ---: | ---: |" if with_base else "") + " ---: | ---: | ---: |")
 for model in sys.argv[3:]:
     name = os.path.basename(model)
     size = os.path.getsize(model)
     ember = rows(f"{out}/ember-{name}.txt", -1)  # the median
     llama = rows(f"{out}/llama-{name}.txt", -1)  # the mean
+    base = rows(f"{out}/base-{name}.txt", -1)
     for test in ember:
-        e, l = ember[test], llama.get(test)
+        e, l, b = ember[test], llama.get(test), base.get(test)
         ratio = f"{e / l:.2f}" if l else "-"
+        base_cells = (f" {b if b else '-'} | {e / b:.3f} |" if b else " - | - |") if with_base else ""
         # A decoded token reads every weight once; the file size (which counts the whole
         # embedding table, of which a token reads one row) slightly overstates the bytes.
         share = f"{e * size / bandwidth:.0%}" if test.startswith("tg") else ""
-        print(f"| {name} | {test} | {l if l else '-'} | {e} | {ratio} | {share} |")
+        print(f"| {name} | {test} | {l if l else '-'} |{base_cells} {e} | {ratio} | {share} |")
 EOF
 t "done"
