@@ -77,3 +77,35 @@ EMBER_KERNEL void ember_add_rms_norm_f32(float* out, float* x, const float* proj
     // Each thread reads back only the columns it wrote itself.
     for (uint32_t c = threadIdx.x; c < n_cols; c += blockDim.x) out_row[c] = row[c] * scale * weight[c];
 }
+
+// Gemma 4's step from attention to its two FFN blocks in one launch instead of four. For each
+// row r, with s(v) = ember_rms_factor of row v:
+//   proj = proj * s(proj) * post_attn;  x = x + proj            (ember_rms_norm_add_f32)
+//   xn = x * s(x) * ffn_norm                                    (ember_rms_norm_f32)
+//   moe_in = x * s(x) * pre_norm                                (ember_rms_norm_f32)
+//   router_in = x * s(x) * router_scale * router_weight         (ember_rms_norm_scale_mul_f32)
+// Each line is the expression of the kernel named beside it and every factor sums in the order
+// of ember_rms_norm_f32, so at the block size of those kernels the values are theirs bit for bit.
+// Each thread reads back only the columns of x it wrote itself. One block per row; no output may
+// alias another buffer.
+EMBER_KERNEL void ember_gemma4_ffn_inputs_f32(float* x, float* proj, const float* post_attn, float* xn, const float* ffn_norm, float* moe_in,
+                                             const float* pre_norm, float* router_in, const float* router_weight, uint32_t n_cols, float eps,
+                                             float router_scale) {
+    __shared__ double scratch[EMBER_MAX_WARPS];
+    const size_t base = (size_t)blockIdx.x * n_cols;
+    float* proj_row = proj + base;
+    float* x_row = x + base;
+    const float attn_factor = ember_rms_factor(proj_row, n_cols, eps, scratch);
+    for (uint32_t c = threadIdx.x; c < n_cols; c += blockDim.x) {
+        const float normed = proj_row[c] * attn_factor * post_attn[c];
+        proj_row[c] = normed;
+        x_row[c] = x_row[c] + normed;
+    }
+    const float factor = ember_rms_factor(x_row, n_cols, eps, scratch);
+    for (uint32_t c = threadIdx.x; c < n_cols; c += blockDim.x) {
+        const float v = x_row[c];
+        xn[base + c] = v * factor * ffn_norm[c];
+        moe_in[base + c] = v * factor * pre_norm[c];
+        router_in[base + c] = v * factor * router_scale * router_weight[c];
+    }
+}

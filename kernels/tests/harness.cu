@@ -186,6 +186,37 @@ static void test_norm_softmax_argmax() {
                differ, 0.0);
     }
 
+    // Gemma 4's step from attention to its FFN blocks in one launch against the four launches it
+    // replaces (rms_norm_add, rms_norm twice, rms_norm_scale_mul), at both block sizes.
+    for (uint32_t threads : {256u, 1024u}) {
+        const std::vector<float> residual = random_floats(n_rows * n_cols, -2, 2), attn = random_floats(n_rows * n_cols, -3, 3);
+        const std::vector<float> w_ffn = random_floats(n_cols), w_pre = random_floats(n_cols), w_router = random_floats(n_cols);
+        DeviceBuffer<float> d_ffn(w_ffn), d_pre(w_pre), d_router(w_router);
+        const float scale = 1.0f / std::sqrt((float)n_cols);
+        DeviceBuffer<float> steps_x(residual), steps_proj(attn), fused_x(residual), fused_proj(attn);
+        DeviceBuffer<float> steps_out[3] = {DeviceBuffer<float>(n_rows * n_cols), DeviceBuffer<float>(n_rows * n_cols),
+                                            DeviceBuffer<float>(n_rows * n_cols)};
+        DeviceBuffer<float> fused_out[3] = {DeviceBuffer<float>(n_rows * n_cols), DeviceBuffer<float>(n_rows * n_cols),
+                                            DeviceBuffer<float>(n_rows * n_cols)};
+        ember_rms_norm_add_f32<<<n_rows, threads>>>(steps_x.ptr, steps_proj.ptr, dw.ptr, n_cols, 1e-6f);
+        ember_rms_norm_f32<<<n_rows, threads>>>(steps_out[0].ptr, steps_x.ptr, d_ffn.ptr, n_cols, 1e-6f);
+        ember_rms_norm_f32<<<n_rows, threads>>>(steps_out[1].ptr, steps_x.ptr, d_pre.ptr, n_cols, 1e-6f);
+        ember_rms_norm_scale_mul_f32<<<n_rows, threads>>>(steps_out[2].ptr, steps_x.ptr, d_router.ptr, n_cols, 1e-6f, scale);
+        ember_gemma4_ffn_inputs_f32<<<n_rows, threads>>>(fused_x.ptr, fused_proj.ptr, dw.ptr, fused_out[0].ptr, d_ffn.ptr, fused_out[1].ptr,
+                                                         d_pre.ptr, fused_out[2].ptr, d_router.ptr, n_cols, 1e-6f, scale);
+        sync();
+        uint32_t differ = 0;
+        const DeviceBuffer<float>* want[5] = {&steps_x, &steps_proj, &steps_out[0], &steps_out[1], &steps_out[2]};
+        const DeviceBuffer<float>* got[5] = {&fused_x, &fused_proj, &fused_out[0], &fused_out[1], &fused_out[2]};
+        for (int k = 0; k < 5; ++k) {
+            const std::vector<float> a = want[k]->download(), b = got[k]->download();
+            for (size_t i = 0; i < a.size(); ++i) differ += std::memcmp(&a[i], &b[i], sizeof(float)) != 0;
+        }
+        report(threads == 256u ? "gemma4_ffn_inputs_f32 vs rms_norm_add + rms_norm x2 + rms_norm_scale_mul (differing values, 256 threads)"
+                               : "gemma4_ffn_inputs_f32 vs rms_norm_add + rms_norm x2 + rms_norm_scale_mul (differing values, 1024 threads)",
+               differ, 0.0);
+    }
+
     // Fused residual add + norm against add then rms_norm with the block size ops uses for this
     // row length (2304 -> 1024 threads) and a short-row one (640): bit-exact, same arithmetic.
     const std::vector<float> proj = random_floats(n_rows * n_cols, -3, 3);

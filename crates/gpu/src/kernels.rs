@@ -78,6 +78,7 @@ pub const KERNEL_MODULES: &[ModuleSpec] = &[
             "ember_rms_norm_f32",
             "ember_rms_norm_scale_mul_f32",
             "ember_rms_norm_add_f32",
+            "ember_gemma4_ffn_inputs_f32",
             "ember_add_rms_norm_f32",
         ],
     },

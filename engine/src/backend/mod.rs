@@ -100,6 +100,45 @@ pub struct MoeRouting {
     pub weights_scale: Option<f32>,
 }
 
+/// The norm weights of [`Backend::gemma4_ffn_inputs`]: after attention, before the residual
+/// add (`post_attn`); of the dense FFN's input (`ffn`), of the experts' (`experts`), and of the
+/// router's input (`router`, after the bare norm and the factor `router_scale`).
+pub struct Gemma4FfnNorms<'a, V> {
+    pub post_attn: &'a V,
+    pub ffn: &'a V,
+    pub experts: &'a V,
+    pub router: &'a V,
+    pub router_scale: f32,
+}
+
+/// [`Backend::gemma4_ffn_inputs`] as the four ops it stands for (its default, and a device
+/// backend's path when its fused kernels are off).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemma4_ffn_inputs_separately<B: Backend>(
+    b: &B,
+    proj: &mut B::Buf,
+    x: &mut B::Buf,
+    norms: &Gemma4FfnNorms<'_, B::Vector>,
+    n_rows: usize,
+    dim: usize,
+    eps: f32,
+    out: [&mut B::Buf; 3],
+) {
+    let [xn, moe_in, router_in] = out;
+    b.rms_norm_add(proj, norms.post_attn, n_rows, dim, eps, x);
+    b.rms_norm(x, norms.ffn, n_rows, dim, eps, xn);
+    b.rms_norm(x, norms.experts, n_rows, dim, eps, moe_in);
+    b.rms_norm_unit_scale_mul(
+        x,
+        n_rows,
+        dim,
+        eps,
+        norms.router_scale,
+        norms.router,
+        router_in,
+    );
+}
+
 /// QK-norm (Qwen3, Gemma 3 and 4, Qwen 3.5): per-head RMS-norm weights (`head_dim` values each)
 /// for the queries and the keys, applied before rope, as [`Backend::rms_norm_inplace`] of every
 /// head would. `None` skips that norm.
@@ -657,6 +696,26 @@ pub trait Backend: Send + Sync + Sized + 'static {
         self.rms_norm_unit_inplace(out, n_rows, dim, eps);
         self.scale(out, n_rows * dim, scale);
         self.mul_rows_inplace(out, weight, n_rows, dim);
+    }
+    /// Gemma 4's step from attention to a layer with experts: [`Backend::rms_norm_add`] of
+    /// `proj` into `x` with `norms.post_attn`, then from the new `x` the dense FFN's input
+    /// (`out[0] = rms_norm(x) * norms.ffn`), the experts' (`out[1] = rms_norm(x) *
+    /// norms.experts`) and the router's (`out[2]`, [`Backend::rms_norm_unit_scale_mul`] with
+    /// `norms.router_scale` and `norms.router`), `n_rows` rows of `dim` values each. The default
+    /// runs those four ops; a device backend runs one kernel with their values. Only reachable
+    /// where [`Backend::has_gemma4_ops`] says so.
+    #[allow(clippy::too_many_arguments)]
+    fn gemma4_ffn_inputs(
+        &self,
+        proj: &mut Self::Buf,
+        x: &mut Self::Buf,
+        norms: &Gemma4FfnNorms<'_, Self::Vector>,
+        n_rows: usize,
+        dim: usize,
+        eps: f32,
+        out: [&mut Self::Buf; 3],
+    ) {
+        gemma4_ffn_inputs_separately(self, proj, x, norms, n_rows, dim, eps, out);
     }
     /// `dst[i] += src[i]` for `len` values.
     fn add_inplace(&self, dst: &mut Self::Buf, src: &Self::Buf, len: usize);

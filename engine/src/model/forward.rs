@@ -49,9 +49,10 @@ pub(super) struct Buffers<B: Backend> {
     pub(super) lin_beta: B::Buf,
     pub(super) lin_alpha: B::Buf,
     pub(super) logits: B::Buf,
-    /// Gemma 4: the experts' input and output beside the dense FFN's.
+    /// Gemma 4: the experts' input and output beside the dense FFN's, and the router's input.
     pub(super) moe_in: B::Buf,
     pub(super) moe_out: B::Buf,
+    pub(super) router_in: B::Buf,
     /// Gemma 4: every layer's per-layer input (`n_layer * width` values per token), one
     /// layer's slice of it, and that slice's gate.
     pub(super) per_layer_all: B::Buf,
@@ -139,6 +140,7 @@ impl<B: Backend> Context<B> {
             argmax: b.alloc(0),
             moe_in: b.alloc(0),
             moe_out: b.alloc(0),
+            router_in: b.alloc(0),
             per_layer_all: b.alloc(0),
             per_layer_proj: b.alloc(0),
             per_layer: b.alloc(0),
@@ -272,6 +274,7 @@ impl<B: Backend> Context<B> {
             &mut bufs.argmax,
             &mut bufs.moe_in,
             &mut bufs.moe_out,
+            &mut bufs.router_in,
             &mut bufs.per_layer_all,
             &mut bufs.per_layer_proj,
             &mut bufs.per_layer,

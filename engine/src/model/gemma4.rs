@@ -22,7 +22,7 @@
 
 use super::forward::{Context, Readout};
 use super::Model;
-use crate::backend::{Backend, MoeFfn, QkNorm, RopeParams};
+use crate::backend::{Backend, Gemma4FfnNorms, MoeFfn, QkNorm, RopeParams};
 use crate::batch::Batch;
 use crate::ops::FfnActivation;
 
@@ -77,6 +77,7 @@ pub(super) fn run_layers<B: Backend>(model: &Model<B>, ctx: &mut Context<B>, bat
         b.ensure_len(&mut bufs.router, n * n_expert);
         b.ensure_len(&mut bufs.moe_in, n * n_embd);
         b.ensure_len(&mut bufs.moe_out, n * n_embd);
+        b.ensure_len(&mut bufs.router_in, n * n_embd);
     }
     if width > 0 {
         b.ensure_len(&mut bufs.per_layer_all, n * n_layer * width);
@@ -212,17 +213,38 @@ pub(super) fn run_layers<B: Backend>(model: &Model<B>, ctx: &mut Context<B>, bat
             &mut bufs.attn,
         );
         b.matmul(&lw.wo, &bufs.attn, n, &mut bufs.proj);
-        b.rms_norm_add(
-            &mut bufs.proj,
-            &lw.post_attn_norm,
-            n,
-            n_embd,
-            eps,
-            &mut bufs.x,
-        );
+        // The attention output normalised into the residual, then the inputs of the dense FFN
+        // and, in a layer with experts, of the experts and of the router: one op for all four.
+        match &lw.moe {
+            Some(moe) => b.gemma4_ffn_inputs(
+                &mut bufs.proj,
+                &mut bufs.x,
+                &Gemma4FfnNorms {
+                    post_attn: &lw.post_attn_norm,
+                    ffn: &lw.ffn_norm,
+                    experts: &moe.pre_norm,
+                    router: &moe.router_scale,
+                    router_scale: 1.0 / (n_embd as f32).sqrt(),
+                },
+                n,
+                n_embd,
+                eps,
+                [&mut bufs.xn, &mut bufs.moe_in, &mut bufs.router_in],
+            ),
+            None => {
+                b.rms_norm_add(
+                    &mut bufs.proj,
+                    &lw.post_attn_norm,
+                    n,
+                    n_embd,
+                    eps,
+                    &mut bufs.x,
+                );
+                b.rms_norm(&bufs.x, &lw.ffn_norm, n, n_embd, eps, &mut bufs.xn);
+            }
+        }
 
         // Feed-forward block: the dense FFN, and the experts beside it.
-        b.rms_norm(&bufs.x, &lw.ffn_norm, n, n_embd, eps, &mut bufs.xn);
         b.ffn_gate_up(
             &lw.ffn_gate,
             &lw.ffn_up,
@@ -236,19 +258,9 @@ pub(super) fn run_layers<B: Backend>(model: &Model<B>, ctx: &mut Context<B>, bat
         b.matmul(&lw.ffn_down, &bufs.gate, n, &mut bufs.proj);
         if let Some(moe) = &lw.moe {
             b.rms_norm_inplace(&mut bufs.proj, &moe.post_norm_dense, n, n_embd, eps);
-            b.rms_norm(&bufs.x, &moe.pre_norm, n, n_embd, eps, &mut bufs.moe_in);
-            // The router's input: the block input normalised without weight, then scaled.
-            b.rms_norm_unit_scale_mul(
-                &bufs.x,
-                n,
-                n_embd,
-                eps,
-                1.0 / (n_embd as f32).sqrt(),
-                &moe.router_scale,
-                &mut bufs.xn,
-            );
+            // The experts' and the router's inputs came with the dense FFN's, above.
             let experts = &moe.experts;
-            b.moe_router(&experts.router, &bufs.xn, n, &mut bufs.router);
+            b.moe_router(&experts.router, &bufs.router_in, n, &mut bufs.router);
             let op = MoeFfn {
                 gate: &experts.gate_exps,
                 up: &experts.up_exps,

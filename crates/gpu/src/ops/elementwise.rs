@@ -249,6 +249,82 @@ pub fn rms_norm_add(
     }
 }
 
+/// The buffers of [`gemma4_ffn_inputs`]: f32 rows of `dim` values (`n_rows` of each) and weight
+/// vectors of `dim` values.
+#[derive(Clone, Copy, Debug)]
+pub struct Gemma4FfnInputs {
+    /// The residual stream; the normalised attention output is added to it.
+    pub x: DevicePtr,
+    /// The attention output; normalised in place.
+    pub proj: DevicePtr,
+    pub post_attn_norm: DevicePtr,
+    pub ffn_norm: DevicePtr,
+    pub pre_norm: DevicePtr,
+    pub router_weight: DevicePtr,
+    pub router_scale: f32,
+    /// The dense FFN's input.
+    pub xn: DevicePtr,
+    /// The experts' input.
+    pub moe_in: DevicePtr,
+    /// The router's input.
+    pub router_in: DevicePtr,
+}
+
+/// Gemma 4's step from attention to its FFN blocks in one launch: [`rms_norm_add`] of `proj`
+/// into `x` (with `post_attn_norm`), then from the new `x` the dense FFN's input
+/// ([`rms_norm`] with `ffn_norm`), the experts' input ([`rms_norm`] with `pre_norm`) and the
+/// router's input ([`rms_norm_scale_mul`] with `router_scale` and `router_weight`), with the
+/// values of those four launches (same block size, same expressions).
+pub fn gemma4_ffn_inputs(
+    ctx: &GpuContext,
+    b: &Gemma4FfnInputs,
+    n_rows: usize,
+    dim: usize,
+    eps: f32,
+) -> Result<(), OpsError> {
+    const OP: &str = "gemma4_ffn_inputs";
+    if ctx.reference() {
+        return Err(OpsError::Unsupported {
+            op: OP,
+            what: "reference numerics (the exact kernels have no bare RMS norm)".into(),
+        });
+    }
+    if n_rows == 0 {
+        return Ok(());
+    }
+    let n_rows = as_u32(OP, "the row count", n_rows)?;
+    let dim = as_u32(OP, "the row length", dim)?;
+    if dim == 0 {
+        return Err(OpsError::shape(OP, "a row length above 0", "0"));
+    }
+    let args = KernelArgs::new()
+        .arg(ptr(b.x))
+        .arg(ptr(b.proj))
+        .arg(ptr(b.post_attn_norm))
+        .arg(ptr(b.xn))
+        .arg(ptr(b.ffn_norm))
+        .arg(ptr(b.moe_in))
+        .arg(ptr(b.pre_norm))
+        .arg(ptr(b.router_in))
+        .arg(ptr(b.router_weight))
+        .arg(KernelArg::U32(dim))
+        .arg(KernelArg::F32(eps))
+        .arg(KernelArg::F32(b.router_scale));
+    // SAFETY: ember_gemma4_ffn_inputs_f32(float* x, float* proj, const float* post_attn, float*
+    // xn, const float* ffn_norm, float* moe_in, const float* pre_norm, float* router_in, const
+    // float* router_weight, uint32_t n_cols, float eps, float router_scale); block r touches only
+    // row r of x, proj, xn, moe_in and router_in and the dim values of each weight, which the
+    // caller sized.
+    unsafe {
+        ctx.launch(
+            KernelModule::Norm,
+            "ember_gemma4_ffn_inputs_f32",
+            LaunchConfig::linear(n_rows, norm_block_threads(dim)),
+            &args,
+        )
+    }
+}
+
 /// Threads per block of the row-normalisation kernels: wide rows get a full block, short ones a
 /// block of their own size (rounded to 64). `rms_norm` and `add_rms_norm` must agree on it, since
 /// the block size fixes the order in which a row's squares are summed.

@@ -75,8 +75,9 @@ pub use delta_net::{
 };
 pub use elementwise::{
     add, add_rms_norm, argmax, argmax_scratch_bytes, convert_f32_to_f16, gather_rows,
-    gather_rows_strided, geglu, get_rows, mul, rms_norm, rms_norm_add, rms_norm_scale_mul, rope,
-    rope_kv_store, scale, softcap, swiglu, RopeKvStoreArgs, RopeMode,
+    gather_rows_strided, geglu, gemma4_ffn_inputs, get_rows, mul, rms_norm, rms_norm_add,
+    rms_norm_scale_mul, rope, rope_kv_store, scale, softcap, swiglu, Gemma4FfnInputs,
+    RopeKvStoreArgs, RopeMode,
 };
 pub use exact_attention::{attention_exact, exp_exact, ExactExp, EXACT_MAX_HEAD_DIM};
 pub use exact_elementwise::{geglu_exact, rope_exact, GELU_TABLE_LEN};

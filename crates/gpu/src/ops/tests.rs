@@ -242,6 +242,54 @@ fn register_twins(driver: &HostDriver) {
         }
         Ok(())
     });
+    // ember_gemma4_ffn_inputs_f32(float* x, float* proj, const float* post_attn, float* xn,
+    // const float* ffn_norm, float* moe_in, const float* pre_norm, float* router_in, const float*
+    // router_weight, uint32_t n_cols, float eps, float router_scale); one block per row, each
+    // output as the twin of the kernel it replaces computes it.
+    driver.register_kernel("ember_gemma4_ffn_inputs_f32", |l| {
+        let (x, proj, post_attn) = (l.ptr_arg(0)?, l.ptr_arg(1)?, l.ptr_arg(2)?);
+        let (xn, ffn_norm, moe_in) = (l.ptr_arg(3)?, l.ptr_arg(4)?, l.ptr_arg(5)?);
+        let (pre_norm, router_in, router_weight) = (l.ptr_arg(6)?, l.ptr_arg(7)?, l.ptr_arg(8)?);
+        let (n_cols, eps, scale) = (l.u32_arg(9)? as usize, l.f32_arg(10)?, l.f32_arg(11)?);
+        let inv = |values: &[f32]| {
+            let mean = values.iter().map(|v| v * v).sum::<f32>() / n_cols as f32;
+            1.0 / (mean + eps).sqrt()
+        };
+        let [post_attn, ffn_norm, pre_norm, router_weight] =
+            [post_attn, ffn_norm, pre_norm, router_weight].map(|w| l.read_f32(w, n_cols));
+        let (post_attn, ffn_norm, pre_norm, router_weight) =
+            (post_attn?, ffn_norm?, pre_norm?, router_weight?);
+        for row in 0..l.config().grid[0] as u64 {
+            let offset = row * n_cols as u64 * 4;
+            let p = l.read_f32(proj.offset(offset), n_cols)?;
+            let p_inv = inv(&p);
+            let normed: Vec<f32> = p
+                .iter()
+                .zip(&post_attn)
+                .map(|(v, w)| v * p_inv * w)
+                .collect();
+            let residual: Vec<f32> = l
+                .read_f32(x.offset(offset), n_cols)?
+                .iter()
+                .zip(&normed)
+                .map(|(a, b)| a + b)
+                .collect();
+            let x_inv = inv(&residual);
+            let weighted = |w: &[f32], s: f32| -> Vec<f32> {
+                residual
+                    .iter()
+                    .zip(w)
+                    .map(|(v, w)| v * x_inv * s * w)
+                    .collect()
+            };
+            l.write_f32(proj.offset(offset), &normed)?;
+            l.write_f32(x.offset(offset), &residual)?;
+            l.write_f32(xn.offset(offset), &weighted(&ffn_norm, 1.0))?;
+            l.write_f32(moe_in.offset(offset), &weighted(&pre_norm, 1.0))?;
+            l.write_f32(router_in.offset(offset), &weighted(&router_weight, scale))?;
+        }
+        Ok(())
+    });
     // ember_add_rms_norm_f32(float* out, float* x, const float* proj, const float* weight,
     // uint32_t n_cols, float eps); one block per row.
     driver.register_kernel("ember_add_rms_norm_f32", |l| {
@@ -877,6 +925,101 @@ fn row_wrappers_launch_one_block_per_row() {
         let best = (0..dim).fold(0, |b, c| if row[c] > row[b] { c } else { b });
         let got = i32::from_le_bytes(bytes[4 * r..4 * r + 4].try_into().unwrap());
         assert_eq!(got, best as i32, "row {r}");
+    }
+}
+
+/// Gemma 4's fused step from attention to the FFN blocks gives the values of the four ops it
+/// replaces (on the host driver's twins, which compute each op as its kernel does).
+#[test]
+fn gemma4_ffn_inputs_equal_the_four_ops() {
+    let f = fixture();
+    let (n_rows, dim, eps, scale) = (3usize, 96usize, 1e-6f32, 0.125f32);
+    let values = |seed: usize, n: usize| -> Vec<f32> {
+        (0..n)
+            .map(|i| (((i * 7919 + seed * 104_729) % 2003) as f32 / 1001.0) - 1.0)
+            .collect()
+    };
+    let (x0, proj0) = (values(1, n_rows * dim), values(2, n_rows * dim));
+    let weights: Vec<PoolBuffer> = (3..7).map(|s| f.upload(&values(s, dim))).collect();
+    // The four ops, one after another.
+    let (x, proj) = (f.upload(&x0), f.upload(&proj0));
+    let (xn, moe_in, router_in) = (
+        f.zeros(n_rows * dim),
+        f.zeros(n_rows * dim),
+        f.zeros(n_rows * dim),
+    );
+    rms_norm_add(
+        &f.ctx,
+        proj.ptr(),
+        weights[0].ptr(),
+        n_rows,
+        dim,
+        eps,
+        x.ptr(),
+    )
+    .unwrap();
+    rms_norm(
+        &f.ctx,
+        x.ptr(),
+        weights[1].ptr(),
+        n_rows,
+        dim,
+        eps,
+        xn.ptr(),
+    )
+    .unwrap();
+    rms_norm(
+        &f.ctx,
+        x.ptr(),
+        weights[2].ptr(),
+        n_rows,
+        dim,
+        eps,
+        moe_in.ptr(),
+    )
+    .unwrap();
+    rms_norm_scale_mul(
+        &f.ctx,
+        x.ptr(),
+        weights[3].ptr(),
+        n_rows,
+        dim,
+        eps,
+        scale,
+        router_in.ptr(),
+    )
+    .unwrap();
+    let want: Vec<Vec<f32>> = [&x, &proj, &xn, &moe_in, &router_in]
+        .iter()
+        .map(|b| f.download(b, n_rows * dim))
+        .collect();
+    // The fused op.
+    let (x, proj) = (f.upload(&x0), f.upload(&proj0));
+    let (xn, moe_in, router_in) = (
+        f.zeros(n_rows * dim),
+        f.zeros(n_rows * dim),
+        f.zeros(n_rows * dim),
+    );
+    let buffers = Gemma4FfnInputs {
+        x: x.ptr(),
+        proj: proj.ptr(),
+        post_attn_norm: weights[0].ptr(),
+        ffn_norm: weights[1].ptr(),
+        pre_norm: weights[2].ptr(),
+        router_weight: weights[3].ptr(),
+        router_scale: scale,
+        xn: xn.ptr(),
+        moe_in: moe_in.ptr(),
+        router_in: router_in.ptr(),
+    };
+    gemma4_ffn_inputs(&f.ctx, &buffers, n_rows, dim, eps).unwrap();
+    for (name, (buffer, want)) in ["x", "proj", "xn", "moe_in", "router_in"]
+        .iter()
+        .zip([&x, &proj, &xn, &moe_in, &router_in].iter().zip(&want))
+    {
+        let got = f.download(buffer, n_rows * dim);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got), bits(want), "{name}");
     }
 }
 

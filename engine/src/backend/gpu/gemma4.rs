@@ -16,6 +16,7 @@ use ember_gpu::ops::{self, OpsError};
 use ember_gpu::{DevicePtr, PoolBuffer, Purpose};
 
 use super::{check_vector, lock, GpuBackend, GpuBuf, GpuVector};
+use crate::backend::{gemma4_ffn_inputs_separately, Gemma4FfnNorms};
 
 /// Device copies of the per-expert scales the MoE layers passed so far, each with the host
 /// values it was made from. A model has one per MoE layer (30 for Gemma 4 26B-A4B), so a linear
@@ -45,6 +46,47 @@ impl ExpertScales {
 }
 
 impl GpuBackend {
+    /// [`Backend::gemma4_ffn_inputs`]: one kernel ([`ops::gemma4_ffn_inputs`], the values of the
+    /// four ops it replaces) unless the fused kernels are off (`EMBER_GPU_FUSION=0`).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn gemma4_ffn_inputs_fused(
+        &self,
+        proj: &mut GpuBuf,
+        x: &mut GpuBuf,
+        norms: &Gemma4FfnNorms<'_, GpuVector>,
+        n_rows: usize,
+        dim: usize,
+        eps: f32,
+        out: [&mut GpuBuf; 3],
+    ) {
+        if !ops::fusion_enabled() {
+            gemma4_ffn_inputs_separately(self, proj, x, norms, n_rows, dim, eps, out);
+            return;
+        }
+        let [xn, moe_in, router_in] = out;
+        self.run("gemma4_ffn_inputs", || {
+            const OP: &str = "gemma4_ffn_inputs";
+            self.gemma4_fast_only(OP)?;
+            for weight in [norms.post_attn, norms.ffn, norms.experts, norms.router] {
+                check_vector(OP, weight, dim)?;
+            }
+            let len = n_rows * dim;
+            let buffers = ops::Gemma4FfnInputs {
+                x: x.ptr(OP, len)?,
+                proj: proj.ptr(OP, len)?,
+                post_attn_norm: norms.post_attn.buf.ptr(),
+                ffn_norm: norms.ffn.buf.ptr(),
+                pre_norm: norms.experts.buf.ptr(),
+                router_weight: norms.router.buf.ptr(),
+                router_scale: norms.router_scale,
+                xn: xn.ptr(OP, len)?,
+                moe_in: moe_in.ptr(OP, len)?,
+                router_in: router_in.ptr(OP, len)?,
+            };
+            ops::gemma4_ffn_inputs(&self.ctx, &buffers, n_rows, dim, eps)
+        });
+    }
+
     /// Whether the Gemma 4 ops run in the current numerics (only the fast ones have kernels).
     pub(super) fn gemma4_ops_available(&self) -> bool {
         !self.reference()

@@ -55,8 +55,8 @@ use ember_gpu::ops::{self, AttentionArgs, DeviceMatrix, GpuContext, OpsError, We
 use ember_gpu::{DevicePool, DevicePtr, PoolBuffer, Purpose};
 
 use super::{
-    Backend, BackendError, ExpertGating, GatedDeltaNet, MoeFfn, OpFailure, QkNorm, RopeMode,
-    RopeParams, SequenceState,
+    Backend, BackendError, ExpertGating, GatedDeltaNet, Gemma4FfnNorms, MoeFfn, OpFailure, QkNorm,
+    RopeMode, RopeParams, SequenceState,
 };
 use crate::batch::Batch;
 use crate::ops::{AttentionPlan, FfnActivation};
@@ -1359,6 +1359,19 @@ impl Backend for GpuBackend {
                 dst.ptr("rms_norm_add", len)?,
             )
         });
+    }
+
+    fn gemma4_ffn_inputs(
+        &self,
+        proj: &mut GpuBuf,
+        x: &mut GpuBuf,
+        norms: &Gemma4FfnNorms<'_, GpuVector>,
+        n_rows: usize,
+        dim: usize,
+        eps: f32,
+        out: [&mut GpuBuf; 3],
+    ) {
+        self.gemma4_ffn_inputs_fused(proj, x, norms, n_rows, dim, eps, out);
     }
 
     fn rms_norm_unit_scale_mul(
