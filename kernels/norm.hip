@@ -59,6 +59,14 @@ EMBER_KERNEL void ember_rms_norm_add_f32(float* dst, float* x, const float* weig
 // result is bit for bit that of ember_add_f32 followed by ember_rms_norm_f32 (ops::add_rms_norm
 // launches the block size ops::rms_norm would). One block per row. `out` must not alias `x`
 // or `proj`.
+//
+// Tried and dropped: folding this launch into the one-token products that read `out` (Q/K/V,
+// the dense gate/up, a MoE router), every block of those recomputing the factor in this
+// kernel's summation order and block 0 writing the new residual to a second buffer. It was bit
+// for bit (harness_matvec, greedy output on three models) but slower inside H100 decode graphs
+// (same call, tg128: Llama 3 8B Q4_0 297 -> 264 t/s, Qwen3-30B-A3B 287 -> 275-282, 1B Q4_0
+// 884-891 -> 827-868): each block then loads the row five times from L2 and waits for a block
+// reduction before its first weight load, which costs more than the launch it saves.
 EMBER_KERNEL void ember_add_rms_norm_f32(float* out, float* x, const float* proj, const float* weight, uint32_t n_cols, float eps) {
     __shared__ double scratch[EMBER_MAX_WARPS];
     float* row = x + (size_t)blockIdx.x * n_cols;
