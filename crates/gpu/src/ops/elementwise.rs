@@ -168,20 +168,9 @@ pub fn rms_norm_scale_mul(
     out: DevicePtr,
 ) -> Result<(), OpsError> {
     const OP: &str = "rms_norm_scale_mul";
-    if ctx.reference() {
-        return Err(OpsError::Unsupported {
-            op: OP,
-            what: "reference numerics (the exact kernels have no bare RMS norm)".into(),
-        });
-    }
-    if n_rows == 0 {
+    let Some((n_rows, dim)) = gemma4_norm_rows(ctx, OP, n_rows, dim)? else {
         return Ok(());
-    }
-    let n_rows = as_u32(OP, "the row count", n_rows)?;
-    let dim = as_u32(OP, "the row length", dim)?;
-    if dim == 0 {
-        return Err(OpsError::shape(OP, "a row length above 0", "0"));
-    }
+    };
     let args = KernelArgs::new()
         .arg(ptr(out))
         .arg(ptr(x))
@@ -283,20 +272,9 @@ pub fn gemma4_ffn_inputs(
     eps: f32,
 ) -> Result<(), OpsError> {
     const OP: &str = "gemma4_ffn_inputs";
-    if ctx.reference() {
-        return Err(OpsError::Unsupported {
-            op: OP,
-            what: "reference numerics (the exact kernels have no bare RMS norm)".into(),
-        });
-    }
-    if n_rows == 0 {
+    let Some((n_rows, dim)) = gemma4_norm_rows(ctx, OP, n_rows, dim)? else {
         return Ok(());
-    }
-    let n_rows = as_u32(OP, "the row count", n_rows)?;
-    let dim = as_u32(OP, "the row length", dim)?;
-    if dim == 0 {
-        return Err(OpsError::shape(OP, "a row length above 0", "0"));
-    }
+    };
     let args = KernelArgs::new()
         .arg(ptr(b.x))
         .arg(ptr(b.proj))
@@ -323,6 +301,31 @@ pub fn gemma4_ffn_inputs(
             &args,
         )
     }
+}
+
+/// The row count and length of a launch of Gemma 4's norm kernels (which reference numerics
+/// lack), or `None` when there is no row to launch for.
+fn gemma4_norm_rows(
+    ctx: &GpuContext,
+    op: &'static str,
+    n_rows: usize,
+    dim: usize,
+) -> Result<Option<(u32, u32)>, OpsError> {
+    if ctx.reference() {
+        return Err(OpsError::Unsupported {
+            op,
+            what: "reference numerics (the exact kernels have no bare RMS norm)".into(),
+        });
+    }
+    if n_rows == 0 {
+        return Ok(None);
+    }
+    let n_rows = as_u32(op, "the row count", n_rows)?;
+    let dim = as_u32(op, "the row length", dim)?;
+    if dim == 0 {
+        return Err(OpsError::shape(op, "a row length above 0", "0"));
+    }
+    Ok(Some((n_rows, dim)))
 }
 
 /// Threads per block of the row-normalisation kernels: wide rows get a full block, short ones a
