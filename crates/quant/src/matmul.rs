@@ -940,6 +940,8 @@ fn run_panel(
     {
         // One tile kernel for AVX2 and AVX-512 machines alike: the results must not depend on
         // the machine (the GPU's reference numerics reproduce them, and tests pin their bits).
+        // The signed formats (Q4_0, Q5_0, Q8_0) on AVX-512 VNNI never come here: `matmul_tiled`
+        // runs them in `x86::signed`, whose outputs are these very bits (GGML's `vec_dot` order).
         if has_simd_tiles(level) {
             crate::x86::tile::run_panel(level, ty, panel, row0, rows, acts, t_begin, t_end, out);
             return;
