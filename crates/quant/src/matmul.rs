@@ -506,6 +506,10 @@ pub(crate) struct TileActs {
     pub qs: Vec<u8>,
     pub d: Vec<f32>,
     pub sh: Vec<f32>,
+    /// The chunk scales of tokens in pairs, for tile kernels whose weight scale is one value
+    /// per chunk: pair `p` (tokens 2p and 2p + 1), chunk `c` at `(p * n_chunks + c) * 8`, token
+    /// 2p's scale in lanes 0..4 and token 2p + 1's in lanes 4..8 (zeros past the last token).
+    pub d_pairs: Vec<f32>,
 }
 
 /// Halves (16-element groups) of a row of `cols`, padded to a multiple of 8.
@@ -533,6 +537,16 @@ impl TileActs {
                 .enumerate()
                 .for_each(|(t, ((qs, d), sh))| Self::build_row(x.ty, x.row(t), qs, d, sh));
         }
+        let mut d_pairs = vec![0.0f32; n.div_ceil(2) * n_chunks * 8];
+        for (i, pair) in d_pairs.chunks_exact_mut(8).enumerate() {
+            let (p, c) = (i / n_chunks, i % n_chunks);
+            for (k, half) in pair.chunks_exact_mut(4).enumerate() {
+                let t = 2 * p + k;
+                if t < n {
+                    half.fill(d[(t * n_chunks + c) * 8]);
+                }
+            }
+        }
         TileActs {
             cols: x.cols,
             n_chunks,
@@ -540,6 +554,7 @@ impl TileActs {
             qs,
             d,
             sh,
+            d_pairs,
         }
     }
 
@@ -591,6 +606,10 @@ pub(crate) struct Panel {
     pub q: Vec<u8>,
     pub dv: Vec<f32>,
     pub mh: Vec<f32>,
+    /// For formats with one weight scale per chunk (both halves alike): the scales of the rows
+    /// in groups of [`TILE_ROWS`], group `g`, chunk `c` at `(g * n_chunks + c) * 4`, one row per
+    /// lane (zeros past the last row). Empty for the other formats.
+    pub d_rows: Vec<f32>,
 }
 
 impl Panel {
@@ -600,8 +619,29 @@ impl Panel {
             q: vec![0; rows * cols],
             dv: vec![0.0; rows * n_chunks * 8],
             mh: vec![0.0; rows * padded_halves(cols)],
+            d_rows: Vec::new(),
         }
     }
+
+    /// Fills [`Panel::d_rows`] from `dv` (whose halves must hold one scale per chunk).
+    fn group_row_scales(&mut self, rows: usize, n_chunks: usize) {
+        self.d_rows = vec![0.0; rows.div_ceil(TILE_ROWS) * n_chunks * TILE_ROWS];
+        for r in 0..rows {
+            for c in 0..n_chunks {
+                let (g, i) = (r / TILE_ROWS, r % TILE_ROWS);
+                let lanes = &self.dv[(r * n_chunks + c) * 8..][..8];
+                debug_assert!(lanes.iter().all(|&v| v.to_bits() == lanes[0].to_bits()));
+                self.d_rows[(g * n_chunks + c) * TILE_ROWS + i] = lanes[0];
+            }
+        }
+    }
+}
+
+/// Whether the tiles of `ty` have one weight scale per chunk (the same in both halves), so
+/// that the tile kernel can form the products of row and token scales eight at a time.
+pub(crate) fn has_chunk_scales(ty: GgmlType) -> bool {
+    use GgmlType::*;
+    matches!(ty, Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0)
 }
 
 /// Writes chunk `c`'s scales `s` and offsets `m` of its two halves.
@@ -817,6 +857,9 @@ fn matmul_tiled(level: Level, w: &QMatrix, x: &QuantizedActivations, out: &mut [
                     &mut panel.dv[i * n_chunks * 8..(i + 1) * n_chunks * 8],
                     &mut panel.mh[i * n_halves..(i + 1) * n_halves],
                 );
+            }
+            if has_chunk_scales(w.ty) {
+                panel.group_row_scales(job_n, n_chunks);
             }
             panel
         };

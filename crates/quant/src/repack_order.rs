@@ -251,20 +251,45 @@ pub(crate) fn matmul(
                 crate::simd::Level::Avx2 | crate::simd::Level::Avx512Vnni
             )
         {
-            use crate::x86::avx2::{q4k_repacked_rows8, Rows8Meta};
+            use crate::x86::avx2::{q4k_repacked_rows8_tokens, Rows8Meta};
             let mut meta = Rows8Meta::default();
             for t0 in (0..n_tokens).step_by(TOKEN_BLOCK) {
+                let t_end = (t0 + TOKEN_BLOCK).min(n_tokens);
                 for g in (r0..r0 + n_rows).step_by(8) {
                     let group = &w[g * row_bytes..(g + 8) * row_bytes];
                     // SAFETY: `simd::level` reports AVX2 or better only after checking AVX2,
                     // FMA and F16C.
                     unsafe { meta.decode(group, row_bytes) };
-                    for t in t0..(t0 + TOKEN_BLOCK).min(n_tokens) {
-                        let a = &acts[t * act_bytes..(t + 1) * act_bytes];
-                        // SAFETY: as above.
-                        let v = unsafe { q4k_repacked_rows8(group, row_bytes, &meta, a, gemm) };
-                        // SAFETY: jobs own disjoint row ranges of every token.
-                        unsafe { out.slice(t * rows + g, 8) }.copy_from_slice(&v);
+                    // Tokens in pairs, which share each weight vector's unpacking; an odd last
+                    // one alone.
+                    let store = |t: usize, v: &[[f32; 8]]| {
+                        for (k, vt) in v.iter().enumerate() {
+                            // SAFETY: jobs own disjoint row ranges of every token.
+                            unsafe { out.slice((t + k) * rows + g, 8) }.copy_from_slice(vt);
+                        }
+                    };
+                    let mut t = t0;
+                    while t < t_end {
+                        let a = &acts[t * act_bytes..t_end * act_bytes];
+                        if t + 2 <= t_end {
+                            // SAFETY: as above.
+                            let v = unsafe {
+                                q4k_repacked_rows8_tokens::<2>(
+                                    group, row_bytes, &meta, a, act_bytes, gemm,
+                                )
+                            };
+                            store(t, &v);
+                            t += 2;
+                        } else {
+                            // SAFETY: as above.
+                            let v = unsafe {
+                                q4k_repacked_rows8_tokens::<1>(
+                                    group, row_bytes, &meta, a, act_bytes, gemm,
+                                )
+                            };
+                            store(t, &v);
+                            t += 1;
+                        }
                     }
                 }
             }
@@ -398,7 +423,7 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn eight_rows_at_once_are_each_row_bit_for_bit() {
-        use crate::x86::avx2::{q4k_repacked_rows8, Rows8Meta};
+        use crate::x86::avx2::{q4k_repacked_rows8_tokens, Rows8Meta};
         if !matches!(
             crate::simd::level(),
             crate::simd::Level::Avx2 | crate::simd::Level::Avx512Vnni
@@ -411,20 +436,44 @@ mod tests {
             let nb = 1 + (seed as usize % 5);
             let row_bytes = nb * q4_k::SIZE;
             let rows: Vec<u8> = (0..8).flat_map(|r| weight_row(seed * 13 + r, nb)).collect();
-            let a = act_row(seed * 7919, nb);
+            // Two tokens, their rows apart by more than a row (as in a matmul's buffer).
+            let act_bytes = nb * q8_k::SIZE + 64;
+            let mut acts = act_row(seed * 7919, nb);
+            acts.resize(act_bytes, 0xA5);
+            acts.extend(act_row(seed * 104729, nb));
             // SAFETY: the level check above found AVX2, FMA and F16C.
             unsafe { meta.decode(&rows, row_bytes) };
             for per_pair in [false, true] {
+                let want = |t: usize, r: usize| {
+                    let a = &acts[t * act_bytes..t * act_bytes + nb * q8_k::SIZE];
+                    dot_portable(&rows[r * row_bytes..(r + 1) * row_bytes], a, per_pair)
+                };
                 // SAFETY: as above.
-                let got = unsafe { q4k_repacked_rows8(&rows, row_bytes, &meta, &a, per_pair) };
-                for (r, g) in got.iter().enumerate() {
-                    let want =
-                        dot_portable(&rows[r * row_bytes..(r + 1) * row_bytes], &a, per_pair);
+                let one = unsafe {
+                    q4k_repacked_rows8_tokens::<1>(
+                        &rows, row_bytes, &meta, &acts, act_bytes, per_pair,
+                    )
+                };
+                // SAFETY: as above.
+                let two = unsafe {
+                    q4k_repacked_rows8_tokens::<2>(
+                        &rows, row_bytes, &meta, &acts, act_bytes, per_pair,
+                    )
+                };
+                for r in 0..8 {
+                    let w0 = want(0, r).to_bits();
                     assert_eq!(
-                        g.to_bits(),
-                        want.to_bits(),
+                        one[0][r].to_bits(),
+                        w0,
                         "seed {seed} row {r} per_pair {per_pair}"
                     );
+                    for (t, out) in two.iter().enumerate() {
+                        assert_eq!(
+                            out[r].to_bits(),
+                            want(t, r).to_bits(),
+                            "seed {seed} token {t} of 2, row {r}, per_pair {per_pair}"
+                        );
+                    }
                 }
             }
         }

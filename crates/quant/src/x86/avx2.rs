@@ -1042,92 +1042,145 @@ impl Rows8Meta {
     }
 }
 
-/// Lane `r` of the result: the sum of the 8 lanes of `v[r]` (an 8x8 transpose and reduce).
-#[inline]
+/// Eight rows by `T` tokens of a repacked Q4_K matrix: 8 consecutive rows (`rows`, contiguous,
+/// `row_bytes` each, their [`Rows8Meta`] `meta`) against the `T` Q8_K activation rows that
+/// start every `act_stride` bytes of `acts`; `out[t]` holds token t's outputs, one row per lane.
+/// Each lane takes exactly the steps of [`q4k_repacked_dot`] for its row and token (the same
+/// exact integers, the same float roundings in the same order), so every output is bit for bit
+/// that kernel's. The weights' scales are decoded once per group ([`Rows8Meta`]), each
+/// activation vector is loaded once for all eight rows, and each weight vector's nibbles are
+/// unpacked once for all `T` tokens.
 #[target_feature(enable = "avx2,fma,f16c")]
-fn reduce8(v: [__m256i; 8]) -> __m256i {
-    let a01 = _mm256_hadd_epi32(v[0], v[1]);
-    let a23 = _mm256_hadd_epi32(v[2], v[3]);
-    let a45 = _mm256_hadd_epi32(v[4], v[5]);
-    let a67 = _mm256_hadd_epi32(v[6], v[7]);
-    // Lanes: rows 0..4 (4..8) of the low and of the high halves' partial sums.
-    let b03 = _mm256_hadd_epi32(a01, a23);
-    let b47 = _mm256_hadd_epi32(a45, a67);
-    _mm256_add_epi32(
-        _mm256_permute2x128_si256::<0x20>(b03, b47),
-        _mm256_permute2x128_si256::<0x31>(b03, b47),
-    )
-}
-
-/// Eight outputs of a repacked Q4_K matrix at once: 8 consecutive rows (`rows`, contiguous,
-/// `row_bytes` each, their [`Rows8Meta`] `meta`) against one Q8_K activation row `a`, one row
-/// per lane. Each lane takes exactly the steps of [`q4k_repacked_dot`] for its row (the same
-/// exact integers, the same float roundings in the same order), so the outputs are bit for bit
-/// that kernel's; the weights' scales are decoded once per group and the activations loaded
-/// once for all eight rows.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub fn q4k_repacked_rows8(
+pub fn q4k_repacked_rows8_tokens<const T: usize>(
     rows: &[u8],
     row_bytes: usize,
     meta: &Rows8Meta,
-    a: &[u8],
+    acts: &[u8],
+    act_stride: usize,
     per_pair: bool,
-) -> [f32; 8] {
+) -> [[f32; 8]; T] {
     let nb = row_bytes / q4_k::SIZE;
-    assert!(rows.len() >= 8 * row_bytes && a.len() >= nb * q8_k::SIZE);
-    assert!(meta.d.len() >= nb);
+    assert!(T >= 1 && rows.len() >= 8 * row_bytes);
+    assert!(act_stride >= nb * q8_k::SIZE && acts.len() >= (T - 1) * act_stride + nb * q8_k::SIZE);
+    assert!(meta.d.len() >= nb && meta.dmin.len() >= nb);
+    assert!(meta.scales.len() >= 64 * nb && meta.mins.len() >= 8 * nb);
     let low = _mm256_set1_epi8(0x0F);
-    let mut acc = _mm256_setzero_ps();
-    let mut acc_min = _mm256_setzero_ps();
+    let mut acc = [_mm256_setzero_ps(); T];
+    let mut acc_min = [_mm256_setzero_ps(); T];
+    let w = rows.as_ptr();
     for b in 0..nb {
-        let y = &a[b * q8_k::SIZE..][..q8_k::SIZE];
-        let d8 = _mm256_set1_ps(f32::from_le_bytes([y[0], y[1], y[2], y[3]]));
-        let scale = _mm256_mul_ps(meta.d[b], d8);
-        let scale_min = _mm256_mul_ps(meta.dmin[b], d8);
-        let bsum = |k: usize| {
-            i16::from_le_bytes([y[q8_k::BSUMS + 2 * k], y[q8_k::BSUMS + 2 * k + 1]]) as i32
-        };
+        let mut y = [&acts[..0]; T];
+        for (t, yt) in y.iter_mut().enumerate() {
+            *yt = &acts[t * act_stride + b * q8_k::SIZE..][..q8_k::SIZE];
+        }
+        // The float scales of token t, formed where they are used rather than held in
+        // registers across the block (the same products either way).
+        // (A macro: a closure would not inherit this function's target features.)
+        macro_rules! scales {
+            ($t:expr) => {{
+                let d8 = _mm256_set1_ps(crate::blocks::read_f32(y[$t], q8_k::D));
+                (
+                    _mm256_mul_ps(meta.d[b], d8),
+                    _mm256_mul_ps(meta.dmin[b], d8),
+                )
+            }};
+        }
         let scl = &meta.scales[b * 64..b * 64 + 64];
         let mins = &meta.mins[b * 8..b * 8 + 8];
-        let mut i_sum = _mm256_setzero_si256();
-        let mut m_sum = _mm256_setzero_si256();
+        let mut i_sum = [_mm256_setzero_si256(); T];
+        let mut m_sum = [_mm256_setzero_si256(); T];
         for g in 0..4 {
-            let ylo = load32(&y[q8_k::QS + 64 * g..]);
-            let yhi = load32(&y[q8_k::QS + 64 * g + 32..]);
-            // A plain loop, not `array::from_fn`: a closure would not inherit this function's
-            // target features, and its intrinsics would become calls.
-            let mut v = [_mm256_setzero_si256(); 8];
-            for (r, vr) in v.iter_mut().enumerate() {
-                let q = load32(&rows[r * row_bytes + b * q4_k::SIZE + q4_k::QS + 32 * g..]);
-                let lo = _mm256_and_si256(q, low);
-                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), low);
-                *vr = _mm256_add_epi32(
-                    _mm256_madd_epi16(_mm256_maddubs_epi16(lo, ylo), scl[8 * r + 2 * g]),
-                    _mm256_madd_epi16(_mm256_maddubs_epi16(hi, yhi), scl[8 * r + 2 * g + 1]),
-                );
+            // Row sums of the 64 elements of pair g: per token, rows reduced two at a time
+            // (`hadd`) as they are computed, so few vectors stay live, then the halves of the
+            // 128-bit lanes added: lane r holds row r (the integers are exact in any order).
+            // One pair of rows: per token, `hadd` of the two rows' vectors. A macro, not a
+            // loop over pairs, so every index is a constant and the vectors stay in registers.
+            macro_rules! row {
+                ($r:expr) => {{
+                    let r = $r;
+                    // SAFETY: r < 8 and b < nb: the 32 bytes at QS + 32g of super-block b of
+                    // row r lie inside `rows`, which holds 8 rows of `row_bytes` (asserted).
+                    let q = unsafe {
+                        _mm256_loadu_si256(
+                            w.add(r * row_bytes + b * q4_k::SIZE + q4_k::QS + 32 * g)
+                                .cast(),
+                        )
+                    };
+                    let lo = _mm256_and_si256(q, low);
+                    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), low);
+                    let mut v = [_mm256_setzero_si256(); T];
+                    for t in 0..T {
+                        let ylo = load32(&y[t][q8_k::QS + 64 * g..]);
+                        let yhi = load32(&y[t][q8_k::QS + 64 * g + 32..]);
+                        v[t] = _mm256_add_epi32(
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(lo, ylo), scl[8 * r + 2 * g]),
+                            _mm256_madd_epi16(
+                                _mm256_maddubs_epi16(hi, yhi),
+                                scl[8 * r + 2 * g + 1],
+                            ),
+                        );
+                    }
+                    v
+                }};
             }
-            let i_p = reduce8(v);
-            let b0 = bsum(4 * g) + bsum(4 * g + 1);
-            let b1 = bsum(4 * g + 2) + bsum(4 * g + 3);
-            let m_p = _mm256_add_epi32(
-                _mm256_mullo_epi32(mins[2 * g], _mm256_set1_epi32(b0)),
-                _mm256_mullo_epi32(mins[2 * g + 1], _mm256_set1_epi32(b1)),
-            );
-            if per_pair {
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i_p), scale, acc);
-                acc_min = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m_p), scale_min, acc_min);
-            } else {
-                i_sum = _mm256_add_epi32(i_sum, i_p);
-                m_sum = _mm256_add_epi32(m_sum, m_p);
+            // One pair of rows: per token, `hadd` of the two rows' vectors. Macros, not loops
+            // over rows, so every index is a constant and the vectors stay in registers.
+            macro_rules! row_pair {
+                ($rp:expr) => {{
+                    let (v0, v1) = (row!(2 * $rp), row!(2 * $rp + 1));
+                    let mut h = [_mm256_setzero_si256(); T];
+                    for t in 0..T {
+                        h[t] = _mm256_hadd_epi32(v0[t], v1[t]);
+                    }
+                    h
+                }};
+            }
+            // Pairs reduced as soon as both are there, so that few vectors are live at once.
+            let (p0, p1) = (row_pair!(0), row_pair!(1));
+            let mut b03 = [_mm256_setzero_si256(); T];
+            for t in 0..T {
+                b03[t] = _mm256_hadd_epi32(p0[t], p1[t]);
+            }
+            let (p2, p3) = (row_pair!(2), row_pair!(3));
+            let b0 = 4 * g;
+            for t in 0..T {
+                let (b03, b47) = (b03[t], _mm256_hadd_epi32(p2[t], p3[t]));
+                let i_p = _mm256_add_epi32(
+                    _mm256_permute2x128_si256::<0x20>(b03, b47),
+                    _mm256_permute2x128_si256::<0x31>(b03, b47),
+                );
+                let bsum = |k: usize| {
+                    let at = q8_k::BSUMS + 2 * k;
+                    i16::from_le_bytes([y[t][at], y[t][at + 1]]) as i32
+                };
+                let s0 = bsum(b0) + bsum(b0 + 1);
+                let s1 = bsum(b0 + 2) + bsum(b0 + 3);
+                let m_p = _mm256_add_epi32(
+                    _mm256_mullo_epi32(mins[2 * g], _mm256_set1_epi32(s0)),
+                    _mm256_mullo_epi32(mins[2 * g + 1], _mm256_set1_epi32(s1)),
+                );
+                if per_pair {
+                    let (scale, scale_min) = scales!(t);
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i_p), scale, acc[t]);
+                    acc_min[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m_p), scale_min, acc_min[t]);
+                } else {
+                    i_sum[t] = _mm256_add_epi32(i_sum[t], i_p);
+                    m_sum[t] = _mm256_add_epi32(m_sum[t], m_p);
+                }
             }
         }
         if !per_pair {
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i_sum), scale, acc);
-            acc_min = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m_sum), scale_min, acc_min);
+            for t in 0..T {
+                let (scale, scale_min) = scales!(t);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i_sum[t]), scale, acc[t]);
+                acc_min[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m_sum[t]), scale_min, acc_min[t]);
+            }
         }
     }
-    let mut out = [0f32; 8];
-    // SAFETY: 8 f32 = 32 writable bytes; unaligned store.
-    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), _mm256_sub_ps(acc, acc_min)) };
+    let mut out = [[0f32; 8]; T];
+    for t in 0..T {
+        // SAFETY: 8 f32 = 32 writable bytes; unaligned store.
+        unsafe { _mm256_storeu_ps(out[t].as_mut_ptr(), _mm256_sub_ps(acc[t], acc_min[t])) };
+    }
     out
 }

@@ -18,6 +18,9 @@ use crate::matmul::{OutRows, Panel, TileActs, TILE_ROWS, TILE_TOKENS};
 use crate::simd::Level;
 use crate::GgmlType;
 
+/// Chunks whose scale products [`kernel`] forms ahead of its integer work, a batch at a time.
+const SCALE_BATCH: usize = 32;
+
 /// Base pointers and strides of one tile's operands; built by [`run_panel`] from checked
 /// slices. `aq`, `ad` and `ash` point at the tile's first token.
 struct TilePtrs {
@@ -27,6 +30,11 @@ struct TilePtrs {
     aq: *const u8,
     ad: *const f32,
     ash: *const f32,
+    /// For formats with one weight scale per chunk: the tile's rows' scales
+    /// (`Panel::d_rows` of its group) and its tokens' (`TileActs::d_pairs` of its pair), at
+    /// chunk 0; null otherwise.
+    d_rows: *const f32,
+    d_pair: *const f32,
     cols: usize,
     n_chunks: usize,
     n_halves: usize,
@@ -70,31 +78,59 @@ unsafe fn kernel<const R: usize, const T: usize, const SIGNED: bool, const MINS:
     let mut acc = [[_mm256_setzero_ps(); T]; R];
     // GGML's per-block min terms (`m·s`), one scalar FMA chain per output, for `MINS`.
     let mut summs = [[0.0f32; T]; R];
-    for c in 0..n_chunks {
-        // SAFETY: c < n_chunks, so every offset below stays inside the rows that the caller
-        // guarantees: 32 bytes at QK*c of each row and 8 floats at 8*c.
-        unsafe {
-            let a: [__m256i; T] =
-                std::array::from_fn(|t| _mm256_loadu_si256(p.aq.add(t * cols + QK * c).cast()));
-            for r in 0..R {
-                let wv = _mm256_loadu_si256(p.wq.add(r * cols + QK * c).cast());
-                let dv = _mm256_loadu_ps(p.wd.add((r * n_chunks + c) * 8));
-                let wu = if SIGNED { _mm256_sign_epi8(wv, wv) } else { wv };
-                for t in 0..T {
-                    let at = if SIGNED {
-                        _mm256_sign_epi8(a[t], wv)
-                    } else {
-                        a[t]
-                    };
-                    let prod = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, at), ones);
-                    let scale =
-                        _mm256_mul_ps(dv, _mm256_loadu_ps(p.ad.add((t * n_chunks + c) * 8)));
-                    acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(prod), scale, acc[r][t]);
-                    if MINS {
-                        // Both halves hold the block's min and half of its `s` (exact).
-                        let m = *p.wm.add(r * p.n_halves + 2 * c);
-                        let s = *p.ash.add(t * p.n_halves + 2 * c) * 2.0;
-                        summs[r][t] = m.mul_add(s, summs[r][t]);
+    // Signed and Q8_1 formats have one weight scale per chunk: the products `d_w·d_a` of the
+    // tile's rows and tokens are formed eight at a time, one multiply per chunk, into `prods`
+    // (lane r + 4t), and each output's is then a broadcast load instead of a multiply of its
+    // own (the same products, so the same bits).
+    let chunk_scales = SIGNED || MINS;
+    let mut prods = [_mm256_setzero_ps(); SCALE_BATCH];
+    for c0 in (0..n_chunks).step_by(SCALE_BATCH) {
+        let c1 = (c0 + SCALE_BATCH).min(n_chunks);
+        if chunk_scales {
+            for c in c0..c1 {
+                // SAFETY: c < n_chunks: 4 floats at 4c of the group's row scales and 8 at 8c of
+                // the pair's token scales, as the caller guarantees for these formats.
+                unsafe {
+                    prods[c - c0] = _mm256_mul_ps(
+                        _mm256_broadcast_ps(&*p.d_rows.add(4 * c).cast::<__m128>()),
+                        _mm256_loadu_ps(p.d_pair.add(8 * c)),
+                    );
+                }
+            }
+        }
+        let prods = prods.as_ptr().cast::<f32>();
+        for c in c0..c1 {
+            // SAFETY: c < n_chunks, so every offset below stays inside the rows that the
+            // caller guarantees: 32 bytes at QK*c of each row and 8 floats at 8*c; and
+            // c - c0 < SCALE_BATCH vectors of `prods`.
+            unsafe {
+                let a: [__m256i; T] =
+                    std::array::from_fn(|t| _mm256_loadu_si256(p.aq.add(t * cols + QK * c).cast()));
+                for r in 0..R {
+                    let wv = _mm256_loadu_si256(p.wq.add(r * cols + QK * c).cast());
+                    let wu = if SIGNED { _mm256_sign_epi8(wv, wv) } else { wv };
+                    for t in 0..T {
+                        let at = if SIGNED {
+                            _mm256_sign_epi8(a[t], wv)
+                        } else {
+                            a[t]
+                        };
+                        let prod = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, at), ones);
+                        let scale = if chunk_scales {
+                            _mm256_broadcast_ss(&*prods.add((c - c0) * 8 + r + 4 * t))
+                        } else {
+                            _mm256_mul_ps(
+                                _mm256_loadu_ps(p.wd.add((r * n_chunks + c) * 8)),
+                                _mm256_loadu_ps(p.ad.add((t * n_chunks + c) * 8)),
+                            )
+                        };
+                        acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(prod), scale, acc[r][t]);
+                        if MINS {
+                            // Both halves hold the block's min and half of its `s` (exact).
+                            let m = *p.wm.add(r * p.n_halves + 2 * c);
+                            let s = *p.ash.add(t * p.n_halves + 2 * c) * 2.0;
+                            summs[r][t] = m.mul_add(s, summs[r][t]);
+                        }
                     }
                 }
             }
@@ -191,6 +227,17 @@ pub fn run_panel(
     let (out_base, stride) = out.base(rows, t_end);
     let signed = crate::matmul::is_signed_tile(ty);
     let mins = has_ggml_mins(ty);
+    // The kernels of these formats read the compact scales: the row group's and each token
+    // pair's (tiles start at even tokens, the token blocks being even).
+    let chunk_scales = signed || mins;
+    let group = row0 / TILE_ROWS;
+    if chunk_scales {
+        assert!(crate::matmul::has_chunk_scales(ty) && row0.is_multiple_of(TILE_ROWS));
+        assert!(panel.d_rows.len() >= (group + 1) * n_chunks * TILE_ROWS);
+        assert!(
+            t_begin.is_multiple_of(2) && acts.d_pairs.len() >= t_end.div_ceil(2) * n_chunks * 8
+        );
+    }
     let mut t = t_begin;
     while t < t_end {
         let tokens = TILE_TOKENS.min(t_end - t);
@@ -201,6 +248,16 @@ pub fn run_panel(
             aq: acts.qs[t * cols..].as_ptr(),
             ad: acts.d[t * n_chunks * 8..].as_ptr(),
             ash: acts.sh[t * n_halves..].as_ptr(),
+            d_rows: if chunk_scales {
+                panel.d_rows[group * n_chunks * TILE_ROWS..].as_ptr()
+            } else {
+                std::ptr::null()
+            },
+            d_pair: if chunk_scales {
+                acts.d_pairs[t / 2 * n_chunks * 8..].as_ptr()
+            } else {
+                std::ptr::null()
+            },
             cols,
             n_chunks,
             n_halves,
