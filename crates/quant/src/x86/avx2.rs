@@ -1042,6 +1042,22 @@ impl Rows8Meta {
     }
 }
 
+/// Lanes (a0+a2, b0+b2, a1+a3, b1+b3) in each 128-bit half: one step of an 8x8 transpose-and-sum
+/// by unpacks and an add (single-cycle shuffles, where `hadd` costs several).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn sum_pairs32(a: __m256i, b: __m256i) -> __m256i {
+    _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b))
+}
+
+/// The next step after [`sum_pairs32`]: lanes (a0+a1, a2+a3, b0+b1, b2+b3) of its outputs'
+/// row pairs in each 128-bit half, that is one lane per row of the four.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn sum_pairs64(a: __m256i, b: __m256i) -> __m256i {
+    _mm256_add_epi32(_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b))
+}
+
 /// Eight rows by `T` tokens of a repacked Q4_K matrix: 8 consecutive rows (`rows`, contiguous,
 /// `row_bytes` each, their [`Rows8Meta`] `meta`) against the `T` Q8_K activation rows that
 /// start every `act_stride` bytes of `acts`; `out[t]` holds token t's outputs, one row per lane.
@@ -1130,7 +1146,7 @@ pub fn q4k_repacked_rows8_tokens<const T: usize>(
                     let (v0, v1) = (row!(2 * $rp), row!(2 * $rp + 1));
                     let mut h = [_mm256_setzero_si256(); T];
                     for t in 0..T {
-                        h[t] = _mm256_hadd_epi32(v0[t], v1[t]);
+                        h[t] = sum_pairs32(v0[t], v1[t]);
                     }
                     h
                 }};
@@ -1139,12 +1155,12 @@ pub fn q4k_repacked_rows8_tokens<const T: usize>(
             let (p0, p1) = (row_pair!(0), row_pair!(1));
             let mut b03 = [_mm256_setzero_si256(); T];
             for t in 0..T {
-                b03[t] = _mm256_hadd_epi32(p0[t], p1[t]);
+                b03[t] = sum_pairs64(p0[t], p1[t]);
             }
             let (p2, p3) = (row_pair!(2), row_pair!(3));
             let b0 = 4 * g;
             for t in 0..T {
-                let (b03, b47) = (b03[t], _mm256_hadd_epi32(p2[t], p3[t]));
+                let (b03, b47) = (b03[t], sum_pairs64(p2[t], p3[t]));
                 let i_p = _mm256_add_epi32(
                     _mm256_permute2x128_si256::<0x20>(b03, b47),
                     _mm256_permute2x128_si256::<0x31>(b03, b47),
