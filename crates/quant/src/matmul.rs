@@ -336,6 +336,15 @@ fn dispatch(
         matmul_q6k_tokens(w, x, out);
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if strategy == Strategy::Auto
+        && w.ty == GgmlType::Q6_K
+        && level == Level::Avx2
+        && x.n_tokens >= Q6K_TOKENS_MIN_TOKENS
+    {
+        matmul_q6k_tokens_avx2(w, x, out);
+        return;
+    }
     let tiled = match strategy {
         Strategy::Auto => {
             x.n_tokens >= tile_min_tokens(level, w.ty)
@@ -353,8 +362,8 @@ fn dispatch(
     }
 }
 
-/// From this many tokens on, Q6_K matrices on AVX-512 VNNI take [`matmul_q6k_tokens`]: one
-/// token is a memory-bound matvec, where unpacking the weights for a single use gains nothing.
+/// From this many tokens on, Q6_K matrices on AVX-512 VNNI take [`matmul_q6k_tokens`] (on AVX2
+/// [`matmul_q6k_tokens_avx2`]): one token is a memory-bound matvec, where unpacking the weights for a single use gains nothing.
 #[cfg(target_arch = "x86_64")]
 const Q6K_TOKENS_MIN_TOKENS: usize = 2;
 
@@ -407,11 +416,48 @@ fn matmul_q6k_tokens(w: &QMatrix, x: &QuantizedActivations, out: &mut [f32]) {
     });
 }
 
+/// Tokens per sweep of [`matmul_q6k_tokens_avx2`]: their activations (9 KB per token for 8192
+/// columns) stay in L2 while each row, unpacked once per sweep, meets them all.
+#[cfg(target_arch = "x86_64")]
+const Q6K_AVX2_TOKEN_BLOCK: usize = 32;
+
+/// Q6_K weights against several tokens on AVX2, every output bit for bit the AVX2 `vec_dot`
+/// (GGML's order): each row is unpacked once per block of tokens ([`crate::x86::avx2::Q6kRow`])
+/// instead of once per output. Rows are split between jobs.
+#[cfg(target_arch = "x86_64")]
+fn matmul_q6k_tokens_avx2(w: &QMatrix, x: &QuantizedActivations, out: &mut [f32]) {
+    use crate::x86::avx2::Q6kRow;
+    let (rows, n_tokens) = (w.rows, x.n_tokens);
+    let chunk = rows_per_job(rows, 1);
+    let out_ptr = OutPtr::new(out);
+    (0..rows.div_ceil(chunk)).into_par_iter().for_each(|job| {
+        let r0 = job * chunk;
+        let n_rows = chunk.min(rows - r0);
+        let mut row = Q6kRow::default();
+        for t0 in (0..n_tokens).step_by(Q6K_AVX2_TOKEN_BLOCK) {
+            let t_end = (t0 + Q6K_AVX2_TOKEN_BLOCK).min(n_tokens);
+            for r in r0..r0 + n_rows {
+                // SAFETY: the caller checked that the level is AVX2, which `simd::level`
+                // reports only after checking AVX2, FMA and F16C.
+                unsafe { row.unpack(w.row(r)) };
+                for t in t0..t_end {
+                    // SAFETY: as above.
+                    let v = unsafe { row.dot(x.row(t)) };
+                    // SAFETY: jobs own disjoint row ranges of every token.
+                    let o = unsafe { out_ptr.slice(t * rows + r, 1) };
+                    o[0] = v;
+                }
+            }
+        }
+    });
+}
+
 /// Whether GGML's CPU backend computes `ty` by one `vec_dot` per output at every batch size (no
 /// llamafile or repacked GEMM takes it on x86; for Q4_K, matrices whose rows are not a multiple
 /// of 8 and so stay unpacked), and whose tiles here do not follow that order: such matrices stay
-/// row-wise so prompts get exactly the numbers llama.cpp gets (on AVX-512 VNNI, Q6_K prompts
-/// take `matmul_q6k_tokens` first, which gives those same numbers faster).
+/// row-wise so prompts get exactly the numbers llama.cpp gets (Q6_K prompts take
+/// `matmul_q6k_tokens` on AVX-512 VNNI and `matmul_q6k_tokens_avx2` on AVX2 first, which give
+/// those same numbers faster).
 fn rowwise_like_ggml(ty: GgmlType) -> bool {
     matches!(ty, GgmlType::Q6_K | GgmlType::Q4_K)
 }
