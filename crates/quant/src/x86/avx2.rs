@@ -594,6 +594,31 @@ pub fn vec_dot_q5_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
     vec_dot_k4::<true>(w, a)
 }
 
+/// The four 32-element quarters of half `c` (0 or 1) of the Q6_K super-block `x`, as unsigned
+/// 6-bit values (low nibbles from `ql`, high bits from `qh`), in element order.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn q6k_quarters(x: &[u8], c: usize) -> [__m256i; 4] {
+    let low = _mm256_set1_epi8(0x0F);
+    let mask2 = _mm256_set1_epi8(3);
+    let ql0 = load32(&x[q6_k::QL + 64 * c..]);
+    let ql1 = load32(&x[q6_k::QL + 64 * c + 32..]);
+    let qh = load32(&x[q6_k::QH + 32 * c..]);
+    let h = |v: __m256i| _mm256_slli_epi16::<4>(_mm256_and_si256(v, mask2));
+    [
+        _mm256_or_si256(_mm256_and_si256(ql0, low), h(qh)),
+        _mm256_or_si256(_mm256_and_si256(ql1, low), h(_mm256_srli_epi16::<2>(qh))),
+        _mm256_or_si256(
+            _mm256_and_si256(_mm256_srli_epi16::<4>(ql0), low),
+            h(_mm256_srli_epi16::<4>(qh)),
+        ),
+        _mm256_or_si256(
+            _mm256_and_si256(_mm256_srli_epi16::<4>(ql1), low),
+            h(_mm256_srli_epi16::<6>(qh)),
+        ),
+    ]
+}
+
 #[target_feature(enable = "avx2,fma,f16c")]
 pub fn vec_dot_q6_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
     // GGML's order (`ggml_vec_dot_q6_K_q8_K`, AVX2): per super-block the 8 lane sums (scales
@@ -605,8 +630,6 @@ pub fn vec_dot_q6_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
     // than an offset-first order would give, and the lanes round differently when converted.
     // Checked bit for bit against a llama.cpp build (2026-10, AVX2) tensor by tensor.
     let mut acc = _mm256_setzero_ps();
-    let low = _mm256_set1_epi8(0x0F);
-    let mask2 = _mm256_set1_epi8(3);
     for (x, y) in w.chunks_exact(q6_k::SIZE).zip(a.chunks_exact(q8_k::SIZE)) {
         // A decode step calls this for consecutive rows: stream the weights in ahead, into the
         // rows that follow.
@@ -614,24 +637,7 @@ pub fn vec_dot_q6_k_q8_k(w: &[u8], a: &[u8]) -> f32 {
         let sc = &x[q6_k::SCALES..q6_k::SCALES + 16];
         let mut isum = _mm256_setzero_si256();
         for c in 0..2 {
-            let ql0 = load32(&x[q6_k::QL + 64 * c..]);
-            let ql1 = load32(&x[q6_k::QL + 64 * c + 32..]);
-            let qh = load32(&x[q6_k::QH + 32 * c..]);
-            let h = |shift: i32| -> __m256i {
-                let v = match shift {
-                    0 => qh,
-                    2 => _mm256_srli_epi16::<2>(qh),
-                    4 => _mm256_srli_epi16::<4>(qh),
-                    _ => _mm256_srli_epi16::<6>(qh),
-                };
-                _mm256_slli_epi16::<4>(_mm256_and_si256(v, mask2))
-            };
-            let quarters = [
-                _mm256_or_si256(_mm256_and_si256(ql0, low), h(0)),
-                _mm256_or_si256(_mm256_and_si256(ql1, low), h(2)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(ql0), low), h(4)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(ql1), low), h(6)),
-            ];
+            let quarters = q6k_quarters(x, c);
             for (k, q) in quarters.into_iter().enumerate() {
                 let e = 128 * c + 32 * k;
                 let yv = load32(&y[q8_k::QS + e..]);
@@ -672,8 +678,6 @@ impl Q6kRow {
     /// Unpacks the Q6_K row `w` in place of what this value held.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub fn unpack(&mut self, w: &[u8]) {
-        let low = _mm256_set1_epi8(0x0F);
-        let mask2 = _mm256_set1_epi8(3);
         self.quarters.clear();
         self.scales.clear();
         self.scales16.clear();
@@ -681,22 +685,7 @@ impl Q6kRow {
         for x in w.chunks_exact(q6_k::SIZE) {
             let sc = &x[q6_k::SCALES..q6_k::SCALES + 16];
             for c in 0..2 {
-                let ql0 = load32(&x[q6_k::QL + 64 * c..]);
-                let ql1 = load32(&x[q6_k::QL + 64 * c + 32..]);
-                let qh = load32(&x[q6_k::QH + 32 * c..]);
-                let h = |v: __m256i| _mm256_slli_epi16::<4>(_mm256_and_si256(v, mask2));
-                self.quarters.extend([
-                    _mm256_or_si256(_mm256_and_si256(ql0, low), h(qh)),
-                    _mm256_or_si256(_mm256_and_si256(ql1, low), h(_mm256_srli_epi16::<2>(qh))),
-                    _mm256_or_si256(
-                        _mm256_and_si256(_mm256_srli_epi16::<4>(ql0), low),
-                        h(_mm256_srli_epi16::<4>(qh)),
-                    ),
-                    _mm256_or_si256(
-                        _mm256_and_si256(_mm256_srli_epi16::<4>(ql1), low),
-                        h(_mm256_srli_epi16::<6>(qh)),
-                    ),
-                ]);
+                self.quarters.extend(q6k_quarters(x, c));
                 for k in 0..4 {
                     let s = (128 * c + 32 * k) / 16;
                     self.scales

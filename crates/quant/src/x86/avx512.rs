@@ -337,35 +337,13 @@ pub fn q6k_row_tokens(
     assert!(n == 0 || (acts.len() >= (n - 1) * act_bytes + nb * q8_k::SIZE));
     assert!(widened.len() >= n * cols && act_bytes >= nb * q8_k::SIZE);
     let mut acc = [_mm256_setzero_ps(); TOKENS];
-    let low = _mm256_set1_epi8(0x0F);
-    let mask2 = _mm256_set1_epi8(3);
     for b in 0..nb {
         let x = &row[b * q6_k::SIZE..(b + 1) * q6_k::SIZE];
         let sc = &x[q6_k::SCALES..q6_k::SCALES + 16];
         // The 256 weights times their scales, 32 words per register, in element order.
         let mut w = [_mm512_setzero_si512(); 8];
         for c in 0..2 {
-            // SAFETY: the block holds 128 `ql` bytes from QL and 64 `qh` bytes from QH.
-            let (ql0, ql1, qh) = unsafe {
-                (
-                    _mm256_loadu_si256(x[q6_k::QL + 64 * c..].as_ptr().cast()),
-                    _mm256_loadu_si256(x[q6_k::QL + 64 * c + 32..].as_ptr().cast()),
-                    _mm256_loadu_si256(x[q6_k::QH + 32 * c..].as_ptr().cast()),
-                )
-            };
-            let h = |v: __m256i| _mm256_slli_epi16::<4>(_mm256_and_si256(v, mask2));
-            let quarters = [
-                _mm256_or_si256(_mm256_and_si256(ql0, low), h(qh)),
-                _mm256_or_si256(_mm256_and_si256(ql1, low), h(_mm256_srli_epi16::<2>(qh))),
-                _mm256_or_si256(
-                    _mm256_and_si256(_mm256_srli_epi16::<4>(ql0), low),
-                    h(_mm256_srli_epi16::<4>(qh)),
-                ),
-                _mm256_or_si256(
-                    _mm256_and_si256(_mm256_srli_epi16::<4>(ql1), low),
-                    h(_mm256_srli_epi16::<6>(qh)),
-                ),
-            ];
+            let quarters = super::avx2::q6k_quarters(x, c);
             for (k, q) in quarters.into_iter().enumerate() {
                 let j = 4 * c + k;
                 let s = _mm512_inserti64x4::<1>(
