@@ -3,14 +3,10 @@
 //! `cargo run --release -p ember-quant --example gemma_shapes [threads] [type]` (a type name
 //! such as Q6_K keeps only its shapes); times are the best and the median of the runs in one second.
 
-use std::time::Instant;
-
 mod common;
-use common::weights;
+use common::{best_and_median, ramp_activations, weights};
 
-use ember_quant::{
-    matmul_with, quantize_activations, simd, vec_dot_type, GgmlType, QMatrix, Strategy,
-};
+use ember_quant::{matmul_with, simd, GgmlType, QMatrix, Strategy};
 
 /// The seed of the weights.
 const SEED: u64 = 0x1234_5678_9abc_def0;
@@ -43,25 +39,16 @@ fn main() {
                 }
                 let data = weights(ty, rows, cols, SEED);
                 let w = QMatrix::new(ty, rows, cols, &data).unwrap();
-                let x: Vec<f32> = (0..n_tokens * cols)
-                    .map(|i| ((i % 17) as f32 - 8.0) * 0.1)
-                    .collect();
-                let act = quantize_activations(vec_dot_type(ty), &x, n_tokens, cols).unwrap();
+                let act = ramp_activations(ty, n_tokens, cols);
                 let mut out = vec![0.0f32; rows * n_tokens];
                 for level in simd::available_levels() {
                     if level == simd::Level::Scalar {
                         continue;
                     }
                     matmul_with(level, Strategy::Auto, &w, &act, &mut out).unwrap();
-                    let start = Instant::now();
-                    let mut times = Vec::new();
-                    while start.elapsed().as_secs_f64() < 1.0 {
-                        let t = Instant::now();
+                    let (secs, median) = best_and_median(1.0, || {
                         matmul_with(level, Strategy::Auto, &w, &act, &mut out).unwrap();
-                        times.push(t.elapsed().as_secs_f64());
-                    }
-                    times.sort_by(f64::total_cmp);
-                    let (secs, median) = (times[0], times[times.len() / 2]);
+                    });
                     println!(
                         "{what:12} {ty:5} {rows:6}x{cols:<5} tokens {n_tokens:4} {:10}: {:10.1} us (median {:10.1})  {:6.1} GB/s(weights)",
                         level.name(),

@@ -6,14 +6,10 @@
 //! `seconds` (default 1): on a shared machine the best is the figure least disturbed by others,
 //! so two builds compare by their best times, run one after the other.
 
-use std::time::Instant;
-
 mod common;
-use common::weights;
+use common::{best_and_median, ramp_activations, weights};
 
-use ember_quant::{
-    matmul_with, quantize_activations, simd, vec_dot_type, GgmlType, QMatrix, Strategy,
-};
+use ember_quant::{matmul_with, simd, GgmlType, QMatrix, Strategy};
 
 /// The seed of the weights.
 const SEED: u64 = 0x1234_5678_9abc_def0;
@@ -46,21 +42,12 @@ fn main() {
                 }
                 let data = weights(ty, rows, cols, SEED);
                 let w = QMatrix::new(ty, rows, cols, &data).unwrap();
-                let x: Vec<f32> = (0..n_tokens * cols)
-                    .map(|i| ((i % 17) as f32 - 8.0) * 0.1)
-                    .collect();
-                let act = quantize_activations(vec_dot_type(ty), &x, n_tokens, cols).unwrap();
+                let act = ramp_activations(ty, n_tokens, cols);
                 let mut out = vec![0.0f32; rows * n_tokens];
                 matmul_with(level, Strategy::Auto, &w, &act, &mut out).unwrap();
-                let start = Instant::now();
-                let mut times = Vec::new();
-                while start.elapsed().as_secs_f64() < seconds {
-                    let t = Instant::now();
+                let (best, median) = best_and_median(seconds, || {
                     matmul_with(level, Strategy::Auto, &w, &act, &mut out).unwrap();
-                    times.push(t.elapsed().as_secs_f64());
-                }
-                times.sort_by(f64::total_cmp);
-                let (best, median) = (times[0], times[times.len() / 2]);
+                });
                 let flops = 2.0 * rows as f64 * cols as f64 * n_tokens as f64;
                 println!(
                     "{what:14} {ty:5} {rows:5}x{cols:<5} tokens {n_tokens:3}: {:9.1} us (median {:9.1})  {:7.1} GFLOP/s  {:6.1} GB/s(weights)",
