@@ -363,7 +363,8 @@ fn dispatch(
 }
 
 /// From this many tokens on, Q6_K matrices on AVX-512 VNNI take [`matmul_q6k_tokens`] (on AVX2
-/// [`matmul_q6k_tokens_avx2`]): one token is a memory-bound matvec, where unpacking the weights for a single use gains nothing.
+/// [`matmul_q6k_tokens_avx2`]): one token is a memory-bound matvec, where unpacking the weights
+/// for a single use gains nothing.
 #[cfg(target_arch = "x86_64")]
 const Q6K_TOKENS_MIN_TOKENS: usize = 2;
 
