@@ -328,22 +328,12 @@ fn dispatch(
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if strategy == Strategy::Auto
-        && w.ty == GgmlType::Q6_K
-        && level == Level::Avx512Vnni
-        && x.n_tokens >= Q6K_TOKENS_MIN_TOKENS
-    {
-        matmul_q6k_tokens(w, x, out);
-        return;
-    }
-    #[cfg(target_arch = "x86_64")]
-    if strategy == Strategy::Auto
-        && w.ty == GgmlType::Q6_K
-        && level == Level::Avx2
-        && x.n_tokens >= Q6K_TOKENS_MIN_TOKENS
-    {
-        matmul_q6k_tokens_avx2(w, x, out);
-        return;
+    if strategy == Strategy::Auto && w.ty == GgmlType::Q6_K && x.n_tokens >= Q6K_TOKENS_MIN_TOKENS {
+        match level {
+            Level::Avx512Vnni => return matmul_q6k_tokens(w, x, out),
+            Level::Avx2 => return matmul_q6k_tokens_avx2(w, x, out),
+            _ => {}
+        }
     }
     let tiled = match strategy {
         Strategy::Auto => {
@@ -584,7 +574,13 @@ impl TileActs {
                 .enumerate()
                 .for_each(|(t, ((qs, d), sh))| Self::build_row(x.ty, x.row(t), qs, d, sh));
         }
-        let mut d_pairs = vec![0.0f32; n.div_ceil(2) * n_chunks * 8];
+        // Only the chunk-scale formats' activations (Q8_0, Q8_1) are read this way.
+        let pairs = if matches!(x.ty, GgmlType::Q8_0 | GgmlType::Q8_1) {
+            n.div_ceil(2)
+        } else {
+            0
+        };
+        let mut d_pairs = vec![0.0f32; pairs * n_chunks * 8];
         for (i, pair) in d_pairs.chunks_exact_mut(8).enumerate() {
             let (p, c) = (i / n_chunks, i % n_chunks);
             for (k, half) in pair.chunks_exact_mut(4).enumerate() {
@@ -687,8 +683,7 @@ impl Panel {
 /// Whether the tiles of `ty` have one weight scale per chunk (the same in both halves), so
 /// that the tile kernel can form the products of row and token scales eight at a time.
 pub(crate) fn has_chunk_scales(ty: GgmlType) -> bool {
-    use GgmlType::*;
-    matches!(ty, Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0)
+    is_signed_tile(ty) || matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1)
 }
 
 /// Writes chunk `c`'s scales `s` and offsets `m` of its two halves.
@@ -884,6 +879,11 @@ fn matmul_tiled(level: Level, w: &QMatrix, x: &QuantizedActivations, out: &mut [
         ptr: out.as_mut_ptr(),
         len: out.len(),
     };
+    // Whether the panels need their rows' compact scales: only for the AVX2 tile kernel's
+    // chunk-scale formats (the signed ones on AVX-512 VNNI take `x86::signed` instead).
+    let row_scales = has_chunk_scales(w.ty)
+        && has_simd_tiles(level)
+        && !(level == Level::Avx512Vnni && is_signed_tile(w.ty));
     #[cfg(target_arch = "x86_64")]
     let flipped = (level == Level::Avx512Vnni && is_signed_tile(w.ty))
         .then(|| crate::x86::signed::FlippedActs::new(acts));
@@ -905,7 +905,7 @@ fn matmul_tiled(level: Level, w: &QMatrix, x: &QuantizedActivations, out: &mut [
                     &mut panel.mh[i * n_halves..(i + 1) * n_halves],
                 );
             }
-            if has_chunk_scales(w.ty) {
+            if row_scales {
                 panel.group_row_scales(job_n, n_chunks);
             }
             panel

@@ -83,7 +83,9 @@ unsafe fn kernel<const R: usize, const T: usize, const SIGNED: bool, const MINS:
     // (lane r + 4t), and each output's is then a broadcast load instead of a multiply of its
     // own (the same products, so the same bits).
     let chunk_scales = SIGNED || MINS;
-    let mut prods = [_mm256_setzero_ps(); SCALE_BATCH];
+    // Not zeroed: a kernel call is one small tile, and clearing 1 KiB per call would cost a
+    // good part of the work it saves. Only the vectors written for the current batch are read.
+    let mut prods = [std::mem::MaybeUninit::<__m256>::uninit(); SCALE_BATCH];
     for c0 in (0..n_chunks).step_by(SCALE_BATCH) {
         let c1 = (c0 + SCALE_BATCH).min(n_chunks);
         if chunk_scales {
@@ -91,10 +93,10 @@ unsafe fn kernel<const R: usize, const T: usize, const SIGNED: bool, const MINS:
                 // SAFETY: c < n_chunks: 4 floats at 4c of the group's row scales and 8 at 8c of
                 // the pair's token scales, as the caller guarantees for these formats.
                 unsafe {
-                    prods[c - c0] = _mm256_mul_ps(
+                    prods[c - c0].write(_mm256_mul_ps(
                         _mm256_broadcast_ps(&*p.d_rows.add(4 * c).cast::<__m128>()),
                         _mm256_loadu_ps(p.d_pair.add(8 * c)),
-                    );
+                    ));
                 }
             }
         }
@@ -102,7 +104,7 @@ unsafe fn kernel<const R: usize, const T: usize, const SIGNED: bool, const MINS:
         for c in c0..c1 {
             // SAFETY: c < n_chunks, so every offset below stays inside the rows that the
             // caller guarantees: 32 bytes at QK*c of each row and 8 floats at 8*c; and
-            // c - c0 < SCALE_BATCH vectors of `prods`.
+            // c - c0 < SCALE_BATCH vectors of `prods`, each written above for this batch.
             unsafe {
                 let a: [__m256i; T] =
                     std::array::from_fn(|t| _mm256_loadu_si256(p.aq.add(t * cols + QK * c).cast()));
@@ -230,9 +232,10 @@ pub fn run_panel(
     // The kernels of these formats read the compact scales: the row group's and each token
     // pair's (tiles start at even tokens, the token blocks being even).
     let chunk_scales = signed || mins;
+    assert_eq!(chunk_scales, crate::matmul::has_chunk_scales(ty));
     let group = row0 / TILE_ROWS;
     if chunk_scales {
-        assert!(crate::matmul::has_chunk_scales(ty) && row0.is_multiple_of(TILE_ROWS));
+        assert!(row0.is_multiple_of(TILE_ROWS));
         assert!(panel.d_rows.len() >= (group + 1) * n_chunks * TILE_ROWS);
         assert!(
             t_begin.is_multiple_of(2) && acts.d_pairs.len() >= t_end.div_ceil(2) * n_chunks * 8
