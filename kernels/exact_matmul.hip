@@ -17,7 +17,9 @@
 // and matrix shape (ops/exact_matmul.rs decides and passes `mode`):
 //   * q4_0, q5_0, q8_0, q4_1, q5_1: GGML's AVX2 vec_dot (x86/avx2.rs `legacy_loop`): one FMA of
 //     d_w*d_a by the 8 lane sums per block, for Q8_1 the min terms in a scalar FMA chain, then
-//     `hsum_ps` (+ the chain). The CPU's 4-row matvec and its tiles give the same bits;
+//     `hsum_ps` (+ the chain). The CPU's 4-row matvec and its tiles give the same bits. But q4_0
+//     matrices whose row count is a multiple of 8 follow llama.cpp's repacked order (mode 1,
+//     repack_q4_0.rs): one FMA of each block's whole integer sum by d_w*d_a, no lanes;
 //   * q6_K: AVX2 vec_dot at every token count (`rowwise_like_ggml`);
 //   * q4_K: rows a multiple of 8: llama.cpp's repacked order (repack_order.rs), per super-block
 //     (gemv: mode 1 tokens from gemm_tokens on, i.e. batches of 1-3) or per pair of sub-blocks
@@ -327,9 +329,11 @@ struct ExQ8_0 {
     EMBER_DEVICE float m(const uint8_t*) { return 0.0f; }
 };
 
-// x86/avx2.rs `legacy_loop`: per block acc = fma(d_w * d_a, lane sum, acc) and, with mins,
-// summs = fma(m_w, s_a, summs); the result hsum_ps(acc) + summs (+0 for the signed formats, as
-// the CPU adds its zero chain too).
+// mode 0: x86/avx2.rs `legacy_loop`: per block acc = fma(d_w * d_a, lane sum, acc) and, with
+// mins, summs = fma(m_w, s_a, summs); the result hsum_ps(acc) + summs (+0 for the signed formats,
+// as the CPU adds its zero chain too). mode 1 (q4_0 with rows a multiple of 8, which llama.cpp
+// repacks): repack_q4_0.rs, one float per output, per block acc = fma(block isum, d_w * d_a, acc)
+// with the block's integer sum over all 8 lanes; the result acc.
 template <typename F>
 EMBER_DEVICE void ex_matmul_legacy(EMBER_EXACT_MATMUL_ARGS) {
     const ExOutput o = ex_output(n_tokens, token0, n_rows, tile_tokens);
@@ -350,10 +354,14 @@ EMBER_DEVICE void ex_matmul_legacy(EMBER_EXACT_MATMUL_ARGS) {
         } else {
             isum = ex_sat16(v[0] * y[0] + v[1] * y[1]) + ex_sat16(v[2] * y[2] + v[3] * y[3]);
         }
-        acc = ex_fma(ex_mul(ex_half_at(b), ad[blk]), (float)isum, acc);
+        if (mode == 1) {
+            acc = ex_fma((float)ex_isum8(isum), ex_mul(ex_half_at(b), ad[blk]), acc);
+        } else {
+            acc = ex_fma(ex_mul(ex_half_at(b), ad[blk]), (float)isum, acc);
+        }
         if (F::MINS) summs = ex_fma(F::m(b), as[blk], summs);
     }
-    ex_store(out, o, n_rows, ex_add(ex_hsum_ps(acc), summs));
+    ex_store(out, o, n_rows, mode == 1 ? acc : ex_add(ex_hsum_ps(acc), summs));
 }
 
 // ---- K-quants (256-value super-blocks) against Q8_K ----

@@ -21,6 +21,7 @@
 pub mod blocks;
 mod matmul;
 mod repack_order;
+mod repack_q4_0;
 mod scalar;
 pub mod simd;
 pub mod team;

@@ -235,7 +235,7 @@ pub fn matmul_with(
         w,
         x,
         out,
-        crate::repack_order::repacks_q4_k(w.rows),
+        crate::repack_order::repacks(w.ty, w.rows),
     );
     Ok(())
 }
@@ -297,24 +297,37 @@ pub fn matmul_rows(
     if out.is_empty() {
         return Ok(());
     }
-    // The order of the whole matrix: whether it takes the repacked Q4_K kernels depends on its
-    // row count, not the range's.
-    let repack = crate::repack_order::repacks_q4_k(w.rows);
+    // The order of the whole matrix: whether it takes the repacked kernels depends on its row
+    // count, not the range's.
+    let repack = crate::repack_order::repacks(w.ty, w.rows);
     crate::team::inline(|| dispatch(simd::level(), Strategy::Auto, &part, x, out, repack));
     Ok(())
 }
 
-/// The kernel choice of [`matmul_with`] on checked arguments; `repack_q4k`: whether a Q4_K
-/// matrix follows llama.cpp's repacked order (decided on the whole matrix's rows).
+/// The kernel choice of [`matmul_with`] on checked arguments; `repacked`: whether a Q4_K or
+/// Q4_0 matrix follows llama.cpp's repacked order (decided on the whole matrix's rows).
 fn dispatch(
     level: Level,
     strategy: Strategy,
     w: &QMatrix,
     x: &QuantizedActivations,
     out: &mut [f32],
-    repack_q4k: bool,
+    repacked: bool,
 ) {
-    if strategy == Strategy::Auto && w.ty == GgmlType::Q4_K && repack_q4k {
+    if strategy == Strategy::Auto && w.ty == GgmlType::Q4_0 && repacked {
+        // llama.cpp's repacked Q4_0 kernels' order (`repack_q4_0`).
+        crate::repack_q4_0::matmul(
+            w.data,
+            w.row_bytes(),
+            w.rows,
+            &x.data,
+            x.row_bytes,
+            x.n_tokens,
+            out,
+        );
+        return;
+    }
+    if strategy == Strategy::Auto && w.ty == GgmlType::Q4_K && repacked {
         // llama.cpp multiplies such matrices with its repacked kernels; follow their order.
         crate::repack_order::matmul(
             w.data,

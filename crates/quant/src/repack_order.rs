@@ -26,6 +26,17 @@ pub(crate) fn repacks_q4_k(rows: usize) -> bool {
     rows.is_multiple_of(8)
 }
 
+/// Whether llama.cpp multiplies a matrix of `ty` with `rows` rows by its repacked x86 kernels,
+/// whose order ember then follows: Q4_K here, Q4_0 in [`crate::repack_q4_0`] (`block_q4_0x8`,
+/// AVX2 or better), both with rows a multiple of 8.
+pub(crate) fn repacks(ty: crate::GgmlType, rows: usize) -> bool {
+    match ty {
+        crate::GgmlType::Q4_K => repacks_q4_k(rows),
+        crate::GgmlType::Q4_0 => crate::repack_q4_0::repacks(rows),
+        _ => false,
+    }
+}
+
 /// Per pair `p` of 32-element sub-blocks of one super-block: `sc[2p]·Σ q·a + sc[2p+1]·Σ q·a`
 /// (q the 4-bit weight, a the activation, `sc` the sub-block scales), exact integers.
 fn pair_sums_portable(w: &[u8], a: &[u8], sc: &[i32; 8]) -> [i32; 4] {
@@ -130,6 +141,21 @@ const ROWS8_MIN_TOKENS: usize = 2;
 /// columns) stay in cache while each row's weights are read once per sweep.
 const TOKEN_BLOCK: usize = 32;
 
+/// Rows per job of a repacked product of `rows` rows (a multiple of 8) of `row_bytes` bytes
+/// against `n_tokens` tokens: multiples of 16 where the rows allow it (whole groups of the
+/// eight- and sixteen-row kernels, and whole cache lines of output), else of 8. One token gets
+/// one job per thread at most, each big enough to pay for waking its thread; a batch more jobs
+/// than threads, for balance.
+pub(crate) fn job_rows(rows: usize, row_bytes: usize, n_tokens: usize) -> usize {
+    if n_tokens == 1 {
+        crate::matmul::split_rows(rows, rows * row_bytes, 16).1
+    } else {
+        let jobs = rayon::current_num_threads().max(1) * 4;
+        let group = if rows.is_multiple_of(16) { 16 } else { 8 };
+        (rows.div_ceil(jobs).div_ceil(group) * group).max(group)
+    }
+}
+
 /// `out[t·rows + r]` for every row `r` of `w` (`rows` rows of `row_bytes`) and token `t` of
 /// `acts` (`n_tokens` rows of `act_bytes`): batches of four or more tokens take the gemm's
 /// steps for every token, smaller ones the gemv's (see the module docs).
@@ -143,18 +169,7 @@ pub(crate) fn matmul(
     out: &mut [f32],
 ) {
     let gemm = n_tokens > 3;
-    // Rows split between threads in multiples of 16 (whole groups of the eight- and sixteen-row
-    // kernels, and whole cache lines of output); one token gets one job per thread at most,
-    // each big enough to pay for waking its thread, and a batch more jobs than threads for
-    // balance.
-    let chunk = if n_tokens == 1 {
-        crate::matmul::split_rows(rows, rows * row_bytes, 16).1
-    } else {
-        // Whole sixteen-row groups (the AVX-512 and AMX kernels') where the rows allow it.
-        let jobs = rayon::current_num_threads().max(1) * 4;
-        let group = if rows.is_multiple_of(16) { 16 } else { 8 };
-        (rows.div_ceil(jobs).div_ceil(group) * group).max(group)
-    };
+    let chunk = job_rows(rows, row_bytes, n_tokens);
     let out = crate::matmul::OutPtr::new(&mut out[..rows * n_tokens]);
     let job = |c: usize| {
         let r0 = c * chunk;

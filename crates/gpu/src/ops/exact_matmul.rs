@@ -16,7 +16,8 @@
 //! `mode` ([`kernel_mode`]): Q2_K, Q3_K and Q5_K switch from `vec_dot` to the CPU's tile kernel at
 //! 12 tokens; Q4_K matrices whose row count is a multiple of 8 follow llama.cpp's repacked order,
 //! per pair of sub-blocks for every token of a batch of four or more, per super-block for smaller
-//! batches.
+//! batches; Q4_0 matrices whose row count is a multiple of 8 follow llama.cpp's repacked order
+//! too (one FMA chain per output over the blocks' whole integer sums) at every token count.
 //! The CPU's thread count and job split never change its bits, so nothing else is needed.
 //!
 //! `ember_quant::matmul` gives the same bits on AVX2 and AVX-512 machines (one tile kernel for
@@ -145,6 +146,8 @@ fn kernel_mode(format: WeightFormat, rows: usize, n_tokens: usize) -> (u32, u32)
             let gemm_tokens = if n_tokens > 3 { n_tokens } else { 0 };
             (1, gemm_tokens as u32)
         }
+        // llama.cpp's repacked Q4_0 order: the same float steps at every token count.
+        WeightFormat::Q4_0 if rows.is_multiple_of(8) => (1, 0),
         _ => (0, 0),
     }
 }
@@ -422,7 +425,12 @@ mod tests {
         assert_eq!(kernel_mode(Q4K, 256, 65), (1, 65));
         // Row counts llama.cpp does not repack: vec_dot at every token count.
         assert_eq!(kernel_mode(Q4K, 260, 64), (0, 0));
-        for format in [F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q6K] {
+        // Repacked Q4_0: the same steps at every token count; other row counts vec_dot.
+        for n in [1, 3, 4, 300] {
+            assert_eq!(kernel_mode(Q4_0, 64, n), (1, 0));
+            assert_eq!(kernel_mode(Q4_0, 60, n), (0, 0));
+        }
+        for format in [F32, F16, BF16, Q4_1, Q5_0, Q5_1, Q8_0, Q6K] {
             assert_eq!(kernel_mode(format, 64, 300), (0, 0), "{format}");
         }
     }
@@ -557,7 +565,7 @@ mod tests {
     }
 
     /// `ex_matmul_legacy`.
-    fn legacy(format: WeightFormat, row: &[u8], a: &Act) -> f32 {
+    fn legacy(format: WeightFormat, row: &[u8], a: &Act, mode: u32) -> f32 {
         let bytes = format.block_bytes();
         let (signed, mins) = match format {
             WeightFormat::Q4_0 | WeightFormat::Q5_0 | WeightFormat::Q8_0 => (true, false),
@@ -565,7 +573,10 @@ mod tests {
         };
         let mut acc = [0.0f32; 8];
         let mut summs = 0.0f32;
+        // Mode 1 (repacked Q4_0): one float, the block's integer sum over every lane.
+        let mut repacked = 0.0f32;
         for (blk, b) in row.chunks_exact(bytes).enumerate() {
+            let mut block_isum = 0i32;
             for (l, lane) in acc.iter_mut().enumerate() {
                 let v: [i32; 4] = std::array::from_fn(|k| {
                     let e = 4 * l + k;
@@ -596,10 +607,15 @@ mod tests {
                     sat16(v[0] * y[0] + v[1] * y[1]) + sat16(v[2] * y[2] + v[3] * y[3])
                 };
                 *lane = (half_at(b, 0) * a.d[blk]).mul_add(isum as f32, *lane);
+                block_isum += isum;
             }
+            repacked = (block_isum as f32).mul_add(half_at(b, 0) * a.d[blk], repacked);
             if mins {
                 summs = half_at(b, 2).mul_add(a.s[blk], summs);
             }
+        }
+        if mode == 1 {
+            return repacked;
         }
         hsum_ps(acc) + summs
     }
@@ -1086,7 +1102,7 @@ mod tests {
                         }
                         WeightFormat::Q4K => q4_k(row, &a, mode, t < gemm_tokens),
                         WeightFormat::Q6K => q6_k(row, &a),
-                        _ => legacy(format, row, &a),
+                        _ => legacy(format, row, &a, mode),
                     };
                     results.push((t * rows + r, value));
                 }
