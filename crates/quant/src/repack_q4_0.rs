@@ -74,7 +74,7 @@ pub(crate) fn matmul(
         crate::simd::Level::Avx2 | crate::simd::Level::Avx512Vnni
     ) {
         use crate::x86::q4_0_rows8::{
-            block_terms, panel, tokens, tokens_vnni, BlockTerms, PANEL_BLOCK,
+            block_terms, direct, panel, tokens, tokens_vnni, BlockTerms, PANEL_BLOCK,
         };
         let vnni = crate::simd::level() == crate::simd::Level::Avx512Vnni;
         let nb = row_bytes / q4_0::SIZE;
@@ -84,6 +84,34 @@ pub(crate) fn matmul(
             // SAFETY: `simd::level` reports AVX2 or better only after checking AVX2, FMA and
             // F16C.
             unsafe { block_terms(&acts[t * act_bytes..(t + 1) * act_bytes], nb, dst) };
+        }
+        if n_tokens < TOKENS {
+            // A few tokens: each group's blocks unpacked in registers and used at once.
+            let job = |c: usize| {
+                let r0 = c * chunk;
+                for g in (r0..r0 + chunk.min(rows - r0)).step_by(8) {
+                    let group = &w[g * row_bytes..(g + 8) * row_bytes];
+                    macro_rules! run {
+                        ($n:expr) => {{
+                            // SAFETY: as above.
+                            let v = unsafe {
+                                direct::<$n>(group, row_bytes, nb, acts, act_bytes, &terms)
+                            };
+                            for (t, vt) in v.iter().enumerate() {
+                                // SAFETY: jobs own disjoint row ranges of every token.
+                                unsafe { out.slice(t * rows + g, 8) }.copy_from_slice(vt);
+                            }
+                        }};
+                    }
+                    match n_tokens {
+                        1 => run!(1),
+                        2 => run!(2),
+                        _ => run!(3),
+                    }
+                }
+            };
+            crate::team::for_each_index(rows.div_ceil(chunk), job);
+            return;
         }
         let job = |c: usize| {
             let r0 = c * chunk;

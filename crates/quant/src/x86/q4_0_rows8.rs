@@ -22,6 +22,69 @@ use crate::blocks::{q4_0, q8_0};
 /// Bytes of one block of a panel: 8 steps of 32 bytes.
 pub(crate) const PANEL_BLOCK: usize = 256;
 
+/// Block `$b` of the 8 rows at `$g` (rows `$row_bytes` apart): the 4 vectors of 32-bit words
+/// (word `k` of every row, row `r` in lane `r`: bytes `4k..4k+3`, whose low nibbles are values
+/// `4k..4k+3`, step `k`, and whose high nibbles are values `16+4k..`, step `4 + k`) and the 8
+/// rows' scales. Also asks for the next group's share of this block's bytes (see below). Must
+/// be expanded inside an `unsafe` block of a function with AVX2 and F16C, with block `$b` of
+/// rows `0..8` readable. (A macro: closures would not inherit the function's target features.)
+macro_rules! unpack_block {
+    ($g:expr, $row_bytes:expr, $b:expr) => {{
+        let (g, row_bytes, b): (*const u8, usize, usize) = ($g, $row_bytes, $b);
+        macro_rules! at {
+            ($r:expr) => {
+                g.add($r * row_bytes + b * q4_0::SIZE)
+            };
+        }
+        macro_rules! nibbles {
+            ($r:expr) => {
+                _mm_loadu_si128(at!($r).add(q4_0::QS).cast())
+            };
+        }
+        macro_rules! half {
+            ($r:expr) => {
+                at!($r).add(q4_0::D).cast::<i16>().read_unaligned()
+            };
+        }
+        // The group's 8 rows are one contiguous range read as 8 interleaved streams, which the
+        // hardware prefetchers follow poorly. The next group's range is asked for instead as
+        // one forward stream, block by block: its share of this block's 144 bytes, lines 64
+        // bytes apart (the last reaching past the share, so none is missed). Prefetches never
+        // fault; `wrapping_add` keeps the address arithmetic defined past the weights' end.
+        let ahead = g.wrapping_add(8 * row_bytes + b * 8 * q4_0::SIZE);
+        _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64).cast());
+        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(128).cast());
+        // Rows r and r + 4 in the two halves: the 4x4 transposes of 32-bit words below run in
+        // each half, rows 0-3 in the low one and 4-7 in the high one.
+        let y0 = _mm256_set_m128i(nibbles!(4), nibbles!(0));
+        let y1 = _mm256_set_m128i(nibbles!(5), nibbles!(1));
+        let y2 = _mm256_set_m128i(nibbles!(6), nibbles!(2));
+        let y3 = _mm256_set_m128i(nibbles!(7), nibbles!(3));
+        let t0 = _mm256_unpacklo_epi32(y0, y1);
+        let t1 = _mm256_unpackhi_epi32(y0, y1);
+        let t2 = _mm256_unpacklo_epi32(y2, y3);
+        let t3 = _mm256_unpackhi_epi32(y2, y3);
+        let words = [
+            _mm256_unpacklo_epi64(t0, t2),
+            _mm256_unpackhi_epi64(t0, t2),
+            _mm256_unpacklo_epi64(t1, t3),
+            _mm256_unpackhi_epi64(t1, t3),
+        ];
+        let bits = _mm_set_epi16(
+            half!(7),
+            half!(6),
+            half!(5),
+            half!(4),
+            half!(3),
+            half!(2),
+            half!(1),
+            half!(0),
+        );
+        (words, _mm256_cvtph_ps(bits))
+    }};
+}
+
 /// Unpacks rows `0..8` of `group` (rows of `row_bytes` bytes, `nb` Q4_0 blocks each) into `q`
 /// (`nb` · [`PANEL_BLOCK`] bytes) and their scales into `d` (`nb` · 8 floats, row order).
 ///
@@ -32,63 +95,19 @@ pub(crate) unsafe fn panel(group: &[u8], row_bytes: usize, nb: usize, q: &mut [u
     assert!(group.len() >= 7 * row_bytes + nb * q4_0::SIZE);
     assert!(q.len() >= nb * PANEL_BLOCK && d.len() >= nb * 8);
     let m4 = _mm256_set1_epi8(0x0f);
-    let g = group.as_ptr();
     // SAFETY: the asserts above keep every read inside `group` (block `b` of row `r` at
     // `r·row_bytes + b·18`, 18 bytes) and every write inside `q` and `d`; unaligned loads and
     // stores.
     unsafe {
         for b in 0..nb {
-            // (Macros: closures would not inherit this function's target features.)
-            macro_rules! at {
-                ($r:expr) => {
-                    g.add($r * row_bytes + b * q4_0::SIZE)
-                };
-            }
-            macro_rules! nibbles {
-                ($r:expr) => {
-                    _mm_loadu_si128(at!($r).add(q4_0::QS).cast())
-                };
-            }
-            macro_rules! half {
-                ($r:expr) => {
-                    at!($r).add(q4_0::D).cast::<i16>().read_unaligned()
-                };
-            }
-            // Rows r and r + 4 in the two halves: the 4x4 transposes of 32-bit words below run
-            // in each half, rows 0-3 in the low one and 4-7 in the high one.
-            let y0 = _mm256_set_m128i(nibbles!(4), nibbles!(0));
-            let y1 = _mm256_set_m128i(nibbles!(5), nibbles!(1));
-            let y2 = _mm256_set_m128i(nibbles!(6), nibbles!(2));
-            let y3 = _mm256_set_m128i(nibbles!(7), nibbles!(3));
-            let t0 = _mm256_unpacklo_epi32(y0, y1);
-            let t1 = _mm256_unpackhi_epi32(y0, y1);
-            let t2 = _mm256_unpacklo_epi32(y2, y3);
-            let t3 = _mm256_unpackhi_epi32(y2, y3);
-            // Word g of every row: bytes 4g..4g+3, whose low nibbles are values 4g..4g+3 (step
-            // g) and whose high nibbles are values 16+4g.. (step 4 + g).
-            let words = [
-                _mm256_unpacklo_epi64(t0, t2),
-                _mm256_unpackhi_epi64(t0, t2),
-                _mm256_unpacklo_epi64(t1, t3),
-                _mm256_unpackhi_epi64(t1, t3),
-            ];
+            let (words, dw) = unpack_block!(group.as_ptr(), row_bytes, b);
             let dst = q.as_mut_ptr().add(b * PANEL_BLOCK);
             for (k, &v) in words.iter().enumerate() {
                 _mm256_storeu_si256(dst.add(32 * k).cast(), _mm256_and_si256(v, m4));
                 let high = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4);
                 _mm256_storeu_si256(dst.add(32 * (4 + k)).cast(), high);
             }
-            let bits = _mm_set_epi16(
-                half!(7),
-                half!(6),
-                half!(5),
-                half!(4),
-                half!(3),
-                half!(2),
-                half!(1),
-                half!(0),
-            );
-            _mm256_storeu_ps(d.as_mut_ptr().add(8 * b), _mm256_cvtph_ps(bits));
+            _mm256_storeu_ps(d.as_mut_ptr().add(8 * b), dw);
         }
     }
 }
@@ -163,16 +182,32 @@ macro_rules! tokens_body {
             }
             // SAFETY: as above.
             let dw = unsafe { _mm256_loadu_ps($d.as_ptr().add(8 * b)) };
-            for (t, (sum, acc)) in sums.iter().zip(acc.iter_mut()).enumerate() {
-                let term = $terms[t * $nb + b];
-                let $ws = *sum;
-                let isum = _mm256_sub_epi32($widen, _mm256_set1_epi32(term.bias));
-                let scale = _mm256_mul_ps(dw, _mm256_set1_ps(term.d));
-                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, *acc);
-            }
+            block_end!(sums, acc, dw, $terms, $nb, b, |$ws| $widen);
         }
+        outputs!(acc, $t_count)
+    }};
+}
+
+/// The float steps of block `$b` for every token: `acc = fma(isum, d_w·d_a, acc)`, `isum` the
+/// token's sums widened (`widen`) less its `8·Σa`.
+macro_rules! block_end {
+    ($sums:ident, $acc:ident, $dw:ident, $terms:ident, $nb:ident, $b:ident,
+     |$ws:ident| $widen:expr) => {
+        for (t, (sum, acc)) in $sums.iter().zip($acc.iter_mut()).enumerate() {
+            let term = $terms[t * $nb + $b];
+            let $ws = *sum;
+            let isum = _mm256_sub_epi32($widen, _mm256_set1_epi32(term.bias));
+            let scale = _mm256_mul_ps($dw, _mm256_set1_ps(term.d));
+            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, *acc);
+        }
+    };
+}
+
+/// The accumulators as `[[f32; 8]; T]`.
+macro_rules! outputs {
+    ($acc:ident, $t_count:ident) => {{
         let mut out = [[0.0f32; 8]; $t_count];
-        for (o, acc) in out.iter_mut().zip(acc) {
+        for (o, acc) in out.iter_mut().zip($acc) {
             // SAFETY: `o` holds 8 floats.
             unsafe { _mm256_storeu_ps(o.as_mut_ptr(), acc) };
         }
@@ -235,4 +270,54 @@ pub(crate) unsafe fn tokens_vnni<const T: usize>(
         step: |s, w, x| _mm256_dpbusd_epi32(s, w, x),
         widen: |s| s
     )
+}
+
+/// [`tokens`] straight from the 8 rows at the start of `group` (rows of `row_bytes` bytes, `nb`
+/// blocks), each block unpacked in registers and used at once: for a few tokens, where a panel
+/// would be written and read back for too little reuse.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn direct<const T: usize>(
+    group: &[u8],
+    row_bytes: usize,
+    nb: usize,
+    acts: &[u8],
+    act_bytes: usize,
+    terms: &[BlockTerms],
+) -> [[f32; 8]; T] {
+    assert!(group.len() >= 7 * row_bytes + nb * q4_0::SIZE);
+    assert!(acts.len() >= (T - 1) * act_bytes + nb * q8_0::SIZE);
+    assert!(terms.len() >= T * nb);
+    let (m4, ones) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi16(1));
+    let mut acc = [_mm256_setzero_ps(); T];
+    let a = acts.as_ptr();
+    for b in 0..nb {
+        let mut sums = [_mm256_setzero_si256(); T];
+        // SAFETY: the asserts above keep block `b` of rows 0..8 inside `group` and each token's
+        // quants of block `b` (bytes 2..34 of the block, token t at t·act_bytes) inside `acts`;
+        // unaligned loads.
+        let dw = unsafe {
+            let (words, dw) = unpack_block!(group.as_ptr(), row_bytes, b);
+            let ab = a.add(b * q8_0::SIZE + q8_0::QS);
+            for (k, &v) in words.iter().enumerate() {
+                let low = _mm256_and_si256(v, m4);
+                let high = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4);
+                for (t, sum) in sums.iter_mut().enumerate() {
+                    let at = ab.add(t * act_bytes + 4 * k);
+                    let xl = _mm256_set1_epi32(at.cast::<i32>().read_unaligned());
+                    let xh = _mm256_set1_epi32(at.add(16).cast::<i32>().read_unaligned());
+                    let p = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(low, xl),
+                        _mm256_maddubs_epi16(high, xh),
+                    );
+                    *sum = _mm256_add_epi16(*sum, p);
+                }
+            }
+            dw
+        };
+        block_end!(sums, acc, dw, terms, nb, b, |s| _mm256_madd_epi16(s, ones));
+    }
+    outputs!(acc, T)
 }
