@@ -132,10 +132,15 @@ fn dot_portable(w: &[u8], a: &[u8], per_pair: bool) -> f32 {
     acc - acc_min
 }
 
-/// From this many tokens on, rows are computed eight at a time ([`crate::x86::avx2::q4k_repacked_rows8`]):
-/// decoding a group's scales into broadcast vectors pays off once several tokens share it.
+/// From this many tokens on, rows are computed eight at a time ([`crate::x86::q4_k_rows8`]):
+/// unpacking a group into a panel pays off once several tokens share it.
 #[cfg(target_arch = "x86_64")]
 const ROWS8_MIN_TOKENS: usize = 2;
+
+/// Tokens per call of the eight-row kernel ([`crate::x86::q4_k_rows8`]); a batch's last
+/// `n % 4` go through the smaller instances.
+#[cfg(target_arch = "x86_64")]
+const ROWS8_TOKENS: usize = 4;
 
 /// Tokens per sweep of a job's rows in a batch: their activations (2.3 KB per token for 2048
 /// columns) stay in cache while each row's weights are read once per sweep.
@@ -170,6 +175,21 @@ pub(crate) fn matmul(
 ) {
     let gemm = n_tokens > 3;
     let chunk = job_rows(rows, row_bytes, n_tokens);
+    // The eight-row kernel's activation terms of every token, once, shared by the jobs.
+    #[cfg(target_arch = "x86_64")]
+    let (nb, act_terms) = {
+        let nb = row_bytes / q4_k::SIZE;
+        let terms: Vec<_> = if n_tokens >= ROWS8_MIN_TOKENS {
+            (0..n_tokens)
+                .flat_map(|t| {
+                    crate::x86::q4_k_rows8::act_terms(&acts[t * act_bytes..][..nb * q8_k::SIZE])
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        (nb, terms)
+    };
     let out = crate::matmul::OutPtr::new(&mut out[..rows * n_tokens]);
     let job = |c: usize| {
         let r0 = c * chunk;
@@ -266,46 +286,41 @@ pub(crate) fn matmul(
                 crate::simd::Level::Avx2 | crate::simd::Level::Avx512Vnni
             )
         {
-            use crate::x86::avx2::{q4k_repacked_rows8_tokens, Rows8Meta};
-            let mut meta = Rows8Meta::default();
-            for t0 in (0..n_tokens).step_by(TOKEN_BLOCK) {
-                let t_end = (t0 + TOKEN_BLOCK).min(n_tokens);
-                for g in (r0..r0 + n_rows).step_by(8) {
-                    let group = &w[g * row_bytes..(g + 8) * row_bytes];
-                    // SAFETY: `simd::level` reports AVX2 or better only after checking AVX2,
-                    // FMA and F16C.
-                    unsafe { meta.decode(group, row_bytes) };
-                    // Tokens in pairs, which share each weight vector's unpacking; an odd last
-                    // one alone.
-                    let store = |t: usize, v: &[[f32; 8]]| {
+            use crate::x86::q4_k_rows8::Panel;
+            let terms = &act_terms;
+            let mut panel = Panel::default();
+            for g in (r0..r0 + n_rows).step_by(8) {
+                let group = &w[g * row_bytes..(g + 8) * row_bytes];
+                // SAFETY: `simd::level` reports AVX2 or better only after checking AVX2, FMA
+                // and F16C.
+                unsafe { panel.fill(group, row_bytes) };
+                // Tokens `t..t + $n` through the kernel's `$n`-token instance.
+                macro_rules! run {
+                    ($t:expr, $n:expr) => {{
+                        // SAFETY: as above.
+                        let v = unsafe {
+                            panel.tokens::<$n>(
+                                &acts[$t * act_bytes..],
+                                act_bytes,
+                                &terms[$t * nb..],
+                                gemm,
+                            )
+                        };
                         for (k, vt) in v.iter().enumerate() {
                             // SAFETY: jobs own disjoint row ranges of every token.
-                            unsafe { out.slice((t + k) * rows + g, 8) }.copy_from_slice(vt);
+                            unsafe { out.slice(($t + k) * rows + g, 8) }.copy_from_slice(vt);
                         }
+                        $n
+                    }};
+                }
+                let mut t = 0;
+                while t < n_tokens {
+                    t += match n_tokens - t {
+                        1 => run!(t, 1),
+                        2 => run!(t, 2),
+                        3 => run!(t, 3),
+                        _ => run!(t, ROWS8_TOKENS),
                     };
-                    let mut t = t0;
-                    while t < t_end {
-                        let a = &acts[t * act_bytes..t_end * act_bytes];
-                        if t + 2 <= t_end {
-                            // SAFETY: as above.
-                            let v = unsafe {
-                                q4k_repacked_rows8_tokens::<2>(
-                                    group, row_bytes, &meta, a, act_bytes, gemm,
-                                )
-                            };
-                            store(t, &v);
-                            t += 2;
-                        } else {
-                            // SAFETY: as above.
-                            let v = unsafe {
-                                q4k_repacked_rows8_tokens::<1>(
-                                    group, row_bytes, &meta, a, act_bytes, gemm,
-                                )
-                            };
-                            store(t, &v);
-                            t += 1;
-                        }
-                    }
                 }
             }
             return;
@@ -438,58 +453,57 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn eight_rows_at_once_are_each_row_bit_for_bit() {
-        use crate::x86::avx2::{q4k_repacked_rows8_tokens, Rows8Meta};
+        use crate::x86::q4_k_rows8::{act_terms, Panel};
         if !matches!(
             crate::simd::level(),
             crate::simd::Level::Avx2 | crate::simd::Level::Avx512Vnni
         ) {
             return;
         }
-        // One value reused across groups of different widths, as a matmul job reuses it.
-        let mut meta = Rows8Meta::default();
+        // One panel reused across groups of different widths, as a matmul job reuses it.
+        let mut panel = Panel::default();
         for seed in 1..40u64 {
             let nb = 1 + (seed as usize % 5);
             let row_bytes = nb * q4_k::SIZE;
             let rows: Vec<u8> = (0..8).flat_map(|r| weight_row(seed * 13 + r, nb)).collect();
-            // Two tokens, their rows apart by more than a row (as in a matmul's buffer).
+            // Four tokens, their rows apart by more than a row (as in a matmul's buffer).
             let act_bytes = nb * q8_k::SIZE + 64;
-            let mut acts = act_row(seed * 7919, nb);
-            acts.resize(act_bytes, 0xA5);
-            acts.extend(act_row(seed * 104729, nb));
+            let mut acts = Vec::new();
+            for t in 0..4u64 {
+                acts.extend(act_row(seed * 7919 + t * 104729, nb));
+                acts.resize((t as usize + 1) * act_bytes, 0xA5);
+            }
+            let terms: Vec<_> = (0..4)
+                .flat_map(|t| act_terms(&acts[t * act_bytes..][..nb * q8_k::SIZE]))
+                .collect();
             // SAFETY: the level check above found AVX2, FMA and F16C.
-            unsafe { meta.decode(&rows, row_bytes) };
+            unsafe { panel.fill(&rows, row_bytes) };
             for per_pair in [false, true] {
                 let want = |t: usize, r: usize| {
                     let a = &acts[t * act_bytes..t * act_bytes + nb * q8_k::SIZE];
                     dot_portable(&rows[r * row_bytes..(r + 1) * row_bytes], a, per_pair)
                 };
-                // SAFETY: as above.
-                let one = unsafe {
-                    q4k_repacked_rows8_tokens::<1>(
-                        &rows, row_bytes, &meta, &acts, act_bytes, per_pair,
-                    )
-                };
-                // SAFETY: as above.
-                let two = unsafe {
-                    q4k_repacked_rows8_tokens::<2>(
-                        &rows, row_bytes, &meta, &acts, act_bytes, per_pair,
-                    )
-                };
-                for r in 0..8 {
-                    let w0 = want(0, r).to_bits();
-                    assert_eq!(
-                        one[0][r].to_bits(),
-                        w0,
-                        "seed {seed} row {r} per_pair {per_pair}"
-                    );
-                    for (t, out) in two.iter().enumerate() {
-                        assert_eq!(
-                            out[r].to_bits(),
-                            want(t, r).to_bits(),
-                            "seed {seed} token {t} of 2, row {r}, per_pair {per_pair}"
-                        );
+                let check = |got: &[[f32; 8]]| {
+                    for (t, out) in got.iter().enumerate() {
+                        for (r, v) in out.iter().enumerate() {
+                            assert_eq!(
+                                v.to_bits(),
+                                want(t, r).to_bits(),
+                                "seed {seed}: token {t} of {}, row {r}, per_pair {per_pair}",
+                                got.len()
+                            );
+                        }
                     }
-                }
+                };
+                // SAFETY: as above.
+                let one = unsafe { panel.tokens::<1>(&acts, act_bytes, &terms, per_pair) };
+                check(&one);
+                // SAFETY: as above.
+                let two = unsafe { panel.tokens::<2>(&acts, act_bytes, &terms, per_pair) };
+                check(&two);
+                // SAFETY: as above.
+                let four = unsafe { panel.tokens::<4>(&acts, act_bytes, &terms, per_pair) };
+                check(&four);
             }
         }
     }

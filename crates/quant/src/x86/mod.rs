@@ -9,6 +9,7 @@ pub mod amx;
 pub mod avx2;
 pub mod avx512;
 pub mod q4_0_rows8;
+pub mod q4_k_rows8;
 pub mod signed;
 pub mod tile;
 
