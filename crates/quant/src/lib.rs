@@ -8,15 +8,16 @@
 //!
 //! Layout of the crate: [`blocks`] (block layouts), `scalar` (the reference), `x86` and
 //! `aarch64` (SIMD twins of the scalar kernels), `matmul` (tiling and threading),
-//! `repack_order` (Q4_K in the order of llama.cpp's repacked x86 kernels), [`team`] (the
-//! threads of decoding's short ops).
+//! `repack_order` and `repack_q4_0` (Q4_K and Q4_0 in the order of llama.cpp's repacked x86
+//! kernels), [`team`] (the threads of decoding's short ops).
 //!
 //! Beyond the same mathematics, the x86 paths sum in GGML's order where llama.cpp's reference
-//! numbers depend on it: Q4_1, Q5_1, Q4_0, Q5_0, Q8_0 and Q6_K give, at every batch size and
-//! strategy, exactly what GGML's AVX2 `vec_dot` (or llamafile's `tinyBLAS`, which sums alike)
-//! gives, and Q4_K matrices that llama.cpp repacks follow its repacked GEMV/GEMM steps. The
-//! AVX-512 VNNI kernels (Q4_0 and Q5_0 decode; Q4_0, Q5_0, Q8_0, Q4_K and Q6_K prompts) and the
-//! activation quantizers form their integer sums differently but give the same bits.
+//! numbers depend on it: Q4_1, Q5_1, Q5_0, Q8_0, Q6_K and the Q4_0 matrices that llama.cpp does
+//! not repack give, at every batch size and strategy, exactly what GGML's AVX2 `vec_dot` (or
+//! llamafile's `tinyBLAS`, which sums alike) gives, and Q4_K and Q4_0 matrices that llama.cpp
+//! repacks (rows a multiple of 8) follow its repacked GEMV/GEMM steps. The AVX-512 VNNI kernels
+//! (Q4_0 and Q5_0 decode; Q4_0, Q5_0, Q8_0, Q4_K and Q6_K prompts) and the activation
+//! quantizers form their integer sums differently but give the same bits.
 
 pub mod blocks;
 mod matmul;
