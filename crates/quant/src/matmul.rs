@@ -314,22 +314,13 @@ fn dispatch(
     out: &mut [f32],
     repacked: bool,
 ) {
-    if strategy == Strategy::Auto && w.ty == GgmlType::Q4_0 && repacked {
-        // llama.cpp's repacked Q4_0 kernels' order (`repack_q4_0`).
-        crate::repack_q4_0::matmul(
-            w.data,
-            w.row_bytes(),
-            w.rows,
-            &x.data,
-            x.row_bytes,
-            x.n_tokens,
-            out,
-        );
-        return;
-    }
-    if strategy == Strategy::Auto && w.ty == GgmlType::Q4_K && repacked {
+    if strategy == Strategy::Auto && repacked {
         // llama.cpp multiplies such matrices with its repacked kernels; follow their order.
-        crate::repack_order::matmul(
+        let product = match w.ty {
+            GgmlType::Q4_0 => crate::repack_q4_0::matmul,
+            _ => crate::repack_order::matmul,
+        };
+        product(
             w.data,
             w.row_bytes(),
             w.rows,
@@ -995,6 +986,28 @@ impl OutPtr {
         // this pointer is used, and the caller guarantees exclusive access.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), n) }
     }
+}
+
+impl OutPtr {
+    /// Stores the outputs of 8 rows from `row0` (`v[k]` token `t0 + k`'s) of a product with
+    /// `rows` rows.
+    ///
+    /// # Safety
+    /// As [`OutPtr::slice`]: no other live reference may reach these elements.
+    pub(crate) unsafe fn store8(&self, rows: usize, row0: usize, t0: usize, v: &[[f32; 8]]) {
+        for (k, vt) in v.iter().enumerate() {
+            // SAFETY: the caller's guarantee.
+            unsafe { self.slice((t0 + k) * rows + row0, 8) }.copy_from_slice(vt);
+        }
+    }
+}
+
+/// Splits `n_tokens` tokens into groups for a kernel of `full` tokens per call: `(first, n)`
+/// with `n` = `full` while as many remain, then the rest (below `full`) in one group.
+pub(crate) fn token_groups(n_tokens: usize, full: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..n_tokens)
+        .step_by(full)
+        .map(move |t| (t, full.min(n_tokens - t)))
 }
 
 // SAFETY: jobs write disjoint elements through it (each job its own row range), and the

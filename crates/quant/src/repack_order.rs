@@ -161,6 +161,34 @@ pub(crate) fn job_rows(rows: usize, row_bytes: usize, n_tokens: usize) -> usize 
     }
 }
 
+/// Outputs `out[t·rows + r]` of the rows `r` in `range` of `w` (`rows` rows of `row_bytes`)
+/// for every token `t` of `acts` (`n_tokens` rows of `act_bytes`), one `dot` each: a job's
+/// fallback where no eight-row kernel runs. Tokens in blocks of `TOKEN_BLOCK`, whose
+/// activations stay in cache while each row is read once per block.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn by_dot(
+    w: &[u8],
+    row_bytes: usize,
+    rows: usize,
+    range: std::ops::Range<usize>,
+    acts: &[u8],
+    act_bytes: usize,
+    n_tokens: usize,
+    out: &crate::matmul::OutPtr,
+    dot: impl Fn(&[u8], &[u8]) -> f32,
+) {
+    for t0 in (0..n_tokens).step_by(TOKEN_BLOCK) {
+        for t in t0..(t0 + TOKEN_BLOCK).min(n_tokens) {
+            let a = &acts[t * act_bytes..(t + 1) * act_bytes];
+            // SAFETY: jobs own disjoint row ranges of every token.
+            let o = unsafe { out.slice(t * rows + range.start, range.len()) };
+            for (v, r) in o.iter_mut().zip(range.clone()) {
+                *v = dot(&w[r * row_bytes..(r + 1) * row_bytes], a);
+            }
+        }
+    }
+}
+
 /// `out[t·rows + r]` for every row `r` of `w` (`rows` rows of `row_bytes`) and token `t` of
 /// `acts` (`n_tokens` rows of `act_bytes`): batches of four or more tokens take the gemm's
 /// steps for every token, smaller ones the gemv's (see the module docs).
@@ -306,36 +334,32 @@ pub(crate) fn matmul(
                                 gemm,
                             )
                         };
-                        for (k, vt) in v.iter().enumerate() {
-                            // SAFETY: jobs own disjoint row ranges of every token.
-                            unsafe { out.slice(($t + k) * rows + g, 8) }.copy_from_slice(vt);
-                        }
-                        $n
+                        // SAFETY: jobs own disjoint row ranges of every token.
+                        unsafe { out.store8(rows, g, $t, &v) };
                     }};
                 }
-                let mut t = 0;
-                while t < n_tokens {
-                    t += match n_tokens - t {
+                for (t, n) in crate::matmul::token_groups(n_tokens, ROWS8_TOKENS) {
+                    match n {
                         1 => run!(t, 1),
                         2 => run!(t, 2),
                         3 => run!(t, 3),
                         _ => run!(t, ROWS8_TOKENS),
-                    };
+                    }
                 }
             }
             return;
         }
-        for t0 in (0..n_tokens).step_by(TOKEN_BLOCK) {
-            for t in t0..(t0 + TOKEN_BLOCK).min(n_tokens) {
-                let a = &acts[t * act_bytes..(t + 1) * act_bytes];
-                // SAFETY: jobs own disjoint row ranges of every token.
-                let o = unsafe { out.slice(t * rows + r0, n_rows) };
-                for (k, v) in o.iter_mut().enumerate() {
-                    let r = r0 + k;
-                    *v = dot(&w[r * row_bytes..(r + 1) * row_bytes], a, gemm);
-                }
-            }
-        }
+        by_dot(
+            w,
+            row_bytes,
+            rows,
+            r0..r0 + n_rows,
+            acts,
+            act_bytes,
+            n_tokens,
+            &out,
+            |w, a| dot(w, a, gemm),
+        );
     };
     crate::team::for_each_index(rows.div_ceil(chunk), job);
 }

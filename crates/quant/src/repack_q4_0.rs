@@ -97,10 +97,8 @@ pub(crate) fn matmul(
                             let v = unsafe {
                                 direct::<$n>(group, row_bytes, nb, acts, act_bytes, &terms)
                             };
-                            for (t, vt) in v.iter().enumerate() {
-                                // SAFETY: jobs own disjoint row ranges of every token.
-                                unsafe { out.slice(t * rows + g, 8) }.copy_from_slice(vt);
-                            }
+                            // SAFETY: jobs own disjoint row ranges of every token.
+                            unsafe { out.store8(rows, g, 0, &v) };
                         }};
                     }
                     match n_tokens {
@@ -129,12 +127,6 @@ pub(crate) fn matmul(
                         &mut d,
                     )
                 };
-                let store = |t: usize, v: &[[f32; 8]]| {
-                    for (k, vt) in v.iter().enumerate() {
-                        // SAFETY: jobs own disjoint row ranges of every token.
-                        unsafe { out.slice((t + k) * rows + g, 8) }.copy_from_slice(vt);
-                    }
-                };
                 // Tokens `t..t + $n` through the kernel's `$n`-token instance.
                 macro_rules! run {
                     ($t:expr, $n:expr) => {{
@@ -148,18 +140,17 @@ pub(crate) fn matmul(
                                 tokens::<$n>(&q, &d, nb, a, act_bytes, tt)
                             }
                         };
-                        store($t, &v);
-                        $n
+                        // SAFETY: jobs own disjoint row ranges of every token.
+                        unsafe { out.store8(rows, g, $t, &v) };
                     }};
                 }
-                let mut t = 0;
-                while t < n_tokens {
-                    t += match n_tokens - t {
+                for (t, n) in crate::matmul::token_groups(n_tokens, TOKENS) {
+                    match n {
                         1 => run!(t, 1),
                         2 => run!(t, 2),
                         3 => run!(t, 3),
                         _ => run!(t, TOKENS),
-                    };
+                    }
                 }
             }
         };
@@ -168,16 +159,18 @@ pub(crate) fn matmul(
     }
     let job = |c: usize| {
         let r0 = c * chunk;
-        let n_rows = chunk.min(rows - r0);
-        for t in 0..n_tokens {
-            let a = &acts[t * act_bytes..(t + 1) * act_bytes];
-            // SAFETY: jobs own disjoint row ranges of every token.
-            let o = unsafe { out.slice(t * rows + r0, n_rows) };
-            for (k, v) in o.iter_mut().enumerate() {
-                let r = r0 + k;
-                *v = dot_portable(&w[r * row_bytes..(r + 1) * row_bytes], a);
-            }
-        }
+        let range = r0..r0 + chunk.min(rows - r0);
+        crate::repack_order::by_dot(
+            w,
+            row_bytes,
+            rows,
+            range,
+            acts,
+            act_bytes,
+            n_tokens,
+            &out,
+            dot_portable,
+        );
     };
     crate::team::for_each_index(rows.div_ceil(chunk), job);
 }
