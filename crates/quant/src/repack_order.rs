@@ -69,9 +69,9 @@ struct WeightMeta {
 
 /// One activation super-block's scale and its 32-element sums (16-element `bsums` in pairs).
 #[derive(Clone, Copy, Default)]
-struct ActMeta {
-    d: f32,
-    bsum32: [i32; 8],
+pub(crate) struct ActMeta {
+    pub(crate) d: f32,
+    pub(crate) bsum32: [i32; 8],
 }
 
 fn weight_meta(x: &[u8]) -> WeightMeta {
@@ -84,7 +84,7 @@ fn weight_meta(x: &[u8]) -> WeightMeta {
     }
 }
 
-fn act_meta(y: &[u8]) -> ActMeta {
+pub(crate) fn act_meta(y: &[u8]) -> ActMeta {
     ActMeta {
         d: read_f32(y, q8_k::D),
         bsum32: std::array::from_fn(|j| q8k_bsum(y, 2 * j) as i32 + q8k_bsum(y, 2 * j + 1) as i32),
@@ -203,11 +203,14 @@ pub(crate) fn matmul(
 ) {
     let gemm = n_tokens > 3;
     let chunk = job_rows(rows, row_bytes, n_tokens);
-    // The eight-row kernel's activation terms of every token, once, shared by the jobs.
+    // The AVX2 eight-row kernel's activation terms of every token, once, shared by the jobs
+    // (AVX-512 VNNI machines take their own kernels below, every job's rows being whole
+    // groups of 8).
     #[cfg(target_arch = "x86_64")]
     let (nb, act_terms) = {
         let nb = row_bytes / q4_k::SIZE;
-        let terms: Vec<_> = if n_tokens >= ROWS8_MIN_TOKENS {
+        let avx2 = crate::simd::level() == crate::simd::Level::Avx2;
+        let terms: Vec<_> = if avx2 && n_tokens >= ROWS8_MIN_TOKENS {
             (0..n_tokens)
                 .flat_map(|t| {
                     crate::x86::q4_k_rows8::act_terms(&acts[t * act_bytes..][..nb * q8_k::SIZE])
@@ -309,10 +312,7 @@ pub(crate) fn matmul(
         #[cfg(target_arch = "x86_64")]
         if n_tokens >= ROWS8_MIN_TOKENS
             && n_rows.is_multiple_of(8)
-            && matches!(
-                crate::simd::level(),
-                crate::simd::Level::Avx2 | crate::simd::Level::Avx512Vnni
-            )
+            && crate::simd::level() == crate::simd::Level::Avx2
         {
             use crate::x86::q4_k_rows8::Panel;
             let terms = &act_terms;

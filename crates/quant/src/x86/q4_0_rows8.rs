@@ -1,5 +1,5 @@
 //! Q4_0 against Q8_0 eight rows at a time, in the order of llama.cpp's repacked x86 kernels
-//! (`repack_order` defines it): each output is one float lane,
+//! (`repack_q4_0` defines it): each output is one float lane,
 //! `acc = fma(isum_b, d_w·d_a, acc)` over the blocks `b` in order, `isum_b` the block's exact
 //! integer dot product.
 //!
@@ -12,11 +12,12 @@
 //! eight of them 30720, below 2^15), one `madd` by ones widens them, and `8·Σa` (the offset of
 //! the nibbles) comes off in 32 bits, which leaves the exact `Σ (q - 8)·a` of every row.
 //!
-//! Every function here is `#[target_feature(enable = "avx2,fma,f16c")]`; callers must have
-//! checked the CPU (see `simd::level`).
+//! Every function here is `#[target_feature(enable = "avx2,fma,f16c")]`, and [`tokens_vnni`]
+//! AVX-512 VNNI's besides; callers must have checked the CPU (see `simd::level`).
 
 use std::arch::x86_64::*;
 
+use super::avx2::{f16_at, hsum_epi32};
 use crate::blocks::{q4_0, q8_0};
 
 /// Bytes of one block of a panel: 8 steps of 32 bytes.
@@ -134,16 +135,9 @@ pub(crate) unsafe fn block_terms(a: &[u8], nb: usize, terms: &mut [BlockTerms]) 
         // SAFETY: `block` holds the 32 quant bytes after its 2-byte scale.
         let qs = unsafe { _mm256_loadu_si256(block[q8_0::QS..].as_ptr().cast()) };
         let sums = _mm256_madd_epi16(_mm256_maddubs_epi16(ones, qs), ones16);
-        let s = _mm_add_epi32(
-            _mm256_castsi256_si128(sums),
-            _mm256_extracti128_si256::<1>(sums),
-        );
-        let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
-        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
-        let bits = u16::from_le_bytes([block[q8_0::D], block[q8_0::D + 1]]);
         *term = BlockTerms {
-            bias: 8 * _mm_cvtsi128_si32(s),
-            d: _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32))),
+            bias: 8 * hsum_epi32(sums),
+            d: f16_at(block, q8_0::D),
         };
     }
 }

@@ -18,7 +18,7 @@
 
 use std::arch::x86_64::*;
 
-use crate::blocks::{q4_k, q8_k, q8k_bsum, read_f32};
+use crate::blocks::{q4_k, q8_k};
 
 /// Bytes of one super-block's quants in a panel: 8 sub-blocks of 8 steps of 32 bytes.
 const SUPER_BYTES: usize = 2048;
@@ -35,10 +35,12 @@ pub(crate) struct ActTerms {
 /// The [`ActTerms`] of each super-block of the Q8_K row `a`.
 pub(crate) fn act_terms(a: &[u8]) -> impl Iterator<Item = ActTerms> + '_ {
     a.chunks_exact(q8_k::SIZE).map(|y| {
-        let bsum = |j: usize| q8k_bsum(y, 2 * j) as i32 + q8k_bsum(y, 2 * j + 1) as i32;
+        let m = crate::repack_order::act_meta(y);
         ActTerms {
-            d: read_f32(y, q8_k::D),
-            bsums: std::array::from_fn(|p| (bsum(2 * p) & 0xffff) | (bsum(2 * p + 1) << 16)),
+            d: m.d,
+            bsums: std::array::from_fn(|p| {
+                (m.bsum32[2 * p] & 0xffff) | (m.bsum32[2 * p + 1] << 16)
+            }),
         }
     })
 }
@@ -59,7 +61,16 @@ pub(crate) struct Panel {
 macro_rules! transpose8 {
     ($p:expr, $row_bytes:expr) => {{
         let (p, rb): (*const u8, usize) = ($p, $row_bytes);
-        let r: [__m256i; 8] = std::array::from_fn(|i| _mm256_loadu_si256(p.add(i * rb).cast()));
+        let r = [
+            _mm256_loadu_si256(p.cast()),
+            _mm256_loadu_si256(p.add(rb).cast()),
+            _mm256_loadu_si256(p.add(2 * rb).cast()),
+            _mm256_loadu_si256(p.add(3 * rb).cast()),
+            _mm256_loadu_si256(p.add(4 * rb).cast()),
+            _mm256_loadu_si256(p.add(5 * rb).cast()),
+            _mm256_loadu_si256(p.add(6 * rb).cast()),
+            _mm256_loadu_si256(p.add(7 * rb).cast()),
+        ];
         let t0 = _mm256_unpacklo_epi32(r[0], r[1]);
         let t1 = _mm256_unpackhi_epi32(r[0], r[1]);
         let t2 = _mm256_unpacklo_epi32(r[2], r[3]);
